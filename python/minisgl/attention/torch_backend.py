@@ -1,0 +1,72 @@
+"""Reference attention in plain torch: gather each request's KV from the pages into a padded
+[batch, max_len] layout and run masked SDPA. Correct everywhere, fast nowhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.attention.base import BaseAttnBackend
+from minisgl.core import Batch, get_global_ctx
+
+
+@dataclass
+class TorchAttnMetadata:
+    kv_slots: torch.Tensor  # [B, max_kv_len] KV slot of each position (garbage where masked)
+    mask: torch.Tensor  # [B, 1, max_q_len, max_kv_len] True where attention is allowed
+    q_index: torch.Tensor  # [num_tokens] row of each token in the flattened [B * max_q_len]
+    max_q_len: int
+
+
+class TorchAttnBackend(BaseAttnBackend):
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window
+
+    def prepare(self, batch: Batch) -> None:
+        ctx = get_global_ctx()
+        device = ctx.page_table.device
+        cached = torch.tensor([r.cached_len for r in batch.reqs], device=device)
+        extend = torch.tensor([r.extend_len for r in batch.reqs], device=device)
+        rows = torch.tensor([r.table_idx for r in batch.reqs], device=device)
+        max_q = max(r.extend_len for r in batch.reqs)
+        max_kv = max(r.cached_len + r.extend_len for r in batch.reqs)
+
+        kv_pos = torch.arange(max_kv, device=device)
+        pages = ctx.page_table[rows[:, None], (kv_pos // ctx.page_size)[None, :]].long()
+        kv_slots = pages * ctx.page_size + kv_pos % ctx.page_size
+
+        q_off = torch.arange(max_q, device=device)
+        q_pos = cached[:, None] + q_off[None, :]  # [B, max_q]
+        q_valid = q_off[None, :] < extend[:, None]
+        mask = kv_pos[None, None, :] <= q_pos[:, :, None]
+        if self.sliding_window is not None:
+            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        mask &= q_valid[:, :, None]
+        mask[:, :, 0] |= ~q_valid  # padded query rows attend to one slot instead of none (NaN)
+        q_index = torch.nonzero(q_valid.flatten()).squeeze(1)
+        batch.attn_metadata = TorchAttnMetadata(kv_slots, mask.unsqueeze(1), q_index, max_q)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scale: float,
+        batch: Batch,
+    ) -> torch.Tensor:
+        md: TorchAttnMetadata = batch.attn_metadata
+        kv_cache = get_global_ctx().kv_cache
+        kv_cache.store(layer_id, batch.out_loc, k, v)
+        keys = kv_cache.k_flat(layer_id)[md.kv_slots].transpose(1, 2)  # [B, Hk, L, D]
+        values = kv_cache.v_flat(layer_id)[md.kv_slots].transpose(1, 2)
+        bsz, (_, heads, dim) = md.kv_slots.shape[0], q.shape
+        padded = q.new_zeros(bsz * md.max_q_len, heads, dim)
+        padded[md.q_index] = q
+        padded = padded.view(bsz, md.max_q_len, heads, dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            padded, keys, values, attn_mask=md.mask, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(bsz * md.max_q_len, heads, dim)[md.q_index]

@@ -1,0 +1,149 @@
+"""Core state: what a user asks for (SamplingParams), one request (Req), one forward (Batch),
+and the per-process context that layers reach during a forward (Context)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import BaseAttnBackend
+    from minisgl.kvcache.pool import MHAKVCache
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = -1  # -1 or 0: no top-k filter
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+FinishReason = Literal["stop", "length", "abort"]
+_uid_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Req:
+    """One request's state. KV exists in the pool for tokens[:cached_len]; the forward that
+    schedules it computes tokens[cached_len : cached_len + extend_len]."""
+
+    tokens: list[int]  # prompt followed by the tokens generated so far
+    prompt_len: int
+    params: SamplingParams
+    max_total_len: int  # stop with "length" when len(tokens) reaches this
+    uid: int = field(default_factory=lambda: next(_uid_counter))
+    seed: int = 0  # sampling seed; drawn at random when the user gave none
+    cached_len: int = 0
+    extend_len: int = 0  # tokens computed by the forward being built
+    table_idx: int = -1  # row in the page table while admitted
+    pages: list[int] = field(default_factory=list)
+    cache_handle: object | None = None  # locked prefix-cache node while admitted
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.seed = self.params.seed
+        else:
+            self.seed = random.getrandbits(31)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining_len(self) -> int:
+        """Tokens whose KV is not computed yet."""
+        return len(self.tokens) - self.cached_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Batch:
+    """One forward: the requests and how many tokens each computes. The model sees only the
+    tensors (input_ids, positions, out_loc) and the backend's attention metadata."""
+
+    reqs: list[Req]
+    phase: Literal["prefill", "decode"]
+    input_ids: torch.Tensor | None = None  # [num_tokens]
+    positions: torch.Tensor | None = None  # [num_tokens]
+    out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token is written to
+    attn_metadata: object | None = None
+    # Requests whose last extended token produces a sampled token (prefill done).
+    sample_mask: list[bool] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.extend_len for r in self.reqs)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+
+@dataclass
+class Context:
+    """Per-process global state the model's layers read during a forward."""
+
+    page_size: int
+    page_table: torch.Tensor  # [max_running_reqs, max_pages_per_req] int32 page ids
+    kv_cache: MHAKVCache
+    attn_backend: BaseAttnBackend
+    batch: Batch | None = None
+
+
+_GLOBAL_CTX: Context | None = None
+
+
+def set_global_ctx(ctx: Context | None) -> None:
+    global _GLOBAL_CTX
+    _GLOBAL_CTX = ctx
+
+
+def get_global_ctx() -> Context:
+    if _GLOBAL_CTX is None:
+        raise RuntimeError("minisgl context is not initialised: create an Engine first")
+    return _GLOBAL_CTX

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    device: str = "auto"  # auto | cuda | cpu (| cuda:N)
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA (bf16 if float32), float32 on CPU
+    page_size: int = 16
+    max_running_reqs: int = 256
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    num_pages: int | None = None  # KV pool size; default from memory_ratio (GPU) or cpu_kv_cache_mb
+    memory_ratio: float = 0.9  # fraction of free GPU memory (after weights) for the KV pool
+    cpu_kv_cache_mb: int = 512
+    attn: str = "auto"
+    dummy_weights: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "page_size": self.page_size >= 1,
+            "max_running_reqs": self.max_running_reqs >= 1,
+            "max_model_len": self.max_model_len is None or self.max_model_len >= 2,
+            "num_pages": self.num_pages is None or self.num_pages >= 1,
+            "memory_ratio": 0.0 < self.memory_ratio <= 1.0,
+            "cpu_kv_cache_mb": self.cpu_kv_cache_mb >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
+        if self.device.split(":")[0] not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"invalid device {self.device!r}: expected auto, cuda or cpu")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"invalid dtype {self.dtype!r}")

@@ -1,0 +1,93 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+
+Randomness comes from a counter-based hash of (seed, step, token id) instead of a stateful
+generator, so a seeded request samples the same tokens whatever batch it lands in, on any
+device, and the whole batch is sampled with tensor ops and no host sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Req
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class BatchSamplingArgs:
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, vocab size when off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    step: torch.Tensor  # [B] int64: position of the token being sampled
+    all_greedy: bool
+    need_filter: bool  # some request uses top-k / top-p / min-p
+
+    @staticmethod
+    def from_reqs(reqs: list[Req], vocab_size: int, device: torch.device) -> BatchSamplingArgs:
+        params = [r.params for r in reqs]
+        temps = [0.0 if p.is_greedy else p.temperature for p in params]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        need_filter = any(
+            t > 0 and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
+            for t, k, p in zip(temps, top_k, params)
+        )
+        data = torch.tensor(
+            [[t, p.top_p, p.min_p] for t, p in zip(temps, params)], dtype=torch.float32
+        )
+        ints = torch.tensor([[k, r.seed, len(r.tokens)] for k, r in zip(top_k, reqs)])
+        data, ints = data.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        return BatchSamplingArgs(
+            temperature=data[:, 0],
+            top_k=ints[:, 0],
+            top_p=data[:, 1],
+            min_p=data[:, 2],
+            seed=ints[:, 1],
+            step=ints[:, 2],
+            all_greedy=all(t == 0.0 for t in temps),
+            need_filter=need_filter,
+        )
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (values stay below 2**59 in int64, so no overflow)."""
+    for _ in range(3):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1) determined by (seed, step, token id) alone."""
+    token = torch.arange(vocab_size, device=seed.device)
+    row = _hash32((_hash32(seed & _MASK32) ^ (step * 0x9E3779B1 & _MASK32)) & _MASK32)
+    bits = _hash32((row[:, None] ^ (token[None, :] * 0x85EBCA6B & _MASK32)) & _MASK32)
+    return (bits.double() + 0.5) / 2**32
+
+
+def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+    """logits [B, V] -> next token ids [B] (int64, on the logits' device)."""
+    greedy = logits.argmax(dim=-1)
+    if args.all_greedy:
+        return greedy
+    temp = torch.where(args.temperature > 0, args.temperature, 1.0)
+    probs = torch.softmax(logits.float() / temp[:, None], dim=-1)
+    if args.need_filter:
+        probs = _filter(probs, args)
+    # Exponential race (Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) samples from p.
+    noise = -torch.log(uniform_noise(args.seed, args.step, probs.shape[-1]))
+    sampled = (probs.double() / noise).argmax(dim=-1)
+    return torch.where(args.temperature > 0, sampled, greedy)
+
+
+def _filter(probs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+    """Zero the probabilities that top-k, top-p or min-p exclude (the top token always stays)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    drop = rank >= args.top_k[:, None]
+    drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > args.top_p[:, None]
+    drop |= sorted_p < args.min_p[:, None] * sorted_p[:, :1]
+    drop[:, 0] = False
+    return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))

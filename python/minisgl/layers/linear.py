@@ -1,0 +1,121 @@
+"""Tensor-parallel linear layers. Each parameter carries a `weight_loader` that copies this
+rank's shard out of a checkpoint tensor (or a lazy safetensors slice, so no rank reads more
+than its shard)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_reduce, divide, get_tp_info
+
+
+def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
+    """Slice `loaded` (a tensor or a safetensors slice) along `dim` without reading the rest."""
+    index = [slice(None)] * len(_shape(loaded))
+    index[dim] = slice(start, start + length)
+    return torch.as_tensor(loaded[tuple(index)])
+
+
+def _shape(loaded: Any) -> tuple[int, ...]:
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch loading {name}: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+def load_replicated(param: nn.Parameter, loaded: Any) -> None:
+    copy_checked(param.data, torch.as_tensor(loaded[...]))
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.weight.weight_loader = load_replicated
+        if self.bias is not None:
+            self.bias.weight_loader = load_replicated
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel outputs in one matmul (gate+up); shard id = index in `out_sizes`."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        tp = get_tp_info()
+        self.local_sizes = [divide(n, tp.size, "output features") for n in out_sizes]
+        super().__init__(in_features, sum(self.local_sizes), bias)
+        self.weight.weight_loader = self.load_shard
+        if self.bias is not None:
+            self.bias.weight_loader = self.load_shard
+
+    def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        src = narrow(loaded, 0, get_tp_info().rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), src)
+
+
+class QKVParallelLinear(LinearBase):
+    """Q, K and V in one matmul. KV heads are split across ranks, or replicated when there are
+    fewer KV heads than ranks."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        tp = get_tp_info()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
+            self.kv_shard = tp.rank
+        else:
+            divide(tp.size, num_kv_heads, "TP size over num_key_value_heads")
+            self.num_kv_heads = 1
+            self.kv_shard = tp.rank // (tp.size // num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+        self.weight.weight_loader = self.load_shard
+        if self.bias is not None:
+            self.bias.weight_loader = self.load_shard
+
+    def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: str) -> None:
+        if shard_id == "q":
+            offset, size, index = 0, self.q_size, get_tp_info().rank
+        else:
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size, index = self.kv_size, self.kv_shard
+        copy_checked(param.data.narrow(0, offset, size), narrow(loaded, 0, index * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial sums all-reduced, bias added once after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(divide(in_features, get_tp_info().size, "input features"), out_features, bias)
+        self.weight.weight_loader = self.load_weight
+        if self.bias is not None:
+            self.bias.weight_loader = load_replicated
+
+    def load_weight(self, param: nn.Parameter, loaded: Any) -> None:
+        size = param.shape[1]
+        copy_checked(param.data, narrow(loaded, 1, get_tp_info().rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

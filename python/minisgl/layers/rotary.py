@@ -1,0 +1,65 @@
+"""Rotary position embedding (neox layout: rotate halves), with llama3 / linear scaling."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    head_dim: int
+    base: float = 10000.0
+    max_position: int = 4096
+    scaling: dict = field(default_factory=dict)  # HF rope_scaling / rope_parameters
+
+
+def _inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    inv_freq = 1.0 / (cfg.base**exponents)
+    kind = cfg.scaling.get("rope_type", cfg.scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / cfg.scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, cfg.scaling)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend
+    between."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: RopeConfig) -> None:
+        super().__init__()
+        positions = torch.arange(cfg.max_position, dtype=torch.float32)
+        freqs = positions[:, None] * _inv_freq(cfg)[None, :]
+        # [max_position, head_dim]: cos in the first half, sin in the second
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D] -> rotated copies."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

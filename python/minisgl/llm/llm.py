@@ -1,0 +1,121 @@
+"""Offline batch inference: the scheduler and engine in this process, no server."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from minisgl.core import SamplingParams
+from minisgl.engine import Engine, EngineConfig
+from minisgl.scheduler import Scheduler, SchedulerConfig
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(model_path: str) -> Any | None:
+    """The model's tokenizer, or None when the directory has none (e.g. dummy-weight configs)."""
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any(os.path.exists(os.path.join(model_path, n)) for n in names):
+        return None
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def eos_token_ids(engine: Engine, tokenizer: Any | None) -> set[int]:
+    """EOS ids from the model config, generation_config.json and the tokenizer."""
+    ids = set(engine.model_config.eos_token_ids)
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(engine.model_path)
+        eos = gen.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    except OSError:
+        pass  # no generation_config.json
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLM:
+    """`LLM(model).generate(prompts, SamplingParams(...))` -> [{"text", "token_ids", ...}]."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        max_prefill_tokens: int = 8192,
+        cache: str = "radix",
+        **engine_kwargs: Any,
+    ) -> None:
+        self.engine = Engine(EngineConfig(model_path=model, **engine_kwargs))
+        self.tokenizer = load_tokenizer(self.engine.model_path)
+        self.scheduler = Scheduler(
+            self.engine,
+            SchedulerConfig(max_prefill_tokens=max_prefill_tokens, cache=cache),  # type: ignore[arg-type]
+            eos_token_ids(self.engine, self.tokenizer),
+        )
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of token ids (ints)")
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat (list of {"role", "content"}) ready for the assistant's turn."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(
+        self,
+        conversations: list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        # validate everything before anything runs, so a bad prompt wastes no work
+        reqs = [
+            self.scheduler.make_request(self.encode(p), sp)
+            for p, sp in zip(prompts, sampling_params)
+        ]
+        for req in reqs:
+            self.scheduler.add_request(req)
+        with tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm) as bar:
+            done = 0
+            while done < len(reqs):
+                for out in self.scheduler.step():
+                    done += out.finished
+                    bar.update(int(out.finished))
+        return [self._result(r) for r in reqs]
+
+    def _result(self, req: Any) -> dict[str, Any]:
+        ids = req.output_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+        return {"text": text, "token_ids": ids, "finish_reason": req.finish_reason}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

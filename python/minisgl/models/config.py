@@ -1,0 +1,106 @@
+"""ModelConfig: the few facts the model code needs, read from a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.layers.rotary import RopeConfig
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # layer ids using experts; the rest use the dense MLP
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None
+    moe: MoEConfig | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @staticmethod
+    def from_hf(hf: Any) -> ModelConfig:
+        from minisgl.models.register import get_model_class
+
+        archs = getattr(hf, "architectures", None) or []
+        if not archs:
+            raise ValueError("model config has no 'architectures' entry")
+        arch = archs[0]
+        get_model_class(arch)  # fails early with the list of supported architectures
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        max_pos = getattr(hf, "max_position_embeddings", 4096)
+        rope = RopeConfig(head_dim=head_dim, max_position=max_pos, **_rope_args(hf))
+        is_qwen3 = arch.startswith("Qwen3")
+        window = getattr(hf, "sliding_window", None)
+        if arch.startswith("Qwen") and not getattr(hf, "use_sliding_window", False):
+            window = None
+        eos = getattr(hf, "eos_token_id", None)
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope=rope,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=arch.startswith("Qwen2") or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=is_qwen3,
+            sliding_window=window,
+            moe=_moe_config(hf) if arch == "Qwen3MoeForCausalLM" else None,
+            eos_token_ids=_as_tuple(eos),
+        )
+
+
+def _rope_args(hf: Any) -> dict[str, Any]:
+    params = getattr(hf, "rope_parameters", None)  # transformers >= 5
+    if params is None:
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+    params = dict(params)
+    base = params.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    return {"base": float(base), "scaling": params}
+
+
+def _moe_config(hf: Any) -> MoEConfig:
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf, "mlp_only_layers", []) or [])
+    sparse = tuple(
+        i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0
+    )
+    return MoEConfig(
+        num_experts=hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=hf.moe_intermediate_size,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        sparse_layers=sparse,
+    )
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)

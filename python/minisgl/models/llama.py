@@ -1,0 +1,114 @@
+"""The Llama decoder, which every supported architecture specialises through ModelConfig:
+QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3), mixture-of-experts MLPs (Qwen3-MoE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.distributed import get_tp_info
+from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.attention import AttentionLayer
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minisgl.layers.moe import MoELayer
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        qkv = self.qkv_proj
+        self.attn = AttentionLayer(layer_id, qkv.num_heads, qkv.num_kv_heads, cfg.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        p = self.qkv_proj
+        q, k, v = qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        q = q.view(-1, p.num_heads, p.head_dim)
+        k = k.view(-1, p.num_kv_heads, p.head_dim)
+        v = v.view(-1, p.num_kv_heads, p.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        moe = cfg.moe
+        if moe is not None and layer_id in moe.sparse_layers:
+            self.mlp: nn.Module = MoELayer(
+                cfg.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob
+            )
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.rope)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp_size = get_tp_info().size
+        self.model = DecoderModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab] for the selected token positions only."""
+        hidden = self.model(input_ids, positions)
+        return self.lm_head(hidden[logits_indices])

@@ -1,0 +1,102 @@
+"""Checkpoint loading: Hugging Face safetensors (single file or sharded index) into the merged,
+TP-sharded parameters; or random 'dummy' weights for benchmarking."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# checkpoint name fragment -> (our fragment, shard id) for weights we merge into one matmul
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_SHARD = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory as is; otherwise a Hugging Face hub id, downloaded (cached) once."""
+    if os.path.isdir(model):
+        return model
+    if os.path.exists(model):
+        raise ValueError(f"model path {model!r} is a file, expected a directory with config.json")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    return snapshot_download(model, allow_patterns=patterns)
+
+
+def map_checkpoint_name(name: str) -> tuple[str, Any]:
+    """Checkpoint tensor name -> (parameter name, shard id or None)."""
+    m = _EXPERT.search(name)
+    if m:
+        target, which = _EXPERT_SHARD[m.group(2)]
+        expert = int(m.group(1))
+        shard = expert if which is None else (expert, which)
+        return name[: m.start()] + f".experts.{target}", shard
+    for old, (new, shard) in _STACKED.items():
+        if old in name:
+            return name.replace(old, new), shard
+    return name, None
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights found in {path}")
+    return files
+
+
+def iter_checkpoint(path: str) -> Iterator[tuple[str, Any]]:
+    """Yield (name, lazy slice): a rank reads only the rows/columns of its shard."""
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = {n for n in params if not (tied and n == "lm_head.weight")}
+    for ckpt_name, loaded in weights:
+        if "rotary_emb.inv_freq" in ckpt_name or (tied and ckpt_name == "lm_head.weight"):
+            continue
+        name, shard = map_checkpoint_name(ckpt_name)
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter")
+        param = params[name]
+        loader = param.weight_loader
+        with torch.no_grad():
+            loader(param, loaded) if shard is None else loader(param, loaded, shard)
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:8])}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights with realistic magnitudes: norms at 1, everything else N(0, 0.02)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=gen)
+            seed += 1

@@ -1,0 +1,3 @@
+from minisgl.scheduler.scheduler import Scheduler, SchedulerConfig, TokenOutput
+
+__all__ = ["Scheduler", "SchedulerConfig", "TokenOutput"]

@@ -1,0 +1,225 @@
+"""Scheduler: continuous batching over one Engine.
+
+Each step is either a prefill batch (the chunk in progress, then waiting requests, within a
+token budget; long prompts are split into chunks) or a decode batch of every running request.
+Pages come from the KVCacheManager, which evicts unused prefix-cache pages on demand; when a
+decode step still lacks pages, the newest request is preempted: its KV goes to the prefix cache
+and it waits to be prefilled again, keeping the tokens it has generated."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine import Engine
+from minisgl.kvcache import KVCacheManager
+
+
+@dataclass
+class SchedulerConfig:
+    max_prefill_tokens: int = 8192
+    cache: Literal["radix", "naive"] = "radix"
+
+    def __post_init__(self) -> None:
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"invalid max_prefill_tokens: {self.max_prefill_tokens}")
+        if self.cache not in ("radix", "naive"):
+            raise ValueError(f"invalid cache {self.cache!r}: expected radix or naive")
+
+
+@dataclass
+class TokenOutput:
+    uid: int
+    token: int | None  # None when the request ends without a new token (abort, max_tokens=0)
+    finished: bool
+    finish_reason: str | None = None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, config: SchedulerConfig, eos_token_ids: set[int]) -> None:
+        self.engine = engine
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.page_size = engine.page_size
+        self.cache = KVCacheManager(engine.num_pages, engine.page_size, config.cache)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
+        self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
+        self.free_rows = list(range(engine.config.max_running_reqs - 1, -1, -1))
+        self.requests: dict[int, Req] = {}
+        self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def make_request(self, input_ids: list[int], params: SamplingParams) -> Req:
+        """Validate and build a request (not yet queued)."""
+        params.validate()
+        limit = self.engine.max_seq_len
+        vocab = self.engine.model_config.vocab_size
+        if not input_ids:
+            raise ValueError("prompt is empty")
+        if len(input_ids) >= limit:
+            raise ValueError(
+                f"prompt of {len(input_ids)} tokens is longer than the context: at most {limit - 1} allowed"
+            )
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = min(limit, len(input_ids) + params.max_tokens)
+        return Req(list(input_ids), len(input_ids), params, max_total_len=total)
+
+    def add_request(self, req: Req) -> None:
+        self.requests[req.uid] = req
+        if req.params.max_tokens == 0:
+            self._finish(req, "length")
+        else:
+            self.waiting.append(req)
+
+    def abort(self, uid: int) -> None:
+        req = self.requests.get(uid)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling or self.pending)
+
+    def step(self) -> list[TokenOutput]:
+        """Run one forward (if anything can run) and return the tokens it produced."""
+        outputs, self.pending = self.pending, []
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is not None:
+            tokens = self.engine.forward_and_sample(batch).tolist()
+            outputs.extend(self._process(batch, tokens))
+        return outputs
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def _schedule_prefill(self) -> Batch | None:
+        budget = self.config.max_prefill_tokens
+        reserve = len(self.running)  # leave a page per decoding request for its next token
+        reqs: list[Req] = []
+        if self.prefilling is not None:
+            req = self.prefilling
+            n = self._fit(req, min(req.remaining_len, budget), reserve)
+            if n == 0:
+                return None
+            self.prefilling = req if n < req.remaining_len else None
+            reqs.append(req)
+            budget -= n
+        while budget > 0 and self.prefilling is None and self.waiting and self.free_rows:
+            req = self.waiting[0]
+            self._admit(req)
+            n = self._fit(req, min(req.remaining_len, budget), reserve)
+            if n == 0:
+                self._release(req)
+                break
+            self.waiting.popleft()
+            self.prefilling = req if n < req.remaining_len else None
+            reqs.append(req)
+            budget -= n
+        return Batch(reqs, "prefill") if reqs else None
+
+    def _schedule_decode(self) -> Batch | None:
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if self._grow(req, 1):
+                req.extend_len = 1
+                i += 1
+                continue
+            victim = self.prefilling or self.running[-1]
+            self._preempt(victim)  # if the victim is `req` itself, index i now holds the next one
+        return Batch(list(self.running), "decode") if self.running else None
+
+    def _admit(self, req: Req) -> None:
+        """Give the request a page-table row and lock its longest cached prefix. The last prompt
+        token is never matched: its logits are needed to sample."""
+        req.table_idx = self.free_rows.pop()
+        handle, pages = self.cache.match_and_lock(req.tokens[: len(req.tokens) - 1])
+        req.cache_handle, req.pages, req.cached_len = handle, list(pages), handle.length
+        self.engine.set_pages(req.table_idx, 0, req.pages)
+
+    def _fit(self, req: Req, want: int, reserve: int) -> int:
+        """Grow `req` for up to `want` more tokens within the free pages (minus `reserve`);
+        returns the number of tokens it can compute (0 if none), with extend_len set."""
+        spare = max(0, self.cache.available_pages() - reserve)
+        room = (len(req.pages) + spare) * self.page_size - req.cached_len
+        n = max(0, min(want, room))
+        if n > 0 and not self._grow(req, n):
+            n = 0
+        req.extend_len = n
+        return n
+
+    def _grow(self, req: Req, num_tokens: int) -> bool:
+        """Make sure the request's pages cover `num_tokens` tokens past cached_len."""
+        need = -(-(req.cached_len + num_tokens) // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.cache.allocate(need)
+        if pages is None:
+            return False
+        self.engine.set_pages(req.table_idx, len(req.pages), pages)
+        req.pages.extend(pages)
+        return True
+
+    # ---- results -------------------------------------------------------------------------
+    def _process(self, batch: Batch, tokens: list[int]) -> list[TokenOutput]:
+        outputs = []
+        for req, token in zip(batch.reqs, tokens):
+            req.cached_len += req.extend_len
+            req.extend_len = 0
+            if req.finished or req.cached_len < len(req.tokens):
+                continue  # aborted meanwhile, or a prompt chunk that is not the last
+            req.tokens.append(token)
+            reason = self._finish_reason(req, token)
+            outputs.append(TokenOutput(req.uid, token, reason is not None, reason))
+            if reason is not None:
+                self._finish(req, reason, report=False)
+            elif req not in self.running:
+                self.running.append(req)
+        return outputs
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        params = req.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if req.num_output >= params.max_tokens or len(req.tokens) >= req.max_total_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Req, reason: str, report: bool = True) -> None:
+        req.finish_reason = reason
+        self._release(req)
+        self.requests.pop(req.uid, None)
+        if report:
+            self.pending.append(TokenOutput(req.uid, None, True, reason))
+
+    def _preempt(self, req: Req) -> None:
+        self._release(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Req) -> None:
+        """Return the request's pages (its computed KV goes to the prefix cache) and its row."""
+        if req.table_idx < 0:
+            return
+        self.cache.release(req.tokens[: req.cached_len], req.pages, req.cache_handle)
+        self.free_rows.append(req.table_idx)
+        req.table_idx, req.pages, req.cache_handle = -1, [], None
+        req.cached_len = req.extend_len = 0
+        if req in self.running:
+            self.running.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
+
+    def check_no_leak(self) -> None:
+        """Every page is free, owned by the prefix cache, or owned by exactly one admitted request."""
+        admitted = self.running + ([self.prefilling] if self.prefilling else [])
+        # a request's first pages came from the prefix cache, which still owns them
+        owned = [p for r in admitted for p in r.pages[r.cache_handle.length // self.page_size :]]
+        self.cache.check_invariants(owned)
