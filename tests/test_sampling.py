@@ -1,0 +1,80 @@
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.core import Req
+from minisgl.engine.sample import BatchSamplingArgs, sample, uniform_noise
+
+
+def args_for(params: list[SamplingParams], vocab: int, steps: list[int] | None = None):
+    reqs = [Req([1] * (s or 1), s or 1, p, 100) for p, s in zip(params, steps or [1] * len(params))]
+    return BatchSamplingArgs.from_reqs(reqs, vocab, torch.device("cpu"))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50)
+    args = args_for([SamplingParams()] * 5, 50)
+    assert args.all_greedy
+    assert torch.equal(sample(logits, args), logits.argmax(-1))
+
+
+def test_noise_is_uniform_and_deterministic():
+    seed, step = torch.tensor([1, 1, 2]), torch.tensor([5, 5, 5])
+    u = uniform_noise(seed, step, 20000)
+    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01
+    hist = torch.histc(u[2].float(), bins=10, min=0, max=1)
+    assert (hist - 2000).abs().max() < 200
+
+
+def test_temperature_sampling_follows_softmax():
+    vocab, n = 8, 4000
+    logits = torch.randn(vocab).repeat(n, 1)
+    params = [SamplingParams(temperature=0.7, seed=3)] * n
+    args = args_for(params, vocab, steps=list(range(1, n + 1)))  # a fresh draw per step
+    counts = torch.bincount(sample(logits, args), minlength=vocab).float() / n
+    expected = torch.softmax(logits[0] / 0.7, -1)
+    assert (counts - expected).abs().max() < 0.03
+
+
+def test_filters():
+    vocab, n = 10, 2000
+    logits = torch.arange(vocab, dtype=torch.float32).repeat(n, 1) * 0.3  # token 9 most likely
+    steps = list(range(1, n + 1))
+    top_k = sample(logits, args_for([SamplingParams(temperature=1.0, top_k=3)] * n, vocab, steps))
+    assert set(top_k.tolist()) == {7, 8, 9}
+    probs = torch.softmax(logits[0], -1).sort(descending=True).values
+    top_p = float(probs[:2].sum()) - 1e-3  # keeps exactly the two most likely tokens
+    out = sample(logits, args_for([SamplingParams(temperature=1.0, top_p=top_p)] * n, vocab, steps))
+    assert set(out.tolist()) == {8, 9}
+    ratio = float(probs[3] / probs[0]) - 1e-4  # tokens 6..9 survive
+    out = sample(logits, args_for([SamplingParams(temperature=1.0, min_p=ratio)] * n, vocab, steps))
+    assert set(out.tolist()) == {6, 7, 8, 9}
+
+
+def test_mixed_batch_rows_are_independent():
+    logits = torch.randn(4, 30)
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, seed=7, top_p=0.5),
+    ]
+    out = sample(logits, args_for(params, 30))
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+    alone = sample(logits[1:2], args_for(params[1:2], 30))
+    assert out[1] == alone[0]
+
+
+def test_seeded_generation_is_reproducible_across_batches(model_dirs):
+    path = model_dirs("qwen3")[0]
+    llm = LLM(path, page_size=4, num_pages=256)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234)
+    prompt = [5, 6, 7, 8, 9]
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+    others = [SamplingParams(temperature=0.8, max_tokens=12)] * 3
+    mixed = llm.generate([[1, 2], prompt, [3] * 7, [4] * 11], [others[0], seeded, *others[1:]], use_tqdm=False)
+    assert mixed[1]["token_ids"] == alone
+    unseeded = llm.generate([prompt] * 4, SamplingParams(temperature=1.0, max_tokens=12), use_tqdm=False)
+    assert len({tuple(o["token_ids"]) for o in unseeded}) > 1
+    llm.scheduler.check_no_leak()
