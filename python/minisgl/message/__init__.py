@@ -1,0 +1,24 @@
+"""Typed messages between the server's processes, (de)serialised with msgpack by `encode` and
+`decode`. Flow: api server -> tokenizer -> scheduler -> detokenizer -> api server."""
+
+from minisgl.message.backend import AbortBackendMsg, BatchBackendMsg, ExitMsg, UserMsg
+from minisgl.message.base import decode, encode, register
+from minisgl.message.detokenizer import BatchDetokenizeMsg, DetokenizeMsg
+from minisgl.message.frontend import BatchFrontendMsg, UserReply
+from minisgl.message.tokenizer import AbortMsg, TokenizeMsg
+
+__all__ = [
+    "AbortBackendMsg",
+    "AbortMsg",
+    "BatchBackendMsg",
+    "BatchDetokenizeMsg",
+    "BatchFrontendMsg",
+    "DetokenizeMsg",
+    "ExitMsg",
+    "TokenizeMsg",
+    "UserMsg",
+    "UserReply",
+    "decode",
+    "encode",
+    "register",
+]

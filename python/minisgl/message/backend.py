@@ -1,0 +1,40 @@
+"""tokenizer worker / detokenizer -> scheduler (rank 0)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minisgl.core import SamplingParams
+from minisgl.message.base import register
+
+
+@register
+@dataclass
+class UserMsg:
+    """A tokenised request, ready to schedule."""
+
+    uid: int
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@register
+@dataclass
+class AbortBackendMsg:
+    """Stop generating for `uid` and free its cache (client gone, or a stop string was hit)."""
+
+    uid: int
+
+
+@register
+@dataclass
+class ExitMsg:
+    """Shut the receiving loop down cleanly."""
+
+
+@register
+@dataclass
+class BatchBackendMsg:
+    """Several backend messages in one send (fewer wake-ups under load)."""
+
+    msgs: list = field(default_factory=list)

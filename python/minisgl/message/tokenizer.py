@@ -1,0 +1,36 @@
+"""api server -> tokenizer worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minisgl.core import SamplingParams
+from minisgl.message.base import register
+
+
+@register
+@dataclass
+class TokenizeMsg:
+    """A new request. Exactly one of `text` (raw prompt), `input_ids` (pre-tokenised) or `chat`
+    (OpenAI-style messages, rendered with the tokenizer's chat template) is set."""
+
+    uid: int
+    text: str | None
+    input_ids: list[int] | None
+    chat: list[dict] | None
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)  # stop strings, handled by the detokenizer
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        given = sum(x is not None for x in (self.text, self.input_ids, self.chat))
+        if given != 1:
+            raise ValueError("exactly one of text, input_ids and chat must be given")
+
+
+@register
+@dataclass
+class AbortMsg:
+    """The client went away (or cancelled): drop request `uid` everywhere."""
+
+    uid: int

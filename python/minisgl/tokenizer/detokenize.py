@@ -1,0 +1,118 @@
+"""Incremental detokenization: token ids in, finalised text deltas out.
+
+Two layers of holding back:
+1. UTF-8: a token may end inside a multi-byte character, which decodes to a trailing "\ufffd".
+   Such tokens wait until a later token completes the character. Each step decodes only a
+   window of recent tokens (prefix..end) and diffs it against the decode of prefix..read, so the
+   work per token is O(window), and tokenizers that treat the first token specially (leading
+   spaces) see the same context in both decodes.
+2. Stop strings: finalised text that could be the start of a stop string waits until it is
+   either completed (generation stops, the stop string is cut off) or ruled out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens decoded in front of the output so the first output tokens are decoded in context.
+_PROMPT_CONTEXT = 5
+
+
+def find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The stop string that completes first when `text` is read left to right (on a tie, the one
+    that starts earlier): (index where it starts, the stop string), or None."""
+    best: tuple[int, int, str] | None = None  # (end, start, stop)
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
+            best = (i + len(s), i, s)
+    return None if best is None else (best[1], best[2])
+
+
+def _held_suffix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    held = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens into text deltas that are never broken UTF-8 and never
+    show part of a stop string.
+
+    The concatenation of every `add` result and `finish()` equals the decode of all output ids
+    (for byte-level tokenizers, and prompt context aside), cut before the first stop string to
+    complete. After a stop string, `stopped` is True, `stop_reason` is that string and further
+    calls return ""."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stops = [s for s in (stop or []) if s]
+        self.stopped = False
+        self.stop_reason: str | None = None
+        # Window state: ids[:read] are decoded and emitted (as far as UTF-8 goes); ids[read:] are
+        # held back. ids only keeps tokens from the window start (older ones are dropped).
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:]) if prompt_ids else []
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        if self._prefix_text.endswith("\ufffd"):
+            # The prompt ends inside a character: context would swallow the output's first bytes.
+            self._ids, self._read, self._prefix_text = [], 0, ""
+        self._pending = ""  # UTF-8-final text held back because it may start a stop string
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Feed new output tokens; return the text that became final."""
+        if self.stopped or not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        text = self._decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""  # the last token ends mid-character: wait for the rest of it
+        delta = text[len(self._prefix_text) :]
+        # Slide the window: what was read becomes the context for the next decode.
+        self._ids = self._ids[self._read :]
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return self._check_stop(delta, final=False)
+
+    def finish(self) -> str:
+        """Flush everything held back (an unfinished character decodes as "\ufffd")."""
+        if self.stopped:
+            return ""
+        delta = ""
+        if len(self._ids) > self._read:
+            delta = self._decode(self._ids)[len(self._prefix_text) :]
+            self._ids = []
+            self._read = 0
+            self._prefix_text = ""
+        return self._check_stop(delta, final=True)
+
+    def _check_stop(self, delta: str, final: bool) -> str:
+        if not self.stops:
+            return delta
+        text = self._pending + delta
+        # A stop string cannot start in text already emitted (that text was never held), so
+        # searching the held text plus the new delta is enough.
+        found = find_stop(text, self.stops)
+        if found is not None:
+            self.stopped = True
+            self.stop_reason = found[1]
+            self._pending = ""
+            return text[: found[0]]
+        held = 0 if final else _held_suffix_len(text, self.stops)
+        self._pending = text[len(text) - held :]
+        return text[: len(text) - held]

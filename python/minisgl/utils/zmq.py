@@ -1,0 +1,84 @@
+"""PUSH/PULL queues over ZMQ that carry `minisgl.message` objects.
+
+`create=True` binds the address (the long-lived owner of the endpoint), otherwise connects.
+High-water marks are off: a slow reader must not block the scheduler's send, and messages are
+small."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from minisgl.message import decode, encode
+
+# Push sockets wait this long on close() to flush queued messages (e.g. a final ExitMsg).
+_PUSH_LINGER_MS = 1000
+
+
+def _setup(sock: zmq.Socket, addr: str, create: bool, linger_ms: int) -> None:
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    if create:
+        sock.bind(addr)
+    else:
+        sock.connect(addr)
+
+
+class ZmqPushQueue:
+    def __init__(self, addr: str, create: bool) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.PUSH)
+        _setup(self.socket, addr, create, _PUSH_LINGER_MS)
+
+    def put(self, msg: Any) -> None:
+        self.socket.send(encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class ZmqPullQueue:
+    def __init__(self, addr: str, create: bool) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.PULL)
+        _setup(self.socket, addr, create, 0)
+
+    def get(self, timeout: float | None = None) -> Any | None:
+        """Next message; blocks forever when timeout is None, else None after `timeout` s."""
+        if timeout is not None and not self.socket.poll(int(timeout * 1000)):
+            return None
+        return decode(self.socket.recv())
+
+    def get_nowait(self) -> Any | None:
+        try:
+            return decode(self.socket.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class ZmqAsyncPushQueue:
+    def __init__(self, addr: str, create: bool) -> None:
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+        _setup(self.socket, addr, create, _PUSH_LINGER_MS)
+
+    async def put(self, msg: Any) -> None:
+        await self.socket.send(encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class ZmqAsyncPullQueue:
+    def __init__(self, addr: str, create: bool) -> None:
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        _setup(self.socket, addr, create, 0)
+
+    async def get(self) -> Any:
+        return decode(await self.socket.recv())
+
+    def close(self) -> None:
+        self.socket.close()
