@@ -8,7 +8,7 @@ import os
 import torch
 
 COMMON = dict(
-    vocab_size=384,
+    vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -38,7 +38,9 @@ def build_hf_model(arch: str):
             high_freq_factor=4.0,
             original_max_position_embeddings=64,
         )
-        cfg = tf.LlamaConfig(**COMMON, tie_word_embeddings=True, rope_scaling=scaling, rope_theta=500000.0)
+        cfg = tf.LlamaConfig(
+            **COMMON, tie_word_embeddings=True, rope_scaling=scaling, rope_theta=500000.0
+        )
         cls = tf.LlamaForCausalLM
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**COMMON, tie_word_embeddings=False)
@@ -68,7 +70,11 @@ def build_hf_model(arch: str):
     if arch == "qwen2":  # transformers initialises biases to zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.5)
     return model
 

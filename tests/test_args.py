@@ -1,4 +1,5 @@
 import pytest
+
 from minisgl.server.args import ServerArgs, build_parser, parse_args
 
 
@@ -26,7 +27,7 @@ def test_all_flags():
         "--model /m --device cpu --dtype bfloat16 --tp 2 --host 0.0.0.0 --port 8000 "
         "--page-size 1 --max-prefill-length 512 --max-running-requests 8 --cache naive "
         "--attn fa,fi --cuda-graph-max-bs 0 --memory-ratio 1 --num-pages 100 "
-        "--max-model-len 2048 --num-tokenizer 0 --dummy-weights --shell --api-key sk-1 "
+        "--max-model-len 2048 --num-tokenizer 2 --dummy-weights --shell --api-key sk-1 "
         "--seed 42 --log-level DEBUG".split()
     )
     assert args == ServerArgs(
@@ -45,7 +46,7 @@ def test_all_flags():
         memory_ratio=1.0,
         num_pages=100,
         max_model_len=2048,
-        num_tokenizer=0,
+        num_tokenizer=2,
         dummy_weights=True,
         shell=True,
         api_key="sk-1",
@@ -98,7 +99,7 @@ def test_hub_id_model():
         ("--memory-ratio", "lots"),
         ("--num-pages", "0"),
         ("--max-model-len", "0"),
-        ("--num-tokenizer", "-1"),
+        ("--num-tokenizer", "0"),
         ("--seed", "x"),
         ("--log-level", "verbose"),
     ],

@@ -1,6 +1,7 @@
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from tiny_tokenizer import build_tiny_tokenizer
 

@@ -4,6 +4,7 @@ import threading
 
 import msgpack
 import pytest
+
 from minisgl.core import SamplingParams
 from minisgl.message import (
     AbortBackendMsg,

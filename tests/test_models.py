@@ -5,10 +5,10 @@ import random
 
 import pytest
 import torch
-from models import ARCHS, hf_greedy
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Batch
+from models import ARCHS, hf_greedy
 
 MAX_NEW = 16
 
@@ -54,7 +54,9 @@ def test_greedy_equals_transformers(references, arch, page_size, num_pages, cach
         assert sched.num_preemptions > 0, "the small pool was meant to force preemption"
     assert not sched.running and sched.prefilling is None and not sched.waiting
     sched.check_no_leak()
-    assert sched.cache.allocator.num_free + sched.cache.prefix_cache.num_pages == llm.engine.num_pages
+    assert (
+        sched.cache.allocator.num_free + sched.cache.prefix_cache.num_pages == llm.engine.num_pages
+    )
     assert sched.cache.prefix_cache.locked_pages == 0
 
 

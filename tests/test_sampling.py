@@ -73,8 +73,12 @@ def test_seeded_generation_is_reproducible_across_batches(model_dirs):
     prompt = [5, 6, 7, 8, 9]
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
     others = [SamplingParams(temperature=0.8, max_tokens=12)] * 3
-    mixed = llm.generate([[1, 2], prompt, [3] * 7, [4] * 11], [others[0], seeded, *others[1:]], use_tqdm=False)
+    mixed = llm.generate(
+        [[1, 2], prompt, [3] * 7, [4] * 11], [others[0], seeded, *others[1:]], use_tqdm=False
+    )
     assert mixed[1]["token_ids"] == alone
-    unseeded = llm.generate([prompt] * 4, SamplingParams(temperature=1.0, max_tokens=12), use_tqdm=False)
+    unseeded = llm.generate(
+        [prompt] * 4, SamplingParams(temperature=1.0, max_tokens=12), use_tqdm=False
+    )
     assert len({tuple(o["token_ids"]) for o in unseeded}) > 1
     llm.scheduler.check_no_leak()

@@ -63,7 +63,9 @@ class Engine:
         self.model_config = ModelConfig.from_hf(self.hf_config)
         self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.device)
         cfg = self.model_config
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
 
         torch.manual_seed(config.seed)
         self.model = self._build_model()
@@ -99,12 +101,16 @@ class Engine:
         cfg, tp = self.model_config, get_tp_info()
         kv_heads = max(1, cfg.num_kv_heads // tp.size)
         page_size = self.config.page_size
-        per_page = MHAKVCache.bytes_per_page(cfg.num_layers, page_size, kv_heads, cfg.head_dim, self.dtype)
+        per_page = MHAKVCache.bytes_per_page(
+            cfg.num_layers, page_size, kv_heads, cfg.head_dim, self.dtype
+        )
         num_pages = self.config.num_pages
         if num_pages is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.memory_ratio) - (1 << 30)  # keep 1 GiB for activations
+                budget = int(free * self.config.memory_ratio) - (
+                    1 << 30
+                )  # keep 1 GiB for activations
             else:
                 budget = self.config.cpu_kv_cache_mb << 20
             # never more than every running request at full length needs
@@ -112,14 +118,23 @@ class Engine:
             num_pages = min(budget // per_page, wanted)
             if num_pages < 1:
                 raise ValueError("not enough memory for a single KV cache page")
-        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, page_size, num_pages * per_page / 2**20)
-        return MHAKVCache(cfg.num_layers, num_pages, page_size, kv_heads, cfg.head_dim, self.dtype, self.device)
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.1f MiB)",
+            num_pages,
+            page_size,
+            num_pages * per_page / 2**20,
+        )
+        return MHAKVCache(
+            cfg.num_layers, num_pages, page_size, kv_heads, cfg.head_dim, self.dtype, self.device
+        )
 
     def set_pages(self, table_idx: int, start_page: int, pages: list[int]) -> None:
         """Record pages [start_page, start_page + len(pages)) of the request in row table_idx."""
         if pages:
             src = torch.tensor(pages, dtype=torch.int32)
-            self.page_table[table_idx, start_page : start_page + len(pages)].copy_(src, non_blocking=True)
+            self.page_table[table_idx, start_page : start_page + len(pages)].copy_(
+                src, non_blocking=True
+            )
 
     def prepare(self, batch: Batch) -> None:
         """Fill the batch's input ids, positions and KV write slots, then attention metadata."""

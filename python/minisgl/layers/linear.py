@@ -26,7 +26,9 @@ def _shape(loaded: Any) -> tuple[int, ...]:
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
     if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"shape mismatch loading {name}: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
+        raise ValueError(
+            f"shape mismatch loading {name}: expected {tuple(dst.shape)}, got {tuple(src.shape)}"
+        )
     dst.copy_(src)
 
 
@@ -107,7 +109,9 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial sums all-reduced, bias added once after."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(divide(in_features, get_tp_info().size, "input features"), out_features, bias)
+        super().__init__(
+            divide(in_features, get_tp_info().size, "input features"), out_features, bias
+        )
         self.weight.weight_loader = self.load_weight
         if self.bias is not None:
             self.bias.weight_loader = load_replicated

@@ -56,7 +56,12 @@ def moe_forward_torch(
 
 class MoELayer(nn.Module):
     def __init__(
-        self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, norm_topk: bool
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        norm_topk: bool,
     ) -> None:
         super().__init__()
         self.top_k = top_k
@@ -69,5 +74,7 @@ class MoELayer(nn.Module):
         topk_weights, topk_ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        out = moe_forward_torch(x, self.experts.w13, self.experts.w2, topk_weights.to(x.dtype), topk_ids)
+        out = moe_forward_torch(
+            x, self.experts.w13, self.experts.w2, topk_weights.to(x.dtype), topk_ids
+        )
         return all_reduce(out)

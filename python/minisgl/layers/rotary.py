@@ -49,7 +49,9 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = positions[:, None] * _inv_freq(cfg)[None, :]
         # [max_position, head_dim]: cos in the first half, sin in the second
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer(
+            "cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False
+        )
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -73,7 +73,9 @@ class LLM:
         """Token ids of a chat (list of {"role", "content"}) ready for the assistant's turn."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def chat(
@@ -96,7 +98,9 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+            raise ValueError(
+                f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
+            )
         # validate everything before anything runs, so a bad prompt wastes no work
         reqs = [
             self.scheduler.make_request(self.encode(p), sp)

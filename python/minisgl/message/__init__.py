@@ -3,7 +3,12 @@
 
 from minisgl.message.backend import AbortBackendMsg, BatchBackendMsg, ExitMsg, UserMsg
 from minisgl.message.base import decode, encode, register
-from minisgl.message.detokenizer import BatchDetokenizeMsg, DetokenizeMsg
+from minisgl.message.detokenizer import (
+    BatchDetokenizeMsg,
+    DetokenizeMsg,
+    DetokInitMsg,
+    SchedulerStats,
+)
 from minisgl.message.frontend import BatchFrontendMsg, UserReply
 from minisgl.message.tokenizer import AbortMsg, TokenizeMsg
 
@@ -14,6 +19,8 @@ __all__ = [
     "BatchDetokenizeMsg",
     "BatchFrontendMsg",
     "DetokenizeMsg",
+    "DetokInitMsg",
+    "SchedulerStats",
     "ExitMsg",
     "TokenizeMsg",
     "UserMsg",

@@ -15,7 +15,35 @@ class DetokenizeMsg:
     uid: int
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
+    error: str | None = None  # why the scheduler refused the request
+
+
+@register
+@dataclass
+class DetokInitMsg:
+    """tokenizer -> detokenizer, before the request reaches the scheduler: what the
+    detokenizer needs to turn this request's tokens into text."""
+
+    uid: int
+    prompt_len: int
+    prompt_tail: list[int]  # the last prompt tokens, context for the first decoded word
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+
+
+@register
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler (rank 0), passed through to the api server."""
+
+    running: int = 0
+    waiting: int = 0
+    total_pages: int = 0
+    free_pages: int = 0
+    cached_pages: int = 0
+    locked_pages: int = 0
+    num_preemptions: int = 0
 
 
 @register
@@ -24,3 +52,4 @@ class BatchDetokenizeMsg:
     """One scheduler step's output for all running requests."""
 
     msgs: list[DetokenizeMsg] = field(default_factory=list)
+    stats: SchedulerStats | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minisgl.message.base import register
+from minisgl.message.detokenizer import SchedulerStats
 
 
 @register
@@ -27,3 +28,4 @@ class UserReply:
 @dataclass
 class BatchFrontendMsg:
     msgs: list[UserReply] = field(default_factory=list)
+    stats: SchedulerStats | None = None

@@ -88,9 +88,7 @@ def _rope_args(hf: Any) -> dict[str, Any]:
 def _moe_config(hf: Any) -> MoEConfig:
     step = getattr(hf, "decoder_sparse_step", 1) or 1
     dense = set(getattr(hf, "mlp_only_layers", []) or [])
-    sparse = tuple(
-        i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0
-    )
+    sparse = tuple(i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
     return MoEConfig(
         num_experts=hf.num_experts,
         top_k=hf.num_experts_per_tok,

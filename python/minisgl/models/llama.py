@@ -65,7 +65,11 @@ class DecoderLayer(nn.Module):
         moe = cfg.moe
         if moe is not None and layer_id in moe.sparse_layers:
             self.mlp: nn.Module = MoELayer(
-                cfg.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob
+                cfg.hidden_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.intermediate_size,
+                moe.norm_topk_prob,
             )
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)

@@ -53,7 +53,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
-    def make_request(self, input_ids: list[int], params: SamplingParams) -> Req:
+    def make_request(
+        self, input_ids: list[int], params: SamplingParams, uid: int | None = None
+    ) -> Req:
         """Validate and build a request (not yet queued)."""
         params.validate()
         limit = self.engine.max_seq_len
@@ -67,7 +69,10 @@ class Scheduler:
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         total = min(limit, len(input_ids) + params.max_tokens)
-        return Req(list(input_ids), len(input_ids), params, max_total_len=total)
+        req = Req(list(input_ids), len(input_ids), params, max_total_len=total)
+        if uid is not None:
+            req.uid = uid
+        return req
 
     def add_request(self, req: Req) -> None:
         self.requests[req.uid] = req
@@ -185,7 +190,9 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         params = req.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if (
+            token in self.eos_token_ids and not params.ignore_eos
+        ) or token in params.stop_token_ids:
             return "stop"
         if req.num_output >= params.max_tokens or len(req.tokens) >= req.max_total_len:
             return "length"

@@ -157,9 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--num-tokenizer",
-        type=_int(0),
+        type=_int(1),
         default=d.num_tokenizer,
-        help="tokenizer worker processes; 0 tokenizes inside the api server process",
+        help="tokenizer worker processes (requests are spread over them by id)",
     )
     add("--dummy-weights", action="store_true", help="random weights (benchmarks, tests)")
     add("--shell", action="store_true", help="interactive terminal chat instead of a server")

@@ -1,0 +1,54 @@
+"""Page allocator: hands out KV-pool page ids from a free stack."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class PageAllocator:
+    """A free stack of page ids plus a bool mask so frees can be checked in O(n)."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self.num_pages = num_pages
+        # Reversed so that the first allocations get the low page ids (easier to read in tests).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free = np.ones(num_pages, dtype=np.bool_)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_pages(self) -> list[int]:
+        """A copy of the free page ids (for invariant checks)."""
+        return list(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        pages.reverse()
+        self._is_free[pages] = False
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        if len(pages) == 0:
+            return
+        idx = np.asarray(pages, dtype=np.int64)
+        # Validate everything before touching state, so a bad call leaves the allocator intact.
+        if idx.min() < 0 or idx.max() >= self.num_pages:
+            raise ValueError(f"page id out of range [0, {self.num_pages})")
+        if self._is_free[idx].any():
+            raise ValueError(f"double free of pages {idx[self._is_free[idx]].tolist()}")
+        if len(np.unique(idx)) != len(idx):
+            raise ValueError("duplicate page ids in one free() call")
+        self._is_free[idx] = True
+        self._free.extend(idx.tolist())

@@ -1,0 +1,57 @@
+"""MHAKVCache: the K and V pool for every layer, allocated once as a single tensor."""
+
+from __future__ import annotations
+
+import torch
+
+
+class MHAKVCache:
+    """buffer[0 = K | 1 = V, layer, page, offset in page, kv_head, head_dim].
+    A token's flat slot is page * page_size + offset."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # Zeroed, not empty: stale NaNs in never-written slots could leak through masked kernels.
+        self.buffer = torch.zeros(
+            (2, num_layers, num_pages, page_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=self.device,
+        )
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.buffer[0, layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.buffer[1, layer]
+
+    def k_flat(self, layer: int) -> torch.Tensor:
+        return self.buffer[0, layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def v_flat(self, layer: int) -> torch.Tensor:
+        return self.buffer[1, layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        loc = out_loc.to(torch.int64)  # no copy when already int64
+        self.k_flat(layer).index_copy_(0, loc, k.to(self.dtype))
+        self.v_flat(layer).index_copy_(0, loc, v.to(self.dtype))
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize

@@ -1,0 +1,190 @@
+"""`python -m minisgl`: start the scheduler, detokenizer and tokenizer processes, wait until
+each is ready, then serve HTTP (or the shell) in this process. Any child that dies takes the
+whole server down with a non-zero exit; on exit every child is stopped."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.server.args import ServerArgs
+
+logger = logging.getLogger("minisgl")
+
+
+@dataclass
+class Addresses:
+    scheduler: str
+    detokenizer: str
+    api: str
+    tokenizers: list[str]
+
+    @staticmethod
+    def make(num_tokenizer: int) -> Addresses:
+        root = tempfile.mkdtemp(prefix="minisgl-")
+        ipc = lambda name: f"ipc://{os.path.join(root, name)}"  # noqa: E731
+        return Addresses(
+            ipc("scheduler"),
+            ipc("detokenizer"),
+            ipc("api"),
+            [ipc(f"tokenizer{i}") for i in range(num_tokenizer)],
+        )
+
+
+def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
+    from minisgl.engine import EngineConfig
+
+    config = EngineConfig(
+        model_path=args.model,  # type: ignore[arg-type]
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_running_reqs=args.max_running_requests,
+        max_model_len=args.max_model_len,
+        num_pages=args.num_pages,
+        memory_ratio=args.memory_ratio,
+        attn=args.attn,
+        dummy_weights=args.dummy_weights,
+        seed=args.seed,
+    )
+    return {"config": config}
+
+
+class Launcher:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.addrs = Addresses.make(args.num_tokenizer)
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.stopping = False
+        self.child_died: str | None = None
+
+    def _spawn(self, name: str, target: Any, *target_args: Any) -> Any:
+        parent, child = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=target, args=(*target_args, child), name=name, daemon=True)
+        proc.start()
+        self.procs.append(proc)
+        return parent
+
+    def start(self) -> dict[str, Any]:
+        from minisgl.models.weight import resolve_model_path
+        from minisgl.scheduler.io import run_scheduler_process
+        from minisgl.scheduler.scheduler import SchedulerConfig
+        from minisgl.tokenizer.server import run_detokenizer, run_tokenizer
+
+        args, a = self.args, self.addrs
+        model_path = resolve_model_path(args.model)  # download once, before the children start
+        kwargs = engine_kwargs(args)
+        kwargs["config"].model_path = model_path
+        sched_cfg = SchedulerConfig(max_prefill_tokens=args.max_prefill_length, cache=args.cache)  # type: ignore[arg-type]
+        waits = [
+            self._spawn(
+                "scheduler", run_scheduler_process, kwargs, sched_cfg, a.scheduler, a.detokenizer
+            )
+        ]
+        waits.append(
+            self._spawn(
+                "detokenizer", run_detokenizer, model_path, a.detokenizer, a.api, a.scheduler
+            )
+        )
+        for i, addr in enumerate(a.tokenizers):
+            waits.append(
+                self._spawn(
+                    f"tokenizer{i}",
+                    run_tokenizer,
+                    model_path,
+                    addr,
+                    a.scheduler,
+                    a.detokenizer,
+                    a.api,
+                )
+            )
+        info: dict[str, Any] = {}
+        for conn, proc in zip(waits, self.procs):
+            while not conn.poll(0.5):
+                if not proc.is_alive():
+                    raise RuntimeError(
+                        f"{proc.name} process exited during start-up (exit code {proc.exitcode})"
+                    )
+            status, payload = conn.recv()
+            if status != "ready":
+                raise RuntimeError(payload)
+            info.update(payload or {})
+        threading.Thread(target=self._watch, daemon=True).start()
+        return info
+
+    def _watch(self) -> None:
+        """Stop the server when any child dies, instead of hanging its clients."""
+        from multiprocessing.connection import wait
+
+        sentinels = {p.sentinel: p for p in self.procs}
+        ready = wait(list(sentinels))
+        if self.stopping:
+            return
+        dead = sentinels[ready[0]]
+        logger.error("%s process died (exit code %s); shutting down", dead.name, dead.exitcode)
+        self.child_died = f"{dead.name} process died"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop(self) -> None:
+        self.stopping = True
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def launch_server(args: ServerArgs) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    launcher = Launcher(args)
+    try:
+        try:
+            info = launcher.start()
+        except (RuntimeError, ValueError) as e:
+            print(f"minisgl: {e}", file=sys.stderr)
+            return 1
+        from minisgl.server.frontend import Frontend
+
+        frontend = Frontend(launcher.addrs.tokenizers, launcher.addrs.api)
+        if args.shell:
+            from minisgl.shell import run_shell
+
+            return run_shell(frontend, info)
+        return _serve(args, frontend, info, launcher)
+    finally:
+        launcher.stop()
+
+
+def _serve(args: ServerArgs, frontend: Any, info: dict[str, Any], launcher: Launcher) -> int:
+    import uvicorn
+
+    from minisgl.server.api_server import create_app
+
+    app = create_app(frontend, args.model or "", info["max_seq_len"], args.api_key)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level if args.log_level != "debug" else "debug",
+        timeout_graceful_shutdown=1,
+    )
+    server = uvicorn.Server(config)
+    print(f"minisgl: serving {args.model} on http://{args.host}:{args.port}", flush=True)
+    server.run()
+    if launcher.child_died:
+        print(f"minisgl: {launcher.child_died}", file=sys.stderr)
+        return 1
+    return 0

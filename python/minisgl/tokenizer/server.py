@@ -1,0 +1,159 @@
+"""Tokenizer and detokenizer worker processes."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.message import (
+    AbortBackendMsg,
+    AbortMsg,
+    BatchDetokenizeMsg,
+    BatchFrontendMsg,
+    DetokenizeMsg,
+    DetokInitMsg,
+    ExitMsg,
+    TokenizeMsg,
+    UserMsg,
+    UserReply,
+)
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
+
+logger = logging.getLogger(__name__)
+PROMPT_TAIL = 8
+
+
+def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
+    if msg.input_ids is not None:
+        return list(msg.input_ids)
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: send token ids instead of text")
+    if msg.chat is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = tokenizer.apply_chat_template(msg.chat, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(msg.text)
+
+
+def run_tokenizer(
+    model_path: str, recv_addr: str, sched_addr: str, detok_addr: str, api_addr: str, ready
+) -> None:
+    from minisgl.llm.llm import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model_path)
+        recv = ZmqPullQueue(recv_addr, create=True)
+        to_sched = ZmqPushQueue(sched_addr, create=False)
+        to_detok = ZmqPushQueue(detok_addr, create=False)
+        to_api = ZmqPushQueue(api_addr, create=False)
+    except Exception as e:
+        ready.send(("error", f"tokenizer failed to start: {type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    ready.send(("ready", None))
+    while True:
+        msg = recv.get()
+        if isinstance(msg, ExitMsg):
+            return
+        if isinstance(msg, AbortMsg):
+            to_sched.put(AbortBackendMsg(msg.uid))  # same pipe as the request: never overtakes it
+            continue
+        try:
+            ids = tokenize(tokenizer, msg)
+        except Exception as e:  # a bad chat template input etc.: fail this request only
+            to_api.put(BatchFrontendMsg([UserReply(msg.uid, "", [], True, "error", 0, 0, str(e))]))
+            continue
+        tail = ids[-PROMPT_TAIL:]
+        to_detok.put(DetokInitMsg(msg.uid, len(ids), tail, msg.stop, msg.skip_special_tokens))
+        to_sched.put(UserMsg(msg.uid, ids, msg.params))
+
+
+@dataclass
+class _DetokState:
+    detok: IncrementalDetokenizer
+    prompt_len: int
+    completion_tokens: int = 0
+    stopped: bool = False  # a stop string ended it; the scheduler was told to abort
+
+
+@dataclass
+class Detokenizer:
+    tokenizer: Any
+    to_api: ZmqPushQueue
+    to_sched: ZmqPushQueue
+    states: dict[int, _DetokState] = field(default_factory=dict)
+    early: dict[int, list[DetokenizeMsg]] = field(default_factory=dict)
+
+    def init(self, msg: DetokInitMsg) -> list[UserReply]:
+        detok = (
+            IncrementalDetokenizer(
+                self.tokenizer, msg.prompt_tail, msg.skip_special_tokens, msg.stop
+            )
+            if self.tokenizer is not None
+            else None
+        )
+        self.states[msg.uid] = _DetokState(detok, msg.prompt_len)  # type: ignore[arg-type]
+        return [r for m in self.early.pop(msg.uid, []) if (r := self.tokens(m))]
+
+    def tokens(self, msg: DetokenizeMsg) -> UserReply | None:
+        st = self.states.get(msg.uid)
+        if st is None:
+            if msg.error is not None:  # refused by the scheduler; prompt size unknown here
+                return UserReply(msg.uid, "", [], True, "error", 0, 0, msg.error)
+            self.early.setdefault(msg.uid, []).append(msg)  # overtook its DetokInitMsg
+            return None
+        if st.stopped:  # tokens in flight when the stop string hit; the abort's echo ends it
+            if msg.finished:
+                del self.states[msg.uid]
+            return None
+        st.completion_tokens += len(msg.token_ids)
+        text = st.detok.add(msg.token_ids) if st.detok else ""
+        finished, reason = msg.finished, msg.finish_reason
+        if st.detok is not None and st.detok.stopped and not finished:
+            st.stopped, finished, reason = True, True, "stop"
+            self.to_sched.put(AbortBackendMsg(msg.uid))
+        elif finished:
+            text += st.detok.finish() if st.detok else ""
+            del self.states[msg.uid]
+        return UserReply(
+            msg.uid,
+            text,
+            msg.token_ids,
+            finished,
+            reason,
+            st.prompt_len,
+            st.completion_tokens,
+            msg.error,
+        )
+
+
+def run_detokenizer(model_path: str, recv_addr: str, api_addr: str, sched_addr: str, ready) -> None:
+    from minisgl.llm.llm import load_tokenizer
+
+    try:
+        recv = ZmqPullQueue(recv_addr, create=True)
+        worker = Detokenizer(
+            load_tokenizer(model_path),
+            ZmqPushQueue(api_addr, create=False),
+            ZmqPushQueue(sched_addr, create=False),
+        )
+    except Exception as e:
+        ready.send(("error", f"detokenizer failed to start: {type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    ready.send(("ready", None))
+    while True:
+        msg = recv.get()
+        if isinstance(msg, ExitMsg):
+            return
+        if isinstance(msg, DetokInitMsg):
+            replies = worker.init(msg)
+            stats = None
+        elif isinstance(msg, BatchDetokenizeMsg):
+            replies = [r for m in msg.msgs if (r := worker.tokens(m))]
+            stats = msg.stats
+        else:
+            continue
+        if replies or stats is not None:
+            worker.to_api.put(BatchFrontendMsg(replies, stats))
