@@ -1,0 +1,77 @@
+"""The offline LLM API: text and chat prompts, stop conditions, dummy weights."""
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+from models import hf_greedy
+from tiny_tokenizer import build_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def chat_model(model_dirs):
+    path, hf = model_dirs("qwen3")
+    build_tiny_tokenizer(path)
+    return path, hf
+
+
+def test_text_and_chat_prompts(chat_model):
+    path, hf = chat_model
+    llm = LLM(path, page_size=4, num_pages=128)
+    tok = llm.tokenizer
+    texts = ["hello world", "the radix cache", "你好 😀 café"]
+    outs = llm.generate(texts, SamplingParams(max_tokens=10), use_tqdm=False)
+    for text, out in zip(texts, outs):
+        ids = tok.encode(text)
+        assert out["token_ids"] == hf_greedy(hf, ids, 10)
+        assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = llm.apply_chat_template(chat)
+    expected = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(ids) == expected
+    assert llm.chat([chat], SamplingParams(max_tokens=6), use_tqdm=False)[0][
+        "token_ids"
+    ] == hf_greedy(hf, ids, 6)
+    llm.scheduler.check_no_leak()
+
+
+def test_stop_conditions(model_dirs):
+    path, hf = model_dirs("llama")
+    llm = LLM(path, page_size=4, num_pages=128)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    free = hf_greedy(hf, prompt, 12)
+    stop_at = free[5]
+    first = free.index(stop_at)
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0]
+    assert out["token_ids"] == free[: first + 1] and out["finish_reason"] == "stop"
+    # the model's EOS ends a request unless ignore_eos is set
+    llm.scheduler.eos_token_ids = {stop_at}
+    out = llm.generate([prompt], SamplingParams(max_tokens=12), use_tqdm=False)[0]
+    assert out["token_ids"] == free[: first + 1] and out["finish_reason"] == "stop"
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert out["token_ids"] == free and out["finish_reason"] == "length"
+    # max_tokens=0 finishes at once; per-prompt params
+    outs = llm.generate(
+        [prompt, prompt],
+        [SamplingParams(max_tokens=0), SamplingParams(max_tokens=3, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    assert outs[0]["token_ids"] == [] and outs[1]["token_ids"] == free[:3]
+    llm.scheduler.check_no_leak()
+
+
+def test_context_limit_finishes_with_length(model_dirs):
+    path, _ = model_dirs("llama")
+    llm = LLM(path, page_size=4, num_pages=128, max_model_len=20)
+    out = llm.generate([list(range(1, 16))], SamplingParams(max_tokens=100), use_tqdm=False)[0]
+    assert len(out["token_ids"]) == 5 and out["finish_reason"] == "length"
+
+
+def test_dummy_weights(model_dirs):
+    path, _ = model_dirs("qwen3_moe")
+    llm = LLM(path, dummy_weights=True, page_size=16, num_pages=32)
+    out = llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=5), use_tqdm=False)
+    assert all(len(o["token_ids"]) == 5 for o in out)
+    assert out[0]["token_ids"] == out[1]["token_ids"]  # deterministic
+    llm.scheduler.check_no_leak()
