@@ -184,7 +184,7 @@ class Scheduler:
             outputs.append(TokenOutput(req.uid, token, reason is not None, reason))
             if reason is not None:
                 self._finish(req, reason, report=False)
-            elif req not in self.running:
+            elif batch.phase == "prefill":  # prefill requests never come from `running`
                 self.running.append(req)
         return outputs
 
