@@ -1,5 +1,7 @@
 """The offline LLM API: text and chat prompts, stop conditions, dummy weights."""
 
+import shutil
+
 import pytest
 
 from minisgl import LLM, SamplingParams
@@ -8,10 +10,14 @@ from tiny_tokenizer import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def chat_model(model_dirs):
-    path, hf = model_dirs("qwen3")
-    build_tiny_tokenizer(path)
-    return path, hf
+def chat_model(model_dirs, tmp_path_factory):
+    """The qwen3 checkpoint plus a tokenizer, in a directory of its own: the tokenizer brings
+    an EOS id, which must not leak into the other tests' models."""
+    src, hf = model_dirs("qwen3")
+    path = tmp_path_factory.mktemp("qwen3_chat")
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    build_tiny_tokenizer(str(path))
+    return str(path), hf
 
 
 def test_text_and_chat_prompts(chat_model):
