@@ -1,0 +1,358 @@
+"""Triton paged attention over the KV pool (`k_flat(layer)`: [num_pages * page_size, kv_heads,
+head_dim]; a token's slot is page_table[row, pos // page_size] * page_size + pos % page_size).
+
+- `decode_attention`: one query token per request, split-KV (flash-decoding): each program
+  reduces one chunk of one request's KV for all query heads of one kv head (GQA: the KV is read
+  once), a second kernel merges the chunks by their log-sum-exp.
+- `extend_attention`: each request's new tokens [cached_len, cached_len + extend_len) attend
+  causally to its KV [0, cached_len + extend_len), all read from the pool after the store.
+
+The reference is `minisgl.attention.torch_backend`. Imported only when the triton backend is
+chosen, so `import triton` stays off the CPU path."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+def check_head_dim(head_dim: int) -> None:
+    # tl.dot needs at least 16 along the reduction axis; tl.arange needs a power of two.
+    assert 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0, (
+        f"triton attention needs a power-of-two head_dim in [16, 256], got {head_dim}"
+    )
+
+
+@triton.jit
+def _kv_slots(page_table, row, pos, mask, stride_pt, PAGE_SIZE: tl.constexpr):
+    """int64 pool slots of positions `pos` (masked lanes read page 0)."""
+    page = tl.load(page_table + row * stride_pt + pos // PAGE_SIZE, mask=mask, other=0)
+    return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+
+
+@triton.jit
+def _decode_split_kernel(
+    q,  # [B, H, D]
+    k_pool,  # [slots, Hkv, D]
+    v_pool,
+    page_table,  # [rows, pages] int32
+    rows,  # [B] int32
+    kv_lens,  # [B] int32
+    part_out,  # [B, H, S, D] float32
+    part_lse,  # [B, H, S] float32 (log2 units)
+    scale,
+    chunk,  # KV positions per split, a multiple of BLOCK_N
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_pt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head, all handled by one program
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16 for tl.dot
+    NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows + b)
+    kv_len = tl.load(kv_lens + b)
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
+    h_valid = tl.arange(0, BLOCK_H) < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    qb = tl.load(
+        q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=h_valid[:, None],
+        other=0.0,
+    )
+    qk_scale = scale * LOG2E  # scores in log2 units: exp2 below
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)
+        kb = tl.load(
+            k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # the first block has a valid position
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        vb = tl.load(
+            v_pool + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    base = (b * NUM_HEADS + offs_h) * NUM_SPLITS + split  # [BLOCK_H]
+    if end > start:
+        res = acc / l_i[:, None]
+        lse = m_i + tl.log2(l_i)
+    else:
+        res = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    tl.store(part_out + base[:, None] * HEAD_DIM + offs_d[None, :], res, mask=h_valid[:, None])
+    tl.store(part_lse + base, lse, mask=h_valid)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out,  # [B, H, S, D] float32
+    part_lse,  # [B, H, S] float32
+    out,  # [B, H, D]
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (b * tl.num_programs(1) + h) * NUM_SPLITS
+    offs_s = tl.arange(0, SPLITS_POW2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_range = offs_s < NUM_SPLITS
+    lse = tl.load(part_lse + base + offs_s, mask=in_range, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
+    o = tl.load(
+        part_out + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+        mask=in_range[:, None],
+        other=0.0,
+    )
+    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out + b * stride_ob + h * stride_oh + offs_d, res.to(out.dtype.element_ty))
+
+
+def decode_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, block_n: int = 64) -> int:
+    """Split each request's KV so that a batch fills the GPU: about 1k programs per kv head
+    group, never a split shorter than 4 blocks, at most 32."""
+    want = max(1, 1024 // max(1, batch_size * num_kv_heads))
+    return max(1, min(want, 32, triton.cdiv(max_kv_len, 4 * block_n)))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_pool: torch.Tensor,  # [slots, Hkv, D]
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,  # [rows, pages] int32
+    rows: torch.Tensor,  # [B] int32
+    kv_lens: torch.Tensor,  # [B] int32
+    max_kv_len: int,
+    num_splits: int,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    bsz, heads, dim = q.shape
+    kv_heads = k_pool.shape[1]
+    check_head_dim(dim)
+    assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
+    assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
+    block_n = 64
+    chunk = triton.cdiv(triton.cdiv(max_kv_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_kv_len, chunk)  # no split past the longest request
+    part_out = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
+    _decode_split_kernel[(bsz, kv_heads, num_splits)](
+        q,
+        k_pool,
+        v_pool,
+        page_table,
+        rows,
+        kv_lens,
+        part_out,
+        part_lse,
+        scale,
+        chunk,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        page_table.stride(0),
+        NUM_HEADS=heads,
+        GROUP=heads // kv_heads,
+        BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
+        NUM_SPLITS=num_splits,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=dim,
+        BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_merge_kernel[(bsz, heads)](
+        part_out,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=num_splits,
+        SPLITS_POW2=triton.next_power_of_2(num_splits),
+        HEAD_DIM=dim,
+        num_warps=1 if dim <= 64 else 2,
+    )
+    return out
+
+
+@triton.jit
+def _extend_kernel(
+    q,  # [T, H, D] tokens of all requests, back to back
+    k_pool,  # [slots, Hkv, D]
+    v_pool,
+    out,  # [T, H, D]
+    page_table,
+    rows,  # [B] int32
+    q_starts,  # [B] int32 first token of each request in q
+    cached_lens,  # [B] int32
+    extend_lens,  # [B] int32
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" keeps float32 exact; tf32 otherwise unused for 16-bit
+):
+    mb = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    extend = tl.load(extend_lens + b)
+    if mb * BLOCK_M >= extend:
+        return
+    kvh = h // GROUP
+    row = tl.load(rows + b)
+    cached = tl.load(cached_lens + b)
+    q_start = tl.load(q_starts + b)
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < extend
+    q_pos = cached + offs_m
+    qb = tl.load(
+        q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_valid[:, None],
+        other=0.0,
+    )
+    qk_scale = scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # the block's last valid query sees up to this position (causal)
+    kv_end = cached + tl.minimum((mb + 1) * BLOCK_M, extend)
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_valid = pos < kv_end
+        slot = _kv_slots(page_table, row, pos, n_valid, stride_pt, PAGE_SIZE)
+        kb = tl.load(
+            k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=n_valid[:, None],
+            other=0.0,
+        )
+        s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
+        allowed = (pos[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        # every query row sees position 0 in the first block, so m_new is finite from there on
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        vb = tl.load(
+            v_pool + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=n_valid[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    res = acc / l_i[:, None]
+    tl.store(
+        out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        res.to(out.dtype.element_ty),
+        mask=m_valid[:, None],
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_pool: torch.Tensor,  # [slots, Hkv, D]
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,  # [B] int32
+    q_starts: torch.Tensor,  # [B] int32
+    cached_lens: torch.Tensor,  # [B] int32
+    extend_lens: torch.Tensor,  # [B] int32
+    max_extend_len: int,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    tokens, heads, dim = q.shape
+    kv_heads = k_pool.shape[1]
+    check_head_dim(dim)
+    assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
+    assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    fp32 = q.dtype == torch.float32
+    block_m = 64 if dim <= 64 and not fp32 else 32
+    block_n = 64 if dim <= 64 else 32
+    grid = (triton.cdiv(max_extend_len, block_m), rows.shape[0], heads)
+    _extend_kernel[grid](
+        q,
+        k_pool,
+        v_pool,
+        out,
+        page_table,
+        rows,
+        q_starts,
+        cached_lens,
+        extend_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        out.stride(0),
+        out.stride(1),
+        page_table.stride(0),
+        GROUP=heads // kv_heads,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PRECISION="ieee" if fp32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
