@@ -64,6 +64,7 @@ class SchedulerServer:
         return True
 
     def run(self) -> None:
+        self.send.put(BatchDetokenizeMsg([], self.stats()))  # /stats is right before any request
         while True:
             # block only when idle; otherwise drain what arrived and keep stepping
             msg = self.recv.get() if not self.scheduler.has_work else self.recv.get_nowait()

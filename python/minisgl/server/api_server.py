@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.core import SamplingParams
@@ -195,6 +195,9 @@ def create_app(
                 await s.aclose()
 
     def make_msgs(req: SamplingFields, max_tokens: int, **source: Any) -> list[TokenizeMsg]:
+        ids = source.get("input_ids") or []
+        if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
+            raise APIError(400, "prompt token ids must be non-negative", "prompt")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return [
             TokenizeMsg(
@@ -344,14 +347,21 @@ def create_app(
     async def generate(req: GenerateRequest) -> Any:
         if (req.input_ids is None) == (req.text is None):
             raise APIError(400, "give exactly one of input_ids and text", "input_ids")
-        fields = SamplingFields(**{"temperature": 0.0, **req.sampling_params})
+        try:  # a bad value here is the client's error, not the server's (500)
+            fields = SamplingFields(**{"temperature": 0.0, **req.sampling_params})
+            max_tokens = int(
+                req.sampling_params.get(
+                    "max_new_tokens", req.sampling_params.get("max_tokens", 128)
+                )
+            )
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise APIError(400, f"sampling_params.{loc}: {err['msg']}", "sampling_params") from None
+        except (TypeError, ValueError) as e:
+            raise APIError(400, f"sampling_params: {e}", "sampling_params") from None
         fields.n = 1
-        max_tokens = req.sampling_params.get(
-            "max_new_tokens", req.sampling_params.get("max_tokens", 128)
-        )
-        msg = make_msgs(fields, int(max_tokens), text=req.text, input_ids=req.input_ids, chat=None)[
-            0
-        ]
+        msg = make_msgs(fields, max_tokens, text=req.text, input_ids=req.input_ids, chat=None)[0]
         stream, first = await first_reply(msg)
 
         async def replies() -> AsyncIterator[UserReply]:

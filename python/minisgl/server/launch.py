@@ -57,6 +57,21 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
     return {"config": config}
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind to `launch_server`, whose `finally` stops the children."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def _child_main(target: Any, *args: Any) -> None:
+    # A terminal's Ctrl-C signals the whole process group; only the parent acts on it (and
+    # then stops the children), so a child is never killed half-way by it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    target(*args)
+
+
 class Launcher:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
@@ -68,8 +83,11 @@ class Launcher:
 
     def _spawn(self, name: str, target: Any, *target_args: Any) -> Any:
         parent, child = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(target=target, args=(*target_args, child), name=name, daemon=True)
+        proc = self.ctx.Process(
+            target=_child_main, args=(target, *target_args, child), name=name, daemon=True
+        )
         proc.start()
+        logger.info("%s process started (pid %d)", name, proc.pid)
         self.procs.append(proc)
         return parent
 
@@ -129,8 +147,9 @@ class Launcher:
         if self.stopping:
             return
         dead = sentinels[ready[0]]
+        dead.join(timeout=1)  # the exit code is known only once it is reaped
         logger.error("%s process died (exit code %s); shutting down", dead.name, dead.exitcode)
-        self.child_died = f"{dead.name} process died"
+        self.child_died = f"{dead.name} process died (exit code {dead.exitcode})"
         os.kill(os.getpid(), signal.SIGTERM)
 
     def stop(self) -> None:
@@ -149,6 +168,8 @@ def launch_server(args: ServerArgs) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    # The default SIGTERM action would kill this process at once and orphan the children.
+    signal.signal(signal.SIGTERM, _on_sigterm)
     launcher = Launcher(args)
     try:
         try:
@@ -162,13 +183,22 @@ def launch_server(args: ServerArgs) -> int:
         if args.shell:
             from minisgl.shell import run_shell
 
-            return run_shell(frontend, info)
-        return _serve(args, frontend, info, launcher)
+            code = run_shell(frontend, info)
+        else:
+            code = _serve(args, frontend, info)
+    except (Terminated, KeyboardInterrupt):  # a requested stop, or a dead child (see _watch)
+        code = 0
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # let nothing interrupt the clean-up
+            signal.signal(sig, signal.SIG_IGN)
         launcher.stop()
+    if launcher.child_died:
+        print(f"minisgl: {launcher.child_died}", file=sys.stderr)
+        return 1
+    return code
 
 
-def _serve(args: ServerArgs, frontend: Any, info: dict[str, Any], launcher: Launcher) -> int:
+def _serve(args: ServerArgs, frontend: Any, info: dict[str, Any]) -> int:
     import uvicorn
 
     from minisgl.server.api_server import create_app
@@ -183,8 +213,7 @@ def _serve(args: ServerArgs, frontend: Any, info: dict[str, Any], launcher: Laun
     )
     server = uvicorn.Server(config)
     print(f"minisgl: serving {args.model} on http://{args.host}:{args.port}", flush=True)
+    # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again: that ends
+    # here as Terminated / KeyboardInterrupt, caught by launch_server.
     server.run()
-    if launcher.child_died:
-        print(f"minisgl: {launcher.child_died}", file=sys.stderr)
-        return 1
     return 0
