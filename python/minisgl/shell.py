@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 from minisgl.core import SamplingParams
@@ -11,6 +12,15 @@ from minisgl.message import TokenizeMsg
 from minisgl.server.frontend import Frontend
 
 HELP = "Type a message. /reset clears the history, /exit (or Ctrl-D) quits."
+
+
+async def _print_answer(frontend: Frontend, msg: TokenizeMsg, answer: list[str]) -> None:
+    async for reply in frontend.stream(msg):
+        if reply.error:
+            print(f"[error] {reply.error}", flush=True)
+            return
+        answer.append(reply.text_delta)
+        print(reply.text_delta, end="", flush=True)
 
 
 async def _chat(frontend: Frontend, max_tokens: int) -> int:
@@ -38,18 +48,20 @@ async def _chat(frontend: Frontend, max_tokens: int) -> int:
         history.append({"role": "user", "content": line})
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         msg = TokenizeMsg(frontend.new_uid(), None, None, list(history), params)
-        answer = ""
+        answer: list[str] = []
+        # Ctrl-C stops the answer (leaving the stream aborts the request), not the shell.
+        task = asyncio.ensure_future(_print_answer(frontend, msg, answer))
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
         try:
-            async for reply in frontend.stream(msg):
-                if reply.error:
-                    print(f"[error] {reply.error}", flush=True)
-                    break
-                answer += reply.text_delta
-                print(reply.text_delta, end="", flush=True)
-        except KeyboardInterrupt:
-            pass
+            await asyncio.wait({task})
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+            task.cancel()  # no-op unless this coroutine itself is being cancelled
+        if not task.cancelled():
+            task.result()  # re-raise its error, if any
         print(flush=True)
-        history.append({"role": "assistant", "content": answer})
+        history.append({"role": "assistant", "content": "".join(answer)})
 
 
 def run_shell(frontend: Frontend, info: dict[str, Any], max_tokens: int = 512) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -162,6 +163,8 @@ class Launcher:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        # the directory of the ipc sockets (Addresses.make)
+        shutil.rmtree(os.path.dirname(self.addrs.api.removeprefix("ipc://")), ignore_errors=True)
 
 
 def launch_server(args: ServerArgs) -> int:

@@ -1,0 +1,244 @@
+"""Start `python -m minisgl` as a real subprocess on a tiny model, and stop it checking that no
+process of it is left behind.
+
+Children are found through /proc (parent pids), snapshotted once the server is healthy: an
+orphan is re-parented away from the server, so it could not be found by parent pid afterwards.
+A process is identified by (pid, start time), so a recycled pid is not taken for a survivor."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 10.0
+T = TypeVar("T")
+
+
+def make_tiny_model(path: str) -> str:
+    """A random qwen3 checkpoint with the tiny test tokenizer and its chat template."""
+    from models import save_model
+    from tiny_tokenizer import build_tiny_tokenizer
+
+    save_model("qwen3", path)
+    build_tiny_tokenizer(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll `probe` until it returns something other than None (or False); fail after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value is not None and value is not False:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+# ---- processes ----------------------------------------------------------------------------
+Proc = tuple[int, int]  # (pid, start time in clock ticks since boot)
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of a live process, None when gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(")") + 2 :].split()  # the name in (...) may contain spaces
+    state, ppid, start = fields[0], int(fields[1]), int(fields[19])
+    return None if state in ("Z", "X") else (state, ppid, start)
+
+
+def descendants(pid: int) -> list[Proc]:
+    """Every live process below `pid`, in pid order."""
+    parents: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (st := _stat(int(name))) is not None:
+            parents.setdefault(st[1], []).append(int(name))
+            starts[int(name)] = st[2]
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append((child, starts[child]))
+            todo.append(child)
+    return sorted(found)
+
+
+def alive(procs: list[Proc]) -> list[Proc]:
+    """Those of `procs` still running (same pid and same start time)."""
+    return [(pid, start) for pid, start in procs if (st := _stat(pid)) and st[2] == start]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# ---- the server ---------------------------------------------------------------------------
+class Server:
+    """One `python -m minisgl` process; output goes to a log file (a pipe could fill up)."""
+
+    def __init__(self, model: str, *args: str, log_path: str) -> None:
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(self.port)]
+        env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        # A session of its own: a signal to its group is what a terminal's Ctrl-C does.
+        self.proc = subprocess.Popen(
+            [*cmd, *args],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.children: list[Proc] = []
+        self.headers: dict[str, str] = {}  # what /stats needs when the server wants an API key
+        if "--api-key" in args:
+            self.headers["authorization"] = f"Bearer {args[args.index('--api-key') + 1]}"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"server exited with code {self.proc.returncode} during start-up:\n{self.log()}"
+            )
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        try:
+            wait_for(self._healthy, timeout, "GET /health", interval=0.2)
+        except AssertionError as e:
+            if self.proc.poll() is None:
+                self.kill_all()
+                raise AssertionError(f"{e}; server log:\n{self.log()}") from None
+            raise
+        self.children = descendants(self.proc.pid)
+
+    def child_pid(self, name: str) -> int:
+        """Pid of a named child ("scheduler", "detokenizer", "tokenizer0", ...), from the
+        launcher's start-up log line."""
+        m = re.search(rf"{name} process started \(pid (\d+)\)", self.log())
+        assert m, f"no start-up line for {name} in the log:\n{self.log()}"
+        return int(m.group(1))
+
+    def get_json(self, path: str) -> Any:
+        request = urllib.request.Request(f"{self.url}{path}", headers=self.headers)
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return json.loads(r.read())
+
+    def stats(self) -> dict[str, int]:
+        return self.get_json("/stats")
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, int]:
+        """The scheduler snapshot once nothing runs, waits or is in flight."""
+
+        def idle() -> dict[str, int] | None:
+            s = self.stats()
+            quiet = s["running"] == 0 and s["waiting"] == 0 and s["in_flight"] == 0
+            return s if quiet and s["total_pages"] > 0 else None
+
+        return wait_for(idle, timeout, "the scheduler to go idle")
+
+    def wait_exit(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"server did not exit within {timeout:.0f} s; log:\n{self.log()}"
+            ) from None
+
+    def assert_no_survivors(self, grace: float = 5.0) -> None:
+        # multiprocessing's resource tracker leaves when it reads EOF from the dead parent
+        deadline = time.monotonic() + grace
+        while (left := alive(self.children)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:
+            detail = "\n".join(f"  {pid}: {cmdline(pid)}" for pid, _ in left)
+            for pid, _ in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"processes left behind by the server:\n{detail}\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, group: bool = False) -> int:
+        """Send `sig` (to the whole process group when `group`, like a terminal's Ctrl-C), wait
+        for the exit, check no child survived; the exit code."""
+        if self.proc.poll() is None:
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+        try:
+            code = self.wait_exit()
+        finally:
+            self._log.close()
+        self.assert_no_survivors()
+        return code
+
+    def kill_all(self) -> None:
+        """Last resort: SIGKILL the server and everything below it."""
+        procs = [*descendants(self.proc.pid), *self.children]
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        for pid, _ in alive(procs):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@contextlib.contextmanager
+def run_server(
+    model: str,
+    *args: str,
+    log_path: str,
+    stop_signal: int = signal.SIGTERM,
+    group: bool = False,
+) -> Iterator[Server]:
+    """A healthy server for the `with` block; afterwards it must stop on `stop_signal` within
+    10 s, with exit code 0 and no process left behind."""
+    server = Server(model, *args, log_path=log_path)
+    try:
+        server.wait_ready()
+        yield server
+    except BaseException:
+        server.kill_all()
+        raise
+    code = server.stop(stop_signal, group=group)
+    assert code == 0, f"server exited with code {code} on signal {stop_signal}:\n{server.log()}"

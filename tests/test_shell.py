@@ -1,0 +1,105 @@
+"""`python -m minisgl --shell` in a pseudo-terminal (pexpect): streamed answers with the
+conversation as history, /reset, Ctrl-C to stop an answer, /exit and Ctrl-D to leave (exit
+status 0), and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import pexpect
+import pytest
+
+from server_util import REPO, alive, descendants, make_tiny_model
+
+HELP = "/exit (or Ctrl-D) quits."
+PROMPT = "\r\n> "  # prompt_toolkit on a dumb terminal: the prompt, plainly, on a line of its own
+QUESTION = "hello cat, how is the weather"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("shell_model")))
+
+
+def start_shell(model_dir: str, *args: str) -> tuple[pexpect.spawn, list[tuple[int, int]]]:
+    """The shell, ready for input, and the processes it started."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), TERM="dumb")
+    cmd = ["-m", "minisgl", "--model", model_dir, "--shell", "--page-size", "4", *args]
+    child = pexpect.spawn(
+        sys.executable,
+        cmd,
+        cwd=REPO,
+        env=env,
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=90,
+        dimensions=(50, 400),
+    )
+    child.expect_exact(HELP)
+    child.expect_exact(PROMPT[2:])
+    return child, descendants(child.pid)
+
+
+def ask(child: pexpect.spawn, line: str) -> str:
+    """Send a line; the answer printed before the next prompt."""
+    child.sendline(line)
+    child.expect_exact(line)  # the terminal's echo
+    child.expect_exact(PROMPT, timeout=60)
+    return child.before.strip()
+
+
+def wait_closed(child: pexpect.spawn, procs: list[tuple[int, int]]) -> int:
+    child.expect(pexpect.EOF, timeout=15)
+    child.close()
+    deadline = time.monotonic() + 5
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(procs), f"processes left behind: {alive(procs)}"
+    assert child.signalstatus is None
+    return child.exitstatus
+
+
+def test_chat_reset_and_exit(model_dir: str) -> None:
+    # a 64-token context keeps the answers short (the shell asks for up to the whole context)
+    child, procs = start_shell(model_dir, "--max-model-len", "64")
+    try:
+        assert len(procs) >= 3  # scheduler, detokenizer, tokenizer (and mp's resource tracker)
+        first = ask(child, QUESTION)
+        assert first and "[error]" not in first and "Traceback" not in first
+        # the second question comes with the first exchange as history, too long for 64 tokens
+        second = ask(child, "and the dog?")
+        assert second.startswith("[error]") and "longer than the context" in second, second
+        child.sendline("/reset")
+        child.expect_exact("(history cleared)")
+        child.expect_exact(PROMPT)
+        # no history again: greedy decoding gives the first answer again
+        assert ask(child, QUESTION) == first
+        child.sendline("/exit")
+        assert wait_closed(child, procs) == 0
+    finally:
+        child.close(force=True)
+    assert "Traceback" not in (child.before or "")
+
+
+def test_ctrl_c_stops_the_answer_and_ctrl_d_exits(model_dir: str) -> None:
+    child, procs = start_shell(model_dir)  # the model's 512-token context: long answers
+    try:
+        child.sendline(QUESTION)
+        child.expect_exact(QUESTION)
+        child.expect(r"\w")  # the answer has begun
+        child.sendintr()
+        child.expect_exact(PROMPT, timeout=60)  # the shell goes on
+        assert ask(child, "/reset") == "(history cleared)"
+        # The prompt is printed just before prompt_toolkit puts the terminal in raw mode; a
+        # Ctrl-D typed in between is swallowed by the line discipline, so type it until it lands.
+        for _ in range(20):
+            child.sendeof()
+            if child.expect([pexpect.EOF, pexpect.TIMEOUT], timeout=1) == 0:
+                break
+        assert wait_closed(child, procs) == 0
+        assert not re.search("Traceback|Error", child.before or "")
+    finally:
+        child.close(force=True)
