@@ -111,7 +111,7 @@ class Server:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(self.port)]
         env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), PYTHONUNBUFFERED="1")
-        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self._log = open(log_path, "wb")  # closed by stop() or kill_all()
         # A session of its own: a signal to its group is what a terminal's Ctrl-C does.
         self.proc = subprocess.Popen(
             [*cmd, *args],
@@ -207,6 +207,9 @@ class Server:
                 self.proc.send_signal(sig)
         try:
             code = self.wait_exit()
+        except AssertionError:
+            self.kill_all()
+            raise
         finally:
             self._log.close()
         self.assert_no_survivors()
@@ -221,6 +224,7 @@ class Server:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait()
+        self._log.close()
 
 
 @contextlib.contextmanager

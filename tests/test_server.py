@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from server_util import Server, descendants, make_tiny_model, run_server, wait_for
 
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 NAME = "tiny-qwen3"  # the model directory's name, which the server also answers to
 API_KEY = "sk-test-key"
 CONTEXT = 4096  # the main server's model context: long enough to see a disconnect cut a request

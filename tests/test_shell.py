@@ -14,6 +14,7 @@ import pytest
 
 from server_util import REPO, alive, descendants, make_tiny_model
 
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 HELP = "/exit (or Ctrl-D) quits."
 PROMPT = "\r\n> "  # prompt_toolkit on a dumb terminal: the prompt, plainly, on a line of its own
 QUESTION = "hello cat, how is the weather"
