@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from minisgl.message import (
     AbortBackendMsg,
@@ -22,7 +23,19 @@ from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 PROMPT_TAIL = 8
+
+
+def build_or_report(name: str, ready: Any, build: Callable[[], T]) -> T:
+    """Build a worker's parts, then tell the launcher 'ready' or why the start failed."""
+    try:
+        parts = build()
+    except Exception as e:
+        ready.send(("error", f"{name} failed to start: {type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    ready.send(("ready", None))
+    return parts
 
 
 def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
@@ -43,16 +56,17 @@ def run_tokenizer(
 ) -> None:
     from minisgl.llm.llm import load_tokenizer
 
-    try:
-        tokenizer = load_tokenizer(model_path)
-        recv = ZmqPullQueue(recv_addr, create=True)
-        to_sched = ZmqPushQueue(sched_addr, create=False)
-        to_detok = ZmqPushQueue(detok_addr, create=False)
-        to_api = ZmqPushQueue(api_addr, create=False)
-    except Exception as e:
-        ready.send(("error", f"tokenizer failed to start: {type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
-    ready.send(("ready", None))
+    tokenizer, recv, to_sched, to_detok, to_api = build_or_report(
+        "tokenizer",
+        ready,
+        lambda: (
+            load_tokenizer(model_path),
+            ZmqPullQueue(recv_addr, create=True),
+            ZmqPushQueue(sched_addr, create=False),
+            ZmqPushQueue(detok_addr, create=False),
+            ZmqPushQueue(api_addr, create=False),
+        ),
+    )
     while True:
         msg = recv.get()
         if isinstance(msg, ExitMsg):
@@ -132,17 +146,18 @@ class Detokenizer:
 def run_detokenizer(model_path: str, recv_addr: str, api_addr: str, sched_addr: str, ready) -> None:
     from minisgl.llm.llm import load_tokenizer
 
-    try:
-        recv = ZmqPullQueue(recv_addr, create=True)
-        worker = Detokenizer(
-            load_tokenizer(model_path),
-            ZmqPushQueue(api_addr, create=False),
-            ZmqPushQueue(sched_addr, create=False),
-        )
-    except Exception as e:
-        ready.send(("error", f"detokenizer failed to start: {type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
-    ready.send(("ready", None))
+    recv, worker = build_or_report(
+        "detokenizer",
+        ready,
+        lambda: (
+            ZmqPullQueue(recv_addr, create=True),
+            Detokenizer(
+                load_tokenizer(model_path),
+                ZmqPushQueue(api_addr, create=False),
+                ZmqPushQueue(sched_addr, create=False),
+            ),
+        ),
+    )
     while True:
         msg = recv.get()
         if isinstance(msg, ExitMsg):
