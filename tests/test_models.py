@@ -95,6 +95,7 @@ def test_logits_match_transformers(model_dirs, arch):
     for req, tok in zip(reqs, next_ids):
         req.cached_len, req.extend_len = len(req.tokens), 1
         req.tokens.append(tok)
+        engine.set_tokens(req.table_idx, req.tokens)
         assert sched._grow(req, 1)
     logits = engine.forward(Batch(reqs, "decode"))
     with torch.no_grad():

@@ -15,6 +15,7 @@ class EngineConfig:
     memory_ratio: float = 0.9  # fraction of free GPU memory (after weights) for the KV pool
     cpu_kv_cache_mb: int = 512
     attn: str = "auto"
+    cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
     dummy_weights: bool = False
     seed: int = 0
 
@@ -26,6 +27,7 @@ class EngineConfig:
             "num_pages": self.num_pages is None or self.num_pages >= 1,
             "memory_ratio": 0.0 < self.memory_ratio <= 1.0,
             "cpu_kv_cache_mb": self.cpu_kv_cache_mb >= 1,
+            "cuda_graph_max_bs": self.cuda_graph_max_bs >= 0,
         }
         for name, ok in checks.items():
             if not ok:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from itertools import accumulate
 
 import torch
 
@@ -11,6 +12,7 @@ from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import get_tp_info
 from minisgl.engine.config import EngineConfig
+from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, sample
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -72,17 +74,28 @@ class Engine:
         torch.manual_seed(config.seed)
         self.model = self._build_model()
         self.kv_cache = self._build_kv_cache()
-        self.num_pages = self.kv_cache.num_pages
+        # The pool's last page and the page table's last row are never handed out: padded
+        # CUDA-graph entries and unsampled tokens write there instead of into a request's KV.
+        self.num_pages = self.kv_cache.num_pages - 1
+        self.dummy_page = self.num_pages
+        self.dummy_row = config.max_running_reqs
         self.page_size = config.page_size
         # a request never holds more tokens than the model's context or the whole pool
         self.max_seq_len = min(self.max_model_len, self.num_pages * self.page_size)
         pages_per_req = -(-self.max_seq_len // self.page_size)
-        self.page_table = torch.zeros(
-            config.max_running_reqs, pages_per_req, dtype=torch.int32, device=self.device
+        rows = config.max_running_reqs + 1
+        self.page_table = torch.full(
+            (rows, pages_per_req), self.dummy_page, dtype=torch.int32, device=self.device
+        )
+        # token ids by (row, position): a step reads its inputs here, so the tokens sampled by
+        # the step still running on the device need no trip through the host (overlap)
+        self.token_table = torch.zeros(
+            (rows, self.max_seq_len + 1), dtype=torch.int32, device=self.device
         )
         self.attn_backend = create_attention_backend(config.attn, self.device, cfg.sliding_window)
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
+        self.graphs = self._build_graphs()
 
     def _build_model(self) -> torch.nn.Module:
         cls = get_model_class(self.model_config.architecture)
@@ -127,7 +140,13 @@ class Engine:
             num_pages * per_page / 2**20,
         )
         return MHAKVCache(
-            cfg.num_layers, num_pages, page_size, kv_heads, cfg.head_dim, self.dtype, self.device
+            cfg.num_layers,
+            num_pages + 1,
+            page_size,
+            kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
         )
 
     def set_pages(self, table_idx: int, start_page: int, pages: list[int]) -> None:
@@ -138,38 +157,115 @@ class Engine:
                 src, non_blocking=True
             )
 
-    def prepare(self, batch: Batch) -> None:
-        """Fill the batch's input ids, positions and KV write slots, then attention metadata."""
-        ids, positions, rows = [], [], []
-        for r in batch.reqs:
-            ids.extend(r.tokens[r.cached_len : r.cached_len + r.extend_len])
-            positions.extend(range(r.cached_len, r.cached_len + r.extend_len))
-            rows.extend([r.table_idx] * r.extend_len)
-        host = torch.tensor([ids, positions, rows], dtype=torch.int64)
-        ids_t, pos_t, rows_t = host.to(self.device, non_blocking=True)
-        page = self.page_table[rows_t, pos_t // self.page_size].long()
-        batch.input_ids, batch.positions = ids_t, pos_t
-        batch.out_loc = page * self.page_size + pos_t % self.page_size
-        self.attn_backend.prepare(batch)
+    def set_tokens(self, table_idx: int, tokens: list[int]) -> None:
+        """Copy a newly admitted request's known token ids into its row of the token table."""
+        src = torch.tensor(tokens, dtype=torch.int32)
+        self.token_table[table_idx, : len(tokens)].copy_(src, non_blocking=True)
+
+    def prepare(self, batch: Batch, samples: list[bool]) -> torch.Tensor:
+        """Fill the batch's input ids, positions and KV write slots on the device (no per-token
+        host work), then the attention metadata. Returns the device tensor of per-request
+        [rows, kv_lens, write_rows, logits_indices] used after the forward."""
+        reqs = batch.reqs
+        extend = [r.extend_len for r in reqs]
+        host = torch.tensor(
+            [
+                [r.table_idx for r in reqs],
+                [r.cached_len for r in reqs],
+                extend,
+                [r.cached_len + r.extend_len for r in reqs],
+                # a sampled token lands after the request's last token; others go to a dummy row
+                [r.table_idx if s else self.dummy_row for r, s in zip(reqs, samples)],
+                list(accumulate(extend)),
+            ],
+            dtype=torch.int64,
+        )
+        dev = host.to(self.device, non_blocking=True)
+        rows, cached = dev[0], dev[1]
+        if batch.is_decode:
+            token_rows, positions = rows, cached
+        else:
+            num_tokens = sum(extend)
+            token_rows = rows.repeat_interleave(dev[2], output_size=num_tokens)
+            starts = dev[5] - dev[2]  # first flat index of each request's tokens
+            shift = (starts - cached).repeat_interleave(dev[2], output_size=num_tokens)
+            positions = torch.arange(num_tokens, device=self.device) - shift
+        batch.input_ids = self.token_table[token_rows, positions]
+        batch.positions = positions
+        pages = self.page_table[token_rows, positions // self.page_size].long()
+        batch.out_loc = pages * self.page_size + positions % self.page_size
+        return dev[3:]
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch, samples: list[bool] | None = None) -> torch.Tensor:
         """Run the model; logits [B, vocab] (float32) of each request's last computed token."""
-        self.prepare(batch)
-        last = torch.tensor([r.extend_len for r in batch.reqs]).cumsum(0) - 1
-        self.ctx.batch = batch
-        try:
-            logits = self.model(batch.input_ids, batch.positions, last.to(self.device))
-        finally:
-            self.ctx.batch = None
-        return logits.float()
+        return self._forward(batch, samples or [False] * batch.size)[0]
+
+    def _forward(self, batch: Batch, samples: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        after = self.prepare(batch, samples)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.replay(batch)
+        else:
+            self.attn_backend.prepare(batch)
+            self.ctx.batch = batch
+            try:
+                logits = self.model(batch.input_ids, batch.positions, after[2] - 1)
+            finally:
+                self.ctx.batch = None
+        return logits.float(), after
 
     @torch.inference_mode()
-    def forward_and_sample(self, batch: Batch) -> torch.Tensor:
-        """Next token id of every request in the batch, on the host."""
-        logits = self.forward(batch)
+    def launch(self, batch: Batch, samples: list[bool]) -> StepOutput:
+        """Queue the forward and the sampling of every request whose `samples` flag is set;
+        the sampled ids go into the token table (where the next step reads its inputs) and
+        into pinned host memory. Nothing here waits for the device."""
+        logits, after = self._forward(batch, samples)
         args = BatchSamplingArgs.from_reqs(batch.reqs, self.model_config.vocab_size, self.device)
-        return sample(logits, args).cpu()
+        next_ids = sample(logits, args)
+        kv_lens, write_rows = after[0], after[1]
+        self.token_table[write_rows, kv_lens] = next_ids.to(torch.int32)
+        return StepOutput.start_copy(next_ids)
+
+    def forward_and_sample(self, batch: Batch) -> list[int]:
+        """Next token id of every request in the batch (blocking)."""
+        return self.launch(batch, [True] * batch.size).tokens()
+
+    def _build_graphs(self) -> GraphRunner | None:
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_reqs)
+        if self.device.type != "cuda" or max_bs == 0:
+            return None
+        try:
+            self.attn_backend.init_cuda_graph(max_bs)
+        except NotImplementedError:
+            logger.warning(
+                "attention backend %s has no CUDA-graph support: graphs off", self.config.attn
+            )
+            return None
+        return GraphRunner(self, max_bs)
 
     def shutdown(self) -> None:
+        self.graphs = None
         set_global_ctx(None)
+
+
+class StepOutput:
+    """Sampled token ids on their way to the host: the copy is queued behind the step's kernels
+    and `tokens()` waits only for it."""
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.host, self.event = host, event
+
+    @staticmethod
+    def start_copy(next_ids: torch.Tensor) -> StepOutput:
+        if next_ids.device.type != "cuda":
+            return StepOutput(next_ids, None)
+        host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
+        host.copy_(next_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepOutput(host, event)
+
+    def tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

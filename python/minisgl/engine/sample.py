@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl import env
 from minisgl.core import Req
 
 _MASK32 = 0xFFFFFFFF
@@ -60,26 +61,31 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] uniforms in (0, 1) determined by (seed, step, token id) alone."""
+    """[B, V] float32 uniforms in (0, 1) determined by (seed, step, token id) alone (23 random
+    bits each, so 1.0 is never reached)."""
     token = torch.arange(vocab_size, device=seed.device)
     row = _hash32((_hash32(seed & _MASK32) ^ (step * 0x9E3779B1 & _MASK32)) & _MASK32)
     bits = _hash32((row[:, None] ^ (token[None, :] * 0x85EBCA6B & _MASK32)) & _MASK32)
-    return (bits.double() + 0.5) / 2**32
+    return ((bits >> 9).float() + 0.5) * 2.0**-23
 
 
 def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
-    """logits [B, V] -> next token ids [B] (int64, on the logits' device)."""
-    greedy = logits.argmax(dim=-1)
+    """logits [B, V] -> next token ids [B] (int64, on the logits' device). No host sync."""
     if args.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
+    if logits.is_cuda and not args.need_filter and not env.disable_fused_ops():
+        from minisgl.kernel.sampling import gumbel_argmax
+
+        return gumbel_argmax(logits, args.temperature, args.seed, args.step)
     temp = torch.where(args.temperature > 0, args.temperature, 1.0)
-    probs = torch.softmax(logits.float() / temp[:, None], dim=-1)
+    scores = logits.float() / temp[:, None]
     if args.need_filter:
-        probs = _filter(probs, args)
-    # Exponential race (Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) samples from p.
-    noise = -torch.log(uniform_noise(args.seed, args.step, probs.shape[-1]))
-    sampled = (probs.double() / noise).argmax(dim=-1)
-    return torch.where(args.temperature > 0, sampled, greedy)
+        scores = torch.log(_filter(torch.softmax(scores, dim=-1), args))
+    # Gumbel-max: argmax(log p + G), G = -log(-log U), draws a token with probability p.
+    sampled = (
+        scores - torch.log(-torch.log(uniform_noise(args.seed, args.step, scores.shape[-1])))
+    ).argmax(dim=-1)
+    return torch.where(args.temperature > 0, sampled, logits.argmax(dim=-1))
 
 
 def _filter(probs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:

@@ -12,8 +12,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from minisgl import env
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine import Engine
+from minisgl.engine.engine import StepOutput
 from minisgl.kvcache import KVCacheManager
 
 
@@ -37,6 +39,19 @@ class TokenOutput:
     finish_reason: str | None = None
 
 
+PLACEHOLDER = -1  # a sampled token id the host has not read yet
+
+
+@dataclass
+class InFlight:
+    """A launched step: its batch, where each sampled token goes in its request's tokens
+    (-1: none), and the device-to-host copy of the sampled ids."""
+
+    batch: Batch
+    slots: list[int]
+    output: StepOutput
+
+
 class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig, eos_token_ids: set[int]) -> None:
         self.engine = engine
@@ -51,6 +66,8 @@ class Scheduler:
         self.requests: dict[int, Req] = {}
         self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
         self.num_preemptions = 0
+        self.overlap = not env.disable_overlap_scheduling()
+        self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(
@@ -91,15 +108,22 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling or self.pending)
+        return bool(
+            self.waiting or self.running or self.prefilling or self.pending or self.in_flight
+        )
 
     def step(self) -> list[TokenOutput]:
-        """Run one forward (if anything can run) and return the tokens it produced."""
+        """Launch one forward (if anything can run) and return the tokens that are ready: with
+        overlap, those of the previous step, whose device work ran while this one was built."""
         outputs, self.pending = self.pending, []
         batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is not None:
-            tokens = self.engine.forward_and_sample(batch).tolist()
-            outputs.extend(self._process(batch, tokens))
+        launched = self._launch(batch) if batch is not None else None
+        if self.overlap:
+            ready, self.in_flight = self.in_flight, launched
+        else:
+            ready = launched
+        if ready is not None:
+            outputs.extend(self._process(ready))
         return outputs
 
     # ---- scheduling ----------------------------------------------------------------------
@@ -129,16 +153,22 @@ class Scheduler:
         return Batch(reqs, "prefill") if reqs else None
 
     def _schedule_decode(self) -> Batch | None:
-        i = 0
+        i, reqs = 0, []
         while i < len(self.running):
             req = self.running[i]
+            if self._reaches_length(req, len(req.tokens)):
+                i += 1  # its last token is still in flight and ends it
+                continue
             if self._grow(req, 1):
                 req.extend_len = 1
+                reqs.append(req)
                 i += 1
                 continue
             victim = self.prefilling or self.running[-1]
             self._preempt(victim)  # if the victim is `req` itself, index i now holds the next one
-        return Batch(list(self.running), "decode") if self.running else None
+            if victim in reqs:
+                reqs.remove(victim)
+        return Batch(reqs, "decode") if reqs else None
 
     def _admit(self, req: Req) -> None:
         """Give the request a page-table row and lock its longest cached prefix. The last prompt
@@ -147,6 +177,7 @@ class Scheduler:
         handle, pages = self.cache.match_and_lock(req.tokens[: len(req.tokens) - 1])
         req.cache_handle, req.pages, req.cached_len = handle, list(pages), handle.length
         self.engine.set_pages(req.table_idx, 0, req.pages)
+        self.engine.set_tokens(req.table_idx, req.tokens)
 
     def _fit(self, req: Req, want: int, reserve: int) -> int:
         """Grow `req` for up to `want` more tokens within the free pages (minus `reserve`);
@@ -172,35 +203,54 @@ class Scheduler:
         return True
 
     # ---- results -------------------------------------------------------------------------
-    def _process(self, batch: Batch, tokens: list[int]) -> list[TokenOutput]:
-        outputs = []
-        for req, token in zip(batch.reqs, tokens):
+    def _launch(self, batch: Batch) -> InFlight:
+        """Queue the batch on the device and advance the host state as if it had run: KV now
+        covers the computed tokens, and each request that samples gets a placeholder token
+        that `_process` fills in (the device already knows it: the next step reads it there)."""
+        samples = [r.cached_len + r.extend_len == len(r.tokens) for r in batch.reqs]
+        output = self.engine.launch(batch, samples)
+        slots = []
+        for req, sampled in zip(batch.reqs, samples):
             req.cached_len += req.extend_len
             req.extend_len = 0
-            if req.finished or req.cached_len < len(req.tokens):
-                continue  # aborted meanwhile, or a prompt chunk that is not the last
-            req.tokens.append(token)
-            reason = self._finish_reason(req, token)
+            slots.append(len(req.tokens) if sampled else -1)
+            if sampled:
+                req.tokens.append(PLACEHOLDER)
+                if batch.phase == "prefill":  # prefill requests never come from `running`
+                    self.running.append(req)
+        return InFlight(batch, slots, output)
+
+    def _process(self, step: InFlight) -> list[TokenOutput]:
+        outputs = []
+        for req, slot, token in zip(step.batch.reqs, step.slots, step.output.tokens()):
+            if slot < 0 or req.finished:
+                continue  # a prompt chunk that is not the last, or ended meanwhile
+            req.tokens[slot] = token
+            reason = self._finish_reason(req, token, slot + 1)
             outputs.append(TokenOutput(req.uid, token, reason is not None, reason))
             if reason is not None:
                 self._finish(req, reason, report=False)
-            elif batch.phase == "prefill":  # prefill requests never come from `running`
-                self.running.append(req)
         return outputs
 
-    def _finish_reason(self, req: Req, token: int) -> str | None:
+    def _reaches_length(self, req: Req, num_tokens: int) -> bool:
+        num_output = num_tokens - req.prompt_len
+        return num_output >= req.params.max_tokens or num_tokens >= req.max_total_len
+
+    def _finish_reason(self, req: Req, token: int, num_tokens: int) -> str | None:
         params = req.params
         if (
             token in self.eos_token_ids and not params.ignore_eos
         ) or token in params.stop_token_ids:
             return "stop"
-        if req.num_output >= params.max_tokens or len(req.tokens) >= req.max_total_len:
-            return "length"
-        return None
+        return "length" if self._reaches_length(req, num_tokens) else None
 
     def _finish(self, req: Req, reason: str, report: bool = True) -> None:
         req.finish_reason = reason
         self._release(req)
+        if req in self.waiting:  # preempted while its last step was in flight
+            self.waiting.remove(req)
+        while req.tokens and req.tokens[-1] == PLACEHOLDER:
+            req.tokens.pop()  # tokens of steps launched past the end
         self.requests.pop(req.uid, None)
         if report:
             self.pending.append(TokenOutput(req.uid, None, True, reason))

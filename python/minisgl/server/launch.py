@@ -52,6 +52,7 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
         num_pages=args.num_pages,
         memory_ratio=args.memory_ratio,
         attn=args.attn,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
         dummy_weights=args.dummy_weights,
         seed=args.seed,
     )
