@@ -25,3 +25,14 @@ class BaseAttnBackend(ABC):
         scale: float,
         batch: Batch,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+    # CUDA-graph decode (see engine/graph.py). Backends without it keep the default: the engine
+    # then runs every batch eagerly.
+    def init_cuda_graph(self, max_bs: int) -> None:
+        raise NotImplementedError
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        raise NotImplementedError
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        raise NotImplementedError

@@ -1,0 +1,190 @@
+"""Offline throughput benchmark: the nano-vllm workload (256 requests, random prompts of 100-1024
+tokens, 100-1024 output tokens each with ignore_eos, temperature 0.6: 133,966 output tokens) on
+the Qwen3-0.6B architecture with dummy weights, and its fraction of the GPU's roofline.
+
+    python benchmark/offline/bench.py                        # defaults: overlap, graphs, auto
+    python benchmark/offline/bench.py --no-overlap           # ablations
+    python benchmark/offline/bench.py --cuda-graph-max-bs 0 --attn triton
+    python benchmark/offline/bench.py --single               # one request's decode tok/s
+    python benchmark/offline/bench.py --tiny --device cpu    # CPU smoke test (tiny model)
+
+Roofline: prefill costs 2 * params FLOPs per prompt token at the GPU's dense bf16 peak; each
+decode step reads every weight once plus the whole KV (prompt + generated so far, the new token
+included) of every running request at the GPU's memory bandwidth; requests run as one batch
+from the start, each leaving when its output is complete."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from random import randint, seed
+
+# (memory bandwidth bytes/s, dense bf16 FLOP/s) from the vendors' data sheets
+GPU_PEAKS = {
+    "H100 80GB HBM3": (3.35e12, 989e12),  # H100 SXM
+    "H100 PCIe": (2.0e12, 756e12),
+    "H200": (4.8e12, 989e12),
+}
+
+
+def workload(num_seqs: int, max_input: int, max_output: int) -> tuple[list, list[int]]:
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input))] for _ in range(num_seqs)]
+    max_tokens = [randint(100, max_output) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def roofline_tok_s(
+    prompt_lens: list[int],
+    output_lens: list[int],
+    weight_bytes: float,
+    kv_bytes_per_token: float,
+    params: float,
+    bandwidth: float,
+    flops: float,
+) -> float:
+    seconds = sum(prompt_lens) * 2 * params / flops
+    pending = sorted(zip(output_lens, prompt_lens))
+    running_prompt, running = sum(prompt_lens), len(prompt_lens)
+    first = 0
+    for step in range(max(output_lens)):
+        while pending[first][0] <= step:  # requests whose output is complete leave
+            running_prompt -= pending[first][1]
+            running -= 1
+            first += 1
+        kv_tokens = running_prompt + running * (step + 1)
+        seconds += (weight_bytes + kv_tokens * kv_bytes_per_token) / bandwidth
+    return sum(output_lens) / seconds
+
+
+def tiny_model_dir() -> str:
+    from transformers import Qwen3Config
+
+    path = tempfile.mkdtemp(prefix="minisgl_bench_")
+    Qwen3Config(
+        vocab_size=10240,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        architectures=["Qwen3ForCausalLM"],
+    ).save_pretrained(path)
+    return path
+
+
+def parse_args() -> argparse.Namespace:
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=os.path.join(here, "..", "qwen3-0.6b"))
+    p.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 (smoke test)")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--single", action="store_true", help="one request: decode tok/s")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attn", default="auto")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--no-overlap", action="store_true", help="MINISGL_DISABLE_OVERLAP_SCHEDULING")
+    p.add_argument("--no-fused", action="store_true", help="MINISGL_DISABLE_FUSED_OPS")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
+    p.add_argument("--json", help="append the result as one JSON line to this file")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.no_overlap:
+        os.environ["MINISGL_DISABLE_OVERLAP_SCHEDULING"] = "1"
+    if args.no_fused:
+        os.environ["MINISGL_DISABLE_FUSED_OPS"] = "1"
+    import torch
+
+    from minisgl import LLM, SamplingParams
+
+    model = tiny_model_dir() if args.tiny else args.model
+    llm = LLM(
+        model,
+        dummy_weights=True,
+        device=args.device,
+        attn=args.attn,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
+    if args.single:
+        prompts, max_tokens = workload(1, 128, args.max_output_len)
+        max_tokens = [args.max_output_len]
+    else:
+        prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+
+    profiler = None
+    if args.profile and torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CUDA])
+        profiler.__enter__()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    seconds = time.perf_counter() - start
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+
+    total = sum(len(o["token_ids"]) for o in outputs)
+    assert total == sum(max_tokens), (total, sum(max_tokens))
+    tok_s = total / seconds
+    engine = llm.engine
+    device = engine.device
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result = {
+        "gpu": gpu,
+        "requests": len(prompts),
+        "output_tokens": total,
+        "seconds": round(seconds, 3),
+        "tok_s": round(tok_s, 1),
+        "attn": args.attn,
+        "overlap": not args.no_overlap,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "fused": not args.no_fused,
+    }
+    peaks = next((v for k, v in GPU_PEAKS.items() if k in gpu), None)
+    if peaks is not None and not args.single:
+        num_params = sum(p.numel() for p in engine.model.parameters())  # tied weights count once
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        kv = engine.kv_cache
+        kv_per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
+        roof = roofline_tok_s(
+            [len(p) for p in prompts], max_tokens, weight_bytes, kv_per_token, num_params, *peaks
+        )
+        result["roofline_tok_s"] = round(roof, 1)
+        result["roofline_fraction"] = round(tok_s / roof, 4)
+    line = f"{gpu}: {total} tokens in {seconds:.2f} s = {tok_s:,.1f} tok/s" + (
+        f" ({result['roofline_fraction']:.1%} of the {result['roofline_tok_s']:,.0f} tok/s"
+        " roofline)"
+        if "roofline_tok_s" in result
+        else ""
+    )
+    print(line)
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    llm.shutdown()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
