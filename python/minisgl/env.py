@@ -1,19 +1,29 @@
-"""Every MINISGL_* environment flag, read at call time so tests can flip them."""
+"""Every MINISGL_* environment flag, typed, in one place. Each is read when asked for (not at
+import), so a test or an ablation can set it in the process before the code that reads it runs."""
 
 from __future__ import annotations
 
 import os
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no", "off")
-
-
-def disable_overlap_scheduling() -> bool:
-    """MINISGL_DISABLE_OVERLAP_SCHEDULING=1: process each step's tokens before building the next."""
-    return _flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r}: expected 1/0, true/false, yes/no or on/off")
 
 
 def disable_fused_ops() -> bool:
-    """MINISGL_DISABLE_FUSED_OPS=1: torch reference ops instead of the Triton kernels on GPU."""
+    """MINISGL_DISABLE_FUSED_OPS: run the torch reference of RMSNorm, RoPE, SiLU-and-mul and the
+    KV-cache store on CUDA too, instead of the Triton kernels in `kernel/fused.py`."""
     return _flag("MINISGL_DISABLE_FUSED_OPS")
+
+
+def disable_overlap_scheduling() -> bool:
+    """MINISGL_DISABLE_OVERLAP_SCHEDULING: build the next batch only after the current one ends."""
+    return _flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")

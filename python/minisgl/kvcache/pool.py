@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from minisgl import kernel
+
 
 class MHAKVCache:
     """buffer[0 = K | 1 = V, layer, page, offset in page, kv_head, head_dim].
@@ -46,12 +48,27 @@ class MHAKVCache:
         return self.buffer[1, layer].view(-1, self.num_kv_heads, self.head_dim)
 
     def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        loc = out_loc.to(torch.int64)  # no copy when already int64
-        self.k_flat(layer).index_copy_(0, loc, k.to(self.dtype))
-        self.v_flat(layer).index_copy_(0, loc, v.to(self.dtype))
+        """Write k, v [T, kv_heads, head_dim] at the flat slots out_loc [T]."""
+        if (ops := kernel.fused_ops(k)) is not None:  # one kernel for K and V
+            ops.store_kv(self.k_flat(layer), self.v_flat(layer), out_loc, k, v)
+        else:
+            store_kv_torch(self.k_flat(layer), self.v_flat(layer), out_loc, k, v)
 
     @staticmethod
     def bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def store_kv_torch(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out_loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Reference KV store: pools [slots, kv_heads, head_dim], rows out_loc <- k, v; the CPU path."""
+    loc = out_loc.to(torch.int64)  # no copy when already int64
+    k_pool.index_copy_(0, loc, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, loc, v.to(v_pool.dtype))

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from minisgl import kernel
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -56,9 +58,20 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> rotated copies."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """q [T, Hq, D], k [T, Hk, D] -> rotated q, k: copies on the torch path; on CUDA the
+        Triton kernel rotates q and k in place (views of the qkv output) and returns them."""
+        if (ops := kernel.fused_ops(q)) is not None:
+            ops.rotary_(q, k, self.cos_sin, positions)
+            return q, k
+        return rope_torch(q, k, self.cos_sin, positions)
+
+
+def rope_torch(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference neox RoPE (as transformers: cos/sin cast to x's dtype first); the CPU path."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

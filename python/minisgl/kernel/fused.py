@@ -1,0 +1,308 @@
+"""Triton kernels for the memory-bound ops between the GEMMs: RMSNorm (+ residual add), rotary
+embedding, SiLU-and-mul and the KV-cache store. Math in float32, results cast to the output's
+dtype. Launches depend only on shapes (no host sync, no data-dependent allocation), so they can
+be captured in CUDA graphs.
+
+The torch references, which are also the CPU path, live next to their callers:
+`layers/norm.py`, `layers/rotary.py`, `layers/activation.py`, `kvcache/pool.py`; the layers reach
+this module through `minisgl.kernel.fused_ops`. Imported only on CUDA, so `import triton` stays
+off the CPU path."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _num_warps(elements: int) -> int:
+    return max(1, min(8, elements // 256))  # about 8 elements (16 bytes of bf16) per thread
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, N] or [T, H, N] as a [T, H, N] view (hidden states have H = 1)."""
+    assert x.dim() in (2, 3) and x.stride(-1) == 1, (
+        f"rms_norm needs [T, N] or [T, H, N] with unit last stride, got {tuple(x.shape)} "
+        f"strides {x.stride()}"
+    )
+    return x.unsqueeze(1) if x.dim() == 2 else x
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    residual,  # read and overwritten with x + residual when HAS_RESIDUAL
+    out,
+    weight,
+    eps,
+    stride_xt,
+    stride_xh,
+    stride_rt,
+    stride_rh,
+    stride_ot,
+    stride_oh,
+    HEADS: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0)  # one program per row x[t, h]
+    t = (row // HEADS).to(tl.int64)
+    h = row % HEADS
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x32 = tl.load(x + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # the sum is rounded to the residual's dtype first, like the torch path's x + residual
+        r_ptr = residual + t * stride_rt + h * stride_rh + cols
+        r32 = tl.load(r_ptr, mask=mask, other=0.0).to(tl.float32)
+        total = (x32 + r32).to(residual.dtype.element_ty)
+        tl.store(r_ptr, total, mask=mask)
+        x32 = total.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    # rounded before the weight multiply, as in the reference: weight * normed.to(dtype)
+    normed = (x32 * rstd).to(out.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+    o_ptr = out + t * stride_ot + h * stride_oh + cols
+    tl.store(o_ptr, (w * normed).to(out.dtype.element_ty), mask=mask)
+
+
+def _launch_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> None:
+    x3, o3 = _as_rows(x), _as_rows(out)
+    r3 = x3 if residual is None else _as_rows(residual)  # unused when there is no residual
+    tokens, heads, n = x3.shape
+    assert weight.shape == (n,) and weight.is_contiguous(), (
+        f"rms_norm weight {tuple(weight.shape)} does not match rows of {n}"
+    )
+    if tokens * heads == 0:
+        return
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(tokens * heads,)](
+        x3,
+        r3,
+        o3,
+        weight,
+        eps,
+        x3.stride(0),
+        x3.stride(1),
+        r3.stride(0),
+        r3.stride(1),
+        o3.stride(0),
+        o3.stride(1),
+        HEADS=heads,
+        N=n,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=_num_warps(block),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [T, N] or [T, H, N] (any token/head strides) -> new
+    contiguous tensor."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rms_norm(x, None, out, weight, eps)
+    return out
+
+
+def add_rms_norm_(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: residual <- x + residual, then x <- rms_norm(residual)."""
+    assert x.shape == residual.shape and x.dtype == residual.dtype, (
+        f"add_rms_norm_: x {tuple(x.shape)} {x.dtype} vs residual "
+        f"{tuple(residual.shape)} {residual.dtype}"
+    )
+    _launch_rms_norm(x, residual, x, weight, eps)
+
+
+@triton.jit
+def _rotate_heads(
+    x,  # this token's first head
+    stride_h,
+    cos,  # [1, BLOCK_D] float32
+    sin,
+    offs_d,
+    d_mask,
+    HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h < HEADS)[:, None] & d_mask[None, :]
+    first = x + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = x.dtype.element_ty
+    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q,
+    k,
+    cos_sin,  # [max_position, 2 * HALF] float32: cos | sin
+    positions,
+    stride_pos,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)  # one program per token: all its q and k heads
+    pos = tl.load(positions + t * stride_pos).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HALF
+    row = cos_sin + pos * (2 * HALF)
+    cos = tl.load(row + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(row + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    _rotate_heads(q + t * stride_qt, stride_qh, cos, sin, offs_d, d_mask, Q_HEADS, BLOCK_QH, HALF)
+    _rotate_heads(k + t * stride_kt, stride_kh, cos, sin, offs_d, d_mask, K_HEADS, BLOCK_KH, HALF)
+
+
+def rotary_(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D] in place (they may be strided
+    views of the fused qkv output); positions [T] int32/int64 index cos_sin [max_pos, D]."""
+    tokens, q_heads, dim = q.shape
+    assert k.dim() == 3 and k.shape[0] == tokens and k.shape[2] == dim, (
+        f"rotary: q {tuple(q.shape)} and k {tuple(k.shape)} disagree"
+    )
+    assert positions.shape == (tokens,), f"rotary: positions {tuple(positions.shape)}, T={tokens}"
+    assert q.stride(2) == 1 and k.stride(2) == 1, "rotary: q and k need a unit last stride"
+    assert cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
+    assert cos_sin.shape[1] == dim and dim % 2 == 0, f"rotary: cos_sin {tuple(cos_sin.shape)}"
+    if tokens == 0:
+        return
+    half = dim // 2
+    _rotary_kernel[(tokens,)](
+        q,
+        k,
+        cos_sin,
+        positions,
+        positions.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        Q_HEADS=q_heads,
+        K_HEADS=k.shape[1],
+        BLOCK_QH=triton.next_power_of_2(q_heads),
+        BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+        HALF=half,
+        BLOCK_D=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(x, out, stride_xt, stride_ot, N: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + t * stride_xt + N + cols, mask=mask, other=0.0).to(tl.float32)
+    res = gate * tl.sigmoid(gate) * up
+    tl.store(out + t * stride_ot + cols, res.to(out.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    assert x.dim() >= 1 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1, (
+        f"silu_and_mul needs an even last dim with unit stride, got {tuple(x.shape)}"
+    )
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)  # a view for the [T, 2I] GEMM outputs this sees
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0 and n > 0:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, x2.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=_num_warps(block)
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k,
+    v,
+    k_pool,  # [slots, HEADS, DIM]
+    v_pool,
+    out_loc,
+    stride_loc,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ps,
+    stride_ph,
+    HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)  # one program per token: its K and V, all heads
+    slot = tl.load(out_loc + t * stride_loc).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < HEADS) & (offs_d < DIM)
+    dst = slot * stride_ps + offs_h * stride_ph + offs_d
+    dtype = k_pool.dtype.element_ty
+    kt = tl.load(k + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    tl.store(k_pool + dst, kt.to(dtype), mask=mask)
+    vt = tl.load(v + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    tl.store(v_pool + dst, vt.to(dtype), mask=mask)
+
+
+def store_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out_loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """k_pool[out_loc[t]] = k[t] and v_pool[out_loc[t]] = v[t] (cast to the pool's dtype);
+    pools [slots, Hk, D] with one layout, k / v [T, Hk, D] with any token/head strides."""
+    tokens, heads, dim = k.shape
+    assert v.shape == k.shape and k_pool.shape[1:] == (heads, dim), (
+        f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, pool {tuple(k_pool.shape)}"
+    )
+    assert k_pool.stride() == v_pool.stride() and k_pool.dtype == v_pool.dtype
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_pool.stride(2) == 1
+    assert out_loc.shape == (tokens,), f"store_kv: out_loc {tuple(out_loc.shape)}, T={tokens}"
+    if tokens == 0:
+        return
+    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
+    _store_kv_kernel[(tokens,)](
+        k,
+        v,
+        k_pool,
+        v_pool,
+        out_loc,
+        out_loc.stride(0),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        HEADS=heads,
+        DIM=dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=_num_warps(block_h * block_d),
+    )

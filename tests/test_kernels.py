@@ -1,0 +1,233 @@
+"""The Triton fused ops (kernel/fused.py) against their torch references: on CUDA at Qwen3-0.6B
+shapes, otherwise on small shapes under the Triton interpreter (TRITON_INTERPRET=1, CPU
+tensors). Skipped where triton is not installed; the env flag and dispatch tests always run."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from minisgl import env, kernel
+from minisgl.kvcache.pool import store_kv_torch
+from minisgl.layers.activation import silu_and_mul_torch
+from minisgl.layers.norm import RMSNorm, rms_norm_torch
+from minisgl.layers.rotary import RopeConfig, RotaryEmbedding, rope_torch
+
+CUDA = torch.cuda.is_available()
+# The interpreter is chosen when a kernel is decorated and triton's own library is decorated at
+# import, so the flag must be set before anything imports triton (nothing does at collection).
+INTERPRETABLE = not CUDA and "triton" not in sys.modules
+if INTERPRETABLE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (atol, rtol): the kernels round once from float32, the references after each op; the
+# interpreter also truncates float32 -> bf16 (the GPU rounds to nearest even)
+TOL = {torch.bfloat16: (3e-2, 1.6e-2), torch.float16: (4e-3, 2e-3), torch.float32: (2e-5, 1e-5)}
+# (tokens, hidden, q heads, kv heads, head_dim, intermediate): Qwen3-0.6B on CUDA, tiny and
+# non-power-of-two under the interpreter (it runs one Python loop iteration per program)
+SHAPES = (
+    [(1, 1024, 16, 8, 128, 3072), (37, 1024, 16, 8, 128, 3072), (256, 1024, 16, 8, 128, 3072)]
+    + [(8192, 1024, 16, 8, 128, 3072)]
+    if CUDA
+    else [(1, 64, 4, 2, 16, 128), (5, 96, 3, 1, 24, 80)]
+)
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def on_device(test):
+    """A kernel test: marked gpu where it runs on CUDA (elsewhere it runs interpreted)."""
+    return pytest.mark.gpu(test) if CUDA else test
+
+
+@pytest.fixture(scope="module")
+def ops():
+    pytest.importorskip("triton")
+    if not CUDA and not INTERPRETABLE:
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set")
+    from minisgl.kernel import fused
+
+    return fused
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype)
+    atol, rtol = TOL[out.dtype]
+    excess = (out.float() - ref.float()).abs() - rtol * ref.float().abs()
+    worst = excess.max().item() if out.numel() else 0.0
+    assert worst <= atol, f"error exceeds rtol {rtol} by {worst:.3g} > atol {atol}"
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+def qkv_views(tokens: int, hq: int, hk: int, dim: int, dtype: torch.dtype, seed: int):
+    """q, k, v as the strided views of one fused qkv output, as the attention layer makes."""
+    qkv = randn(tokens, (hq + 2 * hk) * dim, dtype=dtype, seed=seed)
+    q, k, v = qkv.split([hq * dim, hk * dim, hk * dim], dim=-1)
+    return qkv, q.view(-1, hq, dim), k.view(-1, hk, dim), v.view(-1, hk, dim)
+
+
+@on_device
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm(ops, shape, dtype):
+    tokens, hidden, hq, hk, dim, _ = shape
+    x = randn(tokens, hidden, dtype=dtype, seed=1) * 3
+    w = randn(hidden, dtype=dtype, seed=2)
+    close(ops.rms_norm(x, w, 1e-6), rms_norm_torch(x, w, 1e-6))
+    # Qwen3's q-norm: [T, heads, head_dim] rows of a strided view
+    _, q, _, _ = qkv_views(tokens, hq, hk, dim, dtype, seed=3)
+    wq = randn(dim, dtype=dtype, seed=4)
+    close(ops.rms_norm(q, wq, 1e-5), rms_norm_torch(q, wq, 1e-5))
+
+
+@on_device
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_rms_norm_in_place(ops, shape, dtype):
+    tokens, hidden = shape[:2]
+    x = randn(tokens, hidden, dtype=dtype, seed=5)
+    res = randn(tokens, hidden, dtype=dtype, seed=6) * 4
+    w = randn(hidden, dtype=dtype, seed=7)
+    ref_res = x + res
+    ref = rms_norm_torch(ref_res, w, 1e-6)
+    ops.add_rms_norm_(x, res, w, 1e-6)
+    close(res, ref_res)
+    close(x, ref)
+
+
+@on_device
+@pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rotary_in_place_on_qkv_views(ops, shape, dtype, pos_dtype):
+    tokens, _, hq, hk, dim, _ = shape
+    rope = RotaryEmbedding(RopeConfig(dim, base=1e6, max_position=4096)).to(DEVICE)
+    gen = torch.Generator().manual_seed(tokens)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    positions[-1] = 4095  # the last row of cos_sin
+    positions = positions.to(DEVICE, pos_dtype)
+    qkv, q, k, v = qkv_views(tokens, hq, hk, dim, dtype, seed=8)
+    ref_q, ref_k = rope_torch(q, k, rope.cos_sin, positions.long())
+    v_before = v.clone()
+    ops.rotary_(q, k, rope.cos_sin, positions)
+    close(q, ref_q)
+    close(k, ref_k)
+    assert torch.equal(v, v_before)  # the v columns of the shared buffer are untouched
+
+
+@on_device
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_silu_and_mul(ops, shape, dtype):
+    tokens, inter = shape[0], shape[5]
+    x = randn(tokens, 2 * inter, dtype=dtype, seed=9) * 3
+    close(ops.silu_and_mul(x), silu_and_mul_torch(x))
+    close(ops.silu_and_mul(x[:0]), silu_and_mul_torch(x[:0]))  # an expert with no tokens
+
+
+@on_device
+@pytest.mark.parametrize("src_dtype", [None, torch.float32], ids=["same", "from_fp32"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_store_kv(ops, shape, dtype, src_dtype):
+    tokens, _, hq, hk, dim, _ = shape
+    slots = 2 * tokens + 3
+    gen = torch.Generator().manual_seed(tokens + 1)
+    out_loc = torch.randperm(slots, generator=gen)[:tokens].to(DEVICE)
+    _, _, k, v = qkv_views(tokens, hq, hk, dim, src_dtype or dtype, seed=10)
+    pools = torch.zeros(2, slots, hk, dim, dtype=dtype, device=DEVICE)
+    ref = pools.clone()
+    store_kv_torch(ref[0], ref[1], out_loc, k, v)
+    ops.store_kv(pools[0], pools[1], out_loc.int(), k, v)
+    if CUDA or src_dtype is None or dtype != torch.bfloat16:
+        assert torch.equal(pools, ref)  # a copy (and one rounding): bit-exact, others kept
+    else:
+        close(pools, ref)  # the interpreter truncates float32 -> bf16
+
+
+def test_env_flags(monkeypatch):
+    monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS", raising=False)
+    assert not env.disable_fused_ops()
+    for value, expected in [("1", True), ("true", True), (" ON ", True), ("0", False)]:
+        monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", value)
+        assert env.disable_fused_ops() is expected
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "yes")
+    assert env.disable_overlap_scheduling()
+    monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "maybe")
+    with pytest.raises(ValueError, match="MINISGL_DISABLE_FUSED_OPS='maybe'"):
+        env.disable_fused_ops()
+
+
+def test_cpu_tensors_take_the_torch_path():
+    assert kernel.fused_ops(torch.zeros(2)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_layers_dispatch_on_cuda(ops, monkeypatch):
+    """On CUDA RMSNorm's residual add runs in place in the kernel; the flag restores the copy."""
+    norm = RMSNorm(64, 1e-6).to(DEVICE)
+    x, res = randn(3, 64, dtype=torch.float32, seed=11), randn(3, 64, dtype=torch.float32, seed=12)
+    monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS", raising=False)
+    assert kernel.fused_ops(x) is ops
+    x1, res1 = x.clone(), res.clone()
+    out, new_res = norm(x1, res1)
+    assert out.data_ptr() == x1.data_ptr() and new_res.data_ptr() == res1.data_ptr()
+    monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
+    assert kernel.fused_ops(x) is None
+    x2, res2 = x.clone(), res.clone()
+    ref, ref_res = norm(x2, res2)
+    assert ref.data_ptr() != x2.data_ptr() and torch.equal(res2, res)
+    close(out, ref)
+    close(new_res, ref_res)
+
+
+@on_device
+# qk-norm and MoE (experts with no tokens) on CPU, where the interpreter is slow
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama3_tied", "qwen3", "qwen3_moe"] if CUDA else ["qwen3", "qwen3_moe"]
+)
+def test_model_greedy_fused_equals_torch_path(ops, model_dirs, monkeypatch, arch):
+    """Whole tiny models in float32: the same greedy tokens with the fused ops as with
+    MINISGL_DISABLE_FUSED_OPS=1. On CPU the interpreted kernels are forced in, which checks the
+    layers' wiring (in-place residual and rotary, qk-norm rows, KV store)."""
+    from minisgl import LLM, SamplingParams
+
+    path, _ = model_dirs(arch)
+    prompts = [[5, 17, 300, 42, 7], list(range(100, 123)), [9] * 11]
+
+    def generate() -> list[list[int]]:
+        llm = LLM(
+            path,
+            device="cuda:0" if CUDA else "cpu",
+            dtype="float32",
+            page_size=4,
+            num_pages=64,
+            max_prefill_tokens=16,  # chunked prefill: extends over a cached prefix
+        )
+        try:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)
+        finally:
+            llm.shutdown()
+        return [o["token_ids"] for o in outs]
+
+    monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
+    expected = generate()
+    monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS")
+    real, used = kernel.fused_ops, []
+
+    def spy(x: torch.Tensor):
+        chosen = real(x) if CUDA else ops
+        used.append(chosen is not None)
+        return chosen
+
+    monkeypatch.setattr(kernel, "fused_ops", spy)
+    assert generate() == expected
+    assert used and all(used)
