@@ -135,6 +135,14 @@ class Context:
     batch: Batch | None = None
 
 
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Copy small host data to the device without blocking the host. The staging memory is
+    pinned: a copy from pageable memory would wait for all queued device work, which is the
+    very work overlap scheduling runs alongside."""
+    host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 _GLOBAL_CTX: Context | None = None
 
 

@@ -9,7 +9,7 @@ from itertools import accumulate
 import torch
 
 from minisgl.attention import create_attention_backend
-from minisgl.core import Batch, Context, set_global_ctx
+from minisgl.core import Batch, Context, set_global_ctx, to_device
 from minisgl.distributed import get_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
@@ -152,15 +152,12 @@ class Engine:
     def set_pages(self, table_idx: int, start_page: int, pages: list[int]) -> None:
         """Record pages [start_page, start_page + len(pages)) of the request in row table_idx."""
         if pages:
-            src = torch.tensor(pages, dtype=torch.int32)
-            self.page_table[table_idx, start_page : start_page + len(pages)].copy_(
-                src, non_blocking=True
-            )
+            src = to_device(pages, torch.int32, self.device)
+            self.page_table[table_idx, start_page : start_page + len(pages)] = src
 
     def set_tokens(self, table_idx: int, tokens: list[int]) -> None:
         """Copy a newly admitted request's known token ids into its row of the token table."""
-        src = torch.tensor(tokens, dtype=torch.int32)
-        self.token_table[table_idx, : len(tokens)].copy_(src, non_blocking=True)
+        self.token_table[table_idx, : len(tokens)] = to_device(tokens, torch.int32, self.device)
 
     def prepare(self, batch: Batch, samples: list[bool]) -> torch.Tensor:
         """Fill the batch's input ids, positions and KV write slots on the device (no per-token
@@ -168,7 +165,7 @@ class Engine:
         [rows, kv_lens, write_rows, logits_indices] used after the forward."""
         reqs = batch.reqs
         extend = [r.extend_len for r in reqs]
-        host = torch.tensor(
+        dev = to_device(
             [
                 [r.table_idx for r in reqs],
                 [r.cached_len for r in reqs],
@@ -178,9 +175,9 @@ class Engine:
                 [r.table_idx if s else self.dummy_row for r, s in zip(reqs, samples)],
                 list(accumulate(extend)),
             ],
-            dtype=torch.int64,
+            torch.int64,
+            self.device,
         )
-        dev = host.to(self.device, non_blocking=True)
         rows, cached = dev[0], dev[1]
         if batch.is_decode:
             token_rows, positions = rows, cached

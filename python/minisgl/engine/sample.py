@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl import env
-from minisgl.core import Req
+from minisgl.core import Req, to_device
 
 _MASK32 = 0xFFFFFFFF
 
@@ -36,11 +36,12 @@ class BatchSamplingArgs:
             t > 0 and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
             for t, k, p in zip(temps, top_k, params)
         )
-        data = torch.tensor(
-            [[t, p.top_p, p.min_p] for t, p in zip(temps, params)], dtype=torch.float32
+        data = to_device(
+            [[t, p.top_p, p.min_p] for t, p in zip(temps, params)], torch.float32, device
         )
-        ints = torch.tensor([[k, r.seed, len(r.tokens)] for k, r in zip(top_k, reqs)])
-        data, ints = data.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        ints = to_device(
+            [[k, r.seed, len(r.tokens)] for k, r in zip(top_k, reqs)], torch.int64, device
+        )
         return BatchSamplingArgs(
             temperature=data[:, 0],
             top_k=ints[:, 0],

@@ -67,6 +67,8 @@ def gumbel_argmax(
         logits = logits.contiguous()
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    # the per-request arguments are often strided views of one [B, 3] tensor
+    temperature, seed, step = temperature.contiguous(), seed.contiguous(), step.contiguous()
     _gumbel_argmax_kernel[(batch,)](
         logits, temperature, seed, step, out, vocab, logits.stride(0), BLOCK=2048, num_warps=8
     )
