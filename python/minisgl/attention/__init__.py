@@ -1,28 +1,90 @@
-"""Attention backends. `create_attention_backend("auto" | NAME | "PREFILL,DECODE", ...)`."""
+"""Attention backends: `create_attention_backend("auto" | NAME | "PREFILL,DECODE", ...)`.
+
+- `fi`: flashinfer (paged prefill over the cached prefix, paged decode, CUDA-graph decode)
+- `triton`: the Triton kernels of `minisgl.kernel.triton_attention`
+- `torch`: the reference (padded gather + masked SDPA), any device
+`auto`: fi when flashinfer imports, the device is CUDA and the dtype is 16-bit; else triton on
+CUDA (torch for sliding-window models, which triton does not support); else torch."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.hybrid import HybridAttnBackend
 from minisgl.attention.torch_backend import TorchAttnBackend
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("fi", "triton", "torch")
+
+
+def parse_attn(value: str) -> tuple[str, str]:
+    """ "auto" | NAME | "PREFILL,DECODE" -> (prefill, decode) names; ValueError otherwise."""
+    names = [n.strip().lower() for n in value.split(",")]
+    if names == ["auto"]:
+        return ("auto", "auto")
+    if len(names) > 2 or any(n not in BACKENDS for n in names):
+        raise ValueError(
+            f"unknown attention backend {value!r}: expected 'auto', one of "
+            f"{', '.join(BACKENDS)}, or PREFILL,DECODE (e.g. 'fi,triton')"
+        )
+    return (names[0], names[-1])
+
+
+@functools.cache
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # not installed, or built for another CUDA / torch
+        return False
+    return True
+
+
+def auto_backend(
+    device: torch.device, dtype: torch.dtype | None, sliding_window: int | None
+) -> str:
+    if device.type != "cuda":
+        return "torch"
+    if dtype != torch.float32 and flashinfer_available():
+        return "fi"  # fi also handles sliding windows
+    return "triton" if sliding_window is None else "torch"
 
 
 def create_attention_backend(
-    name: str, device: torch.device, sliding_window: int | None = None
+    name: str,
+    device: torch.device,
+    sliding_window: int | None = None,
+    dtype: torch.dtype | None = None,  # the model's; None: unknown (auto assumes 16-bit)
+    num_qo_heads: int | None = None,  # query heads on this rank; fi needs it to plan
 ) -> BaseAttnBackend:
-    if name == "auto":
-        # triton has no sliding window yet: such models keep the reference backend
-        name = "triton" if device.type == "cuda" and sliding_window is None else "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
-    if name == "triton":
-        from minisgl.attention.triton_backend import TritonAttnBackend
+    prefill, decode = parse_attn(name)
+    if prefill == "auto":
+        prefill = decode = auto_backend(device, dtype, sliding_window)
 
-        return TritonAttnBackend(sliding_window)
-    return TorchAttnBackend(sliding_window)
+    def make(one: str) -> BaseAttnBackend:
+        if one == "fi":
+            from minisgl.attention.fi_backend import FlashInferAttnBackend
+
+            if num_qo_heads is None:
+                raise ValueError("the fi attention backend needs num_qo_heads")
+            return FlashInferAttnBackend(device, num_qo_heads, dtype, sliding_window)
+        if one == "triton":
+            from minisgl.attention.triton_backend import TritonAttnBackend
+
+            return TritonAttnBackend(sliding_window)
+        return TorchAttnBackend(sliding_window)
+
+    if prefill == decode:
+        return make(prefill)
+    return HybridAttnBackend(make(prefill), make(decode))
 
 
-__all__ = ["BACKENDS", "BaseAttnBackend", "create_attention_backend"]
+__all__ = [
+    "BACKENDS",
+    "BaseAttnBackend",
+    "HybridAttnBackend",
+    "auto_backend",
+    "create_attention_backend",
+    "parse_attn",
+]

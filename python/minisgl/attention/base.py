@@ -10,7 +10,16 @@ from minisgl.core import Batch
 class BaseAttnBackend(ABC):
     """Paged attention over the context's KV pool. `prepare` runs once per batch and stores its
     metadata in `batch.attn_metadata`; `forward` runs once per layer and also writes the new
-    tokens' k/v into the pool at `batch.out_loc`."""
+    tokens' k/v into the pool at `batch.out_loc`.
+
+    CUDA graphs (decode only): `init_cuda_graph(max_bs)` once, then per captured batch size
+    `prepare_for_capture(batch)` (outside the capture) before capturing the forward, and
+    `prepare_for_replay(batch)` before each replay. Both put the metadata in buffers that live
+    as long as the backend, so a replay reads the new batch; the forward launches nothing whose
+    shape depends on KV lengths and never syncs with the host. The engine pads a batch to a
+    captured size itself (dummy requests: cached_len 0, extend_len 1)."""
+
+    name: str
 
     @abstractmethod
     def prepare(self, batch: Batch) -> None: ...
@@ -26,13 +35,14 @@ class BaseAttnBackend(ABC):
         batch: Batch,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
-    # CUDA-graph decode (see engine/graph.py). Backends without it keep the default: the engine
-    # then runs every batch eagerly.
     def init_cuda_graph(self, max_bs: int) -> None:
-        raise NotImplementedError
+        """Allocate the buffers for decode graphs of up to max_bs requests."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph support")
 
     def prepare_for_capture(self, batch: Batch) -> None:
-        raise NotImplementedError
+        """Like prepare() for a decode batch, with the metadata in the graph buffers."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph support")
 
     def prepare_for_replay(self, batch: Batch) -> None:
-        raise NotImplementedError
+        """Refill the graph buffers for a decode batch of a captured size."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph support")

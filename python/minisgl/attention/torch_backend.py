@@ -21,6 +21,8 @@ class TorchAttnMetadata:
 
 
 class TorchAttnBackend(BaseAttnBackend):
+    name = "torch"
+
     def __init__(self, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
 

@@ -1,5 +1,6 @@
 """Paged attention with the Triton kernels of `minisgl.kernel.triton_attention`: a split-KV
-decode kernel and a causal extend (prefill) kernel, both reading KV through the page table."""
+decode kernel (CUDA-graph safe) and a causal extend (prefill) kernel, both reading KV through
+the page table."""
 
 from __future__ import annotations
 
@@ -19,35 +20,64 @@ class TritonAttnMetadata:
     extend_lens: torch.Tensor  # [B] int32 tokens this forward computes
     kv_lens: torch.Tensor  # [B] int32 cached + extend
     q_starts: torch.Tensor  # [B] int32 first token of each request in the flat q
-    max_extend_len: int
-    max_kv_len: int
-    num_splits: int  # decode only: KV chunks per request
+    max_extend_len: int  # prefill only: sizes the extend grid
+    num_splits: int  # decode only: KV chunks per request, from the batch size alone
 
 
 class TritonAttnBackend(BaseAttnBackend):
+    name = "triton"
+
     def __init__(self, sliding_window: int | None = None) -> None:
         if sliding_window is not None:
             raise ValueError("the triton attention backend does not support sliding windows yet")
         from minisgl.kernel import triton_attention
 
         self.kernels = triton_attention
+        self.sm_count: int | None = None
+        self.graph_buf: torch.Tensor | None = None  # [5, max_bs] int32 metadata of graphs
 
     def prepare(self, batch: Batch) -> None:
-        ctx = get_global_ctx()
+        host = self._host_metadata(batch)
+        dev = host.to(get_global_ctx().page_table.device, non_blocking=True)
+        batch.attn_metadata = self._metadata(batch, dev)
+
+    def init_cuda_graph(self, max_bs: int) -> None:
+        device = get_global_ctx().page_table.device
+        self.graph_buf = torch.zeros(5, max_bs, dtype=torch.int32, device=device)
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        self.prepare_for_replay(batch)  # the buffers are the same either way
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        assert self.graph_buf is not None, "init_cuda_graph() first"
+        assert batch.is_decode and batch.size <= self.graph_buf.shape[1]
+        dev = self.graph_buf[:, : batch.size]
+        dev.copy_(self._host_metadata(batch), non_blocking=True)
+        batch.attn_metadata = self._metadata(batch, dev)
+
+    @staticmethod
+    def _host_metadata(batch: Batch) -> torch.Tensor:
         reqs = batch.reqs
         cached = [r.cached_len for r in reqs]
         extend = [r.extend_len for r in reqs]
         kv_lens = [c + e for c, e in zip(cached, extend)]
         q_starts = [0, *accumulate(extend)][:-1]
-        host = torch.tensor(
-            [[r.table_idx for r in reqs], cached, extend, kv_lens, q_starts], dtype=torch.int32
+        rows = [r.table_idx for r in reqs]
+        # pinned: a copy from pageable memory would wait for all queued device work
+        return torch.tensor(
+            [rows, cached, extend, kv_lens, q_starts],
+            dtype=torch.int32,
+            pin_memory=torch.cuda.is_available(),
         )
-        dev = host.to(ctx.page_table.device, non_blocking=True)
-        max_kv = max(kv_lens)
+
+    def _metadata(self, batch: Batch, dev: torch.Tensor) -> TritonAttnMetadata:
         splits = 1
         if batch.is_decode:
-            splits = self.kernels.decode_splits(len(reqs), ctx.kv_cache.num_kv_heads, max_kv)
-        batch.attn_metadata = TritonAttnMetadata(*dev, max(extend), max_kv, splits)
+            if self.sm_count is None:
+                self.sm_count = self.kernels.num_sms(dev.device)
+            kv_heads = get_global_ctx().kv_cache.num_kv_heads
+            splits = self.kernels.decode_splits(batch.size, kv_heads, self.sm_count)
+        return TritonAttnMetadata(*dev, max(r.extend_len for r in batch.reqs), splits)
 
     def forward(
         self,
@@ -73,7 +103,6 @@ class TritonAttnBackend(BaseAttnBackend):
                 ctx.page_table,
                 md.rows,
                 md.kv_lens,
-                md.max_kv_len,
                 md.num_splits,
                 ctx.page_size,
                 scale,

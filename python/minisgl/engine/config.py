@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minisgl.attention import parse_attn
+
 
 @dataclass
 class EngineConfig:
@@ -34,5 +36,6 @@ class EngineConfig:
                 raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
         if self.device.split(":")[0] not in ("auto", "cuda", "cpu"):
             raise ValueError(f"invalid device {self.device!r}: expected auto, cuda or cpu")
+        parse_attn(self.attn)  # a bad name fails before the model loads
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"invalid dtype {self.dtype!r}")

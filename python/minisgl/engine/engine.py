@@ -92,7 +92,13 @@ class Engine:
         self.token_table = torch.zeros(
             (rows, self.max_seq_len + 1), dtype=torch.int32, device=self.device
         )
-        self.attn_backend = create_attention_backend(config.attn, self.device, cfg.sliding_window)
+        self.attn_backend = create_attention_backend(
+            config.attn,
+            self.device,
+            cfg.sliding_window,
+            dtype=self.dtype,
+            num_qo_heads=cfg.num_heads // get_tp_info().size,
+        )
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
         self.graphs = self._build_graphs()

@@ -3,7 +3,9 @@ head_dim]; a token's slot is page_table[row, pos // page_size] * page_size + pos
 
 - `decode_attention`: one query token per request, split-KV (flash-decoding): each program
   reduces one chunk of one request's KV for all query heads of one kv head (GQA: the KV is read
-  once), a second kernel merges the chunks by their log-sum-exp.
+  once), a second kernel merges the chunks by their log-sum-exp. The split count depends on the
+  batch size only and each request sizes its chunks from its own length, so a CUDA graph
+  captured at one batch size replays for any KV lengths.
 - `extend_attention`: each request's new tokens [cached_len, cached_len + extend_len) attend
   causally to its KV [0, cached_len + extend_len), all read from the pool after the store.
 
@@ -34,6 +36,12 @@ def _kv_slots(page_table, row, pos, mask, stride_pt, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _split_chunk(kv_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KV positions per split of one request: whole blocks, so a short request uses few splits."""
+    return tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(
     q,  # [B, H, D]
     k_pool,  # [slots, Hkv, D]
@@ -41,16 +49,18 @@ def _decode_split_kernel(
     page_table,  # [rows, pages] int32
     rows,  # [B] int32
     kv_lens,  # [B] int32
+    out,  # [B, H, D], written here when NUM_SPLITS == 1
     part_out,  # [B, H, S, D] float32
     part_lse,  # [B, H, S] float32 (log2 units)
     scale,
-    chunk,  # KV positions per split, a multiple of BLOCK_N
     stride_qb,
     stride_qh,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_ob,
+    stride_oh,
     stride_pt,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per kv head, all handled by one program
@@ -64,10 +74,14 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    row = tl.load(rows + b)
     kv_len = tl.load(kv_lens + b)
+    # each request splits its own length: the launch depends on the batch size only
+    chunk = _split_chunk(kv_len, NUM_SPLITS, BLOCK_N)
     start = split * chunk
+    if start >= kv_len:  # past this request's end; the merge skips this split
+        return
     end = tl.minimum(start + chunk, kv_len)
+    row = tl.load(rows + b)
 
     offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
     h_valid = tl.arange(0, BLOCK_H) < GROUP
@@ -92,7 +106,7 @@ def _decode_split_kernel(
         )
         s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # the first block has a valid position
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # every block has a valid position
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         vb = tl.load(
@@ -104,36 +118,39 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-    base = (b * NUM_HEADS + offs_h) * NUM_SPLITS + split  # [BLOCK_H]
-    if end > start:
-        res = acc / l_i[:, None]
-        lse = m_i + tl.log2(l_i)
+    res = acc / l_i[:, None]
+    if NUM_SPLITS == 1:  # nothing to merge
+        dst = out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, res.to(out.dtype.element_ty), mask=h_valid[:, None])
     else:
-        res = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-        lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    tl.store(part_out + base[:, None] * HEAD_DIM + offs_d[None, :], res, mask=h_valid[:, None])
-    tl.store(part_lse + base, lse, mask=h_valid)
+        base = (b * NUM_HEADS + offs_h) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(part_out + base[:, None] * HEAD_DIM + offs_d[None, :], res, mask=h_valid[:, None])
+        tl.store(part_lse + base, m_i + tl.log2(l_i), mask=h_valid)
 
 
 @triton.jit
 def _decode_merge_kernel(
     part_out,  # [B, H, S, D] float32
     part_lse,  # [B, H, S] float32
+    kv_lens,  # [B] int32
     out,  # [B, H, D]
     stride_ob,
     stride_oh,
     NUM_SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    kv_len = tl.load(kv_lens + b)
+    used = tl.cdiv(kv_len, _split_chunk(kv_len, NUM_SPLITS, BLOCK_N))  # splits that ran
     base = (b * tl.num_programs(1) + h) * NUM_SPLITS
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
-    in_range = offs_s < NUM_SPLITS
+    in_range = offs_s < used
     lse = tl.load(part_lse + base + offs_s, mask=in_range, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always ran, so the max is finite
     o = tl.load(
         part_out + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
         mask=in_range[:, None],
@@ -143,11 +160,21 @@ def _decode_merge_kernel(
     tl.store(out + b * stride_ob + h * stride_oh + offs_d, res.to(out.dtype.element_ty))
 
 
-def decode_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, block_n: int = 64) -> int:
-    """Split each request's KV so that a batch fills the GPU: about 1k programs per kv head
-    group, never a split shorter than 4 blocks, at most 32."""
-    want = max(1, 1024 // max(1, batch_size * num_kv_heads))
-    return max(1, min(want, 32, triton.cdiv(max_kv_len, 4 * block_n)))
+DECODE_BLOCK_N = 64
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the CPU interpreter (tests): a few splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
+    """KV splits per request of a decode batch: about four (request, kv head, split) programs
+    per SM, at most 32. It never depends on KV lengths, so one CUDA graph per batch size
+    serves any lengths: each request cuts its own KV into this many block-aligned chunks, and
+    the chunks past a short request's end exit at once."""
+    return max(1, min(32, triton.cdiv(4 * sm_count, batch_size * num_kv_heads)))
 
 
 def decode_attention(
@@ -156,23 +183,22 @@ def decode_attention(
     v_pool: torch.Tensor,
     page_table: torch.Tensor,  # [rows, pages] int32
     rows: torch.Tensor,  # [B] int32
-    kv_lens: torch.Tensor,  # [B] int32
-    max_kv_len: int,
+    kv_lens: torch.Tensor,  # [B] int32, each >= 1
     num_splits: int,
     page_size: int,
     scale: float,
 ) -> torch.Tensor:
+    """Graph-safe: the launches and allocations depend only on the shapes and num_splits."""
     bsz, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
     check_head_dim(dim)
     assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
     assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
-    block_n = 64
-    chunk = triton.cdiv(triton.cdiv(max_kv_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_kv_len, chunk)  # no split past the longest request
-    part_out = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
+    part_out = part_lse = out  # unused when there is a single split
+    if num_splits > 1:
+        part_out = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
         q,
         k_pool,
@@ -180,16 +206,18 @@ def decode_attention(
         page_table,
         rows,
         kv_lens,
+        out,
         part_out,
         part_lse,
         scale,
-        chunk,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
         k_pool.stride(1),
         v_pool.stride(0),
         v_pool.stride(1),
+        out.stride(0),
+        out.stride(1),
         page_table.stride(0),
         NUM_HEADS=heads,
         GROUP=heads // kv_heads,
@@ -197,22 +225,25 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         PAGE_SIZE=page_size,
         HEAD_DIM=dim,
-        BLOCK_N=block_n,
+        BLOCK_N=DECODE_BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2,
     )
-    _decode_merge_kernel[(bsz, heads)](
-        part_out,
-        part_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        NUM_SPLITS=num_splits,
-        SPLITS_POW2=triton.next_power_of_2(num_splits),
-        HEAD_DIM=dim,
-        num_warps=1 if dim <= 64 else 2,
-    )
+    if num_splits > 1:
+        _decode_merge_kernel[(bsz, heads)](
+            part_out,
+            part_lse,
+            kv_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_POW2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=dim,
+            BLOCK_N=DECODE_BLOCK_N,
+            num_warps=1 if dim <= 64 else 2,
+        )
     return out
 
 

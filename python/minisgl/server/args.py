@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-ATTN_BACKENDS = ("torch", "triton", "fi", "fa")
+from minisgl.attention import BACKENDS as ATTN_BACKENDS
+from minisgl.attention import parse_attn
 
 
 @dataclass
@@ -40,8 +41,7 @@ class ServerArgs:
     @property
     def attn_backends(self) -> tuple[str, str]:
         """(prefill backend, decode backend); "auto" leaves the choice to the engine."""
-        names = self.attn.split(",")
-        return (names[0], names[-1])
+        return parse_attn(self.attn)
 
 
 def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -69,15 +69,11 @@ def _ratio(value: str) -> float:
 
 
 def _attn(value: str) -> str:
-    names = [n.strip().lower() for n in value.split(",")]
-    if names == ["auto"]:
-        return "auto"
-    if len(names) > 2 or any(n not in ATTN_BACKENDS for n in names):
-        raise argparse.ArgumentTypeError(
-            f"expected 'auto', a backend or PREFILL,DECODE with backends from "
-            f"{', '.join(ATTN_BACKENDS)}; got {value!r}"
-        )
-    return ",".join(names)
+    try:
+        prefill, decode = parse_attn(value)  # the engine's own check
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return prefill if prefill == decode else f"{prefill},{decode}"
 
 
 class _Parser(argparse.ArgumentParser):

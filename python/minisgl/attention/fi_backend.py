@@ -1,0 +1,213 @@
+"""FlashInfer attention: paged prefill (FA2, causal, the new tokens against the cached prefix and
+themselves) and paged decode. Each batch is planned once in `prepare` and every layer runs that
+plan. Decode CUDA graphs use one graph-mode decode wrapper per captured batch size; its metadata
+buffers are shared and re-planned before each replay.
+
+The KV pool's per-layer `k_cache` / `v_cache` ([pages, page_size, kv_heads, head_dim]) is
+flashinfer's NHD paged layout, so no copy is needed. flashinfer is imported only here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from minisgl.attention.base import BaseAttnBackend
+from minisgl.core import Batch, get_global_ctx
+
+WORKSPACE_BYTES = 256 << 20  # split-KV partial results; shared by every wrapper
+INT_WORKSPACE_BYTES = 8 << 20  # plan metadata; shared too (each plan precedes its runs)
+
+
+@dataclass
+class FiAttnMetadata:
+    wrapper: object  # the planned flashinfer wrapper this batch runs
+    sm_scale: float
+
+
+def page_indices(
+    page_table: torch.Tensor, rows: torch.Tensor, indptr: torch.Tensor, total: int
+) -> torch.Tensor:
+    """The first indptr[i+1] - indptr[i] entries of page_table[rows[i]] for every i, back to
+    back (flashinfer's flat page list), computed on the table's device without a host sync:
+    `total` = indptr[-1] is known on the host."""
+    req = torch.repeat_interleave(indptr.diff(), output_size=total)
+    col = torch.arange(total, device=indptr.device, dtype=indptr.dtype) - indptr[req]
+    return page_table[rows[req], col]
+
+
+class FlashInferAttnBackend(BaseAttnBackend):
+    name = "fi"
+
+    def __init__(
+        self,
+        device: torch.device,
+        num_qo_heads: int,
+        dtype: torch.dtype | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
+        if dtype == torch.float32:
+            raise ValueError(
+                "the fi (flashinfer) attention backend does not support float32: "
+                "use --attn triton or torch, or a 16-bit --dtype"
+            )
+        if device.type != "cuda":
+            raise ValueError(f"the fi (flashinfer) attention backend needs CUDA, got {device}")
+        try:
+            import flashinfer
+        except Exception as e:  # not installed, or built for another CUDA / torch
+            raise ValueError(
+                f"the fi attention backend needs flashinfer ({e}); "
+                "install flashinfer-python or use --attn triton"
+            ) from e
+
+        self.fi = flashinfer
+        self.num_qo_heads = num_qo_heads
+        # flashinfer's window_left counts the keys left of the query: W - 1 for a W-token window
+        self.window_left = -1 if sliding_window is None else sliding_window - 1
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # fa2: the JIT-compiled FA2 kernels (fa3 would be a second, slower-to-build module)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2"
+        )
+        self.prefill_wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
+        self.decode_wrapper: object | None = None  # built at the first decode (needs kv heads)
+        self.graph_wrappers: dict[int, object] = {}  # batch size -> graph-mode decode wrapper
+        self.graph_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.plan_done: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan
+
+    # -- eager ---------------------------------------------------------------------------
+    def prepare(self, batch: Batch) -> None:
+        if batch.is_decode:
+            if self.decode_wrapper is None:
+                self.decode_wrapper = self._new_decode_wrapper()
+            self._plan_decode(self.decode_wrapper, batch)
+        else:
+            self._plan_prefill(batch)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scale: float,
+        batch: Batch,
+    ) -> torch.Tensor:
+        md: FiAttnMetadata = batch.attn_metadata
+        if not math.isclose(scale, md.sm_scale, rel_tol=1e-6):
+            raise ValueError(f"fi backend planned softmax scale {md.sm_scale}, layer gave {scale}")
+        kv_cache = get_global_ctx().kv_cache
+        kv_cache.store(layer_id, batch.out_loc, k, v)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        paged_kv = (kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id))
+        return md.wrapper.run(q, paged_kv)
+
+    # -- CUDA graphs -----------------------------------------------------------------------
+    def init_cuda_graph(self, max_bs: int) -> None:
+        page_table = get_global_ctx().page_table
+        device = page_table.device
+        self.graph_bufs = (
+            torch.zeros(max_bs + 1, dtype=torch.int32, device=device),  # kv page indptr
+            torch.zeros(max_bs * page_table.shape[1], dtype=torch.int32, device=device),  # pages
+            torch.zeros(max_bs, dtype=torch.int32, device=device),  # last page lengths
+        )
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        assert self.graph_bufs is not None, "init_cuda_graph() first"
+        bs = batch.size
+        assert batch.is_decode and bs < self.graph_bufs[0].shape[0]
+        if bs not in self.graph_wrappers:
+            indptr, pages, last = self.graph_bufs
+            self.graph_wrappers[bs] = self._new_decode_wrapper(
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=indptr[: bs + 1],
+                paged_kv_indices_buffer=pages,
+                paged_kv_last_page_len_buffer=last[:bs],
+            )
+        self.prepare_for_replay(batch)
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        wrapper = self.graph_wrappers.get(batch.size)
+        if wrapper is None:
+            raise KeyError(f"no decode graph was prepared for batch size {batch.size}")
+        self._plan_decode(wrapper, batch)
+
+    # -- planning -------------------------------------------------------------------------
+    def _new_decode_wrapper(self, **graph_args) -> object:
+        kv_heads = get_global_ctx().kv_cache.num_kv_heads
+        # Tensor cores pay off once a kv head serves >= 4 query heads (sglang's rule; flashinfer
+        # documents them as faster for large groups). Below that (Qwen3-0.6B: 2) the CUDA-core
+        # kernel, which also reads each kv head once for its group, is as fast: decode is
+        # memory-bound.
+        wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_tensor_cores=self.num_qo_heads // kv_heads >= 4,
+            backend="fa2",
+            **graph_args,
+        )
+        wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
+        return wrapper
+
+    def _kv_pages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kv page indptr on the host, flat page ids on the device, last page lengths on the
+        host) of the batch's KV, which includes this forward's tokens (stored before the run)."""
+        ctx = get_global_ctx()
+        page_size = ctx.page_size
+        kv_lens = [r.cached_len + r.extend_len for r in batch.reqs]
+        num_pages = [-(-n // page_size) for n in kv_lens]
+        indptr = [0, *accumulate(num_pages)]
+        rows = [r.table_idx for r in batch.reqs]
+        host = torch.tensor([indptr, [*rows, 0]], dtype=torch.int32, pin_memory=True)
+        dev = host.to(ctx.page_table.device, non_blocking=True)  # pinned: no wait for the device
+        pages = page_indices(ctx.page_table, dev[1, :-1], dev[0], indptr[-1])
+        last = [n - (p - 1) * page_size for n, p in zip(kv_lens, num_pages)]
+        return host[0], pages, torch.tensor(last, dtype=torch.int32)
+
+    def _plan_common(self) -> dict:
+        kv_cache = get_global_ctx().kv_cache
+        if kv_cache.dtype == torch.float32:
+            raise ValueError("the fi (flashinfer) attention backend does not support float32")
+        return dict(
+            num_qo_heads=self.num_qo_heads,
+            num_kv_heads=kv_cache.num_kv_heads,
+            page_size=get_global_ctx().page_size,
+            window_left=self.window_left,
+            sm_scale=kv_cache.head_dim**-0.5,
+            q_data_type=kv_cache.dtype,
+            kv_data_type=kv_cache.dtype,
+        )
+
+    def _plan_decode(self, wrapper, batch: Batch) -> None:
+        indptr, pages, last = self._kv_pages(batch)
+        args = self._plan_common()
+        head_dim = get_global_ctx().kv_cache.head_dim
+        self._plan(wrapper, indptr, pages, last, head_dim=head_dim, **args)
+        batch.attn_metadata = FiAttnMetadata(wrapper, args["sm_scale"])
+
+    def _plan_prefill(self, batch: Batch) -> None:
+        indptr, pages, last = self._kv_pages(batch)
+        qo_indptr = [0, *accumulate(r.extend_len for r in batch.reqs)]
+        args = self._plan_common()
+        head_dim = get_global_ctx().kv_cache.head_dim
+        wrapper = self.prefill_wrapper
+        qo_host = torch.tensor(qo_indptr, dtype=torch.int32)
+        self._plan(wrapper, qo_host, indptr, pages, last, head_dim_qk=head_dim, causal=True, **args)
+        batch.attn_metadata = FiAttnMetadata(wrapper, args["sm_scale"])
+
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        # plan() stages metadata in the wrapper's pinned host buffer and copies it to the
+        # device asynchronously: wait until the previous plan's copy ran before overwriting it
+        # (the scheduler may prepare batch N+1 while batch N is still queued).
+        done = self.plan_done.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        wrapper.plan(*args, **kwargs)
+        done = torch.cuda.Event()
+        done.record()
+        self.plan_done[id(wrapper)] = done

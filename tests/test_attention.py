@@ -1,0 +1,179 @@
+"""Attention backend choice (--attn parsing, auto rule, hybrid dispatch, clear refusals), the
+flat page-list gather of the fi backend, and the Triton kernels through Triton's CPU
+interpreter. The GPU comparisons are in test_attention_gpu.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import minisgl.attention as attn
+from minisgl.attention import (
+    HybridAttnBackend,
+    auto_backend,
+    create_attention_backend,
+    parse_attn,
+)
+from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.fi_backend import FlashInferAttnBackend, page_indices
+from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.core import Batch, Req, SamplingParams
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("auto", ("auto", "auto")),
+        ("torch", ("torch", "torch")),
+        ("FI", ("fi", "fi")),
+        ("fi,triton", ("fi", "triton")),
+        (" triton , torch ", ("triton", "torch")),
+    ],
+)
+def test_parse_attn(value, expected):
+    assert parse_attn(value) == expected
+
+
+@pytest.mark.parametrize("value", ["flash", "fa", "", "fi,", "auto,fi", "fi,triton,torch"])
+def test_parse_attn_rejects_with_the_choices(value):
+    with pytest.raises(ValueError, match="one of fi, triton, torch, or PREFILL,DECODE"):
+        parse_attn(value)
+
+
+def test_cli_attn_error_is_one_line_naming_the_flag(capsys):
+    from minisgl.server.args import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--attn", "flashattn"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert "argument --attn: unknown attention backend 'flashattn'" in err
+    assert "fi, triton, torch" in err
+
+
+def test_llm_attn_kwarg_is_checked_the_same_way(model_dirs):
+    from minisgl import LLM
+
+    path, _ = model_dirs("llama")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*fi, triton, torch"):
+        LLM(path, device="cpu", attn="flash", num_pages=8)
+    llm = LLM(path, device="cpu", attn="torch,torch", num_pages=8)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("have_fi", [True, False])
+def test_auto_rule(monkeypatch, have_fi):
+    monkeypatch.setattr(attn, "flashinfer_available", lambda: have_fi)
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def fi_or(other: str) -> str:
+        return "fi" if have_fi else other
+
+    assert auto_backend(CPU, bf16, None) == "torch"
+    assert auto_backend(CPU, fp32, 4096) == "torch"
+    assert auto_backend(CUDA, bf16, None) == fi_or("triton")
+    assert auto_backend(CUDA, None, None) == fi_or("triton")
+    assert auto_backend(CUDA, torch.float16, 4096) == fi_or("torch")
+    assert auto_backend(CUDA, fp32, None) == "triton"  # flashinfer has no float32
+    assert auto_backend(CUDA, fp32, 4096) == "torch"  # nor does triton have windows
+
+
+def test_create_on_cpu():
+    assert isinstance(create_attention_backend("auto", CPU), TorchAttnBackend)
+    assert isinstance(create_attention_backend("torch,torch", CPU), TorchAttnBackend)
+    hybrid = create_attention_backend("triton,torch", CPU)
+    assert isinstance(hybrid, HybridAttnBackend) and hybrid.name == "triton,torch"
+    assert (hybrid.prefill.name, hybrid.decode.name) == ("triton", "torch")
+    with pytest.raises(ValueError, match="one of fi, triton, torch"):
+        create_attention_backend("flash", CPU)
+    with pytest.raises(ValueError, match="sliding windows"):
+        create_attention_backend("triton", CPU, 4096)
+
+
+def test_fi_refusals_are_clear():
+    with pytest.raises(ValueError, match="does not support float32"):
+        create_attention_backend("fi", CUDA, dtype=torch.float32, num_qo_heads=8)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        FlashInferAttnBackend(CPU, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs num_qo_heads"):
+        create_attention_backend("fi", CUDA, dtype=torch.bfloat16)
+    if not attn.flashinfer_available():
+        with pytest.raises(ValueError, match="needs flashinfer"):
+            FlashInferAttnBackend(CUDA, 8, torch.bfloat16)
+
+
+def test_torch_backend_has_no_graphs():
+    with pytest.raises(NotImplementedError, match="torch attention backend"):
+        TorchAttnBackend().init_cuda_graph(8)
+
+
+class Recorder(BaseAttnBackend):
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def prepare(self, batch):
+        self.calls.append((self.name, "prepare"))
+
+    def forward(self, q, k, v, layer_id, scale, batch):
+        self.calls.append((self.name, "forward"))
+        return q
+
+    def init_cuda_graph(self, max_bs):
+        self.calls.append((self.name, "init_cuda_graph"))
+
+    def prepare_for_capture(self, batch):
+        self.calls.append((self.name, "capture"))
+
+    def prepare_for_replay(self, batch):
+        self.calls.append((self.name, "replay"))
+
+
+def test_hybrid_dispatches_on_phase():
+    calls: list = []
+    hybrid = HybridAttnBackend(Recorder("P", calls), Recorder("D", calls))
+    req = Req([1, 2], 2, SamplingParams(), 8)
+    q = torch.zeros(1, 2, 4)
+    for phase in ("prefill", "decode"):
+        batch = Batch([req], phase)  # type: ignore[arg-type]
+        hybrid.prepare(batch)
+        hybrid.forward(q, q, q, 0, 1.0, batch)
+    hybrid.init_cuda_graph(4)
+    hybrid.prepare_for_capture(batch)
+    hybrid.prepare_for_replay(batch)
+    assert calls == [
+        ("P", "prepare"),
+        ("P", "forward"),
+        ("D", "prepare"),
+        ("D", "forward"),
+        ("D", "init_cuda_graph"),
+        ("D", "capture"),
+        ("D", "replay"),
+    ]
+
+
+def test_page_indices_gathers_each_requests_pages():
+    table = torch.arange(60, dtype=torch.int32).view(6, 10) * 7
+    rows = torch.tensor([4, 0, 5], dtype=torch.int32)
+    counts = [3, 1, 10]
+    indptr = torch.tensor([0, 3, 4, 14], dtype=torch.int32)
+    got = page_indices(table, rows, indptr, 14)
+    want = torch.cat([table[r, :n] for r, n in zip(rows.tolist(), counts)])
+    assert got.dtype == torch.int32 and got.tolist() == want.tolist()
+
+
+def test_triton_kernels_in_interpreter_match_torch_backend():
+    pytest.importorskip("triton")
+    script = os.path.join(os.path.dirname(__file__), "triton_interpret_check.py")
+    python_dir = os.path.join(os.path.dirname(__file__), "..", "python")
+    path = os.pathsep.join(filter(None, [python_dir, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    res = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -1,0 +1,88 @@
+"""Run with TRITON_INTERPRET=1 (tests/test_attention.py does): the Triton attention backend on
+CPU tensors through Triton's interpreter, against the torch backend. Exits non-zero with a
+message naming the failing case."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1"
+import triton.runtime.interpreter as interp  # noqa: E402
+
+_patch = interp._patch_lang_tensor
+
+
+def _patch_index(tensor, scope):  # triton 3.6 calls int() on 1-element arrays (numpy >= 2.3)
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+
+interp._patch_lang_tensor = _patch_index
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attn_util import make_problem, max_diff, run_backend  # noqa: E402
+from minisgl.attention import create_attention_backend  # noqa: E402
+from minisgl.core import Batch, get_global_ctx  # noqa: E402
+
+CPU = torch.device("cpu")
+TOL = 1e-4
+failures = []
+
+
+def check(what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+    diff = max_diff(out, ref)
+    print(f"{what}: max abs diff {diff:.2e}")
+    if not diff <= TOL:
+        failures.append(f"{what}: max abs diff {diff} > {TOL}")
+
+
+def compare(what: str, lens, page_size: int, decode: bool) -> None:
+    b, q, k, v = make_problem(lens, page_size, 32, torch.float32, decode, CPU, 4, 2)
+    check(
+        f"{what} page {page_size}",
+        run_backend("triton", b, q, k, v),
+        run_backend("torch", b, q, k, v),
+    )
+
+
+DECODE = [(0, 1), (4, 1), (63, 1), (64, 1), (200, 1)]
+EXTEND = [(0, 37), (16, 16), (13, 20), (40, 1)]
+for page_size in (1, 16):
+    compare("decode, 5 requests (2 splits)", DECODE, page_size, True)
+    compare("decode, 1 request (8 splits)", DECODE[-1:], page_size, True)
+    compare("extend with prefixes", EXTEND, page_size, False)
+
+# graph path: metadata in the static buffers, refilled for another batch of the same size
+b1, q1, k1, v1 = make_problem([(5, 1), (150, 1), (30, 1)], 16, 32, torch.float32, True, CPU, 4, 2)
+backend = create_attention_backend("triton", CPU)
+backend.init_cuda_graph(4)
+backend.prepare_for_capture(b1)
+captured = b1.attn_metadata
+check(
+    "capture batch",
+    backend.forward(q1, k1, v1, 0, 32**-0.5, b1),
+    run_backend("torch", b1, q1, k1, v1),
+)
+b2 = Batch(list(reversed(b1.reqs)), "decode")
+table = get_global_ctx().page_table
+for r, n in zip(b2.reqs, (160, 7, 64)):  # other lengths, other order
+    r.cached_len = n - 1
+b2.out_loc = torch.tensor(
+    [int(table[r.table_idx, r.cached_len // 16]) * 16 + r.cached_len % 16 for r in b2.reqs]
+)
+backend.prepare_for_replay(b2)
+assert b2.attn_metadata.kv_lens.data_ptr() == captured.kv_lens.data_ptr(), "not the buffers"
+assert b2.attn_metadata.num_splits == captured.num_splits
+q2, k2, v2 = q1.flip(0), k1.flip(0), v1.flip(0)
+check(
+    "replay batch",
+    backend.forward(q2, k2, v2, 0, 32**-0.5, b2),
+    run_backend("torch", b2, q2, k2, v2),
+)
+
+if failures:
+    sys.exit("FAILED:\n" + "\n".join(failures))
+print("ok")
