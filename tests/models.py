@@ -48,6 +48,9 @@ def build_hf_model(arch: str):
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)
         cls = tf.Qwen3ForCausalLM
+    elif arch == "qwen3_hd128":  # GPU tests of flashinfer, whose kernels want head_dim >= 64
+        cfg = tf.Qwen3Config(**COMMON, head_dim=128, tie_word_embeddings=True)
+        cls = tf.Qwen3ForCausalLM
     elif arch == "mistral":
         cfg = tf.MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False)
         cls = tf.MistralForCausalLM

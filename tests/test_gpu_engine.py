@@ -41,7 +41,7 @@ def generate(path: str, monkeypatch, overlap: bool = True, **kwargs) -> list[lis
 def test_cuda_graph_decode_equals_eager(model_dirs, monkeypatch, attn):
     if attn == "fi":
         pytest.importorskip("flashinfer")
-    path, _ = model_dirs("qwen3")
+    path, _ = model_dirs("qwen3" if attn == "triton" else "qwen3_hd128")
     dtype = "float32" if attn == "triton" else "bfloat16"
     eager = generate(path, monkeypatch, attn=attn, dtype=dtype, cuda_graph_max_bs=0)
     graphs = generate(path, monkeypatch, attn=attn, dtype=dtype, cuda_graph_max_bs=16)

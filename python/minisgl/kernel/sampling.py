@@ -26,12 +26,15 @@ def _gumbel_argmax_kernel(
     temperature,  # [B] float32, 0 = greedy
     seed,  # [B] int64
     step,  # [B] int64
-    out,  # [B] int64
+    out_val,  # [B, C] float32: best score of each vocab chunk
+    out_idx,  # [B, C] int64: its token id
     vocab_size,
+    chunk_size,  # a multiple of BLOCK
     stride_b,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
+    c = tl.program_id(1)
     temp = tl.load(temperature + b)
     greedy = temp == 0.0
     safe_temp = tl.where(greedy, 1.0, temp)
@@ -40,8 +43,9 @@ def _gumbel_argmax_kernel(
     row_key = _hash32((_hash32(s & _MASK32) ^ (st * 0x9E3779B1 & _MASK32)) & _MASK32)
     best_val = -float("inf")
     best_idx = tl.zeros((), dtype=tl.int64)
-    for block in range(tl.cdiv(vocab_size, BLOCK)):
-        start = block * BLOCK
+    chunk_start = c * chunk_size
+    for block in range(tl.cdiv(chunk_size, BLOCK)):
+        start = chunk_start + block * BLOCK
         offs = start + tl.arange(0, BLOCK)
         valid = offs < vocab_size
         x = tl.load(logits + b * stride_b + offs, mask=valid, other=-float("inf"))
@@ -55,7 +59,8 @@ def _gumbel_argmax_kernel(
         better = block_max > best_val  # strict: ties keep the first index, like torch.argmax
         best_idx = tl.where(better, start + block_idx.to(tl.int64), best_idx)
         best_val = tl.where(better, block_max, best_val)
-    tl.store(out + b, best_idx)
+    tl.store(out_val + b * tl.num_programs(1) + c, best_val)
+    tl.store(out_idx + b * tl.num_programs(1) + c, best_idx)
 
 
 def gumbel_argmax(
@@ -66,10 +71,27 @@ def gumbel_argmax(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     batch, vocab = logits.shape
-    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    block = 1024
+    # split each row into chunks so that a small batch still fills the GPU; a second, tiny
+    # reduction picks the best chunk (the first on ties, like torch.argmax)
+    chunks = max(1, min(triton.cdiv(vocab, 8 * block), triton.cdiv(1024, batch)))
+    chunk_size = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
+    chunks = triton.cdiv(vocab, chunk_size)
+    best_val = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(batch, chunks, dtype=torch.int64, device=logits.device)
     # the per-request arguments are often strided views of one [B, 3] tensor
     temperature, seed, step = temperature.contiguous(), seed.contiguous(), step.contiguous()
-    _gumbel_argmax_kernel[(batch,)](
-        logits, temperature, seed, step, out, vocab, logits.stride(0), BLOCK=2048, num_warps=8
+    _gumbel_argmax_kernel[(batch, chunks)](
+        logits,
+        temperature,
+        seed,
+        step,
+        best_val,
+        best_idx,
+        vocab,
+        chunk_size,
+        logits.stride(0),
+        BLOCK=block,
+        num_warps=4,
     )
-    return out
+    return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1)

@@ -187,8 +187,12 @@ def decode_attention(
     num_splits: int,
     page_size: int,
     scale: float,
+    block_n: int = DECODE_BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
-    """Graph-safe: the launches and allocations depend only on the shapes and num_splits."""
+    """Graph-safe: the launches and allocations depend only on the shapes and num_splits.
+    (block_n, num_warps, num_stages) are tuning knobs for benchmarks."""
     bsz, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
     check_head_dim(dim)
@@ -225,10 +229,10 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         PAGE_SIZE=page_size,
         HEAD_DIM=dim,
-        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(bsz, heads)](
@@ -241,7 +245,7 @@ def decode_attention(
             NUM_SPLITS=num_splits,
             SPLITS_POW2=triton.next_power_of_2(num_splits),
             HEAD_DIM=dim,
-            BLOCK_N=DECODE_BLOCK_N,
+            BLOCK_N=block_n,
             num_warps=1 if dim <= 64 else 2,
         )
     return out
