@@ -125,7 +125,11 @@ def main() -> None:
     else:
         prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    # Warm-up: Triton compiles a kernel variant per argument pattern (an int divisible by 16 or
+    # not, ...) on first use; varied prompt lengths and batch sizes meet them before the clock.
+    warm_prompts, _ = workload(24, 300, 100)
+    warm_params = [SamplingParams(temperature=0.6, max_tokens=4 + i % 5) for i in range(24)]
+    llm.generate(warm_prompts, warm_params, use_tqdm=False)
 
     profiler = None
     if args.profile and torch.cuda.is_available():

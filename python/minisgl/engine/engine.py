@@ -202,7 +202,7 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: Batch, samples: list[bool] | None = None) -> torch.Tensor:
         """Run the model; logits [B, vocab] (float32) of each request's last computed token."""
-        return self._forward(batch, samples or [False] * batch.size)[0]
+        return self._forward(batch, samples or [False] * batch.size)[0].float()
 
     def _forward(self, batch: Batch, samples: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         after = self.prepare(batch, samples)
@@ -215,7 +215,7 @@ class Engine:
                 logits = self.model(batch.input_ids, batch.positions, after[2] - 1)
             finally:
                 self.ctx.batch = None
-        return logits.float(), after
+        return logits, after
 
     @torch.inference_mode()
     def launch(self, batch: Batch, samples: list[bool]) -> StepOutput:

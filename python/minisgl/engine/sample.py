@@ -73,7 +73,7 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> to
 def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     """logits [B, V] -> next token ids [B] (int64, on the logits' device). No host sync."""
     if args.all_greedy:
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1)  # in the model's dtype: a float32 copy adds nothing
     if logits.is_cuda and not args.need_filter and not env.disable_fused_ops():
         from minisgl.kernel.sampling import gumbel_argmax
 

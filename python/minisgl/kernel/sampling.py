@@ -22,7 +22,7 @@ def _hash32(x):
 
 @triton.jit
 def _gumbel_argmax_kernel(
-    logits,  # [B, V] float32
+    logits,  # [B, V] any float dtype (read as float32)
     temperature,  # [B] float32, 0 = greedy
     seed,  # [B] int64
     step,  # [B] int64
@@ -48,7 +48,7 @@ def _gumbel_argmax_kernel(
         start = chunk_start + block * BLOCK
         offs = start + tl.arange(0, BLOCK)
         valid = offs < vocab_size
-        x = tl.load(logits + b * stride_b + offs, mask=valid, other=-float("inf"))
+        x = tl.load(logits + b * stride_b + offs, mask=valid, other=-float("inf")).to(tl.float32)
         bits = _hash32((row_key ^ (offs.to(tl.int64) * 0x85EBCA6B & _MASK32)) & _MASK32)
         u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
         gumbel = -tl.log(-tl.log(u))
@@ -67,7 +67,6 @@ def gumbel_argmax(
     logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor
 ) -> torch.Tensor:
     """argmax(logits / T + Gumbel noise) per row (argmax(logits) where T == 0) -> [B] int64."""
-    logits = logits.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     batch, vocab = logits.shape
