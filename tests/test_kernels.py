@@ -125,6 +125,33 @@ def test_rotary_in_place_on_qkv_views(ops, shape, dtype, pos_dtype):
 @on_device
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
+def test_qk_norm_fused_into_rotary(ops, shape, dtype):
+    """Qwen3's per-head q/k RMSNorm in the rotary pass equals rms_norm() then rotary_() and the
+    torch path (norm, then rope) within tolerance (only the sum order differs)."""
+    tokens, _, hq, hk, dim, _ = shape
+    rope = RotaryEmbedding(RopeConfig(dim, base=1e6, max_position=4096)).to(DEVICE)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(3))
+    positions = positions.to(DEVICE)
+    q_w = randn(dim, dtype=dtype, seed=11) * 0.2 + 1
+    k_w = randn(dim, dtype=dtype, seed=12) * 0.2 + 1
+    _, q, k, v = qkv_views(tokens, hq, hk, dim, dtype, seed=10)
+    ref_q, ref_k = rope_torch(
+        rms_norm_torch(q, q_w, 1e-6), rms_norm_torch(k, k_w, 1e-6), rope.cos_sin, positions
+    )
+    two_q, two_k = ops.rms_norm(q, q_w, 1e-6), ops.rms_norm(k, k_w, 1e-6)
+    ops.rotary_(two_q, two_k, rope.cos_sin, positions)
+    v_before = v.clone()
+    ops.rotary_(q, k, rope.cos_sin, positions, (q_w, k_w, 1e-6))
+    close(q, two_q)
+    close(k, two_k)
+    close(q, ref_q)
+    close(k, ref_k)
+    assert torch.equal(v, v_before)
+
+
+@on_device
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
 def test_silu_and_mul(ops, shape, dtype):
     tokens, inter = shape[0], shape[5]
     x = randn(tokens, 2 * inter, dtype=dtype, seed=9) * 3

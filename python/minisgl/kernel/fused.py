@@ -130,9 +130,12 @@ def _rotate_heads(
     sin,
     offs_d,
     d_mask,
+    norm_w,  # [2 * HALF] per-head RMSNorm weight (Qwen3's q/k norm), used when NORM
+    eps,
     HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < HEADS)[:, None] & d_mask[None, :]
@@ -140,6 +143,12 @@ def _rotate_heads(
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = x.dtype.element_ty
+    if NORM:  # rounded like rms_norm(): normalised, to dtype, times the weight, to dtype
+        inv = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(norm_w + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
@@ -155,12 +164,16 @@ def _rotary_kernel(
     stride_qh,
     stride_kt,
     stride_kh,
+    q_norm_w,
+    k_norm_w,
+    eps,
     Q_HEADS: tl.constexpr,
     K_HEADS: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)  # one program per token: all its q and k heads
     pos = tl.load(positions + t * stride_pos).to(tl.int64)
@@ -169,15 +182,26 @@ def _rotary_kernel(
     row = cos_sin + pos * (2 * HALF)
     cos = tl.load(row + offs_d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(row + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
-    _rotate_heads(q + t * stride_qt, stride_qh, cos, sin, offs_d, d_mask, Q_HEADS, BLOCK_QH, HALF)
-    _rotate_heads(k + t * stride_kt, stride_kh, cos, sin, offs_d, d_mask, K_HEADS, BLOCK_KH, HALF)
+    q_t, k_t = q + t * stride_qt, k + t * stride_kt
+    _rotate_heads(
+        q_t, stride_qh, cos, sin, offs_d, d_mask, q_norm_w, eps, Q_HEADS, BLOCK_QH, HALF, NORM
+    )
+    _rotate_heads(
+        k_t, stride_kh, cos, sin, offs_d, d_mask, k_norm_w, eps, K_HEADS, BLOCK_KH, HALF, NORM
+    )
 
 
 def rotary_(
-    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D] in place (they may be strided
-    views of the fused qkv output); positions [T] int32/int64 index cos_sin [max_pos, D]."""
+    views of the fused qkv output); positions [T] int32/int64 index cos_sin [max_pos, D].
+    With qk_norm = (q weight, k weight, eps), each head is first RMS-normalised (Qwen3), as
+    rms_norm() would, in the same pass."""
     tokens, q_heads, dim = q.shape
     assert k.dim() == 3 and k.shape[0] == tokens and k.shape[2] == dim, (
         f"rotary: q {tuple(q.shape)} and k {tuple(k.shape)} disagree"
@@ -199,12 +223,14 @@ def rotary_(
         q.stride(1),
         k.stride(0),
         k.stride(1),
+        *(qk_norm or (q, k, 0.0)),  # unused pointers when there is no norm
         Q_HEADS=q_heads,
         K_HEADS=k.shape[1],
         BLOCK_QH=triton.next_power_of_2(q_heads),
         BLOCK_KH=triton.next_power_of_2(k.shape[1]),
         HALF=half,
         BLOCK_D=triton.next_power_of_2(half),
+        NORM=qk_norm is not None,
         num_warps=4,
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl import kernel
 from minisgl.distributed import get_tp_info
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
@@ -39,9 +40,14 @@ class Attention(nn.Module):
         q = q.view(-1, p.num_heads, p.head_dim)
         k = k.view(-1, p.num_kv_heads, p.head_dim)
         v = v.view(-1, p.num_kv_heads, p.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        if self.qk_norm and (ops := kernel.fused_ops(q)) is not None:
+            # one kernel for q-norm, k-norm and RoPE: two launches fewer per layer
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            ops.rotary_(q, k, self.rotary[0].cos_sin, positions, qk_norm)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+            q, k = self.rotary[0](positions, q, k)
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
