@@ -6,6 +6,7 @@ load into minisgl with the same greedy tokens as the original model holding the 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 
@@ -72,10 +73,24 @@ def add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def write_gguf(arch: str, path: str, with_tokenizer: bool = False) -> torch.nn.Module:
-    """Write a tiny random `arch` model as a GGUF file; returns the transformers model holding
-    exactly the weights the file holds (each tensor quantized and dequantized)."""
-    hf = build_hf_model(arch)
+def llama_cpp_rope_freqs(cfg, head_dim: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes for Llama 3.1 rope scaling."""
+    rope = cfg.rope_parameters
+    inv = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim))
+    old, low, high = 8192, 1.0, 4.0  # llama.cpp reads these where HF configs never put them
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    factors = np.where(wavelen > old / low, rope["factor"], blended)
+    return np.where(wavelen < old / high, 1.0, factors).astype(np.float32)
+
+
+def write_gguf(model: str, path: str, with_tokenizer: bool = False) -> torch.nn.Module:
+    """Write a tiny random model (a name from models.py) as a GGUF file; returns the
+    transformers model holding exactly the weights the file holds (each tensor quantized and
+    dequantized)."""
+    arch = "llama" if model.startswith("llama") else model
+    hf = build_hf_model(model)
     cfg = hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
@@ -93,6 +108,8 @@ def write_gguf(arch: str, path: str, with_tokenizer: bool = False) -> torch.nn.M
     w.add_vocab_size(cfg.vocab_size)
     if with_tokenizer:
         add_tokenizer(w, cfg.vocab_size)
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(cfg, head_dim))
     names = gguf.get_tensor_name_map(GGUF_ARCH[arch], cfg.num_hidden_layers)
     qtypes = QTYPES[arch]
     state = hf.state_dict()
@@ -142,10 +159,22 @@ def minisgl_greedy(path: str) -> list[list[int]]:
     return [o["token_ids"] for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_gguf_equals_the_weights_it_holds(gguf_models, arch):
-    path, hf = gguf_models(arch)
+@pytest.mark.parametrize("model", ["llama", "llama3_8k", "qwen2", "qwen3"])
+def test_tiny_gguf_equals_the_weights_it_holds(gguf_models, model):
+    path, hf = gguf_models(model)
     assert minisgl_greedy(path) == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+
+
+def test_llama3_rope_scaling_is_rebuilt_from_rope_freqs(gguf_models):
+    path, hf = gguf_models("llama3_8k")
+    with open(os.path.join(resolve_model_path(path), "config.json")) as f:
+        rope = json.load(f)["rope_parameters"]
+    assert rope == {**hf.config.rope_parameters, "rope_theta": rope["rope_theta"]}
+    head_dim = hf.config.hidden_size // hf.config.num_attention_heads
+    freqs = torch.from_numpy(llama_cpp_rope_freqs(hf.config, head_dim))
+    freqs[2] *= 1.1  # divisors that no llama3 parameters make
+    with pytest.raises(ValueError, match="not Llama 3.1 rope scaling"):
+        mg._llama3_scaling(hf.config, freqs)
 
 
 def test_tiny_llama_gguf_equals_transformers_gguf_loader(gguf_models):

@@ -184,9 +184,9 @@ def convert(path: str, out: str) -> None:
     if arch not in ARCHITECTURES:
         supported = ", ".join(ARCHITECTURES)
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")
-    names = [t.name for t in reader.tensors]
-    if "rope_freqs.weight" in names:
-        raise ValueError("GGUF rope_freqs (Llama 3.1-style rope scaling) is not supported yet")
+    tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    rope_freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    names = [t.name for t in tensors]
     hf_names = {n: hf_name(n) for n in names}  # fails on a foreign tensor before any work
     num_heads = _field(reader, f"{arch}.attention.head_count")
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or num_heads
@@ -198,6 +198,8 @@ def convert(path: str, out: str) -> None:
     config.architectures = [ARCHITECTURES[arch]]
     if head_dim := _field(reader, f"{arch}.attention.key_length"):
         config.head_dim = head_dim  # transformers' qwen3 mapping misses it
+    if rope_freqs:
+        _set_rope_scaling(config, _llama3_scaling(config, _dequantize(rope_freqs[0])))
     config.save_pretrained(out)
     bar.update()
     if _field(reader, "tokenizer.ggml.model") is not None:
@@ -206,7 +208,7 @@ def convert(path: str, out: str) -> None:
 
     parts: list[list[str]] = []  # tensor names of each safetensors file written so far
     shard: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         weight = _dequantize(tensor)
         if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
@@ -218,6 +220,37 @@ def convert(path: str, out: str) -> None:
     _write_part(shard, out, parts, save_file)
     bar.close()
     _name_parts(out, parts)
+
+
+def _llama3_scaling(config: Any, rope_freqs: torch.Tensor) -> dict[str, Any]:
+    """llama.cpp stores Llama 3.1 rope scaling as per-frequency divisors (rope_freqs), made
+    with its defaults: original context 8192, low/high frequency factors 1 and 4. Rebuild those
+    parameters, and refuse divisors they do not reproduce."""
+    from minisgl.layers.rotary import RopeConfig, inv_freq
+
+    params = getattr(config, "rope_parameters", None) or {}
+    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(rope_freqs.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    plain = inv_freq(RopeConfig(head_dim, base))
+    if rope_freqs.shape != plain.shape or not torch.allclose(
+        inv_freq(RopeConfig(head_dim, base, scaling=scaling)), plain / rope_freqs, rtol=1e-4
+    ):
+        raise ValueError("GGUF rope_freqs that are not Llama 3.1 rope scaling are not supported")
+    return scaling
+
+
+def _set_rope_scaling(config: Any, scaling: dict[str, Any]) -> None:
+    if getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
+        config.rope_parameters = {**config.rope_parameters, **scaling}
+    else:
+        config.rope_scaling = scaling
 
 
 def _write_part(shard: dict[str, torch.Tensor], out: str, parts: list[list[str]], save) -> None:
