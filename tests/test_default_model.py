@@ -6,6 +6,7 @@ package; without it these tests are skipped."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -37,9 +38,11 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A cache of this module's own (inherited by the servers it starts), filled once."""
     from minisgl.models import resolve_model_path
 
+    cache = str(tmp_path_factory.mktemp("cache"))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MINISGL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        mp.setenv("MINISGL_CACHE_DIR", cache)
         yield resolve_model_path(DEFAULT)
+    shutil.rmtree(cache)  # 540 MB: pytest would keep it with its last runs' temp dirs
 
 
 def test_greedy_equals_transformers_on_the_same_gguf(capsys: pytest.CaptureFixture) -> None:

@@ -224,6 +224,14 @@ def test_conversion_is_cached_and_atomic(gguf_models, cache_dir, monkeypatch):
     assert os.listdir(os.path.dirname(out)) == [os.path.basename(out)]  # nothing half-written
 
 
+def test_unwritable_cache_is_a_clear_error(gguf_models, tmp_path, monkeypatch):
+    path, _ = gguf_models("qwen2")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="cannot write the converted model.*MINISGL_CACHE_DIR"):
+        resolve_model_path(path)
+
+
 def test_bad_gguf_files_get_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         resolve_model_path(str(tmp_path / "missing.gguf"))

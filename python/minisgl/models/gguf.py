@@ -92,22 +92,26 @@ def converted_dir(path: str) -> str:
 def resolve_gguf(path: str) -> str:
     """The converted directory of a GGUF file, converting it first if it is not cached."""
     out = converted_dir(path)
-    if os.path.isfile(os.path.join(out, "config.json")):
+    done = lambda: os.path.isfile(os.path.join(out, "config.json"))  # noqa: E731
+    if done():
         return out
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    _remove_stale_temps(out)
     # Written in a temporary directory renamed at the end, so that an interrupted conversion
     # never leaves a directory that looks complete.
     tmp = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"minisgl: converting {path} into {out} (once)", file=sys.stderr)
     try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        _remove_stale_temps(out)
+        shutil.rmtree(tmp, ignore_errors=True)
         convert(path, tmp)
         os.rename(tmp, out)
-    except OSError:
-        if not os.path.isfile(os.path.join(out, "config.json")):
-            raise
-    finally:  # a concurrent conversion that finished first wins; ours is dropped
+    except OSError as e:
+        if not done():  # else a concurrent conversion finished first: ours is dropped
+            raise ValueError(
+                f"cannot write the converted model to {out}: {e} "
+                "(MINISGL_CACHE_DIR chooses another cache directory)"
+            ) from None
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
@@ -184,6 +188,8 @@ def convert(path: str, out: str) -> None:
     if arch not in ARCHITECTURES:
         supported = ", ".join(ARCHITECTURES)
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")
+    if (_field(reader, "split.count") or 1) > 1:
+        raise ValueError(f"{path} is one part of a split GGUF: merge the parts into one file first")
     tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
     rope_freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
     names = [t.name for t in tensors]
