@@ -202,6 +202,8 @@ def convert(path: str, out: str) -> None:
     bar = tqdm(total=len(names) + 2, desc=f"converting {file}", unit="step", file=sys.stderr)
     config = AutoConfig.from_pretrained(folder, gguf_file=file)
     config.architectures = [ARCHITECTURES[arch]]
+    if arch == "llama" and getattr(config, "sliding_window", None):
+        config.sliding_window = None  # transformers reads Mistral as such; llama.cpp has no window
     if head_dim := _field(reader, f"{arch}.attention.key_length"):
         config.head_dim = head_dim  # transformers' qwen3 mapping misses it
     if rope_freqs:
