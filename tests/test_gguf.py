@@ -89,12 +89,13 @@ def write_gguf(model: str, path: str, with_tokenizer: bool = False) -> torch.nn.
     """Write a tiny random model (a name from models.py) as a GGUF file; returns the
     transformers model holding exactly the weights the file holds (each tensor quantized and
     dequantized)."""
-    arch = "llama" if model.startswith("llama") else model
+    arch = "llama" if model.startswith(("llama", "mistral")) else model  # as llama.cpp names them
     hf = build_hf_model(model)
     cfg = hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
     w = gguf.GGUFWriter(path, arch)
+    w.add_name(model)  # transformers reads a llama GGUF named "mistral..." as Mistral
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -159,10 +160,16 @@ def minisgl_greedy(path: str) -> list[list[int]]:
     return [o["token_ids"] for o in outs]
 
 
-@pytest.mark.parametrize("model", ["llama", "llama3_8k", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model", ["llama", "llama3_8k", "mistral", "qwen2", "qwen3"])
 def test_tiny_gguf_equals_the_weights_it_holds(gguf_models, model):
     path, hf = gguf_models(model)
     assert minisgl_greedy(path) == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+
+
+def test_mistral_gguf_has_no_sliding_window(gguf_models):
+    with open(os.path.join(resolve_model_path(gguf_models("mistral")[0]), "config.json")) as f:
+        config = json.load(f)
+    assert config["model_type"] == "mistral" and config["sliding_window"] is None
 
 
 def test_llama3_rope_scaling_is_rebuilt_from_rope_freqs(gguf_models):
