@@ -206,6 +206,18 @@ def test_tiny_llama_gguf_equals_transformers_gguf_loader(gguf_models):
     )
 
 
+def test_large_models_are_written_in_shards(gguf_models, monkeypatch):
+    path, hf = gguf_models("qwen2")
+    monkeypatch.setattr(mg, "_SHARD_BYTES", 100_000)  # the embeddings alone are 128 KiB
+    out = resolve_model_path(path)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    assert len(files) > 2 and sorted(files) == sorted(
+        f for f in os.listdir(out) if f.endswith(".safetensors")
+    )
+    assert minisgl_greedy(path) == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+
+
 def test_unpermute_inverts_llama_cpp():
     w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
     back = mg.unpermute(torch.from_numpy(llama_cpp_permute(w, 4)), 4)

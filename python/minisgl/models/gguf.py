@@ -261,7 +261,9 @@ def _set_rope_scaling(config: Any, scaling: dict[str, Any]) -> None:
         config.rope_scaling = scaling
 
 
-def _write_part(shard: dict[str, torch.Tensor], out: str, parts: list[list[str]], save) -> None:
+def _write_part(
+    shard: dict[str, torch.Tensor], out: str, parts: list[list[str]], save: Any
+) -> None:
     save(shard, os.path.join(out, f"part-{len(parts)}.safetensors"), metadata={"format": "pt"})
     parts.append(list(shard))
     shard.clear()
