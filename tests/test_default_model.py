@@ -79,3 +79,18 @@ def test_server_without_model_answers(tmp_path_factory: pytest.TempPathFactory) 
         )
         assert "Paris" in reply.choices[0].message.content
         assert "using the embedded SmolLM2" in server.log()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_embedded_model_on_gpu() -> None:
+    """CUDA in bf16 (the default dtype there) with the default attention backend: the same
+    answer, and float32 on CUDA gives CPU float32's tokens for the first steps."""
+    chat = [CHATS[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    gpu = LLM(device="cuda", num_pages=256)
+    assert "Paris" in gpu.chat(chat, params, use_tqdm=False)[0]["text"]
+    gpu.shutdown()
+    f32 = LLM(device="cuda", dtype="float32", num_pages=256).chat(chat, params, use_tqdm=False)
+    cpu = LLM(device="cpu", num_pages=64).chat(chat, params, use_tqdm=False)
+    assert f32[0]["token_ids"][:8] == cpu[0]["token_ids"][:8]
