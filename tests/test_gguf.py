@@ -1,7 +1,8 @@
-"""GGUF checkpoints: tiny random Llama / Qwen2 / Qwen3 models written as llama.cpp writes them
-(gguf's own tensor names, Llama's q/k row permutation, F32 / F16 / Q8_0 / Q4_0 / Q4_1 tensors)
-load into minisgl with the same greedy tokens as the original model holding the same
-(quantized) weights, and as transformers' GGUF loader; the conversion cache; clear errors."""
+"""GGUF checkpoints: tiny random Llama (also with Llama 3.1 rope scaling, and as Mistral) / Qwen2 /
+Qwen3 models written as llama.cpp writes them (gguf's own tensor names, Llama's q/k row
+permutation, F32 / F16 / Q8_0 / Q4_0 / Q4_1 tensors) load into minisgl with the same greedy
+tokens as the original model holding the same (quantized) weights, and as transformers' GGUF
+loader; the conversion cache; clear errors."""
 
 from __future__ import annotations
 
