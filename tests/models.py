@@ -30,13 +30,13 @@ def build_hf_model(arch: str):
     if arch == "llama":
         cfg = tf.LlamaConfig(**COMMON, tie_word_embeddings=False)
         cls = tf.LlamaForCausalLM
-    elif arch == "llama3_tied":
+    elif arch in ("llama3_tied", "llama3_8k"):  # llama3_8k: the original context of Llama 3.1
         scaling = dict(
             rope_type="llama3",
             factor=8.0,
             low_freq_factor=1.0,
             high_freq_factor=4.0,
-            original_max_position_embeddings=64,
+            original_max_position_embeddings=64 if arch == "llama3_tied" else 8192,
         )
         cfg = tf.LlamaConfig(
             **COMMON, tie_word_embeddings=True, rope_scaling=scaling, rope_theta=500000.0

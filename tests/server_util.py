@@ -104,12 +104,14 @@ def cmdline(pid: int) -> str:
 class Server:
     """One `python -m minisgl` process; output goes to a log file (a pipe could fill up)."""
 
-    def __init__(self, model: str, *args: str, log_path: str) -> None:
+    def __init__(self, model: str | None, *args: str, log_path: str) -> None:
+        """`model` None: no --model flag (the embedded default model)."""
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "minisgl", "--port", str(self.port)]
+        cmd += ["--model", model] if model is not None else []
         env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")  # closed by stop() or kill_all()
         # A session of its own: a signal to its group is what a terminal's Ctrl-C does.
@@ -229,7 +231,7 @@ class Server:
 
 @contextlib.contextmanager
 def run_server(
-    model: str,
+    model: str | None,
     *args: str,
     log_path: str,
     stop_signal: int = signal.SIGTERM,

@@ -19,7 +19,7 @@ class RopeConfig:
     scaling: dict = field(default_factory=dict)  # HF rope_scaling / rope_parameters
 
 
-def _inv_freq(cfg: RopeConfig) -> torch.Tensor:
+def inv_freq(cfg: RopeConfig) -> torch.Tensor:
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
     inv_freq = 1.0 / (cfg.base**exponents)
     kind = cfg.scaling.get("rope_type", cfg.scaling.get("type", "default"))
@@ -49,7 +49,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: RopeConfig) -> None:
         super().__init__()
         positions = torch.arange(cfg.max_position, dtype=torch.float32)
-        freqs = positions[:, None] * _inv_freq(cfg)[None, :]
+        freqs = positions[:, None] * inv_freq(cfg)[None, :]
         # [max_position, head_dim]: cos in the first half, sin in the second
         self.register_buffer(
             "cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False

