@@ -240,6 +240,7 @@ def test_launch_starts_and_stops_the_server(tmp_path, capsys):
     port, out = free_port(), str(tmp_path / "fake.json")
     argv = ["--launch", f"{sys.executable} {script} --port {port}", "--num-prompts", "5"]
     argv += ["--rates", "100", "--input-len", "8", "--output-len", "3", "--disable-tqdm"]
+    argv += ["--launch-log", str(tmp_path / "fake.log")]
     assert bs.main([*argv, "--out", out]) == 0  # the base URL comes from --launch's --port
     run = check_result(out, [100.0], 5, 8, 3)
     assert run["config"]["model"] == "fake" and run["results"][0]["server_stats"] is None
@@ -252,7 +253,8 @@ def test_launch_starts_and_stops_the_server(tmp_path, capsys):
     assert "the server exited with code 3 before it was ready" in err and "no GPU" in err
 
     hang = f"{sys.executable} -c 'import time; time.sleep(60)'"
-    assert bs.main(["--launch", hang, "--launch-timeout", "1"]) == 1
+    argv = ["--launch", hang, "--launch-timeout", "1", "--launch-log", str(tmp_path / "hang.log")]
+    assert bs.main(argv) == 1
     err = capsys.readouterr().err
     assert "/health not ready after 1 s" in err
     pid = int(re.search(r"launched the server \(pid (\d+)\)", err).group(1))
