@@ -275,7 +275,7 @@ def create_app(
             async for i, r in merged(started):
                 prompt[i], completion[i] = r.prompt_tokens, r.completion_tokens
                 fr = r.finish_reason if r.finished else None
-                if not r.text_delta and fr is None:
+                if not r.text_delta and not r.token_ids and fr is None:
                     continue
                 if chat:
                     delta = {"content": r.text_delta} if r.text_delta else {}

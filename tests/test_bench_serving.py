@@ -1,0 +1,261 @@
+"""The online serving benchmark: its workloads, SSE parsing and metrics on their own, then a CPU
+run against real servers on a tiny model (a 2-rate sweep, the shared-prefix mode through
+`--launch` with `--cache naive`, and a comparison plot of both)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import sys
+
+import httpx
+import pytest
+
+from server_util import REPO, free_port, make_tiny_model, run_server
+
+sys.path.insert(0, os.path.join(REPO, "benchmark", "online"))
+
+import bench_serving as bs  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LATENCY_KEYS = ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"]
+
+
+# ---- workloads ----------------------------------------------------------------------------
+def test_random_requests_have_the_asked_lengths():
+    reqs = bs.random_requests(20, 30, 7, 0.0, 50, seed=1)
+    assert [len(r.prompt) for r in reqs] == [30] * 20 and {r.output_len for r in reqs} == {7}
+    assert all(0 <= t < 50 for r in reqs for t in r.prompt)
+    spread = bs.random_requests(200, 100, 10, 0.5, 50, seed=1)
+    assert {len(r.prompt) for r in spread} <= set(range(50, 151))
+    assert len({len(r.prompt) for r in spread}) > 20
+    assert bs.random_requests(3, 30, 7, 0.0, 50, seed=1)[0] == reqs[0]  # seeded
+
+
+def test_shared_prefix_requests_share_their_groups_prefix():
+    reqs = bs.shared_prefix_requests(7, 3, 40, 5, 4, 1000, seed=0)
+    assert all(len(r.prompt) == 45 and r.output_len == 4 for r in reqs)
+    prefixes = [tuple(r.prompt[:40]) for r in reqs]
+    assert prefixes[0] == prefixes[3] == prefixes[6] and prefixes[1] == prefixes[4]
+    assert len(set(prefixes)) == 3  # the groups interleave
+    assert len({tuple(r.prompt[40:]) for r in reqs}) == 7  # every suffix its own
+
+
+def test_poisson_arrivals():
+    times = bs.arrival_times(4000, 8.0, seed=0)
+    assert times[0] == 0 and times == sorted(times)
+    assert abs(times[-1] / 3999 - 1 / 8) < 0.1 / 8  # mean gap 1 / rate
+    assert bs.arrival_times(5, math.inf, seed=0) == [0.0] * 5
+
+
+def test_trace_replay(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 1500, "input_length": 20, "output_length": 3, "hash_ids": [7, 8]},
+        {"timestamp": 1000, "input_length": 40, "output_length": 5, "hash_ids": [7, 8, 9]},
+        {"timestamp": 1250, "input_length": 6, "output_length": 2},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    reqs = bs.trace_requests(str(path), None, "ms", 2.0, 16, 100, seed=0)
+    assert [r.arrival for r in reqs] == [0.0, 0.5, 1.0]  # sorted, ms, gaps doubled
+    assert [(len(r.prompt), r.output_len) for r in reqs] == [(40, 5), (6, 2), (20, 3)]
+    assert reqs[0].prompt[:20] == reqs[2].prompt  # blocks 7, 8 (16 tokens each) shared
+    assert len(bs.trace_requests(str(path), 2, "s", 1.0, 16, 100, seed=0)) == 2
+
+    path.write_text(json.dumps(lines[0]) + '\n{"timestamp": 3, "input_length": 5}\n')
+    with pytest.raises(bs.BenchError, match=r"trace.jsonl:2: expected .*output_length"):
+        bs.trace_requests(str(path), None, "s", 1.0, 16, 100, seed=0)
+    path.write_text("")
+    with pytest.raises(bs.BenchError, match="no requests"):
+        bs.trace_requests(str(path), None, "s", 1.0, 16, 100, seed=0)
+
+
+# ---- SSE parsing and metrics --------------------------------------------------------------
+def sse(*chunks: dict) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+def send_to(handler) -> bs.Result:
+    async def go() -> bs.Result:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await bs.send(client, {"prompt": [1, 2, 3], "max_tokens": 4})
+
+    return asyncio.run(go())
+
+
+def text(t: str, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "text": t, "finish_reason": finish}]}
+
+
+def usage_chunk(completion: int) -> dict:
+    usage = {"prompt_tokens": 5, "completion_tokens": completion, "total_tokens": 5 + completion}
+    return {"choices": [], "usage": usage}
+
+
+def test_send_counts_tokens_from_usage_else_chunks():
+    with_usage = sse(text("a"), text("bc"), text("", "length"), usage_chunk(4))
+    r = send_to(lambda req: httpx.Response(200, content=with_usage))
+    assert r.ok and (r.prompt_tokens, r.output_tokens) == (5, 4)
+    assert len(r.itl) == 1 and 0 < r.ttft <= r.e2e  # the empty finish chunk is no token
+
+    r = send_to(lambda req: httpx.Response(200, content=sse(text("a"), text(""), text("c"))))
+    assert r.ok and (r.prompt_tokens, r.output_tokens, len(r.itl)) == (3, 3, 2)  # "" is a token
+    assert not r.chunkless
+
+    # a server that streams nothing before the end (no text): TTFT = e2e, and it is flagged
+    r = send_to(lambda req: httpx.Response(200, content=sse(text("", "length"), usage_chunk(4))))
+    assert r.ok and r.chunkless and r.output_tokens == 4 and r.itl == []
+    s = bs.summarize([r], 1.0, 2.0, [50])
+    assert s["chunkless"] == 1 and "warning: 1 streams sent nothing" in bs.summary_line(s, [50])
+
+
+def test_send_reports_errors():
+    r = send_to(lambda req: httpx.Response(400, json={"error": {"message": "too long"}}))
+    assert not r.ok and r.error.startswith("HTTP 400") and "too long" in r.error
+    r = send_to(lambda req: httpx.Response(200, content=sse(text("a"), {"error": "boom"})))
+    assert not r.ok and "boom" in r.error
+    r = send_to(lambda req: httpx.Response(200, content=b"data: 5\n\n"))
+    assert not r.ok and "no JSON object" in r.error
+    r = send_to(lambda req: httpx.Response(200, content=b"data: [DONE]\n\n"))
+    assert not r.ok and "without output" in r.error
+
+
+def test_summarize():
+    ok = [
+        bs.Result(True, "", 10, 5, ttft=0.1, e2e=0.5, itl=[0.1] * 4),
+        bs.Result(True, "", 20, 3, ttft=0.3, e2e=0.5, itl=[0.1, 0.1]),
+    ]
+    s = bs.summarize([*ok, bs.Result(error="HTTP 500: x")], 2.0, math.inf, [50, 99])
+    assert s["rate"] == "inf" and (s["completed"], s["failed"]) == (2, 1)
+    assert s["errors"] == ["HTTP 500: x"]
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (30, 8)
+    assert (s["request_throughput"], s["output_throughput"]) == (1.0, 4.0)
+    assert s["tpot_ms"]["p50"] == pytest.approx(100.0)  # (0.5-0.1)/4 and (0.5-0.3)/2
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0) and s["ttft_ms"]["p50"] == 200.0
+    assert s["e2e_ms"]["p99"] == pytest.approx(500.0)
+    assert bs.summarize([], 1.0, 4.0, [50])["ttft_ms"] == {"mean": None, "p50": None}
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    for argv in (["--rates", "0"], ["--rates", "4,x"], ["--plot-only", "a.json"]):
+        with pytest.raises(SystemExit) as e:
+            bs.main(argv)
+        assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        bs.main(["--trace", "t.jsonl", "--rates", "4"])
+    assert "--rates does not apply to --trace" in capsys.readouterr().err
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert bs.main(["--base-url", url, "--disable-tqdm"]) == 1
+    assert f"error: cannot reach {url}" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{")
+    assert bs.main(["--plot-only", str(tmp_path / "bad.json"), "--plot", "x.png"]) == 1
+    assert "bad.json: cannot read it" in capsys.readouterr().err
+
+
+# ---- against real servers -----------------------------------------------------------------
+def check_result(path: str, rates: list, num_prompts: int, input_len: int, output_len: int):
+    with open(path) as f:
+        run = json.load(f)
+    assert {"label", "title", "config", "host", "command", "results"} <= run.keys()
+    assert [s["rate"] for s in run["results"]] == rates
+    for s in run["results"]:
+        assert (s["completed"], s["failed"]) == (num_prompts, 0), s["errors"]
+        assert s["total_input_tokens"] == num_prompts * input_len
+        assert s["total_output_tokens"] == num_prompts * output_len  # ignore_eos + max_tokens
+        assert s["request_throughput"] > 0 and s["output_throughput"] > 0
+        for key in LATENCY_KEYS:
+            assert set(s[key]) == {"mean", "p50", "p90", "p99"}
+            assert 0 <= s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
+        assert 0 < s["ttft_ms"]["p50"] and s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
+    return run
+
+
+def check_png(path: str) -> None:
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert os.path.getsize(path) < 200_000  # small enough to commit
+
+
+def test_against_the_cpu_server(tmp_path):
+    model = make_tiny_model(str(tmp_path / "tiny-qwen3"))
+    common = ["--vocab-size", "400", "--num-prompts", "6", "--output-len", "5"]
+    sweep, sweep_png = str(tmp_path / "sweep.json"), str(tmp_path / "sweep.png")
+    shared = str(tmp_path / "shared.json")
+    with run_server(model, "--page-size", "4", log_path=str(tmp_path / "server.log")) as server:
+        argv = ["--base-url", server.url + "/v1", "--rates", "30,inf", "--input-len", "24"]
+        assert bs.main([*argv, *common, "--out", sweep, "--plot", sweep_png]) == 0
+        argv = ["--base-url", server.url, "--shared-prefix", "--num-groups", "2"]
+        argv += ["--prefix-len", "32", "--suffix-len", "4", "--label", "radix", "--disable-tqdm"]
+        assert bs.main([*argv, *common, "--out", shared]) == 0
+    run = check_result(sweep, [30.0, "inf"], 6, 24, 5)
+    assert run["config"]["model"] == model  # asked from /v1/models
+    assert "num_preemptions" in run["results"][0]["server_stats"]  # minisgl's /stats
+    check_png(sweep_png)
+    run = check_result(shared, ["inf"], 6, 36, 5)
+    assert run["label"] == "radix" and "shared prefix" in run["title"]
+
+    both = str(tmp_path / "both.png")
+    assert bs.main(["--plot-only", sweep, shared, "--plot", both]) == 0
+    check_png(both)
+
+
+FAKE_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = {"/health": {}, "/v1/models": {"data": [{"id": "fake"}]}}.get(self.path)
+        self.send_response(404 if body is None else 200)
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.send_response(200)
+        self.end_headers()
+        for _ in range(req["max_tokens"]):
+            self.wfile.write(b'data: {"choices": [{"text": "x"}]}\\n\\n')
+            self.wfile.flush()
+        usage = {"prompt_tokens": len(req["prompt"]), "completion_tokens": req["max_tokens"]}
+        last = json.dumps({"choices": [], "usage": usage})
+        self.wfile.write(f"data: {last}\\n\\ndata: [DONE]\\n\\n".encode())
+
+    def log_message(self, *args):
+        pass
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[-1])), Handler).serve_forever()
+"""
+
+
+def test_launch_starts_and_stops_the_server(tmp_path, capsys):
+    """--launch on a stand-in server (a real one starts too slowly for a second test)."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    port, out = free_port(), str(tmp_path / "fake.json")
+    argv = ["--launch", f"{sys.executable} {script} --port {port}", "--num-prompts", "5"]
+    argv += ["--rates", "100", "--input-len", "8", "--output-len", "3", "--disable-tqdm"]
+    argv += ["--launch-log", str(tmp_path / "fake.log")]
+    assert bs.main([*argv, "--out", out]) == 0  # the base URL comes from --launch's --port
+    run = check_result(out, [100.0], 5, 8, 3)
+    assert run["config"]["model"] == "fake" and run["results"][0]["server_stats"] is None
+    with pytest.raises(httpx.ConnectError):  # stopped
+        httpx.get(f"http://127.0.0.1:{port}/health", trust_env=False)
+
+    crash = f"{sys.executable} -c 'import sys; print(\"no GPU\"); sys.exit(3)'"
+    assert bs.main(["--launch", crash, "--launch-log", str(tmp_path / "crash.log")]) == 1
+    err = capsys.readouterr().err
+    assert "the server exited with code 3 before it was ready" in err and "no GPU" in err
+
+    hang = f"{sys.executable} -c 'import time; time.sleep(60)'"
+    argv = ["--launch", hang, "--launch-timeout", "1", "--launch-log", str(tmp_path / "hang.log")]
+    assert bs.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "/health not ready after 1 s" in err
+    pid = int(re.search(r"launched the server \(pid (\d+)\)", err).group(1))
+    assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped
