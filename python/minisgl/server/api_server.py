@@ -9,7 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -138,17 +138,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Larger integers cannot travel in a message (msgpack) nor live in a tensor: refuse them here.
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: Int64 = -1
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     n: int = Field(1, ge=1, le=64)
     ignore_eos: bool = False
     stream: bool = False
@@ -158,7 +162,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
 
 
 class ChatMessage(BaseModel):
@@ -169,7 +173,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -182,7 +186,8 @@ class GenerateRequest(BaseModel):
 def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int) -> SamplingParams:
     if max_tokens <= 0:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    seed = None if req.seed is None else req.seed + seed_offset
+    # choice i of n samples with seed + i; kept within int64
+    seed = None if req.seed is None else (req.seed + seed_offset) % 2**63
     try:
         return SamplingParams(
             temperature=req.temperature,
@@ -200,7 +205,10 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int) -> S
 
 def chat_content(m: ChatMessage) -> str:
     if isinstance(m.content, list):  # OpenAI content parts: keep the text ones
-        return "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+        texts = [p.get("text") for p in m.content if p.get("type") == "text"]
+        if not all(isinstance(t, str) for t in texts):
+            raise APIError(400, "messages: a text content part needs a string 'text'", "messages")
+        return "".join(texts)  # type: ignore[arg-type]
     return m.content or ""
 
 
@@ -317,7 +325,7 @@ def create_app(frontend: Frontend, args: ServerArgs, max_seq_len: int) -> FastAP
     def make_msgs(req: SamplingFields, max_tokens: int, **source: Any) -> list[TokenizeMsg]:
         ids = source.get("input_ids") or []
         if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
-            raise APIError(400, "prompt token ids must be non-negative", "prompt")
+            raise APIError(400, "prompt token ids must be in [0, 2**31)", "prompt")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return [
             TokenizeMsg(
@@ -493,21 +501,25 @@ def create_app(frontend: Frontend, args: ServerArgs, max_seq_len: int) -> FastAP
     async def native_generate(req: GenerateRequest) -> Any:
         if (req.input_ids is None) == (req.text is None):
             raise APIError(400, "give exactly one of input_ids and text", "input_ids")
+        params = {"temperature": 0.0, "max_tokens": 128, **req.sampling_params}
+        if "max_new_tokens" in params:  # the native name
+            params["max_tokens"] = params.pop("max_new_tokens")
         try:  # a bad value here is the client's error, not the server's (500)
-            fields = SamplingFields(**{"temperature": 0.0, **req.sampling_params})
-            max_tokens = int(
-                req.sampling_params.get(
-                    "max_new_tokens", req.sampling_params.get("max_tokens", 128)
-                )
-            )
+            fields = SamplingFields(**params)
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err["loc"])
+            if loc == "max_tokens" and "max_new_tokens" in req.sampling_params:
+                loc = "max_new_tokens"
             raise APIError(400, f"sampling_params.{loc}: {err['msg']}", "sampling_params") from None
-        except (TypeError, ValueError) as e:
-            raise APIError(400, f"sampling_params: {e}", "sampling_params") from None
+        if fields.max_tokens is None:
+            raise APIError(
+                400, "sampling_params.max_new_tokens must be an integer", "sampling_params"
+            )
         fields.n = 1
-        msg = make_msgs(fields, max_tokens, text=req.text, input_ids=req.input_ids, chat=None)[0]
+        msg = make_msgs(
+            fields, fields.max_tokens, text=req.text, input_ids=req.input_ids, chat=None
+        )[0]
         admit(1)
         stream, first = await first_reply(msg)
 
