@@ -9,7 +9,10 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -345,6 +348,20 @@ def test_request_body_size_limit(limited: Server) -> None:
     r = httpx.post(url, json=completion(list(range(5, 100)), 4), timeout=60)
     assert r.status_code == 200, r.text
     assert httpx.get(f"{limited.url}/health").status_code == 200
+
+
+# ---- the soak script ----------------------------------------------------------------------
+def test_soak_script_briefly(server: Server) -> None:
+    from server_util import REPO
+
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "soak.py"), "--url", server.url]
+    cmd += ["--duration", "4", "--concurrency", "6", "--warmup", "1", "--report-every", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "pages leaked: 0 (locked prefix-cache pages: 0)" in out.stdout
+    assert "errors by kind: none" in out.stdout and "soak: OK" in out.stdout
+    done = re.search(r"requests done: (\d+)", out.stdout)
+    assert done and int(done.group(1)) > 10, out.stdout
 
 
 # ---- stopping -----------------------------------------------------------------------------
