@@ -92,20 +92,20 @@ class Gate:
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 reject = error_response(401, "invalid or missing API key", code="invalid_api_key")
                 return await reject(scope, receive, counted)
-        too_large = error_response(
-            413, f"request body is larger than {self.max_body} bytes", code="body_too_large"
-        )
+        too_large = f"request body is larger than {self.max_body} bytes"
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:
-            return await too_large(scope, receive, counted)
+            reject = error_response(413, too_large, code="body_too_large")
+            return await reject(scope, receive, counted)
         body, more = bytearray(), True
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client left before sending all of its body
             body += message.get("body", b"")
-            if len(body) > self.max_body:
-                return await too_large(scope, receive, counted)
+            if len(body) > self.max_body:  # no (or a false) Content-Length
+                reject = error_response(413, too_large, code="body_too_large")
+                return await reject(scope, receive, counted)
             more = message.get("more_body", False)
         replayed = False
 
