@@ -125,6 +125,7 @@ class Server:
             start_new_session=True,
         )
         self.children: list[Proc] = []
+        self.expect_code = 0  # what `run_server` expects at the end (a test may kill it)
         self.headers: dict[str, str] = {}  # what /stats needs when the server wants an API key
         if "--api-key" in args:
             self.headers["authorization"] = f"Bearer {args[args.index('--api-key') + 1]}"
@@ -238,7 +239,7 @@ def run_server(
     group: bool = False,
 ) -> Iterator[Server]:
     """A healthy server for the `with` block; afterwards it must stop on `stop_signal` within
-    10 s, with exit code 0 and no process left behind."""
+    10 s, with exit code 0 (or `server.expect_code`) and no process left behind."""
     server = Server(model, *args, log_path=log_path)
     try:
         server.wait_ready()
@@ -247,4 +248,7 @@ def run_server(
         server.kill_all()
         raise
     code = server.stop(stop_signal, group=group)
-    assert code == 0, f"server exited with code {code} on signal {stop_signal}:\n{server.log()}"
+    expected = server.expect_code
+    assert code == expected, (
+        f"server exited with code {code} on signal {stop_signal}:\n{server.log()}"
+    )

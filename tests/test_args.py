@@ -15,6 +15,8 @@ def test_defaults():
     assert (args.num_pages, args.max_model_len, args.num_tokenizer) == (None, None, 1)
     assert (args.dummy_weights, args.shell, args.api_key) == (False, False, None)
     assert (args.seed, args.log_level) == (0, "info")
+    assert (args.max_queued_requests, args.request_timeout) == (None, None)
+    assert (args.max_request_bytes, args.shutdown_timeout) == (16 * 2**20, 30.0)
 
 
 def test_parser_defaults_match_dataclass():
@@ -28,7 +30,8 @@ def test_all_flags():
         "--page-size 1 --max-prefill-length 512 --max-running-requests 8 --cache naive "
         "--attn fi,triton --cuda-graph-max-bs 0 --memory-ratio 1 --num-pages 100 "
         "--max-model-len 2048 --num-tokenizer 2 --dummy-weights --shell --api-key sk-1 "
-        "--seed 42 --log-level DEBUG".split()
+        "--seed 42 --log-level DEBUG --max-queued-requests 64 --request-timeout 2.5 "
+        "--max-request-bytes 1000 --shutdown-timeout 0".split()
     )
     assert args == ServerArgs(
         model="/m",
@@ -52,6 +55,10 @@ def test_all_flags():
         api_key="sk-1",
         seed=42,
         log_level="debug",
+        max_queued_requests=64,
+        request_timeout=2.5,
+        max_request_bytes=1000,
+        shutdown_timeout=0.0,
     )
     assert args.attn_backends == ("fi", "triton")
 
@@ -105,6 +112,14 @@ def test_hub_id_model():
         ("--num-tokenizer", "0"),
         ("--seed", "x"),
         ("--log-level", "verbose"),
+        ("--max-queued-requests", "0"),
+        ("--request-timeout", "0"),
+        ("--request-timeout", "-1"),
+        ("--request-timeout", "inf"),
+        ("--request-timeout", "nan"),
+        ("--max-request-bytes", "0"),
+        ("--shutdown-timeout", "-1"),
+        ("--shutdown-timeout", "soon"),
     ],
 )
 def test_invalid_value_exits_2_naming_flag(flag, value, capsys):

@@ -34,9 +34,9 @@ def test_prompt_longer_than_context(model_dirs):
     llm = LLM(model_dirs("llama")[0], page_size=4, num_pages=64, max_model_len=32)
     with pytest.raises(ValueError, match="longer than the context"):
         llm.generate([list(range(40))], use_tqdm=False)
-    # the pool (64 pages x 4 = 256 tokens) also bounds a request
+    # the pool (8 pages x 4 = 32 tokens) also bounds a request, and the message says so
     small = LLM(model_dirs("llama")[0], page_size=4, num_pages=8)
-    with pytest.raises(ValueError, match="longer than the context"):
+    with pytest.raises(ValueError, match=r"longer than the KV cache \(32 tokens\)"):
         small.generate([list(range(40))], use_tqdm=False)
 
 

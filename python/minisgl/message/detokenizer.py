@@ -43,7 +43,10 @@ class SchedulerStats:
     free_pages: int = 0
     cached_pages: int = 0
     locked_pages: int = 0
+    leaked_pages: int = 0  # owned by neither the allocator, the cache nor a request: a bug
     num_preemptions: int = 0
+    prefill_tokens: int = 0  # prompt tokens scheduled so far (re-prefills after preemption too)
+    cached_tokens: int = 0  # of those, found in the prefix cache
 
 
 @register

@@ -33,14 +33,21 @@ class SchedulerServer:
 
     def stats(self) -> SchedulerStats:
         s, cache = self.scheduler, self.scheduler.cache
+        admitted = s.running + ([s.prefilling] if s.prefilling else [])
+        # pages a request allocated itself (its first ones belong to the prefix cache)
+        owned = sum(len(r.pages) - r.cache_handle.length // s.page_size for r in admitted)
+        free, cached = cache.allocator.num_free, cache.prefix_cache.num_pages
         return SchedulerStats(
-            running=len(s.running) + (s.prefilling is not None),
+            running=len(admitted),
             waiting=len(s.waiting),
             total_pages=cache.num_pages,
-            free_pages=cache.allocator.num_free,
-            cached_pages=cache.prefix_cache.num_pages,
+            free_pages=free,
+            cached_pages=cached,
             locked_pages=cache.prefix_cache.locked_pages,
+            leaked_pages=cache.num_pages - free - cached - owned,
             num_preemptions=s.num_preemptions,
+            prefill_tokens=s.num_prefill_tokens,
+            cached_tokens=s.num_cached_tokens,
         )
 
     def handle(self, msg: Any) -> bool:

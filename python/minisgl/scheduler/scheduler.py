@@ -68,6 +68,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.overlap = not env.disable_overlap_scheduling()
         self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
+        self.num_prefill_tokens = 0  # prompt tokens scheduled (for the prefix-cache hit rate)
+        self.num_cached_tokens = 0  # of those, found in the prefix cache
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(
@@ -80,8 +82,14 @@ class Scheduler:
         if not input_ids:
             raise ValueError("prompt is empty")
         if len(input_ids) >= limit:
+            pool = self.engine.num_pages * self.page_size
+            where = (
+                f"the KV cache ({pool} tokens)"
+                if pool < self.engine.max_model_len
+                else "the context"
+            )
             raise ValueError(
-                f"prompt of {len(input_ids)} tokens is longer than the context: at most {limit - 1} allowed"
+                f"prompt of {len(input_ids)} tokens is longer than {where}: at most {limit - 1} allowed"
             )
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -147,6 +155,8 @@ class Scheduler:
                 self._release(req)
                 break
             self.waiting.popleft()
+            self.num_prefill_tokens += len(req.tokens)
+            self.num_cached_tokens += req.cached_len
             self.prefilling = req if n < req.remaining_len else None
             reqs.append(req)
             budget -= n

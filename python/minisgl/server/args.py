@@ -35,6 +35,10 @@ class ServerArgs:
     dummy_weights: bool = False
     shell: bool = False
     api_key: str | None = None
+    max_queued_requests: int | None = None  # None: no limit
+    request_timeout: float | None = None  # seconds; None: no limit
+    max_request_bytes: int = 16 * 2**20
+    shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     seed: int = 0
     log_level: str = "info"
 
@@ -66,6 +70,21 @@ def _ratio(value: str) -> float:
     if not 0.0 < x <= 1.0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return x
+
+
+def _seconds(allow_zero: bool) -> Callable[[str], float]:
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+        if not (x >= 0 if allow_zero else x > 0) or x == float("inf"):  # also rejects nan
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>=' if allow_zero else '>'} 0, got {value}"
+            )
+        return x
+
+    return parse
 
 
 def _attn(value: str) -> str:
@@ -165,6 +184,30 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dummy-weights", action="store_true", help="random weights (benchmarks, tests)")
     add("--shell", action="store_true", help="interactive terminal chat instead of a server")
     add("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY'")
+    add(
+        "--max-queued-requests",
+        type=_int(1),
+        default=d.max_queued_requests,
+        help="requests waiting for their first token beyond which new ones get 503 (unset: no limit)",
+    )
+    add(
+        "--request-timeout",
+        type=_seconds(allow_zero=False),
+        default=d.request_timeout,
+        help="seconds after which a request is aborted and answered 504 (unset: no limit)",
+    )
+    add(
+        "--max-request-bytes",
+        type=_int(1),
+        default=d.max_request_bytes,
+        help="largest HTTP request body accepted (larger ones get 413)",
+    )
+    add(
+        "--shutdown-timeout",
+        type=_seconds(allow_zero=True),
+        default=d.shutdown_timeout,
+        help="seconds SIGTERM waits for in-flight requests to finish before exiting",
+    )
     add("--seed", type=int, default=d.seed, help="seed for dummy weights and global RNGs")
     add(
         "--log-level",

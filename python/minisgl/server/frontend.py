@@ -1,38 +1,73 @@
 """The api server's side of the pipeline: submit requests to the tokenizer workers and route
-the replies coming back from the detokenizer to one asyncio queue per request."""
+the replies coming back from the detokenizer to one asyncio queue per request. It also keeps
+the request-level metrics (it sees every reply) and fails every request when the pipeline dies."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from minisgl.message import AbortMsg, BatchFrontendMsg, SchedulerStats, TokenizeMsg, UserReply
+from minisgl.server.metrics import Metrics
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
+
+
+@dataclass
+class _InFlight:
+    queue: asyncio.Queue[UserReply] = field(default_factory=asyncio.Queue)
+    submitted: float = field(default_factory=time.monotonic)
+    last_token: float | None = None  # None until the first token: the request is queued
 
 
 class Frontend:
     def __init__(self, tokenizer_addrs: list[str], recv_addr: str) -> None:
         self.to_tokenizers = [ZmqAsyncPushQueue(a, create=False) for a in tokenizer_addrs]
         self.recv = ZmqAsyncPullQueue(recv_addr, create=True)
-        self.queues: dict[int, asyncio.Queue[UserReply]] = {}
+        self.requests: dict[int, _InFlight] = {}
         self.uids = itertools.count()
         self.stats = SchedulerStats()
+        self.metrics = Metrics(lambda: self.stats, lambda: self.num_queued)
         self.dead: str | None = None  # set when the pipeline can no longer answer
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._dispatch())
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._dispatch())
+
+    @property
+    def num_queued(self) -> int:
+        """Requests submitted that have not produced a token yet."""
+        return sum(r.last_token is None for r in self.requests.values())
 
     async def _dispatch(self) -> None:
         while True:
             batch: BatchFrontendMsg = await self.recv.get()
             if batch.stats is not None:
                 self.stats = batch.stats
+            now = time.monotonic()
             for reply in batch.msgs:
-                queue = self.queues.get(reply.uid)
-                if queue is not None:
-                    queue.put_nowait(reply)
+                req = self.requests.get(reply.uid)
+                if req is not None:
+                    self._observe(req, reply, now)
+                    req.queue.put_nowait(reply)
+
+    def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
+        m, n = self.metrics, len(reply.token_ids)
+        if n:
+            if req.last_token is None:
+                m.ttft.observe(now - req.submitted)
+                m.prompt_tokens.inc(reply.prompt_tokens)
+            else:
+                for _ in range(n):
+                    m.itl.observe((now - req.last_token) / n)
+            req.last_token = now
+            m.generation_tokens.inc(n)
+        if reply.finished:
+            m.finished.labels(reply.finish_reason or "unknown").inc()
 
     def new_uid(self) -> int:
         return next(self.uids)
@@ -41,26 +76,53 @@ class Frontend:
         return self.to_tokenizers[uid % len(self.to_tokenizers)]
 
     async def submit(self, msg: TokenizeMsg) -> asyncio.Queue[UserReply]:
-        queue: asyncio.Queue[UserReply] = asyncio.Queue()
-        self.queues[msg.uid] = queue
+        req = self.requests[msg.uid] = _InFlight()
         await self._tokenizer(msg.uid).put(msg)
-        return queue
+        return req.queue
 
-    async def abort(self, uid: int) -> None:
-        if self.queues.pop(uid, None) is not None:
+    async def abort(self, uid: int, reason: str = "abort") -> None:
+        if self.requests.pop(uid, None) is not None:
+            self.metrics.finished.labels(reason).inc()
             await self._tokenizer(uid).put(AbortMsg(uid))
 
-    async def stream(self, msg: TokenizeMsg) -> AsyncIterator[UserReply]:
-        """Replies of one request until it finishes. Leaving early (client gone) aborts it."""
+    async def stream(
+        self, msg: TokenizeMsg, timeout: float | None = None
+    ) -> AsyncIterator[UserReply]:
+        """Replies of one request until it finishes. Leaving early (client gone) aborts it; past
+        `timeout` seconds it ends with a "timeout" reply and is aborted."""
         queue = await self.submit(msg)
-        finished = False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        finished = timed_out = False
         try:
             while not finished:
-                reply = await queue.get()
+                if deadline is None:
+                    reply = await queue.get()
+                else:
+                    try:
+                        reply = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                    except asyncio.TimeoutError:
+                        timed_out = True
+                        error = f"request timed out after {timeout:g} s"
+                        yield UserReply(msg.uid, "", [], True, "timeout", 0, 0, error)
+                        return  # not `finished`: the request is aborted below
                 finished = reply.finished
                 yield reply
         finally:
             if finished:
-                self.queues.pop(msg.uid, None)
+                self.requests.pop(msg.uid, None)
             else:
-                await asyncio.shield(self.abort(msg.uid))
+                await asyncio.shield(self.abort(msg.uid, "timeout" if timed_out else "abort"))
+
+    def fail(self, reason: str) -> None:
+        """The pipeline is gone: end every request with an error; refuse new ones from now on."""
+        self.dead = reason
+        for uid, req in self.requests.items():
+            reply = UserReply(uid, "", [], True, "error", 0, 0, reason)
+            self._observe(req, reply, time.monotonic())
+            req.queue.put_nowait(reply)
+
+    def fail_threadsafe(self, reason: str) -> None:
+        if self._loop is None or self._loop.is_closed():
+            self.dead = reason
+        else:
+            self._loop.call_soon_threadsafe(self.fail, reason)

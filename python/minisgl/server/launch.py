@@ -1,6 +1,7 @@
 """`python -m minisgl`: start the scheduler, detokenizer and tokenizer processes, wait until
 each is ready, then serve HTTP (or the shell) in this process. Any child that dies takes the
-whole server down with a non-zero exit; on exit every child is stopped."""
+whole server down with a non-zero exit (in-flight requests get an error first); on exit every
+child is stopped. SIGTERM drains in-flight requests for up to --shutdown-timeout seconds."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,10 +69,28 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated
 
 
+DEATH_GRACE_S = 1.0  # after a child died: time for clients to get their errors and see /health 503
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this child when the launcher dies, even by SIGKILL."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
+        os._exit(1)
+
+
 def _child_main(target: Any, *args: Any) -> None:
-    # A terminal's Ctrl-C signals the whole process group; only the parent acts on it (and
-    # then stops the children), so a child is never killed half-way by it.
+    # A terminal's Ctrl-C (or systemd's SIGTERM) signals the whole process group; only the
+    # parent acts on it, draining requests first and then stopping the children itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
     target(*args)
 
 
@@ -82,6 +102,8 @@ class Launcher:
         self.procs: list[Any] = []
         self.stopping = False
         self.child_died: str | None = None
+        # called (from the watcher thread) with the reason when a child dies; None: SIGTERM self
+        self.on_child_death: Any = None
 
     def _spawn(self, name: str, target: Any, *target_args: Any) -> Any:
         parent, child = self.ctx.Pipe(duplex=False)
@@ -152,18 +174,19 @@ class Launcher:
         dead.join(timeout=1)  # the exit code is known only once it is reaped
         logger.error("%s process died (exit code %s); shutting down", dead.name, dead.exitcode)
         self.child_died = f"{dead.name} process died (exit code {dead.exitcode})"
-        os.kill(os.getpid(), signal.SIGTERM)
+        if self.on_child_death is not None:
+            self.on_child_death(self.child_died)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def stop(self) -> None:
         self.stopping = True
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(timeout=5)
+        for p in self.procs:  # they ignore SIGTERM (see _child_main) and hold nothing to save
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         # the directory of the ipc sockets (Addresses.make)
         shutil.rmtree(os.path.dirname(self.addrs.api.removeprefix("ipc://")), ignore_errors=True)
 
@@ -189,7 +212,7 @@ def launch_server(args: ServerArgs) -> int:
 
             code = run_shell(frontend, info)
         else:
-            code = _serve(args, frontend, info)
+            code = _serve(args, launcher, frontend, info)
     except (Terminated, KeyboardInterrupt):  # a requested stop, or a dead child (see _watch)
         code = 0
     finally:
@@ -202,20 +225,27 @@ def launch_server(args: ServerArgs) -> int:
     return code
 
 
-def _serve(args: ServerArgs, frontend: Any, info: dict[str, Any]) -> int:
+def _serve(args: ServerArgs, launcher: Launcher, frontend: Any, info: dict[str, Any]) -> int:
     import uvicorn
 
     from minisgl.server.api_server import create_app
 
-    app = create_app(frontend, args.model or "", info["max_seq_len"], args.api_key)
+    app = create_app(frontend, args, info["max_seq_len"])
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
-        log_level=args.log_level if args.log_level != "debug" else "debug",
-        timeout_graceful_shutdown=1,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,  # how long SIGTERM drains
     )
     server = uvicorn.Server(config)
+
+    def on_child_death(reason: str) -> None:
+        frontend.fail_threadsafe(reason)  # in-flight requests end with an error, /health 503
+        time.sleep(DEATH_GRACE_S)
+        server.should_exit = server.force_exit = True  # nothing left to drain
+
+    launcher.on_child_death = on_child_death
     print(f"minisgl: serving {args.model} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again: that ends
     # here as Terminated / KeyboardInterrupt, caught by launch_server.

@@ -101,15 +101,38 @@ class Detokenizer:
     early: dict[int, list[DetokenizeMsg]] = field(default_factory=dict)
 
     def init(self, msg: DetokInitMsg) -> list[UserReply]:
-        detok = (
-            IncrementalDetokenizer(
-                self.tokenizer, msg.prompt_tail, msg.skip_special_tokens, msg.stop
+        try:
+            detok = (
+                IncrementalDetokenizer(
+                    self.tokenizer, msg.prompt_tail, msg.skip_special_tokens, msg.stop
+                )
+                if self.tokenizer is not None
+                else None
             )
-            if self.tokenizer is not None
-            else None
-        )
+        except Exception as e:
+            self.states[msg.uid] = _DetokState(None, msg.prompt_len)  # type: ignore[arg-type]
+            ended = any(m.finished for m in self.early.pop(msg.uid, []))
+            return [self._fail(msg.uid, ended, e)]
         self.states[msg.uid] = _DetokState(detok, msg.prompt_len)  # type: ignore[arg-type]
-        return [r for m in self.early.pop(msg.uid, []) if (r := self.tokens(m))]
+        return [r for m in self.early.pop(msg.uid, []) if (r := self.guarded(m))]
+
+    def guarded(self, msg: DetokenizeMsg) -> UserReply | None:
+        """`tokens`, but a failure ends only this request (with an error), never the process."""
+        try:
+            return self.tokens(msg)
+        except Exception as e:
+            return self._fail(msg.uid, msg.finished, e)
+
+    def _fail(self, uid: int, finished: bool, error: Exception) -> UserReply:
+        logger.exception("detokenizing request %d failed", uid)
+        st = self.states.get(uid)
+        if finished or st is None:
+            self.states.pop(uid, None)
+        else:  # like a stop string: abort it; the abort's echo then drops the state
+            st.stopped = True
+            self.to_sched.put(AbortBackendMsg(uid))
+        reason = f"detokenizing failed: {type(error).__name__}: {error}"
+        return UserReply(uid, "", [], True, "error", st.prompt_len if st else 0, 0, reason)
 
     def tokens(self, msg: DetokenizeMsg) -> UserReply | None:
         st = self.states.get(msg.uid)
@@ -166,7 +189,7 @@ def run_detokenizer(model_path: str, recv_addr: str, api_addr: str, sched_addr: 
             replies = worker.init(msg)
             stats = None
         elif isinstance(msg, BatchDetokenizeMsg):
-            replies = [r for m in msg.msgs if (r := worker.tokens(m))]
+            replies = [r for m in msg.msgs if (r := worker.guarded(m))]
             stats = msg.stats
         else:
             continue

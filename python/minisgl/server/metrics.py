@@ -1,0 +1,104 @@
+"""Prometheus metrics of the server (`GET /metrics`).
+
+Request-level numbers (tokens, latencies, outcomes) are counted here, in the api server, as the
+replies arrive. Scheduler-level ones (running requests, KV pages, prefix-cache hits, preemptions)
+are read at scrape time from the latest `SchedulerStats` snapshot, at most 0.2 s old."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from minisgl.message import SchedulerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def tree_rss_bytes() -> int:
+    """Resident memory of this process and its children (the server's workers); 0 off Linux."""
+    total = 0
+    for pid in [os.getpid(), *(p.pid for p in mp.active_children())]:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self, stats: Callable[[], SchedulerStats], queued: Callable[[], int]) -> None:
+        self.stats, self.queued = stats, queued
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats()
+        gauges = {
+            "num_running_requests": ("requests running in the scheduler", s.running),
+            "num_queued_requests": ("requests not started yet", self.queued()),
+            "kv_pages_total": ("KV cache pages", s.total_pages),
+            "kv_pages_used": (
+                "KV pages held by running requests (locked prefix-cache pages included)",
+                s.total_pages - s.free_pages - s.cached_pages + s.locked_pages,
+            ),
+            "kv_pages_cached": ("KV pages held by the prefix cache", s.cached_pages),
+            "kv_pages_leaked": ("KV pages owned by nobody (must stay 0)", s.leaked_pages),
+            "prefix_cache_hit_rate": (
+                "share of scheduled prompt tokens found in the prefix cache",
+                s.cached_tokens / s.prefill_tokens if s.prefill_tokens else 0.0,
+            ),
+            "resident_memory_bytes": ("RSS of all server processes", tree_rss_bytes()),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"minisgl_{name}", doc, value=value)
+        counters = {
+            "preemptions": ("requests preempted for lack of KV pages", s.num_preemptions),
+            "prefill_tokens": ("prompt tokens scheduled (incl. re-prefills)", s.prefill_tokens),
+            "prefix_cache_hit_tokens": ("of those, found in the prefix cache", s.cached_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"minisgl_{name}", doc, value=value)
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], SchedulerStats], queued: Callable[[], int]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter(
+            "minisgl_prompt_tokens", "prompt tokens of requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "minisgl_generation_tokens", "tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            "minisgl_time_to_first_token_seconds",
+            "from submission to the first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "minisgl_inter_token_latency_seconds",
+            "between consecutive generated tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.finished = Counter(
+            "minisgl_requests_finished",
+            "generation requests by how they ended (stop, length, abort, error, timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.http = Counter(
+            "minisgl_http_requests",
+            "HTTP responses by path and status",
+            ["path", "status"],
+            registry=r,
+        )
+        r.register(_SchedulerCollector(stats, queued))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
