@@ -82,8 +82,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
     # -- eager ---------------------------------------------------------------------------
     def prepare(self, batch: Batch) -> None:
         if batch.is_decode:
-            if self.decode_wrapper is None:  # eager decode: graphs off, or batches past them
-                self.decode_wrapper = self._new_decode_wrapper(batch_size=None)
+            if self.decode_wrapper is None:
+                self.decode_wrapper = self._new_decode_wrapper()
             self._plan_decode(self.decode_wrapper, batch)
         else:
             self._plan_prefill(batch)
@@ -124,7 +124,6 @@ class FlashInferAttnBackend(BaseAttnBackend):
         if bs not in self.graph_wrappers:
             indptr, pages, last = self.graph_bufs
             self.graph_wrappers[bs] = self._new_decode_wrapper(
-                batch_size=bs,
                 use_cuda_graph=True,
                 paged_kv_indptr_buffer=indptr[: bs + 1],
                 paged_kv_indices_buffer=pages,
@@ -139,18 +138,16 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self._plan_decode(wrapper, batch)
 
     # -- planning -------------------------------------------------------------------------
-    def _new_decode_wrapper(self, batch_size: int | None, **graph_args) -> object:
+    def _new_decode_wrapper(self, **graph_args) -> object:
         kv_heads = get_global_ctx().kv_cache.num_kv_heads
-        # The tensor-core kernel (flashinfer's prefill kernel run on one query) pays off for
-        # groups of >= 4 query heads per kv head (sglang's rule) and, measured on an H100 for
-        # Qwen3-0.6B's group of 2, for big batches too: 256 requests x ~1k tokens of KV took
-        # 378 us against 408 us on CUDA cores (2.9 vs 2.7 TB/s); at batch 1 the CUDA-core kernel
-        # wins (11 vs 13.5 us), at 32 they tie. Eager decode (None) means big batches.
-        big = batch_size is None or batch_size >= 32
+        # Tensor cores pay off once a kv head serves >= 4 query heads (sglang's rule; flashinfer
+        # documents them as faster for large groups). Below that (Qwen3-0.6B: 2) the CUDA-core
+        # kernel, which also reads each kv head once for its group, is as fast: decode is
+        # memory-bound.
         wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
-            use_tensor_cores=self.num_qo_heads // kv_heads >= 4 or big,
+            use_tensor_cores=self.num_qo_heads // kv_heads >= 4,
             backend="fa2",
             **graph_args,
         )
