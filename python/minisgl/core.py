@@ -108,8 +108,6 @@ class Batch:
     positions: torch.Tensor | None = None  # [num_tokens]
     out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token is written to
     attn_metadata: object | None = None
-    # Requests whose last extended token produces a sampled token (prefill done).
-    sample_mask: list[bool] = field(default_factory=list)
 
     @property
     def size(self) -> int:

@@ -229,10 +229,6 @@ class Engine:
         self.token_table[write_rows, kv_lens] = next_ids.to(torch.int32)
         return StepOutput.start_copy(next_ids)
 
-    def forward_and_sample(self, batch: Batch) -> list[int]:
-        """Next token id of every request in the batch (blocking)."""
-        return self.launch(batch, [True] * batch.size).tokens()
-
     def _build_graphs(self) -> GraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_reqs)
         if self.device.type != "cuda" or max_bs == 0:
