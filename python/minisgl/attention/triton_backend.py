@@ -30,7 +30,12 @@ class TritonAttnBackend(BaseAttnBackend):
     def __init__(self, sliding_window: int | None = None) -> None:
         if sliding_window is not None:
             raise ValueError("the triton attention backend does not support sliding windows yet")
-        from minisgl.kernel import triton_attention
+        try:
+            from minisgl.kernel import triton_attention
+        except ImportError as e:  # CPU-only installs have no triton
+            raise ValueError(
+                f"the triton attention backend needs the triton package ({e}); use --attn torch"
+            ) from e
 
         self.kernels = triton_attention
         self.sm_count: int | None = None
