@@ -123,3 +123,30 @@ def test_sampling_kernel_follows_softmax():
     args = BatchSamplingArgs.from_reqs(reqs, vocab, logits.device)
     counts = torch.bincount(sample(logits, args), minlength=vocab).float() / n
     assert (counts - torch.softmax(logits[0] / 0.7, -1)).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("attn", ["triton", "fi"])
+def test_shared_prompts_radix_equals_naive_on_gpu(model_dirs, monkeypatch, attn):
+    """Prompts shared while their requests run (including equal prompts prefilled in one
+    batch, whose duplicate pages are freed and reused at once, behind the launched step on the
+    stream) give the same greedy tokens as the cache that shares nothing."""
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0")
+    path, _ = model_dirs("qwen3")
+    rng = random.Random(3)
+    groups = [[rng.randrange(2, 500) for _ in range(40)] for _ in range(4)]
+    batch = [
+        g + [rng.randrange(2, 500) for _ in range(i % 3 * 7)] for i in range(12) for g in groups
+    ]
+    outs = {}
+    for cache in ("radix", "naive"):
+        kwargs = dict(dtype="float32", attn=attn, page_size=4, num_pages=160)
+        llm = LLM(path, device="cuda:0", cache=cache, max_prefill_tokens=96, **kwargs)
+        try:
+            res = llm.generate(batch, SamplingParams(max_tokens=10), use_tqdm=False)
+            outs[cache] = [o["token_ids"] for o in res]
+            llm.scheduler.check_no_leak()
+            if cache == "radix":
+                assert llm.scheduler.num_cached_tokens > 0
+        finally:
+            llm.shutdown()
+    assert outs["radix"] == outs["naive"]

@@ -279,11 +279,40 @@ def test_manager_release_rejects_bad_lengths() -> None:
         m.release([1, 2, 3], p, h)
 
 
+def test_manager_cache_prefix_shares_and_dedups() -> None:
+    m = KVCacheManager(num_pages=8, page_size=2)
+    prompt = [1, 2, 3, 4, 5]
+    ha, _ = m.match_and_lock(prompt)
+    hb, _ = m.match_and_lock(prompt)  # both admitted before either is computed
+    a, b = m.allocate(3), m.allocate(3)
+    assert a is not None and b is not None
+    ha, a2 = m.cache_prefix(prompt[:3], a, ha)  # first chunk: one full page
+    assert ha.length == 2 and a2 == a
+    ha, a2 = m.cache_prefix(prompt, a, ha)  # last chunk
+    assert ha.length == 4 and a2 == a and m.prefix_cache.locked_pages == 2
+    hc, c = m.match_and_lock(prompt)
+    assert c == a[:2]  # a third request would share it now
+    m.prefix_cache.unlock(hc)
+    free = m.allocator.num_free
+    hb, b2 = m.cache_prefix(prompt, b, hb)  # b computed the same prompt: its copies go back
+    assert b2 == a[:2] + b[2:] and m.allocator.num_free == free + 2
+    m.check_invariants(a[2:] + b[2:])
+    # Release at finish with generated tokens past the shared part.
+    m.release(prompt + [6], a, ha)
+    m.release(prompt, b2, hb)
+    m.check_invariants()
+    assert m.prefix_cache.locked_pages == 0 and m.prefix_cache.num_pages == 3
+    with pytest.raises(ValueError):
+        m.cache_prefix([1], [0], CacheHandle(2))  # handle longer than the computed tokens
+
+
 def test_manager_naive() -> None:
     m = KVCacheManager(num_pages=4, page_size=1, cache="naive")
     h, cached = m.match_and_lock([1, 2])
     p = m.allocate(2)
     assert cached == [] and p is not None
+    h, p2 = m.cache_prefix([1, 2], p, h)  # shares nothing: the request keeps its pages
+    assert h.length == 0 and p2 == p and m.allocator.num_free == 2
     m.release([1, 2], p, h)
     assert m.allocator.num_free == 4
     assert m.match_and_lock([1, 2])[1] == []
@@ -345,6 +374,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def setup(self, page_size: int, num_pages: int, cache: str) -> None:
         self.m = KVCacheManager(num_pages, page_size, cache)  # type: ignore[arg-type]
         self.P = page_size
+        self.radix = cache == "radix"
         self.live: list[SimReq] = []
         # What each page "holds": the tokens written into it (stands in for real KV data).
         self.content: dict[int, tuple[int, ...]] = {}
@@ -388,6 +418,25 @@ class ManagerMachine(RuleBasedStateMachine):
                 return
             r.pages += new
         self._write(r, max(first_dirty, r.num_matched))
+
+    @rule(r=reqs, data=st.data())
+    def cache_prefix(self, r: SimReq | None, data: st.DataObject) -> None:
+        """Share the computed part (e.g. the prompt chunks launched so far) while it runs."""
+        if r is None or r not in self.live:
+            return
+        computed = r.tokens[: data.draw(st.integers(r.handle.length, len(r.tokens)))]
+        old = r.pages
+        handle, pages = self.m.cache_prefix(computed, old, r.handle)
+        aligned = len(computed) // self.P * self.P
+        assert handle.length == (aligned if self.radix else 0)
+        assert len(pages) == len(old) and pages[aligned // self.P :] == old[aligned // self.P :]
+        for j, page in enumerate(pages[: aligned // self.P]):
+            # The cache's pages (maybe another request's) hold the same tokens as the duplicates.
+            assert self.content[page] == tuple(computed[j * self.P : (j + 1) * self.P])
+        assert set(old) - set(pages) <= set(self.m.allocator.free_pages())
+        if self.radix:
+            assert self.m.prefix_cache.match_prefix(computed)[0].length == aligned
+        r.handle, r.pages, r.num_matched = handle, pages, handle.length // self.P
 
     @rule(r=consumes(reqs), truncate=st.booleans(), data=st.data())
     def finish(self, r: SimReq | None, truncate: bool, data: st.DataObject) -> None:

@@ -117,3 +117,67 @@ def test_sharded_checkpoint_loads(tmp_path):
     prompts = make_prompts()[:3]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_running_request_shares_its_prompt(references, monkeypatch, overlap):
+    """A prompt's KV enters the prefix cache once it is prefilled, not when its request ends:
+    a second request with the same prompt, admitted one step later while the first still
+    decodes, computes only its last token and reads the first one's pages."""
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
+    path, expected = references("qwen3")
+    prompt = make_prompts()[8]  # 49 tokens: 12 full pages of 4
+    llm = LLM(path, page_size=4, num_pages=256, max_prefill_tokens=len(prompt))
+    sched = llm.scheduler
+    a, b = (sched.make_request(prompt, SamplingParams(max_tokens=MAX_NEW)) for _ in range(2))
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.step()  # the budget holds a's whole prompt, not b's
+    assert sched.running == [a] and sched.num_cached_tokens == 0
+    sched.step()
+    assert sched.running == [a, b] and not a.finished
+    assert sched.num_cached_tokens == 48 and b.pages[:12] == a.pages[:12]
+    sched.check_no_leak()
+    while sched.has_work:
+        sched.step()
+    assert a.output_ids == b.output_ids == expected[8]
+    sched.check_no_leak()
+
+
+def test_shared_prefix_found_across_chunks(references):
+    """Requests sharing a 20-token prefix, chunked 8 tokens a step: each later one finds the
+    part the earlier ones have launched, while they still run; outputs are unchanged."""
+    path, expected = references("qwen3")
+    prompts = make_prompts()[5:10]
+    outs = {}
+    for cache in ("radix", "naive"):
+        llm = LLM(path, page_size=4, num_pages=256, cache=cache, max_prefill_tokens=8)
+        outs[cache] = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
+        assert [o["token_ids"] for o in outs[cache]] == expected[5:10]
+        llm.scheduler.check_no_leak()
+        # p6 is admitted beside p5's last chunk and finds p5's first 2 chunks (16 tokens); p7,
+        # p8 find the whole shared 20; p9 (the shared part alone) its 4 full pages but the last.
+        assert llm.scheduler.num_cached_tokens == (16 + 20 + 20 + 16 if cache == "radix" else 0)
+
+
+def test_same_batch_duplicate_pages_go_back(references):
+    """Two equal prompts prefilled in one batch both compute the prompt; the second one's
+    copies go back to the pool at once and its page-table row points at the first one's
+    pages, so the next prompt, which reuses those freed pages, cannot corrupt its decode."""
+    path, expected = references("qwen3")
+    p, q = make_prompts()[8], make_prompts()[4]  # q shares nothing with p
+    llm = LLM(path, page_size=4, num_pages=256, max_prefill_tokens=2 * len(p))
+    sched = llm.scheduler
+    reqs = [sched.make_request(x, SamplingParams(max_tokens=MAX_NEW)) for x in (p, p, q)]
+    for req in reqs:
+        sched.add_request(req)
+    sched.step()
+    a, b, c = reqs
+    assert sched.running == [a, b] and b.pages[:12] == a.pages[:12]
+    freed = sched.cache.allocator.free_pages()[-12:]
+    sched.step()
+    assert set(freed) <= set(c.pages), "the freed copies were meant to be reused at once"
+    while sched.has_work:
+        sched.step()
+    assert [r.output_ids for r in reqs] == [expected[8], expected[8], expected[4]]
+    sched.check_no_leak()

@@ -50,18 +50,47 @@ class KVCacheManager:
         assert pages is not None, "evictable_pages overstated what evict() returned"
         return pages
 
-    def release(self, tokens: Sequence[int], pages: Sequence[int], handle: CacheHandle) -> None:
+    def _num_full_pages(
+        self, tokens: Sequence[int], pages: Sequence[int], handle: CacheHandle
+    ) -> int:
+        """Full pages of a request's computed `tokens`, after checking they fit its pages."""
         size = self.page_size
         if len(tokens) > len(pages) * size:
             raise ValueError(f"{len(tokens)} tokens cannot live in {len(pages)} pages of {size}")
         num_full = len(tokens) // size
         if handle.length > num_full * size:
-            # The matched pages belong to the cache; they must not be freed below.
+            # The matched pages belong to the cache; they must not be freed or replaced.
             raise ValueError(f"handle matched {handle.length} tokens but only {len(tokens)} given")
+        return num_full
+
+    def release(self, tokens: Sequence[int], pages: Sequence[int], handle: CacheHandle) -> None:
+        size = self.page_size
+        num_full = self._num_full_pages(tokens, pages, handle)
         rejected = self.prefix_cache.insert(tokens[: num_full * size], pages[:num_full])
         # Duplicates the cache already had, plus the partial last page and any spare pages.
         self.allocator.free(rejected + list(pages[num_full:]))
         self.prefix_cache.unlock(handle)
+
+    def cache_prefix(
+        self, tokens: Sequence[int], pages: Sequence[int], handle: CacheHandle
+    ) -> tuple[CacheHandle, list[int]]:
+        """Share a running request's computed KV (`tokens`, all computed) before it finishes:
+        insert its page-aligned part, lock the new deeper node instead of `handle`, and return
+        the new handle and the request's page list, where pages the cache already had replace
+        the request's duplicates (those go back to the allocator). The caller must point the
+        request's page table at the returned pages."""
+        size = self.page_size
+        num_full = self._num_full_pages(tokens, pages, handle)
+        if num_full * size == handle.length:
+            return handle, list(pages)  # no new full page
+        self.prefix_cache.insert(tokens[: num_full * size], pages[:num_full])
+        new_handle, cached = self.prefix_cache.match_prefix(tokens[: num_full * size])
+        self.prefix_cache.lock(new_handle)
+        self.prefix_cache.unlock(handle)
+        # The radix cache now holds the whole prefix (`cached` covers num_full pages); a cache
+        # that keeps nothing (naive) matches nothing and leaves the request all its pages.
+        self.allocator.free([mine for mine, theirs in zip(pages, cached) if mine != theirs])
+        return new_handle, cached + list(pages[len(cached) :])
 
     def reset_cache(self) -> None:
         assert self.prefix_cache.locked_pages == 0, "reset_cache with locked pages"

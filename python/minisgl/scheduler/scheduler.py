@@ -223,12 +223,27 @@ class Scheduler:
         for req, sampled in zip(batch.reqs, samples):
             req.cached_len += req.extend_len
             req.extend_len = 0
+            if batch.phase == "prefill":
+                self._share(req)
             slots.append(len(req.tokens) if sampled else -1)
             if sampled:
                 req.tokens.append(PLACEHOLDER)
                 if batch.phase == "prefill":  # prefill requests never come from `running`
                     self.running.append(req)
         return InFlight(batch, slots, output)
+
+    def _share(self, req: Req) -> None:
+        """Put the request's computed KV into the prefix cache now, not only when it ends, so
+        that requests admitted later with the same prefix (a shared system prompt, the rest of
+        a long prompt's chunks) reuse it. Safe right after the launch: any reader is queued
+        behind the writer on the same stream. Pages the cache already had replace the
+        request's duplicates, so its page-table row is rewritten."""
+        old = req.pages
+        req.cache_handle, req.pages = self.cache.cache_prefix(
+            req.tokens[: req.cached_len], old, req.cache_handle
+        )
+        if req.pages != old:
+            self.engine.set_pages(req.table_idx, 0, req.pages)
 
     def _process(self, step: InFlight) -> list[TokenOutput]:
         outputs = []
