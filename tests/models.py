@@ -30,6 +30,9 @@ def build_hf_model(arch: str):
     if arch == "llama":
         cfg = tf.LlamaConfig(**COMMON, tie_word_embeddings=False)
         cls = tf.LlamaForCausalLM
+    elif arch == "llama_mqa":  # one KV head: replicated, not split, across TP ranks
+        cfg = tf.LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=False)
+        cls = tf.LlamaForCausalLM
     elif arch in ("llama3_tied", "llama3_8k"):  # llama3_8k: the original context of Llama 3.1
         scaling = dict(
             rope_type="llama3",

@@ -1,9 +1,18 @@
 """Tensor-parallel info and collectives. World size 1 makes every collective a no-op, so the
-single-process path never touches torch.distributed."""
+single-process path never touches torch.distributed.
+
+With TP size N every rank runs the same scheduler and engine; the model's collectives go over
+the default group (NCCL on CUDA, gloo on CPU) and rank 0's small control messages (new
+requests, aborts) over a gloo group of their own, whose timeout is long because followers wait
+there while the server is idle. A rank that dies closes its sockets, so the others' collectives
+fail at once instead of hanging."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +33,8 @@ class DistributedInfo:
 
 
 _TP_INFO = DistributedInfo()
+_CONTROL: Any = None  # the gloo group of rank 0's control messages
+START_TIMEOUT_S = 120  # joining the group, and any one model collective
 
 
 def set_tp_info(info: DistributedInfo) -> None:
@@ -55,3 +66,67 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{what} ({numerator}) is not divisible by the TP size ({denominator})")
     return numerator // denominator
+
+
+def free_port() -> int:
+    """A free localhost TCP port for the group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tp(rank: int, size: int, port: int, device_type: str) -> None:
+    """Join the TP group of `size` processes (rank 0 hosts the rendezvous on `port`)."""
+    global _CONTROL
+    if device_type == "cuda":
+        import torch.cuda
+
+        torch.cuda.set_device(rank)  # before NCCL creates its communicator
+    dist.init_process_group(
+        "nccl" if device_type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=START_TIMEOUT_S),
+    )
+    _CONTROL = dist.new_group(backend="gloo", timeout=timedelta(days=3650))
+    set_tp_info(DistributedInfo(rank, size))
+
+
+def destroy_tp() -> None:
+    global _CONTROL
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTROL = None
+    set_tp_info(DistributedInfo())
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (any picklable value; the others pass None)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_CONTROL)
+    return box[0]
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest of every rank's `value` (KV pool sizes must agree)."""
+    if _TP_INFO.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL)
+    return int(t.item())
+
+
+def check_tp_size(size: int, num_heads: int, num_kv_heads: int, device_type: str) -> None:
+    """Clear errors for a TP size the model or the machine cannot take."""
+    if size < 1:
+        raise ValueError(f"invalid TP size {size}: must be >= 1")
+    if device_type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"TP size {size} needs {size} GPUs, found {torch.cuda.device_count()}")
+    if num_heads % size:
+        raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by TP size {size}")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads ({num_kv_heads}) and TP size {size}: one must divide the other"
+            " (KV heads are split across ranks, or replicated when fewer than the ranks)"
+        )

@@ -10,7 +10,7 @@ import torch
 
 from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context, set_global_ctx, to_device
-from minisgl.distributed import get_tp_info
+from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, sample
@@ -56,6 +56,18 @@ def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
 
 
+def device_type(config: EngineConfig) -> str:
+    """ "cuda" or "cpu", without initialising CUDA (the caller may be a launcher)."""
+    name = config.device.split(":")[0]
+    return "cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def check_tp(config: EngineConfig, size: int) -> None:
+    """Fail before any rank starts when the model or the machine cannot take TP `size`."""
+    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(config.model_path)))
+    check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config))
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -67,6 +79,7 @@ class Engine:
         self.model_config = ModelConfig.from_hf(self.hf_config)
         self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.device)
         cfg = self.model_config
+        check_tp_size(get_tp_info().size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
@@ -136,7 +149,8 @@ class Engine:
                 budget = self.config.cpu_kv_cache_mb << 20
             # never more than every running request at full length needs
             wanted = self.config.max_running_reqs * -(-self.max_model_len // page_size)
-            num_pages = min(budget // per_page, wanted)
+            # every rank schedules alike, so every rank's pool must be as large
+            num_pages = all_reduce_min(min(budget // per_page, wanted))
             if num_pages < 1:
                 raise ValueError("not enough memory for a single KV cache page")
         logger.info(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -9,8 +10,12 @@ from typing import Any
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
+from minisgl.distributed import destroy_tp, free_port, get_tp_info
 from minisgl.engine import Engine, EngineConfig
+from minisgl.engine.engine import check_tp
+from minisgl.models import resolve_model_path
 from minisgl.scheduler import Scheduler, SchedulerConfig
+from minisgl.utils.procs import wait_ready
 
 Prompt = str | list[int]
 
@@ -43,12 +48,14 @@ def eos_token_ids(engine: Engine, tokenizer: Any | None) -> set[int]:
 
 class LLM:
     """`LLM(model).generate(prompts, SamplingParams(...))` -> [{"text", "token_ids", ...}].
-    `model`: a directory, a .gguf file or a hub id; None: the embedded SmolLM2 GGUF."""
+    `model`: a directory, a .gguf file or a hub id; None: the embedded SmolLM2 GGUF.
+    `tp=N`: shard the model over N processes (this one is rank 0; `shutdown` ends the rest)."""
 
     def __init__(
         self,
         model: str | None = None,
         *,
+        tp: int = 1,
         max_prefill_tokens: int = 8192,
         cache: str = "radix",
         **engine_kwargs: Any,
@@ -57,13 +64,50 @@ class LLM:
             from minisgl.models.gguf import announce_default_model
 
             model = announce_default_model()
-        self.engine = Engine(EngineConfig(model_path=model, **engine_kwargs))
-        self.tokenizer = load_tokenizer(self.engine.model_path)
-        self.scheduler = Scheduler(
-            self.engine,
-            SchedulerConfig(max_prefill_tokens=max_prefill_tokens, cache=cache),  # type: ignore[arg-type]
-            eos_token_ids(self.engine, self.tokenizer),
-        )
+        if get_tp_info().size > 1:
+            raise RuntimeError("another LLM with tp > 1 is running in this process: shut it down")
+        config = EngineConfig(model_path=model, **engine_kwargs)
+        sched_config = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, cache=cache)  # type: ignore[arg-type]
+        self.workers: list[Any] = []  # TP ranks 1..N-1
+        if tp == 1:
+            self.engine = Engine(config)
+            self.tokenizer = load_tokenizer(self.engine.model_path)
+            eos = eos_token_ids(self.engine, self.tokenizer)
+            self.scheduler = Scheduler(self.engine, sched_config, eos)
+        else:
+            self.scheduler = self._start_tp(config, sched_config, tp)
+            self.engine = self.scheduler.engine
+            self.tokenizer = load_tokenizer(self.engine.model_path)
+            atexit.register(self.shutdown)  # the other ranks wait for rank 0's word to stop
+
+    def _start_tp(self, config: EngineConfig, sched_config: SchedulerConfig, tp: int) -> Scheduler:
+        import multiprocessing as mp
+
+        from minisgl.scheduler.io import build_scheduler, run_follower
+
+        check_tp(config, tp)  # before any process starts
+        config.model_path = resolve_model_path(config.model_path)  # download once
+        port, ctx = free_port(), mp.get_context("spawn")
+        conns = []
+        for rank in range(1, tp):
+            conn, child = ctx.Pipe(duplex=False)
+            args = (config, sched_config, rank, tp, port, child)
+            proc = ctx.Process(target=run_follower, args=args, name=f"TP rank {rank}", daemon=True)
+            proc.start()
+            self.workers.append(proc)
+            conns.append(conn)
+        try:
+            wait_ready(conns, self.workers)  # hello: alive past their imports
+            scheduler = build_scheduler(config, sched_config, 0, tp, port)
+            wait_ready(conns, self.workers)
+        except BaseException:
+            destroy_tp()  # the others' collectives fail at once: nobody waits for this rank
+            for proc in self.workers:
+                proc.kill()
+                proc.join()
+            self.workers = []
+            raise
+        return scheduler
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -127,4 +171,19 @@ class LLM:
         return {"text": text, "token_ids": ids, "finish_reason": req.finish_reason}
 
     def shutdown(self) -> None:
+        """Release the engine; with tp > 1 also stop the other ranks (idempotent)."""
         self.engine.shutdown()
+        if not self.workers:
+            return
+        atexit.unregister(self.shutdown)
+        try:
+            self.scheduler.stop_followers()
+        except RuntimeError:
+            pass  # a rank already died: nothing to tell it
+        for proc in self.workers:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.workers = []
+        destroy_tp()

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from typing import Any
 
-from minisgl.engine import Engine
+import torch
+
+from minisgl.distributed import destroy_tp, init_tp
+from minisgl.engine import Engine, EngineConfig
+from minisgl.engine.engine import device_type
 from minisgl.llm.llm import eos_token_ids, load_tokenizer
 from minisgl.message import (
     AbortBackendMsg,
@@ -17,7 +22,8 @@ from minisgl.message import (
     SchedulerStats,
     UserMsg,
 )
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.scheduler import Scheduler, SchedulerConfig
+from minisgl.utils.procs import die_with_parent
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
@@ -95,18 +101,61 @@ class SchedulerServer:
                 self.send.put(BatchDetokenizeMsg(out, stats))
 
 
-def run_scheduler_process(
-    engine_kwargs: dict, sched_config, recv_addr: str, send_addr: str, ready
+def build_scheduler(
+    engine_config: EngineConfig, sched_config: SchedulerConfig, rank: int, tp: int, port: int
+) -> Scheduler:
+    """Join the TP group (when tp > 1), then build this rank's engine shard and scheduler."""
+    if tp > 1:
+        if rank > 0:  # the ranks share the cores; rank 0 may be the user's own process
+            torch.set_num_threads(max(1, torch.get_num_threads() // tp))
+        init_tp(rank, tp, port, device_type(engine_config))
+    engine = Engine(engine_config)
+    return Scheduler(engine, sched_config, eos_token_ids(engine, load_tokenizer(engine.model_path)))
+
+
+def run_follower(
+    engine_config: EngineConfig,
+    sched_config: SchedulerConfig,
+    rank: int,
+    tp: int,
+    port: int,
+    ready: Any,
 ) -> None:
-    """Process entry: build the engine, report readiness (or the error) through `ready`."""
+    """Process entry of TP ranks > 0 (server and offline LLM alike): say hello before joining
+    the group (so rank 0 waits for no process that died importing), build, follow rank 0.
+    Ctrl-C is rank 0's to handle; the kernel ends this process with its parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    ready.send(("ready", None))
     try:
-        engine = Engine(**engine_kwargs)
-        scheduler = Scheduler(
-            engine, sched_config, eos_token_ids(engine, load_tokenizer(engine.model_path))
-        )
+        scheduler = build_scheduler(engine_config, sched_config, rank, tp, port)
+    except Exception as e:
+        ready.send(("error", f"TP rank {rank} failed to start: {type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    ready.send(("ready", None))
+    scheduler.follow()
+    scheduler.engine.shutdown()
+    destroy_tp()
+
+
+def run_scheduler_process(
+    engine_config: EngineConfig,
+    sched_config: SchedulerConfig,
+    tp: int,
+    port: int,
+    recv_addr: str,
+    send_addr: str,
+    ready: Any,
+) -> None:
+    """Process entry of rank 0: build the engine, report readiness (or the error) through
+    `ready`, then serve."""
+    try:
+        scheduler = build_scheduler(engine_config, sched_config, 0, tp, port)
         server = SchedulerServer(scheduler, recv_addr, send_addr)
     except Exception as e:  # reported to the launcher, which prints it and exits non-zero
         ready.send(("error", f"scheduler failed to start: {type(e).__name__}: {e}"))
         raise SystemExit(1) from None
+    engine = scheduler.engine
     ready.send(("ready", {"max_seq_len": engine.max_seq_len, "num_pages": engine.num_pages}))
     server.run()
+    scheduler.stop_followers()

@@ -4,7 +4,12 @@ Each step is either a prefill batch (the chunk in progress, then waiting request
 token budget; long prompts are split into chunks) or a decode batch of every running request.
 Pages come from the KVCacheManager, which evicts unused prefix-cache pages on demand; when a
 decode step still lacks pages, the newest request is preempted: its KV goes to the prefix cache
-and it waits to be prefilled again, keeping the tokens it has generated."""
+and it waits to be prefilled again, keeping the tokens it has generated.
+
+Tensor parallelism: every rank runs a Scheduler over its own Engine shard. Scheduling is
+deterministic and sampled tokens are equal on every rank (the logits are all-gathered), so the
+ranks stay in step as long as they see the same requests: rank 0 records each add and abort
+and broadcasts them at the start of its next step; the others `follow`."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Literal
 
 from minisgl import env
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.distributed import broadcast_object, get_tp_info
 from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
 from minisgl.kvcache import KVCacheManager
@@ -70,6 +76,9 @@ class Scheduler:
         self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
         self.num_prefill_tokens = 0  # prompt tokens scheduled (for the prefix-cache hit rate)
         self.num_cached_tokens = 0  # of those, found in the prefix cache
+        tp = get_tp_info()
+        self.leads = tp.size > 1 and tp.is_primary  # rank 0 of several: tells the others
+        self.changes: list[tuple] = []  # adds and aborts the other ranks have not seen yet
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(
@@ -100,6 +109,9 @@ class Scheduler:
         return req
 
     def add_request(self, req: Req) -> None:
+        if self.leads:  # the seed too: one drawn at random must be the same on every rank
+            prompt = req.tokens[: req.prompt_len]
+            self.changes.append(("add", req.uid, prompt, req.params, req.seed))
         self.requests[req.uid] = req
         if req.params.max_tokens == 0:
             self._finish(req, "length")
@@ -107,6 +119,8 @@ class Scheduler:
             self.waiting.append(req)
 
     def abort(self, uid: int) -> None:
+        if self.leads:
+            self.changes.append(("abort", uid))
         req = self.requests.get(uid)
         if req is None:
             return
@@ -123,6 +137,9 @@ class Scheduler:
     def step(self) -> list[TokenOutput]:
         """Launch one forward (if anything can run) and return the tokens that are ready: with
         overlap, those of the previous step, whose device work ran while this one was built."""
+        if self.leads:
+            broadcast_object((self.changes, False))
+            self.changes = []
         outputs, self.pending = self.pending, []
         batch = self._schedule_prefill() or self._schedule_decode()
         launched = self._launch(batch) if batch is not None else None
@@ -133,6 +150,27 @@ class Scheduler:
         if ready is not None:
             outputs.extend(self._process(ready))
         return outputs
+
+    def follow(self) -> None:
+        """Ranks > 0: replay rank 0's adds and aborts and step with it, until it stops."""
+        while True:
+            changes, stop = broadcast_object(None)
+            if stop:
+                return
+            for change in changes:
+                if change[0] == "abort":
+                    self.abort(change[1])
+                    continue
+                _, uid, prompt, params, seed = change
+                req = self.make_request(prompt, params, uid=uid)
+                req.seed = seed
+                self.add_request(req)
+            self.step()
+
+    def stop_followers(self) -> None:
+        if self.leads:
+            broadcast_object(([], True))
+            self.leads = False
 
     # ---- scheduling ----------------------------------------------------------------------
     def _schedule_prefill(self) -> Batch | None:

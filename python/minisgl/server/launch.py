@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.server.args import ServerArgs
+from minisgl.utils.procs import die_with_parent, wait_ready
 
 logger = logging.getLogger("minisgl")
 
@@ -72,25 +73,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 DEATH_GRACE_S = 1.0  # after a child died: time for clients to get their errors and see /health 503
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this child when the launcher dies, even by SIGKILL."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    parent = mp.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
-        os._exit(1)
-
-
 def _child_main(target: Any, *args: Any) -> None:
     # A terminal's Ctrl-C (or systemd's SIGTERM) signals the whole process group; only the
     # parent acts on it, draining requests first and then stopping the children itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     target(*args)
 
 
@@ -116,8 +104,10 @@ class Launcher:
         return parent
 
     def start(self) -> dict[str, Any]:
+        from minisgl.distributed import free_port
+        from minisgl.engine.engine import check_tp
         from minisgl.models.weight import resolve_model_path
-        from minisgl.scheduler.io import run_scheduler_process
+        from minisgl.scheduler.io import run_follower, run_scheduler_process
         from minisgl.scheduler.scheduler import SchedulerConfig
         from minisgl.tokenizer.server import run_detokenizer, run_tokenizer
 
@@ -126,9 +116,21 @@ class Launcher:
         kwargs = engine_kwargs(args)
         kwargs["config"].model_path = model_path
         sched_cfg = SchedulerConfig(max_prefill_tokens=args.max_prefill_length, cache=args.cache)  # type: ignore[arg-type]
+        config = kwargs["config"]
+        port = 0
+        if args.tp > 1:
+            check_tp(config, args.tp)  # before any process starts
+            port = free_port()
         waits = [
             self._spawn(
-                "scheduler", run_scheduler_process, kwargs, sched_cfg, a.scheduler, a.detokenizer
+                "scheduler",
+                run_scheduler_process,
+                config,
+                sched_cfg,
+                args.tp,
+                port,
+                a.scheduler,
+                a.detokenizer,
             )
         ]
         waits.append(
@@ -148,17 +150,15 @@ class Launcher:
                     a.api,
                 )
             )
+        followers = [
+            self._spawn(f"scheduler{rank}", run_follower, config, sched_cfg, rank, args.tp, port)
+            for rank in range(1, args.tp)
+        ]
+        # followers say hello first, then ready once built (rank 0 is ready only after them)
         info: dict[str, Any] = {}
-        for conn, proc in zip(waits, self.procs):
-            while not conn.poll(0.5):
-                if not proc.is_alive():
-                    raise RuntimeError(
-                        f"{proc.name} process exited during start-up (exit code {proc.exitcode})"
-                    )
-            status, payload = conn.recv()
-            if status != "ready":
-                raise RuntimeError(payload)
+        for payload in wait_ready(waits + followers, self.procs):
             info.update(payload or {})
+        wait_ready(followers, self.procs[len(waits) :])
         threading.Thread(target=self._watch, daemon=True).start()
         return info
 
