@@ -6,6 +6,11 @@ Pages come from the KVCacheManager, which evicts unused prefix-cache pages on de
 decode step still lacks pages, the newest request is preempted: its KV goes to the prefix cache
 and it waits to be prefilled again, keeping the tokens it has generated.
 
+Overlap scheduling: `step` launches batch N+1 before it reads batch N's tokens. `_launch`
+advances the host state at once (KV covers the computed tokens; a request that samples gets a
+PLACEHOLDER token, which the next step reads on the device from the engine's token table) and
+`_process` fills the placeholders one step later.
+
 Tensor parallelism: every rank runs a Scheduler over its own Engine shard. Scheduling is
 deterministic and sampled tokens are equal on every rank (the logits are all-gathered), so the
 ranks stay in step as long as they see the same requests: rank 0 records each add and abort
