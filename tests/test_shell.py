@@ -49,7 +49,10 @@ def ask(child: pexpect.spawn, line: str) -> str:
     child.sendline(line)
     child.expect_exact(line)  # the terminal's echo
     child.expect_exact(PROMPT, timeout=60)
-    return child.before.strip()
+    answer = child.before.strip()
+    # typed right after the prompt, a line may be echoed twice (by the terminal, then by
+    # prompt_toolkit once it takes over)
+    return answer[len(line) :].strip() if answer.startswith(line) else answer
 
 
 def wait_closed(child: pexpect.spawn, procs: list[tuple[int, int]]) -> int:
