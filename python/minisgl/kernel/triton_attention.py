@@ -42,6 +42,35 @@ def _split_chunk(kv_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(
+    s,
+    m_i,
+    l_i,
+    acc,
+    v_pool,
+    slot,
+    kvh,
+    valid,
+    offs_d,
+    stride_vt,
+    stride_vh,
+    PRECISION: tl.constexpr,
+):
+    """Fold one block of scores s [rows, BLOCK_N] (log2 units, -inf where masked) and its values
+    into the running max m_i, normaliser l_i and output acc (flash attention's update)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # callers guarantee a finite entry per row
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    vb = tl.load(
+        v_pool + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q,  # [B, H, D]
     k_pool,  # [slots, Hkv, D]
@@ -105,18 +134,10 @@ def _decode_split_kernel(
             other=0.0,
         )
         s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # every block has a valid position
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        vb = tl.load(
-            v_pool + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=valid[:, None],
-            other=0.0,
+        s = tl.where(valid[None, :], s, float("-inf"))  # every block has a valid position
+        m_i, l_i, acc = _online_softmax_step(
+            s, m_i, l_i, acc, v_pool, slot, kvh, valid, offs_d, stride_vt, stride_vh, PRECISION
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
 
     res = acc / l_i[:, None]
     if NUM_SPLITS == 1:  # nothing to merge
@@ -316,19 +337,11 @@ def _extend_kernel(
         )
         s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
         allowed = (pos[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        # every query row sees position 0 in the first block, so the max is finite from there on
         s = tl.where(allowed, s, float("-inf"))
-        # every query row sees position 0 in the first block, so m_new is finite from there on
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        vb = tl.load(
-            v_pool + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=n_valid[:, None],
-            other=0.0,
+        m_i, l_i, acc = _online_softmax_step(
+            s, m_i, l_i, acc, v_pool, slot, kvh, n_valid, offs_d, stride_vt, stride_vh, PRECISION
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
 
     res = acc / l_i[:, None]
     tl.store(
