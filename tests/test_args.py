@@ -28,7 +28,7 @@ def test_all_flags():
     args = parse_args(
         "--model /m --device cpu --dtype bfloat16 --tp 2 --host 0.0.0.0 --port 8000 "
         "--page-size 1 --max-prefill-length 512 --max-running-requests 8 --cache naive "
-        "--attn fi,triton --cuda-graph-max-bs 0 --memory-ratio 1 --num-pages 100 "
+        "--attn fi,triton --moe-backend torch --cuda-graph-max-bs 0 --memory-ratio 1 --num-pages 100 "
         "--max-model-len 2048 --num-tokenizer 2 --dummy-weights --shell --api-key sk-1 "
         "--seed 42 --log-level DEBUG --max-queued-requests 64 --request-timeout 2.5 "
         "--max-request-bytes 1000 --shutdown-timeout 0".split()
@@ -45,6 +45,7 @@ def test_all_flags():
         max_running_requests=8,
         cache="naive",
         attn="fi,triton",
+        moe_backend="torch",
         cuda_graph_max_bs=0,
         memory_ratio=1.0,
         num_pages=100,

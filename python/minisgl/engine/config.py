@@ -2,7 +2,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from minisgl.attention import parse_attn
+from minisgl.kernel import resolve_moe_backend
 
 
 @dataclass
@@ -17,6 +20,7 @@ class EngineConfig:
     memory_ratio: float = 0.9  # fraction of free GPU memory (after weights) for the KV pool
     cpu_kv_cache_mb: int = 512
     attn: str = "auto"
+    moe_backend: str = "auto"  # auto | torch | triton (kernel/moe.py); for MoE models only
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
     dummy_weights: bool = False
     seed: int = 0
@@ -37,5 +41,12 @@ class EngineConfig:
         if self.device.split(":")[0] not in ("auto", "cuda", "cpu"):
             raise ValueError(f"invalid device {self.device!r}: expected auto, cuda or cpu")
         parse_attn(self.attn)  # a bad name fails before the model loads
+        resolve_moe_backend(self.moe_backend, device_type(self))  # before any process starts
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"invalid dtype {self.dtype!r}")
+
+
+def device_type(config: EngineConfig) -> str:
+    """ "cuda" or "cpu", without initialising CUDA (the caller may be a launcher)."""
+    name = config.device.split(":")[0]
+    return "cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu"

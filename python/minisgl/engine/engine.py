@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from itertools import accumulate
 
 import torch
@@ -11,9 +12,10 @@ import torch
 from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
-from minisgl.engine.config import EngineConfig
+from minisgl.engine.config import EngineConfig, device_type
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, sample
+from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
     ModelConfig,
@@ -56,12 +58,6 @@ def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
 
 
-def device_type(config: EngineConfig) -> str:
-    """ "cuda" or "cpu", without initialising CUDA (the caller may be a launcher)."""
-    name = config.device.split(":")[0]
-    return "cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu"
-
-
 def check_tp(config: EngineConfig, size: int) -> None:
     """Fail before any rank starts when the model or the machine cannot take TP `size`."""
     cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(config.model_path)))
@@ -77,6 +73,9 @@ class Engine:
         self.model_path = resolve_model_path(config.model_path)
         self.hf_config = load_hf_config(self.model_path)
         self.model_config = ModelConfig.from_hf(self.hf_config)
+        if (moe := self.model_config.moe) is not None:
+            backend = resolve_moe_backend(config.moe_backend, self.device.type)
+            self.model_config = replace(self.model_config, moe=replace(moe, backend=backend))
         self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.device)
         cfg = self.model_config
         check_tp_size(get_tp_info().size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
@@ -251,9 +250,10 @@ class Engine:
             # all-reduce inside a captured graph has not been tried on GPUs yet (issue 5)
             logger.warning("CUDA graphs are off for --tp > 1 (not yet validated on GPUs)")
             return None
-        if self.model_config.moe is not None:
+        moe = self.model_config.moe
+        if moe is not None and moe.backend != "triton":
             # the torch expert loop picks experts on the host: nothing a graph can replay
-            logger.warning("CUDA graphs are off for MoE models (no graph-safe expert kernel yet)")
+            logger.warning("CUDA graphs are off for MoE models with --moe-backend %s", moe.backend)
             return None
         try:
             self.attn_backend.init_cuda_graph(max_bs)

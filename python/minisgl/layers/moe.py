@@ -62,10 +62,16 @@ class MoELayer(nn.Module):
         top_k: int,
         intermediate_size: int,
         norm_topk: bool,
+        backend: str = "torch",  # torch | triton (minisgl.kernel.moe.fused_moe)
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk = norm_topk
+        self.run_experts = moe_forward_torch
+        if backend == "triton":
+            from minisgl.kernel.moe import fused_moe  # imports triton: only when chosen
+
+            self.run_experts = fused_moe
         self.gate = ReplicatedLinear(hidden_size, num_experts)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
 
@@ -74,7 +80,6 @@ class MoELayer(nn.Module):
         topk_weights, topk_ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        out = moe_forward_torch(
-            x, self.experts.w13, self.experts.w2, topk_weights.to(x.dtype), topk_ids
-        )
+        w13, w2 = self.experts.w13, self.experts.w2
+        out = self.run_experts(x, w13, w2, topk_weights.to(x.dtype), topk_ids)
         return all_reduce(out)

@@ -15,6 +15,7 @@ class MoEConfig:
     intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]  # layer ids using experts; the rest use the dense MLP
+    backend: str = "torch"  # expert kernel: torch | triton; the engine sets it (--moe-backend)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ class DecoderLayer(nn.Module):
                 moe.top_k,
                 moe.intermediate_size,
                 moe.norm_topk_prob,
+                moe.backend,
             )
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)

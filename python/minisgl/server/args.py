@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from minisgl.attention import BACKENDS as ATTN_BACKENDS
 from minisgl.attention import parse_attn
+from minisgl.kernel import MOE_BACKENDS
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ServerArgs:
     max_running_requests: int = 256
     cache: str = "radix"  # radix | naive
     attn: str = "auto"  # auto | NAME | PREFILL,DECODE
+    moe_backend: str = "auto"  # auto | torch | triton
     cuda_graph_max_bs: int = 256  # 0 disables CUDA graphs
     memory_ratio: float = 0.9
     num_pages: int | None = None  # None: size the KV pool from memory_ratio
@@ -150,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_attn,
         default=d.attn,
         help=f"attention backend: auto, one of {{{','.join(ATTN_BACKENDS)}}}, or PREFILL,DECODE",
+    )
+    add(
+        "--moe-backend",
+        choices=MOE_BACKENDS,
+        default=d.moe_backend,
+        help="experts of MoE models: triton (fused kernel, CUDA), torch (reference loop) or "
+        "auto (triton on CUDA when it imports)",
     )
     add(
         "--cuda-graph-max-bs",

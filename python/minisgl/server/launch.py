@@ -55,6 +55,7 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
         num_pages=args.num_pages,
         memory_ratio=args.memory_ratio,
         attn=args.attn,
+        moe_backend=args.moe_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         dummy_weights=args.dummy_weights,
         seed=args.seed,
@@ -112,8 +113,8 @@ class Launcher:
         from minisgl.tokenizer.server import run_detokenizer, run_tokenizer
 
         args, a = self.args, self.addrs
+        kwargs = engine_kwargs(args)  # a bad flag combination fails before any download
         model_path = resolve_model_path(args.model)  # download once, before the children start
-        kwargs = engine_kwargs(args)
         kwargs["config"].model_path = model_path
         sched_cfg = SchedulerConfig(max_prefill_tokens=args.max_prefill_length, cache=args.cache)  # type: ignore[arg-type]
         config = kwargs["config"]
