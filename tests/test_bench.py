@@ -32,26 +32,78 @@ def test_roofline_of_qwen3_0_6b_on_h100():
     assert abs(roof - 28_575) / 28_575 < 0.005  # the figure the issue quotes
 
 
-def test_cpu_smoke_run(tmp_path):
-    out = tmp_path / "result.jsonl"
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "benchmark", "offline", "bench.py"),
-        "--tiny",
-        "--device",
-        "cpu",
-        "--num-seqs",
-        "3",
-        "--max-input-len",
-        "110",
-        "--max-output-len",
-        "104",
-        "--json",
-        str(out),
-    ]
+def test_moe_roofline_counts_the_experts_a_step_reads():
+    bw, flops = GPU_PEAKS["H200"]
+    # one request, 100 prompt tokens, 2 output tokens; a token uses a quarter of the experts
+    roof = roofline_tok_s([100], [2], 1e9, 1e5, 5e8, bw, flops, 4e9, 2e9, expert_share=0.25)
+    prefill = 100 * 2 * (5e8 + 0.25 * 2e9) / flops
+    steps = sum((1e9 + 0.25 * 4e9 + (100 + s) * 1e5) / bw for s in (1, 2))
+    assert abs(roof - 2 / (prefill + steps)) / roof < 1e-12
+    # a batch of b requests reads the experts some request routes to: 1 - (1 - 1/4)^b of them
+    prompts, outputs = [100] * 8, [1] * 8
+    roof = roofline_tok_s(prompts, outputs, 1e9, 0.0, 5e8, bw, flops, 4e9, 2e9, expert_share=0.25)
+    step = (1e9 + 4e9 * (1 - 0.75**8)) / bw
+    assert abs(roof - 8 / (8 * 100 * 2 * 1e9 / flops + step)) / roof < 1e-12
+    # every expert used by every token: the same as dense weights
+    dense = roofline_tok_s(prompts, [5] * 8, 5e9, 1e5, 2.5e9, bw, flops)
+    moe = roofline_tok_s(prompts, [5] * 8, 1e9, 1e5, 5e8, bw, flops, 4e9, 2e9, expert_share=1.0)
+    assert abs(moe - dense) / dense < 1e-12
+
+
+def run_bench(args: list[str], out) -> tuple[dict, str]:
+    cmd = [sys.executable, os.path.join(ROOT, "benchmark", "offline", "bench.py"), *args]
+    cmd += ["--device", "cpu", "--json", str(out)]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_cpu_smoke_run(tmp_path):
+    args = ["--tiny", "--num-seqs", "3", "--max-input-len", "110", "--max-output-len", "104"]
+    result, stdout = run_bench(args, tmp_path / "result.jsonl")
     assert result["output_tokens"] == sum(workload(3, 110, 104)[1])
-    assert result["tok_s"] > 0 and "tok/s" in proc.stdout
+    assert result["tok_s"] > 0 and "tok/s" in stdout
+    assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny", 1, None)
+
+
+def test_cpu_smoke_run_moe_config_tp2(tmp_path):
+    """--config DIR (config.json only, dummy weights), --tp and --moe-backend reach the engine."""
+    from transformers import Qwen3MoeConfig
+
+    model = tmp_path / "tiny-moe"
+    Qwen3MoeConfig(
+        vocab_size=10240,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        max_position_embeddings=4096,
+        architectures=["Qwen3MoeForCausalLM"],
+    ).save_pretrained(model)
+    args = ["--config", str(model), "--tp", "2", "--moe-backend", "torch", "--num-seqs", "2"]
+    args += ["--max-input-len", "104", "--max-output-len", "102"]
+    result, _ = run_bench(args, tmp_path / "result.jsonl")
+    assert result["output_tokens"] == sum(workload(2, 104, 102)[1])
+    assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny-moe", 2, "torch")
+
+
+def test_benchmark_configs_are_the_published_ones():
+    from transformers import AutoConfig
+
+    from minisgl.models import ModelConfig
+
+    dense = ModelConfig.from_hf(AutoConfig.from_pretrained(f"{ROOT}/benchmark/qwen3-8b"))
+    assert (dense.hidden_size, dense.num_layers, dense.intermediate_size) == (4096, 36, 12288)
+    assert (dense.num_heads, dense.num_kv_heads, dense.head_dim) == (32, 8, 128)
+    assert (dense.vocab_size, dense.tie_word_embeddings, dense.moe) == (151936, False, None)
+    moe = ModelConfig.from_hf(AutoConfig.from_pretrained(f"{ROOT}/benchmark/qwen3-30b-a3b"))
+    assert (moe.hidden_size, moe.num_layers, moe.num_heads, moe.num_kv_heads) == (2048, 48, 32, 4)
+    assert moe.moe is not None and moe.moe.sparse_layers == tuple(range(48))
+    assert (moe.moe.num_experts, moe.moe.top_k, moe.moe.intermediate_size) == (128, 8, 768)
+    assert moe.moe.norm_topk_prob and moe.rope.base == 1e6 == dense.rope.base

@@ -7,11 +7,16 @@ the Qwen3-0.6B architecture with dummy weights, and its fraction of the GPU's ro
     python benchmark/offline/bench.py --cuda-graph-max-bs 0 --attn triton
     python benchmark/offline/bench.py --single               # one request's decode tok/s
     python benchmark/offline/bench.py --tiny --device cpu    # CPU smoke test (tiny model)
+    python benchmark/offline/bench.py --config benchmark/qwen3-8b --tp 2
+    python benchmark/offline/bench.py --config benchmark/qwen3-30b-a3b --tp 2 --moe-backend torch
 
 Roofline: prefill costs 2 * params FLOPs per prompt token at the GPU's dense bf16 peak; each
 decode step reads every weight once plus the whole KV (prompt + generated so far, the new token
 included) of every running request at the GPU's memory bandwidth; requests run as one batch
-from the start, each leaving when its output is complete."""
+from the start, each leaving when its output is complete. MoE models: a token uses top_k / E of
+the experts' weights (FLOPs), and a decode step of b requests reads the share of them that some
+request routes to, 1 - (1 - top_k / E)^b (uniform routing). With --tp N the figures are one
+GPU's: rank 0's shard of the weights and KV, against one GPU's peaks (no communication cost)."""
 
 from __future__ import annotations
 
@@ -46,8 +51,12 @@ def roofline_tok_s(
     params: float,
     bandwidth: float,
     flops: float,
+    expert_bytes: float = 0.0,  # MoE: the experts' share of the weights, not in weight_bytes
+    expert_params: float = 0.0,  # and of the parameters, not in params
+    expert_share: float = 1.0,  # top_k / num_experts
 ) -> float:
-    seconds = sum(prompt_lens) * 2 * params / flops
+    active = params + expert_share * expert_params
+    seconds = sum(prompt_lens) * 2 * active / flops
     pending = sorted(zip(output_lens, prompt_lens))
     running_prompt, running = sum(prompt_lens), len(prompt_lens)
     first = 0
@@ -57,8 +66,14 @@ def roofline_tok_s(
             running -= 1
             first += 1
         kv_tokens = running_prompt + running * (step + 1)
-        seconds += (weight_bytes + kv_tokens * kv_bytes_per_token) / bandwidth
+        experts_read = expert_bytes * (1 - (1 - expert_share) ** running)
+        seconds += (weight_bytes + experts_read + kv_tokens * kv_bytes_per_token) / bandwidth
     return sum(output_lens) / seconds
+
+
+def param_size(params: list) -> tuple[int, int]:
+    """(number of parameters, bytes)"""
+    return sum(p.numel() for p in params), sum(p.nbytes for p in params)
 
 
 def tiny_model_dir() -> str:
@@ -83,7 +98,14 @@ def tiny_model_dir() -> str:
 def parse_args() -> argparse.Namespace:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=os.path.join(here, "..", "qwen3-0.6b"))
+    p.add_argument(
+        "--model",
+        "--config",
+        dest="model",
+        default=os.path.join(here, "..", "qwen3-0.6b"),
+        help="model directory; with dummy weights a directory with only config.json will do "
+        "(benchmark/qwen3-0.6b, qwen3-8b, qwen3-30b-a3b)",
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 (smoke test)")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--max-input-len", type=int, default=1024)
@@ -91,6 +113,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--single", action="store_true", help="one request: decode tok/s")
     p.add_argument("--device", default="auto")
     p.add_argument("--attn", default="auto")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
+    p.add_argument("--moe-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
     p.add_argument("--no-overlap", action="store_true", help="MINISGL_DISABLE_OVERLAP_SCHEDULING")
     p.add_argument("--no-fused", action="store_true", help="MINISGL_DISABLE_FUSED_OPS")
@@ -115,7 +139,9 @@ def main() -> None:
         model,
         dummy_weights=True,
         device=args.device,
+        tp=args.tp,
         attn=args.attn,
+        moe_backend=args.moe_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         max_prefill_tokens=args.max_prefill_tokens,
     )
@@ -153,25 +179,40 @@ def main() -> None:
     engine = llm.engine
     device = engine.device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    moe = engine.model_config.moe
     result = {
         "gpu": gpu,
+        "model": "tiny" if args.tiny else os.path.basename(os.path.normpath(args.model)),
+        "tp": args.tp,
         "requests": len(prompts),
         "output_tokens": total,
         "seconds": round(seconds, 3),
         "tok_s": round(tok_s, 1),
         "attn": args.attn,
+        "moe_backend": moe.backend if moe is not None else None,
         "overlap": not args.no_overlap,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "fused": not args.no_fused,
     }
     peaks = next((v for k, v in GPU_PEAKS.items() if k in gpu), None)
     if peaks is not None and not args.single:
-        num_params = sum(p.numel() for p in engine.model.parameters())  # tied weights count once
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        # rank 0's shard (tied weights count once), the experts apart: a token uses top_k of them
+        num_params, weight_bytes = param_size(list(engine.model.parameters()))
+        expert_params, expert_bytes = param_size(
+            [p for name, p in engine.model.named_parameters() if ".experts." in name]
+        )
         kv = engine.kv_cache
         kv_per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
         roof = roofline_tok_s(
-            [len(p) for p in prompts], max_tokens, weight_bytes, kv_per_token, num_params, *peaks
+            [len(p) for p in prompts],
+            max_tokens,
+            weight_bytes - expert_bytes,
+            kv_per_token,
+            num_params - expert_params,
+            *peaks,
+            expert_bytes=expert_bytes,
+            expert_params=expert_params,
+            expert_share=moe.top_k / moe.num_experts if moe is not None else 1.0,
         )
         result["roofline_tok_s"] = round(roof, 1)
         result["roofline_fraction"] = round(tok_s / roof, 4)
