@@ -44,18 +44,18 @@ def moe():
 def problem(tokens, experts, top_k, hidden, inter, dtype, seed, route=None):
     """x, w13, w2 and a router's normalised top-k (as MoELayer computes it); `route` [T, k]
     overrides the chosen experts."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
-    probs = torch.softmax(torch.randn(tokens, experts, generator=gen), dim=-1)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=DEVICE)  # noqa: E731
+    x = randn(tokens, hidden)
+    w13 = randn(experts, 2 * inter, hidden) / hidden**0.5
+    w2 = randn(experts, hidden, inter) / inter**0.5
+    probs = torch.softmax(randn(tokens, experts), dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     if route is not None:
-        ids = torch.as_tensor(route, dtype=torch.int64).view(tokens, top_k)
+        ids = torch.as_tensor(route, dtype=torch.int64, device=DEVICE).view(tokens, top_k)
         weights = probs.gather(1, ids)
     weights = weights / weights.sum(dim=-1, keepdim=True)
-    cast = lambda t: t.to(DEVICE, dtype)  # noqa: E731
-    return cast(x), cast(w13), cast(w2), cast(weights), ids.to(DEVICE)
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights.to(dtype), ids
 
 
 def check(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -125,14 +125,12 @@ def test_shape_mismatch_is_named(moe):
     block_m=st.sampled_from([1, 4, 16]),
     seed=st.integers(0, 2**16),
 )
-def test_align_block_size_invariants(tokens, experts, top_k, block_m, seed):
-    pytest.importorskip("triton")
-    from minisgl.kernel.moe import align_block_size
-
+def test_align_block_size_invariants(moe, tokens, experts, top_k, block_m, seed):
     gen = torch.Generator().manual_seed(seed)
     # any ids, repeats within a row included: alignment must not rely on top-k being distinct
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
-    sorted_ids, expert_ids, num_post = align_block_size(ids, experts, block_m)
+    aligned = moe.align_block_size(ids.to(DEVICE), experts, block_m)
+    sorted_ids, expert_ids, num_post = (t.cpu() for t in aligned)
     assert sorted_ids.dtype == expert_ids.dtype == num_post.dtype == torch.int32
     pairs, flat = tokens * top_k, ids.flatten()
     used = int(num_post.item())
@@ -265,7 +263,7 @@ def _gpu_prompts(n: int = 16) -> list[list[int]]:
 
 @pytest.mark.gpu
 @gpu
-def test_engine_triton_equals_torch_and_graphs_equal_eager(model_dirs):
+def test_engine_triton_equals_torch_and_graphs_equal_eager(moe, model_dirs):
     """Tiny Qwen3-MoE in fp32 on the GPU: --moe-backend triton (CUDA graphs on) gives the torch
     backend's greedy tokens, and so does triton with graphs off."""
     path = model_dirs("qwen3_moe")[0]

@@ -123,7 +123,7 @@ def _gemm(
     config: dict[str, int],
 ) -> None:
     sorted_ids, expert_ids, num_post_padded = routing
-    num_experts, n, k = w.shape
+    _, n, k = w.shape
     grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     _moe_gemm_kernel[grid](
