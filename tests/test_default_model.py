@@ -5,10 +5,12 @@ package; without it these tests are skipped."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
 
+import jsonschema
 import pytest
 import torch
 
@@ -79,6 +81,29 @@ def test_server_without_model_answers(tmp_path_factory: pytest.TempPathFactory) 
         )
         assert "Paris" in reply.choices[0].message.content
         assert "using the embedded SmolLM2" in server.log()
+        # structured generation on a real model: a JSON object that validates
+        schema = {
+            "type": "object",
+            "properties": {
+                "country": {"type": "string"},
+                "capital": {"type": "string"},
+                "population_millions": {"type": "integer"},
+            },
+            "required": ["country", "capital", "population_millions"],
+        }
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": f"{QUESTION} Answer in JSON."}],
+            temperature=0,
+            max_tokens=80,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema},
+            },
+        )
+        answer = json.loads(reply.choices[0].message.content)
+        jsonschema.validate(answer, schema)
+        assert "Paris" in answer["capital"], answer
 
 
 @pytest.mark.gpu

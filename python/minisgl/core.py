@@ -4,20 +4,23 @@ and the per-process context that layers reach during a forward (Context)."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend
     from minisgl.kvcache.pool import MHAKVCache
+    from minisgl.scheduler.grammar import Constraint
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings. temperature 0 means greedy."""
+    """Per-request sampling settings. temperature 0 means greedy. At most one of json_schema
+    (a dict or its JSON text), regex and ebnf constrains the output (structured generation)."""
 
     temperature: float = 0.0
     top_k: int = -1  # -1 or 0: no top-k filter
@@ -27,8 +30,16 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.json_schema, dict):  # kept as text: it travels between processes
+            try:
+                self.json_schema = json.dumps(self.json_schema)  # key order is field order
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"json_schema is not JSON: {e}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -44,13 +55,19 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
+        grammars = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
+        given = [name for name, value in grammars.items() if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and ebnf, got {given}")
+        if given and not isinstance(grammars[given[0]], str):
+            raise ValueError(f"{given[0]} must be a string")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 _uid_counter = itertools.count()
 
 
@@ -72,6 +89,8 @@ class Req:
     cache_handle: object | None = None  # locked prefix-cache node while admitted
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    grammar: Constraint | None = None  # structured generation: what the output must match
+    error: str | None = None  # why it ended when finish_reason is "error"
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

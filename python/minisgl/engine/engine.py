@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from itertools import accumulate
 
@@ -14,7 +15,7 @@ from minisgl.core import Batch, Context, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import EngineConfig, device_type
 from minisgl.engine.graph import GraphRunner
-from minisgl.engine.sample import BatchSamplingArgs, sample
+from minisgl.engine.sample import BatchSamplingArgs, apply_token_bitmask, sample
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -231,11 +232,21 @@ class Engine:
         return logits, after
 
     @torch.inference_mode()
-    def launch(self, batch: Batch, samples: list[bool]) -> StepOutput:
+    def launch(
+        self,
+        batch: Batch,
+        samples: list[bool],
+        grammar_mask: Callable[[], tuple[torch.Tensor, list[int]] | None] | None = None,
+    ) -> StepOutput:
         """Queue the forward and the sampling of every request whose `samples` flag is set;
         the sampled ids go into the token table (where the next step reads its inputs) and
-        into pinned host memory. Nothing here waits for the device."""
+        into pinned host memory. Nothing here waits for the device. `grammar_mask`, called
+        once the forward is queued, gives a token bitmask for some rows of the logits
+        (structured generation); it is applied outside the CUDA graph, before sampling."""
         logits, after = self._forward(batch, samples)
+        mask = grammar_mask() if grammar_mask is not None else None
+        if mask is not None:
+            apply_token_bitmask(logits, *mask)
         args = BatchSamplingArgs.from_reqs(batch.reqs, self.model_config.vocab_size, self.device)
         next_ids = sample(logits, args)
         kv_lens, write_rows = after[0], after[1]

@@ -98,3 +98,17 @@ def _filter(probs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     drop |= sorted_p < args.min_p[:, None] * sorted_p[:, :1]
     drop[:, 0] = False
     return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Structured generation: set to -inf, in rows `rows` of `logits`, the tokens whose bit is
+    0 in the same row of `bitmask` (int32 [B, ceil(V / 32)], host memory; xgrammar's layout)."""
+    import xgrammar as xgr
+
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if logits.is_cuda or logits.dtype == torch.float32:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        return
+    scratch = logits.float()  # xgrammar's CPU kernel takes float32 only
+    xgr.apply_token_bitmask_inplace(scratch, bitmask, indices=rows)
+    logits.copy_(scratch)

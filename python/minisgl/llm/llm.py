@@ -73,7 +73,7 @@ class LLM:
             self.engine = Engine(config)
             self.tokenizer = load_tokenizer(self.engine.model_path)
             eos = eos_token_ids(self.engine, self.tokenizer)
-            self.scheduler = Scheduler(self.engine, sched_config, eos)
+            self.scheduler = Scheduler(self.engine, sched_config, eos, self.tokenizer)
         else:
             self.scheduler = self._start_tp(config, sched_config, tp)
             self.engine = self.scheduler.engine
@@ -156,6 +156,9 @@ class LLM:
             for p, sp in zip(prompts, sampling_params)
         ]
         for req in reqs:
+            if req.grammar is not None:
+                req.grammar.wait()  # raises GrammarError (a ValueError) for a bad grammar
+        for req in reqs:
             self.scheduler.add_request(req)
         with tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm) as bar:
             done = 0
@@ -168,10 +171,14 @@ class LLM:
     def _result(self, req: Any) -> dict[str, Any]:
         ids = req.output_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-        return {"text": text, "token_ids": ids, "finish_reason": req.finish_reason}
+        result = {"text": text, "token_ids": ids, "finish_reason": req.finish_reason}
+        if req.error is not None:
+            result["error"] = req.error
+        return result
 
     def shutdown(self) -> None:
         """Release the engine; with tp > 1 also stop the other ranks (idempotent)."""
+        self.scheduler.shutdown()
         self.engine.shutdown()
         if not self.workers:
             return

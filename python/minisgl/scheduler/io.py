@@ -88,7 +88,11 @@ class SchedulerServer:
             outputs = self.scheduler.step() if self.scheduler.has_work else []
             out = [
                 DetokenizeMsg(
-                    o.uid, [] if o.token is None else [o.token], o.finished, o.finish_reason
+                    o.uid,
+                    [] if o.token is None else [o.token],
+                    o.finished,
+                    o.finish_reason,
+                    o.error,
                 )
                 for o in outputs
             ]
@@ -110,7 +114,8 @@ def build_scheduler(
             torch.set_num_threads(max(1, torch.get_num_threads() // tp))
         init_tp(rank, tp, port, device_type(engine_config))
     engine = Engine(engine_config)
-    return Scheduler(engine, sched_config, eos_token_ids(engine, load_tokenizer(engine.model_path)))
+    tokenizer = load_tokenizer(engine.model_path)
+    return Scheduler(engine, sched_config, eos_token_ids(engine, tokenizer), tokenizer)
 
 
 def run_follower(
@@ -134,6 +139,7 @@ def run_follower(
         raise SystemExit(1) from None
     ready.send(("ready", None))
     scheduler.follow()
+    scheduler.shutdown()
     scheduler.engine.shutdown()
     destroy_tp()
 
@@ -159,3 +165,4 @@ def run_scheduler_process(
     ready.send(("ready", {"max_seq_len": engine.max_seq_len, "num_pages": engine.num_pages}))
     server.run()
     scheduler.stop_followers()
+    scheduler.shutdown()

@@ -14,13 +14,17 @@ PLACEHOLDER token, which the next step reads on the device from the engine's tok
 Tensor parallelism: every rank runs a Scheduler over its own Engine shard. Scheduling is
 deterministic and sampled tokens are equal on every rank (the logits are all-gathered), so the
 ranks stay in step as long as they see the same requests: rank 0 records each add and abort
-and broadcasts them at the start of its next step; the others `follow`."""
+and broadcasts them at the start of its next step; the others `follow`.
+
+Structured generation (scheduler/grammar.py): a constrained request's next token depends on the
+grammar state after its previous one, so a step that may sample one first reads the step in
+flight (no overlap for that step); batches without constraints keep full overlap."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from minisgl import env
 from minisgl.core import Batch, Req, SamplingParams
@@ -28,6 +32,13 @@ from minisgl.distributed import broadcast_object, get_tp_info
 from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
 from minisgl.kvcache import KVCacheManager
+from minisgl.scheduler.grammar import (
+    Constraint,
+    GrammarCompiler,
+    GrammarError,
+    MaskBuilder,
+    grammar_key,
+)
 
 
 @dataclass
@@ -48,6 +59,7 @@ class TokenOutput:
     token: int | None  # None when the request ends without a new token (abort, max_tokens=0)
     finished: bool
     finish_reason: str | None = None
+    error: str | None = None  # with finish_reason "error"
 
 
 PLACEHOLDER = -1  # a sampled token id the host has not read yet
@@ -64,7 +76,13 @@ class InFlight:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: SchedulerConfig,
+        eos_token_ids: set[int],
+        tokenizer: Any | None = None,
+    ) -> None:
         self.engine = engine
         self.config = config
         self.eos_token_ids = eos_token_ids
@@ -82,8 +100,12 @@ class Scheduler:
         self.num_prefill_tokens = 0  # prompt tokens scheduled (for the prefix-cache hit rate)
         self.num_cached_tokens = 0  # of those, found in the prefix cache
         tp = get_tp_info()
+        self.solo = tp.size == 1
         self.leads = tp.size > 1 and tp.is_primary  # rank 0 of several: tells the others
         self.changes: list[tuple] = []  # adds and aborts the other ranks have not seen yet
+        self.tokenizer = tokenizer  # for grammars; built on the first constrained request:
+        self.grammars: GrammarCompiler | None = None
+        self.masks: MaskBuilder | None = None
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(
@@ -111,7 +133,17 @@ class Scheduler:
         req = Req(list(input_ids), len(input_ids), params, max_total_len=total)
         if uid is not None:
             req.uid = uid
+        key = grammar_key(params)
+        if key is not None:  # compiles on a worker thread from now on
+            req.grammar = Constraint(self._grammar_compiler().compile(key))
         return req
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            vocab = self.engine.model_config.vocab_size
+            stops = sorted(self.eos_token_ids)
+            self.grammars = GrammarCompiler(self.tokenizer, vocab, stops)
+        return self.grammars
 
     def add_request(self, req: Req) -> None:
         if self.leads:  # the seed too: one drawn at random must be the same on every rank
@@ -146,6 +178,10 @@ class Scheduler:
             broadcast_object((self.changes, False))
             self.changes = []
         outputs, self.pending = self.pending, []
+        if self.in_flight is not None and _constrained(self.in_flight.batch):
+            # its tokens move the grammars that the next batch's masks come from
+            outputs.extend(self._process(self.in_flight))
+            self.in_flight = None
         batch = self._schedule_prefill() or self._schedule_decode()
         launched = self._launch(batch) if batch is not None else None
         if self.overlap:
@@ -192,6 +228,12 @@ class Scheduler:
             budget -= n
         while budget > 0 and self.prefilling is None and self.waiting and self.free_rows:
             req = self.waiting[0]
+            # refused before any work is spent on it; with TP, whether the compile is done yet
+            # differs between ranks, so they learn it at launch, where every rank waits for it
+            failure = req.grammar.failure() if req.grammar is not None and self.solo else None
+            if failure is not None:
+                self._finish(req, "error", error=failure)
+                continue
             self._admit(req)
             n = self._fit(req, min(req.remaining_len, budget), reserve)
             if n == 0:
@@ -261,7 +303,15 @@ class Scheduler:
         covers the computed tokens, and each request that samples gets a placeholder token
         that `_process` fills in (the device already knows it: the next step reads it there)."""
         samples = [r.cached_len + r.extend_len == len(r.tokens) for r in batch.reqs]
-        output = self.engine.launch(batch, samples)
+        failed: list[tuple[Req, str]] = []
+
+        def grammar_mask() -> tuple[Any, list[int]] | None:
+            """Called by the engine once the forward is queued: the wait for a grammar still
+            compiling overlaps with the device work."""
+            return self._grammar_mask(batch.reqs, samples, failed)
+
+        uses_grammar = any(r.grammar is not None for r in batch.reqs)
+        output = self.engine.launch(batch, samples, grammar_mask if uses_grammar else None)
         slots = []
         for req, sampled in zip(batch.reqs, samples):
             req.cached_len += req.extend_len
@@ -273,7 +323,31 @@ class Scheduler:
                 req.tokens.append(PLACEHOLDER)
                 if batch.phase == "prefill":  # prefill requests never come from `running`
                     self.running.append(req)
+        for req, error in failed:  # its sampled token is dropped by _process
+            self._finish(req, "error", error=error)
         return InFlight(batch, slots, output)
+
+    def _grammar_mask(
+        self, reqs: list[Req], samples: list[bool], failed: list[tuple[Req, str]]
+    ) -> tuple[Any, list[int]] | None:
+        """The token bitmask of the requests that sample under a grammar, and their rows."""
+        matchers, rows = [], []
+        for i, (req, sampled) in enumerate(zip(reqs, samples)):
+            if not sampled or req.grammar is None:
+                continue
+            try:
+                matchers.append(req.grammar.wait())
+            except GrammarError as e:
+                failed.append((req, str(e)))
+                continue
+            rows.append(i)
+        if not rows:
+            return None
+        if self.masks is None:
+            engine = self.engine
+            rows_max, vocab = engine.config.max_running_reqs, engine.model_config.vocab_size
+            self.masks = MaskBuilder(rows_max, vocab, pin=engine.device.type == "cuda")
+        return self.masks.fill(matchers, rows, len(reqs)), rows
 
     def _share(self, req: Req) -> None:
         """Put the request's computed KV into the prefix cache now, not only when it ends, so
@@ -295,9 +369,15 @@ class Scheduler:
                 continue  # a prompt chunk that is not the last, or ended meanwhile
             req.tokens[slot] = token
             reason = self._finish_reason(req, token, slot + 1)
-            outputs.append(TokenOutput(req.uid, token, reason is not None, reason))
+            error = None
+            if req.grammar is not None:
+                if not req.grammar.accept(token):  # the mask allows only tokens it accepts
+                    reason, error = "error", f"token {token} does not match the grammar"
+                elif reason is None and req.grammar.terminated:
+                    reason = "stop"
+            outputs.append(TokenOutput(req.uid, token, reason is not None, reason, error))
             if reason is not None:
-                self._finish(req, reason, report=False)
+                self._finish(req, reason, report=False, error=error)
         return outputs
 
     def _reaches_length(self, req: Req, num_tokens: int) -> bool:
@@ -312,8 +392,8 @@ class Scheduler:
             return "stop"
         return "length" if self._reaches_length(req, num_tokens) else None
 
-    def _finish(self, req: Req, reason: str, report: bool = True) -> None:
-        req.finish_reason = reason
+    def _finish(self, req: Req, reason: str, report: bool = True, error: str | None = None) -> None:
+        req.finish_reason, req.error = reason, error  # type: ignore[assignment]
         self._release(req)
         if req in self.waiting:  # preempted while its last step was in flight
             self.waiting.remove(req)
@@ -321,7 +401,7 @@ class Scheduler:
             req.tokens.pop()  # tokens of steps launched past the end
         self.requests.pop(req.uid, None)
         if report:
-            self.pending.append(TokenOutput(req.uid, None, True, reason))
+            self.pending.append(TokenOutput(req.uid, None, True, reason, error))
 
     def _preempt(self, req: Req) -> None:
         self._release(req)
@@ -342,9 +422,17 @@ class Scheduler:
         if self.prefilling is req:
             self.prefilling = None
 
+    def shutdown(self) -> None:
+        if self.grammars is not None:
+            self.grammars.shutdown()
+
     def check_no_leak(self) -> None:
         """Every page is free, owned by the prefix cache, or owned by exactly one admitted request."""
         admitted = self.running + ([self.prefilling] if self.prefilling else [])
         # a request's first pages came from the prefix cache, which still owns them
         owned = [p for r in admitted for p in r.pages[r.cache_handle.length // self.page_size :]]
         self.cache.check_invariants(owned)
+
+
+def _constrained(batch: Batch) -> bool:
+    return any(r.grammar is not None for r in batch.reqs)

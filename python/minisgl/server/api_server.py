@@ -9,7 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +25,7 @@ from minisgl.server.frontend import Frontend
 from minisgl.server.metrics import CONTENT_TYPE, tree_rss_bytes
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what response_format {"type": "json_object"} means
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by anyone
 
 
@@ -142,6 +143,21 @@ class StreamOptions(BaseModel):
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
@@ -158,6 +174,34 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    # structured generation: OpenAI's response_format, or SGLang's json_schema / regex / ebnf
+    response_format: ResponseFormat | None = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+def grammar_fields(req: SamplingFields) -> dict[str, Any]:
+    """The SamplingParams constraint of a request (json_schema, regex or ebnf), if any."""
+    given = {
+        k: v for k, v in (("json_schema", req.json_schema), ("regex", req.regex), ("ebnf", req.ebnf))
+        if v is not None
+    }  # fmt: skip
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            schema: Any = JSON_OBJECT_SCHEMA
+        elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema is required", "response_format")
+        else:
+            schema = fmt.json_schema.schema_
+        given["response_format"] = schema
+    if len(given) > 1:
+        names = " and ".join(given)
+        raise APIError(400, f"give one output constraint, not {names}", next(iter(given)))
+    if "response_format" in given:
+        return {"json_schema": given.pop("response_format")}
+    return given
 
 
 class CompletionRequest(SamplingFields):
@@ -198,6 +242,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int) -> S
             ignore_eos=req.ignore_eos,
             stop_token_ids=list(req.stop_token_ids or []),
             seed=seed,
+            **grammar_fields(req),
         )
     except ValueError as e:
         raise APIError(400, str(e), str(e).split(" ")[0]) from None

@@ -1,0 +1,153 @@
+"""Structured generation with xgrammar: JSON schema, regex and EBNF constraints.
+
+A request's grammar is compiled on a worker thread as soon as the request arrives (compiled
+grammars are cached by their text), so compilation overlaps with the wait and the prefill. Each
+step that samples a constrained request fills that request's row of a token bitmask on the host
+(xgrammar, several threads) and the engine applies it to the logits on the device (xgrammar's
+kernel) before sampling, outside any CUDA graph. Requests without a grammar touch none of this.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from minisgl.core import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+CACHE_SIZE = 256  # compiled grammars kept (failures too: the same bad schema fails at once)
+COMPILE_TIMEOUT_S = 30.0  # a request whose grammar takes longer fails instead of stalling all
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile; the message is the compiler's."""
+
+
+def grammar_key(params: SamplingParams) -> tuple[str, str] | None:
+    """(kind, text) of the request's constraint, or None."""
+    for kind in ("json_schema", "regex", "ebnf"):
+        text = getattr(params, kind)
+        if text is not None:
+            return kind, text
+    return None
+
+
+def _clean(error: Exception) -> str:
+    """xgrammar's C++ messages start with a timestamp, a source location and an assertion."""
+    text = str(error).strip()
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    return re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
+
+
+class GrammarCompiler:
+    """Compiles grammars off the scheduler's thread for one tokenizer and vocabulary. The
+    xgrammar compiler itself is built by the first job (tokenizer analysis takes a while for
+    large vocabularies), so a server whose clients never ask for a grammar never pays."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        if tokenizer is None:
+            raise GrammarError("this model has no tokenizer: constrained decoding needs one")
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.lock = threading.Lock()
+        self._compiler: xgrammar.GrammarCompiler | None = None
+
+    def compile(self, key: tuple[str, str]) -> Future:
+        """A future of the compiled grammar (from the cache when this text was seen before)."""
+        with self.lock:
+            future = self.cache.get(key)
+            if future is None:
+                future = self.executor.submit(self._compile, *key)
+                self.cache[key] = future
+                while len(self.cache) > CACHE_SIZE:
+                    self.cache.popitem(last=False)
+            else:
+                self.cache.move_to_end(key)
+            return future
+
+    def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
+        compiler = self._get_compiler()
+        try:
+            if kind == "json_schema":
+                # compact separators: a model cannot wander off into endless whitespace
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            return compiler.compile_grammar(text)
+        except Exception as e:  # xgrammar raises RuntimeError, but no input may crash the server
+            raise GrammarError(f"invalid {kind}: {_clean(e)}") from None
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        return self._compiler
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class Constraint:
+    """One request's grammar: the compile in progress, then the matcher that follows the
+    tokens the request has generated."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+        self.matcher: xgrammar.GrammarMatcher | None = None
+
+    def failure(self) -> str | None:
+        """The compile error if compilation has ended with one (does not wait)."""
+        if self.future.done() and self.future.exception() is not None:
+            return str(self.future.exception())
+        return None
+
+    def wait(self) -> xgrammar.GrammarMatcher:
+        """The matcher, once the grammar is compiled; raises GrammarError if it did not."""
+        if self.matcher is None:
+            import xgrammar as xgr
+
+            try:
+                compiled = self.future.result(timeout=COMPILE_TIMEOUT_S)
+            except TimeoutError:
+                raise GrammarError(
+                    f"grammar compilation took longer than {COMPILE_TIMEOUT_S:.0f} s"
+                ) from None
+            self.matcher = xgr.GrammarMatcher(compiled)
+        return self.matcher
+
+    def accept(self, token: int) -> bool:
+        return self.wait().accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class MaskBuilder:
+    """Fills the token bitmask of a batch's constrained rows (host memory, reused: a step with
+    constraints waits for the previous one with constraints, so its copy is done by then)."""
+
+    def __init__(self, max_rows: int, vocab_size: int, pin: bool) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        shape = xgr.get_bitmask_shape(max_rows, vocab_size)
+        self.bitmask = torch.empty(shape, dtype=xgr.bitmask_dtype, pin_memory=pin)
+        self.filler = xgr.BatchGrammarMatcher()
+
+    def fill(self, matchers: list[xgrammar.GrammarMatcher], rows: list[int], batch_size: int):
+        bitmask = self.bitmask[:batch_size]
+        self.filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return bitmask
