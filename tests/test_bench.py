@@ -67,6 +67,17 @@ def test_cpu_smoke_run(tmp_path):
     assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny", 1, None)
 
 
+def test_cpu_smoke_run_half_constrained(tmp_path):
+    """--grammar-frac: a dummy model without tokenizer gets a synthetic xgrammar vocabulary;
+    every other request writes JSON under BENCH_SCHEMA (the rest run unconstrained)."""
+    args = ["--tiny", "--num-seqs", "4", "--max-input-len", "110", "--max-output-len", "104"]
+    result, _ = run_bench(args + ["--grammar-frac", "0.5"], tmp_path / "result.jsonl")
+    assert result["grammar_frac"] == 0.5
+    # at most the two constrained requests end early, when the random text closes the JSON
+    assert 0 <= result["ended_by_grammar"] <= 2
+    assert result["output_tokens"] <= sum(workload(4, 110, 104)[1])
+
+
 def test_cpu_smoke_run_moe_config_tp2(tmp_path):
     """--config DIR (config.json only, dummy weights), --tp and --moe-backend reach the engine."""
     from transformers import Qwen3MoeConfig

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from random import randint, seed
+from typing import Any
 
 # (memory bandwidth bytes/s, dense bf16 FLOP/s) from the vendors' data sheets
 GPU_PEAKS = {
@@ -95,6 +96,46 @@ def tiny_model_dir() -> str:
     return path
 
 
+# A string that random text rarely closes: every constrained request runs (nearly) to its length,
+# so 0% and 100% constrained runs generate the same tokens, every step under a grammar mask.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
+}
+
+
+def synthetic_vocab(vocab_size: int) -> Any:
+    """An xgrammar tokenizer for a dummy-weight model without tokenizer files: the 256 bytes,
+    then random 2-8 character strings (a real vocabulary's mask costs), the last id as EOS."""
+    import random
+
+    import xgrammar as xgr
+
+    rng = random.Random(0)
+    chars = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;!?-_()[]{}"
+    vocab = [bytes([i]) for i in range(256)]
+    vocab += [
+        "".join(rng.choices(chars, k=rng.randint(2, 8))).encode() for _ in range(vocab_size - 257)
+    ]
+    vocab.append(b"")
+    return xgr.TokenizerInfo(vocab, vocab_size=vocab_size, stop_token_ids=[vocab_size - 1])
+
+
+def constrain(llm: Any, frac: float, tp: int) -> Any:
+    """i -> the SamplingParams fields of request i: BENCH_SCHEMA for a `frac` share of them."""
+    if not 0.0 <= frac <= 1.0:
+        raise SystemExit(f"--grammar-frac must be in [0, 1], got {frac}")
+    if frac == 0.0:
+        return lambda i: {}
+    if llm.scheduler.tokenizer is None:
+        if tp > 1:
+            raise SystemExit("--grammar-frac with --tp > 1 needs a model with a tokenizer")
+        llm.scheduler.tokenizer = synthetic_vocab(llm.engine.model_config.vocab_size)
+    # request i is constrained when the running count floor(i * frac) steps up
+    return lambda i: {"json_schema": BENCH_SCHEMA} if int((i + 1) * frac) > int(i * frac) else {}
+
+
 def parse_args() -> argparse.Namespace:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -121,6 +162,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
     p.add_argument("--json", help="append the result as one JSON line to this file")
+    p.add_argument(
+        "--grammar-frac",
+        type=float,
+        default=0.0,
+        help="fraction of requests constrained by a simple JSON schema (structured generation)",
+    )
     return p.parse_args()
 
 
@@ -150,11 +197,17 @@ def main() -> None:
         max_tokens = [args.max_output_len]
     else:
         prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    grammar = constrain(llm, args.grammar_frac, args.tp)
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **grammar(i))
+        for i, n in enumerate(max_tokens)
+    ]
     # Warm-up: Triton compiles a kernel variant per argument pattern (an int divisible by 16 or
     # not, ...) on first use; varied prompt lengths and batch sizes meet them before the clock.
     warm_prompts, _ = workload(24, 300, 100)
-    warm_params = [SamplingParams(temperature=0.6, max_tokens=4 + i % 5) for i in range(24)]
+    warm_params = [
+        SamplingParams(temperature=0.6, max_tokens=4 + i % 5, **grammar(i)) for i in range(24)
+    ]
     llm.generate(warm_prompts, warm_params, use_tqdm=False)
 
     profiler = None
@@ -174,7 +227,8 @@ def main() -> None:
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=20))
 
     total = sum(len(o["token_ids"]) for o in outputs)
-    assert total == sum(max_tokens), (total, sum(max_tokens))
+    # a constrained request may end early, when its random text happens to close the JSON
+    assert total == sum(max_tokens) or args.grammar_frac > 0, (total, sum(max_tokens))
     tok_s = total / seconds
     engine = llm.engine
     device = engine.device
@@ -193,6 +247,8 @@ def main() -> None:
         "overlap": not args.no_overlap,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "fused": not args.no_fused,
+        "grammar_frac": args.grammar_frac,
+        "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),
     }
     peaks = next((v for k, v in GPU_PEAKS.items() if k in gpu), None)
     if peaks is not None and not args.single:

@@ -89,9 +89,11 @@ class GrammarCompiler:
         if self._compiler is None:
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-            )
+            info = self.tokenizer  # an xgrammar TokenizerInfo itself (benchmarks), or a HF one
+            if not isinstance(info, xgr.TokenizerInfo):
+                info = xgr.TokenizerInfo.from_huggingface(
+                    info, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         return self._compiler
 
