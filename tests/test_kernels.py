@@ -4,9 +4,6 @@ tensors). Skipped where triton is not installed; the env flag and dispatch tests
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
@@ -15,13 +12,10 @@ from minisgl.kvcache.pool import store_kv_torch
 from minisgl.layers.activation import silu_and_mul_torch
 from minisgl.layers.norm import RMSNorm, rms_norm_torch
 from minisgl.layers.rotary import RopeConfig, RotaryEmbedding, rope_torch
+from triton_util import kernel_module, use_interpreter_on_cpu
 
 CUDA = torch.cuda.is_available()
-# The interpreter is chosen when a kernel is decorated and triton's own library is decorated at
-# import, so the flag must be set before anything imports triton (nothing does at collection).
-INTERPRETABLE = not CUDA and "triton" not in sys.modules
-if INTERPRETABLE:
-    os.environ["TRITON_INTERPRET"] = "1"
+use_interpreter_on_cpu()  # before anything imports triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (atol, rtol): the kernels round once from float32, the references after each op; the
@@ -45,12 +39,7 @@ def on_device(test):
 
 @pytest.fixture(scope="module")
 def ops():
-    pytest.importorskip("triton")
-    if not CUDA and not INTERPRETABLE:
-        pytest.skip("triton was imported before TRITON_INTERPRET could be set")
-    from minisgl.kernel import fused
-
-    return fused
+    return kernel_module("fused")
 
 
 def close(out: torch.Tensor, ref: torch.Tensor) -> None:

@@ -5,9 +5,7 @@ always run."""
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 import torch
@@ -19,26 +17,17 @@ from minisgl.engine import EngineConfig
 from minisgl.kernel import resolve_moe_backend
 from minisgl.layers.moe import MoELayer, moe_forward_torch
 from minisgl.server.args import parse_args
+from triton_util import kernel_module, use_interpreter_on_cpu
 
 CUDA = torch.cuda.is_available()
-# the flag must be set before anything imports triton (see tests/test_kernels.py)
-INTERPRETABLE = not CUDA and (
-    "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
-)
-if INTERPRETABLE:
-    os.environ["TRITON_INTERPRET"] = "1"
+use_interpreter_on_cpu()  # before anything imports triton
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
 def moe():
-    pytest.importorskip("triton")
-    if not CUDA and not INTERPRETABLE:
-        pytest.skip("triton was imported before TRITON_INTERPRET could be set")
-    from minisgl.kernel import moe
-
-    return moe
+    return kernel_module("moe")
 
 
 def problem(tokens, experts, top_k, hidden, inter, dtype, seed, route=None):

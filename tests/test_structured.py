@@ -109,6 +109,16 @@ def run(llm: LLM, items: list[tuple[list[int], SamplingParams, Any]]) -> list[di
     return outs
 
 
+def run_and_check(llm: LLM, items: list[tuple[list[int], SamplingParams, Any]]) -> list[dict]:
+    """Run, then check that every constrained output ended by its grammar and matches it."""
+    outs = run(llm, items)
+    for (_, _, constraint), out in zip(items, outs):
+        if constraint is not None:
+            assert out["finish_reason"] == "stop", out
+            check(out["text"], *constraint)
+    return outs
+
+
 @pytest.mark.parametrize(
     "overlap,num_pages,long_prompts",
     [(True, None, True), (False, None, True), (True, 40, False)],
@@ -121,11 +131,7 @@ def test_mixed_batch_validates_and_leaves_free_requests_alone(
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
     llm = LLM(model_dir, page_size=4, max_prefill_tokens=16, num_pages=num_pages)
     items = workload(0, long_prompts)
-    outs = run(llm, items)
-    for (_, _, constraint), out in zip(items, outs):
-        if constraint is not None:
-            assert out["finish_reason"] == "stop", out
-            check(out["text"], *constraint)
+    outs = run_and_check(llm, items)
     assert llm.scheduler.num_cached_tokens > 0  # the shared prompt hit the prefix cache
     if num_pages is not None:
         assert llm.scheduler.num_preemptions > 0
@@ -332,12 +338,7 @@ def test_on_gpu_with_cuda_graphs(model_dir: str, dtype: str) -> None:
             cuda_graph_max_bs=graphs,
         )  # fmt: skip
         assert (llm.engine.graphs is not None) == (graphs > 0)
-        items = workload(2, True)
-        outs = run(llm, items)
-        for (_, _, constraint), out in zip(items, outs):
-            if constraint is not None:
-                assert out["finish_reason"] == "stop", out
-                check(out["text"], *constraint)
+        outs = run_and_check(llm, workload(2, True))
         results.append([o["token_ids"] for o in outs])
         llm.shutdown()
     if dtype == "float32":  # bf16 graphs and eager kernels may round differently
