@@ -154,6 +154,19 @@ def test_same_output_with_overlap_on_and_off(model_dir: str, monkeypatch: pytest
     assert results[0] == results[1]
 
 
+def test_tensor_parallel_equals_single(model_dir: str) -> None:
+    """Every TP rank keeps its own matchers and applies the same mask to the gathered logits."""
+    items = workload(3, False)[:8]
+    single = LLM(model_dir, page_size=4, max_prefill_tokens=16)
+    expected = [o["token_ids"] for o in run(single, items)]
+    single.shutdown()
+    llm = LLM(model_dir, page_size=4, max_prefill_tokens=16, tp=2)
+    try:
+        assert [o["token_ids"] for o in run_and_check(llm, items)] == expected
+    finally:
+        llm.shutdown()
+
+
 @pytest.fixture(scope="module")
 def offline(model_dir: str) -> Iterator[LLM]:
     llm = LLM(model_dir, page_size=4)
