@@ -71,7 +71,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated
 
 
-DEATH_GRACE_S = 1.0  # after a child died: time for clients to get their errors and see /health 503
+DEATH_GRACE_S = 0.5  # after a child died: time for clients to get their errors and see /health 503
 
 
 def _child_main(target: Any, *args: Any) -> None:
