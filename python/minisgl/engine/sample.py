@@ -105,8 +105,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     0 in the same row of `bitmask` (int32 [B, ceil(V / 32)], host memory; xgrammar's layout)."""
     import xgrammar as xgr
 
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    if logits.is_cuda or logits.dtype == torch.float32:
+    bitmask = bitmask.to(logits.device, non_blocking=True)  # pinned by the scheduler on CUDA
+    if logits.is_cuda:  # rows as a device tensor: xgrammar would copy a list from pageable memory
+        indices = to_device(rows, torch.int32, logits.device)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
+        return
+    if logits.dtype == torch.float32:
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
         return
     scratch = logits.float()  # xgrammar's CPU kernel takes float32 only
