@@ -1,5 +1,6 @@
 """GPU engine paths against the plain ones: CUDA-graph decode vs eager, overlap scheduling on
-vs off, the fused sampling kernel vs the torch sampler."""
+vs off, the fused sampling kernel vs the torch sampler, the fused RoPE + KV store vs the torch
+path."""
 
 from __future__ import annotations
 
@@ -22,12 +23,23 @@ def prompts(n: int = 24) -> list[list[int]]:
     return [[rng.randrange(2, 500) for _ in range(rng.randint(2, 60))] for _ in range(n)]
 
 
-def generate(path: str, monkeypatch, overlap: bool = True, **kwargs) -> list[list[int]]:
+def generate(
+    path: str,
+    monkeypatch,
+    overlap: bool = True,
+    temperature: float = 0.7,
+    graphs: bool | None = None,
+    **kwargs,
+) -> list[list[int]]:
+    """Odd requests sample at `temperature`, even ones are greedy. graphs: assert that CUDA
+    graphs are on (True) or off (False) in the engine."""
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
     llm = LLM(path, device="cuda:0", page_size=16, num_pages=256, max_prefill_tokens=64, **kwargs)
     try:
+        if graphs is not None:
+            assert (llm.engine.graphs is not None) == graphs
         params = [
-            SamplingParams(max_tokens=5 + i % 13, temperature=0.7 * (i % 2), seed=i)
+            SamplingParams(max_tokens=5 + i % 13, temperature=temperature * (i % 2), seed=i)
             for i in range(24)
         ]
         outs = llm.generate(prompts(), params, use_tqdm=False)
@@ -150,3 +162,29 @@ def test_shared_prompts_radix_equals_naive_on_gpu(model_dirs, monkeypatch, attn)
         finally:
             llm.shutdown()
     assert outs["radix"] == outs["naive"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # without and with the q/k norm
+@pytest.mark.parametrize("attn,graphs", [("torch", False), ("triton", False), ("triton", True)])
+def test_fused_rotary_kv_store_equals_torch_path(model_dirs, monkeypatch, arch, attn, graphs):
+    """The attention layers' one kernel for (q/k norm,) RoPE and the K/V store gives the same
+    greedy tokens in float32 as MINISGL_DISABLE_FUSED_OPS=1 (torch RoPE, the backend's store),
+    eagerly and in CUDA graphs; with it the backends never store K/V themselves."""
+    from minisgl.kvcache.pool import MHAKVCache
+
+    path, _ = model_dirs(arch)
+    store, stores = MHAKVCache.store, []
+
+    def spy(self, *args):
+        stores.append(args)
+        store(self, *args)
+
+    monkeypatch.setattr(MHAKVCache, "store", spy)
+    kwargs = dict(attn=attn, dtype="float32", temperature=0.0, graphs=graphs)
+    kwargs["cuda_graph_max_bs"] = 16 if graphs else 0
+    fused = generate(path, monkeypatch, **kwargs)
+    assert not stores
+    monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
+    plain = generate(path, monkeypatch, **kwargs)
+    assert stores  # the flag restores the separate store
+    assert fused == plain

@@ -139,6 +139,69 @@ def test_qk_norm_fused_into_rotary(ops, shape, dtype):
 
 
 @on_device
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk_norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rotary_store_kv(ops, shape, dtype, qk_norm, index_dtype):
+    """RoPE (+ q/k norm) with the K/V store in the same pass equals the torch path (norm, rope,
+    store_kv_torch): q rotated in place, the rotated k and the untouched v at out_loc of a paged
+    pool (scattered slots), every other slot and the qkv buffer's k/v columns left alone."""
+    tokens, _, hq, hk, dim, _ = shape
+    rope = RotaryEmbedding(RopeConfig(dim, base=1e6, max_position=4096)).to(DEVICE)
+    gen = torch.Generator().manual_seed(tokens + 7)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE, index_dtype)
+    page_size, num_pages = 4, tokens // 4 + 2  # a few slots to spare, the rest written
+    out_loc = torch.randperm(num_pages * page_size, generator=gen)[:tokens].to(DEVICE)
+    qkv, q, k, v = qkv_views(tokens, hq, hk, dim, dtype, seed=13)
+    # [K | V, pages, page_size, kv_heads, head_dim] of noise, seen as flat [slots, Hk, D]
+    pools = randn(2, num_pages, page_size, hk, dim, dtype=dtype, seed=14)
+    k_pool, v_pool = pools[0].view(-1, hk, dim), pools[1].view(-1, hk, dim)
+    norm = None
+    ref_q, ref_k = q, k
+    if qk_norm:
+        norm = (randn(dim, dtype=dtype, seed=15) * 0.2 + 1, randn(dim, dtype=dtype, seed=16), 1e-6)
+        ref_q, ref_k = rms_norm_torch(q, norm[0], 1e-6), rms_norm_torch(k, norm[1], 1e-6)
+    ref_q, ref_k = rope_torch(ref_q, ref_k, rope.cos_sin, positions.long())
+    ref_pools = pools.clone()
+    store_kv_torch(
+        ref_pools[0].view(-1, hk, dim), ref_pools[1].view(-1, hk, dim), out_loc, ref_k, v
+    )
+    kv_before = qkv[:, hq * dim :].clone()
+    loc = out_loc.to(index_dtype)
+    ops.rotary_store_kv(q, k, v, rope.cos_sin, positions, k_pool, v_pool, loc, norm)
+    close(q, ref_q)
+    close(k_pool[out_loc], ref_k)
+    assert torch.equal(v_pool[out_loc], v)  # a copy: bit-exact
+    kept = torch.ones(num_pages * page_size, dtype=torch.bool, device=DEVICE)
+    kept[out_loc] = False
+    kept = kept.view(num_pages, page_size)
+    assert torch.equal(pools[:, kept], ref_pools[:, kept])
+    assert torch.equal(qkv[:, hq * dim :], kv_before)  # k and v are only read
+
+
+@on_device
+def test_rotary_store_kv_casts_to_the_pool_dtype(ops):
+    """float32 k/v into a float16 pool, as store_kv casts; an empty batch launches nothing."""
+    tokens, hq, hk, dim = 3, 2, 2, 8
+    rope = RotaryEmbedding(RopeConfig(dim, max_position=64)).to(DEVICE)
+    positions = torch.tensor([0, 5, 63], device=DEVICE)
+    _, q, k, v = qkv_views(tokens, hq, hk, dim, torch.float32, seed=17)
+    pools = torch.zeros(2, 10, hk, dim, dtype=torch.float16, device=DEVICE)
+    out_loc = torch.tensor([9, 2, 4], device=DEVICE)
+    ref_q, ref_k = rope_torch(q, k, rope.cos_sin, positions)
+    ref = pools.clone()
+    store_kv_torch(ref[0], ref[1], out_loc, ref_k, v)
+    ops.rotary_store_kv(q, k, v, rope.cos_sin, positions, pools[0], pools[1], out_loc)
+    close(q, ref_q)
+    close(pools, ref)
+    empty = [x[:0] for x in (q, k, v, positions)]
+    ops.rotary_store_kv(*empty[:3], rope.cos_sin, empty[3], pools[0], pools[1], out_loc[:0])
+    with pytest.raises(AssertionError, match="out_loc"):
+        ops.rotary_store_kv(q, k, v, rope.cos_sin, positions, pools[0], pools[1], out_loc[:2])
+
+
+@on_device
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_silu_and_mul(ops, shape, dtype):
@@ -213,8 +276,10 @@ def test_layers_dispatch_on_cuda(ops, monkeypatch):
 def test_model_greedy_fused_equals_torch_path(ops, model_dirs, monkeypatch, arch):
     """Whole tiny models in float32: the same greedy tokens with the fused ops as with
     MINISGL_DISABLE_FUSED_OPS=1. On CPU the interpreted kernels are forced in, which checks the
-    layers' wiring (in-place residual and rotary, qk-norm rows, KV store)."""
+    layers' wiring (in-place residual, qk-norm rows, rotary with the KV store, which the
+    attention backend then skips)."""
     from minisgl import LLM, SamplingParams
+    from minisgl.kvcache.pool import MHAKVCache
 
     path, _ = model_dirs(arch)
     prompts = [[5, 17, 300, 42, 7], list(range(100, 123)), [9] * 11]
@@ -245,5 +310,8 @@ def test_model_greedy_fused_equals_torch_path(ops, model_dirs, monkeypatch, arch
         return chosen
 
     monkeypatch.setattr(kernel, "fused_ops", spy)
+    stores = []  # the backends' separate KV store: the fused rotary kernel replaces it
+    monkeypatch.setattr(MHAKVCache, "store", lambda *args: stores.append(args))
     assert generate() == expected
     assert used and all(used)
+    assert not stores

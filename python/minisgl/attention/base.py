@@ -10,7 +10,9 @@ from minisgl.core import Batch
 class BaseAttnBackend(ABC):
     """Paged attention over the context's KV pool. `prepare` runs once per batch and stores its
     metadata in `batch.attn_metadata`; `forward` runs once per layer and also writes the new
-    tokens' k/v into the pool at `batch.out_loc`.
+    tokens' k/v into the pool at `batch.out_loc`, unless k = v = None: then the layer's own
+    kernel already wrote them there (the fused RoPE + KV store on CUDA) and the backend reads
+    the new tokens' K/V from the pool like the cached ones.
 
     CUDA graphs (decode only): `init_cuda_graph(max_bs)` once, then per captured batch size
     `prepare_for_capture(batch)` (outside the capture) before capturing the forward, and
@@ -28,8 +30,8 @@ class BaseAttnBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: already stored
+        v: torch.Tensor | None,
         layer_id: int,
         scale: float,
         batch: Batch,

@@ -91,8 +91,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer_id: int,
         scale: float,
         batch: Batch,
@@ -101,7 +101,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         if not math.isclose(scale, md.sm_scale, rel_tol=1e-6):
             raise ValueError(f"fi backend planned softmax scale {md.sm_scale}, layer gave {scale}")
         kv_cache = get_global_ctx().kv_cache
-        kv_cache.store(layer_id, batch.out_loc, k, v)
+        if k is not None:  # None: the layer stored them
+            kv_cache.store(layer_id, batch.out_loc, k, v)
         if q.stride(-1) != 1:
             q = q.contiguous()
         paged_kv = (kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id))

@@ -23,8 +23,8 @@ class HybridAttnBackend(BaseAttnBackend):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer_id: int,
         scale: float,
         batch: Batch,

@@ -53,15 +53,16 @@ class TorchAttnBackend(BaseAttnBackend):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer_id: int,
         scale: float,
         batch: Batch,
     ) -> torch.Tensor:
         md: TorchAttnMetadata = batch.attn_metadata
         kv_cache = get_global_ctx().kv_cache
-        kv_cache.store(layer_id, batch.out_loc, k, v)
+        if k is not None:  # None: the layer stored them
+            kv_cache.store(layer_id, batch.out_loc, k, v)
         keys = kv_cache.k_flat(layer_id)[md.kv_slots].transpose(1, 2)  # [B, Hk, L, D]
         values = kv_cache.v_flat(layer_id)[md.kv_slots].transpose(1, 2)
         bsz, (_, heads, dim) = md.kv_slots.shape[0], q.shape

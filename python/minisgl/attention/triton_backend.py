@@ -87,8 +87,8 @@ class TritonAttnBackend(BaseAttnBackend):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer_id: int,
         scale: float,
         batch: Batch,
@@ -96,7 +96,8 @@ class TritonAttnBackend(BaseAttnBackend):
         md: TritonAttnMetadata = batch.attn_metadata
         ctx = get_global_ctx()
         kv_cache = ctx.kv_cache
-        kv_cache.store(layer_id, batch.out_loc, k, v)
+        if k is not None:  # None: the layer stored them
+            kv_cache.store(layer_id, batch.out_loc, k, v)
         k_pool, v_pool = kv_cache.k_flat(layer_id), kv_cache.v_flat(layer_id)
         if q.stride(-1) != 1:
             q = q.contiguous()

@@ -1,7 +1,8 @@
 """Triton kernels for the memory-bound ops between the GEMMs: RMSNorm (+ residual add), rotary
-embedding, SiLU-and-mul and the KV-cache store. Math in float32, results cast to the output's
-dtype. Launches depend only on shapes (no host sync, no data-dependent allocation), so they can
-be captured in CUDA graphs.
+embedding (optionally with Qwen3's q/k norm and the KV-cache store in the same pass: the one
+kernel between the QKV GEMM and attention), SiLU-and-mul and the KV-cache store. Math in
+float32, results cast to the output's dtype. Launches depend only on shapes (no host sync, no
+data-dependent allocation), so they can be captured in CUDA graphs.
 
 The torch references, which are also the CPU path, live next to their callers:
 `layers/norm.py`, `layers/rotary.py`, `layers/activation.py`, `kvcache/pool.py`; the layers reach
@@ -126,6 +127,8 @@ def add_rms_norm_(
 def _rotate_heads(
     x,  # this token's first head
     stride_h,
+    dst,  # where the rotated heads go: x itself (in place) or a KV-pool slot
+    stride_dh,
     cos,  # [1, BLOCK_D] float32
     sin,
     offs_d,
@@ -149,8 +152,11 @@ def _rotate_heads(
         w2 = tl.load(norm_w + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    # rounded to x's dtype first, as the unfused path stores the rotated tensor
+    out = dst + offs_h[:, None] * stride_dh + offs_d[None, :]
+    dst_dtype = dst.dtype.element_ty
+    tl.store(out, (x1 * cos - x2 * sin).to(dtype).to(dst_dtype), mask=mask)
+    tl.store(out + HALF, (x2 * cos + x1 * sin).to(dtype).to(dst_dtype), mask=mask)
 
 
 @triton.jit
@@ -167,6 +173,16 @@ def _rotary_kernel(
     q_norm_w,
     k_norm_w,
     eps,
+    # used when STORE: k goes to k_pool, v to v_pool at slot out_loc[t] instead of k in place
+    v,
+    stride_vt,
+    stride_vh,
+    k_pool,  # [slots, K_HEADS, 2 * HALF], v_pool with the same strides
+    v_pool,
+    out_loc,
+    stride_loc,
+    stride_ps,
+    stride_ph,
     Q_HEADS: tl.constexpr,
     K_HEADS: tl.constexpr,
     BLOCK_QH: tl.constexpr,
@@ -174,6 +190,7 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NORM: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)  # one program per token: all its q and k heads
     pos = tl.load(positions + t * stride_pos).to(tl.int64)
@@ -183,12 +200,26 @@ def _rotary_kernel(
     cos = tl.load(row + offs_d, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(row + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
     q_t, k_t = q + t * stride_qt, k + t * stride_kt
+    rotate = (cos, sin, offs_d, d_mask)
     _rotate_heads(
-        q_t, stride_qh, cos, sin, offs_d, d_mask, q_norm_w, eps, Q_HEADS, BLOCK_QH, HALF, NORM
+        q_t, stride_qh, q_t, stride_qh, *rotate, q_norm_w, eps, Q_HEADS, BLOCK_QH, HALF, NORM
     )
+    if STORE:
+        slot = tl.load(out_loc + t * stride_loc).to(tl.int64)
+        k_dst, stride_dh = k_pool + slot * stride_ps, stride_ph
+    else:
+        k_dst, stride_dh = k_t, stride_kh
     _rotate_heads(
-        k_t, stride_kh, cos, sin, offs_d, d_mask, k_norm_w, eps, K_HEADS, BLOCK_KH, HALF, NORM
+        k_t, stride_kh, k_dst, stride_dh, *rotate, k_norm_w, eps, K_HEADS, BLOCK_KH, HALF, NORM
     )
+    if STORE:  # v as it is, in the two halves that the masks above cover
+        offs_h = tl.arange(0, BLOCK_KH)[:, None]
+        mask = (offs_h < K_HEADS) & d_mask[None, :]
+        src = v + t * stride_vt + offs_h * stride_vh + offs_d[None, :]
+        dst = v_pool + slot * stride_ps + offs_h * stride_ph + offs_d[None, :]
+        dtype = v_pool.dtype.element_ty
+        tl.store(dst, tl.load(src, mask=mask).to(dtype), mask=mask)
+        tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(dtype), mask=mask)
 
 
 def rotary_(
@@ -202,6 +233,42 @@ def rotary_(
     views of the fused qkv output); positions [T] int32/int64 index cos_sin [max_pos, D].
     With qk_norm = (q weight, k weight, eps), each head is first RMS-normalised (Qwen3), as
     rms_norm() would, in the same pass."""
+    _launch_rotary(q, k, cos_sin, positions, qk_norm, None)
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out_loc: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> None:
+    """rotary_() of q in place, and of k straight into the KV pool: k_pool[out_loc[t]] =
+    rotated k[t], v_pool[out_loc[t]] = v[t] (cast to the pool's dtype), all in one launch that
+    replaces rotary_() + store_kv(). k and v are only read. Pools [slots, Hk, D] with one
+    layout; out_loc [T] int32/int64."""
+    tokens, heads, dim = k.shape
+    assert v.shape == k.shape and k_pool.shape[1:] == (heads, dim), (
+        f"rotary_store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, pool {tuple(k_pool.shape)}"
+    )
+    assert k_pool.stride() == v_pool.stride() and k_pool.dtype == v_pool.dtype
+    assert v.stride(2) == 1 and k_pool.stride(2) == 1, "rotary_store_kv: unit last strides"
+    assert out_loc.shape == (tokens,), f"rotary_store_kv: out_loc {tuple(out_loc.shape)}"
+    _launch_rotary(q, k, cos_sin, positions, qk_norm, (v, k_pool, v_pool, out_loc))
+
+
+def _launch_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
     tokens, q_heads, dim = q.shape
     assert k.dim() == 3 and k.shape[0] == tokens and k.shape[2] == dim, (
         f"rotary: q {tuple(q.shape)} and k {tuple(k.shape)} disagree"
@@ -212,6 +279,7 @@ def rotary_(
     assert cos_sin.shape[1] == dim and dim % 2 == 0, f"rotary: cos_sin {tuple(cos_sin.shape)}"
     if tokens == 0:
         return
+    v, k_pool, v_pool, out_loc = store or (k, k, k, positions)  # unused when there is no store
     half = dim // 2
     _rotary_kernel[(tokens,)](
         q,
@@ -224,6 +292,15 @@ def rotary_(
         k.stride(0),
         k.stride(1),
         *(qk_norm or (q, k, 0.0)),  # unused pointers when there is no norm
+        v,
+        v.stride(0),
+        v.stride(1),
+        k_pool,
+        v_pool,
+        out_loc,
+        out_loc.stride(0),
+        k_pool.stride(0),
+        k_pool.stride(1),
         Q_HEADS=q_heads,
         K_HEADS=k.shape[1],
         BLOCK_QH=triton.next_power_of_2(q_heads),
@@ -231,6 +308,7 @@ def rotary_(
         HALF=half,
         BLOCK_D=triton.next_power_of_2(half),
         NORM=qk_norm is not None,
+        STORE=store is not None,
         num_warps=4,
     )
 

@@ -40,15 +40,19 @@ class Attention(nn.Module):
         q = q.view(-1, p.num_heads, p.head_dim)
         k = k.view(-1, p.num_kv_heads, p.head_dim)
         v = v.view(-1, p.num_kv_heads, p.head_dim)
-        if self.qk_norm and (ops := kernel.fused_ops(q)) is not None:
-            # one kernel for q-norm, k-norm and RoPE: two launches fewer per layer
-            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            ops.rotary_(q, k, self.rotary[0].cos_sin, positions, qk_norm)
+        if (ops := kernel.fused_ops(q)) is not None:
+            # one kernel for (q-norm, k-norm,) RoPE and the K/V store, which the backend skips
+            qk_norm = None
+            if self.qk_norm:
+                qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            cos_sin = self.rotary[0].cos_sin
+            ops.rotary_store_kv(q, k, v, cos_sin, positions, *self.attn.kv_destination(), qk_norm)
+            out = self.attn(q, None, None)
         else:
             if self.qk_norm:
                 q, k = self.q_norm.norm(q), self.k_norm.norm(k)
             q, k = self.rotary[0](positions, q, k)
-        out = self.attn(q, k, v)
+            out = self.attn(q, k, v)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
