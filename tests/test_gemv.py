@@ -121,6 +121,9 @@ def test_gemv_refuses_bad_input(gemv):
     for call, message in cases:
         with pytest.raises(AssertionError, match=message):
             call()
+    for bad in [dict(block_n=3, block_k=32), dict(block_n=8, block_k=32, dot=True)]:
+        with pytest.raises(ValueError, match="powers of two"):
+            gemv.GemvConfig(**bad)
 
 
 def test_heuristic_configs_are_valid():

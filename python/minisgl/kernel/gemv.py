@@ -21,7 +21,7 @@ silu(gate) * up [M, I], one launch instead of GEMM + silu_and_mul.
 Configs are fixed per shape: autotuning at run time would sync and break CUDA-graph capture.
 `CONFIGS` holds the measured ones (`benchmark/kernels/gemv_bench.py` times candidates and prints
 entries to paste), `heuristic` the rest. Launches depend only on shapes, so they can be
-captured in CUDA graphs. Imported through `minisgl.kernel.gemv_ops` only."""
+captured in CUDA graphs. The layers reach this module through `minisgl.kernel.gemv_ops`."""
 
 from __future__ import annotations
 
@@ -44,6 +44,16 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     dot: bool = False  # tl.dot on x padded to 16 rows (block_n, block_k >= 16)
+
+    def __post_init__(self) -> None:
+        pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+        ok = pow2(self.block_n) and pow2(self.block_k) and pow2(self.num_warps)
+        ok = ok and self.split_k >= 1 and self.num_stages >= 1
+        if not ok or (self.dot and min(self.block_n, self.block_k) < 16):
+            raise ValueError(
+                f"bad {self}: block sizes and warps must be powers of two (at least 16 for "
+                "dot), split_k and num_stages at least 1"
+            )
 
 
 # (rows of W, K, BLOCK_M = M rounded up to a power of two) -> config. Rows of W: 2I for the
