@@ -159,6 +159,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
     p.add_argument("--no-overlap", action="store_true", help="MINISGL_DISABLE_OVERLAP_SCHEDULING")
     p.add_argument("--no-fused", action="store_true", help="MINISGL_DISABLE_FUSED_OPS")
+    p.add_argument("--no-gemv", action="store_true", help="MINISGL_DISABLE_GEMV")
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
     p.add_argument("--json", help="append the result as one JSON line to this file")
@@ -177,6 +178,8 @@ def main() -> None:
         os.environ["MINISGL_DISABLE_OVERLAP_SCHEDULING"] = "1"
     if args.no_fused:
         os.environ["MINISGL_DISABLE_FUSED_OPS"] = "1"
+    if args.no_gemv:
+        os.environ["MINISGL_DISABLE_GEMV"] = "1"
     import torch
 
     from minisgl import LLM, SamplingParams
@@ -247,6 +250,7 @@ def main() -> None:
         "overlap": not args.no_overlap,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "fused": not args.no_fused,
+        "gemv": not args.no_gemv,
         "grammar_frac": args.grammar_frac,
         "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),
     }

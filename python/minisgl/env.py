@@ -24,6 +24,12 @@ def disable_fused_ops() -> bool:
     return _flag("MINISGL_DISABLE_FUSED_OPS")
 
 
+def disable_gemv() -> bool:
+    """MINISGL_DISABLE_GEMV: run every linear layer through F.linear (cuBLAS) on CUDA too, instead
+    of the small-batch GEMV kernels in `kernel/gemv.py` (MINISGL_DISABLE_FUSED_OPS also does)."""
+    return _flag("MINISGL_DISABLE_GEMV")
+
+
 def disable_overlap_scheduling() -> bool:
     """MINISGL_DISABLE_OVERLAP_SCHEDULING: build the next batch only after the current one ends."""
     return _flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")

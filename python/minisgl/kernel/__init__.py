@@ -19,6 +19,40 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
     return _import_fused()
 
 
+# Decode batches up to this many rows make a linear layer a pure weight read: kernel/gemv.py
+# streams the weight faster than cuBLAS there. Also the largest M gemv.py accepts.
+GEMV_MAX_M = 8
+GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The device-independent half of `gemv_ops`: x [..., K] has at most GEMV_MAX_M rows, weight
+    is a contiguous [N, K] of x's dtype (a supported one) on x's device, and neither
+    MINISGL_DISABLE_GEMV nor MINISGL_DISABLE_FUSED_OPS is set. Anything else (bad shapes too)
+    goes to F.linear."""
+    k = x.shape[-1]
+    return (
+        0 < k
+        and x.numel() <= GEMV_MAX_M * k
+        and weight.dim() == 2
+        and weight.shape[1] == k
+        and weight.device == x.device
+        and x.dtype == weight.dtype
+        and x.dtype in GEMV_DTYPES
+        and weight.is_contiguous()
+        and not env.disable_gemv()
+        and not env.disable_fused_ops()
+    )
+
+
+def gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """The GEMV module (`kernel/gemv.py`) when x is on CUDA, `gemv_eligible(x, weight)` and
+    triton imports; None means: F.linear."""
+    if not x.is_cuda or not gemv_eligible(x, weight):
+        return None
+    return _import_gemv()
+
+
 @functools.cache
 def triton_available() -> bool:
     try:
@@ -35,6 +69,15 @@ def _import_fused() -> ModuleType | None:
     from minisgl.kernel import fused
 
     return fused
+
+
+@functools.cache
+def _import_gemv() -> ModuleType | None:
+    if not triton_available():
+        return None
+    from minisgl.kernel import gemv
+
+    return gemv
 
 
 MOE_BACKENDS = ("auto", "torch", "triton")

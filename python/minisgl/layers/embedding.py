@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
-from minisgl.layers.linear import copy_checked, narrow
+from minisgl.layers.linear import copy_checked, linear, narrow
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,5 +40,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the full vocabulary (gathered across ranks)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = all_gather_last_dim(linear(hidden, self.weight))
         return logits[..., : self.vocab_size]

@@ -10,7 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl import kernel
 from minisgl.distributed import all_reduce, divide, get_tp_info
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the GEMV kernel for decode-sized batches on CUDA (`kernel.gemv_ops`)."""
+    if (ops := kernel.gemv_ops(x, weight)) is not None:
+        return ops.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
@@ -43,7 +51,7 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -121,5 +129,5 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, narrow(loaded, 1, get_tp_info().rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -63,6 +63,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w13 = self.gate_up_proj.weight
+        if (ops := kernel.gemv_ops(x, w13)) is not None:  # decode: SiLU in the GEMV's epilogue
+            return self.down_proj(ops.gemv_silu_and_mul(x, w13, self.gate_up_proj.bias))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 

@@ -1,0 +1,356 @@
+"""GEMV for small decode batches: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M <= GEMV_MAX_M,
+W row-major as nn.Linear keeps it, float32 accumulation, one rounding to x's dtype.
+
+At such M a linear layer is a pure weight read (cuBLAS's batch-1 GEMMs reach under half of the
+memory bandwidth), so the kernel is built to stream W: each program owns BLOCK_N rows of W (and
+of y), walks its share of K in tiles loaded along K (16-byte vectors) and applies each tile to
+all M rows of x, so W is read from memory once. Two inner products:
+- FMA (M 1..2 by default): a tile row per (W row, x row) pair; float32 products accumulate
+  elementwise in the loads' own layout and are summed over K once at the end, so the loop has
+  no shuffles, barriers or layout changes (checked in the sm_90 TTGIR/PTX).
+- `dot` (M > 2): tl.dot of x padded to 16 rows with the W tile on tensor cores; Triton pipelines
+  the W loads (cp.async, num_stages).
+When N / BLOCK_N programs cannot fill the GPU, K is split: each program writes float32 partial
+sums [splits, M, N] and a small second kernel adds them (no atomics: deterministic, nothing to
+zero first).
+
+`gemv_silu_and_mul` is the MLP's gate_up projection with SiLU-and-mul in the epilogue: a program
+owns matching rows of the gate half [0, I) and the up half [I, 2I) of W and writes
+silu(gate) * up [M, I], one launch instead of GEMM + silu_and_mul.
+
+Configs are fixed per shape: autotuning at run time would sync and break CUDA-graph capture.
+`CONFIGS` holds the measured ones (`benchmark/kernels/gemv_bench.py` times candidates and prints
+entries to paste), `heuristic` the rest. Launches depend only on shapes, so they can be
+captured in CUDA graphs. The layers reach this module through `minisgl.kernel.gemv_ops`."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernel import GEMV_DTYPES, GEMV_MAX_M
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1  # an upper bound: K is cut in multiples of block_k
+    num_warps: int = 4
+    num_stages: int = 1
+    dot: bool = False  # tl.dot on x padded to 16 rows (block_n, block_k >= 16)
+
+    def __post_init__(self) -> None:
+        pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+        ok = pow2(self.block_n) and pow2(self.block_k) and pow2(self.num_warps)
+        ok = ok and self.split_k >= 1 and self.num_stages >= 1
+        if not ok or (self.dot and min(self.block_n, self.block_k) < 16):
+            raise ValueError(
+                f"bad {self}: block sizes and warps must be powers of two (at least 16 for "
+                "dot), split_k and num_stages at least 1"
+            )
+
+
+# (rows of W, K, BLOCK_M = M rounded up to a power of two) -> config. Rows of W: 2I for the
+# gate_up weight of gemv_silu_and_mul. Empty until measured on a GPU: run
+# benchmark/kernels/gemv_bench.py and paste the lines it prints; `heuristic` covers the rest.
+CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+
+_REDUCE_BLOCK = 128
+
+
+@triton.jit
+def _finish(
+    acc,
+    acc_up,
+    bias,
+    out,
+    out_offs,
+    cols,
+    mask,
+    N,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """Bias, SiLU-and-mul, one rounding, store: the epilogue of both kernels. `out_offs` and
+    `cols` (the output column of each element) have acc's shape."""
+    dtype = out.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+        if SILU:
+            acc_up += tl.load(bias + N + cols, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        # gate and up rounded to the dtype first, as the GEMM -> silu_and_mul path has them
+        gate = acc.to(dtype).to(tl.float32)
+        acc = gate * tl.sigmoid(gate) * acc_up.to(dtype).to(tl.float32)
+    tl.store(out + out_offs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x,  # [M, K], unit stride along K
+    w,  # [N, K] or, when SILU, [2N, K]: gate rows then up rows; contiguous
+    bias,  # [N] or [2N], read when HAS_BIAS
+    out,  # [M, N], written unless PARTIAL
+    partial,  # [splits, M, N or 2N] float32, written when PARTIAL
+    M,
+    N,  # output columns
+    K,
+    K_SPLIT,  # K elements per split, a multiple of BLOCK_K
+    UP_OFFSET,  # N * K when SILU: where the up half of the weight starts
+    stride_xm,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr,  # K is split: write partial sums for _reduce_kernel
+    EVEN_K: tl.constexpr,  # every split is whole BLOCK_K tiles inside K: no K mask
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    k_start = tl.program_id(1) * K_SPLIT
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    if DOT:  # x [BLOCK_M, BLOCK_K] and W [BLOCK_N, BLOCK_K] tiles, acc [BLOCK_M, BLOCK_N]
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        x_rows, w_rows = offs_m, offs_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        # One tile row per (n, m) pair, m fastest: the rows of a pair load the same W row (the
+        # repeats hit L1) and x row m. Everything stays 2D in the loads' own layout, so the loop
+        # has no layout conversion and no reduction: acc [pairs, BLOCK_K] is summed once after.
+        pairs = tl.arange(0, BLOCK_N * BLOCK_M)
+        x_rows = pairs % BLOCK_M
+        w_rows = pid_n * BLOCK_N + pairs // BLOCK_M
+        acc = tl.zeros((BLOCK_N * BLOCK_M, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)
+    x_ptrs = x + x_rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w + w_rows.to(tl.int64)[:, None] * K + offs_k[None, :]
+    x_mask = (x_rows < M)[:, None]  # rows masks: constant along K, loads stay vectorised
+    w_mask = (w_rows < N)[:, None]
+    for k in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:
+            k_mask = tl.arange(0, BLOCK_K)[None, :] < BLOCK_K  # all true
+        else:
+            k_mask = (offs_k < K - k)[None, :]
+        wt = tl.load(w_ptrs, mask=w_mask & k_mask, other=0.0)  # the DRAM stream first
+        if SILU:
+            ut = tl.load(w_ptrs + UP_OFFSET, mask=w_mask & k_mask, other=0.0)
+        xt = tl.load(x_ptrs, mask=x_mask & k_mask, other=0.0)
+        if DOT:
+            if UPCAST:  # the CPU interpreter multiplies bf16 dot tiles as raw bits
+                xt, wt = xt.to(tl.float32), wt.to(tl.float32)
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
+            if SILU:
+                acc_up = tl.dot(xt, tl.trans(ut.to(xt.dtype)), acc_up, input_precision=PRECISION)
+        else:
+            xt = xt.to(tl.float32)
+            acc += xt * wt.to(tl.float32)
+            if SILU:
+                acc_up += xt * ut.to(tl.float32)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if DOT:
+        out_m = tl.broadcast_to(offs_m[:, None], (BLOCK_M, BLOCK_N))
+        out_n = tl.broadcast_to(offs_n[None, :], (BLOCK_M, BLOCK_N))
+    else:
+        acc = tl.sum(acc, axis=1)
+        acc_up = tl.sum(acc_up, axis=1)
+        out_m, out_n = x_rows, w_rows
+    mask = (out_m < M) & (out_n < N)
+    if PARTIAL:
+        width = 2 * N if SILU else N
+        p_ptrs = partial + (tl.program_id(1) * M + out_m) * width + out_n
+        tl.store(p_ptrs, acc, mask=mask)
+        if SILU:
+            tl.store(p_ptrs + N, acc_up, mask=mask)
+    else:
+        _finish(acc, acc_up, bias, out, out_m * stride_om + out_n, out_n, mask, N, HAS_BIAS, SILU)
+
+
+@triton.jit
+def _reduce_kernel(
+    partial,
+    bias,
+    out,
+    M,
+    N,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """out = epilogue(sum of the SPLIT_K partial sums), one program per BLOCK_N columns."""
+    rows = tl.broadcast_to(tl.arange(0, BLOCK_M)[:, None], (BLOCK_M, BLOCK_N))
+    cols = tl.broadcast_to(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], rows.shape)
+    mask = (rows < M) & (cols < N)
+    width = 2 * N if SILU else N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        p_ptrs = partial + (s * M + rows) * width + cols
+        acc += tl.load(p_ptrs, mask=mask, other=0.0)
+        if SILU:
+            acc_up += tl.load(p_ptrs + N, mask=mask, other=0.0)
+    _finish(acc, acc_up, bias, out, rows * stride_om + cols, cols, mask, N, HAS_BIAS, SILU)
+
+
+def block_m(m: int) -> int:
+    """The M tile: M rounded up to a power of two (the config table's third key)."""
+    return triton.next_power_of_2(max(m, 1))
+
+
+def split_for(programs: int, k: int, block_k: int, num_sms: int) -> int:
+    """Split K (in powers of two, at least a BLOCK_K tile each) until the programs cover about
+    twice the SMs."""
+    split = 1
+    while programs * split < 2 * num_sms and split * 2 <= triton.cdiv(k, block_k):
+        split *= 2
+    return split
+
+
+def heuristic(rows: int, k: int, bm: int, num_sms: int, silu: bool = False) -> GemvConfig:
+    """An untuned config for a weight of `rows` x `k` at M tile `bm`. FMA up to bm 2 with 4096
+    accumulators a program (about 80 registers a thread at 4 warps, so several programs share
+    an SM and keep their loads in flight); tensor cores beyond, where the FMA path would load
+    each W row bm times."""
+    tiles = 2 if silu else 1
+    if bm <= 2:
+        block_k = min(512, triton.next_power_of_2(k))
+        block_n = max(1, min(64, 4096 // (bm * block_k * tiles)))
+        cfg = GemvConfig(block_n, block_k)
+    else:
+        cfg = GemvConfig(16, min(256, max(16, triton.next_power_of_2(k))), num_stages=3, dot=True)
+    programs = triton.cdiv(rows // tiles, cfg.block_n)
+    return replace(cfg, split_k=split_for(programs, k, cfg.block_k, num_sms))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any figure will do (tests pass their own configs)
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache  # the table is fixed at import; this spares eager launches the heuristic
+def config_for(rows: int, k: int, m: int, device: torch.device, silu: bool) -> GemvConfig:
+    bm = block_m(m)
+    return CONFIGS.get((rows, k, bm)) or heuristic(rows, k, bm, _num_sms(device), silu)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+    config: GemvConfig | None,
+) -> torch.Tensor:
+    what = "gemv_silu_and_mul" if silu else "gemv"
+    assert weight.dim() == 2 and weight.is_contiguous(), (
+        f"{what}: weight must be a contiguous [N, K] matrix, got {tuple(weight.shape)} strides "
+        f"{weight.stride()}"
+    )
+    rows, k = weight.shape
+    assert x.shape[-1] == k and k > 0, f"{what}: x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
+    assert x.dtype == weight.dtype and x.dtype in GEMV_DTYPES, (
+        f"{what}: x {x.dtype} and weight {weight.dtype} must share one of {GEMV_DTYPES}"
+    )
+    assert not silu or rows % 2 == 0, f"{what}: the gate_up weight has an odd {rows} rows"
+    assert bias is None or (bias.shape == (rows,) and bias.is_contiguous()), (
+        f"{what}: bias {None if bias is None else tuple(bias.shape)} for {rows} rows"
+    )
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    assert m <= GEMV_MAX_M, f"{what}: {m} rows of x, more than GEMV_MAX_M = {GEMV_MAX_M}"
+    n = rows // 2 if silu else rows
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], n)
+    cfg = config or config_for(rows, k, m, x.device, silu)
+    bm = max(16, block_m(m)) if cfg.dot else block_m(m)
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_split)  # no empty splits
+    partial = out  # unused when there is no split
+    if split > 1:
+        partial = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else out  # unused pointer without a bias
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x2,
+        weight,
+        bias_arg,
+        out,
+        partial,
+        m,
+        n,
+        k,
+        k_split,
+        n * k if silu else 0,
+        x2.stride(0),
+        out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        PARTIAL=split > 1,
+        EVEN_K=k % k_split == 0,
+        HAS_BIAS=has_bias,
+        SILU=silu,
+        DOT=cfg.dot,
+        # fp32 stays exact (the GPU would round its inputs to tf32); 16-bit inputs ignore it
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        # the CPU interpreter multiplies bf16 dot tiles as raw bits (see kernel/moe.py)
+        UPCAST=interpret and x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK),)](
+            partial,
+            bias_arg,
+            out,
+            m,
+            n,
+            out.stride(0),
+            BLOCK_M=block_m(m),
+            BLOCK_N=_REDUCE_BLOCK,
+            SPLIT_K=split,
+            HAS_BIAS=has_bias,
+            SILU=silu,
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [..., K] (at most GEMV_MAX_M rows) @ weight [N, K]^T + bias [N] -> [..., N], as
+    F.linear. `config` overrides the table (tests, the benchmark)."""
+    return _launch(x, weight, bias, False, config)
+
+
+def gemv_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) -> [..., I] for weight [2I, K] = [gate; up] (+ bias [2I]):
+    silu_and_mul(F.linear(x, weight, bias)) in one kernel."""
+    return _launch(x, weight, bias, True, config)
