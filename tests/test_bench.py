@@ -8,7 +8,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
 
-from bench import GPU_PEAKS, roofline_tok_s, workload  # noqa: E402
+from bench import GPU_PEAKS, TINY_QWEN3, roofline_tok_s, workload  # noqa: E402
 
 
 def test_workload_is_the_published_one():
@@ -83,20 +83,11 @@ def test_cpu_smoke_run_moe_config_tp2(tmp_path):
     from transformers import Qwen3MoeConfig
 
     model = tmp_path / "tiny-moe"
-    Qwen3MoeConfig(
-        vocab_size=10240,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=6,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        max_position_embeddings=4096,
-        architectures=["Qwen3MoeForCausalLM"],
-    ).save_pretrained(model)
+    config = Qwen3MoeConfig(
+        **TINY_QWEN3, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(model)
     args = ["--config", str(model), "--tp", "2", "--moe-backend", "torch", "--num-seqs", "2"]
     args += ["--max-input-len", "104", "--max-output-len", "102"]
     result, _ = run_bench(args, tmp_path / "result.jsonl")

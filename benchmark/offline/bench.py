@@ -77,22 +77,26 @@ def param_size(params: list) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.nbytes for p in params)
 
 
+# The tiny random Qwen3 of --tiny (its MoE variant in tests/test_bench.py adds experts)
+TINY_QWEN3 = dict(
+    vocab_size=10240,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+)
+
+
 def tiny_model_dir() -> str:
     from transformers import Qwen3Config
 
     path = tempfile.mkdtemp(prefix="minisgl_bench_")
-    Qwen3Config(
-        vocab_size=10240,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        architectures=["Qwen3ForCausalLM"],
-    ).save_pretrained(path)
+    config = Qwen3Config(**TINY_QWEN3, tie_word_embeddings=True)
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(path)
     return path
 
 
