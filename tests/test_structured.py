@@ -104,7 +104,7 @@ def workload(seed: int, long_prompts: bool) -> list[tuple[list[int], SamplingPar
 
 def run(llm: LLM, items: list[tuple[list[int], SamplingParams, Any]]) -> list[dict[str, Any]]:
     outs = llm.generate([p for p, _, _ in items], [sp for _, sp, _ in items], use_tqdm=False)
-    assert not llm.scheduler.has_work
+    assert not llm.scheduler.has_work and llm.scheduler.num_constrained == 0
     llm.scheduler.check_no_leak()
     return outs
 

@@ -4,6 +4,7 @@ uses it, so this package stays importable on machines without triton."""
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 
 import torch
@@ -16,7 +17,7 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
     MINISGL_DISABLE_FUSED_OPS is unset; None means: run the torch reference."""
     if not x.is_cuda or env.disable_fused_ops():
         return None
-    return _import_fused()
+    return _import("fused")
 
 
 # Decode batches up to this many rows make a linear layer a pure weight read: kernel/gemv.py
@@ -50,7 +51,7 @@ def gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
     triton imports; None means: F.linear."""
     if not x.is_cuda or not gemv_eligible(x, weight):
         return None
-    return _import_gemv()
+    return _import("gemv")
 
 
 @functools.cache
@@ -63,21 +64,11 @@ def triton_available() -> bool:
 
 
 @functools.cache
-def _import_fused() -> ModuleType | None:
-    if not triton_available():  # no triton: the torch path is the fallback, not an error
-        return None
-    from minisgl.kernel import fused
-
-    return fused
-
-
-@functools.cache
-def _import_gemv() -> ModuleType | None:
+def _import(name: str) -> ModuleType | None:
+    """minisgl.kernel.<name>, or None without triton (the torch path is then the fallback)."""
     if not triton_available():
         return None
-    from minisgl.kernel import gemv
-
-    return gemv
+    return importlib.import_module(f"minisgl.kernel.{name}")
 
 
 MOE_BACKENDS = ("auto", "torch", "triton")

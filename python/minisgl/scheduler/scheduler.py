@@ -106,6 +106,7 @@ class Scheduler:
         self.tokenizer = tokenizer  # for grammars; built on the first constrained request:
         self.grammars: GrammarCompiler | None = None
         self.masks: MaskBuilder | None = None
+        self.num_constrained = 0  # admitted requests with a grammar: 0 skips every grammar check
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(
@@ -150,6 +151,7 @@ class Scheduler:
             prompt = req.tokens[: req.prompt_len]
             self.changes.append(("add", req.uid, prompt, req.params, req.seed))
         self.requests[req.uid] = req
+        self.num_constrained += req.grammar is not None
         if req.params.max_tokens == 0:
             self._finish(req, "length")
         else:
@@ -178,7 +180,7 @@ class Scheduler:
             broadcast_object((self.changes, False))
             self.changes = []
         outputs, self.pending = self.pending, []
-        if self.in_flight is not None and _constrained(self.in_flight.batch):
+        if self.num_constrained and self.in_flight and _constrained(self.in_flight.batch):
             # its tokens move the grammars that the next batch's masks come from
             outputs.extend(self._process(self.in_flight))
             self.in_flight = None
@@ -304,14 +306,15 @@ class Scheduler:
         that `_process` fills in (the device already knows it: the next step reads it there)."""
         samples = [r.cached_len + r.extend_len == len(r.tokens) for r in batch.reqs]
         failed: list[tuple[Req, str]] = []
+        grammar_mask = None
+        if self.num_constrained and _constrained(batch):
 
-        def grammar_mask() -> tuple[Any, list[int]] | None:
-            """Called by the engine once the forward is queued: the wait for a grammar still
-            compiling overlaps with the device work."""
-            return self._grammar_mask(batch.reqs, samples, failed)
+            def grammar_mask() -> tuple[Any, list[int]] | None:
+                """Called by the engine once the forward is queued: the wait for a grammar
+                still compiling overlaps with the device work."""
+                return self._grammar_mask(batch.reqs, samples, failed)
 
-        uses_grammar = any(r.grammar is not None for r in batch.reqs)
-        output = self.engine.launch(batch, samples, grammar_mask if uses_grammar else None)
+        output = self.engine.launch(batch, samples, grammar_mask)
         slots = []
         for req, sampled in zip(batch.reqs, samples):
             req.cached_len += req.extend_len
@@ -393,6 +396,7 @@ class Scheduler:
         return "length" if self._reaches_length(req, num_tokens) else None
 
     def _finish(self, req: Req, reason: str, report: bool = True, error: str | None = None) -> None:
+        self.num_constrained -= req.grammar is not None and req.finish_reason is None
         req.finish_reason, req.error = reason, error  # type: ignore[assignment]
         self._release(req)
         if req in self.waiting:  # preempted while its last step was in flight
