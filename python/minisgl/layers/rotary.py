@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from minisgl import kernel
-
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -58,11 +56,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> rotated q, k: copies on the torch path; on CUDA the
-        Triton kernel rotates q and k in place (views of the qkv output) and returns them."""
-        if (ops := kernel.fused_ops(q)) is not None:
-            ops.rotary_(q, k, self.cos_sin, positions)
-            return q, k
+        """q [T, Hq, D], k [T, Hk, D] -> rotated copies: the torch path. With fused ops the
+        attention layer runs kernel/fused.py's rotary_store_kv on `cos_sin` instead."""
         return rope_torch(q, k, self.cos_sin, positions)
 
 
