@@ -137,11 +137,13 @@ def test_sampling_kernel_follows_softmax():
     assert (counts - torch.softmax(logits[0] / 0.7, -1)).abs().max() < 0.03
 
 
-@pytest.mark.parametrize("attn", ["triton", "fi"])
-def test_shared_prompts_radix_equals_naive_on_gpu(model_dirs, monkeypatch, attn):
+def test_shared_prompts_radix_equals_naive_on_gpu(model_dirs, monkeypatch):
     """Prompts shared while their requests run (including equal prompts prefilled in one
     batch, whose duplicate pages are freed and reused at once, behind the launched step on the
-    stream) give the same greedy tokens as the cache that shares nothing."""
+    stream) give the same greedy tokens as the cache that shares nothing. Triton only: fi has
+    neither float32 nor this tiny model's head_dim 32 (its paging is checked against torch in
+    test_attention_gpu)."""
+    attn = "triton"
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0")
     path, _ = model_dirs("qwen3")
     rng = random.Random(3)

@@ -231,7 +231,10 @@ def main() -> None:
     seconds = time.perf_counter() - start
     if profiler is not None:
         profiler.__exit__(None, None, None)
-        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+        kernels = profiler.key_averages()
+        print(kernels.table(sort_by="cuda_time_total", row_limit=20))
+        busy = sum(k.self_device_time_total for k in kernels) / 1e6
+        print(f"GPU busy {busy:.3f} s of {seconds:.3f} s ({busy / seconds:.0%})")
 
     total = sum(len(o["token_ids"]) for o in outputs)
     # a constrained request may end early, when its random text happens to close the JSON

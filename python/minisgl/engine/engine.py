@@ -257,10 +257,6 @@ class Engine:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_reqs)
         if self.device.type != "cuda" or max_bs == 0:
             return None
-        if get_tp_info().size > 1:
-            # all-reduce inside a captured graph has not been tried on GPUs yet (issue 5)
-            logger.warning("CUDA graphs are off for --tp > 1 (not yet validated on GPUs)")
-            return None
         moe = self.model_config.moe
         if moe is not None and moe.backend != "triton":
             # the torch expert loop picks experts on the host: nothing a graph can replay

@@ -57,9 +57,32 @@ class GemvConfig:
 
 
 # (rows of W, K, BLOCK_M = M rounded up to a power of two) -> config. Rows of W: 2I for the
-# gate_up weight of gemv_silu_and_mul. Empty until measured on a GPU: run
-# benchmark/kernels/gemv_bench.py and paste the lines it prints; `heuristic` covers the rest.
-CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# gate_up weight of gemv_silu_and_mul. Measured for Qwen3-0.6B on an H100 (2026-11-22) with
+# benchmark/kernels/gemv_bench.py, whose output is pasted here; `heuristic` covers the rest.
+G = GemvConfig
+CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
+    (4096, 1024, 1): G(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (4096, 1024, 2): G(block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
+    (4096, 1024, 4): G(block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
+    (4096, 1024, 8): G(block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
+    (1024, 2048, 1): G(block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (1024, 2048, 2): G(block_n=1, block_k=1024, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (1024, 2048, 4): G(block_n=1, block_k=512, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (1024, 2048, 8): G(block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
+    (6144, 1024, 1): G(block_n=2, block_k=512, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (6144, 1024, 2): G(block_n=2, block_k=256, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (6144, 1024, 4): G(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=3, dot=True),
+    (6144, 1024, 8): G(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=3, dot=True),
+    (1024, 3072, 1): G(block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (1024, 3072, 2): G(block_n=1, block_k=1024, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (1024, 3072, 4): G(block_n=1, block_k=512, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (1024, 3072, 8): G(block_n=32, block_k=256, split_k=8, num_warps=4, num_stages=3, dot=True),
+    (151936, 1024, 1): G(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (151936, 1024, 2): G(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
+    (151936, 1024, 4): G(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
+    (151936, 1024, 8): G(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
+}
+del G
 
 _REDUCE_BLOCK = 128
 
