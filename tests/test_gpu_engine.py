@@ -31,15 +31,21 @@ def generate(
     graphs: bool | None = None,
     **kwargs,
 ) -> list[list[int]]:
-    """Odd requests sample at `temperature`, even ones are greedy. graphs: assert that CUDA
-    graphs are on (True) or off (False) in the engine."""
+    """Odd requests sample at `temperature` (every fifth with top-p too, which CUDA graphs
+    leave to an eager resample), even ones are greedy. graphs: assert that CUDA graphs are on
+    (True) or off (False) in the engine."""
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
     llm = LLM(path, device="cuda:0", page_size=16, num_pages=256, max_prefill_tokens=64, **kwargs)
     try:
         if graphs is not None:
             assert (llm.engine.graphs is not None) == graphs
         params = [
-            SamplingParams(max_tokens=5 + i % 13, temperature=temperature * (i % 2), seed=i)
+            SamplingParams(
+                max_tokens=5 + i % 13,
+                temperature=temperature * (i % 2),
+                top_p=0.9 if i % 5 == 3 else 1.0,
+                seed=i,
+            )
             for i in range(24)
         ]
         outs = llm.generate(prompts(), params, use_tqdm=False)

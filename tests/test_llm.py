@@ -81,3 +81,34 @@ def test_dummy_weights(model_dirs):
     assert all(len(o["token_ids"]) == 5 for o in out)
     assert out[0]["token_ids"] == out[1]["token_ids"]  # deterministic
     llm.scheduler.check_no_leak()
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_graph_decode_step_run_eagerly_equals_plain_path(model_dirs, monkeypatch, overlap):
+    """The decode step that CUDA graphs capture (inputs gathered from the token and page
+    tables, sampling with the batch's seeds, the sampled ids written back), run eagerly on the
+    CPU: the same tokens as the plain path, for greedy, temperature and top-p requests (the
+    last resample outside the graph) in batches padded to the graph sizes."""
+    from minisgl.engine.graph import GraphRunner
+
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", overlap)
+    path, _ = model_dirs("qwen3")
+    prompts = [[2 + (7 * i + j) % 97 for j in range(3 + 5 * i)] for i in range(7)]
+    params = [
+        SamplingParams(
+            max_tokens=6 + i,
+            temperature=[0.0, 0.8, 1.1][i % 3],
+            top_p=0.9 if i == 4 else 1.0,
+            seed=i,
+        )
+        for i in range(7)
+    ]
+    outs = []
+    for graphs in (False, True):
+        llm = LLM(path, page_size=4, num_pages=128)
+        if graphs:
+            llm.engine.graphs = GraphRunner(llm.engine, 8, capture=False)
+        res = llm.generate(prompts, params, use_tqdm=False)
+        outs.append([o["token_ids"] for o in res])
+        llm.scheduler.check_no_leak()
+    assert outs[0] == outs[1]

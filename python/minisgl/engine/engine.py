@@ -15,7 +15,7 @@ from minisgl.core import Batch, Context, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import EngineConfig, device_type
 from minisgl.engine.graph import GraphRunner
-from minisgl.engine.sample import BatchSamplingArgs, apply_token_bitmask, sample
+from minisgl.engine.sample import BatchSamplingArgs, any_filter, apply_token_bitmask, sample
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -181,8 +181,8 @@ class Engine:
 
     def prepare(self, batch: Batch, samples: list[bool]) -> torch.Tensor:
         """Fill the batch's input ids, positions and KV write slots on the device (no per-token
-        host work), then the attention metadata. Returns the device tensor of per-request
-        [rows, kv_lens, write_rows, logits_indices] used after the forward."""
+        host work). Returns the device tensor of per-request [kv_lens, write_rows,
+        logits_indices + 1] used after the forward."""
         reqs = batch.reqs
         extend = [r.extend_len for r in reqs]
         dev = to_device(
@@ -218,18 +218,22 @@ class Engine:
         """Run the model; logits [B, vocab] (float32) of each request's last computed token."""
         return self._forward(batch, samples or [False] * batch.size)[0].float()
 
-    def _forward(self, batch: Batch, samples: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        after = self.prepare(batch, samples)
+    def _forward(
+        self, batch: Batch, samples: list[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logits, kv_lens, write_rows, ids sampled in a CUDA graph or None): a sampled id
+        belongs at token_table[write_rows, kv_lens]."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.replay(batch)
-        else:
-            self.attn_backend.prepare(batch)
-            self.ctx.batch = batch
-            try:
-                logits = self.model(batch.input_ids, batch.positions, after[2] - 1)
-            finally:
-                self.ctx.batch = None
-        return logits, after
+            out = self.graphs.replay(batch, samples)
+            return out.logits, out.kv_lens, out.write_rows, out.sampled
+        kv_lens, write_rows, logits_indices = self.prepare(batch, samples)
+        self.attn_backend.prepare(batch)
+        self.ctx.batch = batch
+        try:
+            logits = self.model(batch.input_ids, batch.positions, logits_indices - 1)
+        finally:
+            self.ctx.batch = None
+        return logits, kv_lens, write_rows, None
 
     @torch.inference_mode()
     def launch(
@@ -243,14 +247,14 @@ class Engine:
         into pinned host memory. Nothing here waits for the device. `grammar_mask`, called
         once the forward is queued, gives a token bitmask for some rows of the logits
         (structured generation); it is applied outside the CUDA graph, before sampling."""
-        logits, after = self._forward(batch, samples)
+        logits, kv_lens, write_rows, next_ids = self._forward(batch, samples)
         mask = grammar_mask() if grammar_mask is not None else None
-        if mask is not None:
-            apply_token_bitmask(logits, *mask)
-        args = BatchSamplingArgs.from_reqs(batch.reqs, self.model_config.vocab_size, self.device)
-        next_ids = sample(logits, args)
-        kv_lens, write_rows = after[0], after[1]
-        self.token_table[write_rows, kv_lens] = next_ids.to(torch.int32)
+        vocab = self.model_config.vocab_size
+        if next_ids is None or mask is not None or any_filter(batch.reqs, vocab):
+            if mask is not None:
+                apply_token_bitmask(logits, *mask)
+            next_ids = sample(logits, BatchSamplingArgs.from_reqs(batch.reqs, vocab, self.device))
+            self.token_table[write_rows, kv_lens] = next_ids.to(torch.int32)
         return StepOutput.start_copy(next_ids)
 
     def _build_graphs(self) -> GraphRunner | None:

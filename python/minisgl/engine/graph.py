@@ -1,6 +1,12 @@
 """CUDA graphs for decode: one graph per batch size in a ladder up to `cuda_graph_max_bs`,
 captured once at start; a decode batch is padded to the next captured size with dummy
-requests that read and write only the engine's dummy page."""
+requests that read and write only the engine's dummy row and page.
+
+A graph holds the whole step, not only the model: it gathers the input ids and KV slots from
+the token and page tables, runs the model, samples (temperature / greedy; top-k, top-p, min-p
+and grammar masks resample eagerly from its logits) and writes the sampled ids back into the
+token table. The host's part of a step is then one small copy, the attention backend's
+metadata and the replay: with a small batch, host time per step is what bounds decode."""
 
 from __future__ import annotations
 
@@ -10,9 +16,14 @@ import torch
 from tqdm import tqdm
 
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.sample import BatchSamplingArgs, sample
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
+
+# rows of GraphRunner.inputs
+_ROW, _POSITION, _WRITE_ROW, _SEED, _TEMPERATURE = range(5)
+_MASK32 = 0xFFFFFFFF
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -20,74 +31,120 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
+class GraphOutput:
+    """Static tensors a replay fills: logits [bs, V], the ids it sampled [bs] and where they
+    went in the token table ([bs] rows, [bs] positions)."""
+
+    def __init__(self, logits: torch.Tensor, sampled: torch.Tensor, rows, positions) -> None:
+        self.logits, self.sampled, self.write_rows, self.kv_lens = logits, sampled, rows, positions
+
+
 class GraphRunner:
-    def __init__(self, engine: Engine, max_bs: int) -> None:
+    def __init__(self, engine: Engine, max_bs: int, capture: bool = True) -> None:
+        """capture=False runs the same steps eagerly, without graphs (tests on CPU)."""
         self.engine = engine
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = max_bs
-        device = engine.device
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.out_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.logits_indices = torch.arange(max_bs, device=device)
-        self.dummy_slot = engine.dummy_page * engine.page_size
+        # The step's per-request inputs in one float64 block, so one copy carries them: every
+        # value but the temperature is an integer below 2**53 (seeds: their low 32 bits, all
+        # the sampling hash reads). Padding rows point at the dummy row and page.
+        self.inputs = torch.zeros(5, max_bs, dtype=torch.float64, device=engine.device)
+        self.inputs[_ROW] = self.inputs[_WRITE_ROW] = engine.dummy_row
+        self.logits_indices = torch.arange(max_bs, device=engine.device)
         self.padding = [
             Req([0], 1, SamplingParams(), 2, table_idx=engine.dummy_row, extend_len=1)
             for _ in range(max_bs)
         ]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, Batch]] = {}
-        self._capture()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, GraphOutput | None, Batch]] = {
+            bs: (None, None, Batch(self.padding[:bs], "decode")) for bs in self.sizes
+        }
+        if capture:
+            self._capture()
 
-    def _static_batch(self, reqs: list[Req]) -> Batch:
-        bs = len(reqs)
-        return Batch(
-            reqs,
-            "decode",
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs],
-            out_loc=self.out_loc[:bs],
+    def _step(self, batch: Batch) -> GraphOutput:
+        """The captured work of a decode step over the first batch.size rows of `inputs`."""
+        engine, bs = self.engine, batch.size
+        inputs = self.inputs[:, :bs]
+        rows, positions = inputs[_ROW].long(), inputs[_POSITION].long()
+        write_rows, kv_lens = inputs[_WRITE_ROW].long(), positions + 1
+        page_size = engine.page_size
+        batch.positions = positions
+        batch.input_ids = engine.token_table[rows, positions]
+        batch.out_loc = (
+            engine.page_table[rows, positions // page_size].long() * page_size
+            + positions % page_size
         )
+        engine.ctx.batch = batch
+        try:
+            logits = engine.model(batch.input_ids, positions, self.logits_indices[:bs])
+        finally:
+            engine.ctx.batch = None
+        temperature = inputs[_TEMPERATURE].float()
+        args = BatchSamplingArgs(
+            temperature=temperature,
+            top_k=rows,  # unused: no filter
+            top_p=temperature,
+            min_p=temperature,
+            seed=inputs[_SEED].long(),
+            step=kv_lens,
+            all_greedy=False,
+            need_filter=False,
+        )
+        sampled = sample(logits, args)
+        engine.token_table[write_rows, kv_lens] = sampled.to(torch.int32)
+        return GraphOutput(logits, sampled, write_rows, kv_lens)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         engine, pool = self.engine, None
-        self.out_loc.fill_(self.dummy_slot)
         stream = torch.cuda.Stream()
         for bs in tqdm(self.sizes[::-1], desc="Capturing CUDA graphs", leave=False):
-            batch = self._static_batch(self.padding[:bs])
+            batch = Batch(self.padding[:bs], "decode")
             engine.attn_backend.prepare_for_capture(batch)
-            engine.ctx.batch = batch
-            try:
-                # a warm-up run outside capture lets lazy initialisation (autotuning, JIT) happen
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    engine.model(batch.input_ids, batch.positions, self.logits_indices[:bs])
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = engine.model(
-                        batch.input_ids, batch.positions, self.logits_indices[:bs]
-                    )
-            finally:
-                engine.ctx.batch = None
+            # a warm-up run outside capture lets lazy initialisation (autotuning, JIT) happen
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._step(batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._step(batch)
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits, batch)
+            self.graphs[bs] = (graph, out, batch)
         torch.cuda.synchronize()
 
     def can_run(self, batch: Batch) -> bool:
         return batch.is_decode and batch.size <= self.max_bs
 
-    def replay(self, batch: Batch) -> torch.Tensor:
-        """Run a prepared decode batch (input ids, positions, out_loc set) -> logits [B, V]."""
-        bs = batch.size
+    def replay(self, batch: Batch, samples: list[bool]) -> GraphOutput:
+        """Run a decode batch; the ids sampled for the requests whose `samples` flag is set
+        land in the token table after their last token (the others' in the dummy row)."""
+        bs, engine = batch.size, self.engine
         padded = next(size for size in self.sizes if size >= bs)
-        graph, logits, static = self.graphs[padded]
-        self.input_ids[:bs].copy_(batch.input_ids)
-        self.positions[:bs].copy_(batch.positions)
-        self.out_loc[:bs].copy_(batch.out_loc)
-        if padded > bs:  # stale slots of a larger earlier batch must not be written again
-            self.out_loc[bs:padded].fill_(self.dummy_slot)
-        static.reqs = batch.reqs + self.padding[: padded - bs]
-        self.engine.attn_backend.prepare_for_replay(static)
-        graph.replay()
-        return logits[:bs]
+        graph, out, static = self.graphs[padded]
+        pad = padded - bs
+        dummy = engine.dummy_row
+        reqs = batch.reqs
+        rows = [r.table_idx for r in reqs] + [dummy] * pad
+        host = torch.tensor(
+            [
+                rows,
+                [r.cached_len for r in reqs] + [0] * pad,
+                [r if s else dummy for r, s in zip(rows, samples)] + [dummy] * pad,
+                [r.seed & _MASK32 for r in reqs] + [0] * pad,
+                [0.0 if r.params.is_greedy else r.params.temperature for r in reqs] + [0.0] * pad,
+            ],
+            dtype=torch.float64,
+            # pinned: a copy from pageable memory would wait for the queued steps
+            pin_memory=engine.device.type == "cuda",
+        )
+        self.inputs[:, :padded].copy_(host, non_blocking=True)
+        static.reqs = reqs + self.padding[:pad]
+        if graph is None:
+            engine.attn_backend.prepare(static)
+            out = self._step(static)
+        else:
+            engine.attn_backend.prepare_for_replay(static)
+            graph.replay()
+        assert out is not None
+        return GraphOutput(out.logits[:bs], out.sampled[:bs], out.write_rows[:bs], out.kv_lens[:bs])

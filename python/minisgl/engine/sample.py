@@ -32,10 +32,6 @@ class BatchSamplingArgs:
         params = [r.params for r in reqs]
         temps = [0.0 if p.is_greedy else p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        need_filter = any(
-            t > 0 and (k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
-            for t, k, p in zip(temps, top_k, params)
-        )
         data = to_device(
             [[t, p.top_p, p.min_p] for t, p in zip(temps, params)], torch.float32, device
         )
@@ -50,8 +46,16 @@ class BatchSamplingArgs:
             seed=ints[:, 1],
             step=ints[:, 2],
             all_greedy=all(t == 0.0 for t in temps),
-            need_filter=need_filter,
+            need_filter=any_filter(reqs, vocab_size),
         )
+
+
+def any_filter(reqs: list[Req], vocab_size: int) -> bool:
+    """Whether some request samples with top-k, top-p or min-p."""
+    return any(
+        not p.is_greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0)
+        for p in (r.params for r in reqs)
+    )
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
