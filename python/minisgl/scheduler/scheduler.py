@@ -179,17 +179,15 @@ class Scheduler:
         if self.leads:
             broadcast_object((self.changes, False))
             self.changes = []
-        outputs, self.pending = self.pending, []
-        if self.num_constrained and self.in_flight and _constrained(self.in_flight.batch):
-            # its tokens move the grammars that the next batch's masks come from
-            outputs.extend(self._process(self.in_flight))
-            self.in_flight = None
         batch = self._schedule_prefill() or self._schedule_decode()
         launched = self._launch(batch) if batch is not None else None
+        if launched is not None and all(slot < 0 for slot in launched.slots):
+            launched = None  # nothing to read back (prompt chunks; requests ended meanwhile)
         if self.overlap:
             ready, self.in_flight = self.in_flight, launched
         else:
             ready = launched
+        outputs, self.pending = self.pending, []
         if ready is not None:
             outputs.extend(self._process(ready))
         return outputs
@@ -310,13 +308,20 @@ class Scheduler:
         if self.num_constrained and _constrained(batch):
 
             def grammar_mask() -> tuple[Any, list[int]] | None:
-                """Called by the engine once the forward is queued: the wait for a grammar
-                still compiling overlaps with the device work."""
+                """Called by the engine once the forward is queued, so that the device runs it
+                while the host waits for grammars still compiling and for the step in flight,
+                whose tokens advance the matchers this mask comes from."""
+                if self.in_flight is not None and _constrained(self.in_flight.batch):
+                    self.pending.extend(self._process(self.in_flight))
+                    self.in_flight = None
                 return self._grammar_mask(batch.reqs, samples, failed)
 
         output = self.engine.launch(batch, samples, grammar_mask)
         slots = []
         for req, sampled in zip(batch.reqs, samples):
+            if req.finished:  # by the step in flight, processed in grammar_mask
+                slots.append(-1)
+                continue
             req.cached_len += req.extend_len
             req.extend_len = 0
             if batch.phase == "prefill":
@@ -336,7 +341,7 @@ class Scheduler:
         """The token bitmask of the requests that sample under a grammar, and their rows."""
         matchers, rows = [], []
         for i, (req, sampled) in enumerate(zip(reqs, samples)):
-            if not sampled or req.grammar is None:
+            if not sampled or req.grammar is None or req.finished:
                 continue
             try:
                 matchers.append(req.grammar.wait())
