@@ -188,7 +188,7 @@ class LLM:
         except RuntimeError:
             pass  # a rank already died: nothing to tell it
         for proc in self.workers:
-            proc.join(timeout=5)
+            proc.join(timeout=15)  # a loaded machine can take seconds to tear a rank down
             if proc.is_alive():
                 proc.kill()
                 proc.join()
