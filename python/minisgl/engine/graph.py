@@ -10,13 +10,13 @@ metadata and the replay: with a small batch, host time per step is what bounds d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from tqdm import tqdm
 
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine.sample import BatchSamplingArgs, sample
+from minisgl.engine.sample import sample_at_temperature
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -31,12 +31,14 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
-class GraphOutput:
-    """Static tensors a replay fills: logits [bs, V], the ids it sampled [bs] and where they
-    went in the token table ([bs] rows, [bs] positions)."""
+class GraphOutput(NamedTuple):
+    """Static tensors a replay fills, one row per request: the logits, the ids sampled, and
+    where those went in the token table."""
 
-    def __init__(self, logits: torch.Tensor, sampled: torch.Tensor, rows, positions) -> None:
-        self.logits, self.sampled, self.write_rows, self.kv_lens = logits, sampled, rows, positions
+    logits: torch.Tensor  # [bs, V]
+    sampled: torch.Tensor  # [bs]
+    write_rows: torch.Tensor  # [bs]
+    kv_lens: torch.Tensor  # [bs] positions of the sampled ids
 
 
 class GraphRunner:
@@ -79,18 +81,8 @@ class GraphRunner:
             logits = engine.model(batch.input_ids, positions, self.logits_indices[:bs])
         finally:
             engine.ctx.batch = None
-        temperature = inputs[_TEMPERATURE].float()
-        args = BatchSamplingArgs(
-            temperature=temperature,
-            top_k=rows,  # unused: no filter
-            top_p=temperature,
-            min_p=temperature,
-            seed=inputs[_SEED].long(),
-            step=kv_lens,
-            all_greedy=False,
-            need_filter=False,
-        )
-        sampled = sample(logits, args)
+        temperature, seeds = inputs[_TEMPERATURE].float(), inputs[_SEED].long()
+        sampled = sample_at_temperature(logits, temperature, seeds, kv_lens)
         engine.token_table[write_rows, kv_lens] = sampled.to(torch.int32)
         return GraphOutput(logits, sampled, write_rows, kv_lens)
 
@@ -147,4 +139,4 @@ class GraphRunner:
             engine.attn_backend.prepare_for_replay(static)
             graph.replay()
         assert out is not None
-        return GraphOutput(out.logits[:bs], out.sampled[:bs], out.write_rows[:bs], out.kv_lens[:bs])
+        return GraphOutput(*(t[:bs] for t in out))

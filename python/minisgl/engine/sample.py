@@ -78,19 +78,32 @@ def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     """logits [B, V] -> next token ids [B] (int64, on the logits' device). No host sync."""
     if args.all_greedy:
         return logits.argmax(dim=-1)  # in the model's dtype: a float32 copy adds nothing
-    if logits.is_cuda and not args.need_filter and not env.disable_fused_ops():
+    filters = args if args.need_filter else None
+    return sample_at_temperature(logits, args.temperature, args.seed, args.step, filters)
+
+
+def sample_at_temperature(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    step: torch.Tensor,
+    filters: BatchSamplingArgs | None = None,
+) -> torch.Tensor:
+    """Greedy in the rows whose temperature is 0, a Gumbel-max draw at the row's temperature
+    elsewhere, after top-k / top-p / min-p when `filters` is given. No host sync; without
+    filters it is what CUDA graphs capture."""
+    if logits.is_cuda and filters is None and not env.disable_fused_ops():
         from minisgl.kernel.sampling import gumbel_argmax
 
-        return gumbel_argmax(logits, args.temperature, args.seed, args.step)
-    temp = torch.where(args.temperature > 0, args.temperature, 1.0)
+        return gumbel_argmax(logits, temperature, seed, step)
+    temp = torch.where(temperature > 0, temperature, 1.0)
     scores = logits.float() / temp[:, None]
-    if args.need_filter:
-        scores = torch.log(_filter(torch.softmax(scores, dim=-1), args))
+    if filters is not None:
+        scores = torch.log(_filter(torch.softmax(scores, dim=-1), filters))
     # Gumbel-max: argmax(log p + G), G = -log(-log U), draws a token with probability p.
-    sampled = (
-        scores - torch.log(-torch.log(uniform_noise(args.seed, args.step, scores.shape[-1])))
-    ).argmax(dim=-1)
-    return torch.where(args.temperature > 0, sampled, logits.argmax(dim=-1))
+    noise = uniform_noise(seed, step, scores.shape[-1])
+    sampled = (scores - torch.log(-torch.log(noise))).argmax(dim=-1)
+    return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
 
 
 def _filter(probs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
