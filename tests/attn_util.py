@@ -8,7 +8,7 @@ import random
 import torch
 
 from minisgl.attention import create_attention_backend
-from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
+from minisgl.core import Batch, Context, Req, SamplingParams, get_global_ctx, set_global_ctx
 from minisgl.kvcache import MHAKVCache
 
 
@@ -23,6 +23,7 @@ def make_problem(
     kv_heads: int = 2,
     spare_rows: int = 2,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,  # the pool's, if not dtype (fp8)
 ) -> tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Set a global context whose pool holds random KV, each request's pages scattered over
     shuffled pages and its page-table row out of order, and return a batch of (cached_len,
@@ -33,7 +34,7 @@ def make_problem(
     max_len = max(c + e for c, e in lens)
     pages_per_req = -(-max_len // page_size)
     num_pages = len(lens) * pages_per_req + 1
-    pool = MHAKVCache(1, num_pages, page_size, kv_heads, head_dim, dtype, device)
+    pool = MHAKVCache(1, num_pages, page_size, kv_heads, head_dim, kv_dtype or dtype, device)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
     table = torch.zeros(len(lens) + spare_rows, pages_per_req, dtype=torch.int32)
     free = list(range(1, num_pages))
@@ -58,8 +59,9 @@ def make_problem(
 
 def run_backend(name: str, batch: Batch, q, k, v, sliding_window: int | None = None):
     """prepare + one layer's forward of a fresh backend; the output."""
+    kv_dtype = get_global_ctx().kv_cache.dtype
     backend = create_attention_backend(
-        name, q.device, sliding_window, dtype=q.dtype, num_qo_heads=q.shape[1]
+        name, q.device, sliding_window, dtype=q.dtype, num_qo_heads=q.shape[1], kv_dtype=kv_dtype
     )
     backend.prepare(batch)
     return backend.forward(q, k, v, 0, q.shape[-1] ** -0.5, batch)

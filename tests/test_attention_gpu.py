@@ -47,14 +47,18 @@ def need(name: str) -> None:
         pytest.skip("flashinfer does not import")
 
 
-def compare(name, case, page_size, head_dim, dtype, heads="gqa4", sliding_window=None):
+def compare(
+    name, case, page_size, head_dim, dtype, heads="gqa4", sliding_window=None, kv_dtype=None
+):
     lens, decode = CASES[case]
     h, hk = HEADS[heads]
-    batch, q, k, v = make_problem(lens, page_size, head_dim, dtype, decode, DEVICE, h, hk)
+    batch, q, k, v = make_problem(
+        lens, page_size, head_dim, dtype, decode, DEVICE, h, hk, kv_dtype=kv_dtype
+    )
     ref = run_backend("torch", batch, q, k, v, sliding_window)
     out = run_backend(name, batch, q, k, v, sliding_window)
     diff = max_diff(out, ref)
-    what = f"{case}, page_size {page_size}, head_dim {head_dim}, {heads}, {dtype}"
+    what = f"{case}, page_size {page_size}, head_dim {head_dim}, {heads}, {dtype}, kv {kv_dtype}"
     print(f"{name} {what}: max abs diff {diff:.3g}")
     assert diff <= TOL[dtype], f"{name} vs torch backend ({what}): {diff:.3g} > {TOL[dtype]}"
 
@@ -72,6 +76,16 @@ def test_backend_matches_torch(name, case, page_size, heads, head_dim, dtype):
     if name == "fi" and head_dim != 128:
         pytest.skip("fi runs at head_dim 128 only: each head_dim is another JIT build")
     compare(name, case, page_size, head_dim, dtype, heads)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_fp8_kv_matches_torch(case, page_size, heads, kv_dtype):
+    """--kv-cache-dtype fp8: the new tokens' K/V are cast into the pool by the store, and both
+    backends widen the same 8-bit values on load."""
+    compare("triton", case, page_size, 128, torch.bfloat16, heads, kv_dtype=kv_dtype)
 
 
 @pytest.mark.parametrize("case", list(CASES))

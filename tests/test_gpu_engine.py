@@ -66,6 +66,55 @@ def test_cuda_graph_decode_equals_eager(model_dirs, monkeypatch, attn):
     assert graphs == eager
 
 
+def test_fp8_kv_cache_graphs_equal_eager(model_dirs, monkeypatch):
+    path, _ = model_dirs("qwen3_hd128")
+    kw = dict(attn="auto", dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    eager = generate(path, monkeypatch, cuda_graph_max_bs=0, **kw)
+    graphs = generate(path, monkeypatch, cuda_graph_max_bs=16, graphs=True, **kw)
+    assert graphs == eager
+
+
+def test_fi_graph_decode_replans_only_on_new_pages(model_dirs, monkeypatch):
+    """fi's CUDA-core decode plan depends on the page counts only: a graph replay whose batch
+    holds the same pages as the last plan reuses it. Same tokens as eager fi (which plans every
+    step), over many page boundaries (page size 4), and far fewer plans than steps."""
+    pytest.importorskip("flashinfer")
+    from minisgl.attention.fi_backend import FlashInferAttnBackend
+
+    path, _ = model_dirs("qwen3_hd128")
+    plans: list[object] = []
+    plan = FlashInferAttnBackend._plan
+
+    def counting_plan(self, wrapper, *args, **kwargs):
+        plans.append(wrapper)
+        plan(self, wrapper, *args, **kwargs)
+
+    monkeypatch.setattr(FlashInferAttnBackend, "_plan", counting_plan)
+    outs, counts = [], []
+    for max_bs in (0, 8):
+        llm = LLM(
+            path,
+            device="cuda:0",
+            dtype="bfloat16",
+            attn="fi",
+            page_size=4,
+            num_pages=256,
+            cuda_graph_max_bs=max_bs,
+        )
+        try:
+            for batch in (prompts(1), prompts(3)):  # one stream, then three
+                plans.clear()
+                res = llm.generate(batch, SamplingParams(max_tokens=48), use_tqdm=False)
+                outs.append([o["token_ids"] for o in res])
+                counts.append(len(plans))
+            llm.scheduler.check_no_leak()
+        finally:
+            llm.shutdown()
+    assert outs[:2] == outs[2:]
+    # eager: a plan per step (about 48); graphs: one per new page (about 12) + the prefill
+    assert counts[0] >= 48 and counts[2] <= 20, counts
+
+
 def test_graph_logits_equal_eager_logits(model_dirs):
     """One decode step of 5 requests (padded to the captured size 8) through a graph and
     eagerly: the logits agree."""

@@ -39,10 +39,12 @@ def check(what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         failures.append(f"{what}: max abs diff {diff} > {TOL}")
 
 
-def compare(what: str, lens, page_size: int, decode: bool) -> None:
-    b, q, k, v = make_problem(lens, page_size, 32, torch.float32, decode, CPU, 4, 2)
+def compare(what: str, lens, page_size: int, decode: bool, kv_dtype=None) -> None:
+    b, q, k, v = make_problem(
+        lens, page_size, 32, torch.float32, decode, CPU, 4, 2, kv_dtype=kv_dtype
+    )
     check(
-        f"{what} page {page_size}",
+        f"{what} page {page_size} kv {kv_dtype or 'float32'}",
         run_backend("triton", b, q, k, v),
         run_backend("torch", b, q, k, v),
     )
@@ -54,6 +56,10 @@ for page_size in (1, 16):
     compare("decode, 5 requests (2 splits)", DECODE, page_size, True)
     compare("decode, 1 request (8 splits)", DECODE[-1:], page_size, True)
     compare("extend with prefixes", EXTEND, page_size, False)
+# an fp8 pool: both backends widen the same stored values
+for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+    compare("decode, 5 requests (2 splits)", DECODE, 16, True, fp8)
+    compare("extend with prefixes", EXTEND, 16, False, fp8)
 
 # graph path: metadata in the static buffers, refilled for another batch of the same size
 b1, q1, k1, v1 = make_problem([(5, 1), (150, 1), (30, 1)], 16, 32, torch.float32, True, CPU, 4, 2)

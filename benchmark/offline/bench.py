@@ -161,6 +161,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
     p.add_argument("--moe-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+        default="auto",
+        help="KV pool type (the roofline then counts its bytes)",
+    )
     p.add_argument("--no-overlap", action="store_true", help="MINISGL_DISABLE_OVERLAP_SCHEDULING")
     p.add_argument("--no-fused", action="store_true", help="MINISGL_DISABLE_FUSED_OPS")
     p.add_argument("--no-gemv", action="store_true", help="MINISGL_DISABLE_GEMV")
@@ -197,6 +203,7 @@ def main() -> None:
         attn=args.attn,
         moe_backend=args.moe_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_prefill_tokens=args.max_prefill_tokens,
     )
     if args.single:
@@ -256,6 +263,7 @@ def main() -> None:
         "moe_backend": moe.backend if moe is not None else None,
         "overlap": not args.no_overlap,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "fused": not args.no_fused,
         "gemv": not args.no_gemv,
         "grammar_frac": args.grammar_frac,

@@ -150,6 +150,7 @@ class Context:
     kv_cache: MHAKVCache
     attn_backend: BaseAttnBackend
     batch: Batch | None = None
+    page_table_version: int = 0  # bumped on every page-table write (backends cache plans by it)
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -3,8 +3,9 @@
 - `fi`: flashinfer (paged prefill over the cached prefix, paged decode, CUDA-graph decode)
 - `triton`: the Triton kernels of `minisgl.kernel.triton_attention`
 - `torch`: the reference (padded gather + masked SDPA), any device
-`auto`: fi when flashinfer imports, the device is CUDA and the dtype is 16-bit; else triton on
-CUDA (torch for sliding-window models, which triton does not support); else torch."""
+`auto`: fi when flashinfer imports, the device is CUDA and the model and KV dtypes are 16-bit;
+else triton on CUDA (torch for sliding-window models, which triton does not support); else
+torch."""
 
 from __future__ import annotations
 
@@ -42,11 +43,15 @@ def flashinfer_available() -> bool:
 
 
 def auto_backend(
-    device: torch.device, dtype: torch.dtype | None, sliding_window: int | None
+    device: torch.device,
+    dtype: torch.dtype | None,
+    sliding_window: int | None,
+    kv_dtype: torch.dtype | None = None,
 ) -> str:
     if device.type != "cuda":
         return "torch"
-    if dtype != torch.float32 and flashinfer_available():
+    fi_dtypes = dtype != torch.float32 and (kv_dtype is None or kv_dtype.itemsize == 2)
+    if fi_dtypes and flashinfer_available():
         return "fi"  # fi also handles sliding windows
     return "triton" if sliding_window is None else "torch"
 
@@ -57,10 +62,16 @@ def create_attention_backend(
     sliding_window: int | None = None,
     dtype: torch.dtype | None = None,  # the model's; None: unknown (auto assumes 16-bit)
     num_qo_heads: int | None = None,  # query heads on this rank; fi needs it to plan
+    kv_dtype: torch.dtype | None = None,  # the KV pool's, when it differs from dtype
 ) -> BaseAttnBackend:
     prefill, decode = parse_attn(name)
     if prefill == "auto":
-        prefill = decode = auto_backend(device, dtype, sliding_window)
+        prefill = decode = auto_backend(device, dtype, sliding_window, kv_dtype)
+    if "fi" in (prefill, decode) and kv_dtype is not None and kv_dtype.itemsize != 2:
+        raise ValueError(
+            f"the fi (flashinfer) attention backend needs a 16-bit KV cache, got {kv_dtype}: "
+            "use --attn triton (or auto) with --kv-cache-dtype fp8"
+        )
 
     def make(one: str) -> BaseAttnBackend:
         if one == "fi":

@@ -1,7 +1,8 @@
 """FlashInfer attention: paged prefill (FA2, causal, the new tokens against the cached prefix and
 themselves) and paged decode. Each batch is planned once in `prepare` and every layer runs that
 plan. Decode CUDA graphs use one graph-mode decode wrapper per captured batch size; its metadata
-buffers are shared and re-planned before each replay.
+buffers are shared and re-planned before each replay, unless the batch holds the same pages as
+the last plan (single stream: 15 steps of 16), when only the last pages' fill changes.
 
 The KV pool's per-layer `k_cache` / `v_cache` ([pages, page_size, kv_heads, head_dim]) is
 flashinfer's NHD paged layout, so no copy is needed. flashinfer is imported only here."""
@@ -78,6 +79,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.graph_wrappers: dict[int, object] = {}  # batch size -> graph-mode decode wrapper
         self.graph_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.plan_done: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan
+        # what the plan now in the shared int workspace was made for (graph decode only)
+        self.planned_key: tuple | None = None
 
     # -- eager ---------------------------------------------------------------------------
     def prepare(self, batch: Batch) -> None:
@@ -136,7 +139,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         wrapper = self.graph_wrappers.get(batch.size)
         if wrapper is None:
             raise KeyError(f"no decode graph was prepared for batch size {batch.size}")
-        self._plan_decode(wrapper, batch)
+        self._plan_decode(wrapper, batch, graph=True)
 
     # -- planning -------------------------------------------------------------------------
     def _new_decode_wrapper(self, **graph_args) -> object:
@@ -155,20 +158,26 @@ class FlashInferAttnBackend(BaseAttnBackend):
         wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
         return wrapper
 
-    def _kv_pages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kv page indptr on the host, flat page ids on the device, last page lengths on the
-        host) of the batch's KV, which includes this forward's tokens (stored before the run)."""
-        ctx = get_global_ctx()
-        page_size = ctx.page_size
+    @staticmethod
+    def _page_counts(batch: Batch) -> tuple[list[int], list[int]]:
+        """(pages, tokens in the last page) of each request's KV, which includes this
+        forward's tokens (stored before the run)."""
+        page_size = get_global_ctx().page_size
         kv_lens = [r.cached_len + r.extend_len for r in batch.reqs]
         num_pages = [-(-n // page_size) for n in kv_lens]
+        return num_pages, [n - (p - 1) * page_size for n, p in zip(kv_lens, num_pages)]
+
+    def _kv_pages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kv page indptr on the host, flat page ids on the device, last page lengths on the
+        host, pinned) of the batch's KV."""
+        ctx = get_global_ctx()
+        num_pages, last = self._page_counts(batch)
         indptr = [0, *accumulate(num_pages)]
         rows = [r.table_idx for r in batch.reqs]
         host = torch.tensor([indptr, [*rows, 0]], dtype=torch.int32, pin_memory=True)
         dev = host.to(ctx.page_table.device, non_blocking=True)  # pinned: no wait for the device
         pages = page_indices(ctx.page_table, dev[1, :-1], dev[0], indptr[-1])
-        last = [n - (p - 1) * page_size for n, p in zip(kv_lens, num_pages)]
-        return host[0], pages, torch.tensor(last, dtype=torch.int32)
+        return host[0], pages, torch.tensor(last, dtype=torch.int32, pin_memory=True)
 
     def _plan_common(self) -> dict:
         kv_cache = get_global_ctx().kv_cache
@@ -184,12 +193,25 @@ class FlashInferAttnBackend(BaseAttnBackend):
             kv_data_type=kv_cache.dtype,
         )
 
-    def _plan_decode(self, wrapper, batch: Batch) -> None:
-        indptr, pages, last = self._kv_pages(batch)
+    def _plan_decode(self, wrapper, batch: Batch, graph: bool = False) -> None:
+        ctx = get_global_ctx()
         args = self._plan_common()
-        head_dim = get_global_ctx().kv_cache.head_dim
-        self._plan(wrapper, indptr, pages, last, head_dim=head_dim, **args)
         batch.attn_metadata = FiAttnMetadata(wrapper, args["sm_scale"])
+        num_pages, last = self._page_counts(batch)
+        rows = tuple(r.table_idx for r in batch.reqs)
+        key = (id(wrapper), ctx.page_table_version, rows, tuple(num_pages))
+        if graph and key == self.planned_key:
+            # flashinfer's CUDA-core decode plan reads the page counts only (its indptr), and
+            # the page table is unchanged since: the plan, the page list and the indptr in the
+            # graph's buffers still hold; only the tokens in each last page moved on.
+            assert self.graph_bufs is not None
+            last_host = torch.tensor(last, dtype=torch.int32, pin_memory=True)
+            self.graph_bufs[2][: batch.size].copy_(last_host, non_blocking=True)
+            return
+        indptr, pages, last_host = self._kv_pages(batch)
+        head_dim = ctx.kv_cache.head_dim
+        self._plan(wrapper, indptr, pages, last_host, head_dim=head_dim, **args)
+        self.planned_key = key if graph and not wrapper.use_tensor_cores else None
 
     def _plan_prefill(self, batch: Batch) -> None:
         indptr, pages, last = self._kv_pages(batch)
@@ -199,6 +221,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         wrapper = self.prefill_wrapper
         qo_host = torch.tensor(qo_indptr, dtype=torch.int32)
         self._plan(wrapper, qo_host, indptr, pages, last, head_dim_qk=head_dim, causal=True, **args)
+        self.planned_key = None  # this plan overwrote the shared int workspace
         batch.attn_metadata = FiAttnMetadata(wrapper, args["sm_scale"])
 
     def _plan(self, wrapper, *args, **kwargs) -> None:

@@ -63,8 +63,9 @@ class TorchAttnBackend(BaseAttnBackend):
         kv_cache = get_global_ctx().kv_cache
         if k is not None:  # None: the layer stored them
             kv_cache.store(layer_id, batch.out_loc, k, v)
-        keys = kv_cache.k_flat(layer_id)[md.kv_slots].transpose(1, 2)  # [B, Hk, L, D]
-        values = kv_cache.v_flat(layer_id)[md.kv_slots].transpose(1, 2)
+        # [B, Hk, L, D], in q's dtype (an fp8 pool is widened, as the kernels do)
+        keys = kv_cache.k_flat(layer_id)[md.kv_slots].transpose(1, 2).to(q.dtype)
+        values = kv_cache.v_flat(layer_id)[md.kv_slots].transpose(1, 2).to(q.dtype)
         bsz, (_, heads, dim) = md.kv_slots.shape[0], q.shape
         padded = q.new_zeros(bsz * md.max_q_len, heads, dim)
         padded[md.q_index] = q

@@ -13,6 +13,7 @@ class EngineConfig:
     model_path: str
     device: str = "auto"  # auto | cuda | cpu (| cuda:N)
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA (bf16 if float32), float32 on CPU
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3 | fp8_e5m2 halve the KV bytes
     page_size: int = 16
     max_running_reqs: int = 256
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -44,6 +45,20 @@ class EngineConfig:
         resolve_moe_backend(self.moe_backend, device_type(self))  # before any process starts
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"invalid dtype {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"invalid kv_cache_dtype {self.kv_cache_dtype!r}: expected one of "
+                + ", ".join(KV_CACHE_DTYPES)
+            )
+
+
+# --kv-cache-dtype: the pool stores K and V in this type (no scales: values are cast as they
+# are, like vLLM's fp8 cache without calibration) and the kernels widen them on load
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def device_type(config: EngineConfig) -> str:

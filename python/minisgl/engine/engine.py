@@ -13,7 +13,7 @@ import torch
 from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
-from minisgl.engine.config import EngineConfig, device_type
+from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig, device_type
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, any_filter, apply_token_bitmask, sample
 from minisgl.kernel import resolve_moe_backend
@@ -78,6 +78,7 @@ class Engine:
             backend = resolve_moe_backend(config.moe_backend, self.device.type)
             self.model_config = replace(self.model_config, moe=replace(moe, backend=backend))
         self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         cfg = self.model_config
         check_tp_size(get_tp_info().size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
         self.max_model_len = min(
@@ -111,6 +112,7 @@ class Engine:
             cfg.sliding_window,
             dtype=self.dtype,
             num_qo_heads=cfg.num_heads // get_tp_info().size,
+            kv_dtype=self.kv_dtype,
         )
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
@@ -136,7 +138,7 @@ class Engine:
         kv_heads = max(1, cfg.num_kv_heads // tp.size)
         page_size = self.config.page_size
         per_page = MHAKVCache.bytes_per_page(
-            cfg.num_layers, page_size, kv_heads, cfg.head_dim, self.dtype
+            cfg.num_layers, page_size, kv_heads, cfg.head_dim, self.kv_dtype
         )
         num_pages = self.config.num_pages
         if num_pages is None:
@@ -165,7 +167,7 @@ class Engine:
             page_size,
             kv_heads,
             cfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
 
@@ -174,6 +176,7 @@ class Engine:
         if pages:
             src = to_device(pages, torch.int32, self.device)
             self.page_table[table_idx, start_page : start_page + len(pages)] = src
+            self.ctx.page_table_version += 1
 
     def set_tokens(self, table_idx: int, tokens: list[int]) -> None:
         """Copy a newly admitted request's known token ids into its row of the token table."""

@@ -54,10 +54,12 @@ def _online_softmax_step(
     offs_d,
     stride_vt,
     stride_vh,
+    q,
     PRECISION: tl.constexpr,
 ):
     """Fold one block of scores s [rows, BLOCK_N] (log2 units, -inf where masked) and its values
-    into the running max m_i, normaliser l_i and output acc (flash attention's update)."""
+    into the running max m_i, normaliser l_i and output acc (flash attention's update). Values
+    are read in q's dtype (an fp8 pool is widened)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # callers guarantee a finite entry per row
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -65,7 +67,7 @@ def _online_softmax_step(
         v_pool + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
         mask=valid[:, None],
         other=0.0,
-    )
+    ).to(q.dtype.element_ty)
     acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
@@ -132,11 +134,11 @@ def _decode_split_kernel(
             k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=valid[:, None],
             other=0.0,
-        )
+        ).to(qb.dtype)
         s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))  # every block has a valid position
         m_i, l_i, acc = _online_softmax_step(
-            s, m_i, l_i, acc, v_pool, slot, kvh, valid, offs_d, stride_vt, stride_vh, PRECISION
+            s, m_i, l_i, acc, v_pool, slot, kvh, valid, offs_d, stride_vt, stride_vh, q, PRECISION
         )
 
     res = acc / l_i[:, None]
@@ -334,13 +336,13 @@ def _extend_kernel(
             k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=n_valid[:, None],
             other=0.0,
-        )
+        ).to(qb.dtype)
         s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
         allowed = (pos[None, :] <= q_pos[:, None]) & n_valid[None, :]
         # every query row sees position 0 in the first block, so the max is finite from there on
         s = tl.where(allowed, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(
-            s, m_i, l_i, acc, v_pool, slot, kvh, n_valid, offs_d, stride_vt, stride_vh, PRECISION
+            s, m_i, l_i, acc, v_pool, slot, kvh, n_valid, offs_d, stride_vt, stride_vh, q, PRECISION
         )
 
     res = acc / l_i[:, None]

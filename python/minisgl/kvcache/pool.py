@@ -70,5 +70,6 @@ def store_kv_torch(
 ) -> None:
     """Reference KV store: pools [slots, kv_heads, head_dim], rows out_loc <- k, v; the CPU path."""
     loc = out_loc.to(torch.int64)  # no copy when already int64
-    k_pool.index_copy_(0, loc, k.to(k_pool.dtype))
-    v_pool.index_copy_(0, loc, v.to(v_pool.dtype))
+    # index_put_, not index_copy_: the latter has no fp8 kernel on CPU
+    k_pool.index_put_((loc,), k.to(k_pool.dtype))
+    v_pool.index_put_((loc,), v.to(v_pool.dtype))

@@ -20,6 +20,7 @@ class ServerArgs:
     model: str | None = None  # directory, .gguf file or hub id; None: the embedded SmolLM2
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 | fp8_e5m2
     tp: int = 1
     host: str = "127.0.0.1"
     port: int = 1919
@@ -129,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "float16", "bfloat16"],
         default=d.dtype,
         help="auto: the model's dtype on cuda, float32 on cpu",
+    )
+    add(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+        default=d.kv_cache_dtype,
+        help="KV cache storage type; auto: the model's dtype. fp8 halves the KV bytes (twice "
+        "the tokens fit, faster long-context decode) at some accuracy; needs --attn triton or "
+        "torch (auto picks triton on cuda)",
     )
     add("--tp", type=_int(1), default=d.tp, help="tensor-parallel size (GPUs)")
     add("--host", default=d.host, help="HTTP bind address")

@@ -49,6 +49,7 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
         model_path=args.model,  # type: ignore[arg-type]
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         page_size=args.page_size,
         max_running_reqs=args.max_running_requests,
         max_model_len=args.max_model_len,
