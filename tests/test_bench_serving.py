@@ -1,6 +1,7 @@
 """The online serving benchmark: its workloads, SSE parsing and metrics on their own, then a CPU
-run against real servers on a tiny model (a 2-rate sweep, the shared-prefix mode through
-`--launch` with `--cache naive`, and a comparison plot of both)."""
+run against real servers on a tiny model (a 2-rate sweep with its plot, a trace replay, the
+shared-prefix mode against the radix cache and, through `--launch`, against `--cache naive`,
+and a comparison plot of both)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 
 import httpx
@@ -181,26 +183,50 @@ def check_png(path: str) -> None:
     assert os.path.getsize(path) < 200_000  # small enough to commit
 
 
-def test_against_the_cpu_server(tmp_path):
+def test_against_the_cpu_server(tmp_path, capsys):
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"))
     common = ["--vocab-size", "400", "--num-prompts", "6", "--output-len", "5"]
     sweep, sweep_png = str(tmp_path / "sweep.json"), str(tmp_path / "sweep.png")
-    shared = str(tmp_path / "shared.json")
+    trace, replayed = tmp_path / "trace.jsonl", str(tmp_path / "trace.json")
+    lines = [{"timestamp": t, "input_length": 24, "output_length": 5} for t in (0, 0.2, 0.3, 0.5)]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # the shared-prefix workload one request at a time: every repeat of a group's prefix can hit
+    shared = ["--shared-prefix", "--num-groups", "2", "--prefix-len", "32", "--suffix-len", "4"]
+    shared += ["--max-concurrency", "1", "--disable-tqdm", *common]
+    radix, naive = str(tmp_path / "radix.json"), str(tmp_path / "naive.json")
     with run_server(model, "--page-size", "4", log_path=str(tmp_path / "server.log")) as server:
         argv = ["--base-url", server.url + "/v1", "--rates", "30,inf", "--input-len", "24"]
         assert bs.main([*argv, *common, "--out", sweep, "--plot", sweep_png]) == 0
-        argv = ["--base-url", server.url, "--shared-prefix", "--num-groups", "2"]
-        argv += ["--prefix-len", "32", "--suffix-len", "4", "--label", "radix", "--disable-tqdm"]
-        assert bs.main([*argv, *common, "--out", shared]) == 0
+        assert re.search(r"rate 30: 100%.*6/6", capsys.readouterr().err)  # the progress bar
+        argv = ["--base-url", server.url, "--trace", str(trace), "--vocab-size", "400"]
+        assert bs.main([*argv, "--disable-tqdm", "--out", replayed]) == 0
+        argv = ["--base-url", server.url, *shared, "--label", "radix", "--out", radix]
+        assert bs.main(argv) == 0
     run = check_result(sweep, [30.0, "inf"], 6, 24, 5)
     assert run["config"]["model"] == model  # asked from /v1/models
     assert "num_preemptions" in run["results"][0]["server_stats"]  # minisgl's /stats
     check_png(sweep_png)
-    run = check_result(shared, ["inf"], 6, 36, 5)
+    run = check_result(replayed, ["trace"], 4, 24, 5)
+    assert run["results"][0]["duration_s"] >= 0.5  # the last request arrived at 0.5 s
+    hits_before = run["results"][0]["server_stats"]["cached_tokens"]
+    run = check_result(radix, ["inf"], 6, 36, 5)
     assert run["label"] == "radix" and "shared prefix" in run["title"]
+    # the 4 requests after each group's first found its 32-token prefix in the radix cache
+    # (the warm-up request, the same in every run, can add at most 15)
+    assert run["results"][0]["server_stats"]["cached_tokens"] - hits_before >= 4 * 32
+
+    # the same workload against a server launched with --cache naive: no prefix is reused
+    port = free_port()
+    env = f"PYTHONPATH={os.path.join(REPO, 'python')}"
+    cmd = ["env", env, sys.executable, "-m", "minisgl", "--model", model, "--page-size", "4"]
+    cmd += ["--cache", "naive", "--port", str(port)]
+    argv = ["--launch", shlex.join(cmd), "--launch-log", str(tmp_path / "naive.log")]
+    assert bs.main([*argv, *shared, "--label", "naive", "--out", naive]) == 0
+    run = check_result(naive, ["inf"], 6, 36, 5)
+    assert run["label"] == "naive" and run["results"][0]["server_stats"]["cached_tokens"] == 0
 
     both = str(tmp_path / "both.png")
-    assert bs.main(["--plot-only", sweep, shared, "--plot", both]) == 0
+    assert bs.main(["--plot-only", radix, naive, "--plot", both]) == 0
     check_png(both)
 
 

@@ -314,6 +314,9 @@ def test_overload_gets_503_and_slow_requests_time_out(limited: Server) -> None:
         for i in range(2)
     ]
     wait_for(lambda: limited.stats()["queued"] == 2, 10, "two requests to queue")
+    m = metrics(limited)
+    assert (m["minisgl_num_running_requests"], m["minisgl_num_queued_requests"]) == (1, 2), m
+    assert 0 < m["minisgl_kv_pages_used"] <= m["minisgl_kv_pages_total"], m
 
     r = httpx.post(f"{url}/v1/completions", json=completion([8], 8))
     assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
@@ -408,7 +411,7 @@ def outcome(url: str, stream: bool) -> str:
     return f"{r.status_code} {r.json()['error']['message']}"
 
 
-@pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
+@pytest.mark.parametrize("victim", ["scheduler", "tokenizer0", "detokenizer"])
 def test_dead_child_fails_requests_and_stops_the_server(
     model_dir: str, tmp_path: Any, victim: str
 ) -> None:
