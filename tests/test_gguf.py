@@ -1,14 +1,16 @@
 """GGUF checkpoints: tiny random Llama (also with Llama 3.1 rope scaling, and as Mistral) / Qwen2 /
 Qwen3 models written as llama.cpp writes them (gguf's own tensor names, Llama's q/k row
-permutation, F32 / F16 / Q8_0 / Q4_0 / Q4_1 tensors) load into minisgl with the same greedy
-tokens as the original model holding the same (quantized) weights, and as transformers' GGUF
-loader; the conversion cache; clear errors."""
+permutation, F32 / F16 / Q8_0 / Q4_0 / Q4_1 tensors, a tokenizer with chat template) convert to
+exactly the dequantized tensors and load into minisgl with the same greedy tokens as the
+original model holding the same (quantized) weights, and as transformers' GGUF loader; the
+conversion cache and its progress bar; clear errors."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 
 import gguf
@@ -147,7 +149,8 @@ def gguf_models(tmp_path_factory) -> Callable[[str], tuple[str, torch.nn.Module]
     def get(arch: str) -> tuple[str, torch.nn.Module]:
         if arch not in cache:
             path = str(tmp_path_factory.mktemp("gguf") / f"tiny-{arch}.gguf")
-            cache[arch] = (path, write_gguf(arch, path, with_tokenizer=arch == "llama"))
+            tokenizer = arch in ("llama", "qwen2", "qwen3")
+            cache[arch] = (path, write_gguf(arch, path, with_tokenizer=tokenizer))
         return cache[arch]
 
     return get
@@ -185,14 +188,22 @@ def test_llama3_rope_scaling_is_rebuilt_from_rope_freqs(gguf_models):
         mg._llama3_scaling(hf.config, freqs)
 
 
-def test_tiny_llama_gguf_equals_transformers_gguf_loader(gguf_models):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@pytest.mark.parametrize("model", ["llama", "qwen2"])  # transformers misreads Qwen3's head_dim
+def test_tiny_gguf_equals_transformers_gguf_loader(gguf_models, model):
+    from transformers import AutoModelForCausalLM
 
-    path, _ = gguf_models("llama")
+    path, _ = gguf_models(model)
     folder, file = os.path.split(path)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     assert minisgl_greedy(path) == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
-    # the tokenizer and chat template came along
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
+def test_tokenizer_and_chat_template_come_from_the_gguf(gguf_models, model):
+    from transformers import AutoTokenizer
+
+    path, _ = gguf_models(model)
+    folder, file = os.path.split(path)
     llm_tok = LLM(path, page_size=4, num_pages=16).tokenizer
     tiny = build_tiny_tokenizer()
     for text in ["hello world", "the quick brown fox 你好 😀"]:
@@ -205,6 +216,28 @@ def test_tiny_llama_gguf_equals_transformers_gguf_loader(gguf_models):
     assert llm_tok.apply_chat_template(chat, tokenize=False) == tiny.apply_chat_template(
         chat, tokenize=False
     )
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
+def test_converted_weights_equal_the_dequantized_tensors(gguf_models, model):
+    """Tensor by tensor, for every quantization type the file holds: the converted checkpoint
+    holds exactly gguf's dequantization of the written tensor, under the HF name and (Llama
+    q/k) in HF's row order."""
+    from safetensors.torch import load_file
+
+    path, hf = gguf_models(model)
+    types = {t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types == {Q.F32, *QTYPES[model]}
+    out = resolve_model_path(path)
+    converted = load_file(os.path.join(out, "model.safetensors"))
+    expected = {
+        name: w
+        for name, w in hf.state_dict().items()
+        if not (name == "lm_head.weight" and hf.config.tie_word_embeddings)
+    }
+    assert sorted(converted) == sorted(expected)
+    for name, w in expected.items():
+        assert converted[name].dtype == torch.float32 and torch.equal(converted[name], w), name
 
 
 def test_large_models_are_written_in_shards(gguf_models, monkeypatch):
@@ -225,12 +258,19 @@ def test_unpermute_inverts_llama_cpp():
     assert torch.equal(back, torch.from_numpy(w))
 
 
-def test_conversion_is_cached_and_atomic(gguf_models, cache_dir, monkeypatch):
+def test_conversion_is_cached_and_atomic(gguf_models, cache_dir, monkeypatch, capsys):
     path, _ = gguf_models("qwen3")
     out = resolve_model_path(path)
     assert out.startswith(cache_dir) and os.path.isfile(os.path.join(out, "model.safetensors"))
+    # the first start shows a progress bar that reaches its end: one step per tensor, plus
+    # config and tokenizer
+    steps = len(gguf.GGUFReader(path).tensors) + 2
+    err = capsys.readouterr().err
+    assert f"converting {path} into {out} (once)" in err
+    assert re.search(rf"converting tiny-qwen3\.gguf: 100%\|.*\| {steps}/{steps} ", err), err
     monkeypatch.setattr(mg, "convert", lambda *a: pytest.fail("converted twice"))
     assert resolve_model_path(path) == out  # second start: the cache, no conversion
+    assert capsys.readouterr().err == ""  # and no notice, no bar
 
     def interrupted(src: str, dst: str) -> None:
         os.makedirs(dst)
