@@ -105,7 +105,7 @@ def test_graph_decode_step_run_eagerly_equals_plain_path(model_dirs, monkeypatch
     ]
     outs = []
     for graphs in (False, True):
-        llm = LLM(path, page_size=4, num_pages=128)
+        llm = LLM(path, device="cpu", page_size=4, num_pages=128)
         if graphs:
             llm.engine.graphs = GraphRunner(llm.engine, 8, capture=False)
         res = llm.generate(prompts, params, use_tqdm=False)

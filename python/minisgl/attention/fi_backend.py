@@ -115,6 +115,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
     def init_cuda_graph(self, max_bs: int) -> None:
         page_table = get_global_ctx().page_table
         device = page_table.device
+        self.graph_wrappers, self.planned_key = {}, None  # wrappers hold the old buffers
         self.graph_bufs = (
             torch.zeros(max_bs + 1, dtype=torch.int32, device=device),  # kv page indptr
             torch.zeros(max_bs * page_table.shape[1], dtype=torch.int32, device=device),  # pages

@@ -54,12 +54,12 @@ def _online_softmax_step(
     offs_d,
     stride_vt,
     stride_vh,
-    q,
+    COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Fold one block of scores s [rows, BLOCK_N] (log2 units, -inf where masked) and its values
     into the running max m_i, normaliser l_i and output acc (flash attention's update). Values
-    are read in q's dtype (an fp8 pool is widened)."""
+    are read in the COMPUTE dtype."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # callers guarantee a finite entry per row
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -67,8 +67,8 @@ def _online_softmax_step(
         v_pool + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
         mask=valid[:, None],
         other=0.0,
-    ).to(q.dtype.element_ty)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
+    ).to(COMPUTE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), vb, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
@@ -100,6 +100,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    COMPUTE: tl.constexpr,  # dtype of the dot products' inputs (compute_dtype)
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -121,7 +122,7 @@ def _decode_split_kernel(
         q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
         mask=h_valid[:, None],
         other=0.0,
-    )
+    ).to(COMPUTE)
     qk_scale = scale * LOG2E  # scores in log2 units: exp2 below
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -134,11 +135,23 @@ def _decode_split_kernel(
             k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=valid[:, None],
             other=0.0,
-        ).to(qb.dtype)
+        ).to(COMPUTE)
         s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))  # every block has a valid position
         m_i, l_i, acc = _online_softmax_step(
-            s, m_i, l_i, acc, v_pool, slot, kvh, valid, offs_d, stride_vt, stride_vh, q, PRECISION
+            s,
+            m_i,
+            l_i,
+            acc,
+            v_pool,
+            slot,
+            kvh,
+            valid,
+            offs_d,
+            stride_vt,
+            stride_vh,
+            COMPUTE,
+            PRECISION,
         )
 
     res = acc / l_i[:, None]
@@ -183,7 +196,20 @@ def _decode_merge_kernel(
     tl.store(out + b * stride_ob + h * stride_oh + offs_d, res.to(out.dtype.element_ty))
 
 
-DECODE_BLOCK_N = 64
+def compute_dtype(q: torch.Tensor, k_pool: torch.Tensor) -> tl.dtype:
+    """The dot products' input dtype: q's, except float16 for a 16-bit q over an fp8 pool:
+    fp8 -> fp16 is one native conversion per two values on sm89+ (fp8 -> bf16 takes several),
+    and fp16 holds every e4m3 / e5m2 value exactly (q and the probabilities get rounded to
+    fp16, finer than bf16 in their range)."""
+    if q.dtype == torch.float32:
+        return tl.float32
+    return tl.float16 if k_pool.dtype.itemsize == 1 or q.dtype == torch.float16 else tl.bfloat16
+
+
+def decode_block_n(k_pool: torch.Tensor) -> int:
+    """KV positions per decode block. H100, 256 requests x 300-1800 tokens: 64 and 128 within
+    3 % for bf16; 128 is 17 % faster than 64 for an fp8 pool."""
+    return 128 if k_pool.dtype.itemsize == 1 else 64
 
 
 def num_sms(device: torch.device) -> int:
@@ -210,7 +236,7 @@ def decode_attention(
     num_splits: int,
     page_size: int,
     scale: float,
-    block_n: int = DECODE_BLOCK_N,
+    block_n: int | None = None,  # default: decode_block_n(k_pool)
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -221,6 +247,7 @@ def decode_attention(
     check_head_dim(dim)
     assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
     assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
+    block_n = block_n or decode_block_n(k_pool)
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
     part_out = part_lse = out  # unused when there is a single split
     if num_splits > 1:
@@ -253,6 +280,7 @@ def decode_attention(
         PAGE_SIZE=page_size,
         HEAD_DIM=dim,
         BLOCK_N=block_n,
+        COMPUTE=compute_dtype(q, k_pool),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
@@ -300,6 +328,7 @@ def _extend_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" keeps float32 exact; tf32 otherwise unused for 16-bit
 ):
     mb = tl.program_id(0)
@@ -321,7 +350,7 @@ def _extend_kernel(
         q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
         mask=m_valid[:, None],
         other=0.0,
-    )
+    ).to(COMPUTE)
     qk_scale = scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -336,13 +365,25 @@ def _extend_kernel(
             k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=n_valid[:, None],
             other=0.0,
-        ).to(qb.dtype)
+        ).to(COMPUTE)
         s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
         allowed = (pos[None, :] <= q_pos[:, None]) & n_valid[None, :]
         # every query row sees position 0 in the first block, so the max is finite from there on
         s = tl.where(allowed, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(
-            s, m_i, l_i, acc, v_pool, slot, kvh, n_valid, offs_d, stride_vt, stride_vh, q, PRECISION
+            s,
+            m_i,
+            l_i,
+            acc,
+            v_pool,
+            slot,
+            kvh,
+            n_valid,
+            offs_d,
+            stride_vt,
+            stride_vh,
+            COMPUTE,
+            PRECISION,
         )
 
     res = acc / l_i[:, None]
@@ -401,6 +442,7 @@ def extend_attention(
         HEAD_DIM=dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        COMPUTE=compute_dtype(q, k_pool),
         PRECISION="ieee" if fp32 else "tf32",
         num_warps=4,
         num_stages=2,
