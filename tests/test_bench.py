@@ -61,8 +61,9 @@ def run_bench(args: list[str], out) -> tuple[dict, str]:
 
 def test_cpu_smoke_run(tmp_path):
     args = ["--tiny", "--num-seqs", "3", "--max-input-len", "110", "--max-output-len", "104"]
-    result, stdout = run_bench(args, tmp_path / "result.jsonl")
+    result, stdout = run_bench(args + ["--repeat", "2"], tmp_path / "result.jsonl")
     assert result["output_tokens"] == sum(workload(3, 110, 104)[1])
+    assert len(result["runs_s"]) == 2 and min(result["runs_s"]) <= result["seconds"]
     assert result["tok_s"] > 0 and "tok/s" in stdout
     assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny", 1, None)
 

@@ -13,6 +13,7 @@ from minisgl.attention import auto_backend, create_attention_backend
 from minisgl.core import Batch
 from minisgl.engine import EngineConfig
 from minisgl.server.args import parse_args
+from minisgl.server.launch import engine_kwargs
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -88,6 +89,8 @@ def test_bad_kv_cache_dtype_is_refused(capsys):
         parse_args(["--kv-cache-dtype", "fp16"])
     assert exc.value.code == 2
     assert "argument --kv-cache-dtype: invalid choice: 'fp16'" in capsys.readouterr().err
+    args = parse_args(["--model", "m", "--kv-cache-dtype", "fp8_e5m2"])
+    assert engine_kwargs(args)["config"].kv_cache_dtype == "fp8_e5m2"
 
 
 def test_auto_attention_and_fi_with_an_fp8_pool(monkeypatch):

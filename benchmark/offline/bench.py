@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -172,6 +173,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-gemv", action="store_true", help="MINISGL_DISABLE_GEMV")
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="time the workload this many times in one process; tok/s is the median run",
+    )
     p.add_argument("--json", help="append the result as one JSON line to this file")
     p.add_argument(
         "--grammar-frac",
@@ -231,11 +238,14 @@ def main() -> None:
         profiler = profile(activities=[ProfilerActivity.CUDA])
         profiler.__enter__()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-    sync()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
-    seconds = time.perf_counter() - start
+    runs = []
+    for _ in range(max(1, args.repeat)):
+        sync()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        runs.append(time.perf_counter() - start)
+    seconds = statistics.median(runs)
     if profiler is not None:
         profiler.__exit__(None, None, None)
         kernels = profiler.key_averages()
@@ -258,6 +268,7 @@ def main() -> None:
         "requests": len(prompts),
         "output_tokens": total,
         "seconds": round(seconds, 3),
+        "runs_s": [round(t, 3) for t in runs],
         "tok_s": round(tok_s, 1),
         "attn": args.attn,
         "moe_backend": moe.backend if moe is not None else None,
