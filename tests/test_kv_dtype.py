@@ -1,5 +1,5 @@
-"""--kv-cache-dtype fp8_e4m3 / fp8_e5m2: the pool stores K and V in 8 bits and attention widens
-them on load. On CPU float32 the fp8 run must equal a float32 run whose stored K/V are rounded
+"""--kv-cache-dtype fp8_e4m3 / fp8_e5m2, on the CPU: the pool stores K and V in 8 bits and
+attention widens them on load. In float32 the fp8 run must equal a float32 run whose stored K/V are rounded
 through the same fp8 type (the only difference is storage), and stay close to the plain run."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 def prefill_and_decode_logits(path: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of one prefill of 4 prompts and of one decode step on top (page size 4)."""
-    llm = LLM(path, page_size=4, num_pages=64, **kwargs)
+    llm = LLM(path, device="cpu", page_size=4, num_pages=64, **kwargs)
     sched, engine = llm.scheduler, llm.engine
     prompts = [[2 + (5 * i + 3 * j) % 90 for j in range(6 + 7 * i)] for i in range(4)]
     reqs = [sched.make_request(p, SamplingParams(max_tokens=4)) for p in prompts]
@@ -68,7 +68,7 @@ def test_fp8_pool_is_smaller_and_generates(model_dirs):
     path, _ = model_dirs("llama")
     sizes = {}
     for name in ("auto", "fp8_e4m3"):
-        llm = LLM(path, kv_cache_dtype=name, cpu_kv_cache_mb=4)
+        llm = LLM(path, device="cpu", kv_cache_dtype=name, cpu_kv_cache_mb=4)
         sizes[name] = llm.engine.kv_cache.num_pages
         if name != "auto":
             assert llm.engine.kv_cache.dtype == torch.float8_e4m3fn
