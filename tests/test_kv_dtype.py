@@ -1,6 +1,7 @@
 """--kv-cache-dtype fp8_e4m3 / fp8_e5m2, on the CPU: the pool stores K and V in 8 bits and
-attention widens them on load. In float32 the fp8 run must equal a float32 run whose stored K/V are rounded
-through the same fp8 type (the only difference is storage), and stay close to the plain run."""
+attention widens them on load. In float32 the fp8 run must equal a float32 run whose stored
+K/V are rounded through the same fp8 type (the only difference is storage), and stay close to
+the plain run."""
 
 from __future__ import annotations
 
