@@ -64,6 +64,7 @@ def test_cpu_smoke_run(tmp_path):
     result, stdout = run_bench(args + ["--repeat", "2"], tmp_path / "result.jsonl")
     assert result["output_tokens"] == sum(workload(3, 110, 104)[1])
     assert len(result["runs_s"]) == 2 and min(result["runs_s"]) <= result["seconds"]
+    assert result["prefix_cached_tokens"] == 0  # the repeat shares no prefix with the first run
     assert result["tok_s"] > 0 and "tok/s" in stdout
     assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny", 1, None)
 
