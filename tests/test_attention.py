@@ -182,3 +182,26 @@ def test_triton_kernels_in_interpreter_match_torch_backend():
         [sys.executable, script], env=env, capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_triton_metadata_rows_start_16_byte_aligned():
+    """Triton compiles a kernel variant per pointer alignment: the metadata rows must start
+    16-byte aligned for every batch size, or a batch size first met mid-run compiles one."""
+    pytest.importorskip("triton")
+    from attn_util import make_problem
+
+    for n in range(1, 10):
+        for graph in (False, True):
+            batch, *_ = make_problem(
+                [(5 + i, 1) for i in range(n)], 16, 32, torch.float32, True, CPU
+            )
+            backend = create_attention_backend("triton", CPU)
+            backend.init_cuda_graph(7)
+            if graph and n <= 7:
+                backend.prepare_for_replay(batch)
+            else:
+                backend.prepare(batch)
+            md = batch.attn_metadata
+            fields = (md.rows, md.cached_lens, md.extend_lens, md.kv_lens, md.q_starts)
+            assert all(t.data_ptr() % 16 == 0 and t.shape == (n,) for t in fields), (n, graph)
+            assert md.kv_lens.tolist() == [6 + i for i in range(n)]

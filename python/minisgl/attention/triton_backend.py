@@ -44,11 +44,11 @@ class TritonAttnBackend(BaseAttnBackend):
     def prepare(self, batch: Batch) -> None:
         host = self._host_metadata(batch)
         dev = host.to(get_global_ctx().page_table.device, non_blocking=True)
-        batch.attn_metadata = self._metadata(batch, dev)
+        batch.attn_metadata = self._metadata(batch, dev[:, : batch.size])
 
     def init_cuda_graph(self, max_bs: int) -> None:
         device = get_global_ctx().page_table.device
-        self.graph_buf = torch.zeros(5, max_bs, dtype=torch.int32, device=device)
+        self.graph_buf = torch.zeros(5, -(-max_bs // 4) * 4, dtype=torch.int32, device=device)
 
     def prepare_for_capture(self, batch: Batch) -> None:
         self.prepare_for_replay(batch)  # the buffers are the same either way
@@ -57,7 +57,7 @@ class TritonAttnBackend(BaseAttnBackend):
         assert self.graph_buf is not None, "init_cuda_graph() first"
         assert batch.is_decode and batch.size <= self.graph_buf.shape[1]
         dev = self.graph_buf[:, : batch.size]
-        dev.copy_(self._host_metadata(batch), non_blocking=True)
+        dev.copy_(self._host_metadata(batch)[:, : batch.size], non_blocking=True)
         batch.attn_metadata = self._metadata(batch, dev)
 
     @staticmethod
@@ -68,9 +68,13 @@ class TritonAttnBackend(BaseAttnBackend):
         kv_lens = [c + e for c, e in zip(cached, extend)]
         q_starts = [0, *accumulate(extend)][:-1]
         rows = [r.table_idx for r in reqs]
+        # Rows padded to a multiple of 4 values, so each row's device copy starts 16-byte
+        # aligned whatever the batch size: Triton compiles a kernel variant per pointer
+        # alignment, and a new one compiling mid-run stalls it for a second or more.
+        pad = [0] * (-len(reqs) % 4)
         # pinned: a copy from pageable memory would wait for all queued device work
         return torch.tensor(
-            [rows, cached, extend, kv_lens, q_starts],
+            [rows + pad, cached + pad, extend + pad, kv_lens + pad, q_starts + pad],
             dtype=torch.int32,
             pin_memory=torch.cuda.is_available(),
         )
