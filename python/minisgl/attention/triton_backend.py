@@ -56,9 +56,9 @@ class TritonAttnBackend(BaseAttnBackend):
     def prepare_for_replay(self, batch: Batch) -> None:
         assert self.graph_buf is not None, "init_cuda_graph() first"
         assert batch.is_decode and batch.size <= self.graph_buf.shape[1]
-        dev = self.graph_buf[:, : batch.size]
-        dev.copy_(self._host_metadata(batch)[:, : batch.size], non_blocking=True)
-        batch.attn_metadata = self._metadata(batch, dev)
+        host = self._host_metadata(batch)  # copied whole: a column slice is not pinned memory
+        self.graph_buf[:, : host.shape[1]].copy_(host, non_blocking=True)
+        batch.attn_metadata = self._metadata(batch, self.graph_buf[:, : batch.size])
 
     @staticmethod
     def _host_metadata(batch: Batch) -> torch.Tensor:
