@@ -61,19 +61,6 @@ for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
     compare("decode, 5 requests (2 splits)", DECODE, 16, True, fp8)
     compare("extend with prefixes", EXTEND, 16, False, fp8)
 
-# both operand orders of the decode kernel's q.k dot (K_FIRST: the fp8 default)
-b, q, k, v = make_problem(DECODE, 16, 32, torch.float32, True, CPU, 4, 2)
-backend = create_attention_backend("triton", CPU)
-backend.prepare(b)
-md, pool = b.attn_metadata, get_global_ctx().kv_cache
-ref = run_backend("torch", b, q, k, v)  # stores the new tokens' K/V first
-for k_first in (False, True):
-    out = backend.kernels.decode_attention(
-        q, pool.k_flat(0), pool.v_flat(0), get_global_ctx().page_table, md.rows, md.kv_lens,
-        md.num_splits, 16, 32**-0.5, k_first=k_first,
-    )  # fmt: skip
-    check(f"decode, k_first={k_first}", out, ref)
-
 # graph path: metadata in the static buffers, refilled for another batch of the same size
 b1, q1, k1, v1 = make_problem([(5, 1), (150, 1), (30, 1)], 16, 32, torch.float32, True, CPU, 4, 2)
 backend = create_attention_backend("triton", CPU)

@@ -102,7 +102,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,  # dtype of the dot products' inputs (compute_dtype)
     PRECISION: tl.constexpr,
-    K_FIRST: tl.constexpr,  # K as the first dot operand (no transposed read of K)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -137,10 +136,7 @@ def _decode_split_kernel(
             mask=valid[:, None],
             other=0.0,
         ).to(COMPUTE)
-        if K_FIRST:  # s = (K q^T)^T: K is read row-major as the dot's first operand
-            s = tl.trans(tl.dot(kb, tl.trans(qb), input_precision=PRECISION)) * qk_scale
-        else:
-            s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
+        s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))  # every block has a valid position
         m_i, l_i, acc = _online_softmax_step(
             s,
@@ -243,10 +239,9 @@ def decode_attention(
     block_n: int | None = None,  # default: decode_block_n(k_pool)
     num_warps: int = 4,
     num_stages: int = 2,
-    k_first: bool | None = None,
 ) -> torch.Tensor:
     """Graph-safe: the launches and allocations depend only on the shapes and num_splits.
-    (block_n, num_warps, num_stages, k_first) are tuning knobs for benchmarks."""
+    (block_n, num_warps, num_stages) are tuning knobs for benchmarks."""
     bsz, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
     check_head_dim(dim)
@@ -287,7 +282,6 @@ def decode_attention(
         BLOCK_N=block_n,
         COMPUTE=compute_dtype(q, k_pool),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        K_FIRST=k_pool.dtype.itemsize == 1 if k_first is None else k_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )
