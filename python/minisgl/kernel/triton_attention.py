@@ -206,10 +206,11 @@ def compute_dtype(q: torch.Tensor, k_pool: torch.Tensor) -> tl.dtype:
     return tl.float16 if k_pool.dtype.itemsize == 1 or q.dtype == torch.float16 else tl.bfloat16
 
 
-def decode_block_n(k_pool: torch.Tensor) -> int:
-    """KV positions per decode block. H100, 256 requests x 300-1800 tokens: 64 and 128 within
-    3 % for bf16; 128 is 17 % faster than 64 for an fp8 pool."""
-    return 128 if k_pool.dtype.itemsize == 1 else 64
+def decode_tuning(k_pool: torch.Tensor) -> tuple[int, int]:
+    """(KV positions per block, pipeline stages) of the decode kernel. H100, 256 requests x
+    300-1800 tokens: for bf16 all of (64 | 128, 2 | 3) are within 3 %; for an fp8 pool (128, 3)
+    takes 248 us, (128, 2) 267, (64, 2) 281 (`.gpu`-style microbenchmark, CUDA graphs)."""
+    return (128, 3) if k_pool.dtype.itemsize == 1 else (64, 2)
 
 
 def num_sms(device: torch.device) -> int:
@@ -236,9 +237,9 @@ def decode_attention(
     num_splits: int,
     page_size: int,
     scale: float,
-    block_n: int | None = None,  # default: decode_block_n(k_pool)
+    block_n: int | None = None,  # default: decode_tuning(k_pool)
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,  # default: decode_tuning(k_pool)
 ) -> torch.Tensor:
     """Graph-safe: the launches and allocations depend only on the shapes and num_splits.
     (block_n, num_warps, num_stages) are tuning knobs for benchmarks."""
@@ -247,7 +248,8 @@ def decode_attention(
     check_head_dim(dim)
     assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
     assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
-    block_n = block_n or decode_block_n(k_pool)
+    default_block_n, default_stages = decode_tuning(k_pool)
+    block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
     part_out = part_lse = out  # unused when there is a single split
     if num_splits > 1:
