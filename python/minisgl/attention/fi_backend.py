@@ -168,11 +168,12 @@ class FlashInferAttnBackend(BaseAttnBackend):
         num_pages = [-(-n // page_size) for n in kv_lens]
         return num_pages, [n - (p - 1) * page_size for n, p in zip(kv_lens, num_pages)]
 
-    def _kv_pages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _kv_pages(
+        self, batch: Batch, num_pages: list[int], last: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(kv page indptr on the host, flat page ids on the device, last page lengths on the
-        host, pinned) of the batch's KV."""
+        host, pinned) of the batch's KV, from its `_page_counts`."""
         ctx = get_global_ctx()
-        num_pages, last = self._page_counts(batch)
         indptr = [0, *accumulate(num_pages)]
         rows = [r.table_idx for r in batch.reqs]
         host = torch.tensor([indptr, [*rows, 0]], dtype=torch.int32, pin_memory=True)
@@ -209,13 +210,13 @@ class FlashInferAttnBackend(BaseAttnBackend):
             last_host = torch.tensor(last, dtype=torch.int32, pin_memory=True)
             self.graph_bufs[2][: batch.size].copy_(last_host, non_blocking=True)
             return
-        indptr, pages, last_host = self._kv_pages(batch)
+        indptr, pages, last_host = self._kv_pages(batch, num_pages, last)
         head_dim = ctx.kv_cache.head_dim
         self._plan(wrapper, indptr, pages, last_host, head_dim=head_dim, **args)
         self.planned_key = key if graph and not wrapper.use_tensor_cores else None
 
     def _plan_prefill(self, batch: Batch) -> None:
-        indptr, pages, last = self._kv_pages(batch)
+        indptr, pages, last = self._kv_pages(batch, *self._page_counts(batch))
         qo_indptr = [0, *accumulate(r.extend_len for r in batch.reqs)]
         args = self._plan_common()
         head_dim = get_global_ctx().kv_cache.head_dim

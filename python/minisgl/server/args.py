@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from minisgl.attention import BACKENDS as ATTN_BACKENDS
 from minisgl.attention import parse_attn
+from minisgl.engine.config import KV_CACHE_DTYPES
 from minisgl.kernel import MOE_BACKENDS
 
 
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--kv-cache-dtype",
-        choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+        choices=list(KV_CACHE_DTYPES),
         default=d.kv_cache_dtype,
         help="KV cache storage type; auto: the model's dtype. fp8 halves the KV bytes (twice "
         "the tokens fit, faster long-context decode) at some accuracy; needs --attn triton or "
