@@ -1,14 +1,23 @@
-import os
-import sys
+"""Shared fixtures. Tests are grouped by layer (unit/, kernels/, engine/, server/, gpu/);
+helpers live in support/ (tests/ is on sys.path through pytest's `pythonpath`). A test that
+needs CUDA carries `@pytest.mark.gpu` and nothing else: here it is skipped without a GPU, and
+`pytest -m gpu` selects every GPU test."""
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from models import save_model  # noqa: E402
+from support.models import save_model
 
 torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

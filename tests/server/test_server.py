@@ -23,7 +23,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from transformers import AutoTokenizer
 
-from server_util import Server, descendants, make_tiny_model, run_server, wait_for
+from support.server import Server, descendants, make_tiny_model, run_server, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 NAME = "tiny-qwen3"  # the model directory's name, which the server also answers to

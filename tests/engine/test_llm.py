@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 from minisgl import LLM, SamplingParams
-from models import hf_greedy
-from tiny_tokenizer import build_tiny_tokenizer
+from support.models import hf_greedy
+from support.tokenizer import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

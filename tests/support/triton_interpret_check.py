@@ -22,10 +22,10 @@ def _patch_index(tensor, scope):  # triton 3.6 calls int() on 1-element arrays (
 
 interp._patch_lang_tensor = _patch_index
 
-sys.path.insert(0, os.path.dirname(__file__))
-from attn_util import make_problem, max_diff, run_backend  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from minisgl.attention import create_attention_backend  # noqa: E402
 from minisgl.core import Batch, get_global_ctx  # noqa: E402
+from support.attn import make_problem, max_diff, run_backend  # noqa: E402
 
 CPU = torch.device("cpu")
 TOL = 1e-4

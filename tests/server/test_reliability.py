@@ -22,7 +22,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_util import Server, make_tiny_model, run_server, wait_for
+from support.server import Server, make_tiny_model, run_server, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 CONTEXT = 4096
@@ -360,7 +360,7 @@ def test_request_body_size_limit(limited: Server) -> None:
 
 # ---- the soak script ----------------------------------------------------------------------
 def test_soak_script_briefly(server: Server) -> None:
-    from server_util import REPO
+    from support.server import REPO
 
     cmd = [sys.executable, os.path.join(REPO, "scripts", "soak.py"), "--url", server.url]
     cmd += ["--duration", "4", "--concurrency", "6", "--warmup", "1", "--report-every", "2"]

@@ -21,8 +21,8 @@ import torch
 import minisgl.models.gguf as mg
 from minisgl import LLM, SamplingParams
 from minisgl.models import resolve_model_path
-from models import build_hf_model, hf_greedy
-from tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
+from support.models import build_hf_model, hf_greedy
+from support.tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType
 MAX_NEW = 12

@@ -12,10 +12,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.engine.sample import BatchSamplingArgs, sample
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 
 
 def prompts(n: int = 24) -> list[list[int]]:

@@ -8,14 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_util import make_problem, max_diff, run_backend
 from minisgl.attention import create_attention_backend, flashinfer_available
 from minisgl.core import Batch, Req, SamplingParams, get_global_ctx, set_global_ctx
+from support.attn import make_problem, max_diff, run_backend
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 
 DEVICE = torch.device("cuda", 0)
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}

@@ -12,7 +12,7 @@ from minisgl.kvcache.pool import store_kv_torch
 from minisgl.layers.activation import silu_and_mul_torch
 from minisgl.layers.norm import RMSNorm, rms_norm_torch
 from minisgl.layers.rotary import RopeConfig, RotaryEmbedding, rope_torch
-from triton_util import kernel_module, use_interpreter_on_cpu
+from support.triton_env import kernel_module, use_interpreter_on_cpu
 
 CUDA = torch.cuda.is_available()
 use_interpreter_on_cpu()  # before anything imports triton
@@ -249,7 +249,6 @@ def test_cpu_tensors_take_the_torch_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_layers_dispatch_on_cuda(ops, monkeypatch):
     """On CUDA RMSNorm's residual add runs in place in the kernel; the flag restores the copy."""
     norm = RMSNorm(64, 1e-6).to(DEVICE)

@@ -16,7 +16,7 @@ import sys
 import httpx
 import pytest
 
-from server_util import REPO, free_port, make_tiny_model, run_server
+from support.server import REPO, free_port, make_tiny_model, run_server
 
 sys.path.insert(0, os.path.join(REPO, "benchmark", "online"))
 

@@ -8,7 +8,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Batch
-from models import ARCHS, hf_greedy
+from support.models import ARCHS, hf_greedy
 
 MAX_NEW = 16
 
@@ -109,7 +109,7 @@ def test_logits_match_transformers(model_dirs, arch):
 
 
 def test_sharded_checkpoint_loads(tmp_path):
-    from models import save_model
+    from support.models import save_model
 
     hf = save_model("llama", str(tmp_path), max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").exists()

@@ -12,7 +12,7 @@ import time
 import pexpect
 import pytest
 
-from server_util import REPO, alive, descendants, make_tiny_model
+from support.server import REPO, alive, descendants, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 HELP = "/exit (or Ctrl-D) quits."

@@ -16,8 +16,8 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.models.gguf import DefaultModelMissing, default_model
-from models import hf_greedy
-from server_util import run_server
+from support.models import hf_greedy
+from support.server import run_server
 
 try:
     DEFAULT = default_model()
@@ -107,7 +107,6 @@ def test_server_without_model_answers(tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_embedded_model_on_gpu() -> None:
     """CUDA in bf16 (the default dtype there) with the default attention backend: the same
     answer, and float32 on CUDA gives CPU float32's tokens for the first steps."""

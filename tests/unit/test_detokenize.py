@@ -3,7 +3,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
-from tiny_tokenizer import build_tiny_tokenizer
+from support.tokenizer import build_tiny_tokenizer
 
 TOK = build_tiny_tokenizer()
 FFFD = "\ufffd"

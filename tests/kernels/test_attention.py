@@ -174,9 +174,10 @@ def test_page_indices_gathers_each_requests_pages():
 
 def test_triton_kernels_in_interpreter_match_torch_backend():
     pytest.importorskip("triton")
-    script = os.path.join(os.path.dirname(__file__), "triton_interpret_check.py")
-    python_dir = os.path.join(os.path.dirname(__file__), "..", "python")
-    path = os.pathsep.join(filter(None, [python_dir, os.environ.get("PYTHONPATH")]))
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(tests_dir, "support", "triton_interpret_check.py")
+    python_dir = os.path.join(tests_dir, "..", "python")
+    path = os.pathsep.join(filter(None, [python_dir, tests_dir, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     res = subprocess.run(
         [sys.executable, script], env=env, capture_output=True, text=True, timeout=300
@@ -188,7 +189,7 @@ def test_triton_metadata_rows_start_16_byte_aligned():
     """Triton compiles a kernel variant per pointer alignment: the metadata rows must start
     16-byte aligned for every batch size, or a batch size first met mid-run compiles one."""
     pytest.importorskip("triton")
-    from attn_util import make_problem
+    from support.attn import make_problem
 
     for n in range(1, 10):
         for graph in (False, True):

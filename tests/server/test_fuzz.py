@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from server_util import Server, make_tiny_model, run_server
+from support.server import Server, make_tiny_model, run_server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 CASES_PER_ENDPOINT = 70

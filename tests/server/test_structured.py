@@ -20,7 +20,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.engine.sample import apply_token_bitmask
 from minisgl.scheduler import grammar as grammar_mod
-from server_util import Server, make_tiny_model, run_server
+from support.server import Server, make_tiny_model, run_server
 
 # Bounded schemas: a random model would otherwise write one endless string. Strings are bounded
 # with a pattern, not maxLength: xgrammar 0.2.8 lets control characters into maxLength strings.
@@ -339,7 +339,6 @@ def test_bad_grammars_get_400(server: Server, extra: dict, message: str, stream:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_on_gpu_with_cuda_graphs(model_dir: str, dtype: str) -> None:
     """On CUDA (xgrammar's kernel applies the mask), with CUDA-graph decode: outputs validate,

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 10.0
 T = TypeVar("T")
@@ -29,8 +29,8 @@ T = TypeVar("T")
 
 def make_tiny_model(path: str) -> str:
     """A random qwen3 checkpoint with the tiny test tokenizer and its chat template."""
-    from models import save_model
-    from tiny_tokenizer import build_tiny_tokenizer
+    from support.models import save_model
+    from support.tokenizer import build_tiny_tokenizer
 
     save_model("qwen3", path)
     build_tiny_tokenizer(path)

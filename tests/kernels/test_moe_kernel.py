@@ -17,12 +17,11 @@ from minisgl.engine import EngineConfig
 from minisgl.kernel import resolve_moe_backend
 from minisgl.layers.moe import MoELayer, moe_forward_torch
 from minisgl.server.args import parse_args
-from triton_util import kernel_module, use_interpreter_on_cpu
+from support.triton_env import kernel_module, use_interpreter_on_cpu
 
 CUDA = torch.cuda.is_available()
 use_interpreter_on_cpu()  # before anything imports triton
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +220,6 @@ def test_cpu_engine_picks_torch_experts(model_dirs):
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("tokens", [1, 7, 256, 4096])
 def test_fused_moe_qwen3_30b_a3b_shapes(moe, tokens):
     x, w13, w2, weights, ids = problem(tokens, 128, 8, 2048, 768, torch.bfloat16, seed=tokens)
@@ -229,7 +227,6 @@ def test_fused_moe_qwen3_30b_a3b_shapes(moe, tokens):
 
 
 @pytest.mark.gpu
-@gpu
 def test_fused_moe_captured_in_a_cuda_graph(moe):
     """No host sync: the kernel captures, and a replay after new routing follows the routing."""
     x, w13, w2, weights, ids = problem(8, 16, 2, 256, 64, torch.bfloat16, seed=1)
@@ -251,7 +248,6 @@ def _gpu_prompts(n: int = 16) -> list[list[int]]:
 
 
 @pytest.mark.gpu
-@gpu
 def test_engine_triton_equals_torch_and_graphs_equal_eager(moe, model_dirs):
     """Tiny Qwen3-MoE in fp32 on the GPU: --moe-backend triton (CUDA graphs on) gives the torch
     backend's greedy tokens, and so does triton with graphs off."""

@@ -6,15 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from minisgl.core import SamplingParams
-from models import hf_greedy
+from support.models import hf_greedy
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 
 MODEL_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 MAX_NEW = 12
