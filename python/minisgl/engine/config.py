@@ -6,6 +6,7 @@ import torch
 
 from minisgl.attention import parse_attn
 from minisgl.kernel import resolve_moe_backend
+from minisgl.utils.device import device_type
 
 
 @dataclass
@@ -42,7 +43,7 @@ class EngineConfig:
         if self.device.split(":")[0] not in ("auto", "cuda", "cpu"):
             raise ValueError(f"invalid device {self.device!r}: expected auto, cuda or cpu")
         parse_attn(self.attn)  # a bad name fails before the model loads
-        resolve_moe_backend(self.moe_backend, device_type(self))  # before any process starts
+        resolve_moe_backend(self.moe_backend, device_type(self.device))  # before any process starts
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"invalid dtype {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -59,9 +60,3 @@ KV_CACHE_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
-
-
-def device_type(config: EngineConfig) -> str:
-    """ "cuda" or "cpu", without initialising CUDA (the caller may be a launcher)."""
-    name = config.device.split(":")[0]
-    return "cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu"

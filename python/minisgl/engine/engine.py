@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import accumulate
@@ -13,7 +12,7 @@ import torch
 from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
-from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig, device_type
+from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, any_filter, apply_token_bitmask, sample
 from minisgl.kernel import resolve_moe_backend
@@ -25,28 +24,11 @@ from minisgl.models import (
     load_weights,
     resolve_model_path,
 )
+from minisgl.models.hf import load_hf_config
 from minisgl.models.weight import iter_checkpoint
+from minisgl.utils.device import device_type, resolve_device
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def load_hf_config(model_path: str):  # -> transformers.PretrainedConfig
-    from transformers import AutoConfig
-
-    if not os.path.exists(os.path.join(model_path, "config.json")):
-        raise ValueError(f"missing config.json in model directory {model_path!r}")
-    return AutoConfig.from_pretrained(model_path)
 
 
 def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
@@ -62,7 +44,7 @@ def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 def check_tp(config: EngineConfig, size: int) -> None:
     """Fail before any rank starts when the model or the machine cannot take TP `size`."""
     cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(config.model_path)))
-    check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config))
+    check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config.device))
 
 
 class Engine:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,36 +13,11 @@ from minisgl.distributed import destroy_tp, free_port, get_tp_info
 from minisgl.engine import Engine, EngineConfig
 from minisgl.engine.engine import check_tp
 from minisgl.models import resolve_model_path
+from minisgl.models.hf import eos_token_ids, load_tokenizer
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.utils.procs import wait_ready
 
 Prompt = str | list[int]
-
-
-def load_tokenizer(model_path: str) -> Any | None:
-    """The model's tokenizer, or None when the directory has none (e.g. dummy-weight configs)."""
-    from transformers import AutoTokenizer
-
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.exists(os.path.join(model_path, n)) for n in names):
-        return None
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-def eos_token_ids(engine: Engine, tokenizer: Any | None) -> set[int]:
-    """EOS ids from the model config, generation_config.json and the tokenizer."""
-    ids = set(engine.model_config.eos_token_ids)
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(engine.model_path)
-        eos = gen.eos_token_id
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    except OSError:
-        pass  # no generation_config.json
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 class LLM:
@@ -72,7 +46,8 @@ class LLM:
         if tp == 1:
             self.engine = Engine(config)
             self.tokenizer = load_tokenizer(self.engine.model_path)
-            eos = eos_token_ids(self.engine, self.tokenizer)
+            cfg_eos = self.engine.model_config.eos_token_ids
+            eos = eos_token_ids(self.engine.model_path, cfg_eos, self.tokenizer)
             self.scheduler = Scheduler(self.engine, sched_config, eos, self.tokenizer)
         else:
             self.scheduler = self._start_tp(config, sched_config, tp)

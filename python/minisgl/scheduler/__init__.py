@@ -1,3 +1,4 @@
-from minisgl.scheduler.scheduler import Scheduler, SchedulerConfig, TokenOutput
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.scheduler import Scheduler, TokenOutput
 
 __all__ = ["Scheduler", "SchedulerConfig", "TokenOutput"]

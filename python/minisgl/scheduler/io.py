@@ -11,8 +11,6 @@ import torch
 
 from minisgl.distributed import destroy_tp, init_tp
 from minisgl.engine import Engine, EngineConfig
-from minisgl.engine.engine import device_type
-from minisgl.llm.llm import eos_token_ids, load_tokenizer
 from minisgl.message import (
     AbortBackendMsg,
     BatchBackendMsg,
@@ -22,7 +20,10 @@ from minisgl.message import (
     SchedulerStats,
     UserMsg,
 )
-from minisgl.scheduler.scheduler import Scheduler, SchedulerConfig
+from minisgl.models.hf import eos_token_ids, load_tokenizer
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.utils.device import device_type
 from minisgl.utils.procs import die_with_parent
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
@@ -112,10 +113,11 @@ def build_scheduler(
     if tp > 1:
         if rank > 0:  # the ranks share the cores; rank 0 may be the user's own process
             torch.set_num_threads(max(1, torch.get_num_threads() // tp))
-        init_tp(rank, tp, port, device_type(engine_config))
+        init_tp(rank, tp, port, device_type(engine_config.device))
     engine = Engine(engine_config)
     tokenizer = load_tokenizer(engine.model_path)
-    return Scheduler(engine, sched_config, eos_token_ids(engine, tokenizer), tokenizer)
+    eos = eos_token_ids(engine.model_path, engine.model_config.eos_token_ids, tokenizer)
+    return Scheduler(engine, sched_config, eos, tokenizer)
 
 
 def run_follower(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from minisgl import env
 from minisgl.core import Batch, Req, SamplingParams
@@ -32,6 +32,7 @@ from minisgl.distributed import broadcast_object, get_tp_info
 from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
 from minisgl.kvcache import KVCacheManager
+from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar import (
     Constraint,
     GrammarCompiler,
@@ -39,18 +40,6 @@ from minisgl.scheduler.grammar import (
     MaskBuilder,
     grammar_key,
 )
-
-
-@dataclass
-class SchedulerConfig:
-    max_prefill_tokens: int = 8192
-    cache: Literal["radix", "naive"] = "radix"
-
-    def __post_init__(self) -> None:
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"invalid max_prefill_tokens: {self.max_prefill_tokens}")
-        if self.cache not in ("radix", "naive"):
-            raise ValueError(f"invalid cache {self.cache!r}: expected radix or naive")
 
 
 @dataclass

@@ -109,8 +109,8 @@ class Launcher:
         from minisgl.distributed import free_port
         from minisgl.engine.engine import check_tp
         from minisgl.models.weight import resolve_model_path
+        from minisgl.scheduler.config import SchedulerConfig
         from minisgl.scheduler.io import run_follower, run_scheduler_process
-        from minisgl.scheduler.scheduler import SchedulerConfig
         from minisgl.tokenizer.server import run_detokenizer, run_tokenizer
 
         args, a = self.args, self.addrs

@@ -54,7 +54,7 @@ def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
 def run_tokenizer(
     model_path: str, recv_addr: str, sched_addr: str, detok_addr: str, api_addr: str, ready
 ) -> None:
-    from minisgl.llm.llm import load_tokenizer
+    from minisgl.models.hf import load_tokenizer
 
     tokenizer, recv, to_sched, to_detok, to_api = build_or_report(
         "tokenizer",
@@ -167,7 +167,7 @@ class Detokenizer:
 
 
 def run_detokenizer(model_path: str, recv_addr: str, api_addr: str, sched_addr: str, ready) -> None:
-    from minisgl.llm.llm import load_tokenizer
+    from minisgl.models.hf import load_tokenizer
 
     recv, worker = build_or_report(
         "detokenizer",

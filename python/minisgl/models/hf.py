@@ -1,0 +1,41 @@
+"""What minisgl reads from a Hugging Face model directory besides the weights: the config,
+the tokenizer and the end-of-sequence ids."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def load_hf_config(model_path: str) -> Any:  # transformers.PretrainedConfig
+    from transformers import AutoConfig
+
+    if not os.path.exists(os.path.join(model_path, "config.json")):
+        raise ValueError(f"missing config.json in model directory {model_path!r}")
+    return AutoConfig.from_pretrained(model_path)
+
+
+def load_tokenizer(model_path: str) -> Any | None:
+    """The model's tokenizer, or None when the directory has none (e.g. dummy-weight configs)."""
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any(os.path.exists(os.path.join(model_path, n)) for n in names):
+        return None
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def eos_token_ids(model_path: str, config_ids: list[int], tokenizer: Any | None) -> set[int]:
+    """EOS ids from the model config (`config_ids`), generation_config.json and the tokenizer."""
+    ids = set(config_ids)
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path)
+        eos = gen.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    except OSError:
+        pass  # no generation_config.json
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
