@@ -146,7 +146,7 @@ class Context:
     """Per-process global state the model's layers read during a forward."""
 
     page_size: int
-    page_table: torch.Tensor  # [max_running_reqs, max_pages_per_req] int32 page ids
+    page_table: torch.Tensor  # [max_running_requests, max_pages_per_req] int32 page ids
     kv_cache: MHAKVCache
     attn_backend: BaseAttnBackend
     batch: Batch | None = None

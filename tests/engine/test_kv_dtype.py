@@ -85,7 +85,7 @@ def test_fp8_pool_is_smaller_and_generates(model_dirs):
 
 def test_bad_kv_cache_dtype_is_refused(capsys):
     with pytest.raises(ValueError, match="invalid kv_cache_dtype 'int8'.*fp8_e4m3"):
-        EngineConfig(model_path="x", kv_cache_dtype="int8")
+        EngineConfig(model="x", kv_cache_dtype="int8")
     with pytest.raises(SystemExit) as exc:
         parse_args(["--kv-cache-dtype", "fp16"])
     assert exc.value.code == 2

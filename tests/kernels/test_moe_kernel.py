@@ -199,7 +199,7 @@ def test_moe_backend_flag():
 @pytest.mark.skipif(CUDA, reason="checks the refusal on a CPU engine")
 def test_triton_refused_on_cpu_before_loading(tmp_path):
     with pytest.raises(ValueError, match="--moe-backend triton needs a CUDA device"):
-        EngineConfig(model_path=str(tmp_path), device="cpu", moe_backend="triton")
+        EngineConfig(model=str(tmp_path), device="cpu", moe_backend="triton")
     # through LLM: the error comes before the (missing) model is read
     with pytest.raises(ValueError, match="--moe-backend triton"):
         LLM(str(tmp_path), device="cpu", moe_backend="triton")

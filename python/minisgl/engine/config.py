@@ -11,12 +11,12 @@ from minisgl.utils.device import device_type
 
 @dataclass
 class EngineConfig:
-    model_path: str
+    model: str  # a directory, a .gguf file or a hub id
     device: str = "auto"  # auto | cuda | cpu (| cuda:N)
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA (bf16 if float32), float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3 | fp8_e5m2 halve the KV bytes
     page_size: int = 16
-    max_running_reqs: int = 256
+    max_running_requests: int = 256
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_pages: int | None = None  # KV pool size; default from memory_ratio (GPU) or cpu_kv_cache_mb
     memory_ratio: float = 0.9  # fraction of free GPU memory (after weights) for the KV pool
@@ -30,7 +30,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = {
             "page_size": self.page_size >= 1,
-            "max_running_reqs": self.max_running_reqs >= 1,
+            "max_running_requests": self.max_running_requests >= 1,
             "max_model_len": self.max_model_len is None or self.max_model_len >= 2,
             "num_pages": self.num_pages is None or self.num_pages >= 1,
             "memory_ratio": 0.0 < self.memory_ratio <= 1.0,

@@ -43,7 +43,7 @@ def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 def check_tp(config: EngineConfig, size: int) -> None:
     """Fail before any rank starts when the model or the machine cannot take TP `size`."""
-    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(config.model_path)))
+    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(config.model)))
     check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config.device))
 
 
@@ -53,7 +53,7 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model_path = resolve_model_path(config.model_path)
+        self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(self.model_path)
         self.model_config = ModelConfig.from_hf(self.hf_config)
         if (moe := self.model_config.moe) is not None:
@@ -74,12 +74,12 @@ class Engine:
         # CUDA-graph entries and unsampled tokens write there instead of into a request's KV.
         self.num_pages = self.kv_cache.num_pages - 1
         self.dummy_page = self.num_pages
-        self.dummy_row = config.max_running_reqs
+        self.dummy_row = config.max_running_requests
         self.page_size = config.page_size
         # a request never holds more tokens than the model's context or the whole pool
         self.max_seq_len = min(self.max_model_len, self.num_pages * self.page_size)
         pages_per_req = -(-self.max_seq_len // self.page_size)
-        rows = config.max_running_reqs + 1
+        rows = config.max_running_requests + 1
         self.page_table = torch.full(
             (rows, pages_per_req), self.dummy_page, dtype=torch.int32, device=self.device
         )
@@ -132,7 +132,7 @@ class Engine:
             else:
                 budget = self.config.cpu_kv_cache_mb << 20
             # never more than every running request at full length needs
-            wanted = self.config.max_running_reqs * -(-self.max_model_len // page_size)
+            wanted = self.config.max_running_requests * -(-self.max_model_len // page_size)
             # every rank schedules alike, so every rank's pool must be as large
             num_pages = all_reduce_min(min(budget // per_page, wanted))
             if num_pages < 1:
@@ -243,7 +243,7 @@ class Engine:
         return StepOutput.start_copy(next_ids)
 
     def _build_graphs(self) -> GraphRunner | None:
-        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_reqs)
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         if self.device.type != "cuda" or max_bs == 0:
             return None
         moe = self.model_config.moe

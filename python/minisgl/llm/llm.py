@@ -40,7 +40,7 @@ class LLM:
             model = announce_default_model()
         if get_tp_info().size > 1:
             raise RuntimeError("another LLM with tp > 1 is running in this process: shut it down")
-        config = EngineConfig(model_path=model, **engine_kwargs)
+        config = EngineConfig(model=model, **engine_kwargs)
         sched_config = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, cache=cache)  # type: ignore[arg-type]
         self.workers: list[Any] = []  # TP ranks 1..N-1
         if tp == 1:
@@ -61,7 +61,7 @@ class LLM:
         from minisgl.scheduler.io import build_scheduler, run_follower
 
         check_tp(config, tp)  # before any process starts
-        config.model_path = resolve_model_path(config.model_path)  # download once
+        config.model = resolve_model_path(config.model)  # download once
         port, ctx = free_port(), mp.get_context("spawn")
         conns = []
         for rank in range(1, tp):

@@ -80,7 +80,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
-        self.free_rows = list(range(engine.config.max_running_reqs - 1, -1, -1))
+        self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
         self.requests: dict[int, Req] = {}
         self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
         self.num_preemptions = 0
@@ -342,7 +342,7 @@ class Scheduler:
             return None
         if self.masks is None:
             engine = self.engine
-            rows_max, vocab = engine.config.max_running_reqs, engine.model_config.vocab_size
+            rows_max, vocab = engine.config.max_running_requests, engine.model_config.vocab_size
             self.masks = MaskBuilder(rows_max, vocab, pin=engine.device.type == "cuda")
         return self.masks.fill(matchers, rows, len(reqs)), rows
 

@@ -46,12 +46,12 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
     from minisgl.engine import EngineConfig
 
     config = EngineConfig(
-        model_path=args.model,  # type: ignore[arg-type]
+        model=args.model,  # type: ignore[arg-type]
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         page_size=args.page_size,
-        max_running_reqs=args.max_running_requests,
+        max_running_requests=args.max_running_requests,
         max_model_len=args.max_model_len,
         num_pages=args.num_pages,
         memory_ratio=args.memory_ratio,
@@ -116,7 +116,7 @@ class Launcher:
         args, a = self.args, self.addrs
         kwargs = engine_kwargs(args)  # a bad flag combination fails before any download
         model_path = resolve_model_path(args.model)  # download once, before the children start
-        kwargs["config"].model_path = model_path
+        kwargs["config"].model = model_path
         sched_cfg = SchedulerConfig(max_prefill_tokens=args.max_prefill_length, cache=args.cache)  # type: ignore[arg-type]
         config = kwargs["config"]
         port = 0
