@@ -152,6 +152,11 @@ class Context:
     batch: Batch | None = None
     page_table_version: int = 0  # bumped on every page-table write (backends cache plans by it)
 
+    def kv_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The flat KV-pool slot of each (page-table row, position) pair: the one formula."""
+        pages = self.page_table[rows, positions // self.page_size].long()
+        return pages * self.page_size + positions % self.page_size
+
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Copy small host data to the device without blocking the host. The staging memory is

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine.sample import apply_token_bitmask
+from minisgl.engine.sample import TokenMask, apply_token_bitmask
 from minisgl.scheduler import grammar as grammar_mod
 from support.server import Server, make_tiny_model, run_server
 
@@ -246,7 +246,7 @@ def test_bitmask_applies_to_the_given_rows_only(dtype: torch.dtype) -> None:
         packed = (words.view(-1, 32) << torch.arange(32)).sum(-1)
         bitmask[row] = torch.where(packed >= 2**31, packed - 2**32, packed).int()  # two's compl.
     out = logits.clone()
-    apply_token_bitmask(out, bitmask, [0, 2])
+    apply_token_bitmask(out, TokenMask(bitmask, [0, 2]))
     assert torch.equal(out[1], logits[1])
     for row in (0, 2):
         assert torch.equal(out[row][allowed[row]], logits[row][allowed[row]])

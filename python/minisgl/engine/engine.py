@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
@@ -14,7 +13,13 @@ from minisgl.core import Batch, Context, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
 from minisgl.engine.graph import GraphRunner
-from minisgl.engine.sample import BatchSamplingArgs, any_filter, apply_token_bitmask, sample
+from minisgl.engine.sample import (
+    BatchSamplingArgs,
+    TokenMask,
+    any_filter,
+    apply_token_bitmask,
+    sample,
+)
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -194,8 +199,7 @@ class Engine:
             positions = torch.arange(num_tokens, device=self.device) - shift
         batch.input_ids = self.token_table[token_rows, positions]
         batch.positions = positions
-        pages = self.page_table[token_rows, positions // self.page_size].long()
-        batch.out_loc = pages * self.page_size + positions % self.page_size
+        batch.out_loc = self.ctx.kv_slots(token_rows, positions)
         return dev[3:]
 
     @torch.inference_mode()
@@ -221,25 +225,25 @@ class Engine:
         return logits, kv_lens, write_rows, None
 
     @torch.inference_mode()
-    def launch(
-        self,
-        batch: Batch,
-        samples: list[bool],
-        grammar_mask: Callable[[], tuple[torch.Tensor, list[int]] | None] | None = None,
+    def forward_step(self, batch: Batch, samples: list[bool]) -> ForwardOutput:
+        """Phase 1 of a step: queue the forward (and, in a CUDA graph, the sampling of every
+        request whose `samples` flag is set). Nothing here waits for the device."""
+        return ForwardOutput(*self._forward(batch, samples))
+
+    @torch.inference_mode()
+    def sample_step(
+        self, batch: Batch, out: ForwardOutput, mask: TokenMask | None = None
     ) -> StepOutput:
-        """Queue the forward and the sampling of every request whose `samples` flag is set;
-        the sampled ids go into the token table (where the next step reads its inputs) and
-        into pinned host memory. Nothing here waits for the device. `grammar_mask`, called
-        once the forward is queued, gives a token bitmask for some rows of the logits
-        (structured generation); it is applied outside the CUDA graph, before sampling."""
-        logits, kv_lens, write_rows, next_ids = self._forward(batch, samples)
-        mask = grammar_mask() if grammar_mask is not None else None
-        vocab = self.model_config.vocab_size
+        """Phase 2: sample what the forward did not (filters, grammar `mask`, eager batches);
+        the ids go into the token table (where the next step reads its inputs) and into
+        pinned host memory. Nothing here waits for the device."""
+        next_ids, vocab = out.sampled, self.model_config.vocab_size
         if next_ids is None or mask is not None or any_filter(batch.reqs, vocab):
             if mask is not None:
-                apply_token_bitmask(logits, *mask)
-            next_ids = sample(logits, BatchSamplingArgs.from_reqs(batch.reqs, vocab, self.device))
-            self.token_table[write_rows, kv_lens] = next_ids.to(torch.int32)
+                apply_token_bitmask(out.logits, mask)
+            args = BatchSamplingArgs.from_reqs(batch.reqs, vocab, self.device)
+            next_ids = sample(out.logits, args)
+            self.token_table[out.write_rows, out.kv_lens] = next_ids.to(torch.int32)
         return StepOutput.start_copy(next_ids)
 
     def _build_graphs(self) -> GraphRunner | None:
@@ -263,6 +267,18 @@ class Engine:
     def shutdown(self) -> None:
         self.graphs = None
         set_global_ctx(None)
+
+
+@dataclass
+class ForwardOutput:
+    """A queued forward, one row per request: logits of its last computed token, where its
+    sampled id goes (token_table[write_rows, kv_lens]) and, when a CUDA graph sampled it, that
+    id."""
+
+    logits: torch.Tensor  # [B, V]
+    kv_lens: torch.Tensor  # [B]
+    write_rows: torch.Tensor  # [B]
+    sampled: torch.Tensor | None  # [B] or None
 
 
 class StepOutput:

@@ -69,13 +69,9 @@ class GraphRunner:
         inputs = self.inputs[:, :bs]
         rows, positions = inputs[_ROW].long(), inputs[_POSITION].long()
         write_rows, kv_lens = inputs[_WRITE_ROW].long(), positions + 1
-        page_size = engine.page_size
         batch.positions = positions
         batch.input_ids = engine.token_table[rows, positions]
-        batch.out_loc = (
-            engine.page_table[rows, positions // page_size].long() * page_size
-            + positions % page_size
-        )
+        batch.out_loc = engine.ctx.kv_slots(rows, positions)
         engine.ctx.batch = batch
         try:
             logits = engine.model(batch.input_ids, positions, self.logits_indices[:bs])

@@ -117,11 +117,21 @@ def _filter(probs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Structured generation: set to -inf, in rows `rows` of `logits`, the tokens whose bit is
-    0 in the same row of `bitmask` (int32 [B, ceil(V / 32)], host memory; xgrammar's layout)."""
+@dataclass
+class TokenMask:
+    """Structured generation: the tokens allowed in some rows of a batch's logits. `bitmask`:
+    int32 [B, ceil(V / 32)] in host memory (xgrammar's layout), bit 1 = allowed; `rows`: the
+    rows it applies to."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> None:
+    """Set to -inf, in the mask's rows of `logits`, the tokens whose bit is 0."""
     import xgrammar as xgr
 
+    bitmask, rows = mask.bitmask, mask.rows
     bitmask = bitmask.to(logits.device, non_blocking=True)  # pinned by the scheduler on CUDA
     if logits.is_cuda:  # rows as a device tensor: xgrammar would copy a list from pageable memory
         indices = to_device(rows, torch.int32, logits.device)

@@ -31,6 +31,7 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.distributed import broadcast_object, get_tp_info
 from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
+from minisgl.engine.sample import TokenMask
 from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar import (
@@ -293,19 +294,16 @@ class Scheduler:
         that `_process` fills in (the device already knows it: the next step reads it there)."""
         samples = [r.cached_len + r.extend_len == len(r.tokens) for r in batch.reqs]
         failed: list[tuple[Req, str]] = []
-        grammar_mask = None
+        forward = self.engine.forward_step(batch, samples)
+        mask = None
         if self.num_constrained and _constrained(batch):
-
-            def grammar_mask() -> tuple[Any, list[int]] | None:
-                """Called by the engine once the forward is queued, so that the device runs it
-                while the host waits for grammars still compiling and for the step in flight,
-                whose tokens advance the matchers this mask comes from."""
-                if self.in_flight is not None and _constrained(self.in_flight.batch):
-                    self.pending.extend(self._process(self.in_flight))
-                    self.in_flight = None
-                return self._grammar_mask(batch.reqs, samples, failed)
-
-        output = self.engine.launch(batch, samples, grammar_mask)
+            # the device runs the forward while the host waits for grammars still compiling
+            # and for the step in flight, whose tokens advance the matchers the mask comes from
+            if self.in_flight is not None and _constrained(self.in_flight.batch):
+                self.pending.extend(self._process(self.in_flight))
+                self.in_flight = None
+            mask = self._grammar_mask(batch.reqs, samples, failed)
+        output = self.engine.sample_step(batch, forward, mask)
         slots = []
         for req, sampled in zip(batch.reqs, samples):
             if req.finished:  # by the step in flight, processed in grammar_mask
@@ -326,7 +324,7 @@ class Scheduler:
 
     def _grammar_mask(
         self, reqs: list[Req], samples: list[bool], failed: list[tuple[Req, str]]
-    ) -> tuple[Any, list[int]] | None:
+    ) -> TokenMask | None:
         """The token bitmask of the requests that sample under a grammar, and their rows."""
         matchers, rows = [], []
         for i, (req, sampled) in enumerate(zip(reqs, samples)):
@@ -344,7 +342,7 @@ class Scheduler:
             engine = self.engine
             rows_max, vocab = engine.config.max_running_requests, engine.model_config.vocab_size
             self.masks = MaskBuilder(rows_max, vocab, pin=engine.device.type == "cuda")
-        return self.masks.fill(matchers, rows, len(reqs)), rows
+        return TokenMask(self.masks.fill(matchers, rows, len(reqs)), rows)
 
     def _share(self, req: Req) -> None:
         """Put the request's computed KV into the prefix cache now, not only when it ends, so
