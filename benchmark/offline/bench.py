@@ -244,7 +244,7 @@ def main() -> None:
         profiler = profile(activities=[ProfilerActivity.CUDA])
         profiler.__enter__()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-    runs, cached_before = [], llm.scheduler.num_cached_tokens
+    runs, cached_before = [], llm.scheduler.planner.num_cached_tokens
     for r in range(max(1, args.repeat)):
         # a repeat shifts every token id, so it finds nothing of the previous runs in the
         # radix cache (which would skip their prefill)
@@ -278,7 +278,7 @@ def main() -> None:
         "output_tokens": total,
         "seconds": round(seconds, 3),
         "runs_s": [round(t, 3) for t in runs],
-        "prefix_cached_tokens": llm.scheduler.num_cached_tokens - cached_before,
+        "prefix_cached_tokens": llm.scheduler.planner.num_cached_tokens - cached_before,
         "tok_s": round(tok_s, 1),
         "attn": args.attn,
         "moe_backend": moe.backend if moe is not None else None,

@@ -1,20 +1,31 @@
+"""`python -m minisgl`: the OpenAI-compatible server, or with --shell a terminal chat, over the
+same processes (server/launch.py)."""
+
 import sys
 
 from minisgl.server.args import parse_args
-from minisgl.server.launch import launch_server
+from minisgl.server.launch import launch_server, serve_http
 
 
 def main() -> int:
-    args = parse_args(sys.argv[1:])
-    if args.model is None:
+    try:
+        args = parse_args(sys.argv[1:])
+    except ValueError as e:  # options this machine cannot run
+        print(f"minisgl: {e}", file=sys.stderr)
+        return 1
+    if args.engine.model is None:
         from minisgl.models.gguf import DefaultModelMissing, announce_default_model
 
         try:
-            args.model = announce_default_model()
+            args.engine.model = announce_default_model()
         except DefaultModelMissing as e:
             print(f"python -m minisgl: {e}", file=sys.stderr)
             return 2
-    return launch_server(args)
+    if args.shell:
+        from minisgl.shell import run_shell
+
+        return launch_server(args, run_shell)
+    return launch_server(args, serve_http)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
-    from minisgl.attention.base import BaseAttnBackend
+    from minisgl.attention.base import AttnMetadata, BaseAttnBackend
     from minisgl.kvcache.pool import MHAKVCache
+    from minisgl.kvcache.prefix_cache import CacheHandle
     from minisgl.scheduler.grammar import Constraint
 
 
@@ -86,7 +87,7 @@ class Req:
     extend_len: int = 0  # tokens computed by the forward being built
     table_idx: int = -1  # row in the page table while admitted
     pages: list[int] = field(default_factory=list)
-    cache_handle: object | None = None  # locked prefix-cache node while admitted
+    cache_handle: CacheHandle | None = None  # locked prefix-cache match while admitted
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     grammar: Constraint | None = None  # structured generation: what the output must match
@@ -126,7 +127,7 @@ class Batch:
     input_ids: torch.Tensor | None = None  # [num_tokens]
     positions: torch.Tensor | None = None  # [num_tokens]
     out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token is written to
-    attn_metadata: object | None = None
+    attn_metadata: AttnMetadata | None = None  # the attention backend's, set by its prepare()
 
     @property
     def size(self) -> int:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Any
+from typing import TYPE_CHECKING
 
 from minisgl.core import SamplingParams
 from minisgl.message import TokenizeMsg
 from minisgl.server.frontend import Frontend
+
+if TYPE_CHECKING:
+    from minisgl.server.launch import Launcher
 
 HELP = "Type a message. /reset clears the history, /exit (or Ctrl-D) quits."
 
@@ -64,5 +67,7 @@ async def _chat(frontend: Frontend, max_tokens: int) -> int:
         history.append({"role": "assistant", "content": "".join(answer)})
 
 
-def run_shell(frontend: Frontend, info: dict[str, Any], max_tokens: int = 512) -> int:
-    return asyncio.run(_chat(frontend, min(max_tokens, info["max_seq_len"] - 1)))
+def run_shell(launcher: Launcher, frontend: Frontend, max_tokens: int = 512) -> int:
+    """The front end of `launch_server` for `--shell`."""
+    max_tokens = min(max_tokens, launcher.info["max_seq_len"] - 1)
+    return asyncio.run(_chat(frontend, max_tokens))

@@ -14,7 +14,6 @@ from minisgl.attention import auto_backend, create_attention_backend
 from minisgl.core import Batch
 from minisgl.engine import EngineConfig
 from minisgl.server.args import parse_args
-from minisgl.server.launch import engine_kwargs
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -26,19 +25,19 @@ def prefill_and_decode_logits(path: str, **kwargs) -> tuple[torch.Tensor, torch.
     prompts = [[2 + (5 * i + 3 * j) % 90 for j in range(6 + 7 * i)] for i in range(4)]
     reqs = [sched.make_request(p, SamplingParams(max_tokens=4)) for p in prompts]
     for req in reqs:  # admitted by hand: one prefill forward of the whole batch
-        sched._admit(req)
-        assert sched._grow(req, req.remaining_len)
+        sched.planner.admit(req)
+        assert sched.planner.grow(req, req.remaining_len)
         req.extend_len = req.remaining_len
     prefill = engine.forward(Batch(reqs, "prefill"))
     for req, tok in zip(reqs, prefill.argmax(-1).tolist()):
         req.cached_len, req.extend_len = len(req.tokens), 1
         req.tokens.append(tok)
         engine.set_tokens(req.table_idx, req.tokens)
-        assert sched._grow(req, 1)
+        assert sched.planner.grow(req, 1)
     decode = engine.forward(Batch(reqs, "decode"))
     for req in reqs:
         req.cached_len = len(req.tokens)
-        sched._release(req)
+        sched.planner.release(req)
     sched.check_no_leak()
     llm.shutdown()
     return prefill, decode
@@ -91,7 +90,7 @@ def test_bad_kv_cache_dtype_is_refused(capsys):
     assert exc.value.code == 2
     assert "argument --kv-cache-dtype: invalid choice: 'fp16'" in capsys.readouterr().err
     args = parse_args(["--model", "m", "--kv-cache-dtype", "fp8_e5m2"])
-    assert engine_kwargs(args)["config"].kv_cache_dtype == "fp8_e5m2"
+    assert args.engine.kv_cache_dtype == "fp8_e5m2"
 
 
 def test_auto_attention_and_fi_with_an_fp8_pool(monkeypatch):

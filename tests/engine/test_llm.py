@@ -3,6 +3,7 @@
 import shutil
 
 import pytest
+import torch
 
 from minisgl import LLM, SamplingParams
 from support.models import hf_greedy
@@ -112,3 +113,50 @@ def test_graph_decode_step_run_eagerly_equals_plain_path(model_dirs, monkeypatch
         outs.append([o["token_ids"] for o in res])
         llm.scheduler.check_no_leak()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("size", [4, 5])
+def test_graph_step_equals_eager_step(model_dirs, size):
+    """One decode step of greedy and temperature requests through the step that CUDA graphs
+    capture (run eagerly, sampling inside the step; 5 requests are padded to the graph size 8)
+    and through the plain path (sampling in sample_step): the same logits (bitwise when the
+    graph holds the same number of rows), the same ids, written to the same token-table slots
+    (the unsampled request's to the dummy row)."""
+    from minisgl.core import Batch
+    from minisgl.engine.graph import GraphRunner
+
+    path, _ = model_dirs("qwen3")
+    llm = LLM(path, device="cpu", page_size=4, num_pages=128)
+    sched, engine = llm.scheduler, llm.engine
+    prompts = [[2 + (7 * i + j) % 97 for j in range(3 + 5 * i)] for i in range(size)]
+    params = [SamplingParams(temperature=[0.0, 1.5][i % 2], seed=i) for i in range(size)]
+    reqs = [sched.make_request(p, sp) for p, sp in zip(prompts, params)]
+    for req in reqs:  # prefill all but the last prompt token, which the decode step computes
+        sched.planner.admit(req)
+        assert sched.planner.grow(req, req.remaining_len)
+        req.extend_len = req.remaining_len - 1
+    engine.forward(Batch(reqs, "prefill"))
+    for req in reqs:
+        req.cached_len, req.extend_len = len(req.tokens) - 1, 1
+    samples = [True] * (size - 1) + [False]
+    rows = [r.table_idx for r in reqs]
+    slots = [len(r.tokens) for r in reqs]
+    results = []
+    for graphs in (GraphRunner(engine, 8, capture=False), None):
+        engine.graphs = graphs
+        engine.token_table[rows, slots] = -1
+        batch = Batch(reqs, "decode")
+        out = engine.forward_step(batch, samples)
+        assert (out.sampled is None) == (graphs is None)
+        logits = out.logits.clone()
+        tokens = engine.sample_step(batch, out).tokens()
+        results.append((logits, tokens, engine.token_table[rows, slots].tolist()))
+    (graph_logits, graph_tokens, graph_written), (logits, tokens, written) = results
+    tolerance = 0 if size == 4 else 1e-5  # a padded batch may round its GEMMs differently
+    torch.testing.assert_close(graph_logits, logits, atol=tolerance, rtol=0)
+    assert graph_tokens == tokens and graph_written == written
+    assert written == tokens[:-1] + [-1]
+    for req in reqs:
+        req.cached_len = len(req.tokens)
+        sched.planner.release(req)
+    sched.check_no_leak()

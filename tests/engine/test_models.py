@@ -51,8 +51,8 @@ def test_greedy_equals_transformers(references, arch, page_size, num_pages, cach
         assert out["finish_reason"] == "length"
     sched = llm.scheduler
     if num_pages * page_size < 200:
-        assert sched.num_preemptions > 0, "the small pool was meant to force preemption"
-    assert not sched.running and sched.prefilling is None and not sched.waiting
+        assert sched.planner.num_preemptions > 0, "the small pool was meant to force preemption"
+    assert not sched.planner.busy
     sched.check_no_leak()
     assert (
         sched.cache.allocator.num_free + sched.cache.prefix_cache.num_pages == llm.engine.num_pages
@@ -82,8 +82,8 @@ def test_logits_match_transformers(model_dirs, arch):
     prompts = make_prompts()[:6]
     reqs = [sched.make_request(p, SamplingParams(max_tokens=4)) for p in prompts]
     for req in reqs:  # admit by hand to run one prefill forward of the whole batch
-        sched._admit(req)
-        assert sched._grow(req, req.remaining_len)
+        sched.planner.admit(req)
+        assert sched.planner.grow(req, req.remaining_len)
         req.extend_len = req.remaining_len
     logits = engine.forward(Batch(reqs, "prefill"))
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_logits_match_transformers(model_dirs, arch):
         req.cached_len, req.extend_len = len(req.tokens), 1
         req.tokens.append(tok)
         engine.set_tokens(req.table_idx, req.tokens)
-        assert sched._grow(req, 1)
+        assert sched.planner.grow(req, 1)
     logits = engine.forward(Batch(reqs, "decode"))
     with torch.no_grad():
         for i, req in enumerate(reqs):
@@ -104,7 +104,7 @@ def test_logits_match_transformers(model_dirs, arch):
             torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=0)
     for req in reqs:
         req.cached_len = len(req.tokens)
-        sched._release(req)
+        sched.planner.release(req)
     sched.check_no_leak()
 
 
@@ -133,10 +133,10 @@ def test_running_request_shares_its_prompt(references, monkeypatch, overlap):
     sched.add_request(a)
     sched.add_request(b)
     sched.step()  # the budget holds a's whole prompt, not b's
-    assert sched.running == [a] and sched.num_cached_tokens == 0
+    assert sched.planner.running == [a] and sched.planner.num_cached_tokens == 0
     sched.step()
-    assert sched.running == [a, b] and not a.finished
-    assert sched.num_cached_tokens == 48 and b.pages[:12] == a.pages[:12]
+    assert sched.planner.running == [a, b] and not a.finished
+    assert sched.planner.num_cached_tokens == 48 and b.pages[:12] == a.pages[:12]
     sched.check_no_leak()
     while sched.has_work:
         sched.step()
@@ -157,7 +157,8 @@ def test_shared_prefix_found_across_chunks(references):
         llm.scheduler.check_no_leak()
         # p6 is admitted beside p5's last chunk and finds p5's first 2 chunks (16 tokens); p7,
         # p8 find the whole shared 20; p9 (the shared part alone) its 4 full pages but the last.
-        assert llm.scheduler.num_cached_tokens == (16 + 20 + 20 + 16 if cache == "radix" else 0)
+        cached = llm.scheduler.planner.num_cached_tokens
+        assert cached == (16 + 20 + 20 + 16 if cache == "radix" else 0)
 
 
 def test_same_batch_duplicate_pages_go_back(references):
@@ -173,7 +174,7 @@ def test_same_batch_duplicate_pages_go_back(references):
         sched.add_request(req)
     sched.step()
     a, b, c = reqs
-    assert sched.running == [a, b] and b.pages[:12] == a.pages[:12]
+    assert sched.planner.running == [a, b] and b.pages[:12] == a.pages[:12]
     freed = sched.cache.allocator.free_pages()[-12:]
     sched.step()
     assert set(freed) <= set(c.pages), "the freed copies were meant to be reused at once"

@@ -28,7 +28,8 @@ def run(path: str, monkeypatch, overlap: bool, **kwargs) -> tuple[list, int]:
     assert not llm.scheduler.has_work
     llm.scheduler.check_no_leak()
     llm.shutdown()
-    return [(o["token_ids"], o["finish_reason"]) for o in outs], llm.scheduler.num_preemptions
+    outputs = [(o["token_ids"], o["finish_reason"]) for o in outs]
+    return outputs, llm.scheduler.planner.num_preemptions
 
 
 @pytest.mark.parametrize("num_pages", [256, 14])

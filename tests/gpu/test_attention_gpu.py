@@ -10,7 +10,7 @@ import torch
 
 from minisgl.attention import create_attention_backend, flashinfer_available
 from minisgl.core import Batch, Req, SamplingParams, get_global_ctx, set_global_ctx
-from support.attn import make_problem, max_diff, run_backend
+from support.attn import attend, make_problem, max_diff, run_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -140,7 +140,7 @@ def test_decode_graph_replay_matches_eager(name, page_size, heads):
     (other rows, other KV lengths, a padding request on the spare row) and compare with a
     fresh backend's eager prepare + forward and with the torch backend."""
     need(name)
-    dtype, head_dim, scale = torch.bfloat16, 128, 128**-0.5
+    dtype, head_dim = torch.bfloat16, 128
     lens = [(0, 1), (40, 1), (1500, 1), (15, 1), (700, 1)]
     batch, q, k, v = make_problem(lens, page_size, head_dim, dtype, True, DEVICE, *HEADS[heads])
     rows = [r.table_idx for r in batch.reqs]
@@ -153,11 +153,11 @@ def test_decode_graph_replay_matches_eager(name, page_size, heads):
     side = torch.cuda.Stream()  # warm-up (kernel compile / load) outside the capture
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        backend.forward(static_q, static_k, static_v, 0, scale, captured)
+        attend(backend, captured, static_q, static_k, static_v)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = backend.forward(static_q, static_k, static_v, 0, scale, captured)
+        static_out = attend(backend, captured, static_q, static_k, static_v)
 
     replays = {
         "captured batch": list(zip(rows, [c + 1 for c, _ in lens])),

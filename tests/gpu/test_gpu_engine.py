@@ -123,8 +123,8 @@ def test_graph_logits_equal_eager_logits(model_dirs):
             pytest.skip("the triton backend has no CUDA-graph support yet")
         reqs = [sched.make_request(p, SamplingParams(max_tokens=4)) for p in prompts(5)]
         for req in reqs:
-            sched._admit(req)
-            assert sched._grow(req, req.remaining_len)
+            sched.planner.admit(req)
+            assert sched.planner.grow(req, req.remaining_len)
             req.extend_len = req.remaining_len - 1
         from minisgl.core import Batch
 
@@ -138,7 +138,7 @@ def test_graph_logits_equal_eager_logits(model_dirs):
         engine.graphs = graphs
         torch.testing.assert_close(via_graph, eager, atol=1e-4, rtol=1e-4)
         for req in reqs:
-            sched._release(req)
+            sched.planner.release(req)
         sched.check_no_leak()
     finally:
         llm.shutdown()
@@ -212,7 +212,7 @@ def test_shared_prompts_radix_equals_naive_on_gpu(model_dirs, monkeypatch):
             outs[cache] = [o["token_ids"] for o in res]
             llm.scheduler.check_no_leak()
             if cache == "radix":
-                assert llm.scheduler.num_cached_tokens > 0
+                assert llm.scheduler.planner.num_cached_tokens > 0
         finally:
             llm.shutdown()
     assert outs["radix"] == outs["naive"]

@@ -125,7 +125,7 @@ class Recorder(BaseAttnBackend):
     def prepare(self, batch):
         self.calls.append((self.name, "prepare"))
 
-    def forward(self, q, k, v, layer_id, scale, batch):
+    def forward(self, q, layer_id, scale, batch):
         self.calls.append((self.name, "forward"))
         return q
 
@@ -147,7 +147,7 @@ def test_hybrid_dispatches_on_phase():
     for phase in ("prefill", "decode"):
         batch = Batch([req], phase)  # type: ignore[arg-type]
         hybrid.prepare(batch)
-        hybrid.forward(q, q, q, 0, 1.0, batch)
+        hybrid.forward(q, 0, 1.0, batch)
     hybrid.init_cuda_graph(4)
     hybrid.prepare_for_capture(batch)
     hybrid.prepare_for_replay(batch)

@@ -248,21 +248,39 @@ def test_cpu_tensors_take_the_torch_path():
     assert kernel.fused_ops(torch.zeros(2)) is None
 
 
+def check_norm_consumes_its_inputs(norm: RMSNorm, x: torch.Tensor, res: torch.Tensor):
+    """RMSNorm's contract on every device: x's buffer receives the normed x + res and res's
+    the sum; both are returned. -> (normed, new residual)"""
+    x1, res1 = x.clone(), res.clone()
+    out, new_res = norm(x1, res1)
+    assert out.data_ptr() == x1.data_ptr() and new_res.data_ptr() == res1.data_ptr()
+    return out, new_res
+
+
+def test_rms_norm_consumes_its_inputs_on_cpu():
+    """The torch path honours the kernels' in-place contract, with the very values of the
+    out-of-place reference (x + residual, then normed: what transformers computes)."""
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.copy_(torch.randn(64, generator=torch.Generator().manual_seed(13)))
+    gen = torch.Generator().manual_seed(14)
+    x, res = torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    out, new_res = check_norm_consumes_its_inputs(norm, x, res)
+    assert torch.equal(new_res, x + res)
+    assert torch.equal(out, rms_norm_torch(x + res, norm.weight, 1e-6))
+
+
 @pytest.mark.gpu
 def test_layers_dispatch_on_cuda(ops, monkeypatch):
-    """On CUDA RMSNorm's residual add runs in place in the kernel; the flag restores the copy."""
+    """On CUDA RMSNorm's residual add runs in the kernel; the flag restores the torch path,
+    which keeps the same in-place contract."""
     norm = RMSNorm(64, 1e-6).to(DEVICE)
     x, res = randn(3, 64, dtype=torch.float32, seed=11), randn(3, 64, dtype=torch.float32, seed=12)
     monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS", raising=False)
     assert kernel.fused_ops(x) is ops
-    x1, res1 = x.clone(), res.clone()
-    out, new_res = norm(x1, res1)
-    assert out.data_ptr() == x1.data_ptr() and new_res.data_ptr() == res1.data_ptr()
+    out, new_res = check_norm_consumes_its_inputs(norm, x, res)
     monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
     assert kernel.fused_ops(x) is None
-    x2, res2 = x.clone(), res.clone()
-    ref, ref_res = norm(x2, res2)
-    assert ref.data_ptr() != x2.data_ptr() and torch.equal(res2, res)
+    ref, ref_res = check_norm_consumes_its_inputs(norm, x, res)
     close(out, ref)
     close(new_res, ref_res)
 
@@ -275,8 +293,8 @@ def test_layers_dispatch_on_cuda(ops, monkeypatch):
 def test_model_greedy_fused_equals_torch_path(ops, model_dirs, monkeypatch, arch):
     """Whole tiny models in float32: the same greedy tokens with the fused ops as with
     MINISGL_DISABLE_FUSED_OPS=1. On CPU the interpreted kernels are forced in, which checks the
-    layers' wiring (in-place residual, qk-norm rows, rotary with the KV store, which the
-    attention backend then skips)."""
+    layers' wiring (in-place residual, qk-norm rows, rotary with the KV store, which replaces
+    the backend's store_kv)."""
     from minisgl import LLM, SamplingParams
     from minisgl.kvcache.pool import MHAKVCache
 

@@ -189,8 +189,8 @@ def test_resolve_moe_backend(monkeypatch):
 
 
 def test_moe_backend_flag():
-    assert parse_args([]).moe_backend == "auto"
-    assert parse_args(["--moe-backend", "torch"]).moe_backend == "torch"
+    assert parse_args([]).engine.moe_backend == "auto"
+    assert parse_args(["--moe-backend", "torch"]).engine.moe_backend == "torch"
     with pytest.raises(SystemExit) as e:
         parse_args(["--moe-backend", "cuda"])
     assert e.value.code == 2

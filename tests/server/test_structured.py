@@ -104,7 +104,7 @@ def workload(seed: int, long_prompts: bool) -> list[tuple[list[int], SamplingPar
 
 def run(llm: LLM, items: list[tuple[list[int], SamplingParams, Any]]) -> list[dict[str, Any]]:
     outs = llm.generate([p for p, _, _ in items], [sp for _, sp, _ in items], use_tqdm=False)
-    assert not llm.scheduler.has_work and llm.scheduler.num_constrained == 0
+    assert not llm.scheduler.has_work and llm.scheduler.grammar.num_constrained == 0
     llm.scheduler.check_no_leak()
     return outs
 
@@ -132,9 +132,9 @@ def test_mixed_batch_validates_and_leaves_free_requests_alone(
     llm = LLM(model_dir, page_size=4, max_prefill_tokens=16, num_pages=num_pages)
     items = workload(0, long_prompts)
     outs = run_and_check(llm, items)
-    assert llm.scheduler.num_cached_tokens > 0  # the shared prompt hit the prefix cache
+    assert llm.scheduler.planner.num_cached_tokens > 0  # the shared prompt hit the prefix cache
     if num_pages is not None:
-        assert llm.scheduler.num_preemptions > 0
+        assert llm.scheduler.planner.num_preemptions > 0
     # requests without a grammar come out exactly as in a run without any grammar
     free = [item for item in items if item[2] is None]
     alone = run(llm, free)
@@ -177,7 +177,7 @@ def offline(model_dir: str) -> Iterator[LLM]:
 def test_free_requests_never_touch_xgrammar(model_dir: str) -> None:
     llm = LLM(model_dir, page_size=4)
     run(llm, [([5, 6, 7], SamplingParams(max_tokens=8), None)] * 3)
-    assert llm.scheduler.grammars is None and llm.scheduler.masks is None
+    assert llm.scheduler.grammar.compiler is None and llm.scheduler.grammar.masks is None
     llm.shutdown()
 
 
@@ -221,7 +221,7 @@ def test_compiled_grammars_are_cached(offline: LLM, monkeypatch: pytest.MonkeyPa
         sched.make_request([5], SamplingParams(regex=r))
     later = sched.make_request([5], SamplingParams(regex="[ab]{2}")).grammar
     assert later is not None and later.future is not first.future
-    assert len(sched.grammars.cache) == 2  # type: ignore[union-attr]
+    assert len(sched.grammar.compiler.cache) == 2  # type: ignore[union-attr]
 
 
 def test_model_without_tokenizer_refuses_grammars(model_dirs: Any) -> None:

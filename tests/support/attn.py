@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from minisgl.attention import create_attention_backend
+from minisgl.attention import BaseAttnBackend, create_attention_backend
 from minisgl.core import Batch, Context, Req, SamplingParams, get_global_ctx, set_global_ctx
 from minisgl.kvcache import MHAKVCache
 
@@ -64,7 +64,14 @@ def run_backend(name: str, batch: Batch, q, k, v, sliding_window: int | None = N
         name, q.device, sliding_window, dtype=q.dtype, num_qo_heads=q.shape[1], kv_dtype=kv_dtype
     )
     backend.prepare(batch)
-    return backend.forward(q, k, v, 0, q.shape[-1] ** -0.5, batch)
+    return attend(backend, batch, q, k, v)
+
+
+def attend(backend: BaseAttnBackend, batch: Batch, q, k, v) -> torch.Tensor:
+    """One layer (0) of a prepared backend, as the attention layer runs it: store the new
+    tokens' k/v, then attend q to the pool."""
+    backend.store_kv(0, k, v, batch)
+    return backend.forward(q, 0, q.shape[-1] ** -0.5, batch)
 
 
 def max_diff(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -25,7 +25,7 @@ interp._patch_lang_tensor = _patch_index
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from minisgl.attention import create_attention_backend  # noqa: E402
 from minisgl.core import Batch, get_global_ctx  # noqa: E402
-from support.attn import make_problem, max_diff, run_backend  # noqa: E402
+from support.attn import attend, make_problem, max_diff, run_backend  # noqa: E402
 
 CPU = torch.device("cpu")
 TOL = 1e-4
@@ -69,7 +69,7 @@ backend.prepare_for_capture(b1)
 captured = b1.attn_metadata
 check(
     "capture batch",
-    backend.forward(q1, k1, v1, 0, 32**-0.5, b1),
+    attend(backend, b1, q1, k1, v1),
     run_backend("torch", b1, q1, k1, v1),
 )
 b2 = Batch(list(reversed(b1.reqs)), "decode")
@@ -85,7 +85,7 @@ assert b2.attn_metadata.num_splits == captured.num_splits
 q2, k2, v2 = q1.flip(0), k1.flip(0), v1.flip(0)
 check(
     "replay batch",
-    backend.forward(q2, k2, v2, 0, 32**-0.5, b2),
+    attend(backend, b2, q2, k2, v2),
     run_backend("torch", b2, q2, k2, v2),
 )
 

@@ -1,27 +1,45 @@
+from dataclasses import fields
+
 import pytest
 
+from minisgl.engine.config import EngineConfig
+from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, build_parser, parse_args
 
 
 def test_defaults():
     args = parse_args([])
     assert args == ServerArgs()
-    assert args.model is None
-    assert (args.device, args.dtype, args.tp) == ("auto", "auto", 1)
+    engine, sched = args.engine, args.scheduler
+    assert engine.model is None
+    assert (engine.device, engine.dtype, args.tp) == ("auto", "auto", 1)
     assert (args.host, args.port) == ("127.0.0.1", 1919)
-    assert (args.page_size, args.max_prefill_length, args.max_running_requests) == (16, 8192, 256)
-    assert (args.cache, args.attn, args.attn_backends) == ("radix", "auto", ("auto", "auto"))
-    assert (args.cuda_graph_max_bs, args.memory_ratio) == (256, 0.9)
-    assert (args.num_pages, args.max_model_len, args.num_tokenizer) == (None, None, 1)
-    assert (args.dummy_weights, args.shell, args.api_key) == (False, False, None)
-    assert (args.seed, args.log_level) == (0, "info")
+    assert (engine.page_size, sched.max_prefill_tokens, engine.max_running_requests) == (
+        16,
+        8192,
+        256,
+    )
+    assert (sched.cache, engine.attn, engine.attn_backends) == ("radix", "auto", ("auto", "auto"))
+    assert (engine.cuda_graph_max_bs, engine.memory_ratio) == (256, 0.9)
+    assert (engine.num_pages, engine.max_model_len, args.num_tokenizer) == (None, None, 1)
+    assert (engine.dummy_weights, args.shell, args.api_key) == (False, False, None)
+    assert (engine.seed, args.log_level) == (0, "info")
     assert (args.max_queued_requests, args.request_timeout) == (None, None)
     assert (args.max_request_bytes, args.shutdown_timeout) == (16 * 2**20, 30.0)
 
 
 def test_parser_defaults_match_dataclass():
-    # One source of truth: the dataclass defaults feed the parser.
-    assert ServerArgs(**vars(build_parser().parse_args([]))) == ServerArgs()
+    # One source of truth: every option field is a flag, its default the dataclass default.
+    parsed = vars(build_parser().parse_args([]))
+    options = {}
+    for config in (EngineConfig(), SchedulerConfig(), ServerArgs()):
+        options |= {f.name: getattr(config, f.name) for f in fields(config) if "help" in f.metadata}
+    assert parsed == options
+
+
+def test_old_flag_names_still_work():
+    assert parse_args(["--max-prefill-length", "512"]).scheduler.max_prefill_tokens == 512
+    assert parse_args(["--max-prefill-tokens", "512"]).scheduler.max_prefill_tokens == 512
 
 
 def test_all_flags():
@@ -33,35 +51,37 @@ def test_all_flags():
         "--seed 42 --log-level DEBUG --max-queued-requests 64 --request-timeout 2.5 "
         "--max-request-bytes 1000 --shutdown-timeout 0".split()
     )
-    assert args == ServerArgs(
+    engine = EngineConfig(
         model="/m",
         device="cpu",
         dtype="bfloat16",
-        tp=2,
-        host="0.0.0.0",
-        port=8000,
         page_size=1,
-        max_prefill_length=512,
         max_running_requests=8,
-        cache="naive",
         attn="fi,triton",
         moe_backend="torch",
         cuda_graph_max_bs=0,
         memory_ratio=1.0,
         num_pages=100,
         max_model_len=2048,
-        num_tokenizer=2,
         dummy_weights=True,
+        seed=42,
+    )
+    assert args == ServerArgs(
+        engine,
+        SchedulerConfig(max_prefill_tokens=512, cache="naive"),
+        tp=2,
+        host="0.0.0.0",
+        port=8000,
+        num_tokenizer=2,
         shell=True,
         api_key="sk-1",
-        seed=42,
         log_level="debug",
         max_queued_requests=64,
         request_timeout=2.5,
         max_request_bytes=1000,
         shutdown_timeout=0.0,
     )
-    assert args.attn_backends == ("fi", "triton")
+    assert args.engine.attn_backends == ("fi", "triton")
 
 
 @pytest.mark.parametrize(
@@ -76,11 +96,12 @@ def test_all_flags():
     ],
 )
 def test_attn_values(value, backends):
-    assert parse_args(["--attn", value]).attn_backends == backends
+    assert parse_args(["--attn", value]).engine.attn_backends == backends
+    assert EngineConfig(attn=value).attn_backends == backends  # LLM(attn=...) alike
 
 
 def test_hub_id_model():
-    assert parse_args(["--model", "Qwen/Qwen3-0.6B"]).model == "Qwen/Qwen3-0.6B"
+    assert parse_args(["--model", "Qwen/Qwen3-0.6B"]).engine.model == "Qwen/Qwen3-0.6B"
 
 
 @pytest.mark.parametrize(
@@ -95,6 +116,7 @@ def test_hub_id_model():
         ("--port", "http"),
         ("--page-size", "0"),
         ("--max-prefill-length", "0"),
+        ("--max-prefill-tokens", "0"),
         ("--max-running-requests", "-1"),
         ("--cache", "lru"),
         ("--attn", "flash"),
@@ -110,6 +132,8 @@ def test_hub_id_model():
         ("--memory-ratio", "lots"),
         ("--num-pages", "0"),
         ("--max-model-len", "0"),
+        ("--max-model-len", "1"),
+        ("--cpu-kv-cache-mb", "0"),
         ("--num-tokenizer", "0"),
         ("--seed", "x"),
         ("--log-level", "verbose"),
@@ -152,4 +176,16 @@ def test_help_exits_0(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--help"])
     assert exc.value.code == 0
-    assert "--max-prefill-length" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--max-prefill-length" in out
+    for config in (EngineConfig, SchedulerConfig, ServerArgs):
+        for f in fields(config):
+            if "help" in f.metadata:
+                assert "--" + f.name.replace("_", "-") in out
+
+
+def test_llm_takes_the_option_names():
+    from minisgl import LLM
+
+    with pytest.raises(TypeError, match="unknown option.*max_prefill_length"):
+        LLM("unused", page_size=4, max_prefill_length=512)  # the flag's alias is no keyword

@@ -57,14 +57,14 @@ def auto_backend(
 
 
 def create_attention_backend(
-    name: str,
+    name: str | tuple[str, str],  # as --attn reads, or (prefill, decode) already parsed
     device: torch.device,
     sliding_window: int | None = None,
     dtype: torch.dtype | None = None,  # the model's; None: unknown (auto assumes 16-bit)
     num_qo_heads: int | None = None,  # query heads on this rank; fi needs it to plan
     kv_dtype: torch.dtype | None = None,  # the KV pool's, when it differs from dtype
 ) -> BaseAttnBackend:
-    prefill, decode = parse_attn(name)
+    prefill, decode = parse_attn(name) if isinstance(name, str) else name
     if prefill == "auto":
         prefill = decode = auto_backend(device, dtype, sliding_window, kv_dtype)
     if "fi" in (prefill, decode) and kv_dtype is not None and kv_dtype.itemsize != 2:

@@ -1,18 +1,32 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TypeVar
 
 import torch
 
-from minisgl.core import Batch
+from minisgl.core import Batch, get_global_ctx
+
+M = TypeVar("M", bound="AttnMetadata")
+
+
+class AttnMetadata:
+    """Base of each backend's per-batch metadata, which its `prepare` puts in
+    `batch.attn_metadata` and its `forward` reads back through `of`."""
+
+    @classmethod
+    def of(cls: type[M], batch: Batch) -> M:
+        md = batch.attn_metadata
+        assert isinstance(md, cls), f"{cls.__name__} expected, the batch holds {type(md).__name__}"
+        return md
 
 
 class BaseAttnBackend(ABC):
     """Paged attention over the context's KV pool. `prepare` runs once per batch and stores its
-    metadata in `batch.attn_metadata`; `forward` runs once per layer and also writes the new
-    tokens' k/v into the pool at `batch.out_loc`, unless k = v = None: then the layer's own
-    kernel already wrote them there (the fused RoPE + KV store on CUDA) and the backend reads
-    the new tokens' K/V from the pool like the cached ones.
+    metadata in `batch.attn_metadata`. Per layer, the attention layer first writes the new
+    tokens' K/V into the pool at `batch.out_loc` (`store_kv`, or the fused RoPE + store kernel,
+    which writes the same slots), then `forward` attends q to the pool, new tokens included:
+    it only reads the pool.
 
     CUDA graphs (decode only): `init_cuda_graph(max_bs)` once, then per captured batch size
     `prepare_for_capture(batch)` (outside the capture) before capturing the forward, and
@@ -26,12 +40,16 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def prepare(self, batch: Batch) -> None: ...
 
+    def store_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> None:
+        """Write the new tokens' k, v [num_tokens, num_kv_heads, head_dim] into the pool at
+        `batch.out_loc` (cast to the pool's dtype). Every backend reads the pool's layout."""
+        assert batch.out_loc is not None
+        get_global_ctx().kv_cache.store(layer_id, batch.out_loc, k, v)
+
     @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: already stored
-        v: torch.Tensor | None,
         layer_id: int,
         scale: float,
         batch: Batch,

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.base import AttnMetadata, BaseAttnBackend
 from minisgl.core import Batch, get_global_ctx
 
 WORKSPACE_BYTES = 256 << 20  # split-KV partial results; shared by every wrapper
@@ -23,8 +24,8 @@ INT_WORKSPACE_BYTES = 8 << 20  # plan metadata; shared too (each plan precedes i
 
 
 @dataclass
-class FiAttnMetadata:
-    wrapper: object  # the planned flashinfer wrapper this batch runs
+class FiAttnMetadata(AttnMetadata):
+    wrapper: Any  # the planned flashinfer wrapper this batch runs
     sm_scale: float
 
 
@@ -91,21 +92,11 @@ class FlashInferAttnBackend(BaseAttnBackend):
         else:
             self._plan_prefill(batch)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer_id: int,
-        scale: float,
-        batch: Batch,
-    ) -> torch.Tensor:
-        md: FiAttnMetadata = batch.attn_metadata
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
+        md = FiAttnMetadata.of(batch)
         if not math.isclose(scale, md.sm_scale, rel_tol=1e-6):
             raise ValueError(f"fi backend planned softmax scale {md.sm_scale}, layer gave {scale}")
         kv_cache = get_global_ctx().kv_cache
-        if k is not None:  # None: the layer stored them
-            kv_cache.store(layer_id, batch.out_loc, k, v)
         if q.stride(-1) != 1:
             q = q.contiguous()
         paged_kv = (kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id))

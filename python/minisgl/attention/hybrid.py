@@ -20,16 +20,8 @@ class HybridAttnBackend(BaseAttnBackend):
     def prepare(self, batch: Batch) -> None:
         self._for(batch).prepare(batch)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer_id: int,
-        scale: float,
-        batch: Batch,
-    ) -> torch.Tensor:
-        return self._for(batch).forward(q, k, v, layer_id, scale, batch)
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
+        return self._for(batch).forward(q, layer_id, scale, batch)
 
     # CUDA graphs capture decode batches only
     def init_cuda_graph(self, max_bs: int) -> None:

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.base import AttnMetadata, BaseAttnBackend
 from minisgl.core import Batch, get_global_ctx
 
 
 @dataclass
-class TorchAttnMetadata:
+class TorchAttnMetadata(AttnMetadata):
     kv_slots: torch.Tensor  # [B, max_kv_len] KV slot of each position (garbage where masked)
     mask: torch.Tensor  # [B, 1, max_q_len, max_kv_len] True where attention is allowed
     q_index: torch.Tensor  # [num_tokens] row of each token in the flattened [B * max_q_len]
@@ -50,19 +50,9 @@ class TorchAttnBackend(BaseAttnBackend):
         q_index = torch.nonzero(q_valid.flatten()).squeeze(1)
         batch.attn_metadata = TorchAttnMetadata(kv_slots, mask.unsqueeze(1), q_index, max_q)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer_id: int,
-        scale: float,
-        batch: Batch,
-    ) -> torch.Tensor:
-        md: TorchAttnMetadata = batch.attn_metadata
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
+        md = TorchAttnMetadata.of(batch)
         kv_cache = get_global_ctx().kv_cache
-        if k is not None:  # None: the layer stored them
-            kv_cache.store(layer_id, batch.out_loc, k, v)
         # [B, Hk, L, D], in q's dtype (an fp8 pool is widened, as the kernels do)
         keys = kv_cache.k_flat(layer_id)[md.kv_slots].transpose(1, 2).to(q.dtype)
         values = kv_cache.v_flat(layer_id)[md.kv_slots].transpose(1, 2).to(q.dtype)

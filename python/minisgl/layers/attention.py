@@ -3,30 +3,63 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.core import get_global_ctx
+from minisgl import kernel
+from minisgl.core import Batch, get_global_ctx
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
 
 
 class AttentionLayer(nn.Module):
-    """Hands q/k/v to the context's attention backend, which also writes k/v to the KV pool;
-    a layer whose kernel already wrote them (`kv_destination`) passes k = v = None."""
+    """One layer's paged attention: RoPE on the new tokens' q and k (after the per-head q/k
+    RMSNorm when given: Qwen3), k and v written to the KV pool, then the context's backend
+    attends q to the pool, the new tokens included."""
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        layer_id: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None,
+    ) -> None:
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.layer_id, self.head_dim, self.scale = layer_id, head_dim, head_dim**-0.5
+        # held, not registered: the model owns them (one rotary for every layer)
+        self.rotary, self.qk_norm = [rotary], qk_norm
 
-    def kv_destination(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(K pool, V pool) of this layer as [slots, kv_heads, head_dim] and the current batch's
-        write slots `out_loc` [T]: where a fused kernel puts this forward's k/v."""
-        ctx = get_global_ctx()
-        kv_cache = ctx.kv_cache
-        return kv_cache.k_flat(self.layer_id), kv_cache.v_flat(self.layer_id), ctx.batch.out_loc
+    def rope_store_kv(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: Batch,
+    ) -> torch.Tensor:
+        """(q/k norm,) RoPE and the K/V write of q, k, v [T, heads, head_dim] -> the rotated q.
+        With the fused ops one kernel does it all (q rotated in place, k and v straight into
+        the pool at `batch.out_loc`); otherwise the torch references, then the backend's
+        `store_kv`."""
+        ctx, cos_sin, norms = get_global_ctx(), self.rotary[0].cos_sin, self.qk_norm
+        if (ops := kernel.fused_ops(q)) is not None:
+            assert batch.out_loc is not None
+            qk_norm = None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
+            k_pool, v_pool = ctx.kv_cache.k_flat(self.layer_id), ctx.kv_cache.v_flat(self.layer_id)
+            ops.rotary_store_kv(q, k, v, cos_sin, positions, k_pool, v_pool, batch.out_loc, qk_norm)
+            return q
+        if norms is not None:
+            q, k = norms[0].norm(q), norms[1].norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        ctx.attn_backend.store_kv(self.layer_id, k, v, batch)
+        return q
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        """q [T, heads * head_dim], k and v [T, kv_heads * head_dim] (views of the QKV
+        projection's output, which the fused path rotates in place) -> [T, heads * head_dim]."""
         ctx = get_global_ctx()
-        return ctx.attn_backend.forward(q, k, v, self.layer_id, self.scale, ctx.batch)
+        batch = ctx.batch
+        assert batch is not None
+        q, k, v = (x.unflatten(-1, (-1, self.head_dim)) for x in (q, k, v))
+        q = self.rope_store_kv(positions, q, k, v, batch)
+        out = ctx.attn_backend.forward(q, self.layer_id, self.scale, batch)
+        return out.flatten(1)

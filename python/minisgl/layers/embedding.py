@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
-from minisgl.layers.linear import copy_checked, linear, narrow
+from minisgl.layers.linear import copy_checked, linear, narrow, set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -20,7 +20,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-vocab_size // tp.size)  # ceil: the last shard is zero-padded
         self.vocab_start = tp.rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.load_weight
+        set_weight_loader(self.weight, self.load_weight)
 
     def load_weight(self, param: nn.Parameter, loaded: Any) -> None:
         size = max(0, min(self.shard_size, self.vocab_size - self.vocab_start))

@@ -4,6 +4,7 @@ than its shard)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +13,18 @@ from torch import nn
 
 from minisgl import kernel
 from minisgl.distributed import all_reduce, divide, get_tp_info
+
+# (param, loaded[, shard id]): copies this rank's part of a checkpoint tensor into param
+WeightLoader = Callable[..., None]
+_WEIGHT_LOADER = "weight_loader"  # the parameter attribute that holds its WeightLoader
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    setattr(param, _WEIGHT_LOADER, loader)
+
+
+def get_weight_loader(param: nn.Parameter) -> WeightLoader:
+    return getattr(param, _WEIGHT_LOADER)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,6 +63,11 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
+    def set_loaders(self, weight_loader: WeightLoader, bias_loader: WeightLoader) -> None:
+        set_weight_loader(self.weight, weight_loader)
+        if self.bias is not None:
+            set_weight_loader(self.bias, bias_loader)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
@@ -57,9 +75,7 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
-        self.weight.weight_loader = load_replicated
-        if self.bias is not None:
-            self.bias.weight_loader = load_replicated
+        self.set_loaders(load_replicated, load_replicated)
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -69,9 +85,7 @@ class MergedColumnParallelLinear(LinearBase):
         tp = get_tp_info()
         self.local_sizes = [divide(n, tp.size, "output features") for n in out_sizes]
         super().__init__(in_features, sum(self.local_sizes), bias)
-        self.weight.weight_loader = self.load_shard
-        if self.bias is not None:
-            self.bias.weight_loader = self.load_shard
+        self.set_loaders(self.load_shard, self.load_shard)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
         size = self.local_sizes[shard_id]
@@ -100,9 +114,7 @@ class QKVParallelLinear(LinearBase):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
-        self.weight.weight_loader = self.load_shard
-        if self.bias is not None:
-            self.bias.weight_loader = self.load_shard
+        self.set_loaders(self.load_shard, self.load_shard)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: str) -> None:
         if shard_id == "q":
@@ -117,12 +129,9 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial sums all-reduced, bias added once after."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(
-            divide(in_features, get_tp_info().size, "input features"), out_features, bias
-        )
-        self.weight.weight_loader = self.load_weight
-        if self.bias is not None:
-            self.bias.weight_loader = load_replicated
+        in_features = divide(in_features, get_tp_info().size, "input features")
+        super().__init__(in_features, out_features, bias)
+        self.set_loaders(self.load_weight, load_replicated)
 
     def load_weight(self, param: nn.Parameter, loaded: Any) -> None:
         size = param.shape[1]

@@ -11,7 +11,7 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.layers.activation import silu_and_mul
-from minisgl.layers.linear import ReplicatedLinear, copy_checked, narrow
+from minisgl.layers.linear import ReplicatedLinear, copy_checked, narrow, set_weight_loader
 
 
 class FusedExperts(nn.Module):
@@ -23,8 +23,8 @@ class FusedExperts(nn.Module):
         i = self.local_inter
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
-        self.w13.weight_loader = self.load_w13
-        self.w2.weight_loader = self.load_w2
+        set_weight_loader(self.w13, self.load_w13)
+        set_weight_loader(self.w2, self.load_w2)
 
     def load_w13(self, param: nn.Parameter, loaded: Any, shard_id: tuple[int, int]) -> None:
         expert, which = shard_id  # which: 0 = gate_proj, 1 = up_proj

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from minisgl import kernel
-from minisgl.layers.linear import load_replicated
+from minisgl.layers.linear import load_replicated, set_weight_loader
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -16,16 +16,14 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; `forward(x, residual)` fuses the residual add and returns (normed, new_residual).
-    On CUDA the Triton kernels run (kernel/fused.py) and the fused add works in place: x's
-    buffer receives the normed output and residual's the new residual, so callers must not
-    reuse the tensors they passed in (the decoder layers never do)."""
+    """RMSNorm with the residual add fused in: on CUDA the Triton kernels (kernel/fused.py),
+    elsewhere the torch reference, with one in-place contract on every device (`forward`)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.weight.weight_loader = load_replicated
+        set_weight_loader(self.weight, load_replicated)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, N] or [T, heads, N] (Qwen3's q/k norm) -> a new normed tensor."""
@@ -36,10 +34,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (normed, new residual). Without a residual, x is only read and is the new residual.
+        With one, x and residual are consumed: residual's buffer receives x + residual and x's
+        the normed sum, and both are returned; callers must not reuse what they passed in."""
         if residual is None:
             return self.norm(x), x
         if (ops := kernel.fused_ops(x)) is not None:
             ops.add_rms_norm_(x, residual, self.weight, self.eps)
-            return x, residual
-        x = x + residual
-        return rms_norm_torch(x, self.weight, self.eps), x
+        else:  # residual + x is bit for bit x + residual, so CPU results stay transformers'
+            residual.add_(x)
+            x.copy_(rms_norm_torch(residual, self.weight, self.eps))
+        return x, residual

@@ -44,11 +44,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin: torch.Tensor  # [max_position, head_dim]: cos in the first half, sin in the second
+
     def __init__(self, cfg: RopeConfig) -> None:
         super().__init__()
         positions = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq(cfg)[None, :]
-        # [max_position, head_dim]: cos in the first half, sin in the second
         self.register_buffer(
             "cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False
         )
@@ -56,7 +57,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> rotated copies: the torch path. With fused ops the
+        """q [T, Hq, D], k [T, Hk, D] -> rotated copies: the torch path. With the fused ops the
         attention layer runs kernel/fused.py's rotary_store_kv on `cos_sin` instead."""
         return rope_torch(q, k, self.cos_sin, positions)
 

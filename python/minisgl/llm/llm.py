@@ -10,11 +10,12 @@ from tqdm import tqdm
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import destroy_tp, free_port, get_tp_info
-from minisgl.engine import Engine, EngineConfig
+from minisgl.engine import EngineConfig
 from minisgl.engine.engine import check_tp
 from minisgl.models import resolve_model_path
-from minisgl.models.hf import eos_token_ids, load_tokenizer
 from minisgl.scheduler import Scheduler, SchedulerConfig
+from minisgl.scheduler.io import build_scheduler, run_follower
+from minisgl.utils.options import split_options
 from minisgl.utils.procs import wait_ready
 
 Prompt = str | list[int]
@@ -23,45 +24,33 @@ Prompt = str | list[int]
 class LLM:
     """`LLM(model).generate(prompts, SamplingParams(...))` -> [{"text", "token_ids", ...}].
     `model`: a directory, a .gguf file or a hub id; None: the embedded SmolLM2 GGUF.
-    `tp=N`: shard the model over N processes (this one is rank 0; `shutdown` ends the rest)."""
+    `tp=N`: shard the model over N processes (this one is rank 0; `shutdown` ends the rest).
+    `options`: the fields of EngineConfig and SchedulerConfig (the flags of `python -m minisgl`:
+    `page_size=4` is `--page-size 4`); TypeError for any other keyword."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tp: int = 1,
-        max_prefill_tokens: int = 8192,
-        cache: str = "radix",
-        **engine_kwargs: Any,
-    ) -> None:
+    def __init__(self, model: str | None = None, *, tp: int = 1, **options: Any) -> None:
+        engine_options, sched_options = split_options(options, EngineConfig, SchedulerConfig)
         if model is None:
             from minisgl.models.gguf import announce_default_model
 
             model = announce_default_model()
         if get_tp_info().size > 1:
             raise RuntimeError("another LLM with tp > 1 is running in this process: shut it down")
-        config = EngineConfig(model=model, **engine_kwargs)
-        sched_config = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, cache=cache)  # type: ignore[arg-type]
+        config = EngineConfig(model=model, **engine_options)
+        sched_config = SchedulerConfig(**sched_options)
         self.workers: list[Any] = []  # TP ranks 1..N-1
         if tp == 1:
-            self.engine = Engine(config)
-            self.tokenizer = load_tokenizer(self.engine.model_path)
-            cfg_eos = self.engine.model_config.eos_token_ids
-            eos = eos_token_ids(self.engine.model_path, cfg_eos, self.tokenizer)
-            self.scheduler = Scheduler(self.engine, sched_config, eos, self.tokenizer)
+            self.scheduler = build_scheduler(config, sched_config, rank=0, tp=1, port=0)
         else:
+            config.model = resolve_model_path(model)  # download once, before the other ranks
             self.scheduler = self._start_tp(config, sched_config, tp)
-            self.engine = self.scheduler.engine
-            self.tokenizer = load_tokenizer(self.engine.model_path)
             atexit.register(self.shutdown)  # the other ranks wait for rank 0's word to stop
+        self.engine, self.tokenizer = self.scheduler.engine, self.scheduler.tokenizer
 
     def _start_tp(self, config: EngineConfig, sched_config: SchedulerConfig, tp: int) -> Scheduler:
         import multiprocessing as mp
 
-        from minisgl.scheduler.io import build_scheduler, run_follower
-
         check_tp(config, tp)  # before any process starts
-        config.model = resolve_model_path(config.model)  # download once
         port, ctx = free_port(), mp.get_context("spawn")
         conns = []
         for rank in range(1, tp):

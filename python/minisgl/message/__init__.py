@@ -1,5 +1,6 @@
 """Typed messages between the server's processes, (de)serialised with msgpack by `encode` and
-`decode`. Flow: api server -> tokenizer -> scheduler -> detokenizer -> api server."""
+`decode`. Flow: api server -> tokenizer -> scheduler -> detokenizer -> api server;
+scheduler rank 0 -> ranks > 0 with tensor parallelism."""
 
 from minisgl.message.backend import AbortBackendMsg, BatchBackendMsg, ExitMsg, UserMsg
 from minisgl.message.base import decode, encode, register
@@ -11,6 +12,7 @@ from minisgl.message.detokenizer import (
 )
 from minisgl.message.frontend import BatchFrontendMsg, UserReply
 from minisgl.message.tokenizer import AbortMsg, TokenizeMsg
+from minisgl.message.tp import TPAddMsg, TPStepMsg
 
 __all__ = [
     "AbortBackendMsg",
@@ -23,6 +25,8 @@ __all__ = [
     "SchedulerStats",
     "ExitMsg",
     "TokenizeMsg",
+    "TPAddMsg",
+    "TPStepMsg",
     "UserMsg",
     "UserReply",
     "decode",

@@ -50,7 +50,6 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         max_pos = getattr(hf, "max_position_embeddings", 4096)
         rope = RopeConfig(head_dim=head_dim, max_position=max_pos, **_rope_args(hf))
-        is_qwen3 = arch.startswith("Qwen3")
         window = getattr(hf, "sliding_window", None)
         if arch.startswith("Qwen") and not getattr(hf, "use_sliding_window", False):
             window = None
@@ -69,7 +68,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=arch.startswith("Qwen2") or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=is_qwen3,
+            qk_norm=arch.startswith("Qwen3"),
             sliding_window=window,
             moe=_moe_config(hf) if arch == "Qwen3MoeForCausalLM" else None,
             eos_token_ids=_as_tuple(eos),

@@ -142,12 +142,8 @@ def hf_name(name: str) -> str:
 def unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order for Llama: within each head it interleaves the rows of
     the two rotary halves (pairs for its 'normal' rope); HF keeps the halves apart."""
-    rows = w.shape[0]
-    return (
-        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
-        .transpose(1, 2)
-        .reshape(w.shape)
-    )
+    halves = (num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:])
+    return w.reshape(halves).transpose(1, 2).reshape(w.shape)
 
 
 def _field(reader: Any, key: str) -> Any:

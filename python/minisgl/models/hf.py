@@ -4,6 +4,7 @@ the tokenizer and the end-of-sequence ids."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -25,7 +26,7 @@ def load_tokenizer(model_path: str) -> Any | None:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def eos_token_ids(model_path: str, config_ids: list[int], tokenizer: Any | None) -> set[int]:
+def eos_token_ids(model_path: str, config_ids: Iterable[int], tokenizer: Any | None) -> set[int]:
     """EOS ids from the model config (`config_ids`), generation_config.json and the tokenizer."""
     ids = set(config_ids)
     try:

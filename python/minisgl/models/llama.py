@@ -25,35 +25,17 @@ class Attention(nn.Module):
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias
         )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        qk_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
-        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
-        qkv = self.qkv_proj
-        self.attn = AttentionLayer(layer_id, qkv.num_heads, qkv.num_kv_heads, cfg.head_dim)
+            qk_norm = (self.q_norm, self.k_norm)
+        self.attn = AttentionLayer(layer_id, cfg.head_dim, rotary, qk_norm)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
         p = self.qkv_proj
-        q, k, v = qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1)
-        q = q.view(-1, p.num_heads, p.head_dim)
-        k = k.view(-1, p.num_kv_heads, p.head_dim)
-        v = v.view(-1, p.num_kv_heads, p.head_dim)
-        if (ops := kernel.fused_ops(q)) is not None:
-            # one kernel for (q-norm, k-norm,) RoPE and the K/V store, which the backend skips
-            qk_norm = None
-            if self.qk_norm:
-                qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            cos_sin = self.rotary[0].cos_sin
-            ops.rotary_store_kv(q, k, v, cos_sin, positions, *self.attn.kv_destination(), qk_norm)
-            out = self.attn(q, None, None)
-        else:
-            if self.qk_norm:
-                q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-            q, k = self.rotary[0](positions, q, k)
-            out = self.attn(q, k, v)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        q, k, v = p(x).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        return self.o_proj(self.attn(positions, q, k, v))
 
 
 class MLP(nn.Module):

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from minisgl.layers.linear import get_weight_loader
+
 # checkpoint name fragment -> (our fragment, shard id) for weights we merge into one matmul
 _STACKED = {
     ".q_proj.": (".qkv_proj.", "q"),
@@ -55,9 +57,9 @@ def map_checkpoint_name(name: str) -> tuple[str, Any]:
         expert = int(m.group(1))
         shard = expert if which is None else (expert, which)
         return name[: m.start()] + f".experts.{target}", shard
-    for old, (new, shard) in _STACKED.items():
+    for old, (new, shard_id) in _STACKED.items():
         if old in name:
-            return name.replace(old, new), shard
+            return name.replace(old, new), shard_id
     return name, None
 
 
@@ -91,7 +93,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> None:
         if name not in params:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter")
         param = params[name]
-        loader = param.weight_loader
+        loader = get_weight_loader(param)
         with torch.no_grad():
             loader(param, loaded) if shard is None else loader(param, loaded, shard)
         missing.discard(name)

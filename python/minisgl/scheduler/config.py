@@ -1,18 +1,25 @@
-"""What the scheduler is asked to do: the token budget of a prefill step and the prefix cache."""
+"""What the scheduler is asked to do: the token budget of a prefill step and the prefix cache.
+Every field is an option (utils/options.py), like EngineConfig's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
+from minisgl.utils.options import check_options, int_range, option
+
 
 @dataclass
 class SchedulerConfig:
-    max_prefill_tokens: int = 8192
-    cache: Literal["radix", "naive"] = "radix"
+    max_prefill_tokens: int = option(
+        8192,
+        "max prompt tokens computed in one prefill step (longer prompts are chunked)",
+        type=int_range(1),
+        aliases=["--max-prefill-length"],  # its name before it took SGLang's
+    )
+    cache: Literal["radix", "naive"] = option(
+        "radix", "prefix cache (naive: no prefix sharing)", choices=["radix", "naive"]
+    )
 
     def __post_init__(self) -> None:
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"invalid max_prefill_tokens: {self.max_prefill_tokens}")
-        if self.cache not in ("radix", "naive"):
-            raise ValueError(f"invalid cache {self.cache!r}: expected radix or naive")
+        check_options(self)

@@ -5,6 +5,7 @@ grammars are cached by their text), so compilation overlaps with the wait and th
 step that samples a constrained request fills that request's row of a token bitmask on the host
 (xgrammar, several threads) and the engine applies it to the logits on the device (xgrammar's
 kernel) before sampling, outside any CUDA graph. Requests without a grammar touch none of this.
+`GrammarState` is all the scheduler sees of it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl.core import SamplingParams
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.sample import TokenMask
 
 if TYPE_CHECKING:
     import xgrammar
@@ -153,3 +155,54 @@ class MaskBuilder:
         bitmask = self.bitmask[:batch_size]
         self.filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask
+
+
+class GrammarState:
+    """The scheduler's side of structured generation: the compiler and the bitmask, each built
+    on first use (a server whose clients never ask for a grammar never loads xgrammar), and the
+    count of admitted constrained requests (0 skips every grammar check)."""
+
+    def __init__(self, vocab_size: int, max_rows: int, pin: bool) -> None:
+        self.vocab_size, self.max_rows, self.pin = vocab_size, max_rows, pin
+        self.compiler: GrammarCompiler | None = None
+        self.masks: MaskBuilder | None = None
+        self.num_constrained = 0
+
+    def constraint(
+        self, params: SamplingParams, tokenizer: Any, stop_token_ids: set[int]
+    ) -> Constraint | None:
+        """The request's constraint, compiling on the worker thread from now on, or None."""
+        key = grammar_key(params)
+        if key is None:
+            return None
+        if self.compiler is None:
+            self.compiler = GrammarCompiler(tokenizer, self.vocab_size, sorted(stop_token_ids))
+        return Constraint(self.compiler.compile(key))
+
+    def applies(self, batch: Batch) -> bool:
+        return self.num_constrained > 0 and any(r.grammar is not None for r in batch.reqs)
+
+    def mask(
+        self, reqs: list[Req], samples: list[bool]
+    ) -> tuple[TokenMask | None, list[tuple[Req, str]]]:
+        """The token bitmask of the requests that sample under a grammar (waiting for those
+        still compiling), and (request, error) for each whose grammar failed."""
+        matchers, rows, failed = [], [], []
+        for i, (req, sampled) in enumerate(zip(reqs, samples)):
+            if not sampled or req.grammar is None or req.finished:
+                continue
+            try:
+                matchers.append(req.grammar.wait())
+            except GrammarError as e:
+                failed.append((req, str(e)))
+                continue
+            rows.append(i)
+        if not rows:
+            return None, failed
+        if self.masks is None:
+            self.masks = MaskBuilder(self.max_rows, self.vocab_size, self.pin)
+        return TokenMask(self.masks.fill(matchers, rows, len(reqs)), rows), failed
+
+    def shutdown(self) -> None:
+        if self.compiler is not None:
+            self.compiler.shutdown()

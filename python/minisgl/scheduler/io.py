@@ -39,13 +39,11 @@ class SchedulerServer:
         self.last_stats = 0.0
 
     def stats(self) -> SchedulerStats:
-        s, cache = self.scheduler, self.scheduler.cache
-        admitted = s.running + ([s.prefilling] if s.prefilling else [])
-        # pages a request allocated itself (its first ones belong to the prefix cache)
-        owned = sum(len(r.pages) - r.cache_handle.length // s.page_size for r in admitted)
+        s, cache = self.scheduler.planner, self.scheduler.cache
+        owned = len(s.owned_pages())
         free, cached = cache.allocator.num_free, cache.prefix_cache.num_pages
         return SchedulerStats(
-            running=len(admitted),
+            running=len(s.admitted()),
             waiting=len(s.waiting),
             total_pages=cache.num_pages,
             free_pages=free,

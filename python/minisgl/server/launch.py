@@ -1,5 +1,5 @@
 """`python -m minisgl`: start the scheduler, detokenizer and tokenizer processes, wait until
-each is ready, then serve HTTP (or the shell) in this process. Any child that dies takes the
+each is ready, then run the front end (HTTP, or the shell: `__main__` chooses) in this process. Any child that dies takes the
 whole server down with a non-zero exit (in-flight requests get an error first); on exit every
 child is stopped. SIGTERM drains in-flight requests for up to --shutdown-timeout seconds."""
 
@@ -14,11 +14,15 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from minisgl.server.args import ServerArgs
 from minisgl.utils.procs import die_with_parent, wait_ready
+
+if TYPE_CHECKING:
+    from minisgl.server.frontend import Frontend
 
 logger = logging.getLogger("minisgl")
 
@@ -40,28 +44,6 @@ class Addresses:
             ipc("api"),
             [ipc(f"tokenizer{i}") for i in range(num_tokenizer)],
         )
-
-
-def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
-    from minisgl.engine import EngineConfig
-
-    config = EngineConfig(
-        model=args.model,  # type: ignore[arg-type]
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        page_size=args.page_size,
-        max_running_requests=args.max_running_requests,
-        max_model_len=args.max_model_len,
-        num_pages=args.num_pages,
-        memory_ratio=args.memory_ratio,
-        attn=args.attn,
-        moe_backend=args.moe_backend,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        dummy_weights=args.dummy_weights,
-        seed=args.seed,
-    )
-    return {"config": config}
 
 
 class Terminated(BaseException):
@@ -92,6 +74,7 @@ class Launcher:
         self.procs: list[Any] = []
         self.stopping = False
         self.child_died: str | None = None
+        self.info: dict[str, Any] = {}  # what the scheduler reported once ready (max_seq_len)
         # called (from the watcher thread) with the reason when a child dies; None: SIGTERM self
         self.on_child_death: Any = None
 
@@ -105,20 +88,17 @@ class Launcher:
         self.procs.append(proc)
         return parent
 
-    def start(self) -> dict[str, Any]:
+    def start(self) -> None:
         from minisgl.distributed import free_port
         from minisgl.engine.engine import check_tp
         from minisgl.models.weight import resolve_model_path
-        from minisgl.scheduler.config import SchedulerConfig
         from minisgl.scheduler.io import run_follower, run_scheduler_process
         from minisgl.tokenizer.server import run_detokenizer, run_tokenizer
 
         args, a = self.args, self.addrs
-        kwargs = engine_kwargs(args)  # a bad flag combination fails before any download
-        model_path = resolve_model_path(args.model)  # download once, before the children start
-        kwargs["config"].model = model_path
-        sched_cfg = SchedulerConfig(max_prefill_tokens=args.max_prefill_length, cache=args.cache)  # type: ignore[arg-type]
-        config = kwargs["config"]
+        assert args.engine.model is not None  # __main__ resolves the default model
+        model_path = resolve_model_path(args.engine.model)  # download once, before the children
+        config, sched_cfg = replace(args.engine, model=model_path), args.scheduler
         port = 0
         if args.tp > 1:
             check_tp(config, args.tp)  # before any process starts
@@ -157,12 +137,10 @@ class Launcher:
             for rank in range(1, args.tp)
         ]
         # followers say hello first, then ready once built (rank 0 is ready only after them)
-        info: dict[str, Any] = {}
         for payload in wait_ready(waits + followers, self.procs):
-            info.update(payload or {})
+            self.info.update(payload or {})
         wait_ready(followers, self.procs[len(waits) :])
         threading.Thread(target=self._watch, daemon=True).start()
-        return info
 
     def _watch(self) -> None:
         """Stop the server when any child dies, instead of hanging its clients."""
@@ -193,7 +171,9 @@ class Launcher:
         shutil.rmtree(os.path.dirname(self.addrs.api.removeprefix("ipc://")), ignore_errors=True)
 
 
-def launch_server(args: ServerArgs) -> int:
+def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], int]) -> int:
+    """Start the children, run `front_end` (`serve_http`, or the shell) until it returns or
+    SIGTERM, then stop the children; the exit code."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -202,19 +182,13 @@ def launch_server(args: ServerArgs) -> int:
     launcher = Launcher(args)
     try:
         try:
-            info = launcher.start()
+            launcher.start()
         except (RuntimeError, ValueError) as e:
             print(f"minisgl: {e}", file=sys.stderr)
             return 1
         from minisgl.server.frontend import Frontend
 
-        frontend = Frontend(launcher.addrs.tokenizers, launcher.addrs.api)
-        if args.shell:
-            from minisgl.shell import run_shell
-
-            code = run_shell(frontend, info)
-        else:
-            code = _serve(args, launcher, frontend, info)
+        code = front_end(launcher, Frontend(launcher.addrs.tokenizers, launcher.addrs.api))
     except (Terminated, KeyboardInterrupt):  # a requested stop, or a dead child (see _watch)
         code = 0
     finally:
@@ -227,18 +201,19 @@ def launch_server(args: ServerArgs) -> int:
     return code
 
 
-def _serve(args: ServerArgs, launcher: Launcher, frontend: Any, info: dict[str, Any]) -> int:
+def serve_http(launcher: Launcher, frontend: Frontend) -> int:
     import uvicorn
 
     from minisgl.server.api_server import create_app
 
-    app = create_app(frontend, args, info["max_seq_len"])
+    args = launcher.args
+    app = create_app(frontend, args, launcher.info["max_seq_len"])
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,  # how long SIGTERM drains
+        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]  # float works
     )
     server = uvicorn.Server(config)
 
@@ -248,7 +223,7 @@ def _serve(args: ServerArgs, launcher: Launcher, frontend: Any, info: dict[str, 
         server.should_exit = server.force_exit = True  # nothing left to drain
 
     launcher.on_child_death = on_child_death
-    print(f"minisgl: serving {args.model} on http://{args.host}:{args.port}", flush=True)
+    print(f"minisgl: serving {args.engine.model} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again: that ends
     # here as Terminated / KeyboardInterrupt, caught by launch_server.
     server.run()

@@ -86,7 +86,7 @@ def run_tokenizer(
 
 @dataclass
 class _DetokState:
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: no tokenizer (ids only), or it failed here
     prompt_len: int
     completion_tokens: int = 0
     stopped: bool = False  # a stop string ended it; the scheduler was told to abort
@@ -101,19 +101,17 @@ class Detokenizer:
     early: dict[int, list[DetokenizeMsg]] = field(default_factory=dict)
 
     def init(self, msg: DetokInitMsg) -> list[UserReply]:
+        detok = None
         try:
-            detok = (
-                IncrementalDetokenizer(
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
                     self.tokenizer, msg.prompt_tail, msg.skip_special_tokens, msg.stop
                 )
-                if self.tokenizer is not None
-                else None
-            )
         except Exception as e:
-            self.states[msg.uid] = _DetokState(None, msg.prompt_len)  # type: ignore[arg-type]
+            self.states[msg.uid] = _DetokState(None, msg.prompt_len)
             ended = any(m.finished for m in self.early.pop(msg.uid, []))
             return [self._fail(msg.uid, ended, e)]
-        self.states[msg.uid] = _DetokState(detok, msg.prompt_len)  # type: ignore[arg-type]
+        self.states[msg.uid] = _DetokState(detok, msg.prompt_len)
         return [r for m in self.early.pop(msg.uid, []) if (r := self.guarded(m))]
 
     def guarded(self, msg: DetokenizeMsg) -> UserReply | None:

@@ -29,7 +29,7 @@ def _setup(sock: zmq.Socket, addr: str, create: bool, linger_ms: int) -> None:
 
 class ZmqPushQueue:
     def __init__(self, addr: str, create: bool) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.PUSH)
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         _setup(self.socket, addr, create, _PUSH_LINGER_MS)
 
     def put(self, msg: Any) -> None:
@@ -41,10 +41,10 @@ class ZmqPushQueue:
 
 class ZmqPullQueue:
     def __init__(self, addr: str, create: bool) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.PULL)
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
         _setup(self.socket, addr, create, 0)
 
-    def get(self, timeout: float | None = None) -> Any | None:
+    def get(self, timeout: float | None = None) -> Any:
         """Next message; blocks forever when timeout is None, else None after `timeout` s."""
         if timeout is not None and not self.socket.poll(int(timeout * 1000)):
             return None

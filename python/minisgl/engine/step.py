@@ -1,0 +1,114 @@
+"""One forward step, written once: its per-request inputs (`StepInputs`), the per-token device
+inputs derived from them, and the step itself (`run_step`), which the eager path calls and
+`GraphRunner` captures in CUDA graphs. The host's part is one small block of integers; all
+per-token work happens on the device, so the step never waits for the host nor the host for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.core import Batch, Req
+from minisgl.engine.sample import MASK32, sample_at_temperature
+
+if TYPE_CHECKING:
+    from minisgl.engine.engine import Engine
+
+
+@dataclass
+class StepInputs:
+    """A step's per-request inputs on the device, one entry per request. They travel as one
+    int64 block (`pack`, then one non-blocking copy from pinned memory), one row per field in
+    this order; `unpack` names the rows of a block already on the device."""
+
+    rows: torch.Tensor  # page-table (and token-table) row
+    cached_lens: torch.Tensor  # tokens whose KV is in the pool
+    extend_lens: torch.Tensor  # tokens this step computes
+    write_rows: torch.Tensor  # row the sampled id goes to: own row, or the dummy row if unsampled
+    seeds: torch.Tensor  # low 32 bits of the sampling seed (all the sampling hash reads)
+    temperatures: torch.Tensor  # float32, 0 = greedy (carried as the bits of a float64)
+
+    @staticmethod
+    def pack(
+        reqs: list[Req], samples: list[bool], dummy_row: int, device: torch.device
+    ) -> torch.Tensor:
+        """The host block [6, len(reqs)]; pinned for a CUDA device, since a copy from pageable
+        memory would wait for all queued device work."""
+        host = torch.tensor(
+            [
+                [r.table_idx for r in reqs],
+                [r.cached_len for r in reqs],
+                [r.extend_len for r in reqs],
+                [r.table_idx if s else dummy_row for r, s in zip(reqs, samples)],
+                [r.seed & MASK32 for r in reqs],
+                [0] * len(reqs),
+            ],
+            dtype=torch.int64,
+            pin_memory=device.type == "cuda",
+        )
+        temps = [0.0 if r.params.is_greedy else r.params.temperature for r in reqs]
+        host[-1].view(torch.float64).copy_(torch.tensor(temps, dtype=torch.float64))
+        return host
+
+    @staticmethod
+    def unpack(block: torch.Tensor) -> StepInputs:
+        rows, cached, extend, write_rows, seeds, temperature_bits = block.unbind(0)
+        temperatures = temperature_bits.view(torch.float64).float()
+        return StepInputs(rows, cached, extend, write_rows, seeds, temperatures)
+
+
+@dataclass
+class ForwardOutput:
+    """A queued forward, one row per request: logits of its last computed token, where its
+    sampled id goes (token_table[write_rows, kv_lens]) and, when the step sampled, that id."""
+
+    logits: torch.Tensor  # [B, V]
+    kv_lens: torch.Tensor  # [B] cached + extend: the sampled id's position
+    write_rows: torch.Tensor  # [B]
+    sampled: torch.Tensor | None  # [B] or None
+
+    def first(self, n: int) -> ForwardOutput:
+        """The first n requests' rows (the real ones of a padded graph batch)."""
+        sampled = None if self.sampled is None else self.sampled[:n]
+        return ForwardOutput(self.logits[:n], self.kv_lens[:n], self.write_rows[:n], sampled)
+
+
+def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch.Tensor:
+    """Set the batch's input_ids (from the token table), positions and out_loc (KV slots), one
+    entry per computed token; return the flat index of each request's last token (its logits
+    row). Prefill expands each request to its extend_len tokens; decode has one per request."""
+    extend = inputs.extend_lens
+    ends = extend.cumsum(0)  # one past each request's last token in the flat batch
+    if batch.is_decode:
+        rows, positions = inputs.rows, inputs.cached_lens
+    else:
+        n = batch.num_tokens  # given, so that expanding needs no host sync
+        rows = inputs.rows.repeat_interleave(extend, output_size=n)
+        # per token: its flat index minus its position, constant within a request
+        shift = (ends - extend - inputs.cached_lens).repeat_interleave(extend, output_size=n)
+        positions = torch.arange(n, device=extend.device) - shift
+    batch.input_ids = engine.token_table[rows, positions]
+    batch.positions = positions
+    batch.out_loc = engine.ctx.kv_slots(rows, positions)
+    return ends - 1
+
+
+def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> ForwardOutput:
+    """Gather the inputs, run the model on each request's last token and, if `sample`, draw
+    every request's next id at its temperature (greedy at 0; step = the id's position) and
+    write it into the token table. No host sync and no shape from device values: CUDA graphs
+    capture it as it is. The attention backend must be prepared for `batch` first."""
+    logits_indices = fill_token_inputs(engine, batch, inputs)
+    engine.ctx.batch = batch
+    try:
+        logits = engine.model(batch.input_ids, batch.positions, logits_indices)
+    finally:
+        engine.ctx.batch = None
+    kv_lens = inputs.cached_lens + inputs.extend_lens
+    sampled = None
+    if sample:
+        sampled = sample_at_temperature(logits, inputs.temperatures, inputs.seeds, kv_lens)
+        engine.token_table[inputs.write_rows, kv_lens] = sampled.to(torch.int32)
+    return ForwardOutput(logits, kv_lens, inputs.write_rows, sampled)

@@ -1,0 +1,194 @@
+"""BatchPlanner: which requests the next forward computes, and the pages they compute into.
+
+Each step is either a prefill batch (the chunk in progress, then waiting requests, within a
+token budget; long prompts are split into chunks) or a decode batch of every running request.
+Pages come from the KVCacheManager, which evicts unused prefix-cache pages on demand; a prefill
+leaves one page per running request for its next token. When a decode step still lacks pages,
+the newest request is preempted: its KV goes to the prefix cache and it waits at the front of
+the queue to be prefilled again, keeping the tokens it has generated."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Literal
+
+from minisgl.core import Batch, Req
+from minisgl.engine import Engine
+from minisgl.kvcache import KVCacheManager
+
+
+def reaches_length(req: Req, num_tokens: int) -> bool:
+    """Whether `num_tokens` tokens end the request by max_tokens or by its context."""
+    num_output = num_tokens - req.prompt_len
+    return num_output >= req.params.max_tokens or num_tokens >= req.max_total_len
+
+
+class BatchPlanner:
+    def __init__(
+        self, engine: Engine, cache: KVCacheManager, max_prefill_tokens: int, solo: bool
+    ) -> None:
+        self.engine, self.cache, self.page_size = engine, cache, engine.page_size
+        self.max_prefill_tokens = max_prefill_tokens
+        # a grammar that failed to compile is refused at admission by a single rank only: with
+        # TP, whether a compile is done yet differs between ranks, so they learn it at launch
+        self.refuse_failed_grammars = solo
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
+        self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
+        self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
+        self.refused: list[tuple[Req, str]] = []  # left the queue: their grammar does not compile
+        self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt tokens scheduled (for the prefix-cache hit rate)
+        self.num_cached_tokens = 0  # of those, found in the prefix cache
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling)
+
+    def schedule(self) -> Batch | None:
+        """The next batch: prompt chunks first, else one token of every running request."""
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch | None:
+        budget = self.max_prefill_tokens
+        reserve = len(self.running)  # leave a page per decoding request for its next token
+        reqs: list[Req] = []
+        if self.prefilling is not None:
+            req = self.prefilling
+            n = self._fit(req, min(req.remaining_len, budget), reserve)
+            if n == 0:
+                return None
+            self.prefilling = req if n < req.remaining_len else None
+            reqs.append(req)
+            budget -= n
+        while budget > 0 and self.prefilling is None and self.waiting and self.free_rows:
+            req = self.waiting[0]
+            grammar = req.grammar if self.refuse_failed_grammars else None
+            failure = grammar.failure() if grammar is not None else None
+            if failure is not None:  # refused before any work is spent on it
+                self.refused.append((self.waiting.popleft(), failure))
+                continue
+            self.admit(req)
+            n = self._fit(req, min(req.remaining_len, budget), reserve)
+            if n == 0:
+                self.release(req)
+                break
+            self.waiting.popleft()
+            self.num_prefill_tokens += len(req.tokens)
+            self.num_cached_tokens += req.cached_len
+            self.prefilling = req if n < req.remaining_len else None
+            reqs.append(req)
+            budget -= n
+        return Batch(reqs, "prefill") if reqs else None
+
+    def _schedule_decode(self) -> Batch | None:
+        i, reqs = 0, []
+        while i < len(self.running):
+            req = self.running[i]
+            if reaches_length(req, len(req.tokens)):
+                i += 1  # its last token is still in flight and ends it
+                continue
+            if self.grow(req, 1):
+                req.extend_len = 1
+                reqs.append(req)
+                i += 1
+                continue
+            victim = self.prefilling or self.running[-1]
+            self._preempt(victim)  # if the victim is `req` itself, index i now holds the next one
+            if victim in reqs:
+                reqs.remove(victim)
+        return Batch(reqs, "decode") if reqs else None
+
+    def admit(self, req: Req) -> None:
+        """Give the request a page-table row and lock its longest cached prefix. The last prompt
+        token is never matched: its logits are needed to sample."""
+        req.table_idx = self.free_rows.pop()
+        handle, pages = self.cache.match_and_lock(req.tokens[: len(req.tokens) - 1])
+        req.cache_handle, req.pages, req.cached_len = handle, list(pages), handle.length
+        self.engine.set_pages(req.table_idx, 0, req.pages)
+        self.engine.set_tokens(req.table_idx, req.tokens)
+
+    def _fit(self, req: Req, want: int, reserve: int) -> int:
+        """Grow `req` for up to `want` more tokens within the free pages (minus `reserve`);
+        returns the number of tokens it can compute (0 if none), with extend_len set."""
+        spare = max(0, self.cache.available_pages() - reserve)
+        room = (len(req.pages) + spare) * self.page_size - req.cached_len
+        n = max(0, min(want, room))
+        if n > 0 and not self.grow(req, n):
+            n = 0
+        req.extend_len = n
+        return n
+
+    def grow(self, req: Req, num_tokens: int) -> bool:
+        """Make sure the request's pages cover `num_tokens` tokens past cached_len."""
+        need = -(-(req.cached_len + num_tokens) // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.cache.allocate(need)
+        if pages is None:
+            return False
+        self.engine.set_pages(req.table_idx, len(req.pages), pages)
+        req.pages.extend(pages)
+        return True
+
+    def launched(self, req: Req, phase: Literal["prefill", "decode"], samples: bool) -> None:
+        """The request's forward is queued: its KV covers the computed tokens, and a prompt
+        whose last chunk this was decodes from now on."""
+        req.cached_len += req.extend_len
+        req.extend_len = 0
+        if phase == "prefill":
+            self._share(req)
+            if samples:  # prefill requests never come from `running`
+                self.running.append(req)
+
+    def _share(self, req: Req) -> None:
+        """Put the request's computed KV into the prefix cache now, not only when it ends, so
+        that requests admitted later with the same prefix (a shared system prompt, the rest of
+        a long prompt's chunks) reuse it. Safe right after the launch: any reader is queued
+        behind the writer on the same stream. Pages the cache already had replace the
+        request's duplicates, so its page-table row is rewritten."""
+        old = req.pages
+        assert req.cache_handle is not None, "an admitted request holds its prefix-cache lock"
+        req.cache_handle, req.pages = self.cache.cache_prefix(
+            req.tokens[: req.cached_len], old, req.cache_handle
+        )
+        if req.pages != old:
+            self.engine.set_pages(req.table_idx, 0, req.pages)
+
+    def _preempt(self, req: Req) -> None:
+        self.release(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def drop(self, req: Req) -> None:
+        """The request has ended: out of the queues, its pages and row released."""
+        self.release(req)
+        if req in self.waiting:  # preempted while its last step was in flight
+            self.waiting.remove(req)
+
+    def release(self, req: Req) -> None:
+        """Return the request's pages (its computed KV goes to the prefix cache) and its row."""
+        if req.table_idx < 0:
+            return
+        assert req.cache_handle is not None, "an admitted request holds its prefix-cache lock"
+        self.cache.release(req.tokens[: req.cached_len], req.pages, req.cache_handle)
+        self.free_rows.append(req.table_idx)
+        req.table_idx, req.pages, req.cache_handle = -1, [], None
+        req.cached_len = req.extend_len = 0
+        if req in self.running:
+            self.running.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
+
+    def admitted(self) -> list[Req]:
+        return self.running + ([self.prefilling] if self.prefilling else [])
+
+    def owned_pages(self) -> list[int]:
+        """Pages the admitted requests allocated themselves: their first pages came from the
+        prefix cache, which still owns them."""
+        owned = []
+        for req in self.admitted():
+            assert req.cache_handle is not None
+            owned += req.pages[req.cache_handle.length // self.page_size :]
+        return owned
