@@ -53,7 +53,7 @@ def test_unseeded_sampling_seed_comes_from_rank_0(model_dirs):
         reqs = [llm.scheduler.make_request(PROMPTS[0], sp) for _ in range(4)]
         for req in reqs:
             llm.scheduler.add_request(req)
-        assert [c.seed for c in llm.scheduler.leader.changes] == [r.seed for r in reqs]
+        assert [c.params.seed for c in llm.scheduler.leader.changes] == [r.seed for r in reqs]
         while llm.scheduler.has_work:
             llm.scheduler.step()
         assert all(r.finished for r in reqs)

@@ -177,7 +177,7 @@ def offline(model_dir: str) -> Iterator[LLM]:
 def test_free_requests_never_touch_xgrammar(model_dir: str) -> None:
     llm = LLM(model_dir, page_size=4)
     run(llm, [([5, 6, 7], SamplingParams(max_tokens=8), None)] * 3)
-    assert llm.scheduler.grammar.compiler is None and llm.scheduler.grammar.masks is None
+    assert llm.scheduler.grammar.compiler is None and llm.scheduler.grammar.bitmask is None
     llm.shutdown()
 
 

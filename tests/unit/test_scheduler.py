@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.message import TPStepMsg, decode
+from minisgl.message import BatchBackendMsg, ExitMsg, decode
 from minisgl.scheduler import Scheduler, SchedulerConfig, TokenOutput
 from minisgl.scheduler import tp as tp_mod
 from minisgl.scheduler.scheduler import PLACEHOLDER
@@ -248,8 +248,9 @@ def test_follower_replays_the_leaders_adds_and_aborts(make, monkeypatch):
     run(lead)
     lead.stop_followers()
     messages = [decode(m) for m in queue]
-    assert all(isinstance(m, TPStepMsg) for m in messages) and messages[-1].stop
-    assert [c.seed for c in messages[0].changes] == [a.seed, b.seed]
+    assert all(isinstance(m, BatchBackendMsg) for m in messages[:-1])
+    assert isinstance(messages[-1], ExitMsg)
+    assert [c.params.seed for c in messages[0].msgs] == [a.seed, b.seed]
     assert a.finish_reason == "abort" and a.num_output < 5
     follower.follow()
     assert not queue and follower.engine.batches == lead.engine.batches

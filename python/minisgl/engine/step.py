@@ -1,7 +1,6 @@
-"""One forward step, written once: its per-request inputs (`StepInputs`), the per-token device
-inputs derived from them, and the step itself (`run_step`), which the eager path calls and
-`GraphRunner` captures in CUDA graphs. The host's part is one small block of integers; all
-per-token work happens on the device, so the step never waits for the host nor the host for it."""
+"""One forward step, written once: its per-request inputs (`StepInputs`, one small host block),
+the per-token inputs derived on the device, and `run_step`, which the eager path calls and
+`GraphRunner` captures in CUDA graphs."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepInputs:
-    """A step's per-request inputs on the device, one entry per request. They travel as one
-    int64 block (`pack`, then one non-blocking copy from pinned memory), one row per field in
-    this order; `unpack` names the rows of a block already on the device."""
+    """A step's per-request inputs on the device: one int64 block (`pack`; one non-blocking copy),
+    one row per field in this order; `unpack` names the rows of a block on the device."""
 
     rows: torch.Tensor  # page-table (and token-table) row
     cached_lens: torch.Tensor  # tokens whose KV is in the pool
@@ -76,9 +74,8 @@ class ForwardOutput:
 
 
 def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch.Tensor:
-    """Set the batch's input_ids (from the token table), positions and out_loc (KV slots), one
-    entry per computed token; return the flat index of each request's last token (its logits
-    row). Prefill expands each request to its extend_len tokens; decode has one per request."""
+    """Set the batch's per-token input_ids (from the token table), positions and out_loc (KV
+    slots); return the flat index of each request's last token (its logits row)."""
     extend = inputs.extend_lens
     ends = extend.cumsum(0)  # one past each request's last token in the flat batch
     if batch.is_decode:
@@ -96,10 +93,9 @@ def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch
 
 
 def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> ForwardOutput:
-    """Gather the inputs, run the model on each request's last token and, if `sample`, draw
-    every request's next id at its temperature (greedy at 0; step = the id's position) and
-    write it into the token table. No host sync and no shape from device values: CUDA graphs
-    capture it as it is. The attention backend must be prepared for `batch` first."""
+    """Gather the inputs, run the model on each request's last token and, if `sample`, draw its
+    next id at its temperature (step = the id's position) into the token table. No host sync,
+    no shape from device values: CUDA graphs capture it as it is. Prepare the backend first."""
     logits_indices = fill_token_inputs(engine, batch, inputs)
     engine.ctx.batch = batch
     try:

@@ -1,6 +1,6 @@
 """Typed messages between the server's processes, (de)serialised with msgpack by `encode` and
 `decode`. Flow: api server -> tokenizer -> scheduler -> detokenizer -> api server;
-scheduler rank 0 -> ranks > 0 with tensor parallelism."""
+scheduler rank 0 -> ranks > 0 with tensor parallelism (backend messages)."""
 
 from minisgl.message.backend import AbortBackendMsg, BatchBackendMsg, ExitMsg, UserMsg
 from minisgl.message.base import decode, encode, register
@@ -12,7 +12,6 @@ from minisgl.message.detokenizer import (
 )
 from minisgl.message.frontend import BatchFrontendMsg, UserReply
 from minisgl.message.tokenizer import AbortMsg, TokenizeMsg
-from minisgl.message.tp import TPAddMsg, TPStepMsg
 
 __all__ = [
     "AbortBackendMsg",
@@ -25,8 +24,6 @@ __all__ = [
     "SchedulerStats",
     "ExitMsg",
     "TokenizeMsg",
-    "TPAddMsg",
-    "TPStepMsg",
     "UserMsg",
     "UserReply",
     "decode",

@@ -139,33 +139,18 @@ class Constraint:
         return self.matcher is not None and self.matcher.is_terminated()
 
 
-class MaskBuilder:
-    """Fills the token bitmask of a batch's constrained rows (host memory, reused: a step with
-    constraints waits for the previous one with constraints, so its copy is done by then)."""
-
-    def __init__(self, max_rows: int, vocab_size: int, pin: bool) -> None:
-        import xgrammar as xgr
-
-        self.xgr = xgr
-        shape = xgr.get_bitmask_shape(max_rows, vocab_size)
-        self.bitmask = torch.empty(shape, dtype=xgr.bitmask_dtype, pin_memory=pin)
-        self.filler = xgr.BatchGrammarMatcher()
-
-    def fill(self, matchers: list[xgrammar.GrammarMatcher], rows: list[int], batch_size: int):
-        bitmask = self.bitmask[:batch_size]
-        self.filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        return bitmask
-
-
 class GrammarState:
-    """The scheduler's side of structured generation: the compiler and the bitmask, each built
-    on first use (a server whose clients never ask for a grammar never loads xgrammar), and the
-    count of admitted constrained requests (0 skips every grammar check)."""
+    """The scheduler's side of structured generation: the compiler and the token bitmask, each
+    built on first use (a server whose clients never ask for a grammar never loads xgrammar),
+    and the count of admitted constrained requests (0 skips every grammar check). The bitmask
+    (host memory) is reused: a step with constraints waits for the previous one with
+    constraints, so its copy is done by then."""
 
     def __init__(self, vocab_size: int, max_rows: int, pin: bool) -> None:
         self.vocab_size, self.max_rows, self.pin = vocab_size, max_rows, pin
         self.compiler: GrammarCompiler | None = None
-        self.masks: MaskBuilder | None = None
+        self.bitmask: torch.Tensor | None = None
+        self.filler: Any = None  # xgrammar.BatchGrammarMatcher: fills rows on several threads
         self.num_constrained = 0
 
     def constraint(
@@ -199,9 +184,15 @@ class GrammarState:
             rows.append(i)
         if not rows:
             return None, failed
-        if self.masks is None:
-            self.masks = MaskBuilder(self.max_rows, self.vocab_size, self.pin)
-        return TokenMask(self.masks.fill(matchers, rows, len(reqs)), rows), failed
+        if self.bitmask is None:
+            import xgrammar as xgr
+
+            shape = xgr.get_bitmask_shape(self.max_rows, self.vocab_size)
+            self.bitmask = torch.empty(shape, dtype=xgr.bitmask_dtype, pin_memory=self.pin)
+            self.filler = xgr.BatchGrammarMatcher()
+        bitmask = self.bitmask[: len(reqs)]
+        self.filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return TokenMask(bitmask, rows), failed
 
     def shutdown(self) -> None:
         if self.compiler is not None:

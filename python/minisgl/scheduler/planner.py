@@ -1,11 +1,5 @@
-"""BatchPlanner: which requests the next forward computes, and the pages they compute into.
-
-Each step is either a prefill batch (the chunk in progress, then waiting requests, within a
-token budget; long prompts are split into chunks) or a decode batch of every running request.
-Pages come from the KVCacheManager, which evicts unused prefix-cache pages on demand; a prefill
-leaves one page per running request for its next token. When a decode step still lacks pages,
-the newest request is preempted: its KV goes to the prefix cache and it waits at the front of
-the queue to be prefilled again, keeping the tokens it has generated."""
+"""BatchPlanner: which requests the next forward computes (prompt chunks within a token budget,
+else one token of every running request), the pages they compute into, and preemption."""
 
 from __future__ import annotations
 
@@ -156,6 +150,7 @@ class BatchPlanner:
             self.engine.set_pages(req.table_idx, 0, req.pages)
 
     def _preempt(self, req: Req) -> None:
+        """Its KV goes to the prefix cache; it is prefilled again later, generated tokens kept."""
         self.release(req)
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -21,7 +21,7 @@ from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
 from minisgl.engine.sample import TokenMask
 from minisgl.kvcache import KVCacheManager
-from minisgl.message import AbortBackendMsg
+from minisgl.message import AbortBackendMsg, BatchBackendMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.planner import BatchPlanner, reaches_length
@@ -143,14 +143,12 @@ class Scheduler:
 
     def follow(self) -> None:
         """Ranks > 0: replay rank 0's adds and aborts and step with it, until it stops."""
-        while not (msg := receive_step()).stop:
-            for change in msg.changes:
+        while isinstance(msg := receive_step(), BatchBackendMsg):
+            for change in msg.msgs:
                 if isinstance(change, AbortBackendMsg):
                     self.abort(change.uid)
-                    continue
-                req = self.make_request(change.input_ids, change.params, uid=change.uid)
-                req.seed = change.seed
-                self.add_request(req)
+                else:
+                    self.add_request(self.make_request(change.input_ids, change.params, change.uid))
             self.step()
 
     def stop_followers(self) -> None:

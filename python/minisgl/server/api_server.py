@@ -69,17 +69,18 @@ class Gate:
                 self.statuses.labels(path, str(message["status"])).inc()
             await send(message)
 
+        async def refuse(status: int, message: str, code: str) -> None:
+            await error_response(status, message, code=code)(scope, receive, counted)
+
         headers = dict(scope["headers"])
         if self.api_key and scope["path"] != "/health":
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                reject = error_response(401, "invalid or missing API key", code="invalid_api_key")
-                return await reject(scope, receive, counted)
+                return await refuse(401, "invalid or missing API key", "invalid_api_key")
         too_large = f"request body is larger than {self.max_body} bytes"
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:
-            reject = error_response(413, too_large, code="body_too_large")
-            return await reject(scope, receive, counted)
+            return await refuse(413, too_large, "body_too_large")
         body, more = bytearray(), True
         while more:
             message = await receive()
@@ -87,8 +88,7 @@ class Gate:
                 return  # the client left before sending all of its body
             body += message.get("body", b"")
             if len(body) > self.max_body:  # no (or a false) Content-Length
-                reject = error_response(413, too_large, code="body_too_large")
-                return await reject(scope, receive, counted)
+                return await refuse(413, too_large, "body_too_large")
             more = message.get("more_body", False)
         replayed = False
 

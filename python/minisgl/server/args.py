@@ -13,15 +13,12 @@ from typing import Any, NoReturn
 
 from minisgl.engine.config import EngineConfig
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.utils.options import OptionError, int_range, option, split_options
+from minisgl.utils.options import OptionError, int_range, number, option, split_options
 
 
 def _seconds(allow_zero: bool) -> Callable[[str], float]:
     def parse(value: str) -> float:
-        try:
-            x = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+        x = number(value, float, "seconds")
         if not (x >= 0 if allow_zero else x > 0) or x == float("inf"):  # also rejects nan
             raise argparse.ArgumentTypeError(
                 f"must be a finite number {'>=' if allow_zero else '>'} 0, got {value}"

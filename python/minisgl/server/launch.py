@@ -38,12 +38,8 @@ class Addresses:
     def make(num_tokenizer: int) -> Addresses:
         root = tempfile.mkdtemp(prefix="minisgl-")
         ipc = lambda name: f"ipc://{os.path.join(root, name)}"  # noqa: E731
-        return Addresses(
-            ipc("scheduler"),
-            ipc("detokenizer"),
-            ipc("api"),
-            [ipc(f"tokenizer{i}") for i in range(num_tokenizer)],
-        )
+        tokenizers = [ipc(f"tokenizer{i}") for i in range(num_tokenizer)]
+        return Addresses(ipc("scheduler"), ipc("detokenizer"), ipc("api"), tokenizers)
 
 
 class Terminated(BaseException):
@@ -103,37 +99,16 @@ class Launcher:
         if args.tp > 1:
             check_tp(config, args.tp)  # before any process starts
             port = free_port()
+        spawn, tp, sched_io = self._spawn, args.tp, (a.scheduler, a.detokenizer)
         waits = [
-            self._spawn(
-                "scheduler",
-                run_scheduler_process,
-                config,
-                sched_cfg,
-                args.tp,
-                port,
-                a.scheduler,
-                a.detokenizer,
-            )
+            spawn("scheduler", run_scheduler_process, config, sched_cfg, tp, port, *sched_io),
+            spawn("detokenizer", run_detokenizer, model_path, a.detokenizer, a.api, a.scheduler),
         ]
-        waits.append(
-            self._spawn(
-                "detokenizer", run_detokenizer, model_path, a.detokenizer, a.api, a.scheduler
-            )
-        )
         for i, addr in enumerate(a.tokenizers):
-            waits.append(
-                self._spawn(
-                    f"tokenizer{i}",
-                    run_tokenizer,
-                    model_path,
-                    addr,
-                    a.scheduler,
-                    a.detokenizer,
-                    a.api,
-                )
-            )
+            front = (a.scheduler, a.detokenizer, a.api)
+            waits.append(spawn(f"tokenizer{i}", run_tokenizer, model_path, addr, *front))
         followers = [
-            self._spawn(f"scheduler{rank}", run_follower, config, sched_cfg, rank, args.tp, port)
+            spawn(f"scheduler{rank}", run_follower, config, sched_cfg, rank, tp, port)
             for rank in range(1, args.tp)
         ]
         # followers say hello first, then ready once built (rank 0 is ready only after them)

@@ -50,12 +50,16 @@ def split_options(options: Mapping[str, Any], *configs: type) -> list[dict[str, 
     return [{k: v for k, v in options.items() if k in n} for n in names]
 
 
+def number(value: str, cast: Callable[[str], Any], what: str) -> Any:
+    try:
+        return cast(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+
+
 def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
     def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        n = number(value, int, "an integer")
         if n < lo or (hi is not None and n > hi):
             bounds = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
             raise argparse.ArgumentTypeError(f"must be {bounds}, got {n}")
@@ -65,10 +69,7 @@ def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
 
 
 def ratio(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    x = number(value, float, "a number")
     if not 0.0 < x <= 1.0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return x
