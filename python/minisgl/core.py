@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,7 +22,9 @@ if TYPE_CHECKING:
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. temperature 0 means greedy. At most one of json_schema
-    (a dict or its JSON text), regex and ebnf constrains the output (structured generation)."""
+    (a dict or its JSON text), regex and ebnf constrains the output (structured generation).
+    The logits of each step are adjusted, in this order, by logit_bias, the min_tokens mask,
+    repetition_penalty, then frequency_penalty and presence_penalty (docs/features.md)."""
 
     temperature: float = 0.0
     top_k: int = -1  # -1 or 0: no top-k filter
@@ -34,8 +37,19 @@ class SamplingParams:
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    presence_penalty: float = 0.0  # OpenAI: minus this once the token is in the output
+    repetition_penalty: float = 1.0  # transformers: over the prompt and output; 1 = off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
 
     def __post_init__(self) -> None:
+        try:  # JSON objects (HTTP) have string keys
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        except (TypeError, ValueError, AttributeError):
+            raise ValueError(
+                f"logit_bias must map token ids to numbers, got {self.logit_bias}"
+            ) from None
         if isinstance(self.json_schema, dict):  # kept as text: it travels between processes
             try:
                 self.json_schema = json.dumps(self.json_schema)  # key order is field order
@@ -62,10 +76,40 @@ class SamplingParams:
             raise ValueError(f"give at most one of json_schema, regex and ebnf, got {given}")
         if given and not isinstance(grammars[given[0]], str):
             raise ValueError(f"{given[0]} must be a string")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not 0 <= t < 2**31 for t in self.logit_bias):  # the vocabulary: Scheduler
+            raise ValueError(f"logit_bias token ids must be in [0, 2**31), got {self.logit_bias}")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {self.logit_bias}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the request needs its token counts (repetition, frequency, presence)."""
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything (penalties, logit_bias, min_tokens) changes the model's logits."""
+        return self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]

@@ -257,9 +257,16 @@ def test_prompt_larger_than_the_kv_pool_is_refused(pressured: Server) -> None:
         r = httpx.post(f"{pressured.url}/v1/completions", json=body | {"stream": stream})
         assert r.status_code == 400, r.text
         assert "KV cache" in r.json()["error"]["message"]
-    # one that fits but asks for more than the pool holds stops at the pool's size
+    # one that fits but asks for more than the pool holds: refused with the numbers (vLLM's) ...
     r = httpx.post(f"{pressured.url}/v1/completions", json=completion([5, 6, 7], 500), timeout=60)
-    assert r.json()["usage"]["completion_tokens"] == POOL_PAGES * 4 - 3
+    assert r.status_code == 400 and "prompt (3 tokens) + max_tokens (500)" in r.text, r.text
+    # ... while /generate (SGLang's) stops at the pool's size
+    native = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 500, "ignore_eos": True},
+    }
+    r = httpx.post(f"{pressured.url}/generate", json=native, timeout=60)
+    assert r.json()["completion_tokens"] == POOL_PAGES * 4 - 3, r.text
     assert_nothing_leaked(pressured)
 
 

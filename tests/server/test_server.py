@@ -465,16 +465,19 @@ def test_prompt_longer_than_the_context(strict: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="longer than the context"):
         long = [{"role": "user", "content": "the quick brown fox " * 30}]
         client.chat.completions.create(model=NAME, messages=long, stream=True)
-    # a prompt that fits but asks for more than the context holds stops at the context
-    out = client.completions.create(
-        model=NAME,
-        prompt=list(range(3, 13)),
-        max_tokens=1000,
-        temperature=0,
-        extra_body=IGNORE_EOS,
+    # a prompt that fits but asks for more than the context holds: vLLM's 400, with the numbers
+    too_many = (
+        r"prompt \(10 tokens\) \+ max_tokens \(1000\) = 1010 tokens is longer than the context"
+    )
+    with pytest.raises(openai.BadRequestError, match=too_many):
+        client.completions.create(model=NAME, prompt=list(range(3, 13)), max_tokens=1000)
+    # a chat without max_tokens runs up to the context
+    hi = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(
+        model=NAME, messages=hi, temperature=0, extra_body=IGNORE_EOS
     )
     assert out.choices[0].finish_reason == "length"
-    assert out.usage.completion_tokens == STRICT_CONTEXT - 10
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == STRICT_CONTEXT
     assert_serves(strict, headers={"authorization": f"Bearer {API_KEY}"})
     assert_pages_released(strict.wait_idle())
 

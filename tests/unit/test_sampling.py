@@ -2,7 +2,13 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req
-from minisgl.engine.sample import BatchSamplingArgs, sample, uniform_noise
+from minisgl.engine.sample import (
+    BatchSamplingArgs,
+    PenaltyTables,
+    adjust_logits,
+    sample,
+    uniform_noise,
+)
 
 
 def args_for(params: list[SamplingParams], vocab: int, steps: list[int] | None = None):
@@ -82,3 +88,41 @@ def test_seeded_generation_is_reproducible_across_batches(model_dirs):
     )
     assert len({tuple(o["token_ids"]) for o in unseeded}) > 1
     llm.scheduler.check_no_leak()
+
+
+def test_adjust_logits_against_the_plain_formulas():
+    """Row 0 plain (untouched), row 1 all adjustments, row 2 bias only; prompt [1, 2, 2],
+    output [2, 3, 3] so far; EOS 4 and stop id 5 are held back by min_tokens."""
+    vocab = 8
+    logits = torch.randn(3, vocab)
+    full = SamplingParams(
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        repetition_penalty=2.0,
+        logit_bias={0: 3.0, 4: 1.0},
+        min_tokens=4,
+        stop_token_ids=[5],
+    )
+    params = [SamplingParams(), full, SamplingParams(logit_bias={7: -100.0})]
+    reqs = [Req([1, 2, 2, 2, 3, 3], 3, p, 100) for p in params]
+    for row, req in enumerate(reqs):
+        req.table_idx = row
+    tables = PenaltyTables(4, vocab, torch.device("cpu"))
+    tables.reset(1, [1, 2, 2], [2, 3])
+    tables.count(torch.tensor([1, 3]), torch.tensor([3, 6]))  # row 3: another request's
+    got = logits.clone()
+    adjust_logits(got, reqs, {4}, tables)
+    want = logits.clone()
+    want[1, 0] += 3.0
+    want[1, [4, 5]] = -float("inf")
+    for t in (1, 2, 3):  # seen in the prompt or the output
+        x = want[1, t]
+        want[1, t] = x / 2.0 if x > 0 else x * 2.0
+    want[1, 2] -= 0.5 * 1 + 0.25
+    want[1, 3] -= 0.5 * 2 + 0.25
+    want[2, 7] -= 100.0
+    assert torch.equal(got[0], logits[0]) and torch.allclose(got, want)
+    reqs[1].tokens += [3]  # min_tokens reached: EOS and stop ids are free again
+    again = logits.clone()
+    adjust_logits(again, reqs[1:2], {4}, tables)
+    assert again[0, 4] > -float("inf") and again[0, 5] > -float("inf")

@@ -6,6 +6,8 @@ device, and the whole batch is sampled with tensor ops and no host sync."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -143,3 +145,72 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> None:
     scratch = logits.float()  # xgrammar's CPU kernel takes float32 only
     xgr.apply_token_bitmask_inplace(scratch, bitmask, indices=rows)
     logits.copy_(scratch)
+
+
+def any_adjusted(reqs: list[Req]) -> bool:
+    """Whether some request adjusts its logits (penalties, logit_bias, min_tokens)."""
+    return any(r.params.adjusts_logits for r in reqs)
+
+
+class PenaltyTables:
+    """Per page-table row, on the device: how often each token occurs in the output so far and
+    which tokens the prompt holds. Created by the first request with a penalty; a row is
+    rebuilt when such a request is admitted to it (again after a preemption) and counts the
+    sampled ids of every step that has a request with a penalty."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+        self.counts = torch.zeros((rows, vocab_size), dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros((rows, vocab_size), dtype=torch.bool, device=device)
+
+    def reset(self, row: int, prompt: list[int], output: list[int]) -> None:
+        device = self.counts.device
+        self.counts[row] = 0
+        self.in_prompt[row] = False
+        self.in_prompt[row, to_device(prompt, torch.int64, device)] = True
+        if output:
+            ids = to_device(output, torch.int64, device)
+            self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def count(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Add the sampled `ids` to the `rows` (no host sync; duplicates accumulate)."""
+        ones = torch.ones_like(ids, dtype=torch.int32)
+        self.counts.index_put_((rows, ids), ones, accumulate=True)
+
+
+def adjust_logits(
+    logits: torch.Tensor,
+    reqs: list[Req],
+    eos_token_ids: Collection[int],
+    tables: PenaltyTables | None,
+) -> None:
+    """In place, in the rows of the requests that ask for it: add logit_bias, set to -inf the
+    ids that would end the output before min_tokens, then apply repetition_penalty (prompt and
+    output) and frequency / presence penalties (output only). Other rows stay untouched."""
+    device = logits.device
+    bias: list[tuple[int, int, float]] = []  # (batch row, token id, value)
+    for i, r in enumerate(reqs):
+        p = r.params
+        bias += [(i, t, b) for t, b in p.logit_bias.items()]
+        if r.num_output < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            bias += [(i, t, -math.inf) for t in sorted(stops)]
+    if bias:
+        rows, ids, values = zip(*bias)
+        index = to_device([list(rows), list(ids)], torch.int64, device)
+        values_t = to_device(list(values), torch.float32, device).to(logits.dtype)
+        logits.index_put_((index[0], index[1]), values_t, accumulate=True)
+    penalized = [i for i, r in enumerate(reqs) if r.params.uses_penalties]
+    if not penalized:
+        return
+    assert tables is not None, "a request with a penalty was admitted through track_penalties"
+    params = [reqs[i].params for i in penalized]
+    host = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
+    repetition, frequency, presence = to_device(host, torch.float32, device).T[:, :, None]
+    index = to_device([penalized, [reqs[i].table_idx for i in penalized]], torch.int64, device)
+    counts = tables.counts[index[1]]
+    scores = logits[index[0]].float()
+    seen = (counts > 0) | tables.in_prompt[index[1]]
+    repeated = torch.where(scores > 0, scores / repetition, scores * repetition)
+    scores = torch.where(seen, repeated, scores)
+    scores -= frequency * counts + presence * (counts > 0)
+    logits[index[0]] = scores.to(logits.dtype)

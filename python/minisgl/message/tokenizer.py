@@ -21,6 +21,9 @@ class TokenizeMsg:
     params: SamplingParams
     stop: list[str] = field(default_factory=list)  # stop strings, handled by the detokenizer
     skip_special_tokens: bool = True
+    chat_template_kwargs: dict | None = None  # extra arguments of apply_chat_template
+    # the model's context when the client gave max_tokens: a longer prompt + max_tokens is refused
+    context_len: int | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.text, self.input_ids, self.chat))

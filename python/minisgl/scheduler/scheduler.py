@@ -92,6 +92,8 @@ class Scheduler:
             )
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         total = min(limit, len(input_ids) + params.max_tokens)
         req = Req(list(input_ids), len(input_ids), params, max_total_len=total)
         if uid is not None:
@@ -172,7 +174,7 @@ class Scheduler:
                 self.pending.extend(self._process(self.in_flight))
                 self.in_flight = None
             mask, failed = self.grammar.mask(batch.reqs, samples)
-        output = self.engine.sample_step(batch, forward, mask)
+        output = self.engine.sample_step(batch, forward, mask, self.eos_token_ids)
         slots = []
         for req, sampled in zip(batch.reqs, samples):
             if req.finished:  # by the step in flight, processed above

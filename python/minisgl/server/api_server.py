@@ -1,15 +1,18 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models,
-/generate (native, token ids), /health, /stats and /metrics (Prometheus)."""
+/generate (native, token ids), /tokenize and /detokenize (vLLM's), /health, /stats and /metrics
+(Prometheus)."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import logging
+import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,18 +25,29 @@ from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.server.metrics import CONTENT_TYPE, tree_rss_bytes
 from minisgl.server.protocol import (
+    COMPLETION_NOT_SUPPORTED,
+    NOT_SUPPORTED,
     APIError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
+    OpenAIRequest,
     SamplingFields,
-    chat_content,
+    TokenizeRequest,
+    chat_max_tokens,
+    chat_messages,
     completion_source,
     error_body,
     error_response,
+    extra_fields,
     native_sampling_fields,
     sampling_params,
 )
+from minisgl.tokenizer.server import encode_chat, load_chat_tokenizer, needed
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by anyone
@@ -184,8 +198,13 @@ class ApiServer:
 
     def __init__(self, frontend: Frontend, args: ServerArgs, max_seq_len: int) -> None:
         self.frontend, self.args, self.max_seq_len = frontend, args, max_seq_len
-        self.model_name = args.engine.model or ""
-        self.served = {self.model_name, self.model_name.rstrip("/").split("/")[-1]}
+        path = args.engine.model or ""
+        self.model_name = args.served_model_name or path  # what /v1/models lists
+        self.served = {self.model_name, path, path.rstrip("/").split("/")[-1]}
+        self.tokenizer: list[
+            Any
+        ] = []  # /tokenize's, loaded on first use (None: the model has none)
+        self.tokenizer_lock = threading.Lock()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served:
@@ -241,7 +260,18 @@ class ApiServer:
             raise
         return started
 
-    def make_msgs(self, req: SamplingFields, max_tokens: int, **source: Any) -> list[TokenizeMsg]:
+    def check_fields(self, req: OpenAIRequest, not_supported: dict[str, str], path: str) -> None:
+        """Refuse what is not supported; warn once per request about fields ignored (vLLM's way)."""
+        self.check_model(req.model)
+        ignored = extra_fields(req, not_supported)
+        if ignored:
+            logger.warning("%s: ignoring unknown fields %s", path, ", ".join(map(repr, ignored)))
+
+    def make_msgs(
+        self, req: SamplingFields, max_tokens: int, given: bool, **source: Any
+    ) -> list[TokenizeMsg]:
+        """One message per choice; `given`: the client set max_tokens, so that a prompt plus
+        max_tokens longer than the context is refused (by the tokenizer worker, which counts)."""
         ids = source.get("input_ids") or []
         if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
             raise APIError(400, "prompt token ids must be in [0, 2**31)", "prompt")
@@ -252,23 +282,28 @@ class ApiServer:
                 params=sampling_params(req, max_tokens, i),
                 stop=stop,
                 skip_special_tokens=req.skip_special_tokens,
+                context_len=self.max_seq_len if given else None,
                 **source,
             )
             for i in range(req.n)
         ]
 
     async def complete(self, req: CompletionRequest) -> Any:
-        self.check_model(req.model)
+        self.check_fields(req, COMPLETION_NOT_SUPPORTED, "/v1/completions")
         source = completion_source(req)
+        given = req.max_tokens is not None and "max_tokens" in req.model_fields_set
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        return await self.respond(req, self.make_msgs(req, max_tokens, **source), chat=False)
+        msgs = self.make_msgs(req, max_tokens, given, **source)
+        return await self.respond(req, msgs, chat=False)
 
     async def chat_complete(self, req: ChatRequest) -> Any:
-        self.check_model(req.model)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        limit = self.max_seq_len if max_tokens is None else max_tokens
-        chat = [{"role": m.role, "content": chat_content(m)} for m in req.messages]
-        msgs = self.make_msgs(req, limit, text=None, input_ids=None, chat=chat)
+        self.check_fields(req, NOT_SUPPORTED, "/v1/chat/completions")
+        max_tokens = chat_max_tokens(req)
+        limit = self.max_seq_len if max_tokens is None else max_tokens  # unset: up to the context
+        chat = chat_messages(req.messages)
+        kwargs = req.chat_template_kwargs
+        source = dict(text=None, input_ids=None, chat=chat, chat_template_kwargs=kwargs)
+        msgs = self.make_msgs(req, limit, max_tokens is not None, **source)
         return await self.respond(req, msgs, chat=True)
 
     async def respond(self, req: SamplingFields, msgs: list[TokenizeMsg], chat: bool) -> Any:
@@ -340,7 +375,8 @@ class ApiServer:
     async def generate(self, req: GenerateRequest) -> Any:
         """The native API: token ids in and out, one choice."""
         fields, max_tokens = native_sampling_fields(req)
-        msgs = self.make_msgs(fields, max_tokens, text=req.text, input_ids=req.input_ids, chat=None)
+        source = dict(text=req.text, input_ids=req.input_ids, chat=None)
+        msgs = self.make_msgs(fields, max_tokens, False, **source)  # SGLang's: stops at the context
         started = await self.start_choices(msgs)
         if req.stream:
             return StreamingResponse(self.native_events(started), media_type="text/event-stream")
@@ -375,6 +411,49 @@ class ApiServer:
                 }
                 yield sse(body)
         yield "data: [DONE]\n\n"
+
+    async def with_tokenizer(self, work: Callable[[Any], T], param: str) -> T:
+        """`work(tokenizer)` in a thread, with the workers' tokenizer (same files, same
+        --chat-template) loaded here once; its failure is the client's (400), as in a worker."""
+
+        def run() -> T:
+            with self.tokenizer_lock:
+                if not self.tokenizer:
+                    from minisgl.models.weight import resolve_model_path
+
+                    path = resolve_model_path(self.args.engine.model or "")
+                    self.tokenizer.append(load_chat_tokenizer(path, self.args.chat_template))
+            return work(self.tokenizer[0])
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, run)
+        except Exception as e:
+            raise APIError(400, str(e), param) from None
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if req.messages is None:
+            text = req.prompt
+            ids = await self.with_tokenizer(lambda tok: needed(tok).encode(text), "prompt")
+        else:
+            chat, kwargs = chat_messages(req.messages), req.chat_template_kwargs
+            with_prompt = req.add_generation_prompt
+            encode = lambda tok: encode_chat(tok, chat, kwargs, with_prompt)  # noqa: E731
+            ids = await self.with_tokenizer(encode, "messages")
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_seq_len}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+
+        def decode(tok: Any) -> str:
+            vocab = len(needed(tok))
+            if any(not 0 <= t < vocab for t in req.tokens):
+                raise ValueError(f"tokens must be in [0, {vocab})")
+            return tok.decode(req.tokens)
+
+        return {"prompt": await self.with_tokenizer(decode, "tokens")}
 
     async def health(self) -> JSONResponse:
         if self.frontend.dead:
@@ -414,6 +493,8 @@ def create_app(frontend: Frontend, args: ServerArgs, max_seq_len: int) -> FastAP
     app.get("/stats")(api.stats)
     app.get("/metrics")(api.metrics)
     app.get("/v1/models")(api.models)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
 
     # a plain (not streamed) response stops when its client leaves
     @app.post("/v1/completions")

@@ -38,6 +38,12 @@ class ServerArgs:
     num_tokenizer: int = option(
         1, "tokenizer worker processes (requests are spread over them by id)", type=int_range(1)
     )
+    served_model_name: str | None = option(
+        None, "model id that /v1/models lists and requests may name (unset: the --model value)"
+    )
+    chat_template: str | None = option(
+        None, "chat template replacing the tokenizer's: a file's path, or the Jinja text itself"
+    )
     shell: bool = option(False, "interactive terminal chat instead of a server")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY'")
     max_queued_requests: int | None = option(

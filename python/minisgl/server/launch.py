@@ -106,7 +106,8 @@ class Launcher:
         ]
         for i, addr in enumerate(a.tokenizers):
             front = (a.scheduler, a.detokenizer, a.api)
-            waits.append(spawn(f"tokenizer{i}", run_tokenizer, model_path, addr, *front))
+            template = args.chat_template
+            waits.append(spawn(f"tokenizer{i}", run_tokenizer, model_path, template, addr, *front))
         followers = [
             spawn(f"scheduler{rank}", run_follower, config, sched_cfg, rank, tp, port)
             for rank in range(1, args.tp)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgpack
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from minisgl.core import SamplingParams
 
@@ -89,9 +90,47 @@ class SamplingFields(BaseModel):
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # logit adjustments: OpenAI's, plus repetition_penalty and min_tokens as vLLM spells them
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
+    min_tokens: Int64 = 0
 
 
-class CompletionRequest(SamplingFields):
+# OpenAI fields minisgl cannot honour yet: a 400 naming the field unless given an "off" value
+NOT_SUPPORTED = {
+    "audio": "audio output",
+    "modalities": "output modalities other than text",
+    "prediction": "predicted outputs",
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "parallel_tool_calls": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "web_search_options": "web search",
+    "logprobs": "log-probabilities",
+    "top_logprobs": "log-probabilities",
+}
+COMPLETION_NOT_SUPPORTED = {
+    "logprobs": "log-probabilities",
+    "echo": "echoing the prompt",
+    "suffix": "suffixes (insertion)",
+    "best_of": "best_of",
+}
+# values that ask for nothing; 0 too (== False): top_logprobs 0
+OFF_VALUES: tuple[Any, ...] = (None, False, "", [], {})
+OFF_PAIRS = (("best_of", 1), ("tool_choice", "none"))
+# OpenAI fields that change nothing in what this server computes: accepted without a warning
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
+
+
+class OpenAIRequest(SamplingFields):
+    # fields not declared here are kept (model_extra) to be refused or warned about: `extra_fields`
+    model_config = ConfigDict(extra="allow")
+
+
+class CompletionRequest(OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Int64 | None = 16
 
@@ -102,9 +141,43 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatRequest(SamplingFields):
+# apply_chat_template's own arguments: a client may not replace the template nor its output
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "chat_template", "tokenize", "return_dict"})
+
+
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if reserved := sorted(RESERVED_TEMPLATE_KWARGS.intersection(value or {})):
+        raise ValueError(f"{', '.join(reserved)} cannot be set here")
+    try:  # it travels to a tokenizer worker in a message (msgpack)
+        msgpack.packb(value)
+    except (OverflowError, TypeError, ValueError):
+        raise ValueError("integers must fit in 64 bits") from None
+    return value
+
+
+# extra keyword arguments of the chat template (e.g. enable_thinking)
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)]
+
+
+class ChatRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
+    chat_template_kwargs: TemplateKwargs = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 class GenerateRequest(BaseModel):
@@ -142,6 +215,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int) -> S
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     # choice i of n samples with seed + i; kept within int64
     seed = None if req.seed is None else (req.seed + seed_offset) % 2**63
+    if req.min_tokens and req.stop:  # the detokenizer would end it at a stop string regardless
+        raise APIError(400, "min_tokens cannot be combined with stop strings", "min_tokens")
     try:
         return SamplingParams(
             temperature=req.temperature,
@@ -152,6 +227,11 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int) -> S
             ignore_eos=req.ignore_eos,
             stop_token_ids=list(req.stop_token_ids or []),
             seed=seed,
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=req.logit_bias or {},  # type: ignore[arg-type]  # string keys: converted
+            min_tokens=req.min_tokens,
             **grammar_fields(req),
         )
     except ValueError as e:
@@ -192,10 +272,63 @@ def completion_source(req: CompletionRequest) -> dict[str, Any]:
     return {"text": prompt, "input_ids": None, "chat": None}
 
 
-def chat_content(m: ChatMessage) -> str:
-    if isinstance(m.content, list):  # OpenAI content parts: keep the text ones
-        texts = [p.get("text") for p in m.content if p.get("type") == "text"]
-        if not all(isinstance(t, str) for t in texts):
+def extra_fields(req: OpenAIRequest, not_supported: dict[str, str]) -> list[str]:
+    """Refuse the fields of `not_supported` that the request turns on; the names of the other
+    undeclared fields, which are ignored (the caller warns)."""
+    extra = req.model_extra or {}
+    for name, value in extra.items():
+        off = value in OFF_VALUES or (name, value) in OFF_PAIRS
+        if name in not_supported and not off:
+            what = not_supported[name]
+            raise APIError(400, f"{name}: {what} is not supported", name, "unsupported_parameter")
+    return sorted(n for n in extra if n not in not_supported and n not in NO_EFFECT)
+
+
+def chat_max_tokens(req: ChatRequest) -> int | None:
+    """max_completion_tokens (OpenAI's newer name) or max_tokens; both only when they agree."""
+    new, old = req.max_completion_tokens, req.max_tokens
+    if new is not None and old is not None and new != old:
+        message = f"max_completion_tokens ({new}) and max_tokens ({old}) differ: give one"
+        raise APIError(400, message, "max_completion_tokens")
+    return new if new is not None else old
+
+
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",  # OpenAI's newer name
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template takes them: OpenAI's developer role is the system's."""
+    chat = []
+    for i, m in enumerate(messages):
+        role = CHAT_ROLES.get(m.role)
+        if role is None:
+            known = ", ".join(CHAT_ROLES)
+            message = f"messages[{i}].role: unknown role {m.role!r} (known: {known})"
+            raise APIError(400, message, "messages")
+        if (m.model_extra or {}).get("tool_calls"):
+            message = f"messages[{i}].tool_calls: tool calling is not supported"
+            raise APIError(400, message, "messages", "unsupported_parameter")
+        chat.append({"role": role, "content": chat_content(m, i)})
+    return chat
+
+
+def chat_content(m: ChatMessage, i: int) -> str:
+    if not isinstance(m.content, list):
+        return m.content or ""
+    texts = []  # OpenAI content parts: the models served here read text only
+    for part in m.content:
+        if part.get("type") != "text":
+            message = (
+                f"messages[{i}].content: {part.get('type')!r} parts are not supported (text only)"
+            )
+            raise APIError(400, message, "messages")
+        if not isinstance(part.get("text"), str):
             raise APIError(400, "messages: a text content part needs a string 'text'", "messages")
-        return "".join(texts)  # type: ignore[arg-type]
-    return m.content or ""
+        texts.append(part["text"])
+    return "".join(texts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -38,29 +39,70 @@ def build_or_report(name: str, ready: Any, build: Callable[[], T]) -> T:
     return parts
 
 
-def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
-    if msg.input_ids is not None:
-        return list(msg.input_ids)
+def load_chat_tokenizer(model_path: str, chat_template: str | None) -> Any | None:
+    """The model's tokenizer with --chat-template applied: a file's text when the value names an
+    existing file, else the value itself is the template."""
+    from minisgl.models.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    if tokenizer is not None and chat_template is not None:
+        if os.path.isfile(chat_template):
+            with open(chat_template) as f:
+                chat_template = f.read()
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def needed(tokenizer: Any | None) -> Any:
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: send token ids instead of text")
-    if msg.chat is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        text = tokenizer.apply_chat_template(msg.chat, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(msg.text)
+    return tokenizer
+
+
+def encode_chat(
+    tokenizer: Any, chat: list[dict], template_kwargs: dict | None, add_generation_prompt: bool
+) -> list[int]:
+    needed(tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template")
+    # the client's kwargs (e.g. enable_thinking) go to the template; it must return text here
+    kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+    text = tokenizer.apply_chat_template(chat, **kwargs, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
+    if msg.input_ids is not None:
+        ids = list(msg.input_ids)
+    elif msg.chat is not None:
+        ids = encode_chat(tokenizer, msg.chat, msg.chat_template_kwargs, True)
+    else:
+        ids = needed(tokenizer).encode(msg.text)
+    # vLLM's refusal, with the numbers (a prompt too long by itself: the scheduler's, which knows
+    # whether the model or the KV pool sets the limit)
+    limit, asked = msg.context_len, msg.params.max_tokens
+    if limit is not None and len(ids) < limit < len(ids) + asked:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({asked}) = {len(ids) + asked} tokens is "
+            f"longer than the context: at most {limit} tokens per request"
+        )
+    return ids
 
 
 def run_tokenizer(
-    model_path: str, recv_addr: str, sched_addr: str, detok_addr: str, api_addr: str, ready
+    model_path: str,
+    chat_template: str | None,
+    recv_addr: str,
+    sched_addr: str,
+    detok_addr: str,
+    api_addr: str,
+    ready: Any,
 ) -> None:
-    from minisgl.models.hf import load_tokenizer
-
     tokenizer, recv, to_sched, to_detok, to_api = build_or_report(
         "tokenizer",
         ready,
         lambda: (
-            load_tokenizer(model_path),
+            load_chat_tokenizer(model_path, chat_template),
             ZmqPullQueue(recv_addr, create=True),
             ZmqPushQueue(sched_addr, create=False),
             ZmqPushQueue(detok_addr, create=False),

@@ -1,0 +1,87 @@
+"""Penalties, logit_bias and min_tokens over HTTP: the same tokens as the offline LLM, and a 400
+naming the field for a bad value."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from minisgl import LLM, SamplingParams
+from support.server import Server, make_tiny_model, run_server
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = str(tmp_path_factory.mktemp("logs") / "server.log")
+    with run_server(model_dir, "--page-size", "4", log_path=log) as s:
+        yield s
+
+
+def complete(server: Server, **fields: Any) -> httpx.Response:
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **fields}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+def test_fields_reach_the_engine(server: Server, model_dir: str) -> None:
+    fields: dict[str, Any] = dict(
+        frequency_penalty=1.2, presence_penalty=0.5, repetition_penalty=1.4, min_tokens=3
+    )
+    llm = LLM(model_dir, page_size=4)
+    try:
+        params = SamplingParams(max_tokens=8, ignore_eos=True, **fields)
+        want = llm.generate([PROMPT], params, use_tqdm=False)[0]["text"]
+        plain = llm.generate([PROMPT], SamplingParams(max_tokens=8), use_tqdm=False)[0]["text"]
+    finally:
+        llm.shutdown()
+    r = complete(server, **fields)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want != plain
+    forced = complete(server, logit_bias={"7": 100}, max_tokens=3)  # JSON keys are strings
+    assert forced.status_code == 200, forced.text
+    native = httpx.post(
+        f"{server.url}/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 3, "logit_bias": {"7": 100}},
+        },
+        timeout=60,
+    )
+    assert native.status_code == 200, native.text
+    assert native.json()["output_ids"] == [7, 7, 7]
+
+
+BAD = [
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"one": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens
+    ({"min_tokens": 2, "stop": ["x"]}, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD, ids=[p for _, p in BAD])
+def test_bad_values_are_400_naming_the_field(server: Server, fields: dict, param: str) -> None:
+    r = complete(server, **fields)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(server: Server) -> None:
+    r = complete(server, logit_bias={str(10**6): 1})
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
