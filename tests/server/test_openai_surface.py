@@ -189,6 +189,12 @@ def test_unsupported_completion_fields(server: Server, field: str) -> None:
     assert_refused(post(server, "/v1/completions", body), field, field, "not supported")
 
 
+def test_completion_logprobs_zero_is_not_off(server: Server) -> None:
+    """logprobs 0 asks for the chosen tokens' log-probabilities: refused, not ignored."""
+    body = {"prompt": "hi", "max_tokens": 1, "logprobs": 0}
+    assert_refused(post(server, "/v1/completions", body), "logprobs", "logprobs", "not supported")
+
+
 def test_off_values_and_unknown_fields_are_accepted(server: Server) -> None:
     off = {"logprobs": False, "tools": [], "tool_choice": "none", "user": "u", "store": False}
     body = {"messages": CHAT, "max_tokens": 1, **off}

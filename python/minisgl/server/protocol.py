@@ -118,9 +118,10 @@ COMPLETION_NOT_SUPPORTED = {
     "suffix": "suffixes (insertion)",
     "best_of": "best_of",
 }
-# values that ask for nothing; 0 too (== False): top_logprobs 0
-OFF_VALUES: tuple[Any, ...] = (None, False, "", [], {})
-OFF_PAIRS = (("best_of", 1), ("tool_choice", "none"))
+# values that ask for nothing (compared by identity first: completions' logprobs 0 asks for the
+# chosen tokens' log-probabilities, so 0 is not False there)
+OFF_VALUES: tuple[Any, ...] = ("", [], {})
+OFF_PAIRS = (("best_of", 1), ("tool_choice", "none"), ("top_logprobs", 0))
 # OpenAI fields that change nothing in what this server computes: accepted without a warning
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
 
@@ -277,7 +278,7 @@ def extra_fields(req: OpenAIRequest, not_supported: dict[str, str]) -> list[str]
     undeclared fields, which are ignored (the caller warns)."""
     extra = req.model_extra or {}
     for name, value in extra.items():
-        off = value in OFF_VALUES or (name, value) in OFF_PAIRS
+        off = value is None or value is False or value in OFF_VALUES or (name, value) in OFF_PAIRS
         if name in not_supported and not off:
             what = not_supported[name]
             raise APIError(400, f"{name}: {what} is not supported", name, "unsupported_parameter")
