@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -272,3 +273,29 @@ def test_chat_template_flag_takes_a_file_or_the_text(model_dir: str, tmp_path: A
     assert load_chat_tokenizer(model_dir, str(path)).chat_template == TEMPLATE
     original = AutoTokenizer.from_pretrained(model_dir).chat_template
     assert load_chat_tokenizer(model_dir, None).chat_template == original
+
+
+# ---- batched completion prompts ----------------------------------------------------------
+def test_batched_completion_prompts(server: Server) -> None:
+    """A list of prompts (strings or token-id lists): one choice per prompt x n, indexed
+    k * n + j as OpenAI does, each equal to the prompt's own completion; usage counts every
+    prompt once."""
+    base = {"model": SERVED, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for prompts in (["hello there", "the quick brown fox", "a"], [[5, 6, 7], [9, 10]]):
+        out = post(server, "/v1/completions", {**base, "prompt": prompts, "n": 2}).json()
+        assert [c["index"] for c in out["choices"]] == list(range(2 * len(prompts)))
+        singles = [post(server, "/v1/completions", {**base, "prompt": p}).json() for p in prompts]
+        for k, single in enumerate(singles):
+            want = single["choices"][0]["text"]
+            assert [c["text"] for c in out["choices"][2 * k : 2 * k + 2]] == [want, want]
+        assert out["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+        assert out["usage"]["completion_tokens"] == 2 * len(prompts) * 4
+    # streamed: every choice's index appears, and usage counts each prompt once
+    body = {**base, "prompt": [[5, 6, 7], [9, 10]], "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert {c["index"] for e in events for c in e["choices"]} == {0, 1}
+    assert events[-1]["usage"]["prompt_tokens"] == 5
+    too_many = {**base, "prompt": ["a"] * 513, "n": 2}
+    assert_refused(post(server, "/v1/completions", too_many), "prompt", "513")

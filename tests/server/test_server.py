@@ -372,7 +372,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1, -2, 3]}, 400, "prompt"),
     ("completions", {"prompt": [1, 2**40]}, 400, "prompt"),
     ("completions", {"prompt": [1, 99999]}, 400, "prompt"),
-    ("completions", {"prompt": ["one", "two"]}, 400, "prompt"),
+    ("completions", {"prompt": ["one"] * 1025}, 400, "prompt"),  # over MAX_CHOICES
     ("completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("generate", {"input_ids": [1, 2], "text": "both"}, 400, "input_ids"),
     ("generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "x"}}, 400, None),

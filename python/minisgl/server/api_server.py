@@ -37,7 +37,7 @@ from minisgl.server.protocol import (
     TokenizeRequest,
     chat_max_tokens,
     chat_messages,
-    completion_source,
+    completion_sources,
     error_body,
     error_response,
     extra_fields,
@@ -290,10 +290,14 @@ class ApiServer:
 
     async def complete(self, req: CompletionRequest) -> Any:
         self.check_fields(req, COMPLETION_NOT_SUPPORTED, "/v1/completions")
-        source = completion_source(req)
         given = req.max_tokens is not None and "max_tokens" in req.model_fields_set
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        msgs = self.make_msgs(req, max_tokens, given, **source)
+        # choice k * n + j: prompt k's j-th sample (OpenAI's order)
+        msgs = [
+            msg
+            for source in completion_sources(req)
+            for msg in self.make_msgs(req, max_tokens, given, **source)
+        ]
         return await self.respond(req, msgs, chat=False)
 
     async def chat_complete(self, req: ChatRequest) -> Any:
@@ -316,13 +320,13 @@ class ApiServer:
             "model": self.model_name,
         }
         if not req.stream:
-            return await self.collect(started, head, chat)
+            return await self.collect(started, head, chat, req.n)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = self.events(started, head, chat, include_usage)
+        events = self.events(started, head, chat, include_usage, req.n)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def collect(
-        self, started: list[Started], head: dict[str, Any], chat: bool
+        self, started: list[Started], head: dict[str, Any], chat: bool, n_per_prompt: int
     ) -> dict[str, Any]:
         """The whole response of all choices, once every one has finished."""
         n = len(started)
@@ -341,10 +345,16 @@ class ApiServer:
             else text_choice(i, t, fr)
             for i, (t, fr) in enumerate(zip(texts, reasons))
         ]
-        return {**head, "choices": choices, "usage": usage(prompt[0], sum(completion))}
+        prompt_tokens = sum(prompt) // n_per_prompt  # each prompt counted once, not per sample
+        return {**head, "choices": choices, "usage": usage(prompt_tokens, sum(completion))}
 
     async def events(
-        self, started: list[Started], head: dict[str, Any], chat: bool, include_usage: bool
+        self,
+        started: list[Started],
+        head: dict[str, Any],
+        chat: bool,
+        include_usage: bool,
+        n_per_prompt: int,
     ) -> AsyncIterator[str]:
         """Server-sent events of all choices: a chunk per reply carrying text or a finish."""
         n = len(started)
@@ -369,7 +379,8 @@ class ApiServer:
                     choice = text_choice(i, r.text_delta, fr)
                 yield sse({**head, "choices": [choice]})
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(prompt[0], sum(completion))})
+            prompt_tokens = sum(prompt) // n_per_prompt  # each prompt counted once
+            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion))})
         yield "data: [DONE]\n\n"
 
     async def generate(self, req: GenerateRequest) -> Any:

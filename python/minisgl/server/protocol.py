@@ -46,6 +46,9 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status, headers=headers)
 
 
+MAX_CHOICES = 1024  # prompts x n of one completion request (n alone: at most 64)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -261,16 +264,21 @@ def native_sampling_fields(req: GenerateRequest) -> tuple[SamplingFields, int]:
     return fields, fields.max_tokens
 
 
-def completion_source(req: CompletionRequest) -> dict[str, Any]:
-    """The prompt of a completion request as TokenizeMsg fields: text or token ids."""
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        return {"text": None, "input_ids": list(prompt), "chat": None}
-    return {"text": prompt, "input_ids": None, "chat": None}
+def completion_sources(req: CompletionRequest) -> list[dict[str, Any]]:
+    """The prompts of a completion request as TokenizeMsg fields (text or token ids), one per
+    prompt: a string, token ids, or a batch of either."""
+    prompts: list[Any] = [req.prompt]
+    if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
+        prompts = list(req.prompt)
+    if not prompts or len(prompts) * req.n > MAX_CHOICES:
+        message = f"give 1 to {MAX_CHOICES // req.n} prompts (n={req.n}), got {len(prompts)}"
+        raise APIError(400, message, "prompt")
+    return [
+        {"text": None, "input_ids": list(p), "chat": None}
+        if isinstance(p, list)
+        else {"text": p, "input_ids": None, "chat": None}
+        for p in prompts
+    ]
 
 
 def extra_fields(req: OpenAIRequest, not_supported: dict[str, str]) -> list[str]:
