@@ -3,6 +3,7 @@ and the per-process context that layers reach during a forward (Context)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -41,7 +42,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: minus this once the token is in the output
     repetition_penalty: float = 1.0  # transformers: over the prompt and output; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    min_tokens: int = 0  # EOS, stop_token_ids and stop cannot end the output before this many
+    # stop strings (a string is one): the text ends before the first to appear (detokenizer)
+    stop: list[str] | str = field(default_factory=list)
+    n: int = 1  # offline samples per prompt, sample j seeded seed + j (the server sends n requests)
 
     def __post_init__(self) -> None:
         try:  # JSON objects (HTTP) have string keys
@@ -55,6 +59,8 @@ class SamplingParams:
                 self.json_schema = json.dumps(self.json_schema)  # key order is field order
             except (TypeError, ValueError) as e:
                 raise ValueError(f"json_schema is not JSON: {e}") from None
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         self.validate()
 
     def validate(self) -> None:
@@ -70,6 +76,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         grammars = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
         given = [name for name, value in grammars.items() if value is not None]
         if len(given) > 1:
@@ -92,6 +102,11 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+
+    def for_sample(self, j: int) -> SamplingParams:
+        """Sample j of n: one request, seeded seed + j (kept within int64)."""
+        seed = None if self.seed is None else (self.seed + j) % 2**63
+        return dataclasses.replace(self, seed=seed, n=1)
 
     @property
     def is_greedy(self) -> bool:

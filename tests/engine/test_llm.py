@@ -160,3 +160,43 @@ def test_graph_step_equals_eager_step(model_dirs, size):
         req.cached_len = len(req.tokens)
         sched.planner.release(req)
     sched.check_no_leak()
+
+
+def test_n_samples_per_prompt(chat_model):
+    path, _ = chat_model
+    llm = LLM(path, page_size=4, num_pages=128)
+    prompts = ["hello world", "the radix cache"]
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=8, n=3), use_tqdm=False)
+    assert len(greedy) == len(prompts)
+    for prompt, out in zip(prompts, greedy):
+        single = llm.generate([prompt], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+        assert out["outputs"] == [single] * 3  # vLLM's RequestOutput.outputs
+    seeded = SamplingParams(max_tokens=8, n=4, temperature=1.0, top_k=-1, seed=7)
+    outs = llm.generate(prompts[0], seeded, use_tqdm=False)[0]["outputs"]
+    assert len({tuple(o["token_ids"]) for o in outs}) > 1
+    assert llm.generate(prompts[0], seeded, use_tqdm=False)[0]["outputs"] == outs
+    # sample j is seeded seed + j, as the server seeds choice j
+    one = SamplingParams(max_tokens=8, temperature=1.0, seed=9)
+    assert llm.generate(prompts[0], one, use_tqdm=False)[0] == outs[2]
+    llm.scheduler.check_no_leak()
+
+
+def test_stop_strings_cut_as_the_server_does(chat_model):
+    path, _ = chat_model
+    llm = LLM(path, page_size=4, num_pages=128)
+    prompt = "hello world"
+    free = llm.generate([prompt], SamplingParams(max_tokens=12), use_tqdm=False)[0]
+    ids, text = free["token_ids"], free["text"]
+    stop = text[len(text) // 2 :][:2]  # from the middle of the output: it does occur
+    assert stop and stop in text
+    cut = text[: text.index(stop)]
+    for stops in (stop, [stop, "never in it"]):
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, stop=stops), use_tqdm=False)[0]
+        assert out["text"] == cut and out["finish_reason"] == "stop"
+        assert ids[: len(out["token_ids"])] == out["token_ids"]  # ends on the completing token
+        assert stop in llm.tokenizer.decode(out["token_ids"])
+    # min_tokens past the stop string: the detokenizer (the server's) decides where it ends
+    params = SamplingParams(max_tokens=12, stop=[stop], min_tokens=len(ids))
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out == free
+    llm.scheduler.check_no_leak()

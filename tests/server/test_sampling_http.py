@@ -1,5 +1,5 @@
-"""Penalties, logit_bias and min_tokens over HTTP: the same tokens as the offline LLM, and a 400
-naming the field for a bad value."""
+"""Penalties, logit_bias and min_tokens over HTTP: the same tokens as the offline LLM, min_tokens
+holding back stop strings, and a 400 naming the field for a bad value."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.models.hf import load_tokenizer
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from support.server import Server, make_tiny_model, run_server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
@@ -71,7 +73,6 @@ BAD = [
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens
-    ({"min_tokens": 2, "stop": ["x"]}, "min_tokens"),
 ]
 
 
@@ -85,3 +86,24 @@ def test_bad_values_are_400_naming_the_field(server: Server, fields: dict, param
 def test_logit_bias_outside_the_vocabulary_is_refused(server: Server) -> None:
     r = complete(server, logit_bias={str(10**6): 1})
     assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
+
+
+def test_min_tokens_holds_back_stop_strings(server: Server, model_dir: str) -> None:
+    """A stop string in the greedy output's first tokens ends it, unless min_tokens says go on:
+    then the text is what the detokenizer makes of those tokens with min_tokens (vLLM's rule)."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+    full = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    tokenizer = load_tokenizer(model_dir)
+    first = tokenizer.decode(full["output_ids"][:1], skip_special_tokens=True)
+    stop = next(c for c in first if not c.isspace() and c != "\ufffd")  # in the first token
+    cut = complete(server, stop=[stop]).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full["text"][: full["text"].index(stop)]
+    for min_tokens in (3, 8):
+        detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=[stop], min_tokens=min_tokens)
+        want = "".join(detok.add([t]) for t in full["output_ids"]) + detok.finish()
+        r = complete(server, stop=[stop], min_tokens=min_tokens)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+        assert len(want) > full["text"].index(stop)  # went on past the early stop string
+    assert want == full["text"]  # min_tokens = max_tokens: no stop string can end it

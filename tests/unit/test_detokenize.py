@@ -272,3 +272,55 @@ def test_special_token_as_stop_string():
     deltas, detok = run(ids, skip_special_tokens=True, stop=["<|eos|>"])
     assert "".join(deltas) == "hi there"
     assert not detok.stopped
+
+
+# ---- min_tokens: no stop string ends the output before that many tokens --------------------
+
+
+def reference_min_tokens(ids: list[int], stops: list[str], min_tokens: int) -> str:
+    """vLLM's rule: only a stop string that ends in text decoded after token min_tokens counts
+    (it may start before); text belongs to the first token after which it decodes."""
+    text = TOK.decode(ids)
+    if min_tokens >= len(ids):
+        return text
+    j = min_tokens
+    while j > 0 and TOK.decode(ids[:j]).endswith(FFFD):
+        j -= 1
+    boundary = len(TOK.decode(ids[:j]))
+    for k in range(boundary + 1, len(text) + 1):
+        done = [s for s in stops if s and text[:k].endswith(s)]
+        if done:
+            return text[: k - len(max(done, key=len))]
+    return text
+
+
+@SETTINGS
+@given(
+    text=SMALL_TEXT,
+    stops=STOPS,
+    min_tokens=st.integers(0, 12),
+    sizes=st.lists(st.integers(1, 3), max_size=4),
+)
+def test_min_tokens_matches_reference(text, stops, min_tokens, sizes):
+    ids = TOK.encode(text)
+    deltas, _ = run(ids, sizes, stop=stops, min_tokens=min_tokens)
+    assert "".join(deltas) == reference_min_tokens(ids, stops, min_tokens)
+
+
+def test_min_tokens_skips_early_stop_strings():
+    ids = TOK.encode("ab ab ab")
+    assert len(ids) == 6  # "a", "b", " a", "b", " a", "b"
+    for min_tokens, expected in [(0, ""), (1, ""), (2, "ab "), (4, "ab ab ")]:
+        deltas, detok = run(ids, stop=["ab"], min_tokens=min_tokens)
+        assert "".join(deltas) == expected and detok.stop_reason == "ab"
+    deltas, detok = run(ids, stop=["ab"], min_tokens=len(ids))
+    assert "".join(deltas) == "ab ab ab" and not detok.stopped
+
+
+def test_min_tokens_stop_straddling_the_boundary_cuts_where_it_starts():
+    ids = TOK.encode("hello world")
+    assert len(ids) == 2  # "hello", " world"
+    deltas, detok = run(ids, stop=["lo wo"], min_tokens=1)  # starts in token 1, ends in token 2
+    assert "".join(deltas) == "hel" and detok.stop_reason == "lo wo"
+    deltas, detok = run(ids, stop=["ell"], min_tokens=1)  # wholly within token 1: ignored
+    assert "".join(deltas) == "hello world" and not detok.stopped

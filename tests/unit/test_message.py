@@ -42,15 +42,16 @@ DETOK = DetokenizeMsg(uid=4, token_ids=[9, 10, 11], finished=False, finish_reaso
 ALL_MESSAGES = [
     PARAMS,
     SamplingParams(),
-    TokenizeMsg(uid=1, text="hi", input_ids=None, chat=None, params=PARAMS, stop=["\n", "END"]),
-    TokenizeMsg(uid=2, text=None, input_ids=[1, 2, 3], chat=None, params=SamplingParams(), stop=[]),
+    TokenizeMsg(
+        uid=1, text="hi", input_ids=None, chat=None, params=SamplingParams(stop=["\n", "END"])
+    ),
+    TokenizeMsg(uid=2, text=None, input_ids=[1, 2, 3], chat=None, params=SamplingParams()),
     TokenizeMsg(
         uid=2**40,
         text=None,
         input_ids=None,
         chat=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "你好"}],
         params=PARAMS,
-        stop=[],
         skip_special_tokens=False,
     ),
     AbortMsg(uid=5),
@@ -165,9 +166,9 @@ def test_register_rejects_non_dataclass_and_duplicate_name():
 
 def test_tokenize_msg_needs_exactly_one_input():
     with pytest.raises(ValueError):
-        TokenizeMsg(uid=1, text=None, input_ids=None, chat=None, params=PARAMS, stop=[])
+        TokenizeMsg(uid=1, text=None, input_ids=None, chat=None, params=PARAMS)
     with pytest.raises(ValueError):
-        TokenizeMsg(uid=1, text="a", input_ids=[1], chat=None, params=PARAMS, stop=[])
+        TokenizeMsg(uid=1, text="a", input_ids=[1], chat=None, params=PARAMS)
 
 
 def test_invalid_params_are_rejected_on_decode():

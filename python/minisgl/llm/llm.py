@@ -4,25 +4,46 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
-from minisgl.core import SamplingParams
+from minisgl.core import Req, SamplingParams
 from minisgl.distributed import destroy_tp, free_port, get_tp_info
 from minisgl.engine import EngineConfig
 from minisgl.engine.engine import check_tp
 from minisgl.models import resolve_model_path
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.utils.options import split_options
 from minisgl.utils.procs import wait_ready
 
 Prompt = str | list[int]
 
 
+@dataclass
+class _Sample:
+    """One request of `generate`; with stop strings, the text the server's detokenizer would
+    send so far (cut before the first stop string)."""
+
+    req: Req
+    detok: IncrementalDetokenizer | None = None
+    text: str = ""
+
+    def add(self, token: int | None) -> bool:
+        """Feed a sampled token; True when a stop string has just ended the output."""
+        if self.detok is None or token is None or self.detok.stopped:
+            return False
+        self.text += self.detok.add([token])
+        return self.detok.stopped
+
+
 class LLM:
-    """`LLM(model).generate(prompts, SamplingParams(...))` -> [{"text", "token_ids", ...}].
+    """`LLM(model).generate(prompts, SamplingParams(...))` -> [{"text", "token_ids", ...}], one
+    per prompt; a prompt with `n > 1` samples gets {"outputs": [n such dicts]} (vLLM's
+    `RequestOutput.outputs`).
     `model`: a directory, a .gguf file or a hub id; None: the embedded SmolLM2 GGUF.
     `tp=N`: shard the model over N processes (this one is rank 0; `shutdown` ends the rest).
     `options`: the fields of EngineConfig and SchedulerConfig (the flags of `python -m minisgl`:
@@ -115,27 +136,53 @@ class LLM:
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
             )
         # validate everything before anything runs, so a bad prompt wastes no work
-        reqs = [
-            self.scheduler.make_request(self.encode(p), sp)
+        groups = [
+            [self._sample(self.encode(p), sp.for_sample(j)) for j in range(sp.n)]
             for p, sp in zip(prompts, sampling_params)
         ]
-        for req in reqs:
-            if req.grammar is not None:
-                req.grammar.wait()  # raises GrammarError (a ValueError) for a bad grammar
-        for req in reqs:
-            self.scheduler.add_request(req)
-        with tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm) as bar:
+        samples = [s for group in groups for s in group]
+        for s in samples:
+            if s.req.grammar is not None:
+                s.req.grammar.wait()  # raises GrammarError (a ValueError) for a bad grammar
+        for s in samples:
+            self.scheduler.add_request(s.req)
+        self._run(samples, use_tqdm)
+        results = [[self._result(s) for s in group] for group in groups]
+        return [group[0] if len(group) == 1 else {"outputs": group} for group in results]
+
+    def _sample(self, ids: list[int], params: SamplingParams) -> _Sample:
+        req = self.scheduler.make_request(ids, params)
+        if not params.stop or self.tokenizer is None:
+            return _Sample(req)
+        # the server's detokenizer: the offline text is cut exactly as the server's
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids, True, list(params.stop), params.min_tokens
+        )
+        return _Sample(req, detok)
+
+    def _run(self, samples: list[_Sample], use_tqdm: bool) -> None:
+        by_uid = {s.req.uid: s for s in samples}
+        with tqdm(total=len(samples), desc="Generating", disable=not use_tqdm) as bar:
             done = 0
-            while done < len(reqs):
+            while done < len(samples):
                 for out in self.scheduler.step():
+                    if by_uid[out.uid].add(out.token) and not out.finished:
+                        self.scheduler.abort(out.uid)  # as the server does; reported as "stop"
                     done += out.finished
                     bar.update(int(out.finished))
-        return [self._result(r) for r in reqs]
 
-    def _result(self, req: Any) -> dict[str, Any]:
+    def _result(self, sample: _Sample) -> dict[str, Any]:
+        req, detok = sample.req, sample.detok
         ids = req.output_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-        result = {"text": text, "token_ids": ids, "finish_reason": req.finish_reason}
+        if detok is not None:
+            text = sample.text + detok.finish()
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+        # aborted by its stop string (a stop string on the last token keeps the scheduler's
+        # reason, as the server reports it)
+        stopped = detok is not None and detok.stopped and req.finish_reason == "abort"
+        reason = "stop" if stopped else req.finish_reason
+        result = {"text": text, "token_ids": ids, "finish_reason": reason}
         if req.error is not None:
             result["error"] = req.error
         return result

@@ -30,6 +30,7 @@ class DetokInitMsg:
     prompt_tail: list[int]  # the last prompt tokens, context for the first decoded word
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings cannot end the output before this many tokens
 
 
 @register

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minisgl.core import SamplingParams
 from minisgl.message.base import register
@@ -19,7 +19,6 @@ class TokenizeMsg:
     input_ids: list[int] | None
     chat: list[dict] | None
     params: SamplingParams
-    stop: list[str] = field(default_factory=list)  # stop strings, handled by the detokenizer
     skip_special_tokens: bool = True
     chat_template_kwargs: dict | None = None  # extra arguments of apply_chat_template
     # the model's context when the client gave max_tokens: a longer prompt + max_tokens is refused

@@ -275,12 +275,10 @@ class ApiServer:
         ids = source.get("input_ids") or []
         if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
             raise APIError(400, "prompt token ids must be in [0, 2**31)", "prompt")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return [
             TokenizeMsg(
                 self.frontend.new_uid(),
                 params=sampling_params(req, max_tokens, i),
-                stop=stop,
                 skip_special_tokens=req.skip_special_tokens,
                 context_len=self.max_seq_len if given else None,
                 **source,

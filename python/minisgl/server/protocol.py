@@ -217,10 +217,6 @@ def grammar_fields(req: SamplingFields) -> dict[str, Any]:
 def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int) -> SamplingParams:
     if max_tokens <= 0:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    # choice i of n samples with seed + i; kept within int64
-    seed = None if req.seed is None else (req.seed + seed_offset) % 2**63
-    if req.min_tokens and req.stop:  # the detokenizer would end it at a stop string regardless
-        raise APIError(400, "min_tokens cannot be combined with stop strings", "min_tokens")
     try:
         return SamplingParams(
             temperature=req.temperature,
@@ -230,14 +226,15 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int) -> S
             max_tokens=max_tokens,
             ignore_eos=req.ignore_eos,
             stop_token_ids=list(req.stop_token_ids or []),
-            seed=seed,
+            seed=req.seed,
             frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty,
             repetition_penalty=req.repetition_penalty,
             logit_bias=req.logit_bias or {},  # type: ignore[arg-type]  # string keys: converted
             min_tokens=req.min_tokens,
+            stop=req.stop or [],
             **grammar_fields(req),
-        )
+        ).for_sample(seed_offset)  # choice i of n samples with seed + i
     except ValueError as e:
         raise APIError(400, str(e), str(e).split(" ")[0]) from None
 

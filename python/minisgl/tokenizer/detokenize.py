@@ -8,6 +8,12 @@ Two layers of holding back:
    spaces) see the same context in both decodes.
 2. Stop strings: finalised text that could be the start of a stop string waits until it is
    either completed (generation stops, the stop string is cut off) or ruled out.
+
+min_tokens (vLLM's semantics): a stop string cannot end the output before min_tokens tokens.
+A stop string counts only if it ends in the text of a token after the first min_tokens; one that
+starts earlier and ends there (it straddles the boundary) counts, and the output is cut where it
+starts, as vLLM's search window does. Text belongs to the token after which it decodes (one
+that ends mid-character passes its text on to the next), as in vLLM's detokenizer.
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ from typing import Any
 _PROMPT_CONTEXT = 5
 
 
-def find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """The stop string that completes first when `text` is read left to right (on a tie, the one
-    that starts earlier): (index where it starts, the stop string), or None."""
+def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str] | None:
+    """The stop string that completes first, past text[:after], when `text` is read left to
+    right (on a tie, the one that starts earlier): (index where it starts, the stop string), or
+    None."""
     best: tuple[int, int, str] | None = None  # (end, start, stop)
     for s in stops:
-        i = text.find(s)
+        i = text.find(s, max(0, after - len(s) + 1))  # ends past `after`
         if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
             best = (i + len(s), i, s)
     return None if best is None else (best[1], best[2])
@@ -55,12 +62,15 @@ class IncrementalDetokenizer:
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stops = [s for s in (stop or []) if s]
         self.stopped = False
         self.stop_reason: str | None = None
+        self.min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens fed so far
         # Window state: ids[:read] are decoded and emitted (as far as UTF-8 goes); ids[read:] are
         # held back. ids only keeps tokens from the window start (older ones are dropped).
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:]) if prompt_ids else []
@@ -70,6 +80,7 @@ class IncrementalDetokenizer:
             # The prompt ends inside a character: context would swallow the output's first bytes.
             self._ids, self._read, self._prefix_text = [], 0, ""
         self._pending = ""  # UTF-8-final text held back because it may start a stop string
+        self._protected = 0  # _pending[:_protected] is text of the first min_tokens tokens
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -78,6 +89,10 @@ class IncrementalDetokenizer:
         """Feed new output tokens; return the text that became final."""
         if self.stopped or not token_ids:
             return ""
+        boundary = self.min_tokens - self._num_tokens
+        if 0 < boundary < len(token_ids):  # the text of the first min_tokens is checked apart
+            return self.add(token_ids[:boundary]) + self.add(token_ids[boundary:])
+        self._num_tokens += len(token_ids)
         self._ids.extend(token_ids)
         text = self._decode(self._ids)
         if text.endswith("\ufffd"):
@@ -105,9 +120,10 @@ class IncrementalDetokenizer:
         if not self.stops:
             return delta
         text = self._pending + delta
+        protected = len(text) if self._num_tokens <= self.min_tokens else self._protected
         # A stop string cannot start in text already emitted (that text was never held), so
         # searching the held text plus the new delta is enough.
-        found = find_stop(text, self.stops)
+        found = find_stop(text, self.stops, after=protected)
         if found is not None:
             self.stopped = True
             self.stop_reason = found[1]
@@ -115,4 +131,5 @@ class IncrementalDetokenizer:
             return text[: found[0]]
         held = 0 if final else _held_suffix_len(text, self.stops)
         self._pending = text[len(text) - held :]
+        self._protected = max(0, protected - (len(text) - held))
         return text[: len(text) - held]

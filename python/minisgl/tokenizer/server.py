@@ -122,7 +122,10 @@ def run_tokenizer(
             to_api.put(BatchFrontendMsg([UserReply(msg.uid, "", [], True, "error", 0, 0, str(e))]))
             continue
         tail = ids[-PROMPT_TAIL:]
-        to_detok.put(DetokInitMsg(msg.uid, len(ids), tail, msg.stop, msg.skip_special_tokens))
+        stop, min_tokens = list(msg.params.stop), msg.params.min_tokens
+        to_detok.put(
+            DetokInitMsg(msg.uid, len(ids), tail, stop, msg.skip_special_tokens, min_tokens)
+        )
         to_sched.put(UserMsg(msg.uid, ids, msg.params))
 
 
@@ -147,7 +150,11 @@ class Detokenizer:
         try:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, msg.prompt_tail, msg.skip_special_tokens, msg.stop
+                    self.tokenizer,
+                    msg.prompt_tail,
+                    msg.skip_special_tokens,
+                    msg.stop,
+                    msg.min_tokens,
                 )
         except Exception as e:
             self.states[msg.uid] = _DetokState(None, msg.prompt_len)
