@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from minisgl.scheduler.grammar import Constraint
 
 
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM allows (OpenAI: 20 in chat)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. temperature 0 means greedy. At most one of json_schema
@@ -46,6 +49,9 @@ class SamplingParams:
     # stop strings (a string is one): the text ends before the first to appear (detokenizer)
     stop: list[str] | str = field(default_factory=list)
     n: int = 1  # offline samples per prompt, sample j seeded seed + j (the server sends n requests)
+    # log-probabilities (the model's own: before temperature, penalties, bias and grammar masks)
+    logprobs: int | None = None  # of each sampled token, with this many top alternatives (0-20)
+    prompt_logprobs: int | None = None  # of each prompt token after the first, with top-k too
 
     def __post_init__(self) -> None:
         try:  # JSON objects (HTTP) have string keys
@@ -87,6 +93,10 @@ class SamplingParams:
         if given and not isinstance(grammars[given[0]], str):
             raise ValueError(f"{given[0]} must be a string")
         self._validate_penalties()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     def _validate_penalties(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):
@@ -151,6 +161,10 @@ class Req:
     num_preemptions: int = 0
     grammar: Constraint | None = None  # structured generation: what the output must match
     error: str | None = None  # why it ended when finish_reason is "error"
+    # prompt_logprobs: the next prompt position whose log-probability is not computed yet, and
+    # the entries computed so far (sent with the first output)
+    next_prompt_logprob: int = 1
+    prompt_logprobs: list[list[Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

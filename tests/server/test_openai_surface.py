@@ -172,10 +172,8 @@ CHAT_FIELDS = {
     "functions": [{"name": "f"}],
     "parallel_tool_calls": True,
     "web_search_options": {"search_context_size": "low"},
-    "logprobs": True,
-    "top_logprobs": 2,
 }
-COMPLETION_FIELDS = {"logprobs": 2, "echo": True, "suffix": "end", "best_of": 2}
+COMPLETION_FIELDS = {"suffix": "end", "best_of": 2}
 
 
 @pytest.mark.parametrize("field", sorted(CHAT_FIELDS))
@@ -188,12 +186,6 @@ def test_unsupported_chat_fields(server: Server, field: str) -> None:
 def test_unsupported_completion_fields(server: Server, field: str) -> None:
     body = {"prompt": "hi", "max_tokens": 1, field: COMPLETION_FIELDS[field]}
     assert_refused(post(server, "/v1/completions", body), field, field, "not supported")
-
-
-def test_completion_logprobs_zero_is_not_off(server: Server) -> None:
-    """logprobs 0 asks for the chosen tokens' log-probabilities: refused, not ignored."""
-    body = {"prompt": "hi", "max_tokens": 1, "logprobs": 0}
-    assert_refused(post(server, "/v1/completions", body), "logprobs", "logprobs", "not supported")
 
 
 def test_off_values_and_unknown_fields_are_accepted(server: Server) -> None:

@@ -26,12 +26,20 @@ def script(uid: int, pos: int) -> int:
 
 
 class FakeStep:
+    prompt = None  # no prompt log-probabilities
+
     def __init__(self, engine: FakeEngine, index: int, tokens: list[int]) -> None:
         self.engine, self.index, self._tokens = engine, index, tokens
 
     def tokens(self) -> list[int]:
         self.engine.log.append(("read", self.index))
         return self._tokens
+
+    def logprobs(self) -> list[None]:
+        return [None] * len(self._tokens)
+
+    def prompt_logprobs(self) -> dict:
+        return {}
 
 
 class FakeEngine:

@@ -13,6 +13,7 @@ from minisgl.core import Batch, Context, Req, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
 from minisgl.engine.graph import GraphRunner
+from minisgl.engine.logprobs import Entry, PromptLogprobs, SampledLogprobs
 from minisgl.engine.sample import (
     BatchSamplingArgs,
     PenaltyTables,
@@ -34,6 +35,7 @@ from minisgl.models import (
     resolve_model_path,
 )
 from minisgl.models.hf import load_hf_config
+from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.weight import iter_checkpoint
 from minisgl.utils.device import device_type, resolve_device
 
@@ -116,7 +118,7 @@ class Engine:
         self.graphs = self._build_graphs()
         self.penalties: PenaltyTables | None = None  # made for the first request with a penalty
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model(self) -> LlamaForCausalLM:
         cls = get_model_class(self.model_config.architecture)
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -190,7 +192,10 @@ class Engine:
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
         inputs = StepInputs.unpack(host.to(self.device, non_blocking=True))
         self.attn_backend.prepare(batch)
-        return run_step(self, batch, inputs, sample=False)
+        out = run_step(self, batch, inputs, sample=False)
+        if not batch.is_decode and out.hidden is not None:
+            out.prompt_logprobs = PromptLogprobs.compute(self, batch, out.hidden)
+        return out
 
     @torch.inference_mode()
     def sample_step(
@@ -206,6 +211,7 @@ class Engine:
         waits for the device."""
         next_ids, vocab = out.sampled, self.model_config.vocab_size
         adjusted = any_adjusted(batch.reqs)
+        logprobs = SampledLogprobs.start(batch, out.logits)  # raw: before any adjustment
         if next_ids is None or mask is not None or adjusted or any_filter(batch.reqs, vocab):
             if mask is not None:
                 apply_token_bitmask(out.logits, mask)
@@ -216,7 +222,9 @@ class Engine:
             self.token_table[out.write_rows, out.kv_lens] = next_ids.to(torch.int32)
         if self.penalties is not None and any(r.params.uses_penalties for r in batch.reqs):
             self.penalties.count(out.write_rows, next_ids)
-        return StepOutput.start_copy(next_ids)
+        if logprobs is not None:
+            logprobs.finish(next_ids)
+        return StepOutput.start_copy(next_ids, logprobs, out.prompt_logprobs)
 
     def _build_graphs(self) -> GraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
@@ -242,23 +250,51 @@ class Engine:
 
 
 class StepOutput:
-    """Sampled token ids on their way to the host: the copy is queued behind the step's kernels
-    and `tokens()` waits only for it."""
+    """Sampled token ids (and the log-probabilities asked for) on their way to the host: the
+    copies are queued behind the step's kernels and reading them waits only for those."""
 
-    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+    def __init__(
+        self,
+        host: torch.Tensor,
+        event: torch.cuda.Event | None,
+        logprobs: SampledLogprobs | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> None:
         self.host, self.event = host, event
+        self.sampled_logprobs, self.prompt = logprobs, prompt_logprobs
 
     @staticmethod
-    def start_copy(next_ids: torch.Tensor) -> StepOutput:
+    def start_copy(
+        next_ids: torch.Tensor,
+        logprobs: SampledLogprobs | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> StepOutput:
         if next_ids.device.type != "cuda":
-            return StepOutput(next_ids, None)
+            return StepOutput(next_ids, None, logprobs, prompt_logprobs)
         host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
         host.copy_(next_ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return StepOutput(host, event)
+        return StepOutput(host, event, logprobs, prompt_logprobs)
 
     def tokens(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+    def logprobs(self) -> list[Entry | None]:
+        """Per batch row, the sampled token's entry when the request asked for logprobs."""
+        out: list[Entry | None] = [None] * len(self.host)
+        if self.sampled_logprobs is not None and self.sampled_logprobs.result is not None:
+            self.tokens()  # waits for the copies
+            lp = self.sampled_logprobs
+            for row, entry in zip(lp.rows, lp.result.entries(lp.ks)):  # type: ignore[union-attr]
+                out[row] = entry
+        return out
+
+    def prompt_logprobs(self) -> dict[int, list[Entry]]:
+        """Per batch row that computed some, its prompt positions' entries."""
+        if self.prompt is None:
+            return {}
+        self.tokens()
+        return self.prompt.by_row()

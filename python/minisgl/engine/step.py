@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.core import Batch, Req
+from minisgl.engine.logprobs import PromptLogprobs
 from minisgl.engine.sample import MASK32, sample_at_temperature
 
 if TYPE_CHECKING:
@@ -60,12 +61,15 @@ class StepInputs:
 @dataclass
 class ForwardOutput:
     """A queued forward, one row per request: logits of its last computed token, where its
-    sampled id goes (token_table[write_rows, kv_lens]) and, when the step sampled, that id."""
+    sampled id goes (token_table[write_rows, kv_lens]) and, when the step sampled, that id;
+    `hidden`: every computed token's final hidden state (prompt log-probabilities)."""
 
     logits: torch.Tensor  # [B, V]
     kv_lens: torch.Tensor  # [B] cached + extend: the sampled id's position
     write_rows: torch.Tensor  # [B]
     sampled: torch.Tensor | None  # [B] or None
+    hidden: torch.Tensor | None = None  # [num_tokens, hidden]
+    prompt_logprobs: PromptLogprobs | None = None
 
     def first(self, n: int) -> ForwardOutput:
         """The first n requests' rows (the real ones of a padded graph batch)."""
@@ -99,7 +103,8 @@ def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> 
     logits_indices = fill_token_inputs(engine, batch, inputs)
     engine.ctx.batch = batch
     try:
-        logits = engine.model(batch.input_ids, batch.positions, logits_indices)
+        hidden = engine.model.model(batch.input_ids, batch.positions)  # normed, every token
+        logits = engine.model.compute_logits(hidden[logits_indices])
     finally:
         engine.ctx.batch = None
     kv_lens = inputs.cached_lens + inputs.extend_lens
@@ -107,4 +112,4 @@ def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> 
     if sample:
         sampled = sample_at_temperature(logits, inputs.temperatures, inputs.seeds, kv_lens)
         engine.token_table[inputs.write_rows, kv_lens] = sampled.to(torch.int32)
-    return ForwardOutput(logits, kv_lens, inputs.write_rows, sampled)
+    return ForwardOutput(logits, kv_lens, inputs.write_rows, sampled, hidden)

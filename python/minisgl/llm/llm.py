@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
@@ -16,6 +16,7 @@ from minisgl.engine.engine import check_tp
 from minisgl.models import resolve_model_path
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
+from minisgl.scheduler.scheduler import TokenOutput
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.utils.options import split_options
 from minisgl.utils.procs import wait_ready
@@ -31,13 +32,33 @@ class _Sample:
     req: Req
     detok: IncrementalDetokenizer | None = None
     text: str = ""
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
-    def add(self, token: int | None) -> bool:
-        """Feed a sampled token; True when a stop string has just ended the output."""
+    def add(self, out: TokenOutput) -> bool:
+        """Feed a step's output; True when a stop string has just ended the output."""
+        if out.logprob is not None:
+            self.logprobs.append(logprob_dict(out.token, *out.logprob))
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = [
+                None if lp is None else logprob_dict(t, lp, ids, lps)
+                for t, lp, ids, lps in out.prompt_logprobs
+            ]
+        token = out.token
         if self.detok is None or token is None or self.detok.stopped:
             return False
         self.text += self.detok.add([token])
         return self.detok.stopped
+
+
+def logprob_dict(
+    token: int | None, logprob: float, top_ids: list[int], top_logprobs: list[float]
+) -> dict[int, float]:
+    """vLLM's shape: token id -> log-probability, the top alternatives and the token itself."""
+    out = dict(zip(top_ids, top_logprobs))
+    if token is not None:
+        out[token] = logprob
+    return out
 
 
 class LLM:
@@ -166,7 +187,7 @@ class LLM:
             done = 0
             while done < len(samples):
                 for out in self.scheduler.step():
-                    if by_uid[out.uid].add(out.token) and not out.finished:
+                    if by_uid[out.uid].add(out) and not out.finished:
                         self.scheduler.abort(out.uid)  # as the server does; reported as "stop"
                     done += out.finished
                     bar.update(int(out.finished))
@@ -182,7 +203,11 @@ class LLM:
         # reason, as the server reports it)
         stopped = detok is not None and detok.stopped and req.finish_reason == "abort"
         reason = "stop" if stopped else req.finish_reason
-        result = {"text": text, "token_ids": ids, "finish_reason": reason}
+        result: dict[str, Any] = {"text": text, "token_ids": ids, "finish_reason": reason}
+        if req.params.logprobs is not None:
+            result["logprobs"] = sample.logprobs
+        if req.params.prompt_logprobs is not None:
+            result["prompt_logprobs"] = sample.prompt_logprobs
         if req.error is not None:
             result["error"] = req.error
         return result

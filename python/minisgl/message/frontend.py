@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from minisgl.message.base import register
 from minisgl.message.detokenizer import SchedulerStats
@@ -22,6 +23,10 @@ class UserReply:
     prompt_tokens: int
     completion_tokens: int  # total so far, not just this delta
     error: str | None = None
+    # per token of token_ids when asked: [token id, text, logprob, [[id, text, logprob], ...]]
+    logprobs: list[list[Any]] | None = None
+    # once, with the first reply: the same per prompt token (the first one's logprob is None)
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 @register

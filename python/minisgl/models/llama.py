@@ -110,5 +110,8 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
     ) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] for the selected token positions only."""
-        hidden = self.model(input_ids, positions)
-        return self.lm_head(hidden[logits_indices])
+        return self.compute_logits(self.model(input_ids, positions)[logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [N, hidden] (the model's output, normed) -> logits [N, vocab]."""
+        return self.lm_head(hidden)

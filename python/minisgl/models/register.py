@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # every supported architecture is a LlamaForCausalLM
+    from minisgl.models.llama import LlamaForCausalLM
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -13,7 +15,7 @@ _ARCHITECTURES = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     if architecture not in _ARCHITECTURES:
         supported = ", ".join(sorted(_ARCHITECTURES))
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {supported}")

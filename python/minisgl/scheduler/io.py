@@ -92,6 +92,8 @@ class SchedulerServer:
                     o.finished,
                     o.finish_reason,
                     o.error,
+                    None if o.logprob is None else [o.logprob],
+                    o.prompt_logprobs,
                 )
                 for o in outputs
             ]

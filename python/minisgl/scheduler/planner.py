@@ -95,9 +95,13 @@ class BatchPlanner:
 
     def admit(self, req: Req) -> None:
         """Give the request a page-table row and lock its longest cached prefix. The last prompt
-        token is never matched: its logits are needed to sample."""
+        token is never matched: its logits are needed to sample (nor are prompt positions whose
+        log-probabilities are asked for and not computed yet)."""
         req.table_idx = self.free_rows.pop()
-        handle, pages = self.cache.match_and_lock(req.tokens[: len(req.tokens) - 1])
+        matched = len(req.tokens) - 1
+        if req.params.prompt_logprobs is not None:  # positions still to compute: no cache hit
+            matched = min(matched, req.next_prompt_logprob - 1)
+        handle, pages = self.cache.match_and_lock(req.tokens[:matched])
         req.cache_handle, req.pages, req.cached_len = handle, list(pages), handle.length
         self.engine.set_pages(req.table_idx, 0, req.pages)
         self.engine.set_tokens(req.table_idx, req.tokens)
@@ -130,6 +134,9 @@ class BatchPlanner:
     def launched(self, req: Req, phase: Literal["prefill", "decode"], samples: bool) -> None:
         """The request's forward is queued: its KV covers the computed tokens, and a prompt
         whose last chunk this was decodes from now on."""
+        if req.params.prompt_logprobs is not None:  # this forward computes those positions
+            done = min(req.cached_len + req.extend_len + 1, req.prompt_len)
+            req.next_prompt_logprob = max(req.next_prompt_logprob, done)
         req.cached_len += req.extend_len
         req.extend_len = 0
         if phase == "prefill":

@@ -19,6 +19,7 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.distributed import get_tp_info
 from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
+from minisgl.engine.logprobs import Entry
 from minisgl.engine.sample import TokenMask
 from minisgl.kvcache import KVCacheManager
 from minisgl.message import AbortBackendMsg, BatchBackendMsg
@@ -35,6 +36,9 @@ class TokenOutput:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None  # with finish_reason "error"
+    logprob: Entry | None = None  # the token's, when the request asked for logprobs
+    # with the first output: [token id, logprob | None, top ids, top logprobs] per prompt token
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 PLACEHOLDER = -1  # a sampled token id the host has not read yet
@@ -48,6 +52,10 @@ class InFlight:
     batch: Batch
     slots: list[int]
     output: StepOutput
+
+    @property
+    def empty(self) -> bool:
+        return all(slot < 0 for slot in self.slots) and self.output.prompt is None
 
 
 class Scheduler:
@@ -67,7 +75,8 @@ class Scheduler:
         self.planner = BatchPlanner(engine, self.cache, config.max_prefill_tokens, tp.size == 1)
         self.leader = TPLeader() if tp.size > 1 and tp.is_primary else None
         rows, vocab = engine.config.max_running_requests, engine.model_config.vocab_size
-        self.grammar = GrammarState(vocab, rows, pin=engine.device.type == "cuda")
+        pin, any_whitespace = engine.device.type == "cuda", config.json_any_whitespace
+        self.grammar = GrammarState(vocab, rows, pin, any_whitespace)
         self.requests: dict[int, Req] = {}
         self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
         self.overlap = not env.disable_overlap_scheduling()
@@ -106,8 +115,8 @@ class Scheduler:
             self.leader.added(req)
         self.requests[req.uid] = req
         self.grammar.num_constrained += req.grammar is not None
-        if req.params.max_tokens == 0:
-            self._finish(req, "length")
+        if req.params.max_tokens == 0 and req.params.prompt_logprobs is None:
+            self._finish(req, "length")  # (scoring a prompt runs its prefill, then ends)
         else:
             self.planner.waiting.append(req)
 
@@ -132,7 +141,7 @@ class Scheduler:
             self._finish(req, "error", error=error)
         self.planner.refused = []
         launched = self._launch(batch) if batch is not None else None
-        if launched is not None and all(slot < 0 for slot in launched.slots):
+        if launched is not None and launched.empty:
             launched = None  # nothing to read back (prompt chunks; requests ended meanwhile)
         if self.overlap:
             ready, self.in_flight = self.in_flight, launched
@@ -190,21 +199,46 @@ class Scheduler:
 
     def _process(self, step: InFlight) -> list[TokenOutput]:
         outputs = []
-        for req, slot, token in zip(step.batch.reqs, step.slots, step.output.tokens()):
-            if slot < 0 or req.finished:
-                continue  # a prompt chunk that is not the last, or ended meanwhile
+        out = step.output
+        prompt_logprobs = out.prompt_logprobs()
+        rows = zip(step.batch.reqs, step.slots, out.tokens(), out.logprobs())
+        for i, (req, slot, token, logprob) in enumerate(rows):
+            if req.finished:
+                continue
+            req.prompt_logprobs += prompt_logprobs.get(i, [])
+            if slot < 0:
+                continue  # a prompt chunk that is not the last
             req.tokens[slot] = token
             reason = self._finish_reason(req, token, slot + 1)
             error = None
-            if req.grammar is not None:
+            scored = req.params.max_tokens == 0  # a prompt scored: its sampled token is dropped
+            if scored:
+                reason = "length"
+                del req.tokens[slot:]
+            elif req.grammar is not None:
                 if not req.grammar.accept(token):  # the mask allows only tokens it accepts
                     reason, error = "error", f"token {token} does not match the grammar"
                 elif reason is None and req.grammar.terminated:
                     reason = "stop"
-            outputs.append(TokenOutput(req.uid, token, reason is not None, reason, error))
+            output = TokenOutput(
+                req.uid, None if scored else token, reason is not None, reason, error, logprob
+            )
+            if slot == req.prompt_len:  # the first output: the prompt's entries go with it
+                output.prompt_logprobs = self._prompt_entries(req)
+            outputs.append(output)
             if reason is not None:
                 self._finish(req, reason, report=False, error=error)
         return outputs
+
+    @staticmethod
+    def _prompt_entries(req: Req) -> list[list[Any]] | None:
+        if req.params.prompt_logprobs is None:
+            return None
+        first: list[Any] = [req.tokens[0], None, [], []]  # nothing predicts the first token
+        targets = req.tokens[1 : req.prompt_len]
+        entries = [[t, *e] for t, e in zip(targets, req.prompt_logprobs)]
+        req.prompt_logprobs = []
+        return [first, *entries]
 
     def _finish_reason(self, req: Req, token: int, num_tokens: int) -> str | None:
         eos = token in self.eos_token_ids and not req.params.ignore_eos

@@ -8,10 +8,12 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from minisgl.message import TokenizeMsg, UserReply
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
+from minisgl.server.logprobs import CompletionLogprobs, chat_logprobs
 from minisgl.server.metrics import CONTENT_TYPE, tree_rss_bytes
 from minisgl.server.protocol import (
     COMPLETION_NOT_SUPPORTED,
@@ -55,10 +58,54 @@ CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never 
 Started = tuple[AsyncGenerator[UserReply, None], UserReply]
 
 
+# a JSON \u escape of a UTF-16 surrogate not in a pair: the one way a JSON body can carry text
+# that is not valid Unicode (raw surrogate bytes are invalid UTF-8, which the JSON parser refuses)
+HIGH, LOW = rb"\\u[dD][89abAB][0-9a-fA-F]{2}", rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+LONE_SURROGATE = re.compile(HIGH + rb"(?!" + LOW + rb")|(?<!" + HIGH + rb")" + LOW)
+
+
+def _valid_text(text: str) -> bool:
+    try:
+        text.encode()  # in C: a lone surrogate fails
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def invalid_text_path(body: bytes) -> str | None:
+    """Where a JSON body holds text that is not valid Unicode, as a field path (e.g.
+    `messages[0].content`), or None. Only a body with such an escape is parsed here (an escaped
+    backslash before `ud800` is a false alarm the walk clears); one that is not JSON is left to
+    FastAPI, which says so."""
+    if not LONE_SURROGATE.search(body):
+        return None
+    try:
+        todo: list[tuple[str, Any]] = [("body", json.loads(body))]
+    except (ValueError, RecursionError):
+        return None
+    while todo:  # depth first, in document order, without recursion (the nesting is the client's)
+        path, value = todo.pop()
+        if isinstance(value, str) and not _valid_text(value):
+            return path
+        if isinstance(value, dict):
+            children = [(k if path == "body" else f"{path}.{k}", v) for k, v in value.items()]
+            for name, _ in children:
+                if not _valid_text(name):  # a field name, shown with its surrogate escaped
+                    return name.encode("utf-8", "backslashreplace").decode()
+        elif isinstance(value, list):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            continue
+        todo.extend(reversed(children))
+    return None
+
+
 class Gate:
-    """What every HTTP request passes before FastAPI: the API key, the body size limit, and the
-    count of responses by status. Pure ASGI (not BaseHTTPMiddleware), so that an endpoint still
-    sees its client disconnect; the body is read whole here and replayed to the app."""
+    """What every HTTP request passes before FastAPI: the API key, the body size limit, text
+    that is not valid Unicode, and the count of responses by status. An exception the app did
+    not turn into a response becomes an OpenAI-shaped JSON 500 here, so that it is counted too.
+    Pure ASGI (not BaseHTTPMiddleware), so that an endpoint still sees its client disconnect;
+    the body is read whole here and replayed to the app."""
 
     def __init__(
         self,
@@ -77,14 +124,17 @@ class Gate:
             return await self.app(scope, receive, send)
 
         path = scope["path"] if scope["path"] in self.paths else "other"
+        started = False
 
         async def counted(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.statuses.labels(path, str(message["status"])).inc()
             await send(message)
 
-        async def refuse(status: int, message: str, code: str) -> None:
-            await error_response(status, message, code=code)(scope, receive, counted)
+        async def refuse(status: int, message: str, code: str, param: str | None = None) -> None:
+            await error_response(status, message, param, code)(scope, receive, counted)
 
         headers = dict(scope["headers"])
         if self.api_key and scope["path"] != "/health":
@@ -95,15 +145,14 @@ class Gate:
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:
             return await refuse(413, too_large, "body_too_large")
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending all of its body
-            body += message.get("body", b"")
-            if len(body) > self.max_body:  # no (or a false) Content-Length
-                return await refuse(413, too_large, "body_too_large")
-            more = message.get("more_body", False)
+        body = await self.read_body(receive)
+        if body is None:
+            return  # the client left before sending all of its body
+        if len(body) > self.max_body:  # no (or a false) Content-Length
+            return await refuse(413, too_large, "body_too_large")
+        if (where := invalid_text_path(body)) is not None:
+            message = f"{where}: text is not valid Unicode (a lone UTF-16 surrogate)"
+            return await refuse(400, message, "invalid_unicode", where)
         replayed = False
 
         async def replay() -> Message:
@@ -111,9 +160,27 @@ class Gate:
             if replayed:
                 return await receive()  # after the body: the client's disconnect
             replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, counted)
+        try:
+            await self.app(scope, replay, counted)
+        except Exception as e:
+            if started:  # too late for a status: the connection is cut (uvicorn logs it)
+                raise
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            message = f"internal server error ({type(e).__name__}); see the server log"
+            await refuse(500, message, "internal_error")
+
+    async def read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None if the client left first; reading stops past the limit."""
+        body, more = bytearray(), True
+        while more and len(body) <= self.max_body:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        return bytes(body)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
@@ -162,8 +229,10 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
 
 
-def text_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def text_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 async def merged(started: list[Started]) -> AsyncGenerator[tuple[int, UserReply], None]:
@@ -190,6 +259,42 @@ async def merged(started: list[Started]) -> AsyncGenerator[tuple[int, UserReply]
         await asyncio.gather(*tasks, return_exceptions=True)
         for s, _ in started:
             await s.aclose()
+
+
+@dataclass
+class Shape:
+    """What a response's choices look like: chat or text, with logprobs, after an echoed prompt
+    (completions), for n samples per prompt."""
+
+    chat: bool
+    logprobs: bool
+    echo: list[str] | None
+    n: int
+
+    def entries(self, r: UserReply) -> list[list[Any]]:
+        """The reply's log-probability entries: an echoed prompt's first (the first reply)."""
+        prompt = r.prompt_logprobs if self.echo is not None else None
+        return (prompt or []) + (r.logprobs or [])
+
+    def choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        entries: list[list[Any]],
+        legacy: CompletionLogprobs,
+        delta: bool = False,
+    ) -> dict[str, Any]:
+        if not self.chat:
+            return text_choice(
+                index, text, finish_reason, legacy.add(entries) if self.logprobs else None
+            )
+        logprobs = chat_logprobs(entries) if self.logprobs else None
+        if delta:
+            body = {"delta": {"content": text} if text else {}}
+        else:
+            body = {"message": {"role": "assistant", "content": text}}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 class ApiServer:
@@ -268,17 +373,23 @@ class ApiServer:
             logger.warning("%s: ignoring unknown fields %s", path, ", ".join(map(repr, ignored)))
 
     def make_msgs(
-        self, req: SamplingFields, max_tokens: int, given: bool, **source: Any
+        self,
+        req: SamplingFields,
+        max_tokens: int,
+        given: bool,
+        logprobs: dict[str, Any] | None = None,
+        **source: Any,
     ) -> list[TokenizeMsg]:
         """One message per choice; `given`: the client set max_tokens, so that a prompt plus
-        max_tokens longer than the context is refused (by the tokenizer worker, which counts)."""
+        max_tokens longer than the context is refused (by the tokenizer worker, which counts);
+        `logprobs`: sampling_params' logprobs, prompt_logprobs and echo."""
         ids = source.get("input_ids") or []
         if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
             raise APIError(400, "prompt token ids must be in [0, 2**31)", "prompt")
         return [
             TokenizeMsg(
                 self.frontend.new_uid(),
-                params=sampling_params(req, max_tokens, i),
+                params=sampling_params(req, max_tokens, i, **(logprobs or {})),
                 skip_special_tokens=req.skip_special_tokens,
                 context_len=self.max_seq_len if given else None,
                 **source,
@@ -290,13 +401,28 @@ class ApiServer:
         self.check_fields(req, COMPLETION_NOT_SUPPORTED, "/v1/completions")
         given = req.max_tokens is not None and "max_tokens" in req.model_fields_set
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        sources = completion_sources(req)
+        # echo with logprobs: the prompt's too (none predicts its first token: null)
+        scored = req.logprobs if req.echo else None
+        lp = dict(logprobs=req.logprobs, prompt_logprobs=scored, echo=req.echo)
         # choice k * n + j: prompt k's j-th sample (OpenAI's order)
         msgs = [
             msg
-            for source in completion_sources(req)
-            for msg in self.make_msgs(req, max_tokens, given, **source)
+            for source in sources
+            for msg in self.make_msgs(req, max_tokens, given, lp, **source)
         ]
-        return await self.respond(req, msgs, chat=False)
+        echo = None
+        if req.echo:
+            texts = [await self.prompt_text(source) for source in sources]
+            echo = [text for text in texts for _ in range(req.n)]
+        return await self.respond(req, msgs, chat=False, echo=echo)
+
+    async def prompt_text(self, source: dict[str, Any]) -> str:
+        """What `echo` puts before the completion: the prompt as given, token ids decoded."""
+        if source["text"] is not None:
+            return source["text"]
+        ids = source["input_ids"]
+        return await self.with_tokenizer(lambda tok: needed(tok).decode(ids), "prompt")
 
     async def chat_complete(self, req: ChatRequest) -> Any:
         self.check_fields(req, NOT_SUPPORTED, "/v1/chat/completions")
@@ -305,10 +431,18 @@ class ApiServer:
         chat = chat_messages(req.messages)
         kwargs = req.chat_template_kwargs
         source = dict(text=None, input_ids=None, chat=chat, chat_template_kwargs=kwargs)
-        msgs = self.make_msgs(req, limit, max_tokens is not None, **source)
+        lp = dict(logprobs=req.logprobs_k())
+        msgs = self.make_msgs(req, limit, max_tokens is not None, lp, **source)
         return await self.respond(req, msgs, chat=True)
 
-    async def respond(self, req: SamplingFields, msgs: list[TokenizeMsg], chat: bool) -> Any:
+    async def respond(
+        self,
+        req: SamplingFields,
+        msgs: list[TokenizeMsg],
+        chat: bool,
+        echo: list[str] | None = None,
+    ) -> Any:
+        """`echo`: per choice, the prompt text that comes before its completion."""
         started = await self.start_choices(msgs)
         chunk = ".chunk" if req.stream else ""
         head = {
@@ -317,50 +451,47 @@ class ApiServer:
             "created": int(time.time()),
             "model": self.model_name,
         }
+        shape = Shape(chat, msgs[0].params.logprobs is not None, echo, req.n)
         if not req.stream:
-            return await self.collect(started, head, chat, req.n)
+            return await self.collect(started, head, shape)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = self.events(started, head, chat, include_usage, req.n)
+        events = self.events(started, head, shape, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def collect(
-        self, started: list[Started], head: dict[str, Any], chat: bool, n_per_prompt: int
+        self, started: list[Started], head: dict[str, Any], shape: Shape
     ) -> dict[str, Any]:
         """The whole response of all choices, once every one has finished."""
         n = len(started)
-        texts, prompt, completion = [""] * n, [0] * n, [0] * n
+        texts, prompt, completion = list(shape.echo or [""] * n), [0] * n, [0] * n
+        entries: list[list[list[Any]]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
         async with aclosing(merged(started)) as replies:
             async for i, r in replies:
                 if r.error is not None:
                     raise self.reply_error(r, first=False)
                 texts[i] += r.text_delta
+                entries[i] += shape.entries(r)
                 prompt[i], completion[i] = r.prompt_tokens, r.completion_tokens
                 reasons[i] = r.finish_reason if r.finished else None
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": fr}
-            if chat
-            else text_choice(i, t, fr)
-            for i, (t, fr) in enumerate(zip(texts, reasons))
+            shape.choice(i, text, reason, entries[i], CompletionLogprobs())
+            for i, (text, reason) in enumerate(zip(texts, reasons))
         ]
-        prompt_tokens = sum(prompt) // n_per_prompt  # each prompt counted once, not per sample
+        prompt_tokens = sum(prompt) // shape.n  # each prompt counted once, not per sample
         return {**head, "choices": choices, "usage": usage(prompt_tokens, sum(completion))}
 
     async def events(
-        self,
-        started: list[Started],
-        head: dict[str, Any],
-        chat: bool,
-        include_usage: bool,
-        n_per_prompt: int,
+        self, started: list[Started], head: dict[str, Any], shape: Shape, include_usage: bool
     ) -> AsyncIterator[str]:
         """Server-sent events of all choices: a chunk per reply carrying text or a finish."""
         n = len(started)
-        if chat:
+        if shape.chat:
             role = {"role": "assistant", "content": ""}
             opening = [{"index": i, "delta": role, "finish_reason": None} for i in range(n)]
             yield sse({**head, "choices": opening})
         prompt, completion = [0] * n, [0] * n
+        echo, legacy = list(shape.echo or [""] * n), [CompletionLogprobs() for _ in range(n)]
         async with aclosing(merged(started)) as replies:
             async for i, r in replies:
                 if r.error is not None:  # the client sees an error, not a truncated answer
@@ -368,16 +499,14 @@ class ApiServer:
                     return
                 prompt[i], completion[i] = r.prompt_tokens, r.completion_tokens
                 fr = r.finish_reason if r.finished else None
-                if not r.text_delta and not r.token_ids and fr is None:
+                text, echo[i] = echo[i] + r.text_delta, ""  # the prompt goes first, once
+                entries = shape.entries(r)
+                if not text and not r.token_ids and fr is None and not entries:
                     continue
-                if chat:
-                    delta = {"content": r.text_delta} if r.text_delta else {}
-                    choice = {"index": i, "delta": delta, "finish_reason": fr}
-                else:
-                    choice = text_choice(i, r.text_delta, fr)
+                choice = shape.choice(i, text, fr, entries, legacy[i], delta=True)
                 yield sse({**head, "choices": [choice]})
         if include_usage:
-            prompt_tokens = sum(prompt) // n_per_prompt  # each prompt counted once
+            prompt_tokens = sum(prompt) // shape.n  # each prompt counted once
             yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion))})
         yield "data: [DONE]\n\n"
 
@@ -385,7 +514,7 @@ class ApiServer:
         """The native API: token ids in and out, one choice."""
         fields, max_tokens = native_sampling_fields(req)
         source = dict(text=req.text, input_ids=req.input_ids, chat=None)
-        msgs = self.make_msgs(fields, max_tokens, False, **source)  # SGLang's: stops at the context
+        msgs = self.make_msgs(fields, max_tokens, False, None, **source)  # SGLang's: to the context
         started = await self.start_choices(msgs)
         if req.stream:
             return StreamingResponse(self.native_events(started), media_type="text/event-stream")
@@ -489,6 +618,10 @@ class ApiServer:
             "owned_by": "minisgl",
             "max_model_len": self.max_seq_len,
         }
+        try:  # benchmarks draw random prompt ids below it (the tokenizer's, loaded once)
+            card["vocab_size"] = await self.with_tokenizer(lambda tok: len(needed(tok)), "model")
+        except APIError:
+            pass  # a model without a tokenizer: no vocab_size
         return {"object": "list", "data": [card]}
 
 

@@ -7,9 +7,9 @@ from typing import Annotated, Any, Literal
 
 import msgpack
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from minisgl.core import SamplingParams
+from minisgl.core import MAX_LOGPROBS, SamplingParams
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what response_format {"type": "json_object"} means
 
@@ -55,6 +55,8 @@ class StreamOptions(BaseModel):
 
 # Larger integers cannot travel in a message (msgpack) nor live in a tensor: refuse them here.
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+# a token id: a JSON integer, never a boolean (lax ints take `false` for 0) nor a string
+TokenId = Annotated[int, Strict(), Field(ge=-(2**63), lt=2**63)]
 
 
 class JsonSchemaFormat(BaseModel):
@@ -82,7 +84,7 @@ class SamplingFields(BaseModel):
     min_p: float = 0.0
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Int64] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(1, ge=1, le=64)
     ignore_eos: bool = False
     stream: bool = False
@@ -112,19 +114,14 @@ NOT_SUPPORTED = {
     "functions": "function calling",
     "function_call": "function calling",
     "web_search_options": "web search",
-    "logprobs": "log-probabilities",
-    "top_logprobs": "log-probabilities",
 }
 COMPLETION_NOT_SUPPORTED = {
-    "logprobs": "log-probabilities",
-    "echo": "echoing the prompt",
     "suffix": "suffixes (insertion)",
     "best_of": "best_of",
 }
-# values that ask for nothing (compared by identity first: completions' logprobs 0 asks for the
-# chosen tokens' log-probabilities, so 0 is not False there)
+# values that ask for nothing (compared by identity first: 0 is not False)
 OFF_VALUES: tuple[Any, ...] = ("", [], {})
-OFF_PAIRS = (("best_of", 1), ("tool_choice", "none"), ("top_logprobs", 0))
+OFF_PAIRS = (("best_of", 1), ("tool_choice", "none"))
 # OpenAI fields that change nothing in what this server computes: accepted without a warning
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
 
@@ -134,9 +131,15 @@ class OpenAIRequest(SamplingFields):
     model_config = ConfigDict(extra="allow")
 
 
+# top alternatives per token: OpenAI's limit is 5 (completions) and 20 (chat); vLLM's 20 for both
+TopLogprobs = Annotated[int | None, Field(None, ge=0, le=MAX_LOGPROBS)]
+
+
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: Int64 | None = 16
+    echo: bool = False  # the prompt before the completion (and its logprobs, with `logprobs`)
+    logprobs: TopLogprobs = None  # the sampled tokens' logprobs, with this many alternatives
 
 
 class ChatMessage(BaseModel):
@@ -167,6 +170,14 @@ class ChatRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
     chat_template_kwargs: TemplateKwargs = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs = None
+
+    def logprobs_k(self) -> int | None:
+        """SamplingParams.logprobs: None unless asked (top_logprobs alone is a mistake)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(BaseModel):
@@ -181,11 +192,11 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class GenerateRequest(BaseModel):
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     text: str | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
@@ -214,9 +225,17 @@ def grammar_fields(req: SamplingFields) -> dict[str, Any]:
     return given
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int) -> SamplingParams:
-    if max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+def sampling_params(
+    req: SamplingFields,
+    max_tokens: int,
+    seed_offset: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    echo: bool = False,
+) -> SamplingParams:
+    if max_tokens < 0 or (max_tokens == 0 and not echo):
+        message = f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}"
+        raise APIError(400, message, "max_tokens")
     try:
         return SamplingParams(
             temperature=req.temperature,
@@ -233,6 +252,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int) -> S
             logit_bias=req.logit_bias or {},  # type: ignore[arg-type]  # string keys: converted
             min_tokens=req.min_tokens,
             stop=req.stop or [],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             **grammar_fields(req),
         ).for_sample(seed_offset)  # choice i of n samples with seed + i
     except ValueError as e:

@@ -133,3 +133,24 @@ class IncrementalDetokenizer:
         self._pending = text[len(text) - held :]
         self._protected = max(0, protected - (len(text) - held))
         return text[: len(text) - held]
+
+
+def token_texts(tokenizer: Any | None, ids: list[int]) -> list[str]:
+    """Each token's own text (special tokens included), as log-probability entries show it;
+    without a tokenizer, vLLM's `token_id:N`."""
+    if tokenizer is None:
+        return [f"token_id:{i}" for i in ids]
+    return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+
+
+def named_logprobs(tokenizer: Any | None, entries: list[list[Any]]) -> list[list[Any]]:
+    """[token id, logprob, top ids, top logprobs] entries -> [token id, text, logprob,
+    [[id, text, logprob], ...]] (one batched decode for all of them)."""
+    ids = [i for e in entries for i in (e[0], *e[2])]
+    texts = iter(token_texts(tokenizer, ids))
+    named = []
+    for token, logprob, top_ids, top_logprobs in entries:
+        text = next(texts)
+        top = [[i, next(texts), lp] for i, lp in zip(top_ids, top_logprobs)]
+        named.append([token, text, logprob, top])
+    return named

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,12 +22,16 @@ from minisgl.message import (
     UserMsg,
     UserReply,
 )
-from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer, named_logprobs
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PROMPT_TAIL = 8
+# a prompt longer than this (characters) is tokenized on a thread, so that others go on meanwhile
+BACKGROUND_CHARS = 65536
+POLL_S = 0.005  # meanwhile, how often the worker looks for its end
+NORMALIZER_SLACK = 2  # see check_prompt_size
 
 
 def build_or_report(name: str, ready: Any, build: Callable[[], T]) -> T:
@@ -71,6 +77,37 @@ def encode_chat(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+@functools.lru_cache(maxsize=4)
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token stands for: its longest vocabulary entry (a
+    byte-level entry has a character per byte, so this bounds the UTF-8 bytes too)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def check_prompt_size(tokenizer: Any, chars: int, max_seq_len: int | None) -> None:
+    """Refuse, before tokenizing it, a prompt of `chars` characters that cannot fit in
+    `max_seq_len` tokens whatever they are: tokenizing it would hold up every request behind it
+    (15 MB take ~15 s) only to be refused. NORMALIZER_SLACK keeps a tokenizer whose normalizer
+    composes characters (NFC) from refusing a prompt that would fit."""
+    if tokenizer is None or max_seq_len is None:
+        return
+    per_token = max_token_chars(tokenizer)
+    limit = max_seq_len * per_token * NORMALIZER_SLACK
+    if chars > limit:
+        raise ValueError(
+            f"prompt ({chars} characters) is too long for the context of {max_seq_len} tokens: "
+            f"a token is at most {per_token} characters, so at most {limit} characters "
+            "are tokenized"
+        )
+
+
+def prompt_chars(msg: TokenizeMsg) -> int:
+    """The characters of a text prompt, or of a chat's contents (its template adds to them)."""
+    if msg.text is not None:
+        return len(msg.text)
+    return sum(len(m.get("content") or "") for m in msg.chat or [])
+
+
 def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
     if msg.input_ids is not None:
         ids = list(msg.input_ids)
@@ -89,6 +126,66 @@ def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
     return ids
 
 
+class TokenizerWorker:
+    """The tokenizer process's work: tokenize each request and hand it to the detokenizer and
+    the scheduler, or answer its error. A long prompt is tokenized on a thread (the fast
+    tokenizers release the GIL) while the requests behind it go on; an abort of such a request
+    drops it when its tokens are ready, so that the abort never overtakes its request."""
+
+    def __init__(self, tokenizer: Any, to_sched: Any, to_detok: Any, to_api: Any) -> None:
+        self.tokenizer, self.to_sched, self.to_detok, self.to_api = (
+            tokenizer, to_sched, to_detok, to_api
+        )  # fmt: skip
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.pending: dict[int, tuple[TokenizeMsg, Future[list[int]]]] = {}  # on the thread
+        self.aborted: set[int] = set()  # of those, the ones whose client has left
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, AbortMsg):
+            if msg.uid in self.pending:
+                self.aborted.add(msg.uid)
+            else:  # same pipe as the request: never overtakes it
+                self.to_sched.put(AbortBackendMsg(msg.uid))
+        elif not isinstance(msg, TokenizeMsg):
+            logger.error("tokenizer: dropped an unexpected %s message", type(msg).__name__)
+        else:
+            chars = prompt_chars(msg)
+            try:
+                check_prompt_size(self.tokenizer, chars, msg.max_seq_len)
+            except ValueError as e:
+                return self.fail(msg.uid, e)
+            if chars > BACKGROUND_CHARS:
+                future = self.background.submit(tokenize, self.tokenizer, msg)
+                self.pending[msg.uid] = (msg, future)
+            else:
+                self.forward(msg, lambda: tokenize(self.tokenizer, msg))
+
+    def forward_done(self) -> None:
+        """Forward the requests whose tokenization on the thread has ended."""
+        for uid, (msg, future) in list(self.pending.items()):
+            if future.done():
+                del self.pending[uid]
+                if uid in self.aborted:
+                    self.aborted.discard(uid)
+                else:
+                    self.forward(msg, future.result)
+
+    def forward(self, msg: TokenizeMsg, token_ids: Callable[[], list[int]]) -> None:
+        try:
+            ids = token_ids()
+        except Exception as e:  # a bad chat template input etc.: fail this request only
+            return self.fail(msg.uid, e)
+        tail = ids[-PROMPT_TAIL:]
+        stop, min_tokens = list(msg.params.stop), msg.params.min_tokens
+        self.to_detok.put(
+            DetokInitMsg(msg.uid, len(ids), tail, stop, msg.skip_special_tokens, min_tokens)
+        )
+        self.to_sched.put(UserMsg(msg.uid, ids, msg.params))
+
+    def fail(self, uid: int, error: Exception) -> None:
+        self.to_api.put(BatchFrontendMsg([UserReply(uid, "", [], True, "error", 0, 0, str(error))]))
+
+
 def run_tokenizer(
     model_path: str,
     chat_template: str | None,
@@ -98,35 +195,28 @@ def run_tokenizer(
     api_addr: str,
     ready: Any,
 ) -> None:
-    tokenizer, recv, to_sched, to_detok, to_api = build_or_report(
+    recv, worker = build_or_report(
         "tokenizer",
         ready,
         lambda: (
-            load_chat_tokenizer(model_path, chat_template),
             ZmqPullQueue(recv_addr, create=True),
-            ZmqPushQueue(sched_addr, create=False),
-            ZmqPushQueue(detok_addr, create=False),
-            ZmqPushQueue(api_addr, create=False),
+            TokenizerWorker(
+                load_chat_tokenizer(model_path, chat_template),
+                ZmqPushQueue(sched_addr, create=False),
+                ZmqPushQueue(detok_addr, create=False),
+                ZmqPushQueue(api_addr, create=False),
+            ),
         ),
     )
     while True:
-        msg = recv.get()
+        # while a prompt is tokenized on the thread, look for its end between messages
+        msg = recv.get(POLL_S if worker.pending else None)
         if isinstance(msg, ExitMsg):
+            worker.background.shutdown(wait=False, cancel_futures=True)
             return
-        if isinstance(msg, AbortMsg):
-            to_sched.put(AbortBackendMsg(msg.uid))  # same pipe as the request: never overtakes it
-            continue
-        try:
-            ids = tokenize(tokenizer, msg)
-        except Exception as e:  # a bad chat template input etc.: fail this request only
-            to_api.put(BatchFrontendMsg([UserReply(msg.uid, "", [], True, "error", 0, 0, str(e))]))
-            continue
-        tail = ids[-PROMPT_TAIL:]
-        stop, min_tokens = list(msg.params.stop), msg.params.min_tokens
-        to_detok.put(
-            DetokInitMsg(msg.uid, len(ids), tail, stop, msg.skip_special_tokens, min_tokens)
-        )
-        to_sched.put(UserMsg(msg.uid, ids, msg.params))
+        if msg is not None:
+            worker.handle(msg)
+        worker.forward_done()
 
 
 @dataclass
@@ -201,7 +291,7 @@ class Detokenizer:
         elif finished:
             text += st.detok.finish() if st.detok else ""
             del self.states[msg.uid]
-        return UserReply(
+        reply = UserReply(
             msg.uid,
             text,
             msg.token_ids,
@@ -211,6 +301,12 @@ class Detokenizer:
             st.completion_tokens,
             msg.error,
         )
+        if msg.logprobs is not None:
+            entries = [[t, *e] for t, e in zip(msg.token_ids, msg.logprobs)]
+            reply.logprobs = named_logprobs(self.tokenizer, entries)
+        if msg.prompt_logprobs is not None:
+            reply.prompt_logprobs = named_logprobs(self.tokenizer, msg.prompt_logprobs)
+        return reply
 
 
 def run_detokenizer(model_path: str, recv_addr: str, api_addr: str, sched_addr: str, ready) -> None:

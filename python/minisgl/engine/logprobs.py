@@ -1,0 +1,136 @@
+"""Log-probabilities of sampled tokens and of prompt tokens, each with its top alternatives.
+
+They are the model's own distribution: the log-softmax of the raw logits, before temperature,
+penalties, logit_bias and grammar masks (vLLM's default, `raw_logprobs`), so a token's
+log-probability does not depend on how it was sampled. All on the device, no host sync; the
+results travel to the host with the step's sampled ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from minisgl.core import Batch, to_device
+
+if TYPE_CHECKING:
+    from minisgl.engine.engine import Engine
+
+PROMPT_SLICE = 512  # prompt positions projected onto the vocabulary at once (bounds memory)
+# one position on the host: [log-probability of its token, top ids, their log-probabilities]
+Entry = list[Any]
+
+
+@dataclass
+class LogprobRows:
+    """For M rows: the log-probability of each row's target token and its top-k alternatives."""
+
+    chosen: torch.Tensor  # [M] float32
+    top_ids: torch.Tensor  # [M, K] int64
+    top_values: torch.Tensor  # [M, K] float32
+
+    @staticmethod
+    def of(logits: torch.Tensor, targets: torch.Tensor, k: int) -> LogprobRows:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, targets[:, None].long()).squeeze(1)
+        top_values, top_ids = logprobs.topk(k, dim=-1)  # k = 0: empty [M, 0]
+        return LogprobRows(chosen, top_ids, top_values)
+
+    @staticmethod
+    def cat(parts: list[LogprobRows]) -> LogprobRows:
+        return LogprobRows(
+            torch.cat([p.chosen for p in parts]),
+            torch.cat([p.top_ids for p in parts]),
+            torch.cat([p.top_values for p in parts]),
+        )
+
+    def to_host(self) -> LogprobRows:
+        """Queue the copies into pinned host memory (the caller records the event to wait on)."""
+        if not self.chosen.is_cuda:
+            return self
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        return LogprobRows(copy(self.chosen), copy(self.top_ids), copy(self.top_values))
+
+    def entries(self, ks: list[int]) -> list[Entry]:
+        """Host entries, row i keeping its own top ks[i] (the batch computed the largest k)."""
+        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        return [[c, i[:k], v[:k]] for c, i, v, k in zip(chosen, ids, values, ks)]
+
+
+@dataclass
+class SampledLogprobs:
+    """Log-probabilities of the tokens sampled in some rows of a batch: `rows` (host), the raw
+    log-softmax computed before the logits were adjusted, and, once sampled, the results."""
+
+    rows: list[int]
+    ks: list[int]
+    index: torch.Tensor
+    logits: torch.Tensor  # [M, V] raw logits of those rows (a copy: adjustments come later)
+    result: LogprobRows | None = None
+
+    @staticmethod
+    def start(batch: Batch, logits: torch.Tensor) -> SampledLogprobs | None:
+        rows = [i for i, r in enumerate(batch.reqs) if r.params.logprobs is not None]
+        if not rows:
+            return None
+        index = to_device(rows, torch.int64, logits.device)
+        ks = [batch.reqs[i].params.logprobs or 0 for i in rows]
+        return SampledLogprobs(rows, ks, index, logits[index])
+
+    def finish(self, next_ids: torch.Tensor) -> None:
+        self.result = LogprobRows.of(self.logits, next_ids[self.index], max(self.ks)).to_host()
+
+
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens computed by a prefill step: `spans` (host) gives, per
+    batch row, the first prompt position covered and how many follow."""
+
+    spans: list[tuple[int, int, int]]  # (batch row, first target position, count)
+    ks: list[int]  # per target position
+    result: LogprobRows
+
+    @staticmethod
+    def compute(engine: Engine, batch: Batch, hidden: torch.Tensor) -> PromptLogprobs | None:
+        """For each request that asks, the positions of its prompt whose logits this step
+        computes and whose log-probability is not known yet (chunks and re-prefills after a
+        preemption compute each position once). Projected onto the vocabulary in slices."""
+        spans: list[tuple[int, int, int]] = []
+        flat: list[int] = []
+        targets: list[int] = []
+        ks: list[int] = []
+        offset = 0
+        for i, req in enumerate(batch.reqs):
+            c, k = req.cached_len, req.params.prompt_logprobs
+            # the logits at position t - 1 give the log-probability of token t
+            first = max(c + 1, req.next_prompt_logprob)
+            end = min(c + req.extend_len + 1, req.prompt_len)
+            if k is not None and first < end:
+                spans.append((i, first, end - first))
+                flat += range(offset + first - 1 - c, offset + end - 1 - c)
+                targets += req.tokens[first:end]
+                ks += [k] * (end - first)
+            offset += req.extend_len
+        if not spans:
+            return None
+        device, k_max = hidden.device, max(ks)
+        flat_t, targets_t = to_device([flat, targets], torch.int64, device)
+        parts = []
+        for s in range(0, len(flat), PROMPT_SLICE):
+            logits = engine.model.compute_logits(hidden[flat_t[s : s + PROMPT_SLICE]])
+            parts.append(LogprobRows.of(logits, targets_t[s : s + PROMPT_SLICE], k_max))
+        return PromptLogprobs(spans, ks, LogprobRows.cat(parts).to_host())
+
+    def by_row(self) -> dict[int, list[Entry]]:
+        """The host entries of each batch row (after the step's copy is done)."""
+        entries = self.result.entries(self.ks)
+        out, start = {}, 0
+        for row, _, count in self.spans:
+            out[row] = entries[start : start + count]
+            start += count
+        return out
