@@ -143,8 +143,29 @@ def constrain(llm: Any, frac: float, tp: int) -> Any:
         if tp > 1:
             raise SystemExit("--grammar-frac with --tp > 1 needs a model with a tokenizer")
         llm.scheduler.tokenizer = synthetic_vocab(llm.engine.model_config.vocab_size)
-    # request i is constrained when the running count floor(i * frac) steps up
-    return lambda i: {"json_schema": BENCH_SCHEMA} if int((i + 1) * frac) > int(i * frac) else {}
+    return lambda i: {"json_schema": BENCH_SCHEMA} if chosen(i, frac) else {}
+
+
+def chosen(i: int, frac: float) -> bool:
+    """Whether request i is in a `frac` share: when the running count floor(i * frac) steps up."""
+    return int((i + 1) * frac) > int(i * frac)
+
+
+# every logit adjustment and logprobs=5: the worst case of issue 15's sampling features
+FEATURES = dict(
+    frequency_penalty=0.5,
+    presence_penalty=0.5,
+    repetition_penalty=1.1,
+    logit_bias={11: -5.0, 13: 2.0, 17: -100.0, 19: 1.0},
+    logprobs=5,
+)
+
+
+def featured(frac: float) -> Any:
+    """i -> FEATURES for a `frac` share of the requests."""
+    if not 0.0 <= frac <= 1.0:
+        raise SystemExit(f"--features-frac must be in [0, 1], got {frac}")
+    return lambda i: FEATURES if chosen(i, frac) else {}
 
 
 def parse_args() -> argparse.Namespace:
@@ -192,6 +213,12 @@ def parse_args() -> argparse.Namespace:
         default=0.0,
         help="fraction of requests constrained by a simple JSON schema (structured generation)",
     )
+    p.add_argument(
+        "--features-frac",
+        type=float,
+        default=0.0,
+        help="fraction of requests with penalties, logit_bias and logprobs=5 (FEATURES)",
+    )
     return p.parse_args()
 
 
@@ -224,9 +251,9 @@ def main() -> None:
         max_tokens = [args.max_output_len]
     else:
         prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    grammar = constrain(llm, args.grammar_frac, args.tp)
+    grammar, features = constrain(llm, args.grammar_frac, args.tp), featured(args.features_frac)
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **grammar(i))
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **grammar(i), **features(i))
         for i, n in enumerate(max_tokens)
     ]
     # Warm-up: Triton compiles a kernel variant per argument pattern (an int divisible by 16 or
@@ -288,6 +315,7 @@ def main() -> None:
         "fused": not args.no_fused,
         "gemv": not args.no_gemv,
         "grammar_frac": args.grammar_frac,
+        "features_frac": args.features_frac,
         "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),
     }
     peaks = next((v for k, v in GPU_PEAKS.items() if k in gpu), None)

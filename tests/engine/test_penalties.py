@@ -145,7 +145,6 @@ def test_preemption_keeps_penalty_outputs(model_dirs):
     ]
     llm = LLM(path, page_size=4, num_pages=14)
     generate(llm, params[2:])
-    assert llm.scheduler.engine.penalties is None, "made before any request had a penalty"
     got = generate(llm, params)
     assert llm.scheduler.planner.num_preemptions > 0, "the small pool was meant to preempt"
     assert got == [reference(hf, prompt, 24, p) for prompt, p in zip(PROMPTS, params)]

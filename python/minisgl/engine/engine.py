@@ -9,14 +9,13 @@ from dataclasses import replace
 import torch
 
 from minisgl.attention import create_attention_backend
-from minisgl.core import Batch, Context, Req, set_global_ctx, to_device
+from minisgl.core import Batch, Context, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.logprobs import Entry, PromptLogprobs, SampledLogprobs
 from minisgl.engine.sample import (
     BatchSamplingArgs,
-    PenaltyTables,
     TokenMask,
     adjust_logits,
     any_adjusted,
@@ -116,7 +115,6 @@ class Engine:
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
         self.graphs = self._build_graphs()
-        self.penalties: PenaltyTables | None = None  # made for the first request with a penalty
 
     def _build_model(self) -> LlamaForCausalLM:
         cls = get_model_class(self.model_config.architecture)
@@ -170,14 +168,6 @@ class Engine:
         """Copy a newly admitted request's known token ids into its row of the token table."""
         self.token_table[table_idx, : len(tokens)] = to_device(tokens, torch.int32, self.device)
 
-    def track_penalties(self, req: Req) -> None:
-        """Rebuild the penalty tables' row of a request with a penalty, newly admitted to it."""
-        if self.penalties is None:
-            rows = self.config.max_running_requests + 1
-            vocab = self.model_config.vocab_size
-            self.penalties = PenaltyTables(rows, vocab, self.device)
-        self.penalties.reset(req.table_idx, req.tokens[: req.prompt_len], req.output_ids)
-
     @torch.inference_mode()
     def forward(self, batch: Batch, samples: list[bool] | None = None) -> torch.Tensor:
         """Run the model; logits [B, vocab] (float32) of each request's last computed token."""
@@ -216,12 +206,10 @@ class Engine:
             if mask is not None:
                 apply_token_bitmask(out.logits, mask)
             if adjusted:
-                adjust_logits(out.logits, batch.reqs, eos_token_ids, self.penalties)
+                adjust_logits(out.logits, batch.reqs, eos_token_ids, self.token_table)
             args = BatchSamplingArgs.from_reqs(batch.reqs, vocab, self.device)
             next_ids = sample(out.logits, args)
             self.token_table[out.write_rows, out.kv_lens] = next_ids.to(torch.int32)
-        if self.penalties is not None and any(r.params.uses_penalties for r in batch.reqs):
-            self.penalties.count(out.write_rows, next_ids)
         if logprobs is not None:
             logprobs.finish(next_ids)
         return StepOutput.start_copy(next_ids, logprobs, out.prompt_logprobs)

@@ -32,10 +32,12 @@ class LogprobRows:
 
     @staticmethod
     def of(logits: torch.Tensor, targets: torch.Tensor, k: int) -> LogprobRows:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logprobs.gather(1, targets[:, None].long()).squeeze(1)
-        top_values, top_ids = logprobs.topk(k, dim=-1)  # k = 0: empty [M, 0]
-        return LogprobRows(chosen, top_ids, top_values)
+        """log p = logit - logsumexp(logits), the top-k found on the logits themselves (the
+        same order), so no [M, V] log-softmax is written."""
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        chosen = logits.gather(1, targets[:, None].long()).squeeze(1).float() - lse
+        top_values, top_ids = logits.topk(k, dim=-1)  # k = 0: empty [M, 0]
+        return LogprobRows(chosen, top_ids, top_values.float() - lse[:, None])
 
     @staticmethod
     def cat(parts: list[LogprobRows]) -> LogprobRows:

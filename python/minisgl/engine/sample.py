@@ -152,40 +152,16 @@ def any_adjusted(reqs: list[Req]) -> bool:
     return any(r.params.adjusts_logits for r in reqs)
 
 
-class PenaltyTables:
-    """Per page-table row, on the device: how often each token occurs in the output so far and
-    which tokens the prompt holds. Created by the first request with a penalty; a row is
-    rebuilt when such a request is admitted to it (again after a preemption) and counts the
-    sampled ids of every step that has a request with a penalty."""
-
-    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
-        self.counts = torch.zeros((rows, vocab_size), dtype=torch.int32, device=device)
-        self.in_prompt = torch.zeros((rows, vocab_size), dtype=torch.bool, device=device)
-
-    def reset(self, row: int, prompt: list[int], output: list[int]) -> None:
-        device = self.counts.device
-        self.counts[row] = 0
-        self.in_prompt[row] = False
-        self.in_prompt[row, to_device(prompt, torch.int64, device)] = True
-        if output:
-            ids = to_device(output, torch.int64, device)
-            self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-
-    def count(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        """Add the sampled `ids` to the `rows` (no host sync; duplicates accumulate)."""
-        ones = torch.ones_like(ids, dtype=torch.int32)
-        self.counts.index_put_((rows, ids), ones, accumulate=True)
-
-
 def adjust_logits(
     logits: torch.Tensor,
     reqs: list[Req],
     eos_token_ids: Collection[int],
-    tables: PenaltyTables | None,
+    token_table: torch.Tensor,
 ) -> None:
     """In place, in the rows of the requests that ask for it: add logit_bias, set to -inf the
     ids that would end the output before min_tokens, then apply repetition_penalty (prompt and
-    output) and frequency / presence penalties (output only). Other rows stay untouched."""
+    output) and frequency / presence penalties (output only). Other rows stay untouched.
+    `token_table`: each request's tokens so far by (page-table row, position), on the device."""
     device = logits.device
     bias: list[tuple[int, int, float]] = []  # (batch row, token id, value)
     for i, r in enumerate(reqs):
@@ -200,17 +176,35 @@ def adjust_logits(
         values_t = to_device(list(values), torch.float32, device).to(logits.dtype)
         logits.index_put_((index[0], index[1]), values_t, accumulate=True)
     penalized = [i for i, r in enumerate(reqs) if r.params.uses_penalties]
-    if not penalized:
-        return
-    assert tables is not None, "a request with a penalty was admitted through track_penalties"
-    params = [reqs[i].params for i in penalized]
-    host = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
-    repetition, frequency, presence = to_device(host, torch.float32, device).T[:, :, None]
-    index = to_device([penalized, [reqs[i].table_idx for i in penalized]], torch.int64, device)
-    counts = tables.counts[index[1]]
-    scores = logits[index[0]].float()
-    seen = (counts > 0) | tables.in_prompt[index[1]]
-    repeated = torch.where(scores > 0, scores / repetition, scores * repetition)
-    scores = torch.where(seen, repeated, scores)
+    if penalized:
+        apply_penalties(logits, [reqs[i] for i in penalized], penalized, token_table)
+
+
+def apply_penalties(
+    logits: torch.Tensor, reqs: list[Req], batch_rows: list[int], token_table: torch.Tensor
+) -> None:
+    """Repetition, frequency and presence penalties over each request's own tokens (read from
+    the token table up to the position being sampled), touching only the logits of tokens seen:
+    [rows, length] gathers and scatters, no [rows, vocab] work and no per-request state."""
+    device, length = logits.device, max(r.cached_len + r.extend_len for r in reqs)
+    host = [
+        [b, r.table_idx, r.prompt_len, r.cached_len + r.extend_len]
+        for b, r in zip(batch_rows, reqs)
+    ]
+    batch_row, table_row, prompt_len, kv_len = to_device(host, torch.int64, device).T[:, :, None]
+    params = [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
+              for r in reqs]  # fmt: skip
+    repetition, frequency, presence = to_device(params, torch.float32, device).T[:, :, None]
+    position = torch.arange(length, device=device)[None, :]
+    seen = position < kv_len  # the prompt and the output so far
+    # past a request's end: its first token again, which the prompt holds (same values below)
+    ids = torch.where(seen, token_table[table_row, position.clamp(max=token_table.shape[1] - 1)],
+                      token_table[table_row, 0]).long()  # fmt: skip
+    # each id's count in the output: sorted output ids (others beyond the vocabulary), searched
+    output = seen & (position >= prompt_len)
+    sorted_out = torch.where(output, ids, logits.shape[1]).sort(dim=1).values
+    counts = torch.searchsorted(sorted_out, ids, right=True) - torch.searchsorted(sorted_out, ids)
+    scores = logits[batch_row, ids].float()  # duplicates of an id read (and write) the same
+    scores = torch.where(scores > 0, scores / repetition, scores * repetition)
     scores -= frequency * counts + presence * (counts > 0)
-    logits[index[0]] = scores.to(logits.dtype)
+    logits[batch_row.expand_as(ids), ids] = scores.to(logits.dtype)

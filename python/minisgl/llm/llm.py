@@ -32,18 +32,15 @@ class _Sample:
     req: Req
     detok: IncrementalDetokenizer | None = None
     text: str = ""
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[list[Any]] = field(default_factory=list)  # [token, logprob, ids, logprobs]
+    prompt_logprobs: list[list[Any]] | None = None
 
     def add(self, out: TokenOutput) -> bool:
         """Feed a step's output; True when a stop string has just ended the output."""
-        if out.logprob is not None:
-            self.logprobs.append(logprob_dict(out.token, *out.logprob))
+        if out.logprob is not None:  # shaped at the end: no per-step work beyond the append
+            self.logprobs.append([out.token, *out.logprob])
         if out.prompt_logprobs is not None:
-            self.prompt_logprobs = [
-                None if lp is None else logprob_dict(t, lp, ids, lps)
-                for t, lp, ids, lps in out.prompt_logprobs
-            ]
+            self.prompt_logprobs = out.prompt_logprobs
         token = out.token
         if self.detok is None or token is None or self.detok.stopped:
             return False
@@ -51,14 +48,13 @@ class _Sample:
         return self.detok.stopped
 
 
-def logprob_dict(
-    token: int | None, logprob: float, top_ids: list[int], top_logprobs: list[float]
-) -> dict[int, float]:
-    """vLLM's shape: token id -> log-probability, the top alternatives and the token itself."""
-    out = dict(zip(top_ids, top_logprobs))
-    if token is not None:
-        out[token] = logprob
-    return out
+def logprob_dicts(entries: list[list[Any]]) -> list[dict[int, float] | None]:
+    """vLLM's shape, per position: token id -> log-probability, the top alternatives and the
+    token itself; None where nothing predicts the token (a prompt's first)."""
+    return [
+        None if logprob is None else {**dict(zip(top_ids, top_logprobs)), token: logprob}
+        for token, logprob, top_ids, top_logprobs in entries
+    ]
 
 
 class LLM:
@@ -205,9 +201,9 @@ class LLM:
         reason = "stop" if stopped else req.finish_reason
         result: dict[str, Any] = {"text": text, "token_ids": ids, "finish_reason": reason}
         if req.params.logprobs is not None:
-            result["logprobs"] = sample.logprobs
+            result["logprobs"] = logprob_dicts(sample.logprobs)
         if req.params.prompt_logprobs is not None:
-            result["prompt_logprobs"] = sample.prompt_logprobs
+            result["prompt_logprobs"] = logprob_dicts(sample.prompt_logprobs or [])
         if req.error is not None:
             result["error"] = req.error
         return result

@@ -105,8 +105,6 @@ class BatchPlanner:
         req.cache_handle, req.pages, req.cached_len = handle, list(pages), handle.length
         self.engine.set_pages(req.table_idx, 0, req.pages)
         self.engine.set_tokens(req.table_idx, req.tokens)
-        if req.params.uses_penalties:  # its row of the penalty tables is another's leftovers
-            self.engine.track_penalties(req)
 
     def _fit(self, req: Req, want: int, reserve: int) -> int:
         """Grow `req` for up to `want` more tokens within the free pages (minus `reserve`);
