@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import math
 import os
@@ -44,12 +45,16 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import httpx
-import numpy as np
-from tqdm import tqdm
+if TYPE_CHECKING:  # the bench extra is imported where it is used: --help works without it
+    import httpx
 
+BENCH_EXTRA = "pip install 'minisgl[bench]'"
+# prompt ids are drawn below this when the server does not say its vocabulary size (every real
+# LLM's is larger; minisgl's /v1/models says it)
+FALLBACK_VOCAB = 10000
+RUN_MODULES = ["httpx", "tqdm"]  # what a benchmark run needs; --plot: matplotlib too
 LATENCIES = [("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")]
 
 
@@ -195,6 +200,8 @@ async def sse_events(r: httpx.Response) -> AsyncIterator[tuple[float, dict]]:
 
 
 async def send(client: httpx.AsyncClient, body: dict) -> Result:
+    import httpx
+
     res = Result(prompt_tokens=len(body["prompt"]))
     start = time.perf_counter()
     last = first_choice = None
@@ -237,13 +244,21 @@ async def send(client: httpx.AsyncClient, body: dict) -> Result:
 
 
 # ---- metrics -------------------------------------------------------------------------------
+def percentile(ordered: list[float], p: float) -> float:
+    """Linear interpolation between the closest ranks (numpy.percentile's default)."""
+    pos = (len(ordered) - 1) * p / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
 def distribution(values_s: list[float], percentiles: list[float]) -> dict[str, float | None]:
     if not values_s:
         return {"mean": None, **{f"p{p:g}": None for p in percentiles}}
-    ms = np.asarray(values_s) * 1000
-    out = {"mean": round(float(ms.mean()), 3)}
+    ms = sorted(v * 1000 for v in values_s)
+    out: dict[str, float | None] = {"mean": round(math.fsum(ms) / len(ms), 3)}
     for p in percentiles:
-        out[f"p{p:g}"] = round(float(np.percentile(ms, p)), 3)
+        out[f"p{p:g}"] = round(percentile(ms, p), 3)
     return out
 
 
@@ -254,7 +269,7 @@ def summarize(
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    summary = {
+    summary: dict[str, Any] = {
         "rate": "inf" if rate == math.inf else rate,
         "duration_s": round(duration, 3),
         "completed": len(ok),
@@ -283,6 +298,8 @@ async def run_rate(
     model: str,
     desc: str,
 ) -> tuple[list[Result], float]:
+    from tqdm import tqdm
+
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bar = tqdm(total=len(requests), desc=desc, disable=args.disable_tqdm, file=sys.stderr)
 
@@ -342,6 +359,8 @@ def workload(args: argparse.Namespace, index: int) -> list[Request]:
 
 async def server_stats(client: httpx.AsyncClient) -> dict | None:
     """minisgl's GET /stats (preemptions, cached KV pages) when the server has it."""
+    import httpx
+
     try:
         r = await client.get("/stats")
         return r.json() if r.status_code == 200 else None
@@ -349,17 +368,43 @@ async def server_stats(client: httpx.AsyncClient) -> dict | None:
         return None
 
 
-async def served_model(client: httpx.AsyncClient) -> str:
+async def model_card(client: httpx.AsyncClient, model: str | None) -> dict:
+    """The card of `model` in GET /v1/models (None: the first), {} when there is none."""
     r = await client.get("/v1/models")
     if r.status_code != 200:
+        if model is not None:  # a server without /v1/models
+            return {}
         raise BenchError(f"GET /v1/models: HTTP {r.status_code}: {r.text[:300]}")
-    data = r.json().get("data") or []
-    if not data:
+    cards = [c for c in r.json().get("data") or [] if isinstance(c, dict) and "id" in c]
+    if model is None and not cards:
         raise BenchError("GET /v1/models lists no model; pass --model")
-    return data[0]["id"]
+    return next((c for c in cards if model in (None, c["id"])), {})
+
+
+async def ask_server(client: httpx.AsyncClient, args: argparse.Namespace) -> None:
+    """Fill in args.model (the first model served) and args.vocab_size (prompt ids are drawn
+    below it: a tiny model's ids must stay inside its vocabulary) from the server's model
+    card when they were not given."""
+    if args.model is not None and args.vocab_size is not None:
+        return
+    card = await model_card(client, args.model)
+    args.model = args.model or card["id"]
+    if args.vocab_size is None:
+        vocab = card.get("vocab_size")  # minisgl's; vLLM and SGLang do not say it
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+            args.vocab_size = vocab
+        else:
+            args.vocab_size = FALLBACK_VOCAB
+            print(
+                f"note: the server's /v1/models does not give vocab_size; prompt ids are drawn"
+                f" below {FALLBACK_VOCAB} (set --vocab-size for a smaller model)",
+                file=sys.stderr,
+            )
 
 
 async def bench(args: argparse.Namespace) -> list[dict]:
+    import httpx
+
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = httpx.Timeout(args.timeout, connect=30.0)
@@ -368,7 +413,8 @@ async def bench(args: argparse.Namespace) -> list[dict]:
         base_url=args.base_url, headers=headers, timeout=timeout, limits=limits, trust_env=False
     ) as client:
         try:
-            model = args.model or await served_model(client)
+            await ask_server(client, args)
+            model = args.model
             for i in range(args.warmup):  # first-use costs (allocations, JIT) stay out of the data
                 prompt = random_tokens(random.Random(-1 - i), 16, args.vocab_size)
                 body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
@@ -379,7 +425,6 @@ async def bench(args: argparse.Namespace) -> list[dict]:
             raise BenchError(f"cannot reach {args.base_url}: {type(e).__name__}: {e}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise BenchError(f"GET /v1/models: unexpected answer ({e!r}); pass --model") from None
-        args.model = model
         summaries = []
         rates = ["trace"] if args.trace else args.rates
         for i, rate in enumerate(rates):
@@ -452,7 +497,7 @@ def plot(runs: list[dict], path: str) -> None:
         for ax, (key, name) in zip(axes.flat, LATENCIES):
             for i, p in enumerate(percentiles):
                 ys = [s[key].get(f"p{p:g}") for s in results]  # None: no data at that rate
-                ys = [np.nan if y is None else y for y in ys]
+                ys = [math.nan if y is None else y for y in ys]
                 ax.plot(xs, ys, styles[i % len(styles)], marker="o", ms=3, color=color)
             ax.set_title(f"{name} (ms)")
         for ax, key in zip(axes.flat[4:], ["output_throughput", "request_throughput"]):
@@ -523,6 +568,8 @@ def launch(command: str, base_url: str, timeout: float, log_path: str) -> subpro
 
 
 def healthy(proc: subprocess.Popen, base_url: str, log_path: str) -> bool:
+    import httpx
+
     if proc.poll() is not None:
         raise BenchError(
             f"--launch: the server exited with code {proc.returncode} before it was ready;"
@@ -643,7 +690,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--trace-time-unit", choices=["s", "ms"], default="s", help="ms: Mooncake")
     add("--trace-time-scale", type=float, default=1.0, help="times the gaps (0.5: 2x rate)")
     add("--trace-block-size", type=at_least(1), default=16, help="prompt tokens per hash id")
-    add("--vocab-size", type=at_least(1), default=10000, help="prompt ids are drawn below")
+    add(
+        "--vocab-size",
+        type=at_least(1),
+        help="prompt ids are drawn below it; default: the vocab_size of the server's model card"
+        f" (minisgl gives it), else {FALLBACK_VOCAB}",
+    )
     add("--seed", type=int, default=0, help="of prompts and arrivals")
     add("--temperature", type=float, default=0.0, help="sampling temperature")
     add("--max-concurrency", type=at_least(1), help="cap on requests in flight")
@@ -679,6 +731,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def require(*modules: str) -> None:
+    """BenchError naming the bench extra when one of `modules` cannot be imported."""
+    missing = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        names = " and ".join([", ".join(missing[:-1]), missing[-1]] if missing[:-1] else missing)
+        raise BenchError(f"this needs {names}, not installed: {BENCH_EXTRA}")
+
+
 def workload_title(args: argparse.Namespace) -> str:
     if args.trace:
         return f"trace {os.path.basename(args.trace)} x{args.trace_time_scale:g}"
@@ -696,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
+        require(*([] if args.plot_only else RUN_MODULES), *(["matplotlib"] if args.plot else []))
         if args.plot_only:
             plot(load_runs(args.plot_only), args.plot)
             print(f"wrote {args.plot}")

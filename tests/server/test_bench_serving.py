@@ -9,19 +9,23 @@ import asyncio
 import json
 import math
 import os
+import random
 import re
 import shlex
+import subprocess
 import sys
 
 import httpx
 import pytest
 
 from support.server import REPO, free_port, make_tiny_model, run_server
+from support.tokenizer import build_tiny_tokenizer
 
 sys.path.insert(0, os.path.join(REPO, "benchmark", "online"))
 
 import bench_serving as bs  # noqa: E402
 
+SCRIPT = os.path.join(REPO, "benchmark", "online", "bench_serving.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LATENCY_KEYS = ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"]
 
@@ -126,6 +130,17 @@ def test_send_reports_errors():
     assert not r.ok and "without output" in r.error
 
 
+def test_percentiles_as_numpy():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(0)
+    for n in (1, 2, 7, 100):
+        values = [rng.expovariate(1.0) for _ in range(n)]
+        got = bs.distribution(values, [0, 1, 50, 90, 99.9, 100])
+        for p in (0, 1, 50, 90, 99.9, 100):
+            assert got[f"p{p:g}"] == pytest.approx(np.percentile(values, p) * 1000, abs=1e-3)
+        assert got["mean"] == pytest.approx(sum(values) / n * 1000, abs=1e-3)
+
+
 def test_summarize():
     ok = [
         bs.Result(True, "", 10, 5, ttft=0.1, e2e=0.5, itl=[0.1] * 4),
@@ -183,9 +198,23 @@ def check_png(path: str) -> None:
     assert os.path.getsize(path) < 200_000  # small enough to commit
 
 
-def test_against_the_cpu_server(tmp_path, capsys):
+def record_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The prompts of every request bs.main sends from now on."""
+    prompts, send = [], bs.send
+
+    async def recording(client, body: dict) -> bs.Result:
+        prompts.append(body["prompt"])
+        return await send(client, body)
+
+    monkeypatch.setattr(bs, "send", recording)
+    return prompts
+
+
+def test_against_the_cpu_server(tmp_path, capsys, monkeypatch):
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"))
-    common = ["--vocab-size", "400", "--num-prompts", "6", "--output-len", "5"]
+    vocab = len(build_tiny_tokenizer())  # 480, under the model's 512 embedding rows
+    # no --vocab-size: the ids stay below the vocab_size of minisgl's /v1/models
+    common = ["--num-prompts", "6", "--output-len", "5"]
     sweep, sweep_png = str(tmp_path / "sweep.json"), str(tmp_path / "sweep.png")
     trace, replayed = tmp_path / "trace.jsonl", str(tmp_path / "trace.json")
     lines = [{"timestamp": t, "input_length": 24, "output_length": 5} for t in (0, 0.2, 0.3, 0.5)]
@@ -195,15 +224,22 @@ def test_against_the_cpu_server(tmp_path, capsys):
     shared += ["--max-concurrency", "1", "--disable-tqdm", *common]
     radix, naive = str(tmp_path / "radix.json"), str(tmp_path / "naive.json")
     with run_server(model, "--page-size", "4", log_path=str(tmp_path / "server.log")) as server:
+        assert server.get_json("/v1/models")["data"][0]["vocab_size"] == vocab
         argv = ["--base-url", server.url + "/v1", "--rates", "30,inf", "--input-len", "24"]
+        prompts = record_prompts(monkeypatch)
         assert bs.main([*argv, *common, "--out", sweep, "--plot", sweep_png]) == 0
         assert re.search(r"rate 30: 100%.*6/6", capsys.readouterr().err)  # the progress bar
+        assert len(prompts) == 12 and max(max(p) for p in prompts) < vocab
+        assert max(max(p) for p in prompts) >= vocab - 50  # drawn up to it, not below 400
         argv = ["--base-url", server.url, "--trace", str(trace), "--vocab-size", "400"]
+        prompts.clear()
         assert bs.main([*argv, "--disable-tqdm", "--out", replayed]) == 0
+        assert len(prompts) == 4 and max(max(p) for p in prompts) < 400  # the flag wins
         argv = ["--base-url", server.url, *shared, "--label", "radix", "--out", radix]
         assert bs.main(argv) == 0
     run = check_result(sweep, [30.0, "inf"], 6, 24, 5)
     assert run["config"]["model"] == model  # asked from /v1/models
+    assert run["config"]["vocab_size"] == vocab
     assert "num_preemptions" in run["results"][0]["server_stats"]  # minisgl's /stats
     check_png(sweep_png)
     run = check_result(replayed, ["trace"], 4, 24, 5)
@@ -270,6 +306,9 @@ def test_launch_starts_and_stops_the_server(tmp_path, capsys):
     assert bs.main([*argv, "--out", out]) == 0  # the base URL comes from --launch's --port
     run = check_result(out, [100.0], 5, 8, 3)
     assert run["config"]["model"] == "fake" and run["results"][0]["server_stats"] is None
+    # a server whose model card has no vocab_size (as vLLM's): the fallback, said once
+    assert run["config"]["vocab_size"] == bs.FALLBACK_VOCAB
+    assert capsys.readouterr().err.count("does not give vocab_size") == 1
     with pytest.raises(httpx.ConnectError):  # stopped
         httpx.get(f"http://127.0.0.1:{port}/health", trust_env=False)
 
@@ -285,3 +324,33 @@ def test_launch_starts_and_stops_the_server(tmp_path, capsys):
     assert "/health not ready after 1 s" in err
     pid = int(re.search(r"launched the server \(pid (\d+)\)", err).group(1))
     assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped
+
+
+# ---- without the bench extra --------------------------------------------------------------
+WITHOUT_EXTRA = """
+import runpy, sys
+for name in ("httpx", "matplotlib", "numpy", "tqdm"):
+    sys.modules[name] = None  # import fails as if not installed
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_without_extra(*argv: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", WITHOUT_EXTRA, SCRIPT, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_help_and_a_clear_error_without_the_bench_extra(tmp_path):
+    out = run_without_extra("--help")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert "vocab_size of the server's model card" in " ".join(out.stdout.split())  # --vocab-size
+
+    url = f"http://127.0.0.1:{free_port()}"
+    extra = "pip install 'minisgl[bench]'"
+    out = run_without_extra("--base-url", url, "--plot", str(tmp_path / "x.png"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr == f"error: this needs httpx, tqdm and matplotlib, not installed: {extra}\n"
+    out = run_without_extra("--plot-only", str(tmp_path / "a.json"), "--plot", "x.png")
+    assert out.returncode == 1
+    assert out.stderr == f"error: this needs matplotlib, not installed: {extra}\n"

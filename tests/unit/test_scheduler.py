@@ -35,8 +35,8 @@ class FakeStep:
         self.engine.log.append(("read", self.index))
         return self._tokens
 
-    def logprobs(self) -> list[None]:
-        return [None] * len(self._tokens)
+    def logprobs(self) -> None:
+        return None
 
     def prompt_logprobs(self) -> dict:
         return {}

@@ -270,14 +270,16 @@ class StepOutput:
             self.event.synchronize()
         return self.host.tolist()
 
-    def logprobs(self) -> list[Entry | None]:
-        """Per batch row, the sampled token's entry when the request asked for logprobs."""
+    def logprobs(self) -> list[Entry | None] | None:
+        """Per batch row, the sampled token's entry when the request asked for logprobs; None
+        when no request of the step did."""
+        lp = self.sampled_logprobs
+        if lp is None or lp.result is None:
+            return None
+        self.tokens()  # waits for the copies
         out: list[Entry | None] = [None] * len(self.host)
-        if self.sampled_logprobs is not None and self.sampled_logprobs.result is not None:
-            self.tokens()  # waits for the copies
-            lp = self.sampled_logprobs
-            for row, entry in zip(lp.rows, lp.result.entries(lp.ks)):  # type: ignore[union-attr]
-                out[row] = entry
+        for row, entry in zip(lp.rows, lp.result.entries(lp.ks)):
+            out[row] = entry
         return out
 
     def prompt_logprobs(self) -> dict[int, list[Entry]]:

@@ -66,8 +66,14 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    """Inverse of `encode`; ValueError when the payload names an unregistered type."""
-    return _unpack(data)
+    """Inverse of `encode`; ValueError for any payload it did not make (not msgpack, an
+    unregistered type, a type given the wrong fields), which the receiver logs and drops."""
+    try:
+        return _unpack(data)
+    except ValueError:  # msgpack's errors are ValueErrors too
+        raise
+    except Exception as e:  # e.g. TypeError from cls(*values), RecursionError
+        raise ValueError(f"malformed message: {type(e).__name__}: {e}") from e
 
 
 # Shared types that travel inside messages.

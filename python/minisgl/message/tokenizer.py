@@ -23,6 +23,8 @@ class TokenizeMsg:
     chat_template_kwargs: dict | None = None  # extra arguments of apply_chat_template
     # the model's context when the client gave max_tokens: a longer prompt + max_tokens is refused
     context_len: int | None = None
+    # the longest prompt + output (tokens): a text too long for it is refused before tokenizing
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.text, self.input_ids, self.chat))

@@ -1,4 +1,5 @@
-"""What the scheduler is asked to do: the token budget of a prefill step and the prefix cache.
+"""What the scheduler is asked to do: the token budget of a prefill step, the prefix cache and
+the JSON grammar's whitespace.
 Every field is an option (utils/options.py), like EngineConfig's."""
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ class SchedulerConfig:
     )
     cache: Literal["radix", "naive"] = option(
         "radix", "prefix cache (naive: no prefix sharing)", choices=["radix", "naive"]
+    )
+    json_any_whitespace: bool = option(
+        False,
+        "JSON-constrained output (response_format, json_schema) may put any whitespace between"
+        " elements; off: compact JSON, so a model cannot pad with whitespace up to max_tokens",
     )
 
     def __post_init__(self) -> None:

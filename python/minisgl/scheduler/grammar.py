@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 CACHE_SIZE = 256  # compiled grammars kept (failures too: the same bad schema fails at once)
 COMPILE_TIMEOUT_S = 30.0  # a request whose grammar takes longer fails instead of stalling all
+TIMED_OUT = f"grammar compilation took longer than {COMPILE_TIMEOUT_S:.0f} s"
 
 
 class GrammarError(ValueError):
@@ -51,12 +53,21 @@ def _clean(error: Exception) -> str:
 class GrammarCompiler:
     """Compiles grammars off the scheduler's thread for one tokenizer and vocabulary. The
     xgrammar compiler itself is built by the first job (tokenizer analysis takes a while for
-    large vocabularies), so a server whose clients never ask for a grammar never pays."""
+    large vocabularies), so a server whose clients never ask for a grammar never pays.
+    `any_whitespace`: JSON schemas allow free whitespace between elements (default: compact
+    separators, so a model cannot wander off into endless whitespace)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        any_whitespace: bool = False,
+    ) -> None:
         if tokenizer is None:
             raise GrammarError("this model has no tokenizer: constrained decoding needs one")
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self.any_whitespace = any_whitespace
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.lock = threading.Lock()
@@ -79,8 +90,7 @@ class GrammarCompiler:
         compiler = self._get_compiler()
         try:
             if kind == "json_schema":
-                # compact separators: a model cannot wander off into endless whitespace
-                return compiler.compile_json_schema(text, any_whitespace=False)
+                return compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
             if kind == "regex":
                 return compiler.compile_regex(text)
             return compiler.compile_grammar(text)
@@ -110,11 +120,16 @@ class Constraint:
     def __init__(self, future: Future) -> None:
         self.future = future
         self.matcher: xgrammar.GrammarMatcher | None = None
+        # counted from the request's arrival, not from the step that first waits for it
+        self.deadline = time.monotonic() + COMPILE_TIMEOUT_S
 
     def failure(self) -> str | None:
-        """The compile error if compilation has ended with one (does not wait)."""
+        """The compile error if compilation has ended with one, or has run past its deadline
+        (does not wait): such a request is refused before it takes any place."""
         if self.future.done() and self.future.exception() is not None:
             return str(self.future.exception())
+        if not self.future.done() and time.monotonic() > self.deadline:
+            return TIMED_OUT
         return None
 
     def wait(self) -> xgrammar.GrammarMatcher:
@@ -123,11 +138,9 @@ class Constraint:
             import xgrammar as xgr
 
             try:
-                compiled = self.future.result(timeout=COMPILE_TIMEOUT_S)
+                compiled = self.future.result(max(0.0, self.deadline - time.monotonic()))
             except TimeoutError:
-                raise GrammarError(
-                    f"grammar compilation took longer than {COMPILE_TIMEOUT_S:.0f} s"
-                ) from None
+                raise GrammarError(TIMED_OUT) from None
             self.matcher = xgr.GrammarMatcher(compiled)
         return self.matcher
 
@@ -144,10 +157,13 @@ class GrammarState:
     built on first use (a server whose clients never ask for a grammar never loads xgrammar),
     and the count of admitted constrained requests (0 skips every grammar check). The bitmask
     (host memory) is reused: a step with constraints waits for the previous one with
-    constraints, so its copy is done by then."""
+    constraints, so its copy is done by then. `any_whitespace`: GrammarCompiler's."""
 
-    def __init__(self, vocab_size: int, max_rows: int, pin: bool) -> None:
+    def __init__(
+        self, vocab_size: int, max_rows: int, pin: bool, any_whitespace: bool = False
+    ) -> None:
         self.vocab_size, self.max_rows, self.pin = vocab_size, max_rows, pin
+        self.any_whitespace = any_whitespace
         self.compiler: GrammarCompiler | None = None
         self.bitmask: torch.Tensor | None = None
         self.filler: Any = None  # xgrammar.BatchGrammarMatcher: fills rows on several threads
@@ -161,7 +177,9 @@ class GrammarState:
         if key is None:
             return None
         if self.compiler is None:
-            self.compiler = GrammarCompiler(tokenizer, self.vocab_size, sorted(stop_token_ids))
+            self.compiler = GrammarCompiler(
+                tokenizer, self.vocab_size, sorted(stop_token_ids), self.any_whitespace
+            )
         return Constraint(self.compiler.compile(key))
 
     def applies(self, batch: Batch) -> bool:

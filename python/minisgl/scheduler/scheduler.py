@@ -12,6 +12,7 @@ token, which the next step reads on the device) and `_process` fills it one step
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from minisgl import env
@@ -199,15 +200,13 @@ class Scheduler:
 
     def _process(self, step: InFlight) -> list[TokenOutput]:
         outputs = []
-        out = step.output
-        prompt_logprobs = out.prompt_logprobs()
-        rows = zip(step.batch.reqs, step.slots, out.tokens(), out.logprobs())
-        for i, (req, slot, token, logprob) in enumerate(rows):
-            if req.finished:
-                continue
-            req.prompt_logprobs += prompt_logprobs.get(i, [])
-            if slot < 0:
-                continue  # a prompt chunk that is not the last
+        out, reqs = step.output, step.batch.reqs
+        for i, entries in out.prompt_logprobs().items():  # prompt positions this step scored
+            reqs[i].prompt_logprobs += entries
+        logprobs = out.logprobs() or repeat(None)  # None: no request asked (the usual case)
+        for req, slot, token, logprob in zip(reqs, step.slots, out.tokens(), logprobs):
+            if slot < 0 or req.finished:
+                continue  # a prompt chunk that is not the last, or ended meanwhile
             req.tokens[slot] = token
             reason = self._finish_reason(req, token, slot + 1)
             error = None

@@ -18,13 +18,14 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.message import TokenizeMsg, UserReply
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
+from minisgl.server.limits import check_limits
 from minisgl.server.logprobs import CompletionLogprobs, chat_logprobs
 from minisgl.server.metrics import CONTENT_TYPE, tree_rss_bytes
 from minisgl.server.protocol import (
@@ -58,10 +59,11 @@ CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never 
 Started = tuple[AsyncGenerator[UserReply, None], UserReply]
 
 
-# a JSON \u escape of a UTF-16 surrogate not in a pair: the one way a JSON body can carry text
-# that is not valid Unicode (raw surrogate bytes are invalid UTF-8, which the JSON parser refuses)
-HIGH, LOW = rb"\\u[dD][89abAB][0-9a-fA-F]{2}", rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
-LONE_SURROGATE = re.compile(HIGH + rb"(?!" + LOW + rb")|(?<!" + HIGH + rb")" + LOW)
+# a JSON \u escape of a UTF-16 surrogate: the one way a JSON body can carry text that is not
+# valid Unicode (raw surrogate bytes are invalid UTF-8, which the JSON parser refuses). A pair
+# (an emoji, as ASCII-only encoders write it) matches too: only the walk tells them apart. A
+# plain pattern: one with lookarounds to find lone ones takes ~25 ms per MB.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _valid_text(text: str) -> bool:
@@ -74,10 +76,10 @@ def _valid_text(text: str) -> bool:
 
 def invalid_text_path(body: bytes) -> str | None:
     """Where a JSON body holds text that is not valid Unicode, as a field path (e.g.
-    `messages[0].content`), or None. Only a body with such an escape is parsed here (an escaped
-    backslash before `ud800` is a false alarm the walk clears); one that is not JSON is left to
-    FastAPI, which says so."""
-    if not LONE_SURROGATE.search(body):
+    `messages[0].content`), or None. Only a body with a surrogate escape is parsed here (a pair,
+    or an escaped backslash before `ud800`, is a false alarm the walk clears); one that is not
+    JSON is left to FastAPI, which says so."""
+    if not SURROGATE_ESCAPE.search(body):
         return None
     try:
         todo: list[tuple[str, Any]] = [("body", json.loads(body))]
@@ -213,7 +215,8 @@ async def validation_error(_: Request, e: RequestValidationError) -> JSONRespons
 
 
 async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-    return error_response(e.status_code, str(e.detail))
+    headers = dict(e.headers) if e.headers else None  # a 405's Allow
+    return error_response(e.status_code, str(e.detail), headers=headers)
 
 
 def error_event(e: APIError) -> str:
@@ -386,16 +389,19 @@ class ApiServer:
         ids = source.get("input_ids") or []
         if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
             raise APIError(400, "prompt token ids must be in [0, 2**31)", "prompt")
-        return [
+        msgs = [
             TokenizeMsg(
                 self.frontend.new_uid(),
                 params=sampling_params(req, max_tokens, i, **(logprobs or {})),
                 skip_special_tokens=req.skip_special_tokens,
                 context_len=self.max_seq_len if given else None,
+                max_seq_len=self.max_seq_len,
                 **source,
             )
             for i in range(req.n)
         ]
+        check_limits(msgs[0].params, source.get("chat"))  # the choices differ in their seeds only
+        return msgs
 
     async def complete(self, req: CompletionRequest) -> Any:
         self.check_fields(req, COMPLETION_NOT_SUPPORTED, "/v1/completions")
@@ -625,15 +631,85 @@ class ApiServer:
         return {"object": "list", "data": [card]}
 
 
+ERROR_STATUSES = {
+    400: "invalid request: the error names the field (FastAPI's 422 is answered 400, as OpenAI)",
+    401: "missing or wrong API key (--api-key)",
+    404: "the model named is not served here",
+    413: "body larger than --max-request-bytes",
+    500: "internal error",
+    503: "overloaded (--max-queued-requests) or shutting down",
+    504: "the request ran past --request-timeout",
+}
+ERROR_SCHEMA: dict[str, Any] = {  # error_body's
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            },
+        }
+    },
+}
+
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+
+
+def error_statuses(path: str, method: str) -> set[int]:
+    """The error statuses an endpoint answers."""
+    statuses = {500} | ({503} if path == "/health" else {401})
+    if method == "post":
+        statuses |= {400, 413} | (set() if path == "/generate" else {404})  # "model" unknown
+    if path in GENERATION_PATHS:
+        statuses |= {503, 504}
+    return statuses
+
+
+def document_errors(app: FastAPI) -> None:
+    """Make the OpenAPI document say what the server answers: FastAPI documents a 422 for a
+    validation error (answered 400 here) and no other error."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        components["ErrorResponse"] = ERROR_SCHEMA
+        ref = {"$ref": "#/components/schemas/ErrorResponse"}
+        for path, operations in schema.get("paths", {}).items():
+            for method, operation in operations.items():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                for status in sorted(error_statuses(path, method)):
+                    content = {"application/json": {"schema": ref}}
+                    responses[str(status)] = {
+                        "description": ERROR_STATUSES[status],
+                        "content": content,
+                    }
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(frontend: Frontend, args: ServerArgs, max_seq_len: int) -> FastAPI:
     app = FastAPI(title="minisgl", on_startup=[frontend.start])
     api = ApiServer(frontend, args, max_seq_len)
     app.exception_handler(APIError)(api_error)
     app.exception_handler(RequestValidationError)(validation_error)
     app.exception_handler(StarletteHTTPException)(http_error)
+    document_errors(app)
     app.get("/health")(api.health)
     app.get("/stats")(api.stats)
-    app.get("/metrics")(api.metrics)
+    app.get("/metrics", response_class=PlainTextResponse)(api.metrics)  # documents text/plain
     app.get("/v1/models")(api.models)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)

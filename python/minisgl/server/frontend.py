@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from minisgl.message import AbortMsg, BatchFrontendMsg, SchedulerStats, TokenizeMsg, UserReply
+from minisgl.message import (
+    AbortMsg,
+    BatchFrontendMsg,
+    SchedulerStats,
+    TokenizeMsg,
+    UserReply,
+    encode,
+)
 from minisgl.server.metrics import Metrics
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,7 +55,10 @@ class Frontend:
 
     async def _dispatch(self) -> None:
         while True:
-            batch: BatchFrontendMsg = await self.recv.get()
+            batch = await self.recv.get()
+            if not isinstance(batch, BatchFrontendMsg):  # decoded, but not for here
+                logger.error("api server: dropped an unexpected %s message", type(batch).__name__)
+                continue
             if batch.stats is not None:
                 self.stats = batch.stats
             now = time.monotonic()
@@ -76,8 +89,15 @@ class Frontend:
         return self.to_tokenizers[uid % len(self.to_tokenizers)]
 
     async def submit(self, msg: TokenizeMsg) -> asyncio.Queue[UserReply]:
+        """Hand a request to its tokenizer worker; only then does it count as in flight (and
+        against --max-queued-requests): a message that cannot be encoded takes nothing."""
+        data = encode(msg)
         req = self.requests[msg.uid] = _InFlight()
-        await self._tokenizer(msg.uid).put(msg)
+        try:
+            await self._tokenizer(msg.uid).put_encoded(data)
+        except BaseException:
+            self.requests.pop(msg.uid, None)
+            raise
         return req.queue
 
     async def abort(self, uid: int, reason: str = "abort") -> None:

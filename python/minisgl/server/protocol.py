@@ -314,6 +314,9 @@ def extra_fields(req: OpenAIRequest, not_supported: dict[str, str]) -> list[str]
 def chat_max_tokens(req: ChatRequest) -> int | None:
     """max_completion_tokens (OpenAI's newer name) or max_tokens; both only when they agree."""
     new, old = req.max_completion_tokens, req.max_tokens
+    if new is not None and new < 1:  # named as given, not as the max_tokens it stands for
+        message = f"max_completion_tokens must be at least 1, got {new}"
+        raise APIError(400, message, "max_completion_tokens")
     if new is not None and old is not None and new != old:
         message = f"max_completion_tokens ({new}) and max_tokens ({old}) differ: give one"
         raise APIError(400, message, "max_completion_tokens")
