@@ -4,7 +4,6 @@ from minisgl import LLM, SamplingParams
 from minisgl.core import Req
 from minisgl.engine.sample import (
     BatchSamplingArgs,
-    PenaltyTables,
     adjust_logits,
     sample,
     uniform_noise,
@@ -105,13 +104,12 @@ def test_adjust_logits_against_the_plain_formulas():
     )
     params = [SamplingParams(), full, SamplingParams(logit_bias={7: -100.0})]
     reqs = [Req([1, 2, 2, 2, 3, 3], 3, p, 100) for p in params]
+    token_table = torch.full((4, 16), 6, dtype=torch.int32)  # row 3: another request's
     for row, req in enumerate(reqs):
-        req.table_idx = row
-    tables = PenaltyTables(4, vocab, torch.device("cpu"))
-    tables.reset(1, [1, 2, 2], [2, 3])
-    tables.count(torch.tensor([1, 3]), torch.tensor([3, 6]))  # row 3: another request's
+        req.table_idx, req.cached_len, req.extend_len = row, 5, 1  # sampling position 6
+        token_table[row, :6] = torch.tensor(req.tokens)
     got = logits.clone()
-    adjust_logits(got, reqs, {4}, tables)
+    adjust_logits(got, reqs, {4}, token_table)
     want = logits.clone()
     want[1, 0] += 3.0
     want[1, [4, 5]] = -float("inf")
@@ -123,6 +121,7 @@ def test_adjust_logits_against_the_plain_formulas():
     want[2, 7] -= 100.0
     assert torch.equal(got[0], logits[0]) and torch.allclose(got, want)
     reqs[1].tokens += [3]  # min_tokens reached: EOS and stop ids are free again
+    reqs[1].cached_len, token_table[1, 6] = 6, 3
     again = logits.clone()
-    adjust_logits(again, reqs[1:2], {4}, tables)
+    adjust_logits(again, reqs[1:2], {4}, token_table)
     assert again[0, 4] > -float("inf") and again[0, 5] > -float("inf")
