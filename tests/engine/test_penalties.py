@@ -105,7 +105,7 @@ def test_min_tokens_holds_back_eos_and_stop_ids(llama):
     prompt = PROMPTS[0]
     free = hf_greedy(hf, prompt, 12)
     eos = free[2]
-    llm.scheduler.eos_token_ids = {eos}
+    llm.scheduler.eos_token_ids = llm.scheduler.planner.eos_token_ids = {eos}
     try:
         plain = llm.generate([prompt], SamplingParams(max_tokens=12), use_tqdm=False)[0]
         assert plain["token_ids"] == free[: free.index(eos) + 1]
@@ -119,7 +119,7 @@ def test_min_tokens_holds_back_eos_and_stop_ids(llama):
             assert eos not in want[: params.min_tokens]
             assert out["finish_reason"] == ("stop" if len(want) < 12 else "length")
     finally:
-        llm.scheduler.eos_token_ids = set()
+        llm.scheduler.eos_token_ids = llm.scheduler.planner.eos_token_ids = set()
 
 
 def test_mixed_batch_leaves_plain_requests_alone(llama):

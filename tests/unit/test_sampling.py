@@ -3,6 +3,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req
 from minisgl.engine.sample import (
+    AdjustTable,
     BatchSamplingArgs,
     adjust_logits,
     sample,
@@ -104,12 +105,16 @@ def test_adjust_logits_against_the_plain_formulas():
     )
     params = [SamplingParams(), full, SamplingParams(logit_bias={7: -100.0})]
     reqs = [Req([1, 2, 2, 2, 3, 3], 3, p, 100) for p in params]
-    token_table = torch.full((4, 16), 6, dtype=torch.int32)  # row 3: another request's
+    cpu = torch.device("cpu")
+    table = AdjustTable(4, cpu)
+    table.write(3, Req([6], 1, full, 100), {4})  # another request's row, never read here
+    token_table = torch.full((4, 16), 6, dtype=torch.int32)
     for row, req in enumerate(reqs):
-        req.table_idx, req.cached_len, req.extend_len = row, 5, 1  # sampling position 6
+        table.write(row, req, {4})
         token_table[row, :6] = torch.tensor(req.tokens)
+    rows, kv_lens = torch.tensor([0, 1, 2]), torch.tensor([6, 6, 6])  # sampling position 6
     got = logits.clone()
-    adjust_logits(got, reqs, {4}, token_table)
+    adjust_logits(got, table, rows, kv_lens, token_table, 6)
     want = logits.clone()
     want[1, 0] += 3.0
     want[1, [4, 5]] = -float("inf")
@@ -120,8 +125,11 @@ def test_adjust_logits_against_the_plain_formulas():
     want[1, 3] -= 0.5 * 2 + 0.25
     want[2, 7] -= 100.0
     assert torch.equal(got[0], logits[0]) and torch.allclose(got, want)
-    reqs[1].tokens += [3]  # min_tokens reached: EOS and stop ids are free again
-    reqs[1].cached_len, token_table[1, 6] = 6, 3
+    token_table[1, 6] = 3  # min_tokens reached: EOS and stop ids are free again
     again = logits.clone()
-    adjust_logits(again, reqs[1:2], {4}, token_table)
+    adjust_logits(again, table, rows[1:2], torch.tensor([7]), token_table, 7)
     assert again[0, 4] > -float("inf") and again[0, 5] > -float("inf")
+    table.write(1, Req([1, 2, 2], 3, SamplingParams(), 100), {4})  # a plain request's row now
+    plain = logits.clone()
+    adjust_logits(plain, table, rows, kv_lens, token_table, 6)
+    assert torch.equal(plain[:2], logits[:2]) and 1 not in table.dirty

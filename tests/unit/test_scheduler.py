@@ -82,9 +82,10 @@ class FakeEngine:
         ends = [(r.table_idx, r.cached_len + r.extend_len) for r in batch.reqs]
         return [end if sampled else None for end, sampled in zip(ends, samples)]
 
-    def sample_step(
-        self, batch: Batch, forward: list, mask: object = None, eos_token_ids: object = ()
-    ) -> FakeStep:
+    def track_adjustments(self, req: Req, eos_token_ids: object) -> None:
+        pass
+
+    def sample_step(self, batch: Batch, forward: list, mask: object = None) -> FakeStep:
         assert mask is None
         tokens = []
         for req, end in zip(batch.reqs, forward):

@@ -9,12 +9,13 @@ from dataclasses import replace
 import torch
 
 from minisgl.attention import create_attention_backend
-from minisgl.core import Batch, Context, set_global_ctx, to_device
+from minisgl.core import Batch, Context, Req, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.logprobs import Entry, PromptLogprobs, SampledLogprobs
 from minisgl.engine.sample import (
+    AdjustTable,
     BatchSamplingArgs,
     TokenMask,
     adjust_logits,
@@ -22,6 +23,7 @@ from minisgl.engine.sample import (
     any_filter,
     apply_token_bitmask,
     sample,
+    sample_at_temperature,
 )
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
 from minisgl.kernel import resolve_moe_backend
@@ -115,6 +117,7 @@ class Engine:
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
         self.graphs = self._build_graphs()
+        self.adjustments = AdjustTable(rows, self.device)
 
     def _build_model(self) -> LlamaForCausalLM:
         cls = get_model_class(self.model_config.architecture)
@@ -189,30 +192,42 @@ class Engine:
 
     @torch.inference_mode()
     def sample_step(
-        self,
-        batch: Batch,
-        out: ForwardOutput,
-        mask: TokenMask | None = None,
-        eos_token_ids: Collection[int] = (),
+        self, batch: Batch, out: ForwardOutput, mask: TokenMask | None = None
     ) -> StepOutput:
         """Phase 2: sample what the forward did not (filters, grammar `mask`, adjusted logits,
         eager batches); the ids go into the token table (where the next step reads its inputs)
-        and into pinned host memory. `eos_token_ids`: what min_tokens holds back. Nothing here
-        waits for the device."""
-        next_ids, vocab = out.sampled, self.model_config.vocab_size
-        adjusted = any_adjusted(batch.reqs)
+        and into pinned host memory. Nothing here waits for the device."""
+        next_ids, reqs, vocab = out.sampled, batch.reqs, self.model_config.vocab_size
+        adjusted, filtered = any_adjusted(reqs), any_filter(reqs, vocab)
         logprobs = SampledLogprobs.start(batch, out.logits)  # raw: before any adjustment
-        if next_ids is None or mask is not None or adjusted or any_filter(batch.reqs, vocab):
+        if next_ids is None or mask is not None or adjusted or filtered:
             if mask is not None:
                 apply_token_bitmask(out.logits, mask)
             if adjusted:
-                adjust_logits(out.logits, batch.reqs, eos_token_ids, self.token_table)
-            args = BatchSamplingArgs.from_reqs(batch.reqs, vocab, self.device)
-            next_ids = sample(out.logits, args)
-            self.token_table[out.write_rows, out.kv_lens] = next_ids.to(torch.int32)
+                penalized = [r.cached_len + r.extend_len for r in reqs if r.params.uses_penalties]
+                rows, kv_lens = out.inputs.rows, out.kv_lens
+                length = max(penalized, default=0)
+                adjust_logits(out.logits, self.adjustments, rows, kv_lens, self.token_table, length)
+            next_ids = self._sample(reqs, out, filtered)
+            self.token_table[out.inputs.write_rows, out.kv_lens] = next_ids.to(torch.int32)
         if logprobs is not None:
             logprobs.finish(next_ids)
         return StepOutput.start_copy(next_ids, logprobs, out.prompt_logprobs)
+
+    def _sample(self, reqs: list[Req], out: ForwardOutput, filtered: bool) -> torch.Tensor:
+        """Eager sampling from `out.logits`: with the host-built filter arguments only when a
+        request uses top-k, top-p or min-p; else from the step's own inputs on the device."""
+        if filtered:
+            vocab = self.model_config.vocab_size
+            return sample(out.logits, BatchSamplingArgs.from_reqs(reqs, vocab, self.device))
+        if all(r.params.is_greedy for r in reqs):
+            return out.logits.argmax(dim=-1)
+        inputs = out.inputs
+        return sample_at_temperature(out.logits, inputs.temperatures, inputs.seeds, out.kv_lens)
+
+    def track_adjustments(self, req: Req, eos_token_ids: Collection[int]) -> None:
+        """A request was admitted to its page-table row: its logit adjustments go there."""
+        self.adjustments.write(req.table_idx, req, eos_token_ids)
 
     def _build_graphs(self) -> GraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)

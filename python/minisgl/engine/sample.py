@@ -152,50 +152,106 @@ def any_adjusted(reqs: list[Req]) -> bool:
     return any(r.params.adjusts_logits for r in reqs)
 
 
+class AdjustTable:
+    """What each request adjusts its logits with, on the device by page-table row, written when
+    the request is admitted (`write`), so that a step's adjustments need no per-request host
+    work: penalty parameters, the prompt length, the position up to which min_tokens holds the
+    stop ids back, and the logit_bias and stop entries (padded with id 0 and value 0; the
+    columns grow with the longest). A row left by an adjusting request is made neutral for the
+    next one (`clear`): a batch adjusts all its rows at once."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.device = device
+        self.params = torch.tensor([[1.0, 0.0, 0.0]], device=device).repeat(rows, 1)
+        self.lens = torch.zeros((rows, 2), dtype=torch.int64, device=device)
+        self.bias_ids = torch.zeros((rows, 0), dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros((rows, 0), dtype=torch.float32, device=device)
+        self.stop_ids = torch.zeros((rows, 0), dtype=torch.int64, device=device)
+        self.stop_values = torch.zeros((rows, 0), dtype=torch.float32, device=device)  # -inf
+        self.dirty: set[int] = set()  # rows holding a request's non-neutral entries
+
+    def write(self, row: int, req: Req, eos_token_ids: Collection[int]) -> None:
+        p = req.params
+        if not p.adjusts_logits:
+            if row in self.dirty:
+                self.clear(row)
+            return
+        self.dirty.add(row)
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        stops = stops if p.min_tokens > 0 else set()
+        self.bias_ids, self.bias_values = _grown(self.bias_ids, self.bias_values, len(p.logit_bias))
+        self.stop_ids, self.stop_values = _grown(self.stop_ids, self.stop_values, len(stops))
+        params = [p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+        self.params[row] = to_device(params, torch.float32, self.device)
+        self.lens[row] = to_device(
+            [req.prompt_len, req.prompt_len + p.min_tokens], torch.int64, self.device
+        )
+        self._set(self.bias_ids, row, list(p.logit_bias))
+        self._set(self.bias_values, row, list(p.logit_bias.values()))
+        self._set(self.stop_ids, row, sorted(stops))
+        self._set(self.stop_values, row, [-math.inf] * len(stops))
+
+    def clear(self, row: int) -> None:
+        self.dirty.discard(row)
+        self.params[row] = to_device([1.0, 0.0, 0.0], torch.float32, self.device)
+        for t in (self.lens, self.bias_ids, self.bias_values, self.stop_ids, self.stop_values):
+            t[row] = 0
+
+    def _set(self, table: torch.Tensor, row: int, values: list) -> None:
+        table[row] = 0
+        if values:
+            table[row, : len(values)] = to_device(values, table.dtype, self.device)
+
+
+def _grown(
+    ids: torch.Tensor, values: torch.Tensor, columns: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An (ids, values) table pair with at least `columns` columns (zero padded)."""
+    pad = columns - ids.shape[1]
+    if pad <= 0:
+        return ids, values
+    return torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(values, (0, pad))
+
+
 def adjust_logits(
     logits: torch.Tensor,
-    reqs: list[Req],
-    eos_token_ids: Collection[int],
+    table: AdjustTable,
+    rows: torch.Tensor,
+    kv_lens: torch.Tensor,
     token_table: torch.Tensor,
+    penalty_length: int,
 ) -> None:
-    """In place, in the rows of the requests that ask for it: add logit_bias, set to -inf the
-    ids that would end the output before min_tokens, then apply repetition_penalty (prompt and
-    output) and frequency / presence penalties (output only). Other rows stay untouched.
-    `token_table`: each request's tokens so far by (page-table row, position), on the device."""
-    device = logits.device
-    bias: list[tuple[int, int, float]] = []  # (batch row, token id, value)
-    for i, r in enumerate(reqs):
-        p = r.params
-        bias += [(i, t, b) for t, b in p.logit_bias.items()]
-        if r.num_output < p.min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            bias += [(i, t, -math.inf) for t in sorted(stops)]
-    if bias:
-        rows, ids, values = zip(*bias)
-        index = to_device([list(rows), list(ids)], torch.int64, device)
-        values_t = to_device(list(values), torch.float32, device).to(logits.dtype)
-        logits.index_put_((index[0], index[1]), values_t, accumulate=True)
-    penalized = [i for i, r in enumerate(reqs) if r.params.uses_penalties]
-    if penalized:
-        apply_penalties(logits, [reqs[i] for i in penalized], penalized, token_table)
+    """In place, for every row of the batch (`rows`: their page-table rows, `kv_lens`: the
+    positions being sampled), from the adjust table: add logit_bias, set to -inf the stop ids
+    while min_tokens holds them back, then, if `penalty_length` (the longest request, 0: no
+    request has a penalty), apply the penalties. Neutral rows come out unchanged."""
+    if table.bias_ids.shape[1]:
+        values = table.bias_values[rows].to(logits.dtype)
+        logits.scatter_add_(1, table.bias_ids[rows], values)
+    if table.stop_ids.shape[1]:
+        held = (kv_lens < table.lens[rows, 1])[:, None]
+        values = torch.where(held, table.stop_values[rows], 0.0).to(logits.dtype)
+        logits.scatter_add_(1, table.stop_ids[rows], values)
+    if penalty_length:
+        apply_penalties(logits, table, rows, kv_lens, token_table, penalty_length)
 
 
 def apply_penalties(
-    logits: torch.Tensor, reqs: list[Req], batch_rows: list[int], token_table: torch.Tensor
+    logits: torch.Tensor,
+    table: AdjustTable,
+    rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    token_table: torch.Tensor,
+    length: int,
 ) -> None:
     """Repetition, frequency and presence penalties over each request's own tokens (read from
     the token table up to the position being sampled), touching only the logits of tokens seen:
-    [rows, length] gathers and scatters, no [rows, vocab] work and no per-request state."""
-    device, length = logits.device, max(r.cached_len + r.extend_len for r in reqs)
-    host = [
-        [b, r.table_idx, r.prompt_len, r.cached_len + r.extend_len]
-        for b, r in zip(batch_rows, reqs)
-    ]
-    batch_row, table_row, prompt_len, kv_len = to_device(host, torch.int64, device).T[:, :, None]
-    params = [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
-              for r in reqs]  # fmt: skip
-    repetition, frequency, presence = to_device(params, torch.float32, device).T[:, :, None]
-    position = torch.arange(length, device=device)[None, :]
+    [rows, length] gathers and scatters, no [rows, vocab] work, no host sync."""
+    repetition, frequency, presence = table.params[rows].T[:, :, None]
+    batch_row = torch.arange(len(rows), device=logits.device)[:, None]
+    table_row, kv_len = rows[:, None], kv_lens[:, None]
+    prompt_len = table.lens[rows, :1]
+    position = torch.arange(length, device=logits.device)[None, :]
     seen = position < kv_len  # the prompt and the output so far
     # past a request's end: its first token again, which the prompt holds (same values below)
     ids = torch.where(seen, token_table[table_row, position.clamp(max=token_table.shape[1] - 1)],

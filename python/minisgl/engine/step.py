@@ -4,7 +4,7 @@ the per-token inputs derived on the device, and `run_step`, which the eager path
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,6 +51,9 @@ class StepInputs:
         host[-1].view(torch.float64).copy_(torch.tensor(temps, dtype=torch.float64))
         return host
 
+    def first(self, n: int) -> StepInputs:
+        return StepInputs(*(getattr(self, f.name)[:n] for f in fields(self)))
+
     @staticmethod
     def unpack(block: torch.Tensor) -> StepInputs:
         rows, cached, extend, write_rows, seeds, temperature_bits = block.unbind(0)
@@ -66,7 +69,7 @@ class ForwardOutput:
 
     logits: torch.Tensor  # [B, V]
     kv_lens: torch.Tensor  # [B] cached + extend: the sampled id's position
-    write_rows: torch.Tensor  # [B]
+    inputs: StepInputs  # [B] each: rows, write_rows, seeds, temperatures...
     sampled: torch.Tensor | None  # [B] or None
     hidden: torch.Tensor | None = None  # [num_tokens, hidden]
     prompt_logprobs: PromptLogprobs | None = None
@@ -74,7 +77,7 @@ class ForwardOutput:
     def first(self, n: int) -> ForwardOutput:
         """The first n requests' rows (the real ones of a padded graph batch)."""
         sampled = None if self.sampled is None else self.sampled[:n]
-        return ForwardOutput(self.logits[:n], self.kv_lens[:n], self.write_rows[:n], sampled)
+        return ForwardOutput(self.logits[:n], self.kv_lens[:n], self.inputs.first(n), sampled)
 
 
 def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch.Tensor:
@@ -112,4 +115,4 @@ def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> 
     if sample:
         sampled = sample_at_temperature(logits, inputs.temperatures, inputs.seeds, kv_lens)
         engine.token_table[inputs.write_rows, kv_lens] = sampled.to(torch.int32)
-    return ForwardOutput(logits, kv_lens, inputs.write_rows, sampled, hidden)
+    return ForwardOutput(logits, kv_lens, inputs, sampled, hidden)

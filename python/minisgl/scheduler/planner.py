@@ -4,6 +4,7 @@ else one token of every running request), the pages they compute into, and preem
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from typing import Literal
 
 from minisgl.core import Batch, Req
@@ -19,9 +20,15 @@ def reaches_length(req: Req, num_tokens: int) -> bool:
 
 class BatchPlanner:
     def __init__(
-        self, engine: Engine, cache: KVCacheManager, max_prefill_tokens: int, solo: bool
+        self,
+        engine: Engine,
+        cache: KVCacheManager,
+        max_prefill_tokens: int,
+        solo: bool,
+        eos_token_ids: Collection[int] = (),
     ) -> None:
         self.engine, self.cache, self.page_size = engine, cache, engine.page_size
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back
         self.max_prefill_tokens = max_prefill_tokens
         # a grammar that failed to compile is refused at admission by a single rank only: with
         # TP, whether a compile is done yet differs between ranks, so they learn it at launch
@@ -105,6 +112,7 @@ class BatchPlanner:
         req.cache_handle, req.pages, req.cached_len = handle, list(pages), handle.length
         self.engine.set_pages(req.table_idx, 0, req.pages)
         self.engine.set_tokens(req.table_idx, req.tokens)
+        self.engine.track_adjustments(req, self.eos_token_ids)
 
     def _fit(self, req: Req, want: int, reserve: int) -> int:
         """Grow `req` for up to `want` more tokens within the free pages (minus `reserve`);

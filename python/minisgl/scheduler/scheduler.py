@@ -73,7 +73,9 @@ class Scheduler:
         self.tokenizer = tokenizer  # for grammars
         self.cache = KVCacheManager(engine.num_pages, engine.page_size, config.cache)
         tp = get_tp_info()
-        self.planner = BatchPlanner(engine, self.cache, config.max_prefill_tokens, tp.size == 1)
+        self.planner = BatchPlanner(
+            engine, self.cache, config.max_prefill_tokens, tp.size == 1, eos_token_ids
+        )
         self.leader = TPLeader() if tp.size > 1 and tp.is_primary else None
         rows, vocab = engine.config.max_running_requests, engine.model_config.vocab_size
         pin, any_whitespace = engine.device.type == "cuda", config.json_any_whitespace
@@ -184,7 +186,7 @@ class Scheduler:
                 self.pending.extend(self._process(self.in_flight))
                 self.in_flight = None
             mask, failed = self.grammar.mask(batch.reqs, samples)
-        output = self.engine.sample_step(batch, forward, mask, self.eos_token_ids)
+        output = self.engine.sample_step(batch, forward, mask)
         slots = []
         for req, sampled in zip(batch.reqs, samples):
             if req.finished:  # by the step in flight, processed above
