@@ -84,12 +84,19 @@ def test_dummy_weights(model_dirs):
     llm.scheduler.check_no_leak()
 
 
+ADJUSTED = dict(frequency_penalty=0.7, repetition_penalty=1.3, logit_bias={5: 4.0}, min_tokens=3)
+
+
 @pytest.mark.parametrize("overlap", ["0", "1"])
-def test_graph_decode_step_run_eagerly_equals_plain_path(model_dirs, monkeypatch, overlap):
+@pytest.mark.parametrize("adjusted", [False, True])
+def test_graph_decode_step_run_eagerly_equals_plain_path(
+    model_dirs, monkeypatch, overlap, adjusted
+):
     """The decode step that CUDA graphs capture (inputs gathered from the token and page
     tables, sampling with the batch's seeds, the sampled ids written back), run eagerly on the
     CPU: the same tokens as the plain path, for greedy, temperature and top-p requests (the
-    last resample outside the graph) in batches padded to the graph sizes."""
+    last resample outside the graph) in batches padded to the graph sizes; `adjusted`: with
+    penalties, logit_bias and min_tokens (and logprobs), applied after the graph's step."""
     from minisgl.engine.graph import GraphRunner
 
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", overlap)
@@ -101,6 +108,8 @@ def test_graph_decode_step_run_eagerly_equals_plain_path(model_dirs, monkeypatch
             temperature=[0.0, 0.8, 1.1][i % 3],
             top_p=0.9 if i == 4 else 1.0,
             seed=i,
+            logprobs=2 if adjusted else None,
+            **(ADJUSTED if adjusted and i % 2 == 0 else {}),
         )
         for i in range(7)
     ]
@@ -110,9 +119,13 @@ def test_graph_decode_step_run_eagerly_equals_plain_path(model_dirs, monkeypatch
         if graphs:
             llm.engine.graphs = GraphRunner(llm.engine, 8, capture=False)
         res = llm.generate(prompts, params, use_tqdm=False)
-        outs.append([o["token_ids"] for o in res])
+        outs.append(res)
         llm.scheduler.check_no_leak()
-    assert outs[0] == outs[1]
+    plain, graph = outs
+    assert [o["token_ids"] for o in plain] == [o["token_ids"] for o in graph]
+    for p, g in zip(plain, graph):  # logits of a padded batch differ in the last bits
+        for a, b in zip(p.get("logprobs", []), g.get("logprobs", [])):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
 @pytest.mark.parametrize("size", [4, 5])
