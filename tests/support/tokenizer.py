@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import random
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
+# tool_tokens=True: the tags of the tool-call and reasoning formats, ordinary tokens as in Qwen's
+# tokenizers, and special ones as in Mistral's and Llama's
+TOOL_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+TOOL_SPECIAL_TOKENS = ["[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"]
 VOCAB_SIZE = 480
 
 # Roles are plain text, so a model sees them as ordinary tokens; bos opens the conversation and
@@ -44,9 +48,12 @@ def _corpus(n: int = 400) -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
+def build_tiny_tokenizer(
+    path: str | None = None, tool_tokens: bool = False
+) -> PreTrainedTokenizerFast:
     """Train a ~480-token byte-level BPE with bos/eos/pad and a chat template; save it to
-    `path` (save_pretrained) when given."""
+    `path` (save_pretrained) when given. `tool_tokens` adds TOOL_TOKENS and TOOL_SPECIAL_TOKENS
+    after the trained vocabulary (the ids of everything else stay the same)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -66,6 +73,9 @@ def build_tiny_tokenizer(path: str | None = None) -> PreTrainedTokenizerFast:
         model_max_length=4096,
     )
     hf.chat_template = CHAT_TEMPLATE
+    if tool_tokens:
+        hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in TOOL_TOKENS])
+        hf.add_tokens([AddedToken(t, normalized=False) for t in TOOL_SPECIAL_TOKENS], True)
     if path is not None:
         hf.save_pretrained(path)
     return hf

@@ -81,6 +81,9 @@ class IncrementalDetokenizer:
             self._ids, self._read, self._prefix_text = [], 0, ""
         self._pending = ""  # UTF-8-final text held back because it may start a stop string
         self._protected = 0  # _pending[:_protected] is text of the first min_tokens tokens
+        # characters at the start of the next delta that the first min_tokens tokens decoded,
+        # when the min_tokens-th token ended inside a character (so nothing was emitted then)
+        self._early = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -95,8 +98,10 @@ class IncrementalDetokenizer:
         self._num_tokens += len(token_ids)
         self._ids.extend(token_ids)
         text = self._decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""  # the last token ends mid-character: wait for the rest of it
+        if text.endswith("\ufffd"):  # the last token ends mid-character: wait for the rest
+            if self._num_tokens <= self.min_tokens:
+                self._early = len(text.rstrip("\ufffd")) - len(self._prefix_text)
+            return ""
         delta = text[len(self._prefix_text) :]
         # Slide the window: what was read becomes the context for the next decode.
         self._ids = self._ids[self._read :]
@@ -120,7 +125,8 @@ class IncrementalDetokenizer:
         if not self.stops:
             return delta
         text = self._pending + delta
-        protected = len(text) if self._num_tokens <= self.min_tokens else self._protected
+        early, self._early = self._early, 0
+        protected = len(text) if self._num_tokens <= self.min_tokens else self._protected + early
         # A stop string cannot start in text already emitted (that text was never held), so
         # searching the held text plus the new delta is enough.
         found = find_stop(text, self.stops, after=protected)
