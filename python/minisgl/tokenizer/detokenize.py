@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from minisgl.parsers.base import partial_suffix  # text that may still become a stop string
+
 # Prompt tokens decoded in front of the output so the first output tokens are decoded in context.
 _PROMPT_CONTEXT = 5
 
@@ -34,17 +36,6 @@ def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str] | 
         if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
             best = (i + len(s), i, s)
     return None if best is None else (best[1], best[2])
-
-
-def _held_suffix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    held = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:n]):
-                held = n
-                break
-    return held
 
 
 class IncrementalDetokenizer:
@@ -135,7 +126,7 @@ class IncrementalDetokenizer:
             self.stop_reason = found[1]
             self._pending = ""
             return text[: found[0]]
-        held = 0 if final else _held_suffix_len(text, self.stops)
+        held = 0 if final else partial_suffix(text, tuple(self.stops))
         self._pending = text[len(text) - held :]
         self._protected = max(0, protected - (len(text) - held))
         return text[: len(text) - held]
