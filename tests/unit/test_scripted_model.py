@@ -4,6 +4,7 @@ result; scripts that a last-token chain cannot follow are refused."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -86,3 +87,39 @@ def test_ambiguous_token_scripts_are_refused(tmp_path) -> None:
     ids = build_tiny_tokenizer().encode(" the cat the dog")  # " the" is followed twice
     with pytest.raises(ValueError, match="two successors"):
         build_scripted_model(str(tmp_path), ids)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_offline_chat_parses_reasoning_and_tool_calls(scripted: str) -> None:
+    """LLM.chat with tools and vLLM's parser names: the reasoning, the call and, after the
+    tool's result, the answer, parsed as the server returns them."""
+    llm = LLM(scripted, page_size=4, num_pages=256)
+    params = SamplingParams(max_tokens=128)
+    parsers = dict(tools=TOOLS, tool_call_parser="hermes", reasoning_parser="qwen3")
+    (first,) = llm.chat([CHAT], params, use_tqdm=False, **parsers)
+    assert first["reasoning_content"].startswith("The user wants the weather in Paris.")
+    assert first["content"] is None and first["finish_reason"] == "stop"
+    (call,) = first["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    (second,) = llm.chat([AFTER_TOOL], params, use_tqdm=False, **parsers)
+    assert second["content"] == "It is 21 degrees in Paris." and second["tool_calls"] == []
+    assert second["reasoning_content"] == "The tool said 21 degrees."
+    (raw,) = llm.chat([CHAT], params, use_tqdm=False, tools=TOOLS)  # no parser: the raw text
+    assert raw["text"] == SCRIPT and "tool_calls" not in raw
+    with pytest.raises(ValueError, match="valid names: hermes"):
+        llm.chat([CHAT], params, use_tqdm=False, tool_call_parser="nope")
+    bad = [{"type": "function", "function": {"parameters": {}}}]
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat([CHAT], params, use_tqdm=False, tools=bad)
+    llm.scheduler.check_no_leak()

@@ -14,6 +14,13 @@ from minisgl.distributed import destroy_tp, free_port, get_tp_info
 from minisgl.engine import EngineConfig
 from minisgl.engine.engine import check_tp
 from minisgl.models import resolve_model_path
+from minisgl.parsers import (
+    OutputParser,
+    get_reasoning_parser,
+    get_tool_parser,
+    parse_tools,
+    resolve_tool_choice,
+)
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
 from minisgl.scheduler.scheduler import TokenOutput
@@ -120,23 +127,70 @@ class LLM:
             raise ValueError("a prompt must be a string or a list of token ids (ints)")
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat (list of {"role", "content"}) ready for the assistant's turn."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Token ids of a chat (list of {"role", "content", ...}) ready for the assistant's
+        turn; `kwargs` go to the template (`tools`, `enable_thinking`...)."""
+        return self._chat_tokenizer().encode(
+            self._render(messages, kwargs), add_special_tokens=False
+        )
+
+    def _chat_tokenizer(self) -> Any:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+        return self.tokenizer
+
+    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        return self._chat_tokenizer().apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
         )
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def chat(
         self,
-        conversations: list[list[dict[str, str]]],
+        conversations: list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        prompts = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        """`generate` on chats. `tools`: OpenAI's function list, rendered by the chat template;
+        with parsers (vLLM's names, as the server's --tool-call-parser / --reasoning-parser),
+        each result (each of `outputs` when n > 1) also holds the parsed "content",
+        "reasoning_content" and "tool_calls" (OpenAI's shapes)."""
+        functions = parse_tools(tools) if tools else []
+        kwargs = dict(chat_template_kwargs or {})
+        if functions:
+            kwargs["tools"] = [f.to_openai_tool() for f in functions]
+        texts = [self._render(c, kwargs) for c in conversations]
+        prompts = [self._chat_tokenizer().encode(t, add_special_tokens=False) for t in texts]
+        results = self.generate(prompts, sampling_params, use_tqdm)
+        if tool_call_parser is None and reasoning_parser is None:
+            return results
+        parser = OutputParser(
+            get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+            get_tool_parser(tool_call_parser) if tool_call_parser else None,
+        )
+        choice = resolve_tool_choice("auto", functions) if functions else None
+        for text, result in zip(texts, results):
+            for r in result.get("outputs", [result]):
+                self._parse_into(r, parser, choice, parser.prompt_opens_reasoning(text))
+        return results
+
+    def _parse_into(
+        self, result: dict[str, Any], parser: OutputParser, choice: Any, in_reasoning: bool
+    ) -> None:
+        tokenizer = self._chat_tokenizer()
+        # tags that are special tokens (Mistral's, Llama's) must survive the decode
+        keep = parser.tools is not None and bool(parser.tools.special_tokens)
+        text = tokenizer.decode(result["token_ids"], skip_special_tokens=not keep)
+        eos = tokenizer.eos_token
+        if keep and eos and text.endswith(eos):
+            text = text[: -len(eos)]
+        parsed = parser.parse(text, choice, in_reasoning)
+        result["content"], result["reasoning_content"] = parsed.content, parsed.reasoning
+        result["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
 
     def generate(
         self,
