@@ -166,9 +166,11 @@ def test_prompt_far_beyond_the_context_is_refused_before_tokenizing(server: Serv
 
 
 def test_a_10_mb_prompt_does_not_hold_up_small_requests(server: Server) -> None:
-    """The median latency of small requests sent while 10 MB prompts arrive, one every ~0.3 s,
+    """The median latency of small requests sent while 10 MB prompts arrive, one every ~0.6 s,
     stays within 2x of the same requests' alone (before: each huge prompt was tokenized whole
-    first, ~8 s during which every request behind it waited)."""
+    first, ~8 s during which every request behind it waited). Each refused 10 MB body still
+    costs ~75 ms of JSON parsing on the API process's event loop on this CPU; the spacing keeps
+    that from being what is measured on a loaded 2-core machine."""
     huge = json.dumps({"prompt": "hello world " * 870_000, "max_tokens": 2}).encode()
     assert len(huge) > 10_000_000
     small = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
@@ -193,12 +195,12 @@ def test_a_10_mb_prompt_does_not_hold_up_small_requests(server: Server) -> None:
                 headers = {"content-type": "application/json"}
                 r = client.post(f"{server.url}/v1/completions", content=huge, headers=headers)
                 statuses.append(r.status_code)
-                time.sleep(0.2)  # one at a time: a stall, not CPU contention, is what is measured
+                time.sleep(0.5)  # one at a time: a stall, not CPU contention, is what is measured
 
     sender = threading.Thread(target=send_huge)
     sender.start()
     try:
-        loaded = latencies(lambda out: not sender.is_alive() and len(out) >= 3)
+        loaded = latencies(lambda out: not sender.is_alive() and len(out) >= 15)
     finally:
         sender.join(300)
     assert statuses == [400] * 6, statuses
