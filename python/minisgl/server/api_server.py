@@ -671,6 +671,9 @@ def error_statuses(path: str, method: str) -> set[int]:
     return statuses
 
 
+STREAMING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+
+
 def document_errors(app: FastAPI) -> None:
     """Make the OpenAPI document say what the server answers: FastAPI documents a 422 for a
     validation error (answered 400 here) and no other error."""
@@ -689,6 +692,9 @@ def document_errors(app: FastAPI) -> None:
             for method, operation in operations.items():
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
+                if path in STREAMING_PATHS and "200" in responses:  # with "stream": true
+                    events = {"schema": {"type": "string"}}
+                    responses["200"].setdefault("content", {})["text/event-stream"] = events
                 for status in sorted(error_statuses(path, method)):
                     content = {"application/json": {"schema": ref}}
                     responses[str(status)] = {
