@@ -672,6 +672,13 @@ def error_statuses(path: str, method: str) -> set[int]:
 
 
 STREAMING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+# Before OpenAPI 3.2, a text/event-stream `schema` describes one event (its SSE fields), not the
+# stream; every event minisgl sends is one `data:` line of JSON (or `[DONE]`).
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
 
 
 def document_errors(app: FastAPI) -> None:
@@ -693,7 +700,7 @@ def document_errors(app: FastAPI) -> None:
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
                 if path in STREAMING_PATHS and "200" in responses:  # with "stream": true
-                    events = {"schema": {"type": "string"}}
+                    events = {"schema": SSE_EVENT_SCHEMA}
                     responses["200"].setdefault("content", {})["text/event-stream"] = events
                 for status in sorted(error_statuses(path, method)):
                     content = {"application/json": {"schema": ref}}
