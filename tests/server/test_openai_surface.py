@@ -167,10 +167,6 @@ CHAT_FIELDS = {
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto",
-    "functions": [{"name": "f"}],
-    "parallel_tool_calls": True,
     "web_search_options": {"search_context_size": "low"},
 }
 COMPLETION_FIELDS = {"suffix": "end", "best_of": 2}
@@ -189,7 +185,7 @@ def test_unsupported_completion_fields(server: Server, field: str) -> None:
 
 
 def test_off_values_and_unknown_fields_are_accepted(server: Server) -> None:
-    off = {"logprobs": False, "tools": [], "tool_choice": "none", "user": "u", "store": False}
+    off = {"logprobs": False, "tools": [], "user": "u", "store": False}
     body = {"messages": CHAT, "max_tokens": 1, **off}
     assert post(server, "/v1/chat/completions", body).status_code == 200
     body = {"prompt": "hi", "max_tokens": 1, "echo": False, "best_of": 1, "logprobs": None}
@@ -217,10 +213,23 @@ def test_non_text_content_parts(server: Server, part: dict[str, Any]) -> None:
 
 
 def test_tool_calls_in_history(server: Server) -> None:
+    """An agent loop's history reaches the template (this server has no tool call parser)."""
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    result = {"role": "tool", "tool_call_id": "c1", "content": "42"}
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}, result]
     body = {"messages": history, "max_tokens": 1}
-    assert_refused(post(server, "/v1/chat/completions", body), "messages", "tool_calls")
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+
+
+def test_tools_without_a_parser(server: Server) -> None:
+    """Tools are shown to the model with tool_choice none; parsing calls needs the flag."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {"messages": CHAT, "max_tokens": 1, "tools": tools}
+    r = post(server, "/v1/chat/completions", {**body, "tool_choice": "none"})
+    assert r.status_code == 200
+    assert_refused(post(server, "/v1/chat/completions", body), "tools", "--tool-call-parser")
+    legacy = {"messages": CHAT, "max_tokens": 1, "functions": [{"name": "f"}]}
+    assert_refused(post(server, "/v1/chat/completions", legacy), "functions", "tool call parser")
 
 
 def test_unknown_role(server: Server) -> None:

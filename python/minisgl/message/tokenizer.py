@@ -21,6 +21,7 @@ class TokenizeMsg:
     params: SamplingParams
     skip_special_tokens: bool = True
     chat_template_kwargs: dict | None = None  # extra arguments of apply_chat_template
+    tools: list[dict] | None = None  # OpenAI `tools` entries the chat template renders
     # the model's context when the client gave max_tokens: a longer prompt + max_tokens is refused
     context_len: int | None = None
     # the longest prompt + output (tokens): a text too long for it is refused before tokenizing

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,6 +23,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.message import TokenizeMsg, UserReply
+from minisgl.parsers import (
+    FunctionSchema,
+    OutputParser,
+    OutputStream,
+    StreamDelta,
+    ToolChoice,
+    ToolSpecError,
+    get_reasoning_parser,
+    get_tool_parser,
+    parse_tools,
+)
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.server.limits import check_limits
@@ -41,6 +52,7 @@ from minisgl.server.protocol import (
     TokenizeRequest,
     chat_max_tokens,
     chat_messages,
+    chat_tools,
     completion_sources,
     error_body,
     error_response,
@@ -48,7 +60,7 @@ from minisgl.server.protocol import (
     native_sampling_fields,
     sampling_params,
 )
-from minisgl.tokenizer.server import encode_chat, load_chat_tokenizer, needed
+from minisgl.tokenizer.server import encode_chat, load_chat_tokenizer, needed, render_chat
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -265,14 +277,77 @@ async def merged(started: list[Started]) -> AsyncGenerator[tuple[int, UserReply]
 
 
 @dataclass
+class ChatParsing:
+    """How a chat response's text becomes content, reasoning_content and tool_calls: `choice`
+    None parses no tool calls; `in_reasoning`: the prompt opened the reasoning; `parallel`
+    false keeps the first call only; `keep_special_tokens`: the tool format's tags are special
+    tokens, so the response is detokenized with them; `strip`: then the special tokens (EOS)
+    removed from the end of a stopped response."""
+
+    parser: OutputParser
+    choice: ToolChoice | None
+    in_reasoning: bool
+    parallel: bool = True
+    keep_special_tokens: bool = False
+    strip: tuple[str, ...] = ()
+
+    def stream(self) -> OutputStream:
+        return self.parser.stream(self.choice, self.in_reasoning)
+
+    def final_text(self, text: str, finish_reason: str | None) -> str:
+        if finish_reason == "stop":
+            for token in self.strip:
+                if token and text.endswith(token):
+                    return text[: -len(token)]
+        return text
+
+    @staticmethod
+    def finish(finish_reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole response's message, and its finish_reason."""
+        parsed = self.parser.parse(
+            self.final_text(text, finish_reason), self.choice, self.in_reasoning
+        )
+        calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if self.parser.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, self.finish(finish_reason, bool(calls))
+
+    def delta(
+        self, stream: OutputStream, text: str, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """A stream chunk's delta for the next piece of text (the last piece: `finish_reason`
+        set, which flushes what the parsers held back), and its finish_reason."""
+        piece = stream.feed(self.final_text(text, finish_reason)) if text else StreamDelta()
+        if finish_reason is not None:
+            piece.extend(stream.finish())
+        delta: dict[str, Any] = {}
+        if piece.content:
+            delta["content"] = piece.content
+        if piece.reasoning:
+            delta["reasoning_content"] = piece.reasoning
+        calls = [c.to_openai() for c in piece.tool_calls if self.parallel or c.index == 0]
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, self.finish(finish_reason, stream.has_tool_calls)
+
+
+@dataclass
 class Shape:
     """What a response's choices look like: chat or text, with logprobs, after an echoed prompt
-    (completions), for n samples per prompt."""
+    (completions), for n samples per prompt; a chat's text parsed by `parsing` (if set)."""
 
     chat: bool
     logprobs: bool
     echo: list[str] | None
     n: int
+    parsing: ChatParsing | None = None
+    streams: dict[int, OutputStream] = field(default_factory=dict)  # per choice, streamed
 
     def entries(self, r: UserReply) -> list[list[Any]]:
         """The reply's log-probability entries: an echoed prompt's first (the first reply)."""
@@ -293,7 +368,15 @@ class Shape:
                 index, text, finish_reason, legacy.add(entries) if self.logprobs else None
             )
         logprobs = chat_logprobs(entries) if self.logprobs else None
-        if delta:
+        body: dict[str, Any]
+        if self.parsing is not None and delta:
+            stream = self.streams.setdefault(index, self.parsing.stream())
+            parsed, finish_reason = self.parsing.delta(stream, text, finish_reason)
+            body = {"delta": parsed}
+        elif self.parsing is not None:
+            message, finish_reason = self.parsing.message(text, finish_reason)
+            body = {"message": message}
+        elif delta:
             body = {"delta": {"content": text} if text else {}}
         else:
             body = {"message": {"role": "assistant", "content": text}}
@@ -313,6 +396,8 @@ class ApiServer:
             Any
         ] = []  # /tokenize's, loaded on first use (None: the model has none)
         self.tokenizer_lock = threading.Lock()
+        self.parser: OutputParser | None = None  # --tool-call-parser's and --reasoning-parser's
+        self.special_tokens: tuple[str, ...] = ()  # the tokenizer's, when the parser keeps some
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served:
@@ -386,6 +471,7 @@ class ApiServer:
         """One message per choice; `given`: the client set max_tokens, so that a prompt plus
         max_tokens longer than the context is refused (by the tokenizer worker, which counts);
         `logprobs`: sampling_params' logprobs, prompt_logprobs and echo."""
+        skip_special_tokens = source.pop("skip_special_tokens", req.skip_special_tokens)
         ids = source.get("input_ids") or []
         if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
             raise APIError(400, "prompt token ids must be in [0, 2**31)", "prompt")
@@ -393,7 +479,7 @@ class ApiServer:
             TokenizeMsg(
                 self.frontend.new_uid(),
                 params=sampling_params(req, max_tokens, i, **(logprobs or {})),
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=skip_special_tokens,
                 context_len=self.max_seq_len if given else None,
                 max_seq_len=self.max_seq_len,
                 **source,
@@ -435,11 +521,68 @@ class ApiServer:
         max_tokens = chat_max_tokens(req)
         limit = self.max_seq_len if max_tokens is None else max_tokens  # unset: up to the context
         chat = chat_messages(req.messages)
+        functions, choice = chat_tools(req)
         kwargs = req.chat_template_kwargs
-        source = dict(text=None, input_ids=None, chat=chat, chat_template_kwargs=kwargs)
+        tools = [f.to_openai_tool() for f in functions] or None
+        render = lambda tok: render_chat(tok, chat, kwargs, True, tools)  # noqa: E731
+        parsing = await self.chat_parsing(req, functions, choice, render)
+        source: dict[str, Any] = dict(text=None, input_ids=None, chat=chat, tools=tools)
+        source["chat_template_kwargs"] = kwargs
+        if parsing is not None and parsing.keep_special_tokens:
+            source["skip_special_tokens"] = False  # the tool format's tags are special tokens
         lp = dict(logprobs=req.logprobs_k())
         msgs = self.make_msgs(req, limit, max_tokens is not None, lp, **source)
-        return await self.respond(req, msgs, chat=True)
+        return await self.respond(req, msgs, chat=True, parsing=parsing)
+
+    async def output_parser(self) -> OutputParser:
+        """The server's parsers, made on first use (a tool format may look at the vocabulary)."""
+        if self.parser is None:
+            name, reasoning = self.args.tool_call_parser, self.args.reasoning_parser
+            tools = None
+            if name is not None:
+
+                def vocabulary(tok: Any) -> tuple[set[str], tuple[str, ...]]:
+                    return set(needed(tok).get_vocab()), tuple(tok.all_special_tokens)
+
+                vocab, self.special_tokens = await self.with_tokenizer(vocabulary, "model")
+                tools = get_tool_parser(name, vocab)
+            self.parser = OutputParser(
+                get_reasoning_parser(reasoning) if reasoning else None, tools
+            )
+        return self.parser
+
+    async def chat_parsing(
+        self,
+        req: ChatRequest,
+        functions: list[FunctionSchema],
+        choice: ToolChoice,
+        render: Callable[[Any], str],
+    ) -> ChatParsing | None:
+        """How the responses of `req` are parsed; None: returned as the raw text. `render`
+        renders the prompt, whose end may open the reasoning (a template that thinks by
+        default ends it with the start tag)."""
+        if functions and choice.parses and self.args.tool_call_parser is None:
+            param = "tools" if req.tools is not None else "functions"
+            message = (
+                f"{param}: this server was started without a tool call parser "
+                "(--tool-call-parser), so the model's calls cannot be returned; "
+                "give tool_choice 'none' to only show the tools to the model"
+            )
+            raise APIError(400, message, param)
+        parser = await self.output_parser()
+        tool_choice = choice if functions and choice.parses else None
+        if parser.reasoning is None and (parser.tools is None or tool_choice is None):
+            return None
+        in_reasoning = False
+        if parser.reasoning is not None and not parser.reasoning.starts_in_reasoning:
+            in_reasoning = parser.prompt_opens_reasoning(
+                await self.with_tokenizer(render, "messages")
+            )
+        keep = tool_choice is not None and parser.tools is not None and parser.tools.special_tokens
+        tags = set(parser.tools.special_tokens if parser.tools else ())
+        strip = tuple(t for t in self.special_tokens if t not in tags) if keep else ()
+        parallel = req.parallel_tool_calls is not False
+        return ChatParsing(parser, tool_choice, in_reasoning, parallel, bool(keep), strip)
 
     async def respond(
         self,
@@ -447,8 +590,10 @@ class ApiServer:
         msgs: list[TokenizeMsg],
         chat: bool,
         echo: list[str] | None = None,
+        parsing: ChatParsing | None = None,
     ) -> Any:
-        """`echo`: per choice, the prompt text that comes before its completion."""
+        """`echo`: per choice, the prompt text that comes before its completion; `parsing`:
+        how a chat's text is parsed (reasoning, tool calls)."""
         started = await self.start_choices(msgs)
         chunk = ".chunk" if req.stream else ""
         head = {
@@ -457,7 +602,7 @@ class ApiServer:
             "created": int(time.time()),
             "model": self.model_name,
         }
-        shape = Shape(chat, msgs[0].params.logprobs is not None, echo, req.n)
+        shape = Shape(chat, msgs[0].params.logprobs is not None, echo, req.n, parsing)
         if not req.stream:
             return await self.collect(started, head, shape)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -583,8 +728,12 @@ class ApiServer:
             ids = await self.with_tokenizer(lambda tok: needed(tok).encode(text), "prompt")
         else:
             chat, kwargs = chat_messages(req.messages), req.chat_template_kwargs
+            try:
+                tools = [f.to_openai_tool() for f in parse_tools(req.tools)] or None
+            except ToolSpecError as e:
+                raise APIError(400, str(e), e.param) from None
             with_prompt = req.add_generation_prompt
-            encode = lambda tok: encode_chat(tok, chat, kwargs, with_prompt)  # noqa: E731
+            encode = lambda tok: encode_chat(tok, chat, kwargs, with_prompt, tools)  # noqa: E731
             ids = await self.with_tokenizer(encode, "messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_seq_len}
 

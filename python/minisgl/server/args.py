@@ -12,6 +12,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
 
 from minisgl.engine.config import EngineConfig
+from minisgl.parsers import REASONING_PARSERS, TOOL_PARSERS
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.options import OptionError, int_range, number, option, split_options
 
@@ -43,6 +44,17 @@ class ServerArgs:
     )
     chat_template: str | None = option(
         None, "chat template replacing the tokenizer's: a file's path, or the Jinja text itself"
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "format of the model's tool calls, parsed into /v1/chat/completions' tool_calls "
+        "(unset: requests with tools are refused unless tool_choice is none)",
+        choices=sorted(TOOL_PARSERS),
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "format of the model's reasoning, returned as reasoning_content (unset: in content)",
+        choices=sorted(REASONING_PARSERS),
     )
     shell: bool = option(False, "interactive terminal chat instead of a server")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY'")

@@ -3,6 +3,7 @@ checks, and their translation into `SamplingParams`; errors in OpenAI's JSON sha
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -10,6 +11,13 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from minisgl.core import MAX_LOGPROBS, SamplingParams
+from minisgl.parsers import (
+    FunctionSchema,
+    ToolChoice,
+    ToolSpecError,
+    parse_tools,
+    resolve_tool_choice,
+)
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what response_format {"type": "json_object"} means
 
@@ -108,11 +116,6 @@ NOT_SUPPORTED = {
     "audio": "audio output",
     "modalities": "output modalities other than text",
     "prediction": "predicted outputs",
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "parallel_tool_calls": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
     "web_search_options": "web search",
 }
 COMPLETION_NOT_SUPPORTED = {
@@ -121,7 +124,7 @@ COMPLETION_NOT_SUPPORTED = {
 }
 # values that ask for nothing (compared by identity first: 0 is not False)
 OFF_VALUES: tuple[Any, ...] = ("", [], {})
-OFF_PAIRS = (("best_of", 1), ("tool_choice", "none"))
+OFF_PAIRS = (("best_of", 1),)
 # OpenAI fields that change nothing in what this server computes: accepted without a warning
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
 
@@ -149,7 +152,10 @@ class ChatMessage(BaseModel):
 
 
 # apply_chat_template's own arguments: a client may not replace the template nor its output
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "chat_template", "tokenize", "return_dict"})
+# (tools come from the request's own field)
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "chat_template", "tokenize", "return_dict", "tools"}
+)
 
 
 def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -172,6 +178,12 @@ class ChatRequest(OpenAIRequest):
     chat_template_kwargs: TemplateKwargs = None
     logprobs: bool = False
     top_logprobs: TopLogprobs = None
+    # tool calling: checked by `chat_tools` (parse_tools names the offending field)
+    tools: Any = None
+    functions: Any = None  # legacy
+    tool_choice: Any = None
+    function_call: Any = None  # legacy tool_choice
+    parallel_tool_calls: bool | None = None
 
     def logprobs_k(self) -> int | None:
         """SamplingParams.logprobs: None unless asked (top_logprobs alone is a mistake)."""
@@ -188,6 +200,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: TemplateKwargs = None
+    tools: Any = None  # rendered as in a chat request
 
 
 class DetokenizeRequest(BaseModel):
@@ -332,8 +345,42 @@ CHAT_ROLES = {
 }
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as the chat template takes them: OpenAI's developer role is the system's."""
+def packable(value: Any, param: str) -> None:
+    """A 400 for what cannot travel in a message (msgpack): integers beyond 64 bits."""
+    try:
+        msgpack.packb(value)
+    except (OverflowError, TypeError, ValueError):
+        raise APIError(400, f"{param}: integers must fit in 64 bits", param) from None
+
+
+def chat_tools(req: ChatRequest) -> tuple[list[FunctionSchema], ToolChoice]:
+    """The request's functions (`tools` or legacy `functions`) and its tool choice (`tool_choice`
+    or legacy `function_call`), validated: a 400 names the offending field."""
+    try:
+        functions = parse_tools(req.tools, req.functions)
+        if req.tool_choice is not None and req.function_call is not None:
+            raise ToolSpecError("function_call", "give tool_choice or the legacy function_call")
+        if req.function_call is not None:
+            choice = resolve_tool_choice(req.function_call, functions, "function_call")
+        else:
+            choice = resolve_tool_choice(req.tool_choice, functions)
+    except ToolSpecError as e:
+        raise APIError(400, str(e), e.param) from None
+    for f in functions:  # the schemas travel to a tokenizer worker in a message (msgpack)
+        packable(f.parameters, "tools" if req.tools is not None else "functions")
+    if choice.mode in ("required", "named"):
+        param = "function_call" if req.function_call is not None else "tool_choice"
+        message = (
+            f"{param}: {'a named function' if choice.mode == 'named' else choice.mode!r} is not "
+            "supported yet (it needs grammar-enforced tool calls); use 'auto' or 'none'"
+        )
+        raise APIError(400, message, param, "unsupported_parameter")
+    return functions, choice
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: OpenAI's developer role is the system's;
+    an assistant's `tool_calls` and a tool result's `tool_call_id` and `name` pass through."""
     chat = []
     for i, m in enumerate(messages):
         role = CHAT_ROLES.get(m.role)
@@ -341,11 +388,48 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             known = ", ".join(CHAT_ROLES)
             message = f"messages[{i}].role: unknown role {m.role!r} (known: {known})"
             raise APIError(400, message, "messages")
-        if (m.model_extra or {}).get("tool_calls"):
-            message = f"messages[{i}].tool_calls: tool calling is not supported"
-            raise APIError(400, message, "messages", "unsupported_parameter")
-        chat.append({"role": role, "content": chat_content(m, i)})
+        entry: dict[str, Any] = {"role": role, "content": chat_content(m, i)}
+        extra = m.model_extra or {}
+        for key in ("tool_call_id", "name"):
+            if extra.get(key) is not None:
+                if not isinstance(extra[key], str):
+                    raise APIError(400, f"messages[{i}].{key} must be a string", "messages")
+                entry[key] = extra[key]
+        if extra.get("tool_calls"):
+            if role != "assistant":
+                message = f"messages[{i}].tool_calls: only assistant messages make tool calls"
+                raise APIError(400, message, "messages")
+            entry["tool_calls"] = history_tool_calls(extra["tool_calls"], f"messages[{i}]")
+        chat.append(entry)
     return chat
+
+
+def history_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls, checked, with the arguments as an object: the
+    templates of Qwen, Llama and Mistral render `arguments | tojson` (as transformers documents
+    them), which would quote a JSON string again."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where}.tool_calls must be a list", "messages")
+    result = []
+    for j, call in enumerate(calls):
+        param = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            message = f"{param}: must be {{'type': 'function', 'function': {{'name': ...}}}}"
+            raise APIError(400, message, "messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except (ValueError, RecursionError):
+                message = f"{param}.function.arguments: not valid JSON"
+                raise APIError(400, message, "messages") from None
+        if not isinstance(arguments, dict):
+            raise APIError(400, f"{param}.function.arguments: must be an object", "messages")
+        packable(arguments, "messages")
+        entry = {**call, "type": "function", "function": {**function, "arguments": arguments}}
+        result.append(entry)
+    return result
 
 
 def chat_content(m: ChatMessage, i: int) -> str:

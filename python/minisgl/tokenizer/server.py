@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -65,15 +66,32 @@ def needed(tokenizer: Any | None) -> Any:
     return tokenizer
 
 
-def encode_chat(
-    tokenizer: Any, chat: list[dict], template_kwargs: dict | None, add_generation_prompt: bool
-) -> list[int]:
+def render_chat(
+    tokenizer: Any,
+    chat: list[dict],
+    template_kwargs: dict | None,
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+) -> str:
+    """The chat as the template renders it (text); `tools` as transformers takes them."""
     needed(tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
     # the client's kwargs (e.g. enable_thinking) go to the template; it must return text here
     kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
-    text = tokenizer.apply_chat_template(chat, **kwargs, tokenize=False)
+    if tools:
+        kwargs["tools"] = tools
+    return tokenizer.apply_chat_template(chat, **kwargs, tokenize=False)
+
+
+def encode_chat(
+    tokenizer: Any,
+    chat: list[dict],
+    template_kwargs: dict | None,
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+) -> list[int]:
+    text = render_chat(tokenizer, chat, template_kwargs, add_generation_prompt, tools)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -105,14 +123,17 @@ def prompt_chars(msg: TokenizeMsg) -> int:
     """The characters of a text prompt, or of a chat's contents (its template adds to them)."""
     if msg.text is not None:
         return len(msg.text)
-    return sum(len(m.get("content") or "") for m in msg.chat or [])
+    # earlier tool calls and the tools' schemas are rendered too: counted as their JSON
+    calls = [m["tool_calls"] for m in msg.chat or [] if m.get("tool_calls")]
+    structured = len(json.dumps([calls, msg.tools])) if calls or msg.tools else 0
+    return structured + sum(len(m.get("content") or "") for m in msg.chat or [])
 
 
 def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
     if msg.input_ids is not None:
         ids = list(msg.input_ids)
     elif msg.chat is not None:
-        ids = encode_chat(tokenizer, msg.chat, msg.chat_template_kwargs, True)
+        ids = encode_chat(tokenizer, msg.chat, msg.chat_template_kwargs, True, msg.tools)
     else:
         ids = needed(tokenizer).encode(msg.text)
     # vLLM's refusal, with the numbers (a prompt too long by itself: the scheduler's, which knows
