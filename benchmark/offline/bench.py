@@ -21,8 +21,10 @@ GPU's: rank 0's shard of the weights and KV, against one GPU's peaks (no communi
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -161,11 +163,23 @@ FEATURES = dict(
 )
 
 
-def featured(frac: float) -> Any:
-    """i -> FEATURES for a `frac` share of the requests."""
+FEATURE_GROUPS = {
+    "penalties": ("frequency_penalty", "presence_penalty", "repetition_penalty"),
+    "bias": ("logit_bias",),
+    "logprobs": ("logprobs",),
+}
+
+
+def featured(frac: float, groups: str) -> Any:
+    """i -> FEATURES (those of the named groups) for a `frac` share of the requests."""
     if not 0.0 <= frac <= 1.0:
         raise SystemExit(f"--features-frac must be in [0, 1], got {frac}")
-    return lambda i: FEATURES if chosen(i, frac) else {}
+    names = [g for g in groups.split(",") if g]
+    unknown = [g for g in names if g not in FEATURE_GROUPS]
+    if unknown:
+        raise SystemExit(f"--features: unknown {unknown}; known: {', '.join(FEATURE_GROUPS)}")
+    fields = {k: FEATURES[k] for g in names for k in FEATURE_GROUPS[g]}
+    return lambda i: fields if chosen(i, frac) else {}
 
 
 def parse_args() -> argparse.Namespace:
@@ -201,6 +215,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
     p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="print the host functions taking the most time (cProfile of the timed runs)",
+    )
+    p.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -218,6 +237,11 @@ def parse_args() -> argparse.Namespace:
         type=float,
         default=0.0,
         help="fraction of requests with penalties, logit_bias and logprobs=5 (FEATURES)",
+    )
+    p.add_argument(
+        "--features",
+        default=",".join(FEATURE_GROUPS),
+        help="which FEATURES the --features-frac requests use (comma-separated, an ablation)",
     )
     return p.parse_args()
 
@@ -251,7 +275,10 @@ def main() -> None:
         max_tokens = [args.max_output_len]
     else:
         prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    grammar, features = constrain(llm, args.grammar_frac, args.tp), featured(args.features_frac)
+    grammar, features = (
+        constrain(llm, args.grammar_frac, args.tp),
+        featured(args.features_frac, args.features),
+    )
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **grammar(i), **features(i))
         for i, n in enumerate(max_tokens)
@@ -270,6 +297,9 @@ def main() -> None:
 
         profiler = profile(activities=[ProfilerActivity.CUDA])
         profiler.__enter__()
+    host_profiler = cProfile.Profile() if args.host_profile else None
+    if host_profiler is not None:
+        host_profiler.enable()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     runs, cached_before = [], llm.scheduler.planner.num_cached_tokens
     for r in range(max(1, args.repeat)):
@@ -282,6 +312,9 @@ def main() -> None:
         sync()
         runs.append(time.perf_counter() - start)
     seconds = statistics.median(runs)
+    if host_profiler is not None:
+        host_profiler.disable()
+        pstats.Stats(host_profiler).sort_stats("tottime").print_stats(30)
     if profiler is not None:
         profiler.__exit__(None, None, None)
         kernels = profiler.key_averages()
