@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM allows (OpenAI: 20 in chat)
+PLACEHOLDER = -1  # a sampled token id the host has not read yet (its step is in flight)
 
 
 @dataclass
@@ -52,6 +53,8 @@ class SamplingParams:
     # log-probabilities (the model's own: before temperature, penalties, bias and grammar masks)
     logprobs: int | None = None  # of each sampled token, with this many top alternatives (0-20)
     prompt_logprobs: int | None = None  # of each prompt token after the first, with top-k too
+    # scheduling order under --schedule-policy priority: lower values first (vLLM's direction)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         try:  # JSON objects (HTTP) have string keys
@@ -86,6 +89,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if not -(2**31) <= self.priority < 2**31:
+            raise ValueError(f"priority must be in [-2**31, 2**31), got {self.priority}")
         grammars = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
         given = [name for name, value in grammars.items() if value is not None]
         if len(given) > 1:
@@ -165,6 +172,9 @@ class Req:
     # the entries computed so far (sent with the first output)
     next_prompt_logprob: int = 1
     prompt_logprobs: list[list[Any]] = field(default_factory=list)
+    arrival: int = 0  # the planner's count of requests queued before it (priority aging)
+    queued_at: float = 0.0  # time.monotonic() when it was queued
+    queue_time: float | None = None  # seconds from queued to its first forward
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -193,10 +203,12 @@ class Req:
 @dataclass
 class Batch:
     """One forward: the requests and how many tokens each computes. The model sees only the
-    tensors (input_ids, positions, out_loc) and the backend's attention metadata."""
+    tensors (input_ids, positions, out_loc) and the backend's attention metadata. A mixed step
+    is a prefill whose first `num_decodes` requests are running ones computing one token."""
 
     reqs: list[Req]
     phase: Literal["prefill", "decode"]
+    num_decodes: int = 0  # a prefill's leading decode rows (mixed steps)
     input_ids: torch.Tensor | None = None  # [num_tokens]
     positions: torch.Tensor | None = None  # [num_tokens]
     out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token is written to

@@ -6,6 +6,8 @@ import random
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.core import Batch
+from minisgl.scheduler.planner import BatchPlanner
 from minisgl.scheduler.scheduler import PLACEHOLDER
 
 
@@ -42,3 +44,24 @@ def test_overlap_on_off_identical(model_dirs, monkeypatch, num_pages):
     assert any(reason == "stop" for _, reason in on) and any(r == "length" for _, r in on)
     if num_pages == 14:
         assert preempted > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("num_pages", [256, 14])
+def test_mixed_steps_change_no_output(model_dirs, monkeypatch, overlap, num_pages):
+    """Issue 22: decode rows beside prompt chunks in one forward (the default) give the outputs
+    of separate prefill and decode steps, with preemption too; and mixed steps do happen."""
+    path, _ = model_dirs("qwen3")
+    mixed_steps = []
+    plan = BatchPlanner.schedule
+
+    def schedule(self: BatchPlanner) -> Batch | None:
+        batch = plan(self)
+        mixed_steps.append(batch is not None and batch.num_decodes > 0)
+        return batch
+
+    monkeypatch.setattr(BatchPlanner, "schedule", schedule)
+    mixed, _ = run(path, monkeypatch, overlap, num_pages=num_pages, max_num_batched_tokens=20)
+    assert sum(mixed_steps) >= 3
+    separate, _ = run(path, monkeypatch, overlap, num_pages=num_pages, disable_mixed_steps=True)
+    assert mixed == separate

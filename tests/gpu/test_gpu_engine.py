@@ -242,3 +242,17 @@ def test_fused_rotary_kv_store_equals_torch_path(model_dirs, monkeypatch, arch, 
     plain = generate(path, monkeypatch, **kwargs)
     assert stores  # the flag restores the separate store
     assert fused == plain
+
+
+@pytest.mark.parametrize("attn", ["triton", "fi"])
+def test_mixed_steps_equal_separate_steps(model_dirs, monkeypatch, attn):
+    """Issue 22: decode rows computed beside prompt chunks (the prefill kernels) give the tokens
+    that decode-only steps (graphs, decode kernels) give. The 24 prompts arrive at once and
+    are chunked 64 tokens a step, so most steps mix."""
+    if attn == "fi":
+        pytest.importorskip("flashinfer")
+    path, _ = model_dirs("qwen3" if attn == "triton" else "qwen3_hd128")
+    dtype = "float32" if attn == "triton" else "bfloat16"
+    separate = generate(path, monkeypatch, attn=attn, dtype=dtype, disable_mixed_steps=True)
+    mixed = generate(path, monkeypatch, attn=attn, dtype=dtype, max_num_batched_tokens=80)
+    assert mixed == separate

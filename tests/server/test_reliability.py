@@ -177,15 +177,16 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(server: Server) 
     before = server.wait_idle()
     body = completion([9, 99, 199, 299, 399, 499], LONG)  # no other test's prompt
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=2)
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1)
 
     def settled() -> dict[str, int] | None:
         s = server.stats()
         return s if s["running"] == 0 and s["cached_pages"] > before["cached_pages"] else None
 
-    # The request stops soon after (its KV lands in the prefix cache), far short of LONG tokens.
+    # The request stops soon after (its KV lands in the prefix cache), far short of LONG tokens
+    # (the tiny model makes ~500 tokens/s on 2 loaded cores: LONG takes 8 s or more).
     after = wait_for(settled, 10, "the abandoned request to be aborted")
-    assert (after["cached_pages"] - before["cached_pages"]) * 4 < LONG // 4, (before, after)
+    assert (after["cached_pages"] - before["cached_pages"]) * 4 < LONG // 2, (before, after)
     assert_nothing_leaked(server)
 
 
@@ -198,24 +199,28 @@ def test_metrics_count_tokens_latencies_and_statuses(server: Server) -> None:
         r = httpx.post(f"{server.url}/v1/completions", json=completion(prompt, 5), timeout=60)
         assert r.status_code == 200
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": []}).status_code == 400
+    body = completion(prompt, 2, priority=40)  # past the labelled range: one series for all
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
     server.wait_idle()
     after = metrics(server)
 
     def delta(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
 
-    assert delta("minisgl_prompt_tokens_total") == 3 * 24
-    assert delta("minisgl_generation_tokens_total") == 3 * 5
-    assert delta("minisgl_time_to_first_token_seconds_count") == 3
-    assert delta("minisgl_inter_token_latency_seconds_count") == 3 * 4
-    assert delta('minisgl_requests_finished_total{reason="length"}') == 3
+    assert delta("minisgl_prompt_tokens_total") == 4 * 24
+    assert delta("minisgl_generation_tokens_total") == 3 * 5 + 2
+    assert delta('minisgl_time_to_first_token_seconds_count{priority=">16"}') == 1
+    for name in ("time_to_first_token", "queue_time", "e2e_request_latency"):
+        assert delta(f'minisgl_{name}_seconds_count{{priority="0"}}') == 3, name
+    assert delta("minisgl_inter_token_latency_seconds_count") == 3 * 4 + 1
+    assert delta('minisgl_requests_finished_total{reason="length"}') == 4
     http = 'minisgl_http_requests_total{path="%s",status="%d"}'
-    assert delta(http % ("/v1/completions", 200)) == 3
+    assert delta(http % ("/v1/completions", 200)) == 4
     assert delta(http % ("/v1/completions", 400)) == 1
     assert delta(http % ("/metrics", 200)) == 1  # the first scrape
-    # the two repeats found 5 pages (20 tokens) each in the prefix cache
-    assert delta("minisgl_prefill_tokens_total") == 3 * 24
-    assert delta("minisgl_prefix_cache_hit_tokens_total") == 2 * 20
+    # the three repeats found 5 pages (20 tokens) each in the prefix cache
+    assert delta("minisgl_prefill_tokens_total") == 4 * 24
+    assert delta("minisgl_prefix_cache_hit_tokens_total") == 3 * 20
     assert 0 < after["minisgl_prefix_cache_hit_rate"] <= 1
     assert after["minisgl_num_running_requests"] == after["minisgl_num_queued_requests"] == 0
     assert after["minisgl_kv_pages_total"] == server.stats()["total_pages"]

@@ -73,6 +73,8 @@ BAD = [
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens
+    ({"priority": 2**40}, "priority"),
+    ({"priority": "high"}, "priority"),
 ]
 
 
@@ -107,3 +109,16 @@ def test_min_tokens_holds_back_stop_strings(server: Server, model_dir: str) -> N
         assert r.json()["choices"][0]["text"] == want
         assert len(want) > full["text"].index(stop)  # went on past the early stop string
     assert want == full["text"]  # min_tokens = max_tokens: no stop string can end it
+
+
+def test_priority_is_accepted_where_vllm_and_sglang_put_it(server: Server) -> None:
+    """A top-level field on the OpenAI endpoints and /generate (and in its sampling_params);
+    under the default fcfs policy it changes no output."""
+    plain = complete(server).json()["choices"][0]["text"]
+    assert complete(server, priority=-3).json()["choices"][0]["text"] == plain
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
+    for extra in ({"priority": 7}, {"sampling_params": {"max_new_tokens": 3, "priority": 7}}):
+        r = httpx.post(f"{server.url}/generate", json=body | extra, timeout=60)
+        assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/generate", json=body | {"priority": 1.5}, timeout=60)
+    assert r.status_code == 400

@@ -14,6 +14,7 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.message import BatchBackendMsg, ExitMsg, decode
 from minisgl.scheduler import Scheduler, SchedulerConfig, TokenOutput
 from minisgl.scheduler import tp as tp_mod
+from minisgl.scheduler.planner import reaches_length
 from minisgl.scheduler.scheduler import PLACEHOLDER
 
 EOS = 2
@@ -77,7 +78,9 @@ class FakeEngine:
             for pos in range(req.cached_len, end):  # the inputs the device would gather
                 assert known.get(pos, PLACEHOLDER) != PLACEHOLDER, (req.uid, pos)
                 assert req.tokens[pos] in (known[pos], PLACEHOLDER)
-        self.batches.append((batch.phase, [(r.uid, r.extend_len) for r in batch.reqs]))
+        phase = "mixed" if batch.num_decodes else batch.phase
+        assert all(r.extend_len == 1 for r in batch.reqs[: batch.num_decodes])
+        self.batches.append((phase, [(r.uid, r.extend_len) for r in batch.reqs]))
         self.log.append(("forward", len(self.batches)))
         ends = [(r.table_idx, r.cached_len + r.extend_len) for r in batch.reqs]
         return [end if sampled else None for end, sampled in zip(ends, samples)]
@@ -99,13 +102,19 @@ class FakeEngine:
 @pytest.fixture
 def make(monkeypatch):
     """make(overlap, max_prefill_tokens, **engine) -> a Scheduler on a FakeEngine; when the
-    test ends, each one runs to the end and must have every page free or in the prefix cache."""
+    test ends, each one runs to the end and must have every page free or in the prefix cache.
+    `config`: SchedulerConfig fields (mixed steps on unless disable_mixed_steps)."""
     made: list[Scheduler] = []
 
-    def build(overlap: bool = True, max_prefill_tokens: int = 8192, **engine: int) -> Scheduler:
+    def build(
+        overlap: bool = True,
+        max_prefill_tokens: int = 8192,
+        config: dict | None = None,
+        **engine: int,
+    ) -> Scheduler:
         monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
-        config = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
-        made.append(Scheduler(FakeEngine(**engine), config, {EOS}))
+        options = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, **(config or {}))
+        made.append(Scheduler(FakeEngine(**engine), options, {EOS}))
         return made[-1]
 
     yield build
@@ -117,10 +126,11 @@ def make(monkeypatch):
         assert cache.prefix_cache.locked_pages == 0 and not sched.planner.admitted()
 
 
-def add(sched: Scheduler, prompt_len: int, max_tokens: int, first: int = 3) -> Req:
-    req = sched.make_request(
-        list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens)
-    )
+def add(
+    sched: Scheduler, prompt_len: int, max_tokens: int, first: int = 3, priority: int = 0
+) -> Req:
+    params = SamplingParams(max_tokens=max_tokens, priority=priority)
+    req = sched.make_request(list(range(first, first + prompt_len)), params)
     sched.add_request(req)
     return req
 
@@ -158,7 +168,7 @@ def test_long_prompt_is_chunked_within_the_budget(make, overlap):
 
 
 def test_prefill_keeps_a_page_per_running_request(make):
-    sched = make(num_pages=8)
+    sched = make(num_pages=8, config={"disable_mixed_steps": True})
     a = add(sched, 4, 8)
     sched.step()
     b = add(sched, 28, 1, first=100)
@@ -265,3 +275,129 @@ def test_follower_replays_the_leaders_adds_and_aborts(make, monkeypatch):
     assert a.finish_reason == "abort" and a.num_output < 5
     follower.follow()
     assert not queue and follower.engine.batches == lead.engine.batches
+
+
+# ---- mixed steps, token budget, scheduling policies (issue 22) ---------------------------
+
+
+def admissions(sched: Scheduler) -> list[int]:
+    """uids in the order their first prompt chunk was computed."""
+    seen: list[int] = []
+    for phase, reqs in sched.engine.batches:
+        seen += [uid for uid, n in reqs if n > 1 or phase == "prefill" and uid not in seen]
+    return list(dict.fromkeys(seen))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_steps_keep_every_running_request_decoding(make, overlap):
+    budget = 16
+    sched = make(overlap, config={"max_num_batched_tokens": budget})
+    plain = make(overlap, max_prefill_tokens=budget, config={"disable_mixed_steps": True})
+    schedule, decodable = sched.planner.schedule, []
+
+    def watched() -> Batch | None:  # the running requests due a token, seen before planning
+        due = [r.uid for r in sched.planner.running if not reaches_length(r, len(r.tokens))]
+        decodable.append(due)
+        return schedule()
+
+    sched.planner.schedule = watched  # type: ignore[method-assign]
+    for s in (sched, plain):  # a and b decode while c and d are prefilled in chunks
+        reqs = [add(s, 5, 30), add(s, 6, 30, first=20)]
+        for _ in range(3):
+            s.step()
+        reqs += [add(s, 40, 4, first=100), add(s, 23, 4, first=200)]
+        run(s)
+        assert finished(*reqs) == [(expected(r, n), "length") for r, n in zip(reqs, (30, 30, 4, 4))]
+    mixed = [(p, reqs) for p, reqs in sched.engine.batches if p == "mixed"]
+    assert len(mixed) >= 4  # c's 40 and d's 23 tokens go in chunks beside the decodes
+    for (phase, reqs), due in zip(sched.engine.batches, decodable):
+        assert sum(n for _, n in reqs) <= budget or phase == "decode"
+        assert set(due) <= {uid for uid, _ in reqs}, (phase, reqs, due)
+    # without mixed steps the prompts' chunks are steps of their own: the decodes wait
+    assert sum(p == "prefill" for p, _ in plain.engine.batches) > 2
+    assert not any(p == "mixed" for p, _ in plain.engine.batches)
+
+
+def test_priority_policy_admits_lower_values_first(make):
+    sched = make(max_running_requests=1, config={"schedule_policy": "priority"})
+    first = add(sched, 4, 3)
+    sched.step()
+    low, mid, high = (
+        add(sched, 4, 2, first=10 * i, priority=p) for i, p in ((2, 5), (3, 1), (4, -1))
+    )
+    run(sched)
+    assert admissions(sched) == [first.uid, high.uid, mid.uid, low.uid]
+    assert finished(high, mid, low) == [(expected(r, 2), "length") for r in (high, mid, low)]
+
+
+def test_priority_aging_bounds_how_often_a_request_is_overtaken(make):
+    config = {"schedule_policy": "priority", "priority_aging": 2}
+    sched = make(max_running_requests=1, config=config)
+    first = add(sched, 4, 3)
+    sched.step()
+    low = add(sched, 4, 2, first=10, priority=1)  # arrival 1: ranks 1 + 1/2
+    highs = [add(sched, 4, 2, first=20 + 10 * i, priority=0) for i in range(4)]  # i + 2 over 2
+    run(sched)
+    # the first high one (rank 1) goes before it; the next (rank 1.5) ties and arrived later
+    assert admissions(sched) == [first.uid, highs[0].uid, low.uid, *[h.uid for h in highs[1:]]]
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_higher_priority_preempts_a_lower_one_when_memory_is_short(make, mixed):
+    config = {"schedule_policy": "priority", "disable_mixed_steps": not mixed}
+    sched = make(num_pages=8, max_running_requests=4, config=config)
+    low = add(sched, 12, 12, priority=5)  # 3 pages, growing to 6
+    for _ in range(4):
+        sched.step()
+    high = add(sched, 16, 2, first=100, priority=0)  # 4 pages + 1: not there without low's
+    run(sched)
+    assert low.num_preemptions >= 1 and high.num_preemptions == 0
+    assert finished(low, high) == [(expected(low, 12), "length"), (expected(high, 2), "length")]
+    # the other way round: a lower-priority arrival waits instead of preempting
+    sched2 = make(num_pages=8, max_running_requests=4, config=config)
+    high2 = add(sched2, 12, 12, priority=0)
+    for _ in range(4):
+        sched2.step()
+    low2 = add(sched2, 16, 2, first=100, priority=5)
+    run(sched2)
+    assert high2.num_preemptions == 0 and low2.output_ids == expected(low2, 2)
+
+
+def test_lpm_admits_the_longest_cached_prefix_first(make):
+    sched = make(max_running_requests=1, config={"schedule_policy": "lpm"})
+    shared = list(range(50, 62))  # 3 pages
+    warm = sched.make_request(shared + [7], SamplingParams(max_tokens=1))
+    sched.add_request(warm)
+    run(sched)  # its prompt's pages stay in the prefix cache
+    first = add(sched, 4, 3)
+    sched.step()
+    cold = add(sched, 13, 2, first=300)
+    hot = sched.make_request(shared + [8], SamplingParams(max_tokens=2))
+    sched.add_request(hot)
+    run(sched)
+    assert admissions(sched)[-3:] == [first.uid, hot.uid, cold.uid]
+    assert hot.output_ids == expected(hot, 2) and cold.output_ids == expected(cold, 2)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_followers_plan_priority_and_mixed_steps_alike(make, monkeypatch, overlap):
+    """The order depends on nothing a follower does not replay (arrival is a count)."""
+    queue: list[bytes] = []
+
+    def broadcast(obj: bytes | None) -> bytes:
+        if obj is None:
+            return queue.pop(0)
+        queue.append(obj)
+        return obj
+
+    monkeypatch.setattr(tp_mod, "broadcast_object", broadcast)
+    config = {"schedule_policy": "priority", "priority_aging": 3, "max_num_batched_tokens": 12}
+    lead, follower = (make(overlap, num_pages=12, config=config) for _ in range(2))
+    lead.leader = tp_mod.TPLeader()
+    for i in range(8):
+        add(lead, 5 + 3 * i, 6, first=40 * i, priority=(7 * i) % 3)
+        lead.step()
+    run(lead)
+    lead.stop_followers()
+    follower.follow()
+    assert follower.engine.batches == lead.engine.batches

@@ -37,6 +37,9 @@ class KVCacheManager:
         self.prefix_cache.lock(handle)
         return handle, pages
 
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        return self.prefix_cache.cached_length(tokens)
+
     def available_pages(self) -> int:
         return self.allocator.num_free + self.prefix_cache.evictable_pages
 

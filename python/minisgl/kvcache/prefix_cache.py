@@ -37,6 +37,11 @@ class BasePrefixCache:
     def match_prefix(self, tokens: Sequence[int]) -> tuple[CacheHandle, list[int]]:
         raise NotImplementedError
 
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens a match would cover, changing nothing (no split, no LRU
+        touch): what the lpm policy ranks waiting requests by."""
+        return 0
+
     def lock(self, handle: CacheHandle) -> None:
         raise NotImplementedError
 
@@ -186,6 +191,20 @@ class RadixPrefixCache(BasePrefixCache):
             node = child
         self._touch(node)
         return CacheHandle(pos, node), pages
+
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        tokens = list(tokens)
+        node, pos = self._root, 0
+        while pos + self.page_size <= len(tokens):
+            child = node.children.get(self._key(tokens, pos))
+            if child is None:
+                break
+            n = self._match_len(child, tokens, pos)
+            pos += n
+            if n < len(child.tokens):
+                break
+            node = child
+        return pos
 
     def _path(self, handle: CacheHandle) -> list[_Node]:
         """Nodes from the handle's node up to (not including) the root."""

@@ -23,6 +23,7 @@ class DetokenizeMsg:
     # once, with the first token: [token id, logprob | None, top ids, top logprobs] per prompt
     # token (SamplingParams.prompt_logprobs)
     prompt_logprobs: list[list[Any]] | None = None
+    queue_time: float | None = None  # with the first token: seconds queued before its prefill
 
 
 @register

@@ -27,6 +27,7 @@ class UserReply:
     logprobs: list[list[Any]] | None = None
     # once, with the first reply: the same per prompt token (the first one's logprob is None)
     prompt_logprobs: list[list[Any]] | None = None
+    queue_time: float | None = None  # once: seconds in the scheduler's queue
 
 
 @register

@@ -1,5 +1,5 @@
-"""What the scheduler is asked to do: the token budget of a prefill step, the prefix cache and
-the JSON grammar's whitespace.
+"""What the scheduler is asked to do: the token budgets of a step, the order of the waiting
+queue, the prefix cache and the JSON grammar's whitespace.
 Every field is an option (utils/options.py), like EngineConfig's."""
 
 from __future__ import annotations
@@ -17,6 +17,30 @@ class SchedulerConfig:
         "max prompt tokens computed in one prefill step (longer prompts are chunked)",
         type=int_range(1),
         aliases=["--max-prefill-length"],  # its name before it took SGLang's
+    )
+    max_num_batched_tokens: int = option(
+        8192,
+        "token budget of a step that mixes running decodes (one token each, always all of them)"
+        " with prompt chunks, which fill what the decodes leave (up to --max-prefill-tokens)",
+        type=int_range(1),
+    )
+    disable_mixed_steps: bool = option(
+        False,
+        "steps compute either prompt chunks or decodes, never both (running streams then pause"
+        " during prefills: the ablation of mixed steps)",
+    )
+    schedule_policy: Literal["fcfs", "priority", "lpm"] = option(
+        "fcfs",
+        "order of the waiting queue: fcfs (arrival), priority (the request's `priority`, lower"
+        " first; a higher-priority request may preempt a lower one), lpm (longest cached prefix"
+        " first, arrival order beyond 128 waiting)",
+        choices=["fcfs", "priority", "lpm"],
+    )
+    priority_aging: int = option(
+        256,
+        "priority policy: a request queued this many requests later ranks one priority level"
+        " lower, so no request is overtaken forever (0: no aging)",
+        type=int_range(0),
     )
     cache: Literal["radix", "naive"] = option(
         "radix", "prefix cache (naive: no prefix sharing)", choices=["radix", "naive"]

@@ -94,6 +94,7 @@ class SchedulerServer:
                     o.error,
                     None if o.logprob is None else [o.logprob],
                     o.prompt_logprobs,
+                    o.queue_time,
                 )
                 for o in outputs
             ]

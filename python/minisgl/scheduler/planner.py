@@ -1,15 +1,15 @@
-"""BatchPlanner: which requests the next forward computes (prompt chunks within a token budget,
-else one token of every running request), the pages they compute into, and preemption."""
+"""BatchPlanner: which requests the next forward computes (every running decode, plus prompt
+chunks within a token budget), the pages they compute into, and preemption."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Collection
-from typing import Literal
 
 from minisgl.core import Batch, Req
 from minisgl.engine import Engine
 from minisgl.kvcache import KVCacheManager
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.queue import WaitingQueue
 
 
 def reaches_length(req: Req, num_tokens: int) -> bool:
@@ -23,17 +23,20 @@ class BatchPlanner:
         self,
         engine: Engine,
         cache: KVCacheManager,
-        max_prefill_tokens: int,
+        config: SchedulerConfig,
         solo: bool,
         eos_token_ids: Collection[int] = (),
     ) -> None:
         self.engine, self.cache, self.page_size = engine, cache, engine.page_size
         self.eos_token_ids = eos_token_ids  # what min_tokens holds back
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = config.max_prefill_tokens
+        self.max_batched_tokens = config.max_num_batched_tokens
+        self.mixed = not config.disable_mixed_steps
+        self.preempts_by_priority = config.schedule_policy == "priority"
         # a grammar that failed to compile is refused at admission by a single rank only: with
         # TP, whether a compile is done yet differs between ranks, so they learn it at launch
         self.refuse_failed_grammars = solo
-        self.waiting: deque[Req] = deque()
+        self.waiting = WaitingQueue(config.schedule_policy, config.priority_aging, cache)
         self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
@@ -47,40 +50,83 @@ class BatchPlanner:
         return bool(self.waiting or self.running or self.prefilling)
 
     def schedule(self) -> Batch | None:
-        """The next batch: prompt chunks first, else one token of every running request."""
-        return self._schedule_prefill() or self._schedule_decode()
+        """The next batch. Mixed steps: one token of every running request first (a decode
+        row never waits behind a prompt), then prompt chunks in what is left of the step's
+        token budget. Without them (--disable-mixed-steps): prompt chunks first, else decodes."""
+        if not self.mixed or not self.running:
+            return self._schedule_prefill(self.max_prefill_tokens) or self._schedule_decode()
+        decode = self._schedule_decode()
+        decodes = decode.reqs if decode is not None else []
+        budget = min(self.max_prefill_tokens, self.max_batched_tokens - len(decodes))
+        prefill = self._schedule_prefill(budget) if budget > 0 else None
+        decodes = [r for r in decodes if r.table_idx >= 0]  # not preempted for a prompt
+        if prefill is None:
+            return Batch(decodes, "decode") if decodes else None
+        return Batch(decodes + prefill.reqs, "prefill", num_decodes=len(decodes))
 
-    def _schedule_prefill(self) -> Batch | None:
-        budget = self.max_prefill_tokens
+    def _schedule_prefill(self, budget: int) -> Batch | None:
         reserve = len(self.running)  # leave a page per decoding request for its next token
         reqs: list[Req] = []
         if self.prefilling is not None:
             req = self.prefilling
-            n = self._fit(req, min(req.remaining_len, budget), reserve)
-            if n == 0:
-                return None
+            while (n := self._fit(req, min(req.remaining_len, budget), reserve)) == 0:
+                if not self._preempt_for(req):
+                    return None
+                reserve = len(self.running)
             self.prefilling = req if n < req.remaining_len else None
             reqs.append(req)
             budget -= n
-        while budget > 0 and self.prefilling is None and self.waiting and self.free_rows:
-            req = self.waiting[0]
-            grammar = req.grammar if self.refuse_failed_grammars else None
-            failure = grammar.failure() if grammar is not None else None
-            if failure is not None:  # refused before any work is spent on it
-                self.refused.append((self.waiting.popleft(), failure))
+        while budget > 0 and self.prefilling is None and (new := self.waiting.first()):
+            if self._refuse_failed(new):
                 continue
-            self.admit(req)
-            n = self._fit(req, min(req.remaining_len, budget), reserve)
+            n = self._admit_chunk(new, budget, reserve)
             if n == 0:
-                self.release(req)
                 break
-            self.waiting.popleft()
-            self.num_prefill_tokens += len(req.tokens)
-            self.num_cached_tokens += req.cached_len
-            self.prefilling = req if n < req.remaining_len else None
-            reqs.append(req)
+            self.prefilling = new if n < new.remaining_len else None
+            reqs.append(new)
             budget -= n
         return Batch(reqs, "prefill") if reqs else None
+
+    def _refuse_failed(self, req: Req) -> bool:
+        """Take a waiting request whose grammar failed to compile out of the queue, before any
+        work is spent on it."""
+        grammar = req.grammar if self.refuse_failed_grammars else None
+        failure = grammar.failure() if grammar is not None else None
+        if failure is not None:
+            self.waiting.remove(req)
+            self.refused.append((req, failure))
+        return failure is not None
+
+    def _admit_chunk(self, req: Req, budget: int, reserve: int) -> int:
+        """Admit the waiting `req` with its first chunk (up to `budget` tokens); how many tokens
+        it computes (0: it stays waiting). Under the priority policy a request that does not
+        fit preempts running ones ranked after it until it does."""
+        while True:
+            n = 0
+            if self.free_rows:
+                self.admit(req)
+                n = self._fit(req, min(req.remaining_len, budget), reserve)
+                if n == 0:
+                    self.release(req)
+            if n > 0 or not self._preempt_for(req):
+                break
+            reserve = len(self.running)
+        if n > 0:
+            self.waiting.remove(req)
+            self.num_prefill_tokens += len(req.tokens)
+            self.num_cached_tokens += req.cached_len
+        return n
+
+    def _preempt_for(self, req: Req) -> bool:
+        """Priority policy: preempt the running request ranked last, if it ranks after `req`
+        (one this step was to decode too: `schedule` drops it from the step)."""
+        if not self.preempts_by_priority or not self.running:
+            return False
+        victim = max(self.running, key=self.waiting.rank)
+        if self.waiting.rank(victim) <= self.waiting.rank(req):
+            return False
+        self._preempt(victim)
+        return True
 
     def _schedule_decode(self) -> Batch | None:
         i, reqs = 0, []
@@ -94,11 +140,19 @@ class BatchPlanner:
                 reqs.append(req)
                 i += 1
                 continue
-            victim = self.prefilling or self.running[-1]
+            victim = self._decode_victim()
             self._preempt(victim)  # if the victim is `req` itself, index i now holds the next one
             if victim in reqs:
                 reqs.remove(victim)
         return Batch(reqs, "decode") if reqs else None
+
+    def _decode_victim(self) -> Req:
+        """Who gives up its pages when a decode finds none: the half-prefilled request, else
+        the newest running one (priority policy: of these, the one ranked last)."""
+        if self.preempts_by_priority:
+            candidates = self.running + ([self.prefilling] if self.prefilling else [])
+            return max(candidates, key=self.waiting.rank)
+        return self.prefilling or self.running[-1]
 
     def admit(self, req: Req) -> None:
         """Give the request a page-table row and lock its longest cached prefix. The last prompt
@@ -137,7 +191,7 @@ class BatchPlanner:
         req.pages.extend(pages)
         return True
 
-    def launched(self, req: Req, phase: Literal["prefill", "decode"], samples: bool) -> None:
+    def launched(self, req: Req, decode_row: bool, samples: bool) -> None:
         """The request's forward is queued: its KV covers the computed tokens, and a prompt
         whose last chunk this was decodes from now on."""
         if req.params.prompt_logprobs is not None:  # this forward computes those positions
@@ -145,7 +199,7 @@ class BatchPlanner:
             req.next_prompt_logprob = max(req.next_prompt_logprob, done)
         req.cached_len += req.extend_len
         req.extend_len = 0
-        if phase == "prefill":
+        if not decode_row:
             self._share(req)
             if samples:  # prefill requests never come from `running`
                 self.running.append(req)

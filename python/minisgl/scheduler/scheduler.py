@@ -11,12 +11,13 @@ token, which the next step reads on the device) and `_process` fills it one step
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
 from minisgl import env
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import PLACEHOLDER, Batch, Req, SamplingParams
 from minisgl.distributed import get_tp_info
 from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
@@ -38,11 +39,9 @@ class TokenOutput:
     finish_reason: str | None = None
     error: str | None = None  # with finish_reason "error"
     logprob: Entry | None = None  # the token's, when the request asked for logprobs
+    queue_time: float | None = None  # with the first output: seconds queued before its prefill
     # with the first output: [token id, logprob | None, top ids, top logprobs] per prompt token
     prompt_logprobs: list[list[Any]] | None = None
-
-
-PLACEHOLDER = -1  # a sampled token id the host has not read yet
 
 
 @dataclass
@@ -73,9 +72,7 @@ class Scheduler:
         self.tokenizer = tokenizer  # for grammars
         self.cache = KVCacheManager(engine.num_pages, engine.page_size, config.cache)
         tp = get_tp_info()
-        self.planner = BatchPlanner(
-            engine, self.cache, config.max_prefill_tokens, tp.size == 1, eos_token_ids
-        )
+        self.planner = BatchPlanner(engine, self.cache, config, tp.size == 1, eos_token_ids)
         self.leader = TPLeader() if tp.size > 1 and tp.is_primary else None
         rows, vocab = engine.config.max_running_requests, engine.model_config.vocab_size
         pin, any_whitespace = engine.device.type == "cuda", config.json_any_whitespace
@@ -121,6 +118,7 @@ class Scheduler:
         if req.params.max_tokens == 0 and req.params.prompt_logprobs is None:
             self._finish(req, "length")  # (scoring a prompt runs its prefill, then ends)
         else:
+            req.queued_at = time.monotonic()
             self.planner.waiting.append(req)
 
     def abort(self, uid: int) -> None:
@@ -177,6 +175,11 @@ class Scheduler:
         that `_process` fills in (the device already knows it: the next step reads it there)."""
         samples = [r.cached_len + r.extend_len == len(r.tokens) for r in batch.reqs]
         forward = self.engine.forward_step(batch, samples)
+        if not batch.is_decode:
+            now = time.monotonic()
+            for req in batch.reqs[batch.num_decodes :]:
+                if req.queue_time is None:
+                    req.queue_time = now - req.queued_at
         mask: TokenMask | None = None
         failed: list[tuple[Req, str]] = []  # requests whose grammar did not compile
         if self.grammar.applies(batch):
@@ -188,11 +191,11 @@ class Scheduler:
             mask, failed = self.grammar.mask(batch.reqs, samples)
         output = self.engine.sample_step(batch, forward, mask)
         slots = []
-        for req, sampled in zip(batch.reqs, samples):
+        for i, (req, sampled) in enumerate(zip(batch.reqs, samples)):
             if req.finished:  # by the step in flight, processed above
                 slots.append(-1)
                 continue
-            self.planner.launched(req, batch.phase, sampled)
+            self.planner.launched(req, batch.is_decode or i < batch.num_decodes, sampled)
             slots.append(len(req.tokens) if sampled else -1)
             if sampled:
                 req.tokens.append(PLACEHOLDER)
@@ -226,6 +229,7 @@ class Scheduler:
             )
             if slot == req.prompt_len:  # the first output: the prompt's entries go with it
                 output.prompt_logprobs = self._prompt_entries(req)
+                output.queue_time = req.queue_time
             outputs.append(output)
             if reason is not None:
                 self._finish(req, reason, report=False, error=error)

@@ -19,7 +19,7 @@ from minisgl.message import (
     UserReply,
     encode,
 )
-from minisgl.server.metrics import Metrics
+from minisgl.server.metrics import Metrics, priority_label
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class _InFlight:
     queue: asyncio.Queue[UserReply] = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # None until the first token: the request is queued
+    priority: str = "0"  # its metrics label
 
 
 class Frontend:
@@ -70,9 +71,11 @@ class Frontend:
 
     def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
         m, n = self.metrics, len(reply.token_ids)
+        if reply.queue_time is not None:
+            m.queue_time.labels(req.priority).observe(reply.queue_time)
         if n:
             if req.last_token is None:
-                m.ttft.observe(now - req.submitted)
+                m.ttft.labels(req.priority).observe(now - req.submitted)
                 m.prompt_tokens.inc(reply.prompt_tokens)
             else:
                 for _ in range(n):
@@ -81,6 +84,8 @@ class Frontend:
             m.generation_tokens.inc(n)
         if reply.finished:
             m.finished.labels(reply.finish_reason or "unknown").inc()
+            if reply.finish_reason in ("stop", "length"):
+                m.e2e.labels(req.priority).observe(now - req.submitted)
 
     def new_uid(self) -> int:
         return next(self.uids)
@@ -92,7 +97,7 @@ class Frontend:
         """Hand a request to its tokenizer worker; only then does it count as in flight (and
         against --max-queued-requests): a message that cannot be encoded takes nothing."""
         data = encode(msg)
-        req = self.requests[msg.uid] = _InFlight()
+        req = self.requests[msg.uid] = _InFlight(priority=priority_label(msg.params.priority))
         try:
             await self._tokenizer(msg.uid).put_encoded(data)
         except BaseException:

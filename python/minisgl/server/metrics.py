@@ -18,6 +18,14 @@ from minisgl.message import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PRIORITY_LABELS = 16  # priorities in [-16, 16] get a label of their own, the rest "<-16" / ">16"
+
+
+def priority_label(priority: int) -> str:
+    """The `priority` label value: bounded, so clients cannot grow the series without limit."""
+    if priority < -PRIORITY_LABELS:
+        return f"<-{PRIORITY_LABELS}"
+    return f">{PRIORITY_LABELS}" if priority > PRIORITY_LABELS else str(priority)
 
 
 def tree_rss_bytes() -> int:
@@ -76,7 +84,22 @@ class Metrics:
         )
         self.ttft = Histogram(
             "minisgl_time_to_first_token_seconds",
-            "from submission to the first generated token",
+            "from submission to the first generated token, by request priority",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "minisgl_queue_time_seconds",
+            "in the scheduler's waiting queue, until the first prompt chunk runs, by priority",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "minisgl_e2e_request_latency_seconds",
+            "from submission to the last token of requests that completed, by priority",
+            ["priority"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -109,6 +109,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
     min_tokens: Int64 = 0
+    priority: Int64 = 0  # --schedule-policy priority: lower values first (vLLM's field)
 
 
 # OpenAI fields minisgl cannot honour yet: a 400 naming the field unless given an "off" value
@@ -213,6 +214,7 @@ class GenerateRequest(BaseModel):
     text: str | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
+    priority: Int64 | None = None  # SGLang's place for it (sampling_params' too)
 
 
 def grammar_fields(req: SamplingFields) -> dict[str, Any]:
@@ -264,6 +266,7 @@ def sampling_params(
             repetition_penalty=req.repetition_penalty,
             logit_bias=req.logit_bias or {},  # type: ignore[arg-type]  # string keys: converted
             min_tokens=req.min_tokens,
+            priority=req.priority,
             stop=req.stop or [],
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -279,6 +282,8 @@ def native_sampling_fields(req: GenerateRequest) -> tuple[SamplingFields, int]:
     if (req.input_ids is None) == (req.text is None):
         raise APIError(400, "give exactly one of input_ids and text", "input_ids")
     params = {"temperature": 0.0, "max_tokens": 128, **req.sampling_params}
+    if req.priority is not None:
+        params["priority"] = req.priority
     if "max_new_tokens" in params:  # the native name
         params["max_tokens"] = params.pop("max_new_tokens")
     try:  # a bad value here is the client's error, not the server's (500)

@@ -321,6 +321,7 @@ class Detokenizer:
             st.prompt_len,
             st.completion_tokens,
             msg.error,
+            queue_time=msg.queue_time,
         )
         if msg.logprobs is not None:
             entries = [[t, *e] for t, e in zip(msg.token_ids, msg.logprobs)]
