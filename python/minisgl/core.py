@@ -175,6 +175,10 @@ class Req:
     arrival: int = 0  # the planner's count of requests queued before it (priority aging)
     queued_at: float = 0.0  # time.monotonic() when it was queued
     queue_time: float | None = None  # seconds from queued to its first forward
+    # speculative decoding: this step's proposals (computed after its last token), and totals
+    drafts: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -39,6 +39,9 @@ class FakeStep:
     def logprobs(self) -> None:
         return None
 
+    def verified(self) -> dict:
+        return {}
+
     def prompt_logprobs(self) -> dict:
         return {}
 
@@ -64,7 +67,8 @@ class FakeEngine:
         assert start <= len(table), "a hole in the page-table row"
         table[start : start + len(pages)] = pages
 
-    def set_tokens(self, row: int, tokens: list[int]) -> None:
+    def set_tokens(self, row: int, tokens: list[int], start: int = 0) -> None:
+        assert start == 0, "no proposals here"
         self.token_table[row] = dict(enumerate(tokens))
 
     def forward_step(self, batch: Batch, samples: list[bool]) -> list[tuple[int, int] | None]:

@@ -26,6 +26,7 @@ from minisgl.engine.sample import (
     sample_at_temperature,
 )
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
+from minisgl.engine.verify import Verification
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -167,9 +168,11 @@ class Engine:
             self.page_table[table_idx, start_page : start_page + len(pages)] = src
             self.ctx.page_table_version += 1
 
-    def set_tokens(self, table_idx: int, tokens: list[int]) -> None:
-        """Copy a newly admitted request's known token ids into its row of the token table."""
-        self.token_table[table_idx, : len(tokens)] = to_device(tokens, torch.int32, self.device)
+    def set_tokens(self, table_idx: int, tokens: list[int], start: int = 0) -> None:
+        """Copy token ids into a request's row of the token table from position `start`: a
+        newly admitted request's known tokens, or the proposals a step verifies."""
+        end = start + len(tokens)
+        self.token_table[table_idx, start:end] = to_device(tokens, torch.int32, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, samples: list[bool] | None = None) -> torch.Tensor:
@@ -212,7 +215,9 @@ class Engine:
             self.token_table[out.inputs.write_rows, out.kv_lens] = next_ids.to(torch.int32)
         if logprobs is not None:
             logprobs.finish(next_ids)
-        return StepOutput.start_copy(next_ids, logprobs, out.prompt_logprobs)
+        # rows with proposals (speculative decoding) are extends: never in a decode batch
+        verification = None if batch.is_decode else Verification.start(self, batch, out)
+        return StepOutput.start_copy(next_ids, logprobs, out.prompt_logprobs, verification)
 
     def _sample(self, reqs: list[Req], out: ForwardOutput, filtered: bool) -> torch.Tensor:
         """Eager sampling from `out.logits`: with the host-built filter arguments only when a
@@ -262,23 +267,27 @@ class StepOutput:
         event: torch.cuda.Event | None,
         logprobs: SampledLogprobs | None = None,
         prompt_logprobs: PromptLogprobs | None = None,
+        verification: Verification | None = None,
     ) -> None:
         self.host, self.event = host, event
         self.sampled_logprobs, self.prompt = logprobs, prompt_logprobs
+        self.verification = verification
 
     @staticmethod
     def start_copy(
         next_ids: torch.Tensor,
         logprobs: SampledLogprobs | None = None,
         prompt_logprobs: PromptLogprobs | None = None,
+        verification: Verification | None = None,
     ) -> StepOutput:
         if next_ids.device.type != "cuda":
-            return StepOutput(next_ids, None, logprobs, prompt_logprobs)
+            return StepOutput(next_ids, None, logprobs, prompt_logprobs, verification)
         host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
         host.copy_(next_ids, non_blocking=True)
+        verification = verification.to_host() if verification is not None else None
         event = torch.cuda.Event()
         event.record()
-        return StepOutput(host, event, logprobs, prompt_logprobs)
+        return StepOutput(host, event, logprobs, prompt_logprobs, verification)
 
     def tokens(self) -> list[int]:
         if self.event is not None:
@@ -296,6 +305,13 @@ class StepOutput:
         for row, entry in zip(lp.rows, lp.result.entries(lp.ks)):
             out[row] = entry
         return out
+
+    def verified(self) -> dict[int, list[int]]:
+        """Per batch row with proposals, the target's token at each of its positions."""
+        if self.verification is None:
+            return {}
+        self.tokens()
+        return self.verification.by_row()
 
     def prompt_logprobs(self) -> dict[int, list[Entry]]:
         """Per batch row that computed some, its prompt positions' entries."""

@@ -30,15 +30,20 @@ class BatchSamplingArgs:
     need_filter: bool  # some request uses top-k / top-p / min-p
 
     @staticmethod
-    def from_reqs(reqs: list[Req], vocab_size: int, device: torch.device) -> BatchSamplingArgs:
+    def from_reqs(
+        reqs: list[Req], vocab_size: int, device: torch.device, steps: list[int] | None = None
+    ) -> BatchSamplingArgs:
+        """One row per request; `steps`: the position each row samples at (default: after the
+        request's tokens; a request repeated over positions when verifying proposals)."""
         params = [r.params for r in reqs]
+        steps = [len(r.tokens) for r in reqs] if steps is None else steps
         temps = [0.0 if p.is_greedy else p.temperature for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         data = to_device(
             [[t, p.top_p, p.min_p] for t, p in zip(temps, params)], torch.float32, device
         )
         ints = to_device(
-            [[k, r.seed, len(r.tokens)] for k, r in zip(top_k, reqs)], torch.int64, device
+            [[k, r.seed, s] for k, r, s in zip(top_k, reqs, steps)], torch.int64, device
         )
         return BatchSamplingArgs(
             temperature=data[:, 0],

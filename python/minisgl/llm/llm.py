@@ -260,6 +260,9 @@ class LLM:
             result["prompt_logprobs"] = logprob_dicts(sample.prompt_logprobs or [])
         if req.error is not None:
             result["error"] = req.error
+        if self.scheduler.planner.proposer is not None:  # speculative decoding's counts
+            result["num_draft_tokens"] = req.num_draft_tokens
+            result["num_accepted_tokens"] = req.num_accepted_tokens
         return result
 
     def shutdown(self) -> None:

@@ -55,6 +55,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefill_tokens: int = 0  # prompt tokens scheduled so far (re-prefills after preemption too)
     cached_tokens: int = 0  # of those, found in the prefix cache
+    draft_tokens: int = 0  # speculative decoding: tokens proposed so far
+    accepted_tokens: int = 0  # of those, accepted
+    verified_rows: int = 0  # request-steps that verified proposals
 
 
 @register

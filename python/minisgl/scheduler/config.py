@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from minisgl.utils.options import check_options, int_range, option
+from minisgl.utils.options import OptionError, check_options, int_range, option
 
 
 @dataclass
@@ -42,6 +42,22 @@ class SchedulerConfig:
         " lower, so no request is overtaken forever (0: no aging)",
         type=int_range(0),
     )
+    speculative_algorithm: Literal["ngram"] | None = option(
+        None,
+        "speculative decoding: ngram proposes the continuation of the latest earlier match of"
+        " a request's last tokens in its prompt and output (prompt lookup), verified in one"
+        " forward; steps then run without overlap scheduling (unset: off)",
+        choices=["ngram"],
+    )
+    speculative_num_draft_tokens: int = option(
+        4, "tokens proposed per request and step (speculative decoding)", type=int_range(1, 16)
+    )
+    speculative_ngram_min_match_window_size: int = option(
+        1, "ngram: the shortest suffix of a request's tokens looked up", type=int_range(1)
+    )
+    speculative_ngram_max_match_window_size: int = option(
+        4, "ngram: the longest suffix looked up (the longest match wins)", type=int_range(1)
+    )
     cache: Literal["radix", "naive"] = option(
         "radix", "prefix cache (naive: no prefix sharing)", choices=["radix", "naive"]
     )
@@ -53,3 +69,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        low = self.speculative_ngram_min_match_window_size
+        if low > self.speculative_ngram_max_match_window_size:
+            raise OptionError(
+                "speculative_ngram_min_match_window_size",
+                f"must not exceed --speculative-ngram-max-match-window-size, got {low}",
+            )

@@ -53,6 +53,9 @@ class SchedulerServer:
             num_preemptions=s.num_preemptions,
             prefill_tokens=s.num_prefill_tokens,
             cached_tokens=s.num_cached_tokens,
+            draft_tokens=s.num_draft_tokens,
+            accepted_tokens=s.num_accepted_tokens,
+            verified_rows=s.num_verified_rows,
         )
 
     def handle(self, msg: Any) -> bool:

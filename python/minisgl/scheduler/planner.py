@@ -10,12 +10,22 @@ from minisgl.engine import Engine
 from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.queue import WaitingQueue
+from minisgl.scheduler.spec import NgramProposer
 
 
 def reaches_length(req: Req, num_tokens: int) -> bool:
     """Whether `num_tokens` tokens end the request by max_tokens or by its context."""
     num_output = num_tokens - req.prompt_len
     return num_output >= req.params.max_tokens or num_tokens >= req.max_total_len
+
+
+def decode_batch(reqs: list[Req]) -> Batch | None:
+    """A step of running requests only: a decode, or an extend when some verify proposals."""
+    if not reqs:
+        return None
+    if any(r.drafts for r in reqs):
+        return Batch(reqs, "prefill", num_decodes=len(reqs))
+    return Batch(reqs, "decode")
 
 
 class BatchPlanner:
@@ -37,6 +47,13 @@ class BatchPlanner:
         # TP, whether a compile is done yet differs between ranks, so they learn it at launch
         self.refuse_failed_grammars = solo
         self.waiting = WaitingQueue(config.schedule_policy, config.priority_aging, cache)
+        self.proposer: NgramProposer | None = None  # speculative decoding
+        if config.speculative_algorithm == "ngram":
+            self.proposer = NgramProposer(
+                config.speculative_num_draft_tokens,
+                config.speculative_ngram_min_match_window_size,
+                config.speculative_ngram_max_match_window_size,
+            )
         self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
@@ -44,6 +61,9 @@ class BatchPlanner:
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens scheduled (for the prefix-cache hit rate)
         self.num_cached_tokens = 0  # of those, found in the prefix cache
+        self.num_draft_tokens = 0  # speculative decoding: proposals verified
+        self.num_accepted_tokens = 0  # of those, accepted
+        self.num_verified_rows = 0  # request-steps that verified proposals
 
     @property
     def busy(self) -> bool:
@@ -57,11 +77,12 @@ class BatchPlanner:
             return self._schedule_prefill(self.max_prefill_tokens) or self._schedule_decode()
         decode = self._schedule_decode()
         decodes = decode.reqs if decode is not None else []
-        budget = min(self.max_prefill_tokens, self.max_batched_tokens - len(decodes))
+        num_decode_tokens = sum(r.extend_len for r in decodes)  # proposals count too
+        budget = min(self.max_prefill_tokens, self.max_batched_tokens - num_decode_tokens)
         prefill = self._schedule_prefill(budget) if budget > 0 else None
         decodes = [r for r in decodes if r.table_idx >= 0]  # not preempted for a prompt
         if prefill is None:
-            return Batch(decodes, "decode") if decodes else None
+            return decode_batch(decodes)
         return Batch(decodes + prefill.reqs, "prefill", num_decodes=len(decodes))
 
     def _schedule_prefill(self, budget: int) -> Batch | None:
@@ -135,8 +156,7 @@ class BatchPlanner:
             if reaches_length(req, len(req.tokens)):
                 i += 1  # its last token is still in flight and ends it
                 continue
-            if self.grow(req, 1):
-                req.extend_len = 1
+            if self._grow_decode(req):
                 reqs.append(req)
                 i += 1
                 continue
@@ -144,7 +164,21 @@ class BatchPlanner:
             self._preempt(victim)  # if the victim is `req` itself, index i now holds the next one
             if victim in reqs:
                 reqs.remove(victim)
-        return Batch(reqs, "decode") if reqs else None
+        return decode_batch(reqs)
+
+    def _grow_decode(self, req: Req) -> bool:
+        """Pages for the request's next token, and for its proposals when speculating (written
+        into the token table after its last token, where the forward reads its inputs); without
+        room for the proposals it decodes one token."""
+        drafts = self.proposer.propose(req) if self.proposer is not None else []
+        if drafts and not self.grow(req, 1 + len(drafts)):
+            drafts = []
+        if not drafts and not self.grow(req, 1):
+            return False
+        req.extend_len, req.drafts = 1 + len(drafts), drafts
+        if drafts:
+            self.engine.set_tokens(req.table_idx, drafts, start=len(req.tokens))
+        return True
 
     def _decode_victim(self) -> Req:
         """Who gives up its pages when a decode finds none: the half-prefilled request, else
@@ -238,7 +272,7 @@ class BatchPlanner:
         assert req.cache_handle is not None, "an admitted request holds its prefix-cache lock"
         self.cache.release(req.tokens[: req.cached_len], req.pages, req.cache_handle)
         self.free_rows.append(req.table_idx)
-        req.table_idx, req.pages, req.cache_handle = -1, [], None
+        req.table_idx, req.pages, req.cache_handle, req.drafts = -1, [], None, []
         req.cached_len = req.extend_len = 0
         if req in self.running:
             self.running.remove(req)

@@ -28,6 +28,7 @@ from minisgl.message import AbortBackendMsg, BatchBackendMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.planner import BatchPlanner, reaches_length
+from minisgl.scheduler.spec import accept
 from minisgl.scheduler.tp import TPLeader, receive_step
 
 
@@ -79,7 +80,9 @@ class Scheduler:
         self.grammar = GrammarState(vocab, rows, pin, any_whitespace)
         self.requests: dict[int, Req] = {}
         self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
-        self.overlap = not env.disable_overlap_scheduling()
+        # a proposal needs the previous step's tokens: speculative steps run one at a time
+        speculating = config.speculative_algorithm is not None
+        self.overlap = not env.disable_overlap_scheduling() and not speculating
         self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
 
     # ---- requests in and out -------------------------------------------------------------
@@ -173,7 +176,8 @@ class Scheduler:
         """Queue the batch on the device and advance the host state as if it had run: KV now
         covers the computed tokens, and each request that samples gets a placeholder token
         that `_process` fills in (the device already knows it: the next step reads it there)."""
-        samples = [r.cached_len + r.extend_len == len(r.tokens) for r in batch.reqs]
+        # a request samples when the step computes its last known token (then its proposals)
+        samples = [r.cached_len + r.extend_len - len(r.drafts) == len(r.tokens) for r in batch.reqs]
         forward = self.engine.forward_step(batch, samples)
         if not batch.is_decode:
             now = time.monotonic()
@@ -209,31 +213,63 @@ class Scheduler:
         for i, entries in out.prompt_logprobs().items():  # prompt positions this step scored
             reqs[i].prompt_logprobs += entries
         logprobs = out.logprobs() or repeat(None)  # None: no request asked (the usual case)
-        for req, slot, token, logprob in zip(reqs, step.slots, out.tokens(), logprobs):
+        verified = out.verified()  # rows with proposals: the target's token at each position
+        for i, (req, slot, token, logprob) in enumerate(
+            zip(reqs, step.slots, out.tokens(), logprobs)
+        ):
             if slot < 0 or req.finished:
                 continue  # a prompt chunk that is not the last, or ended meanwhile
-            req.tokens[slot] = token
-            reason = self._finish_reason(req, token, slot + 1)
-            error = None
-            scored = req.params.max_tokens == 0  # a prompt scored: its sampled token is dropped
-            if scored:
-                reason = "length"
-                del req.tokens[slot:]
-            elif req.grammar is not None:
-                if not req.grammar.accept(token):  # the mask allows only tokens it accepts
-                    reason, error = "error", f"token {token} does not match the grammar"
-                elif reason is None and req.grammar.terminated:
-                    reason = "stop"
-            output = TokenOutput(
-                req.uid, None if scored else token, reason is not None, reason, error, logprob
-            )
-            if slot == req.prompt_len:  # the first output: the prompt's entries go with it
-                output.prompt_logprobs = self._prompt_entries(req)
-                output.queue_time = req.queue_time
-            outputs.append(output)
-            if reason is not None:
-                self._finish(req, reason, report=False, error=error)
+            if i in verified:
+                outputs += self._accept(req, slot, verified[i])
+            else:
+                outputs.append(self._output(req, slot, token, logprob))
         return outputs
+
+    def _accept(self, req: Req, slot: int, targets: list[int]) -> list[TokenOutput]:
+        """A verified step: the accepted proposals and the target's next token, each output
+        as if decoded alone (a stop or the length limit ends the run there). The KV of
+        rejected proposals is dropped (cached_len) and overwritten by later tokens."""
+        drafts, req.drafts = req.drafts, []
+        new = accept(drafts, targets)
+        req.num_draft_tokens += len(drafts)
+        req.num_accepted_tokens += len(new) - 1
+        self.planner.num_draft_tokens += len(drafts)
+        self.planner.num_accepted_tokens += len(new) - 1
+        self.planner.num_verified_rows += 1
+        req.cached_len -= len(drafts) - (len(new) - 1)
+        self.engine.set_tokens(req.table_idx, new[-1:], start=slot + len(new) - 1)
+        del req.tokens[slot:]  # the placeholder
+        outputs = []
+        for token in new:
+            req.tokens.append(PLACEHOLDER)
+            outputs.append(self._output(req, len(req.tokens) - 1, token, None))
+            if req.finished:
+                break
+        return outputs
+
+    def _output(self, req: Req, slot: int, token: int, logprob: Entry | None) -> TokenOutput:
+        """The request's token at `slot` is known: its output, and its end if it ends it."""
+        req.tokens[slot] = token
+        reason = self._finish_reason(req, token, slot + 1)
+        error = None
+        scored = req.params.max_tokens == 0  # a prompt scored: its sampled token is dropped
+        if scored:
+            reason = "length"
+            del req.tokens[slot:]
+        elif req.grammar is not None:
+            if not req.grammar.accept(token):  # the mask allows only tokens it accepts
+                reason, error = "error", f"token {token} does not match the grammar"
+            elif reason is None and req.grammar.terminated:
+                reason = "stop"
+        output = TokenOutput(
+            req.uid, None if scored else token, reason is not None, reason, error, logprob
+        )
+        if slot == req.prompt_len:  # the first output: the prompt's entries go with it
+            output.prompt_logprobs = self._prompt_entries(req)
+            output.queue_time = req.queue_time
+        if reason is not None:
+            self._finish(req, reason, report=False, error=error)
+        return output
 
     @staticmethod
     def _prompt_entries(req: Req) -> list[list[Any]] | None:

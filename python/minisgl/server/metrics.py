@@ -68,6 +68,13 @@ class _SchedulerCollector(Collector):
             "preemptions": ("requests preempted for lack of KV pages", s.num_preemptions),
             "prefill_tokens": ("prompt tokens scheduled (incl. re-prefills)", s.prefill_tokens),
             "prefix_cache_hit_tokens": ("of those, found in the prefix cache", s.cached_tokens),
+            "spec_draft_tokens": ("speculative decoding: tokens proposed", s.draft_tokens),
+            "spec_accepted_tokens": ("speculative decoding: of those, accepted", s.accepted_tokens),
+            "spec_verified_rows": (
+                "speculative decoding: request-steps that verified proposals (accepted tokens"
+                " over these: the mean accepted length)",
+                s.verified_rows,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"minisgl_{name}", doc, value=value)

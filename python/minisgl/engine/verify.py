@@ -1,0 +1,76 @@
+"""Speculative decoding, the engine's side: the target model's token at every position of the
+rows that carry proposals, sampled as a plain decode step would sample it there (same logits,
+same temperature and filters, same per-(seed, position) noise). The scheduler compares them
+with the proposals (scheduler/spec.py). All on the device; the tokens go to the host with the
+step's sampled ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.core import Batch, Req, to_device
+from minisgl.engine.sample import BatchSamplingArgs, any_filter, sample, sample_at_temperature
+
+if TYPE_CHECKING:
+    from minisgl.engine.engine import Engine
+    from minisgl.engine.step import ForwardOutput
+
+
+@dataclass
+class Verification:
+    """For the batch rows `rows` with proposals: `counts[i]` tokens each (the last known token
+    and the proposals), whose target tokens `targets` holds flat, in row order."""
+
+    rows: list[int]
+    counts: list[int]
+    targets: torch.Tensor
+
+    @staticmethod
+    def start(engine: Engine, batch: Batch, out: ForwardOutput) -> Verification | None:
+        rows = [i for i, r in enumerate(batch.reqs) if r.drafts]
+        if not rows or out.hidden is None:
+            return None
+        flat: list[int] = []
+        steps: list[int] = []
+        reqs: list[Req] = []
+        counts: list[int] = []
+        offset = 0
+        for req in batch.reqs:
+            if req.drafts:
+                n = req.extend_len
+                flat += range(offset, offset + n)
+                reqs += [req] * n
+                # the logits at position cached_len + j sample the token at index + 1
+                steps += range(req.cached_len + 1, req.cached_len + 1 + n)
+                counts.append(n)
+            offset += req.extend_len
+        device = out.hidden.device
+        logits = engine.model.compute_logits(out.hidden[to_device(flat, torch.int64, device)])
+        vocab = engine.model_config.vocab_size
+        if any_filter(reqs, vocab):
+            args = BatchSamplingArgs.from_reqs(reqs, vocab, device, steps)
+            targets = sample(logits, args)
+        else:
+            temps = [0.0 if r.params.is_greedy else r.params.temperature for r in reqs]
+            temps_t = to_device(temps, torch.float32, device)
+            ints = to_device([[r.seed for r in reqs], steps], torch.int64, device)
+            targets = sample_at_temperature(logits, temps_t, ints[0], ints[1])
+        return Verification(rows, counts, targets)
+
+    def to_host(self) -> Verification:
+        """Queue the copy into pinned host memory (the caller records the event to wait on)."""
+        if not self.targets.is_cuda:
+            return self
+        host = torch.empty(self.targets.shape, dtype=self.targets.dtype, pin_memory=True)
+        return Verification(self.rows, self.counts, host.copy_(self.targets, non_blocking=True))
+
+    def by_row(self) -> dict[int, list[int]]:
+        """Per batch row, the target's token at each of its positions (after the copy)."""
+        flat, out, start = self.targets.tolist(), {}, 0
+        for row, n in zip(self.rows, self.counts):
+            out[row] = flat[start : start + n]
+            start += n
+        return out

@@ -1,0 +1,130 @@
+"""Speculative decoding (n-gram prompt lookup): outputs token for token those of plain decoding,
+greedy and seeded sampling, under paging, prefix caching, chunked prefill, mixed steps,
+preemption, stop tokens and length limits inside accepted runs; proposals are accepted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.core import Req
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.spec import NgramProposer, accept, latest_match
+from minisgl.utils.options import OptionError
+
+
+def workload(n: int = 10, temperature: float = 0.0) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(0)
+    # repetitive prompts: the lookup finds continuations (a random model also loops often)
+    prompts = []
+    for _ in range(n):
+        motif = [rng.randrange(2, 300) for _ in range(rng.randint(2, 6))]
+        prompts.append((motif * 8)[: rng.randint(3, 40)] + [rng.randrange(2, 300)])
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 40),
+            temperature=temperature * (i % 2),
+            top_p=0.9 if i % 3 == 1 else 1.0,
+            seed=i,
+            stop_token_ids=[rng.randrange(2, 300) for _ in range(20)],  # some stop early
+        )
+        for i in range(n)
+    ]
+    return prompts, params
+
+
+def generate(path: str, monkeypatch, overlap: bool = True, temperature: float = 0.0, **kw):
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
+    llm = LLM(path, **kw)
+    try:
+        outs = llm.generate(*workload(temperature=temperature), use_tqdm=False)
+        while llm.scheduler.has_work:  # a step launched for requests that ended meanwhile
+            assert llm.scheduler.step() == []
+        llm.scheduler.check_no_leak()
+        return outs
+    finally:
+        llm.shutdown()
+
+
+CONFIGS = [  # page size, pages, prefix cache, prompt tokens per step
+    dict(page_size=1, num_pages=2048, cache="radix", max_prefill_tokens=16),
+    dict(page_size=16, num_pages=128, cache="radix", max_prefill_tokens=8192),
+    dict(page_size=16, num_pages=128, cache="naive", max_prefill_tokens=24),
+    dict(page_size=4, num_pages=24, cache="radix", max_prefill_tokens=24),  # preemption
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"p{c['page_size']}-{c['cache']}")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_ngram_outputs_equal_plain_decoding(model_dirs, monkeypatch, config, temperature):
+    path, _ = model_dirs("qwen3")
+    plain = generate(path, monkeypatch, temperature=temperature, **config)
+    spec = generate(
+        path, monkeypatch, overlap=False, temperature=temperature,
+        speculative_algorithm="ngram", speculative_num_draft_tokens=3, **config,
+    )  # fmt: skip
+    assert [(o["token_ids"], o["finish_reason"]) for o in spec] == [
+        (o["token_ids"], o["finish_reason"]) for o in plain
+    ]
+    assert any(o["finish_reason"] == "stop" for o in plain)
+    assert sum(o["num_accepted_tokens"] for o in spec) > 0
+    assert all(o["num_accepted_tokens"] <= o["num_draft_tokens"] for o in spec)
+
+
+def test_sampled_tokens_with_and_without_speculation_share_a_distribution(model_dirs, monkeypatch):
+    """Seeded sampling is the same draw with or without speculation; across seeds the tokens
+    after a repetitive prompt (where proposals are verified) have the same histogram."""
+    path, _ = model_dirs("qwen3")
+    prompt = [5, 6, 7] * 6
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s) for s in range(60)]
+
+    def tokens(**kw) -> list[list[int]]:
+        llm = LLM(path, page_size=4, **kw)
+        try:
+            return [o["token_ids"] for o in llm.generate([prompt] * 60, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    plain, spec = tokens(), tokens(speculative_algorithm="ngram")
+    assert spec == plain
+    for position in range(1, 6):
+        counts_plain, counts_spec = ({}, {})
+        for out, counts in ((plain, counts_plain), (spec, counts_spec)):
+            for ids in out:
+                counts[ids[position]] = counts.get(ids[position], 0) + 1
+        chi2 = sum((counts_spec.get(t, 0) - n) ** 2 / n for t, n in counts_plain.items())
+        assert chi2 == 0.0
+
+
+def test_ngram_proposer_takes_the_latest_longest_match() -> None:
+    proposer = NgramProposer(num_draft=3, min_n=1, max_n=3)
+
+    def req(tokens: list[int], max_tokens: int = 100) -> Req:
+        return Req(list(tokens), 2, SamplingParams(max_tokens=max_tokens), max_total_len=1000)
+
+    # "1 2 3" occurs twice: the latest occurrence's continuation wins
+    assert proposer.propose(req([1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 5, 1, 2, 3])) == [7, 7, 5]
+    assert proposer.propose(req([4, 8, 1, 2, 5, 6, 2])) == [5, 6, 2]  # 1-gram "2"
+    assert proposer.propose(req([1, 2, 3, 4])) == []  # no earlier match
+    # 3 tokens out of 5: one more proposal, then the step's own token ends the request
+    assert proposer.propose(req([1, 2, 1, 2, 1], max_tokens=5)) == [2]
+    biased = Req([1, 2, 1, 2], 2, SamplingParams(logit_bias={3: 1.0}), max_total_len=1000)
+    assert proposer.propose(biased) == []  # adjusted logits decode without proposals
+    assert latest_match([1, 2, 1, 2], 2) == 2
+    assert accept([4, 5, 6], [4, 5, 9, 1]) == [4, 5, 9]
+    assert accept([4, 5], [4, 5, 8]) == [4, 5, 8]
+    assert accept([4], [3, 0]) == [3]
+
+
+def test_bad_speculative_options_name_the_flag() -> None:
+    with pytest.raises(OptionError, match="speculative_algorithm"):
+        SchedulerConfig(speculative_algorithm="eagle")  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match="num_draft_tokens"):
+        SchedulerConfig(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
+    with pytest.raises(OptionError, match="must not exceed") as error:
+        SchedulerConfig(
+            speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=2
+        )
+    assert error.value.name == "speculative_ngram_min_match_window_size"
