@@ -128,3 +128,41 @@ def test_bad_speculative_options_name_the_flag() -> None:
             speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=2
         )
     assert error.value.name == "speculative_ngram_min_match_window_size"
+
+
+def test_standalone_draft_outputs_equal_plain_decoding(model_dirs, monkeypatch):
+    """A different small model (same vocabulary) drafts: the output is still plain decoding's;
+    the target drafting for itself has every proposal accepted."""
+    path, _ = model_dirs("qwen3")
+    draft, _ = model_dirs("llama")
+    config = dict(page_size=4, num_pages=96, max_prefill_tokens=24)
+    for temperature in (0.0, 0.8):
+        plain = generate(path, monkeypatch, temperature=temperature, **config)
+        for drafter in (draft, path):
+            spec = generate(
+                path, monkeypatch, temperature=temperature, speculative_algorithm="standalone",
+                speculative_draft_model_path=drafter, speculative_num_draft_tokens=3, **config,
+            )  # fmt: skip
+            assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
+            drafted = sum(o["num_draft_tokens"] for o in spec)
+            accepted = sum(o["num_accepted_tokens"] for o in spec)
+            assert drafted > 0
+            if drafter == path:  # the same model samples the same tokens
+                assert accepted == drafted
+
+
+def test_standalone_refuses_a_draft_with_another_vocabulary(model_dirs, tmp_path) -> None:
+    import transformers as tf
+
+    from support.models import COMMON
+
+    path, _ = model_dirs("qwen3")
+    other = str(tmp_path / "other-vocab")
+    tf.LlamaForCausalLM(tf.LlamaConfig(**{**COMMON, "vocab_size": 300})).save_pretrained(other)
+    with pytest.raises(OptionError, match="vocabulary") as error:
+        LLM(path, speculative_algorithm="standalone", speculative_draft_model_path=other)
+    assert error.value.name == "speculative_draft_model_path"
+    with pytest.raises(OptionError, match="required"):
+        SchedulerConfig(speculative_algorithm="standalone")
+    with pytest.raises(OptionError, match="only with it"):
+        SchedulerConfig(speculative_draft_model_path=path)

@@ -42,12 +42,17 @@ class SchedulerConfig:
         " lower, so no request is overtaken forever (0: no aging)",
         type=int_range(0),
     )
-    speculative_algorithm: Literal["ngram"] | None = option(
+    speculative_algorithm: Literal["ngram", "standalone"] | None = option(
         None,
         "speculative decoding: ngram proposes the continuation of the latest earlier match of"
-        " a request's last tokens in its prompt and output (prompt lookup), verified in one"
-        " forward; steps then run without overlap scheduling (unset: off)",
-        choices=["ngram"],
+        " a request's last tokens in its prompt and output (prompt lookup); standalone, what a"
+        " smaller draft model decodes; verified in one forward; steps then run without overlap"
+        " scheduling (unset: off)",
+        choices=["ngram", "standalone"],
+    )
+    speculative_draft_model_path: str | None = option(
+        None,
+        "standalone: the draft model (a directory, .gguf or hub id with the target's vocabulary)",
     )
     speculative_num_draft_tokens: int = option(
         4, "tokens proposed per request and step (speculative decoding)", type=int_range(1, 16)
@@ -69,6 +74,12 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        standalone = self.speculative_algorithm == "standalone"
+        if standalone != (self.speculative_draft_model_path is not None):
+            raise OptionError(
+                "speculative_draft_model_path",
+                "is required with --speculative-algorithm standalone, and only with it",
+            )
         low = self.speculative_ngram_min_match_window_size
         if low > self.speculative_ngram_max_match_window_size:
             raise OptionError(

@@ -10,7 +10,7 @@ from minisgl.engine import Engine
 from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.queue import WaitingQueue
-from minisgl.scheduler.spec import NgramProposer
+from minisgl.scheduler.spec import make_proposer
 
 
 def reaches_length(req: Req, num_tokens: int) -> bool:
@@ -47,13 +47,7 @@ class BatchPlanner:
         # TP, whether a compile is done yet differs between ranks, so they learn it at launch
         self.refuse_failed_grammars = solo
         self.waiting = WaitingQueue(config.schedule_policy, config.priority_aging, cache)
-        self.proposer: NgramProposer | None = None  # speculative decoding
-        if config.speculative_algorithm == "ngram":
-            self.proposer = NgramProposer(
-                config.speculative_num_draft_tokens,
-                config.speculative_ngram_min_match_window_size,
-                config.speculative_ngram_max_match_window_size,
-            )
+        self.proposer = make_proposer(engine, config)  # speculative decoding (None: off)
         self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
@@ -151,12 +145,13 @@ class BatchPlanner:
 
     def _schedule_decode(self) -> Batch | None:
         i, reqs = 0, []
+        proposals = self.proposer.propose_all(self.running) if self.proposer else {}
         while i < len(self.running):
             req = self.running[i]
             if reaches_length(req, len(req.tokens)):
                 i += 1  # its last token is still in flight and ends it
                 continue
-            if self._grow_decode(req):
+            if self._grow_decode(req, proposals.get(req.uid, [])):
                 reqs.append(req)
                 i += 1
                 continue
@@ -166,11 +161,10 @@ class BatchPlanner:
                 reqs.remove(victim)
         return decode_batch(reqs)
 
-    def _grow_decode(self, req: Req) -> bool:
+    def _grow_decode(self, req: Req, drafts: list[int]) -> bool:
         """Pages for the request's next token, and for its proposals when speculating (written
         into the token table after its last token, where the forward reads its inputs); without
         room for the proposals it decodes one token."""
-        drafts = self.proposer.propose(req) if self.proposer is not None else []
         if drafts and not self.grow(req, 1 + len(drafts)):
             drafts = []
         if not drafts and not self.grow(req, 1):
@@ -272,6 +266,8 @@ class BatchPlanner:
         assert req.cache_handle is not None, "an admitted request holds its prefix-cache lock"
         self.cache.release(req.tokens[: req.cached_len], req.pages, req.cache_handle)
         self.free_rows.append(req.table_idx)
+        if self.proposer is not None:
+            self.proposer.release(req)
         req.table_idx, req.pages, req.cache_handle, req.drafts = -1, [], None, []
         req.cached_len = req.extend_len = 0
         if req in self.running:

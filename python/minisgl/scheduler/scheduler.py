@@ -299,6 +299,8 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self.grammar.shutdown()
+        if self.planner.proposer is not None:
+            self.planner.proposer.shutdown()
 
     def check_no_leak(self) -> None:
         """Every page is free, owned by the prefix cache, or owned by exactly one admitted request."""

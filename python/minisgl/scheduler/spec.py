@@ -13,7 +13,16 @@ one-hot draft. Requests whose logits are adjusted (penalties, logit_bias, min_to
 
 from __future__ import annotations
 
-from minisgl.core import Req
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from minisgl.core import Batch, Context, Req, get_global_ctx, set_global_ctx
+from minisgl.engine import Engine
+from minisgl.kvcache.allocator import PageAllocator
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.utils.options import OptionError
 
 NGRAM_WINDOW = 4096  # the latest tokens of a request searched for a match
 
@@ -21,6 +30,15 @@ NGRAM_WINDOW = 4096  # the latest tokens of a request searched for a match
 def can_speculate(req: Req) -> bool:
     p = req.params
     return req.grammar is None and not p.adjusts_logits and p.logprobs is None
+
+
+def room(req: Req, num_draft: int) -> int:
+    """How many tokens `req` may propose: never past its max_tokens or context (the step's own
+    sampled token comes after them); 0 for a request that decodes without proposals."""
+    if not can_speculate(req):
+        return 0
+    left = req.params.max_tokens - req.num_output - 1
+    return max(0, min(num_draft, left, req.max_total_len - len(req.tokens) - 1))
 
 
 class NgramProposer:
@@ -31,22 +49,30 @@ class NgramProposer:
     def __init__(self, num_draft: int, min_n: int, max_n: int) -> None:
         self.num_draft, self.min_n, self.max_n = num_draft, min_n, max_n
 
+    def propose_all(self, reqs: list[Req]) -> dict[int, list[int]]:
+        """uid -> proposals for the tokens after req.tokens (requests without any absent)."""
+        out = {}
+        for req in reqs:
+            if drafts := self.propose(req):
+                out[req.uid] = drafts
+        return out
+
     def propose(self, req: Req) -> list[int]:
-        """Proposals for the tokens after req.tokens, never past its max_tokens or context (the
-        step's own sampled token comes after them)."""
-        room = min(
-            self.num_draft,
-            req.params.max_tokens - req.num_output - 1,
-            req.max_total_len - len(req.tokens) - 1,
-        )
-        if room <= 0 or not can_speculate(req):
+        limit = room(req, self.num_draft)
+        if limit == 0:
             return []
         tokens = req.tokens[-NGRAM_WINDOW:]
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             found = latest_match(tokens, n)
             if found is not None:
-                return tokens[found : found + room]
+                return tokens[found : found + limit]
         return []
+
+    def release(self, req: Req) -> None:
+        """The request left the running set (nothing kept per request)."""
+
+    def shutdown(self) -> None:
+        pass
 
 
 def latest_match(tokens: list[int], n: int) -> int | None:
@@ -66,3 +92,123 @@ def accept(drafts: list[int], targets: list[int]) -> list[int]:
     while n < len(drafts) and drafts[n] == targets[n]:
         n += 1
     return drafts[:n] + [targets[n]]
+
+
+@contextmanager
+def using_context(ctx: Context) -> Iterator[None]:
+    """Run another engine's forward: the layers find its KV pool and backend globally."""
+    previous = get_global_ctx()
+    set_global_ctx(ctx)
+    try:
+        yield
+    finally:
+        set_global_ctx(previous)
+
+
+@dataclass
+class DraftState:
+    """One request in the draft model's own KV pool: its pages, and the input token at each
+    position the draft has computed (its KV is valid while those equal the request's tokens)."""
+
+    pages: list[int] = field(default_factory=list)
+    seen: list[int] = field(default_factory=list)
+    checked: int = 0  # positions known to equal the request's tokens
+
+
+class DraftModelProposer:
+    """A smaller model with the target's vocabulary proposes by decoding `num_draft` tokens
+    (SGLang's `standalone`). It runs as its own Engine (weights, KV pool with the target's
+    page count, page table by the same rows, CUDA graphs), one batched extend per step to catch
+    up with each request's new tokens, then num_draft - 1 decode steps. It samples each
+    position with the request's seed and temperature, as the target does there, so whenever
+    the two models agree on a distribution their draws coincide."""
+
+    def __init__(self, target: Engine, num_draft: int, path: str) -> None:
+        self.num_draft = num_draft
+        config = dataclasses.replace(target.config, model=path, num_pages=target.num_pages)
+        previous = get_global_ctx()
+        try:
+            self.engine = Engine(config)
+        finally:
+            set_global_ctx(previous)
+        vocab, want = self.engine.model_config.vocab_size, target.model_config.vocab_size
+        if vocab != want:
+            message = f"the draft model's vocabulary has {vocab} tokens, the target's {want}"
+            raise OptionError("speculative_draft_model_path", message)
+        self.allocator = PageAllocator(self.engine.num_pages)
+        self.states: dict[int, DraftState] = {}
+
+    def propose_all(self, reqs: list[Req]) -> dict[int, list[int]]:
+        wanted = {r.uid: n for r in reqs if (n := room(r, self.num_draft)) and self._prepare(r, n)}
+        shadows = [self._shadow(r) for r in reqs if r.uid in wanted]
+        if not shadows:
+            return {}
+        starts = {s.uid: len(s.tokens) for s in shadows}
+        with using_context(self.engine.ctx):
+            batch = Batch(shadows, "prefill")  # catch up with each request's new tokens
+            while batch.reqs:
+                out = self.engine.forward_step(batch, [True] * batch.size)
+                for shadow, token in zip(batch.reqs, self.engine.sample_step(batch, out).tokens()):
+                    shadow.cached_len += shadow.extend_len
+                    shadow.extend_len = 1
+                    shadow.tokens.append(token)
+                more = [s for s in batch.reqs if len(s.tokens) - starts[s.uid] < wanted[s.uid]]
+                batch = Batch(more, "decode")
+        for shadow in shadows:
+            self.states[shadow.uid].seen = shadow.tokens[: shadow.cached_len]
+        return {s.uid: s.tokens[starts[s.uid] :] for s in shadows}
+
+    def _prepare(self, req: Req, num_draft: int) -> bool:
+        """Drop the draft KV whose inputs differ from the request's tokens (rejected
+        proposals), then make its pages cover the catch-up and num_draft - 1 decodes."""
+        state = self.states.setdefault(req.uid, DraftState())
+        n, seen = state.checked, state.seen
+        limit = min(len(seen), len(req.tokens))
+        while n < limit and seen[n] == req.tokens[n]:
+            n += 1
+        del seen[n:]
+        state.checked = n
+        size = self.engine.page_size
+        need = -(-(len(req.tokens) + num_draft - 1) // size) - len(state.pages)
+        if need > 0:
+            pages = self.allocator.alloc(need)
+            if pages is None:
+                return False
+            self.engine.set_pages(req.table_idx, len(state.pages), pages)
+            state.pages += pages
+        self.engine.set_tokens(req.table_idx, req.tokens[n:], start=n)
+        return True
+
+    def _shadow(self, req: Req) -> Req:
+        """The request as the draft engine sees it: the same row, seed and sampling, its own
+        computed length (a copy of the tokens, which the draft extends)."""
+        state = self.states[req.uid]
+        shadow = Req(list(req.tokens), req.prompt_len, req.params, req.max_total_len, req.uid)
+        shadow.seed, shadow.table_idx = req.seed, req.table_idx
+        shadow.cached_len = len(state.seen)
+        shadow.extend_len = len(req.tokens) - shadow.cached_len
+        return shadow
+
+    def release(self, req: Req) -> None:
+        state = self.states.pop(req.uid, None)
+        if state is not None:
+            self.allocator.free(state.pages)
+
+    def shutdown(self) -> None:
+        with using_context(self.engine.ctx):
+            self.engine.shutdown()
+
+
+Proposer = NgramProposer | DraftModelProposer
+
+
+def make_proposer(engine: Engine, config: SchedulerConfig) -> Proposer | None:
+    """--speculative-algorithm's proposer for the target `engine` (None: off)."""
+    k = config.speculative_num_draft_tokens
+    if config.speculative_algorithm == "ngram":
+        low = config.speculative_ngram_min_match_window_size
+        return NgramProposer(k, low, config.speculative_ngram_max_match_window_size)
+    if config.speculative_algorithm == "standalone":
+        assert config.speculative_draft_model_path is not None  # SchedulerConfig checks it
+        return DraftModelProposer(engine, k, config.speculative_draft_model_path)
+    return None
