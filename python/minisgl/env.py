@@ -33,3 +33,9 @@ def disable_gemv() -> bool:
 def disable_overlap_scheduling() -> bool:
     """MINISGL_DISABLE_OVERLAP_SCHEDULING: build the next batch only after the current one ends."""
     return _flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")
+
+
+def api_key() -> str | None:
+    """MINISGL_API_KEY: the server's API key when `--api-key` is not given (an environment
+    variable is private to its user, a command line is not: /proc/PID/cmdline). Empty: none."""
+    return os.environ.get("MINISGL_API_KEY") or None

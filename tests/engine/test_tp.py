@@ -106,7 +106,7 @@ def test_server_tp2_answers(tmp_path, model_dirs):
     model = make_tiny_model(str(tmp_path / "m"))
     args = ["--device", "cpu", "--tp", "2", "--num-pages", "64", "--page-size", "4"]
     with run_server(model, *args, log_path=str(tmp_path / "log")) as server:
-        assert "scheduler1 process started" in server.log()
+        assert "scheduler_1 process started" in server.log()
         body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

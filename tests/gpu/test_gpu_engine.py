@@ -256,3 +256,19 @@ def test_mixed_steps_equal_separate_steps(model_dirs, monkeypatch, attn):
     separate = generate(path, monkeypatch, attn=attn, dtype=dtype, disable_mixed_steps=True)
     mixed = generate(path, monkeypatch, attn=attn, dtype=dtype, max_num_batched_tokens=80)
     assert mixed == separate
+
+
+@pytest.mark.parametrize("attn", ["triton", "fi"])
+@pytest.mark.parametrize("algorithm", ["ngram", "standalone"])
+def test_speculative_decoding_equals_plain_on_gpu(model_dirs, monkeypatch, attn, algorithm):
+    """Issue 17: verification extends (prefill kernels) and the draft's graph decode steps
+    give plain decoding's tokens, greedy and sampled."""
+    if attn == "fi":
+        pytest.importorskip("flashinfer")
+    path, _ = model_dirs("qwen3" if attn == "triton" else "qwen3_hd128")
+    dtype = "float32" if attn == "triton" else "bfloat16"
+    spec: dict = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 3}
+    if algorithm == "standalone":
+        spec["speculative_draft_model_path"] = path  # itself: every proposal accepted
+    plain = generate(path, monkeypatch, attn=attn, dtype=dtype)
+    assert generate(path, monkeypatch, attn=attn, dtype=dtype, **spec) == plain

@@ -487,7 +487,7 @@ def test_sigterm_during_start_up(model_dir: str, tmp_path: Any) -> None:
     """Stopped while its children still load: they must not be orphaned."""
     server = Server(model_dir, "--page-size", "4", log_path=str(tmp_path / "early.log"))
     try:
-        wait_for(lambda: "tokenizer0 process started" in server.log(), 60, "the children")
+        wait_for(lambda: "tokenizer_0 process started" in server.log(), 60, "the children")
         server.children = descendants(server.proc.pid)
         assert server.stop(signal.SIGTERM) == 0
     finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -92,6 +91,17 @@ def alive(procs: list[Proc]) -> list[Proc]:
     return [(pid, start) for pid, start in procs if (st := _stat(pid)) and st[2] == start]
 
 
+def title(pid: int) -> str:
+    """What /proc/PID/cmdline says, as one string (a process's title, once it set one)."""
+    return cmdline(pid).strip()
+
+
+def _limit_files(n: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -104,15 +114,25 @@ def cmdline(pid: int) -> str:
 class Server:
     """One `python -m minisgl` process; output goes to a log file (a pipe could fill up)."""
 
-    def __init__(self, model: str | None, *args: str, log_path: str) -> None:
-        """`model` None: no --model flag (the embedded default model)."""
+    def __init__(
+        self,
+        model: str | None,
+        *args: str,
+        log_path: str,
+        extra_env: dict[str, str] | None = None,
+        max_open_files: int | None = None,
+    ) -> None:
+        """`model` None: no --model flag (the embedded default model). `extra_env`: variables
+        added to the server's environment; `max_open_files`: its RLIMIT_NOFILE (soft and hard)."""
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "minisgl", "--port", str(self.port)]
         cmd += ["--model", model] if model is not None else []
+        extra_env = extra_env or {}
         env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), PYTHONUNBUFFERED="1")
+        env.update(extra_env)
         self._log = open(log_path, "wb")  # closed by stop() or kill_all()
         # A session of its own: a signal to its group is what a terminal's Ctrl-C does.
         self.proc = subprocess.Popen(
@@ -123,12 +143,15 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=None if max_open_files is None else lambda: _limit_files(max_open_files),
         )
         self.children: list[Proc] = []
         self.expect_code = 0  # what `run_server` expects at the end (a test may kill it)
         self.headers: dict[str, str] = {}  # what /stats needs when the server wants an API key
-        if "--api-key" in args:
-            self.headers["authorization"] = f"Bearer {args[args.index('--api-key') + 1]}"
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        key = key or extra_env.get("MINISGL_API_KEY")
+        if key:
+            self.headers["authorization"] = f"Bearer {key}"
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -156,11 +179,11 @@ class Server:
         self.children = descendants(self.proc.pid)
 
     def child_pid(self, name: str) -> int:
-        """Pid of a named child ("scheduler", "detokenizer", "tokenizer0", ...), from the
-        launcher's start-up log line."""
-        m = re.search(rf"{name} process started \(pid (\d+)\)", self.log())
-        assert m, f"no start-up line for {name} in the log:\n{self.log()}"
-        return int(m.group(1))
+        """Pid of the child titled `minisgl::NAME` ("scheduler_0", "detokenizer",
+        "tokenizer_0", "reaper", ...)."""
+        titled = [pid for pid, _ in descendants(self.proc.pid) if title(pid) == f"minisgl::{name}"]
+        assert len(titled) == 1, f"{len(titled)} processes titled minisgl::{name}"
+        return titled[0]
 
     def get_json(self, path: str) -> Any:
         request = urllib.request.Request(f"{self.url}{path}", headers=self.headers)
@@ -237,10 +260,13 @@ def run_server(
     log_path: str,
     stop_signal: int = signal.SIGTERM,
     group: bool = False,
+    extra_env: dict[str, str] | None = None,
+    max_open_files: int | None = None,
 ) -> Iterator[Server]:
     """A healthy server for the `with` block; afterwards it must stop on `stop_signal` within
     10 s, with exit code 0 (or `server.expect_code`) and no process left behind."""
-    server = Server(model, *args, log_path=log_path)
+    files = max_open_files
+    server = Server(model, *args, log_path=log_path, extra_env=extra_env, max_open_files=files)
     try:
         server.wait_ready()
         yield server

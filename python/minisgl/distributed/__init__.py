@@ -5,10 +5,16 @@ With TP size N every rank runs the same scheduler and engine; the model's collec
 the default group (NCCL on CUDA, gloo on CPU) and rank 0's small control messages (new
 requests, aborts) over a gloo group of their own, whose timeout is long because followers wait
 there while the server is idle. A rank that dies closes its sockets, so the others' collectives
-fail at once instead of hanging."""
+fail at once instead of hanging.
+
+Nothing listens beyond this machine: the ranks meet through a file (a torch FileStore in a
+directory only this user can read), not a TCP store (whose server listens on every interface),
+and gloo's and NCCL's own sockets are bound to the loopback interface unless the user chose one
+(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -68,23 +74,30 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def free_port() -> int:
-    """A free localhost TCP port for the group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_file(directory: str) -> str:
+    """Where the TP group's ranks meet: a file in `directory` (the caller's private temp
+    directory, removed by the caller), which must not exist yet."""
+    return os.path.join(directory, "tp-rendezvous")
 
 
-def init_tp(rank: int, size: int, port: int, device_type: str) -> None:
-    """Join the TP group of `size` processes (rank 0 hosts the rendezvous on `port`)."""
+def _loopback_interface() -> str:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), "lo")  # Linux, macOS
+
+
+def init_tp(rank: int, size: int, rendezvous: str, device_type: str) -> None:
+    """Join the TP group of `size` processes, which meet through the file `rendezvous`."""
     global _CONTROL
+    loopback = _loopback_interface()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # read when a gloo group is made
     if device_type == "cuda":
         import torch.cuda
 
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)  # NCCL's bootstrap sockets
         torch.cuda.set_device(rank)  # before NCCL creates its communicator
     dist.init_process_group(
         "nccl" if device_type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{rendezvous}",
         rank=rank,
         world_size=size,
         timeout=timedelta(seconds=START_TIMEOUT_S),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from minisgl.core import Req, SamplingParams
-from minisgl.distributed import destroy_tp, free_port, get_tp_info
+from minisgl.distributed import destroy_tp, get_tp_info, rendezvous_file
 from minisgl.engine import EngineConfig
 from minisgl.engine.engine import check_tp
 from minisgl.models import resolve_model_path
@@ -84,8 +86,9 @@ class LLM:
         config = EngineConfig(model=model, **engine_options)
         sched_config = SchedulerConfig(**sched_options)
         self.workers: list[Any] = []  # TP ranks 1..N-1
+        self.tp_dir: str | None = None  # private directory of the ranks' rendezvous file
         if tp == 1:
-            self.scheduler = build_scheduler(config, sched_config, rank=0, tp=1, port=0)
+            self.scheduler = build_scheduler(config, sched_config, rank=0, tp=1)
         else:
             config.model = resolve_model_path(model)  # download once, before the other ranks
             self.scheduler = self._start_tp(config, sched_config, tp)
@@ -96,18 +99,19 @@ class LLM:
         import multiprocessing as mp
 
         check_tp(config, tp)  # before any process starts
-        port, ctx = free_port(), mp.get_context("spawn")
+        ctx, self.tp_dir = mp.get_context("spawn"), tempfile.mkdtemp(prefix="minisgl-tp-")
+        rendezvous = rendezvous_file(self.tp_dir)
         conns = []
         for rank in range(1, tp):
             conn, child = ctx.Pipe(duplex=False)
-            args = (config, sched_config, rank, tp, port, child)
+            args = (config, sched_config, rank, tp, rendezvous, child)
             proc = ctx.Process(target=run_follower, args=args, name=f"TP rank {rank}", daemon=True)
             proc.start()
             self.workers.append(proc)
             conns.append(conn)
         try:
             wait_ready(conns, self.workers)  # hello: alive past their imports
-            scheduler = build_scheduler(config, sched_config, 0, tp, port)
+            scheduler = build_scheduler(config, sched_config, 0, tp, rendezvous)
             wait_ready(conns, self.workers)
         except BaseException:
             destroy_tp()  # the others' collectives fail at once: nobody waits for this rank
@@ -115,6 +119,7 @@ class LLM:
                 proc.kill()
                 proc.join()
             self.workers = []
+            shutil.rmtree(self.tp_dir, ignore_errors=True)
             raise
         return scheduler
 
@@ -283,3 +288,5 @@ class LLM:
                 proc.join()
         self.workers = []
         destroy_tp()
+        if self.tp_dir is not None:
+            shutil.rmtree(self.tp_dir, ignore_errors=True)

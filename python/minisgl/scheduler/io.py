@@ -24,7 +24,7 @@ from minisgl.models.hf import eos_token_ids, load_tokenizer
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.utils.device import device_type
-from minisgl.utils.procs import die_with_parent
+from minisgl.utils.procs import die_with_parent, set_title
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class SchedulerServer:
         elif isinstance(msg, UserMsg):
             try:
                 req = self.scheduler.make_request(msg.input_ids, msg.params, uid=msg.uid)
-            except ValueError as e:
+            except (ValueError, TypeError) as e:  # TypeError: a message with fields gone wrong
                 err = DetokenizeMsg(msg.uid, [], True, "error", error=str(e))
                 self.send.put(BatchDetokenizeMsg([err]))
             else:
@@ -111,13 +111,18 @@ class SchedulerServer:
 
 
 def build_scheduler(
-    engine_config: EngineConfig, sched_config: SchedulerConfig, rank: int, tp: int, port: int
+    engine_config: EngineConfig,
+    sched_config: SchedulerConfig,
+    rank: int,
+    tp: int,
+    rendezvous: str = "",
 ) -> Scheduler:
-    """Join the TP group (when tp > 1), then build this rank's engine shard and scheduler."""
+    """Join the TP group (when tp > 1; its ranks meet through the file `rendezvous`), then
+    build this rank's engine shard and scheduler."""
     if tp > 1:
         if rank > 0:  # the ranks share the cores; rank 0 may be the user's own process
             torch.set_num_threads(max(1, torch.get_num_threads() // tp))
-        init_tp(rank, tp, port, device_type(engine_config.device))
+        init_tp(rank, tp, rendezvous, device_type(engine_config.device))
     engine = Engine(engine_config)
     tokenizer = load_tokenizer(engine.model_path)
     eos = eos_token_ids(engine.model_path, engine.model_config.eos_token_ids, tokenizer)
@@ -129,7 +134,7 @@ def run_follower(
     sched_config: SchedulerConfig,
     rank: int,
     tp: int,
-    port: int,
+    rendezvous: str,
     ready: Any,
 ) -> None:
     """Process entry of TP ranks > 0 (server and offline LLM alike): say hello before joining
@@ -137,9 +142,10 @@ def run_follower(
     Ctrl-C is rank 0's to handle; the kernel ends this process with its parent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
+    set_title(f"scheduler_{rank}")
     ready.send(("ready", None))
     try:
-        scheduler = build_scheduler(engine_config, sched_config, rank, tp, port)
+        scheduler = build_scheduler(engine_config, sched_config, rank, tp, rendezvous)
     except Exception as e:
         ready.send(("error", f"TP rank {rank} failed to start: {type(e).__name__}: {e}"))
         raise SystemExit(1) from None
@@ -154,7 +160,7 @@ def run_scheduler_process(
     engine_config: EngineConfig,
     sched_config: SchedulerConfig,
     tp: int,
-    port: int,
+    rendezvous: str,
     recv_addr: str,
     send_addr: str,
     ready: Any,
@@ -162,7 +168,7 @@ def run_scheduler_process(
     """Process entry of rank 0: build the engine, report readiness (or the error) through
     `ready`, then serve."""
     try:
-        scheduler = build_scheduler(engine_config, sched_config, 0, tp, port)
+        scheduler = build_scheduler(engine_config, sched_config, 0, tp, rendezvous)
         server = SchedulerServer(scheduler, recv_addr, send_addr)
     except Exception as e:  # reported to the launcher, which prints it and exits non-zero
         ready.send(("error", f"scheduler failed to start: {type(e).__name__}: {e}"))

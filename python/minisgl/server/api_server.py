@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from minisgl.core import SamplingParams
 from minisgl.message import TokenizeMsg, UserReply
 from minisgl.parsers import (
     FunctionSchema,
@@ -398,6 +399,7 @@ class ApiServer:
         self.tokenizer_lock = threading.Lock()
         self.parser: OutputParser | None = None  # --tool-call-parser's and --reasoning-parser's
         self.special_tokens: tuple[str, ...] = ()  # the tokenizer's, when the parser keeps some
+        self.health_check: asyncio.Future[str | None] | None = None  # /health?generate=1's
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served:
@@ -748,10 +750,30 @@ class ApiServer:
 
         return {"prompt": await self.with_tokenizer(decode, "tokens")}
 
-    async def health(self) -> JSONResponse:
+    async def health(self, generate: bool = False) -> JSONResponse:
+        """200 while the pipeline is up; with `generate`, only once a one-token generation went
+        through every process within --health-check-timeout (SGLang's health_generate)."""
         if self.frontend.dead:
-            return error_response(503, self.frontend.dead)
+            return error_response(503, self.frontend.dead, code="server_unavailable")
+        if generate:
+            if self.health_check is None or self.health_check.done():  # probes share one
+                self.health_check = asyncio.ensure_future(self.generate_one_token())
+            error = await asyncio.shield(self.health_check)
+            if error is not None:
+                return error_response(503, error, code="server_unavailable")
         return JSONResponse({"status": "ok"})
+
+    async def generate_one_token(self) -> str | None:
+        """One greedy token from token id 0 through the tokenizer, scheduler and detokenizer
+        (not counted against --max-queued-requests); None, or why it failed."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        msg = TokenizeMsg(self.frontend.new_uid(), None, [0], None, params)
+        timeout = self.args.health_check_timeout
+        async with aclosing(self.frontend.stream(msg, timeout)) as replies:
+            async for r in replies:
+                if r.error is not None:
+                    return f"health check generation failed: {r.error}"
+        return None
 
     async def stats(self) -> dict[str, Any]:
         """Scheduler snapshot (running requests, KV pages), refreshed when it goes idle, plus the
@@ -786,7 +808,8 @@ ERROR_STATUSES = {
     404: "the model named is not served here",
     413: "body larger than --max-request-bytes",
     500: "internal error",
-    503: "overloaded (--max-queued-requests) or shutting down",
+    503: "overloaded (--max-queued-requests), shutting down, or a worker died or hung (the "
+    "watchdog); /health?generate=1: the one-token generation failed or took too long",
     504: "the request ran past --request-timeout",
 }
 ERROR_SCHEMA: dict[str, Any] = {  # error_body's
@@ -812,7 +835,7 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/gener
 
 def error_statuses(path: str, method: str) -> set[int]:
     """The error statuses an endpoint answers."""
-    statuses = {500} | ({503} if path == "/health" else {401})
+    statuses = {500} | ({400, 503} if path == "/health" else {401})  # 400: `generate`
     if method == "post":
         statuses |= {400, 413} | (set() if path == "/generate" else {404})  # "model" unknown
     if path in GENERATION_PATHS:

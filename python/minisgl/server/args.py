@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
 
+from minisgl import env
 from minisgl.engine.config import EngineConfig
 from minisgl.parsers import REASONING_PARSERS, TOOL_PARSERS
 from minisgl.scheduler.config import SchedulerConfig
@@ -57,7 +58,11 @@ class ServerArgs:
         choices=sorted(REASONING_PARSERS),
     )
     shell: bool = option(False, "interactive terminal chat instead of a server")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY'")
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' (unset: the MINISGL_API_KEY environment variable, "
+        "which other local users cannot read, unlike a command line)",
+    )
     max_queued_requests: int | None = option(
         None,
         "requests waiting for their first token beyond which new ones get 503 (unset: no limit)",
@@ -75,6 +80,29 @@ class ServerArgs:
         30.0,
         "seconds SIGTERM waits for in-flight requests to finish before exiting",
         type=_seconds(allow_zero=True),
+    )
+    watchdog_timeout: float = option(
+        300.0,
+        "seconds the pipeline may stay silent (no step, no reply) while requests are unfinished "
+        "before the server fails them, turns /health 503 and exits with code 1; 0: no watchdog",
+        type=_seconds(allow_zero=True),
+    )
+    health_check_timeout: float = option(
+        20.0,
+        "seconds /health?generate=1 waits for its one-token generation before answering 503",
+        type=_seconds(allow_zero=False),
+    )
+    max_connections: int = option(
+        2048,
+        "open HTTP connections beyond which the longest idle one is closed; when all are busy, "
+        "requests beyond it get 503",
+        type=int_range(1),
+    )
+    timeout_keep_alive: float = option(
+        5.0,
+        "seconds a connection may take to send a request's headers, from its opening or from the "
+        "end of its previous response, before it is closed",
+        type=_seconds(allow_zero=False),
     )
     log_level: str = option(
         "info",
@@ -125,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     parser = build_parser()
     options = vars(parser.parse_args(argv))
     engine, scheduler, server = split_options(options, EngineConfig, SchedulerConfig, ServerArgs)
+    if server["api_key"] is None:  # --api-key wins over the environment
+        server["api_key"] = env.api_key()
     try:
         return ServerArgs(EngineConfig(**engine), SchedulerConfig(**scheduler), **server)
     except OptionError as e:  # a check only the config makes, e.g. the --attn names

@@ -1,14 +1,18 @@
 """The api server's side of the pipeline: submit requests to the tokenizer workers and route
 the replies coming back from the detokenizer to one asyncio queue per request. It also keeps
-the request-level metrics (it sees every reply) and fails every request when the pipeline dies."""
+the request-level metrics (it sees every reply), fails every request when the pipeline dies, and
+runs the watchdog: while a request is unfinished, some message must come back from the pipeline
+at least every --watchdog-timeout seconds (the scheduler sends its stats every 0.2 s while it has
+work), or the pipeline is taken for hung."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from minisgl.message import (
@@ -31,10 +35,19 @@ class _InFlight:
     submitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # None until the first token: the request is queued
     priority: str = "0"  # its metrics label
+    finished: bool = False  # its last reply came (the handler may not have collected it yet)
 
 
 class Frontend:
-    def __init__(self, tokenizer_addrs: list[str], recv_addr: str) -> None:
+    def __init__(
+        self,
+        tokenizer_addrs: list[str],
+        recv_addr: str,
+        watchdog_timeout: float = 0.0,
+        on_hang: Callable[[str], None] | None = None,
+    ) -> None:
+        """`watchdog_timeout` 0: no watchdog; else `on_hang(reason)` is called (on a thread of
+        its own) once the pipeline has been silent that long with a request unfinished."""
         self.to_tokenizers = [ZmqAsyncPushQueue(a, create=False) for a in tokenizer_addrs]
         self.recv = ZmqAsyncPullQueue(recv_addr, create=True)
         self.requests: dict[int, _InFlight] = {}
@@ -42,21 +55,48 @@ class Frontend:
         self.stats = SchedulerStats()
         self.metrics = Metrics(lambda: self.stats, lambda: self.num_queued)
         self.dead: str | None = None  # set when the pipeline can no longer answer
+        self.watchdog_timeout, self.on_hang = watchdog_timeout, on_hang
+        self.last_progress = time.monotonic()  # of the last message, or of the last idle tick
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = self._loop.create_task(self._dispatch())
+        self._tasks.append(self._loop.create_task(self._dispatch()))
+        if self.watchdog_timeout > 0 and self.on_hang is not None:
+            self._tasks.append(self._loop.create_task(self._watchdog()))
 
     @property
     def num_queued(self) -> int:
         """Requests submitted that have not produced a token yet."""
         return sum(r.last_token is None for r in self.requests.values())
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests in flight whose last reply has not come: the pipeline owes them answers."""
+        return sum(not r.finished for r in self.requests.values())
+
+    async def _watchdog(self) -> None:
+        while self.dead is None:
+            await asyncio.sleep(min(1.0, self.watchdog_timeout / 4))
+            if not self.num_unfinished:  # nothing owed: silence counts from now on
+                self.last_progress = time.monotonic()
+                continue
+            silent = time.monotonic() - self.last_progress
+            if silent > self.watchdog_timeout and self.dead is None:
+                reason = (
+                    f"watchdog: no progress for {silent:.0f} s (--watchdog-timeout "
+                    f"{self.watchdog_timeout:g}) with {self.num_unfinished} requests unfinished"
+                )
+                assert self.on_hang is not None
+                # on a thread: stopping the server waits, this loop must go on serving errors
+                threading.Thread(target=self.on_hang, args=(reason,), daemon=True).start()
+                return
+
     async def _dispatch(self) -> None:
         while True:
             batch = await self.recv.get()
+            self.last_progress = time.monotonic()
             if not isinstance(batch, BatchFrontendMsg):  # decoded, but not for here
                 logger.error("api server: dropped an unexpected %s message", type(batch).__name__)
                 continue
@@ -83,6 +123,7 @@ class Frontend:
             req.last_token = now
             m.generation_tokens.inc(n)
         if reply.finished:
+            req.finished = True
             m.finished.labels(reply.finish_reason or "unknown").inc()
             if reply.finish_reason in ("stop", "length"):
                 m.e2e.labels(req.priority).observe(now - req.submitted)
@@ -140,6 +181,8 @@ class Frontend:
 
     def fail(self, reason: str) -> None:
         """The pipeline is gone: end every request with an error; refuse new ones from now on."""
+        if self.dead is not None:
+            return
         self.dead = reason
         for uid, req in self.requests.items():
             reply = UserReply(uid, "", [], True, "error", 0, 0, reason)

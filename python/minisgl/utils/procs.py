@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import Any
+
+TITLE_PREFIX = "minisgl::"
+
+
+def set_title(name: str) -> None:
+    """Name this process `minisgl::NAME` in ps / top / /proc/PID/cmdline (and comm, cut to 15
+    bytes by the kernel), so operators and tests can tell the workers apart."""
+    import setproctitle
+
+    setproctitle.setproctitle(TITLE_PREFIX + name)
 
 
 def die_with_parent() -> None:
@@ -21,6 +33,41 @@ def die_with_parent() -> None:
     parent = mp.parent_process()
     if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
         os._exit(1)
+
+
+class Reaper:
+    """A small process (`utils/reaper.py`, no torch) that outlives this one to clean up after
+    it: when this process dies, however it dies, the reaper reads EOF on its stdin (only this
+    process holds the pipe's other end), SIGKILLs the pids it was told about and removes
+    `directory`. A clean stop says so and closes the pipe; the reaper then only exits."""
+
+    def __init__(self, directory: str) -> None:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", script, directory],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # signals to the server's group (Ctrl-C, hang-up) are not for it
+        )
+
+    def watch(self, pid: int) -> None:
+        """Kill `pid` too if this process dies first (PR_SET_PDEATHSIG's job on Linux)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{pid}\n".encode())
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        """After a clean stop: nothing of its pids to kill (they may be recycled already)."""
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):  # BrokenPipeError: it was killed
+            self.proc.stdin.write(b"stopped\n")
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def wait_ready(conns: list[Any], procs: list[Any]) -> list[Any]:

@@ -1,0 +1,172 @@
+"""Bounds on the HTTP server's connections, on top of uvicorn's protocol (see `serve_http`).
+
+uvicorn closes a kept-alive connection that stays silent after a response, but not one that
+never sends a request, nor one that sends its headers a byte at a time: each holds a file
+descriptor for ever, and once they run out every accept fails (logging an error each time) and
+/health stops answering. Here every connection must complete a request's headers within
+--timeout-keep-alive seconds of its opening (or of its previous response), and beyond
+--max-connections open connections the one idle the longest is closed (a connection with a
+request in progress is never closed). When every connection is busy, uvicorn's
+`limit_concurrency` (set to one more than the limit) answers the requests beyond it 503."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+logger = logging.getLogger(__name__)
+FD_RESERVE = 256  # file descriptors kept for everything but client connections
+MAX_BACKLOG = 2048  # uvicorn's default listen backlog
+BURSTS = 3  # backlogs of connections accepted before the first of them is seen (and closed)
+WARN_INTERVAL_S = 10.0  # shedding is logged at most this often: a flood must not fill the log
+
+
+def connection_budget(max_connections: int) -> tuple[int, int]:
+    """Raise the soft open-file limit to fit `max_connections` (up to the hard limit); the
+    connections that fit (never more than asked) and the listen backlog. asyncio accepts up to
+    a backlog of connections at a time before any is seen here (to be closed if over the
+    limit), a few times over: room is kept for that too."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return max_connections, MAX_BACKLOG
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want, inf = max_connections + BURSTS * MAX_BACKLOG + FD_RESERVE, resource.RLIM_INFINITY
+    if soft != inf and soft < want:
+        soft = want if hard == inf else min(hard, want)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft == inf or soft >= want:
+        return max_connections, MAX_BACKLOG
+    backlog = min(MAX_BACKLOG, max(16, (soft - FD_RESERVE) // (2 * BURSTS)))
+    fits = max(1, soft - FD_RESERVE - BURSTS * backlog)
+    if fits < max_connections:
+        logger.warning(
+            "--max-connections %d lowered to %d: the open-file limit is %d",
+            max_connections,
+            fits,
+            soft,
+        )
+    return min(fits, max_connections), backlog
+
+
+class ConnectionLimits:
+    """Shared by every connection of one server: those waiting for a request's headers, the one
+    idle the longest first."""
+
+    def __init__(self, max_connections: int, head_timeout: float) -> None:
+        self.max_connections, self.head_timeout = max_connections, head_timeout
+        self.idle: OrderedDict[Any, None] = OrderedDict()
+        self.closing: set[Any] = set()  # closed here, not yet gone from uvicorn's set
+        self.num_shed = 0
+        self._warned_at, self._warned_count = 0.0, 0
+
+    def waiting(self, conn: Any) -> None:
+        self.idle[conn] = None
+        self.idle.move_to_end(conn)
+
+    def forget(self, conn: Any) -> None:
+        self.idle.pop(conn, None)
+        self.closing.discard(conn)
+
+    def close(self, conn: Any) -> None:
+        self.forget(conn)
+        self.closing.add(conn)
+        conn.transport.close()
+
+    def make_room(self, new: Any) -> None:
+        """`new` was just opened: close the longest idle connections beyond the limit."""
+        excess = len(new.connections) - len(self.closing) - self.max_connections
+        while excess > 0 and self.idle:
+            conn = next(iter(self.idle))
+            if conn is new:  # every other connection is busy
+                break
+            del self.idle[conn]  # a busy one comes back when its response is complete
+            if conn.waiting_for_head:
+                self.close(conn)
+                self.num_shed += 1
+                excess -= 1
+        if excess > FD_RESERVE // 2:  # all busy, and file descriptors run short
+            self.close(new)
+            self.num_shed += 1
+        self._warn()
+
+    def _warn(self) -> None:
+        now = time.monotonic()
+        if self.num_shed > self._warned_count and now - self._warned_at > WARN_INTERVAL_S:
+            logger.warning(
+                "closed %d idle HTTP connections so far: more than --max-connections %d were open",
+                self.num_shed,
+                self.max_connections,
+            )
+            self._warned_at, self._warned_count = now, self.num_shed
+
+    def quiet_accept_errors(self, loop: asyncio.AbstractEventLoop) -> None:
+        """asyncio logs every failed accept (with a traceback), up to a backlog of them each
+        time the listening socket is ready: out of file descriptors, that is megabytes a
+        second. Log them at most once per WARN_INTERVAL_S instead."""
+        default = loop.get_exception_handler()
+        last = [0.0]
+
+        def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            if not str(context.get("message", "")).startswith("socket.accept() out of system"):
+                if default is not None:
+                    default(loop, context)
+                else:
+                    loop.default_exception_handler(context)
+                return
+            now = time.monotonic()
+            if now - last[0] > WARN_INTERVAL_S:
+                last[0] = now
+                logger.error("cannot accept HTTP connections: %s", context.get("exception"))
+
+        loop.set_exception_handler(handler)
+
+    def protocol(self) -> type[asyncio.Protocol]:
+        """uvicorn's HTTP protocol class (the one it would pick), bound by these limits."""
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        limits = self
+        base: Any = AutoHTTPProtocol
+
+        class BoundedProtocol(base):
+            _head_timer: asyncio.TimerHandle | None = None
+            _awaited: Any = None  # the request cycle when the wait began: a new request replaces it
+
+            def connection_made(self, transport: Any) -> None:
+                super().connection_made(transport)
+                self._await_head()
+                limits.make_room(self)
+
+            def on_response_complete(self) -> None:
+                super().on_response_complete()
+                if not self.transport.is_closing():
+                    self._await_head()
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                limits.forget(self)
+                if self._head_timer is not None:
+                    self._head_timer.cancel()
+                super().connection_lost(exc)
+
+            @property
+            def waiting_for_head(self) -> bool:
+                """No request in progress, and none has begun since the wait began."""
+                cycle = self.cycle
+                return cycle is self._awaited and (cycle is None or cycle.response_complete)
+
+            def _await_head(self) -> None:
+                if self._head_timer is not None:
+                    self._head_timer.cancel()
+                self._awaited = self.cycle
+                self._head_timer = self.loop.call_later(limits.head_timeout, self._head_overdue)
+                limits.waiting(self)
+
+            def _head_overdue(self) -> None:
+                self._head_timer = None
+                if self.waiting_for_head and not self.transport.is_closing():
+                    limits.close(self)
+
+        return BoundedProtocol
