@@ -36,13 +36,7 @@ MAX_CONNECTIONS = 300  # the shared server's: fewer than IDLE_SOCKETS
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = CONTEXT
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), CONTEXT)
 
 
 @pytest.fixture(scope="module")

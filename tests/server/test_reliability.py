@@ -33,13 +33,7 @@ POOL_PAGES = 24  # the pressured server's KV pool: 96 tokens at page size 4
 # ---- fixtures and helpers -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = CONTEXT
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), CONTEXT)
 
 
 @pytest.fixture(scope="module")

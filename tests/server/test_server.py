@@ -38,13 +38,7 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "gene
 # ---- fixtures -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = make_tiny_model(str(tmp_path_factory.mktemp("models") / NAME))
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = CONTEXT
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return path
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / NAME), CONTEXT)
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,20 @@ STOP_TIMEOUT_S = 10.0
 T = TypeVar("T")
 
 
-def make_tiny_model(path: str) -> str:
-    """A random qwen3 checkpoint with the tiny test tokenizer and its chat template."""
+def make_tiny_model(path: str, context: int | None = None) -> str:
+    """A random qwen3 checkpoint with the tiny test tokenizer and its chat template;
+    `context`: its max_position_embeddings instead of the default."""
     from support.models import save_model
     from support.tokenizer import build_tiny_tokenizer
 
     save_model("qwen3", path)
     build_tiny_tokenizer(path)
+    if context is not None:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["max_position_embeddings"] = context
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
     return path
 
 
