@@ -56,7 +56,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated
 
 
-DEATH_GRACE_S = 0.5  # after a failure: time for clients to get their errors and see /health 503
+DEATH_GRACE_S = 1.5  # after a failure: time for clients (on a loaded machine) to get their errors and see /health 503
 CUT_MARGIN_S = 0.5  # the drain's requests still running end this long before it runs out
 
 
