@@ -22,12 +22,15 @@ if TYPE_CHECKING:
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM allows (OpenAI: 20 in chat)
 PLACEHOLDER = -1  # a sampled token id the host has not read yet (its step is in flight)
+# SamplingParams' fields that constrain the output (structured generation), one at most
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. temperature 0 means greedy. At most one of json_schema
-    (a dict or its JSON text), regex and ebnf constrains the output (structured generation).
+    (a dict or its JSON text), regex, ebnf and structural_tag (xgrammar's structural tag, a dict
+    or its JSON text: tool calls, constraints after the reasoning) constrains the output.
     The logits of each step are adjusted, in this order, by logit_bias, the min_tokens mask,
     repetition_penalty, then frequency_penalty and presence_penalty (docs/features.md)."""
 
@@ -42,6 +45,7 @@ class SamplingParams:
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
     presence_penalty: float = 0.0  # OpenAI: minus this once the token is in the output
     repetition_penalty: float = 1.0  # transformers: over the prompt and output; 1 = off
@@ -63,11 +67,13 @@ class SamplingParams:
             raise ValueError(
                 f"logit_bias must map token ids to numbers, got {self.logit_bias}"
             ) from None
-        if isinstance(self.json_schema, dict):  # kept as text: it travels between processes
-            try:
-                self.json_schema = json.dumps(self.json_schema)  # key order is field order
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"json_schema is not JSON: {e}") from None
+        for name in ("json_schema", "structural_tag"):  # kept as text: it travels in messages
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                try:
+                    setattr(self, name, json.dumps(value))  # key order is field order
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{name} is not JSON: {e}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
@@ -93,10 +99,11 @@ class SamplingParams:
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not -(2**31) <= self.priority < 2**31:
             raise ValueError(f"priority must be in [-2**31, 2**31), got {self.priority}")
-        grammars = {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
+        grammars = {name: getattr(self, name) for name in CONSTRAINT_KINDS}
         given = [name for name, value in grammars.items() if value is not None]
         if len(given) > 1:
-            raise ValueError(f"give at most one of json_schema, regex and ebnf, got {given}")
+            kinds = ", ".join(CONSTRAINT_KINDS[:-1]) + " and " + CONSTRAINT_KINDS[-1]
+            raise ValueError(f"give at most one of {kinds}, got {given}")
         if given and not isinstance(grammars[given[0]], str):
             raise ValueError(f"{given[0]} must be a string")
         self._validate_penalties()
@@ -124,6 +131,15 @@ class SamplingParams:
         """Sample j of n: one request, seeded seed + j (kept within int64)."""
         seed = None if self.seed is None else (self.seed + j) % 2**63
         return dataclasses.replace(self, seed=seed, n=1)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint (one of CONSTRAINT_KINDS), or None."""
+        for kind in CONSTRAINT_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:

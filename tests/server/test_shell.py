@@ -1,11 +1,13 @@
 """`python -m minisgl --shell` in a pseudo-terminal (pexpect): streamed answers with the
 conversation as history, /reset, Ctrl-C to stop an answer, /exit and Ctrl-D to leave (exit
-status 0), and no process left behind."""
+status 0), and no process left behind; with --reasoning-parser the thinking dimmed, or hidden
+with --shell-hide-reasoning."""
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -111,3 +113,40 @@ def test_ctrl_c_stops_the_answer_and_ctrl_d_exits(model_dir: str) -> None:
         assert not re.search("Traceback|Error", child.before or "")
     finally:
         child.close(force=True)
+
+
+THOUGHT, ANSWER = "The user greets me.", "Hello there!"
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A model whose greedy answer thinks first (support/scripted.py)."""
+    from support.scripted import build_scripted_model
+
+    path = str(tmp_path_factory.mktemp("thinking_model"))
+    return build_scripted_model(path, f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}")
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_reasoning_dimmed_or_hidden(thinking_model: str, hide: bool) -> None:
+    flags = ["--reasoning-parser", "qwen3"] + (["--shell-hide-reasoning"] if hide else [])
+    child, procs = start_shell(thinking_model, *flags)
+    try:
+        for _ in range(2):  # the second answer comes after the first in the history
+            answer = ask(child, "hi")
+            if hide:
+                assert answer == ANSWER
+            else:  # dimmed thinking (SGR 2), normal intensity (SGR 22) for the answer below it
+                assert answer == f"\x1b[2m{THOUGHT}\x1b[22m\r\n{ANSWER}", repr(answer)
+        child.sendline("/exit")
+        assert wait_closed(child, procs) == 0
+    finally:
+        child.close(force=True)
+
+
+def test_hide_reasoning_needs_its_flags() -> None:
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    cmd = [sys.executable, "-m", "minisgl", "--shell", "--shell-hide-reasoning"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "argument --shell-hide-reasoning: needs --shell and --reasoning-parser" in done.stderr

@@ -201,7 +201,9 @@ def test_bad_grammar_is_refused_before_anything_runs(
 
 
 def test_sampling_params_checks() -> None:
-    with pytest.raises(ValueError, match="at most one of json_schema, regex and ebnf"):
+    with pytest.raises(
+        ValueError, match="at most one of json_schema, regex, ebnf and structural_tag"
+    ):
         SamplingParams(regex="a", ebnf='root ::= "a"')
     with pytest.raises(ValueError, match="regex must be a string"):
         SamplingParams(regex=5)  # type: ignore[arg-type]

@@ -1,7 +1,9 @@
 """Tool calling and reasoning end to end: a server with `--tool-call-parser hermes
 --reasoning-parser qwen3` on the scripted tiny model (support/scripted.py), whose greedy answer
 thinks and then calls get_weather, and answers after the tool's result; through the official
-openai client, streamed and not; and the refusals."""
+openai client, streamed and not; forced calls and response_format after free reasoning; and the
+refusals. Then a random tiny model behind the same flags: forced calls sampled at temperature
+0.8 always validate against their schemas."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from openai import OpenAI
 
 from support.scripted import build_scripted_model
 from support.server import REPO, Server, run_server
+from support.tool_model import FORECAST, SCHEMAS, make_random_tool_model
+from support.tool_model import TOOLS as RANDOM_TOOLS
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 
@@ -139,10 +144,11 @@ def test_tool_choice_none_returns_the_text(client: OpenAI, server: Server) -> No
     assert tokenized == [r.usage.prompt_tokens, plain.usage.prompt_tokens]
 
 
-def test_agent_loop(client: OpenAI) -> None:
+@pytest.mark.parametrize("first_choice", ["auto", "required"])
+def test_agent_loop(client: OpenAI, first_choice: str) -> None:
     """call -> the tool's result -> the final answer, with the call sent back in the history."""
     messages: list[Any] = list(CHAT)
-    first = create(client, messages=messages, tools=TOOLS)
+    first = create(client, messages=messages, tools=TOOLS, tool_choice=first_choice)
     call = (first.choices[0].message.tool_calls or [])[0]
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": "21 C"})
@@ -153,23 +159,121 @@ def test_agent_loop(client: OpenAI) -> None:
     assert choice.message.reasoning_content == "The tool said 21 degrees."
 
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# a function whose forced-call grammar is over the server's limit on grammar text (65,536)
+HUGE = {
+    "type": "function",
+    "function": {
+        "name": "huge",
+        "parameters": {
+            "type": "object",
+            "properties": {f"p{i}": {"type": "integer"} for i in range(3000)},
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "choice", [{"tool_choice": "required"}, {"tool_choice": NAMED}, {"function_call": NAMED}]
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_call_after_reasoning(client: OpenAI, choice: dict[str, Any], stream: bool) -> None:
+    """The grammar of a forced call lets the reasoning through, then takes the model's call;
+    a legacy `functions` request gets the legacy reply (`function_call`)."""
+    body: dict[str, Any] = dict(messages=CHAT, stream=stream, max_tokens=200)
+    legacy = "function_call" in choice
+    if legacy:
+        body.update(
+            functions=[WEATHER["function"]], function_call=choice["function_call"]["function"]
+        )
+    else:
+        body.update(tools=TOOLS, tool_choice=choice["tool_choice"])
+    if not stream:
+        r = create(client, **body).choices[0]
+        message = r.message
+        assert message.reasoning_content == THINKING and message.content is None
+        if legacy:
+            assert message.tool_calls is None and r.finish_reason == "function_call"
+            function = message.function_call
+            assert function is not None and function.name == "get_weather"
+            assert json.loads(function.arguments) == ARGUMENTS
+            return
+        (call,) = message.tool_calls or []
+        check_call(call)
+        assert r.finish_reason == "tool_calls"
+        return
+    reasoning, arguments, names, reasons = "", "", [], []
+    for chunk in create(client, **body):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        assert not delta.content
+        assert not (legacy and delta.tool_calls)
+        pieces = [delta.function_call] if legacy and delta.function_call else delta.tool_calls
+        for piece in pieces or []:
+            function = getattr(piece, "function", piece)
+            names += [function.name] if function and function.name else []
+            arguments += (function and function.arguments) or ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert names == ["get_weather"] and reasoning == THINKING
+    assert reasons[-1] == ("function_call" if legacy else "tool_calls")
+    assert json.loads(arguments) == ARGUMENTS
+
+
+def test_response_format_after_reasoning(client: OpenAI) -> None:
+    """The script's thinking comes through; the answer (a call in the script) must be JSON."""
+    schema = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "kelvin"]}},
+        "required": ["unit"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "unit", "schema": schema}}
+    r = create(client, messages=CHAT, response_format=fmt, max_tokens=150)
+    message = r.choices[0].message
+    assert message.reasoning_content == THINKING  # not constrained: the script's
+    jsonschema.validate(json.loads(message.content or ""), schema)
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_structural_tag_field(server: Server) -> None:
+    """SGLang's structural_tag sampling parameter (the grammar kind forced calls use)."""
+    fmt = {"type": "structural_tag", "format": {"type": "const_string", "value": "yes, 21 C"}}
+    params = {"structural_tag": fmt, "max_new_tokens": 40}
+    r = httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": params})
+    assert r.status_code == 200 and r.json()["text"] == "yes, 21 C", r.text
+    params["structural_tag"] = {"type": "structural_tag", "format": {"type": "nope"}}
+    r = httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": params})
+    assert r.status_code == 400 and "invalid structural_tag" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "extra, param, words",
     [
         ({"tool_choice": "auto"}, "tool_choice", "only allowed when tools are given"),
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "not supported yet"),
-        (
-            {
-                "tools": TOOLS,
-                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-            },
-            "tool_choice",
-            "not supported yet",
-        ),
+        ({"tool_choice": "required"}, "tool_choice", "only allowed when tools are given"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice.function.name",
             "not among the given tools",
+        ),
+        (
+            {"functions": [WEATHER["function"]], "function_call": {"name": "nope"}},
+            "function_call.name",
+            "not among the given tools",
+        ),
+        ({"tools": [HUGE], "tool_choice": "required"}, "tools", "grammar of the forced calls"),
+        (
+            {
+                "functions": [WEATHER["function"]],
+                "function_call": {"name": "get_weather"},
+                "regex": "x",
+            },
+            "function_call",
+            "cannot be combined with another output constraint (regex)",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "cannot be combined with another output constraint",
         ),
         ({"tools": [{"type": "function"}]}, "tools[0].function", "must be an object"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "must be 'function'"),
@@ -187,8 +291,6 @@ def test_refusals(server: Server, extra: dict[str, Any], param: str, words: str)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
-    if "not supported yet" in words:
-        assert error["code"] == "unsupported_parameter"
 
 
 def test_history_refusals(server: Server) -> None:
@@ -214,3 +316,109 @@ def test_unknown_parser_at_start(flag: str, names: str) -> None:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"argument {flag}: invalid choice: 'nope'" in done.stderr and names in done.stderr
+
+
+# ---- forced calls on a random tiny model: sampled noise, yet always valid calls -------------
+@pytest.fixture(scope="module")
+def random_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+    model = make_random_tool_model(str(tmp_path_factory.mktemp("random_tools")))
+    log = str(tmp_path_factory.mktemp("logs") / "random.log")
+    parsers = ("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    with run_server(model, *parsers, "--served-model-name", "x", log_path=log) as s:
+        yield OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def sampled_calls(client: OpenAI, stream: bool, **body: Any) -> list[list[dict[str, Any]]]:
+    """Each choice's calls, sampled at temperature 0.8 with thinking off (the template closes
+    an empty block: the grammar holds from the first token), streamed or not; every call's
+    arguments valid against its function's schema."""
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Plan my trip."}],
+        tools=RANDOM_TOOLS,
+        temperature=0.8,
+        seed=0,
+        n=3,
+        max_tokens=600,
+        stream=stream,
+        extra_body=extra,
+        **body,
+    )
+    choices = collect_stream(r) if stream else [c.model_dump() for c in r.choices]
+    result = []
+    for choice in choices:
+        message = choice["message"]
+        assert choice["finish_reason"] == "tool_calls", message
+        assert message["content"] is None and message.get("reasoning_content") is None
+        for call in message["tool_calls"]:
+            function = call["function"]
+            jsonschema.validate(json.loads(function["arguments"]), SCHEMAS[function["name"]])
+        result.append(message["tool_calls"])
+    return result
+
+
+def collect_stream(stream: Any) -> list[dict[str, Any]]:
+    """The choices of a streamed response, put together as whole messages."""
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            choice = choices.setdefault(c.index, {"message": {"content": None, "tool_calls": []}})
+            message, delta = choice["message"], c.delta
+            if delta.content:
+                message["content"] = (message["content"] or "") + delta.content
+            if getattr(delta, "reasoning_content", None):
+                message["reasoning_content"] = delta.reasoning_content
+            for piece in delta.tool_calls or []:
+                if piece.id is not None:
+                    function = {"name": piece.function.name, "arguments": ""}
+                    message["tool_calls"].append({"id": piece.id, "function": function})
+                call = message["tool_calls"][piece.index]
+                call["function"]["arguments"] += piece.function.arguments or ""
+            choice["finish_reason"] = c.finish_reason
+    return [choices[i] for i in sorted(choices)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_validate(random_client: OpenAI, stream: bool) -> None:
+    required = sampled_calls(random_client, stream, tool_choice="required")
+    assert all(calls for calls in required)
+    assert len({json.dumps(calls) for calls in required}) > 1  # sampled, not greedy
+    named = {"type": "function", "function": {"name": "get_time"}}
+    forced = sampled_calls(random_client, stream, tool_choice=named)
+    assert {call["function"]["name"] for calls in forced for call in calls} == {"get_time"}
+    single = sampled_calls(random_client, stream, tool_choice="required", parallel_tool_calls=False)
+    assert [len(calls) for calls in single] == [1, 1, 1]
+
+
+def test_free_sampling_makes_no_call(random_client: OpenAI) -> None:
+    """The same requests under tool_choice auto: noise, no call (the grammar is what works)."""
+    r = random_client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Plan my trip."}],
+        tools=RANDOM_TOOLS,
+        temperature=0.8,
+        seed=0,
+        n=3,
+        max_tokens=60,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert all(not c.message.tool_calls for c in r.choices)
+
+
+def test_response_format_with_thinking_off(random_client: OpenAI) -> None:
+    """Thinking off: the JSON constraint holds from the first token (no reasoning at all)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}}
+    r = random_client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Plan my trip."}],
+        temperature=0.8,
+        seed=1,
+        n=3,
+        max_tokens=200,
+        response_format=fmt,  # type: ignore[arg-type]
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    for choice in r.choices:
+        assert getattr(choice.message, "reasoning_content", None) is None
+        jsonschema.validate(json.loads(choice.message.content or ""), FORECAST)

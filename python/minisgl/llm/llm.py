@@ -18,11 +18,13 @@ from minisgl.engine.engine import check_tp
 from minisgl.models import resolve_model_path
 from minisgl.parsers import (
     OutputParser,
+    ToolChoice,
     get_reasoning_parser,
     get_tool_parser,
     parse_tools,
     resolve_tool_choice,
 )
+from minisgl.parsers.output import ToolConstraint
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
 from minisgl.scheduler.scheduler import TokenOutput
@@ -64,6 +66,17 @@ def logprob_dicts(entries: list[list[Any]]) -> list[dict[int, float] | None]:
         None if logprob is None else {**dict(zip(top_ids, top_logprobs)), token: logprob}
         for token, logprob, top_ids, top_logprobs in entries
     ]
+
+
+def per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> Sequence[SamplingParams]:
+    """One SamplingParams per prompt (one given, or none: the same for all)."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params
 
 
 class LLM:
@@ -156,6 +169,8 @@ class LLM:
         use_tqdm: bool = True,
         *,
         tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -163,28 +178,68 @@ class LLM:
         """`generate` on chats. `tools`: OpenAI's function list, rendered by the chat template;
         with parsers (vLLM's names, as the server's --tool-call-parser / --reasoning-parser),
         each result (each of `outputs` when n > 1) also holds the parsed "content",
-        "reasoning_content" and "tool_calls" (OpenAI's shapes)."""
+        "reasoning_content" and "tool_calls" (OpenAI's shapes). `tool_choice` as OpenAI's
+        (default auto with tools): "required" or {"type": "function", "function": {"name":
+        ...}} forces calls by grammar (one when not `parallel_tool_calls`), which needs
+        `tool_call_parser`. With `reasoning_parser`, a sampling constraint (json_schema, regex,
+        ebnf) applies to the answer after the reasoning, as on the server."""
         functions = parse_tools(tools) if tools else []
+        choice = resolve_tool_choice(tool_choice, functions)
+        parser = OutputParser(
+            get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+            get_tool_parser(tool_call_parser, self._vocabulary()) if tool_call_parser else None,
+        )
         kwargs = dict(chat_template_kwargs or {})
         if functions:
             kwargs["tools"] = [f.to_openai_tool() for f in functions]
         texts = [self._render(c, kwargs) for c in conversations]
         prompts = [self._chat_tokenizer().encode(t, add_special_tokens=False) for t in texts]
-        results = self.generate(prompts, sampling_params, use_tqdm)
+        states = [self._reasoning_state(parser, t) for t in texts]
+        forced = (functions, choice, parallel_tool_calls) if functions else None
+        params = self._chat_params(sampling_params, len(prompts), parser, forced, states)
+        results = self.generate(prompts, params, use_tqdm)
         if tool_call_parser is None and reasoning_parser is None:
             return results
-        parser = OutputParser(
-            get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
-            get_tool_parser(tool_call_parser) if tool_call_parser else None,
-        )
-        choice = resolve_tool_choice("auto", functions) if functions else None
-        for text, result in zip(texts, results):
+        parsed_choice = choice if functions and choice.parses else None
+        for state, result in zip(states, results):
             for r in result.get("outputs", [result]):
-                self._parse_into(r, parser, choice, parser.prompt_opens_reasoning(text))
+                self._parse_into(r, parser, parsed_choice, bool(state), parallel_tool_calls)
         return results
 
+    def _vocabulary(self) -> set[str] | None:
+        return set(self.tokenizer.get_vocab()) if self.tokenizer is not None else None
+
+    @staticmethod
+    def _reasoning_state(parser: OutputParser, prompt: str) -> bool | None:
+        """Where the prompt leaves the response (ReasoningParser.prompt_reasoning)."""
+        reasoning = parser.reasoning
+        if reasoning is None or reasoning.starts_in_reasoning:
+            return None
+        return reasoning.prompt_reasoning(prompt)
+
+    def _chat_params(
+        self,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        count: int,
+        parser: OutputParser,
+        forced: ToolConstraint | None,
+        states: list[bool | None],
+    ) -> list[SamplingParams]:
+        """Each chat's params with the grammar of forced calls, or its constraint moved after
+        the reasoning (OutputParser.constrain)."""
+        any_whitespace = self.scheduler.config.json_any_whitespace
+        return [
+            parser.constrain(params, forced, state, any_whitespace)
+            for params, state in zip(per_prompt(sampling_params, count), states)
+        ]
+
     def _parse_into(
-        self, result: dict[str, Any], parser: OutputParser, choice: Any, in_reasoning: bool
+        self,
+        result: dict[str, Any],
+        parser: OutputParser,
+        choice: ToolChoice | None,
+        in_reasoning: bool,
+        parallel: bool,
     ) -> None:
         tokenizer = self._chat_tokenizer()
         # tags that are special tokens (Mistral's, Llama's) must survive the decode
@@ -194,8 +249,9 @@ class LLM:
         if keep and eos and text.endswith(eos):
             text = text[: -len(eos)]
         parsed = parser.parse(text, choice, in_reasoning)
+        calls = parsed.tool_calls if parallel else parsed.tool_calls[:1]
         result["content"], result["reasoning_content"] = parsed.content, parsed.reasoning
-        result["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        result["tool_calls"] = [call.to_openai() for call in calls]
 
     def generate(
         self,
@@ -205,12 +261,7 @@ class LLM:
     ) -> list[dict[str, Any]]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
-            )
+        sampling_params = per_prompt(sampling_params, len(prompts))
         # validate everything before anything runs, so a bad prompt wastes no work
         groups = [
             [self._sample(self.encode(p), sp.for_sample(j)) for j in range(sp.n)]

@@ -1,16 +1,23 @@
 """A chat response parsed whole or streamed: reasoning first (if a reasoning parser is set),
 then tool calls in what the reasoning leaves as content (if a tool parser is set and the
-request's tool_choice parses); and the grammar that enforces `tool_choice` required / named."""
+request's tool_choice parses); and the grammars (xgrammar structural tags) that enforce
+`tool_choice` required / named and that hold an output constraint off until the reasoning ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Any
 
+from minisgl.core import SamplingParams
 from minisgl.parsers.base import IdFactory, ParsedOutput, StreamDelta, ToolStream
 from minisgl.parsers.reasoning import ReasoningParser, ReasoningStream
 from minisgl.parsers.registry import ToolParser
 from minisgl.parsers.schema import FunctionSchema, ToolChoice
+
+# what a request's tools force: its functions, tool choice and parallel_tool_calls
+ToolConstraint = tuple[list[FunctionSchema], ToolChoice, bool]
 
 
 class OutputStream:
@@ -54,7 +61,7 @@ class OutputParser:
     def stream(
         self,
         choice: ToolChoice | None = None,
-        in_reasoning: bool = False,
+        in_reasoning: bool | None = False,
         new_id: IdFactory | None = None,
     ) -> OutputStream:
         """A parser for one response: `choice` the request's (None: no tools, no tool parsing),
@@ -68,7 +75,7 @@ class OutputParser:
         self,
         text: str,
         choice: ToolChoice | None = None,
-        in_reasoning: bool = False,
+        in_reasoning: bool | None = False,
         new_id: IdFactory | None = None,
     ) -> ParsedOutput:
         stream = self.stream(choice, in_reasoning, new_id)
@@ -86,19 +93,84 @@ class OutputParser:
         functions: list[FunctionSchema],
         choice: ToolChoice,
         parallel: bool = True,
-        in_reasoning: bool = False,
+        in_reasoning: bool | None = None,
     ) -> str | None:
         """The xgrammar structural tag (JSON text, for `compile_structural_tag`) that makes the
         response call the chosen functions with arguments valid against their schemas, after
-        the reasoning if there is a reasoning parser; None when `choice` does not constrain."""
+        the reasoning if there is a reasoning parser (`in_reasoning`: `prompt_reasoning`'s);
+        None when `choice` does not constrain."""
         if self.tools is None:
             if choice.mode in ("required", "named"):
-                raise ValueError("tool_choice: the server runs without a tool call parser")
+                raise ValueError(
+                    f"tool_choice: {choice.mode} calls cannot be enforced without a tool call "
+                    "parser (the format of the calls)"
+                )
             return None
         calls = self.tools.structural_tag(functions, choice, parallel)
         if calls is None:
             return None
-        if self.reasoning is not None:
-            prefix = self.reasoning.structural_prefix(in_reasoning)
-            calls = {"type": "sequence", "elements": [prefix, calls]}
-        return json.dumps({"type": "structural_tag", "format": calls}, ensure_ascii=False)
+        return self._after_reasoning(calls, in_reasoning)
+
+    def answer_grammar(
+        self, kind: str, text: str, in_reasoning: bool | None = None, any_whitespace: bool = False
+    ) -> str | None:
+        """The structural tag that applies an output constraint (`kind` json_schema, regex or
+        ebnf, as SamplingParams holds it) to the answer after the reasoning, not to the
+        thinking; None when it applies as it is: no reasoning parser, or the prompt closed the
+        reasoning (thinking off). `any_whitespace`: as GrammarCompiler's; otherwise JSON has
+        one whitespace character at most between elements (the least a structural tag's JSON
+        allows: compact separators cannot be expressed there)."""
+        prefix = self.reasoning.structural_prefix(in_reasoning) if self.reasoning else None
+        if prefix is None:
+            return None
+        answer: dict[str, Any]
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"json_schema is not JSON: {e}") from None
+            answer = {"type": "json_schema", "json_schema": schema}
+            if not any_whitespace:
+                answer["max_whitespace_cnt"] = 1
+        elif kind == "regex":
+            answer = {"type": "regex", "pattern": text}
+        elif kind == "ebnf":
+            answer = {"type": "grammar", "grammar": text}
+        else:
+            raise ValueError(f"{kind}: cannot be applied after the reasoning")
+        return self._after_reasoning(answer, in_reasoning)
+
+    def _after_reasoning(self, answer: dict[str, Any], in_reasoning: bool | None) -> str:
+        prefix = self.reasoning.structural_prefix(in_reasoning) if self.reasoning else None
+        if prefix is not None:
+            answer = {"type": "sequence", "elements": [prefix, answer]}
+        return json.dumps({"type": "structural_tag", "format": answer}, ensure_ascii=False)
+
+    def constrain(
+        self,
+        params: SamplingParams,
+        tools: ToolConstraint | None = None,
+        in_reasoning: bool | None = None,
+        any_whitespace: bool = False,
+    ) -> SamplingParams:
+        """`params` with the constraint the response must follow: the calls that `tools`
+        forces (tool_choice required / named), or the output constraint `params` already has,
+        moved after the reasoning. ValueError (naming tool_choice) for a forced call beside
+        another output constraint."""
+        given = params.constraint
+        if tools is not None:
+            grammar = self.tool_call_grammar(*tools, in_reasoning=in_reasoning)
+            if grammar is not None:
+                if given is not None:
+                    raise ValueError(
+                        f"tool_choice: {tools[1].mode!r} forces tool calls, which cannot be "
+                        f"combined with another output constraint ({given[0]})"
+                    )
+                return dataclasses.replace(params, structural_tag=grammar)
+        if given is None or given[0] == "structural_tag":
+            return params
+        grammar = self.answer_grammar(*given, in_reasoning, any_whitespace)
+        if grammar is None:
+            return params
+        moved: dict[str, Any] = {given[0]: None, "structural_tag": grammar}
+        return dataclasses.replace(params, **moved)

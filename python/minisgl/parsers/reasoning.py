@@ -103,27 +103,40 @@ class ReasoningParser:
 
     def prompt_opens_reasoning(self, prompt: str) -> bool:
         """Whether the rendered prompt ends inside an opened reasoning block."""
-        return prompt.rstrip(WHITESPACE).endswith(self.start_tag)
+        return self.prompt_reasoning(prompt) is True
 
-    def stream(self, in_reasoning: bool = False) -> ReasoningStream:
+    def prompt_reasoning(self, prompt: str) -> bool | None:
+        """Where the rendered prompt leaves the response: True inside a reasoning block the
+        template opened, False after one it closed (thinking off: Qwen3's `enable_thinking:
+        false` renders an empty block), None neither (the model may open one itself)."""
+        end = prompt.rstrip(WHITESPACE)
+        if end.endswith(self.start_tag):
+            return True
+        return False if end.endswith(self.end_tag) else None
+
+    def stream(self, in_reasoning: bool | None = False) -> ReasoningStream:
         """A parser for one response; `in_reasoning`: the prompt opened the reasoning."""
-        start = in_reasoning or self.starts_in_reasoning
+        start = bool(in_reasoning) or self.starts_in_reasoning
         return ReasoningStream(self.start_tag, self.end_tag, start)
 
-    def parse(self, text: str, in_reasoning: bool = False) -> tuple[str | None, str]:
+    def parse(self, text: str, in_reasoning: bool | None = False) -> tuple[str | None, str]:
         """(reasoning or None when there is none, content) of a whole response."""
         stream = self.stream(in_reasoning)
         reasoning, content = stream.feed(text)
         more_reasoning, more_content = stream.finish()
         return (reasoning + more_reasoning) or None, content + more_content
 
-    def structural_prefix(self, in_reasoning: bool = False) -> dict[str, Any]:
+    def structural_prefix(self, in_reasoning: bool | None = None) -> dict[str, Any] | None:
         """The structural-tag format of the reasoning before a constrained answer: free text up
-        to the end tag (which the answer follows after a blank line, as the templates do),
-        optional unless the response starts in reasoning."""
+        to the end tag (which the answer follows after a blank line, as the templates do).
+        `in_reasoning` is `prompt_reasoning`'s: True (or a format that starts in reasoning) the
+        block is already open and must be closed; None the model may open one (optional);
+        False the prompt closed it: None, the constraint holds from the first token."""
         think = {"type": "any_text", "excludes": [self.end_tag]}
-        if in_reasoning or self.starts_in_reasoning:
-            return {"type": "tag", "begin": "", "content": think, "end": self.end_tag + "\n\n"}
         end = self.end_tag + "\n\n"
+        if in_reasoning or self.starts_in_reasoning:
+            return {"type": "tag", "begin": "", "content": think, "end": end}
+        if in_reasoning is False:
+            return None
         block = {"type": "tag", "begin": self.start_tag, "content": think, "end": end}
         return {"type": "optional", "content": block}

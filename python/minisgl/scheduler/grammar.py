@@ -1,4 +1,5 @@
-"""Structured generation with xgrammar: JSON schema, regex and EBNF constraints.
+"""Structured generation with xgrammar: JSON schema, regex, EBNF and structural-tag constraints
+(the last: tool calls for `tool_choice` required / named, and constraints after the reasoning).
 
 A request's grammar is compiled on a worker thread as soon as the request arrives (compiled
 grammars are cached by their text), so compilation overlaps with the wait and the prefill. Each
@@ -36,11 +37,7 @@ class GrammarError(ValueError):
 
 def grammar_key(params: SamplingParams) -> tuple[str, str] | None:
     """(kind, text) of the request's constraint, or None."""
-    for kind in ("json_schema", "regex", "ebnf"):
-        text = getattr(params, kind)
-        if text is not None:
-            return kind, text
-    return None
+    return params.constraint
 
 
 def _clean(error: Exception) -> str:
@@ -93,6 +90,8 @@ class GrammarCompiler:
                 return compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
             if kind == "regex":
                 return compiler.compile_regex(text)
+            if kind == "structural_tag":  # the format-dict form: {"type": "structural_tag", ...}
+                return compiler.compile_structural_tag(text)
             return compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError, but no input may crash the server
             raise GrammarError(f"invalid {kind}: {_clean(e)}") from None

@@ -37,7 +37,7 @@ from minisgl.parsers import (
 )
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
-from minisgl.server.limits import check_limits
+from minisgl.server.limits import MAX_GRAMMAR_CHARS, check_limits
 from minisgl.server.logprobs import CompletionLogprobs, chat_logprobs
 from minisgl.server.metrics import CONTENT_TYPE, tree_rss_bytes
 from minisgl.server.protocol import (
@@ -279,18 +279,45 @@ async def merged(started: list[Started]) -> AsyncGenerator[tuple[int, UserReply]
 
 @dataclass
 class ChatParsing:
-    """How a chat response's text becomes content, reasoning_content and tool_calls: `choice`
-    None parses no tool calls; `in_reasoning`: the prompt opened the reasoning; `parallel`
-    false keeps the first call only; `keep_special_tokens`: the tool format's tags are special
-    tokens, so the response is detokenized with them; `strip`: then the special tokens (EOS)
-    removed from the end of a stopped response."""
+    """How a chat response's text becomes content, reasoning_content and tool_calls, and what
+    constrains it: `choice` None parses no tool calls; `in_reasoning`: the prompt opened the
+    reasoning (True), closed it (False: thinking off) or neither (None); `parallel` false keeps
+    the first call only (and a forced call is one call); `forced`: the request's functions when
+    its tool_choice (or legacy function_call: `choice_param`) forces calls;
+    `keep_special_tokens`: the tool format's tags are special tokens, so the response is
+    detokenized with them; `strip`: then the special tokens (EOS) removed from the end of a
+    stopped response. `legacy`: the request gave `functions`, so the reply has the legacy
+    shape (one `function_call`, finish_reason "function_call") as OpenAI's deprecated API."""
 
     parser: OutputParser
     choice: ToolChoice | None
-    in_reasoning: bool
+    in_reasoning: bool | None
     parallel: bool = True
     keep_special_tokens: bool = False
     strip: tuple[str, ...] = ()
+    forced: list[FunctionSchema] = field(default_factory=list)
+    choice_param: str = "tool_choice"
+    legacy: bool = False
+
+    def constrain(self, params: SamplingParams, any_whitespace: bool) -> SamplingParams:
+        """A choice's params with the grammar of its forced calls, or with its output
+        constraint moved after the reasoning (OutputParser.constrain)."""
+        forced = None
+        if self.forced and self.choice is not None:
+            forced = (self.forced, self.choice, self.parallel)
+        try:
+            params = self.parser.constrain(params, forced, self.in_reasoning, any_whitespace)
+        except ValueError as e:
+            message = str(e).replace("tool_choice", self.choice_param, 1)
+            raise APIError(400, message, self.choice_param if forced else None) from None
+        grammar = params.structural_tag or ""
+        if forced and len(grammar) > MAX_GRAMMAR_CHARS:  # the tools' schemas, compiled
+            message = (
+                f"tools: the grammar of the forced calls has at most {MAX_GRAMMAR_CHARS} "
+                f"characters, got {len(grammar)} (its compilation would hold up other requests)"
+            )
+            raise APIError(400, message, "tools", "limit_exceeded")
+        return params
 
     def stream(self) -> OutputStream:
         return self.parser.stream(self.choice, self.in_reasoning)
@@ -302,9 +329,10 @@ class ChatParsing:
                     return text[: -len(token)]
         return text
 
-    @staticmethod
-    def finish(finish_reason: str | None, called: bool) -> str | None:
-        return "tool_calls" if called and finish_reason == "stop" else finish_reason
+    def finish(self, finish_reason: str | None, called: bool) -> str | None:
+        if not called or finish_reason != "stop":
+            return finish_reason
+        return "function_call" if self.legacy else "tool_calls"
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole response's message, and its finish_reason."""
@@ -315,7 +343,9 @@ class ChatParsing:
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if self.parser.reasoning is not None:
             message["reasoning_content"] = parsed.reasoning
-        if calls:
+        if calls and self.legacy:
+            message["function_call"] = calls[0].to_openai()["function"]
+        elif calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         return message, self.finish(finish_reason, bool(calls))
 
@@ -333,7 +363,9 @@ class ChatParsing:
         if piece.reasoning:
             delta["reasoning_content"] = piece.reasoning
         calls = [c.to_openai() for c in piece.tool_calls if self.parallel or c.index == 0]
-        if calls:
+        if calls and self.legacy:
+            delta["function_call"] = calls[0]["function"]
+        elif calls:
             delta["tool_calls"] = calls
         return delta, self.finish(finish_reason, stream.has_tool_calls)
 
@@ -534,6 +566,10 @@ class ApiServer:
             source["skip_special_tokens"] = False  # the tool format's tags are special tokens
         lp = dict(logprobs=req.logprobs_k())
         msgs = self.make_msgs(req, limit, max_tokens is not None, lp, **source)
+        if parsing is not None:  # forced calls; a constraint held off until the reasoning ends
+            any_whitespace = self.args.scheduler.json_any_whitespace
+            for msg in msgs:
+                msg.params = parsing.constrain(msg.params, any_whitespace)
         return await self.respond(req, msgs, chat=True, parsing=parsing)
 
     async def output_parser(self) -> OutputParser:
@@ -575,16 +611,20 @@ class ApiServer:
         tool_choice = choice if functions and choice.parses else None
         if parser.reasoning is None and (parser.tools is None or tool_choice is None):
             return None
-        in_reasoning = False
+        in_reasoning = None
         if parser.reasoning is not None and not parser.reasoning.starts_in_reasoning:
-            in_reasoning = parser.prompt_opens_reasoning(
-                await self.with_tokenizer(render, "messages")
-            )
+            prompt = await self.with_tokenizer(render, "messages")
+            in_reasoning = parser.reasoning.prompt_reasoning(prompt)
         keep = tool_choice is not None and parser.tools is not None and parser.tools.special_tokens
         tags = set(parser.tools.special_tokens if parser.tools else ())
         strip = tuple(t for t in self.special_tokens if t not in tags) if keep else ()
-        parallel = req.parallel_tool_calls is not False
-        return ChatParsing(parser, tool_choice, in_reasoning, parallel, bool(keep), strip)
+        legacy = req.tools is None and req.functions is not None  # one call, the legacy reply
+        parallel = req.parallel_tool_calls is not False and not legacy
+        forced = functions if choice.mode in ("required", "named") else []
+        param = "function_call" if req.function_call is not None else "tool_choice"
+        return ChatParsing(
+            parser, tool_choice, in_reasoning, parallel, bool(keep), strip, forced, param, legacy
+        )
 
     async def respond(
         self,

@@ -58,6 +58,11 @@ class ServerArgs:
         choices=sorted(REASONING_PARSERS),
     )
     shell: bool = option(False, "interactive terminal chat instead of a server")
+    shell_hide_reasoning: bool = option(
+        False,
+        "with --shell and --reasoning-parser: leave the model's reasoning out of the answers "
+        "(default: shown dimmed before each answer)",
+    )
     api_key: str | None = option(
         None,
         "require 'Authorization: Bearer KEY' (unset: the MINISGL_API_KEY environment variable, "
@@ -110,6 +115,10 @@ class ServerArgs:
         type=str.lower,
         choices=["debug", "info", "warning", "error"],
     )
+
+    def __post_init__(self) -> None:
+        if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
+            raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from minisgl.core import SamplingParams
+from minisgl.core import CONSTRAINT_KINDS, SamplingParams
 from minisgl.server.protocol import APIError
 
 MAX_STOP_STRINGS = 128  # each is searched for in every new piece of text (detokenizer)
 MAX_STOP_CHARS = 4096  # per stop string
-# json_schema (as JSON text), regex or ebnf: compile time grows faster than the text (a schema
+# json_schema (as JSON text), regex, ebnf or structural_tag: compile time grows faster than the text (a schema
 # of 5,000 properties, 230 kB, takes ~2 s with a 480-token vocabulary, longer with real ones)
 MAX_GRAMMAR_CHARS = 65536
 MAX_MESSAGES = 4096  # chat messages rendered by the template in one request
@@ -29,7 +29,7 @@ def check_limits(params: SamplingParams, chat: list[dict[str, Any]] | None) -> N
     if longest > MAX_STOP_CHARS:
         message = f"stop: a stop string has at most {MAX_STOP_CHARS} characters, got {longest}"
         raise APIError(400, message, "stop", "limit_exceeded")
-    for kind in ("json_schema", "regex", "ebnf"):
+    for kind in CONSTRAINT_KINDS:
         text = getattr(params, kind)
         if isinstance(text, str) and len(text) > MAX_GRAMMAR_CHARS:
             message = (

@@ -10,7 +10,7 @@ import msgpack
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from minisgl.core import MAX_LOGPROBS, SamplingParams
+from minisgl.core import CONSTRAINT_KINDS, MAX_LOGPROBS, SamplingParams
 from minisgl.parsers import (
     FunctionSchema,
     ToolChoice,
@@ -98,11 +98,13 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
-    # structured generation: OpenAI's response_format, or SGLang's json_schema / regex / ebnf
+    # structured generation: OpenAI's response_format, or SGLang's json_schema / regex / ebnf /
+    # structural_tag (xgrammar's format, {"type": "structural_tag", "format": ...})
     response_format: ResponseFormat | None = None
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     # logit adjustments: OpenAI's, plus repetition_penalty and min_tokens as vLLM spells them
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -218,11 +220,9 @@ class GenerateRequest(BaseModel):
 
 
 def grammar_fields(req: SamplingFields) -> dict[str, Any]:
-    """The SamplingParams constraint of a request (json_schema, regex or ebnf), if any."""
-    given = {
-        k: v for k, v in (("json_schema", req.json_schema), ("regex", req.regex), ("ebnf", req.ebnf))
-        if v is not None
-    }  # fmt: skip
+    """The SamplingParams constraint of a request (json_schema, regex, ebnf or structural_tag),
+    if any."""
+    given = {k: getattr(req, k) for k in CONSTRAINT_KINDS if getattr(req, k) is not None}
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":
@@ -360,7 +360,8 @@ def packable(value: Any, param: str) -> None:
 
 def chat_tools(req: ChatRequest) -> tuple[list[FunctionSchema], ToolChoice]:
     """The request's functions (`tools` or legacy `functions`) and its tool choice (`tool_choice`
-    or legacy `function_call`), validated: a 400 names the offending field."""
+    or legacy `function_call`), validated: a 400 names the offending field. `required` and named
+    choices are enforced by a grammar (api_server's ChatParsing.constrain)."""
     try:
         functions = parse_tools(req.tools, req.functions)
         if req.tool_choice is not None and req.function_call is not None:
@@ -373,13 +374,6 @@ def chat_tools(req: ChatRequest) -> tuple[list[FunctionSchema], ToolChoice]:
         raise APIError(400, str(e), e.param) from None
     for f in functions:  # the schemas travel to a tokenizer worker in a message (msgpack)
         packable(f.parameters, "tools" if req.tools is not None else "functions")
-    if choice.mode in ("required", "named"):
-        param = "function_call" if req.function_call is not None else "tool_choice"
-        message = (
-            f"{param}: {'a named function' if choice.mode == 'named' else choice.mode!r} is not "
-            "supported yet (it needs grammar-enforced tool calls); use 'auto' or 'none'"
-        )
-        raise APIError(400, message, param, "unsupported_parameter")
     return functions, choice
 
 
