@@ -17,6 +17,9 @@ TPOT / end-to-end latency percentiles; writes a JSON result and a PNG plot.
     python benchmark/online/bench_serving.py --trace qwen_traceA_blksz_16.jsonl --num-prompts 500
     # draw several results on one figure
     python benchmark/online/bench_serving.py --plot-only radix.json naive.json --plot cmp.png
+    # 20 % of the requests at high priority; one JSON line per rate appended to results.jsonl
+    python benchmark/online/bench_serving.py --rates 32 --priority-mix 0.2 \
+        --json benchmark/results.jsonl --note "H100, default server"
 
 Metrics (as vLLM's benchmark_serving): TTFT = time to the first token chunk (text, or an empty
 delta before the closing chunk); ITL = gaps between successive token chunks; TPOT = (e2e -
@@ -67,6 +70,7 @@ class Request:
     prompt: list[int]
     output_len: int
     arrival: float = 0.0  # seconds after the start (traces only)
+    priority: int | None = None  # sent as the request's `priority` (--priority-mix)
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Result:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     chunkless: bool = False  # the server streamed nothing before the end: TTFT is the e2e
+    priority: int | None = None
 
 
 # ---- workloads -----------------------------------------------------------------------------
@@ -167,6 +172,16 @@ def trace_requests(
         prompt = prompt[:n_in] + random_tokens(rng, max(0, n_in - len(prompt)), vocab)
         requests.append(Request(prompt, n_out, (t - entries[0][0]) * unit * time_scale))
     return requests
+
+
+def assign_priorities(
+    requests: list[Request], fraction: float, values: tuple[int, int], seed: int
+) -> None:
+    """round(fraction * n) requests, drawn at random, get the high priority values[0]; the
+    others values[1]."""
+    high = set(random.Random(seed).sample(range(len(requests)), round(fraction * len(requests))))
+    for i, req in enumerate(requests):
+        req.priority = values[0] if i in high else values[1]
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
@@ -268,7 +283,6 @@ def summarize(
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     summary: dict[str, Any] = {
         "rate": "inf" if rate == math.inf else rate,
         "duration_s": round(duration, 3),
@@ -282,11 +296,29 @@ def summarize(
         "output_throughput": round(out_tokens / duration, 2),
         "total_token_throughput": round((in_tokens + out_tokens) / duration, 2),
     }
-    summary["ttft_ms"] = distribution([r.ttft for r in ok], percentiles)
-    summary["itl_ms"] = distribution([x for r in ok for x in r.itl], percentiles)
-    summary["tpot_ms"] = distribution(tpot, percentiles)
-    summary["e2e_ms"] = distribution([r.e2e for r in ok], percentiles)
+    summary.update(latencies(ok, percentiles))
+    classes = sorted({r.priority for r in results if r.priority is not None})
+    if classes:  # --priority-mix: the latencies of each priority class
+        summary["by_priority"] = {
+            str(value): {
+                "completed": sum(r.priority == value for r in ok),
+                "failed": sum(r.priority == value and not r.ok for r in results),
+                **latencies([r for r in ok if r.priority == value], percentiles),
+            }
+            for value in classes
+        }
     return summary
+
+
+def latencies(ok: list[Result], percentiles: list[float]) -> dict[str, dict]:
+    """TTFT, ITL, TPOT and end-to-end distributions (ms) of the completed requests `ok`."""
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "ttft_ms": distribution([r.ttft for r in ok], percentiles),
+        "itl_ms": distribution([x for r in ok for x in r.itl], percentiles),
+        "tpot_ms": distribution(tpot, percentiles),
+        "e2e_ms": distribution([r.e2e for r in ok], percentiles),
+    }
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -314,11 +346,14 @@ async def run_rate(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if req.priority is not None:
+            body["priority"] = req.priority
         if limit is None:
             res = await send(client, body)
         else:
             async with limit:
                 res = await send(client, body)
+        res.priority = req.priority
         bar.update(1)
         return res
 
@@ -330,7 +365,13 @@ async def run_rate(
 
 
 def workload(args: argparse.Namespace, index: int) -> list[Request]:
-    seed = args.seed + index
+    requests = base_workload(args, args.seed + index)
+    if args.priority_mix is not None:
+        assign_priorities(requests, args.priority_mix, args.priority_values, args.seed + index)
+    return requests
+
+
+def base_workload(args: argparse.Namespace, seed: int) -> list[Request]:
     if args.trace:
         return trace_requests(
             args.trace,
@@ -444,10 +485,13 @@ async def bench(args: argparse.Namespace) -> list[dict]:
 
 
 def summary_line(s: dict, percentiles: list[float]) -> str:
-    def pcts(key: str) -> str:
+    def pcts_of(dist: dict) -> str:
         return "/".join(
-            "-" if s[key][f"p{p:g}"] is None else f"{s[key][f'p{p:g}']:.1f}" for p in percentiles
+            "-" if dist[f"p{p:g}"] is None else f"{dist[f'p{p:g}']:.1f}" for p in percentiles
         )
+
+    def pcts(key: str) -> str:
+        return pcts_of(s[key])
 
     names = "/".join(f"p{p:g}" for p in percentiles)
     lat = "  ".join(f"{label} {pcts(key)}" for key, label in LATENCIES)
@@ -456,6 +500,8 @@ def summary_line(s: dict, percentiles: list[float]) -> str:
         f" in {s['duration_s']:.1f} s; {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} out tok/s;"
         f" ms {names}: {lat}"
     )
+    for value, c in s.get("by_priority", {}).items():
+        line += f"\n  priority {value}: {c['completed']} ok, TTFT {names} {pcts_of(c['ttft_ms'])}"
     if s["errors"]:
         line += f"\n  first error: {s['errors'][0]}"
     if s["chunkless"]:
@@ -619,6 +665,26 @@ def host_info() -> dict[str, str]:
     return info
 
 
+def fraction(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0 < x < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value!r}")
+    return x
+
+
+def priority_pair(value: str) -> tuple[int, int]:
+    try:
+        high, low = (int(part) for part in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two integers HIGH,LOW, got {value!r}") from None
+    if high == low:
+        raise argparse.ArgumentTypeError(f"the two classes need different values, got {value!r}")
+    return high, low
+
+
 def positive_rate(value: str) -> list[float]:
     rates = []
     for part in value.split(","):
@@ -698,12 +764,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     add("--seed", type=int, default=0, help="of prompts and arrivals")
     add("--temperature", type=float, default=0.0, help="sampling temperature")
+    add(
+        "--priority-mix",
+        type=fraction,
+        metavar="FRACTION",
+        help="this fraction of each rate's requests (drawn at random) is sent with the high "
+        "priority of --priority-values, the rest with the low one; the summary splits the "
+        "latencies by class",
+    )
+    add(
+        "--priority-values",
+        type=priority_pair,
+        default=(-1, 0),
+        metavar="HIGH,LOW",
+        help="the `priority` sent to each class (minisgl and vLLM serve lower values first; "
+        "SGLang by default higher ones: give 1,0 there)",
+    )
     add("--max-concurrency", type=at_least(1), help="cap on requests in flight")
     add("--warmup", type=at_least(0), default=1, help="short requests before measuring")
     add("--timeout", type=float, default=600.0, help="seconds a request may wait for a chunk")
     add = p.add_argument_group("output").add_argument
     add("--out", help="JSON result file")
     add("--plot", help="PNG plot file")
+    add("--json", help="append one JSON line per rate (host, commit, command, figures) to it")
+    add("--note", help="a remark stored in each --json line (e.g. the server's flags)")
     add("--label", help="this run's name in plots; default: the workload")
     add("--percentiles", type=percentile_list, default=[50.0, 90.0, 99.0], help="e.g. 50,99")
     add("--plot-only", nargs="+", metavar="JSON", help="only plot these results into --plot")
@@ -731,6 +815,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def append_lines(path: str, run: dict, note: str | None) -> None:
+    """One line per rate in results.jsonl's style: where, when, what ran, and the figures."""
+    head = {
+        "gpu": run["host"].get("gpu", "none"),
+        "date": run["host"]["date"][:10],
+        "commit": run["host"].get("commit", "unknown")[:7],
+        "bench": "serving",
+        "model": run["config"]["model"],
+        "label": run["label"],
+        "workload": run["title"].split(" | ", 1)[-1],
+        **({"note": note} if note else {}),
+        "command": run["command"],
+    }
+    keep = ["rate", "completed", "failed", "request_throughput", "output_throughput"]
+    keep += ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "by_priority"]
+    try:
+        with open(path, "a") as f:
+            for summary in run["results"]:
+                figures = {k: summary[k] for k in keep if k in summary}
+                f.write(json.dumps({**head, **figures}) + "\n")
+    except OSError as e:
+        raise BenchError(f"cannot append to {path}: {e}") from None
+
+
 def require(*modules: str) -> None:
     """BenchError naming the bench extra when one of `modules` cannot be imported."""
     missing = []
@@ -745,6 +853,14 @@ def require(*modules: str) -> None:
 
 
 def workload_title(args: argparse.Namespace) -> str:
+    title = base_title(args)
+    if args.priority_mix is not None:
+        high, low = args.priority_values
+        title += f", {args.priority_mix:.0%} priority {high} (others {low})"
+    return title
+
+
+def base_title(args: argparse.Namespace) -> str:
     if args.trace:
         return f"trace {os.path.basename(args.trace)} x{args.trace_time_scale:g}"
     n = args.num_prompts or 200
@@ -797,6 +913,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as f:
                 json.dump(run, f, indent=1)
             print(f"wrote {args.out}")
+        if args.json:
+            append_lines(args.json, run, args.note)
+            print(f"appended {len(summaries)} lines to {args.json}")
         if args.plot:
             plot([run], args.plot)
             print(f"wrote {args.plot}")

@@ -157,8 +157,29 @@ def test_summarize():
     assert bs.summarize([], 1.0, 4.0, [50])["ttft_ms"] == {"mean": None, "p50": None}
 
 
+def test_priority_mix_and_per_class_latencies():
+    requests = bs.random_requests(10, 4, 2, 0.0, 100, seed=0)
+    bs.assign_priorities(requests, 0.2, (-1, 0), seed=3)
+    assert sorted(r.priority for r in requests) == [-1, -1] + [0] * 8
+    again = bs.random_requests(10, 4, 2, 0.0, 100, seed=0)
+    bs.assign_priorities(again, 0.2, (-1, 0), seed=3)
+    assert [r.priority for r in again] == [r.priority for r in requests]  # seeded
+    results = [
+        bs.Result(True, "", 10, 3, ttft=0.1, e2e=0.3, itl=[0.1, 0.1], priority=-1),
+        bs.Result(True, "", 10, 3, ttft=0.5, e2e=0.7, itl=[0.1, 0.1], priority=0),
+        bs.Result(error="HTTP 500: x", priority=0),
+    ]
+    s = bs.summarize(results, 1.0, 8.0, [50])
+    assert s["by_priority"].keys() == {"-1", "0"}
+    high, low = s["by_priority"]["-1"], s["by_priority"]["0"]
+    assert (high["completed"], high["failed"], low["completed"], low["failed"]) == (1, 0, 1, 1)
+    assert (high["ttft_ms"]["p50"], low["ttft_ms"]["p50"]) == (100.0, 500.0)
+    assert "by_priority" not in bs.summarize([bs.Result(True, "", 1, 1)], 1.0, 1.0, [50])
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
-    for argv in (["--rates", "0"], ["--rates", "4,x"], ["--plot-only", "a.json"]):
+    bad = (["--priority-mix", "0"], ["--priority-mix", "1.5"], ["--priority-values", "1,1"])
+    for argv in (["--rates", "0"], ["--rates", "4,x"], ["--plot-only", "a.json"], *bad):
         with pytest.raises(SystemExit) as e:
             bs.main(argv)
         assert e.value.code == 2
@@ -223,13 +244,20 @@ def test_against_the_cpu_server(tmp_path, capsys, monkeypatch):
     shared = ["--shared-prefix", "--num-groups", "2", "--prefix-len", "32", "--suffix-len", "4"]
     shared += ["--max-concurrency", "1", "--disable-tqdm", *common]
     radix, naive = str(tmp_path / "radix.json"), str(tmp_path / "naive.json")
+    jsonl = str(tmp_path / "results.jsonl")
     with run_server(model, "--page-size", "4", log_path=str(tmp_path / "server.log")) as server:
         assert server.get_json("/v1/models")["data"][0]["vocab_size"] == vocab
         argv = ["--base-url", server.url + "/v1", "--rates", "30,inf", "--input-len", "24"]
+        argv += ["--priority-mix", "0.5", "--json", jsonl, "--note", "tiny"]
         prompts = record_prompts(monkeypatch)
         assert bs.main([*argv, *common, "--out", sweep, "--plot", sweep_png]) == 0
         assert re.search(r"rate 30: 100%.*6/6", capsys.readouterr().err)  # the progress bar
         assert len(prompts) == 12 and max(max(p) for p in prompts) < vocab
+        metrics = httpx.get(f"{server.url}/metrics").text  # the server saw both classes
+        # 3 of each class at each of 2 rates, and the warm-up request at the default 0
+        for label, count in (("-1", 6), ("0", 7)):
+            line = f'minisgl_time_to_first_token_seconds_count{{priority="{label}"}} '
+            assert float(metrics.split(line, 1)[1].split()[0]) == count
         assert max(max(p) for p in prompts) >= vocab - 50  # drawn up to it, not below 400
         argv = ["--base-url", server.url, "--trace", str(trace), "--vocab-size", "400"]
         prompts.clear()
@@ -242,6 +270,16 @@ def test_against_the_cpu_server(tmp_path, capsys, monkeypatch):
     assert run["config"]["vocab_size"] == vocab
     assert "num_preemptions" in run["results"][0]["server_stats"]  # minisgl's /stats
     check_png(sweep_png)
+    with open(jsonl) as f:  # one line per rate, as results.jsonl keeps them
+        lines = [json.loads(line) for line in f]
+    assert [line["rate"] for line in lines] == [30.0, "inf"]
+    for line in lines:
+        assert line["note"] == "tiny" and "--priority-mix 0.5" in line["command"]
+        assert line["model"] == model and {"gpu", "date", "commit"} <= line.keys()
+        assert line["completed"] == 6 and line["output_throughput"] > 0
+        high, low = line["by_priority"]["-1"], line["by_priority"]["0"]
+        assert high["completed"] == low["completed"] == 3  # the server took both classes
+        assert high["ttft_ms"]["p50"] > 0 and low["ttft_ms"]["p99"] > 0
     run = check_result(replayed, ["trace"], 4, 24, 5)
     assert run["results"][0]["duration_s"] >= 0.5  # the last request arrived at 0.5 s
     hits_before = run["results"][0]["server_stats"]["cached_tokens"]
