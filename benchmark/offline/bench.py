@@ -182,6 +182,59 @@ def featured(frac: float, groups: str) -> Any:
     return lambda i: fields if chosen(i, frac) else {}
 
 
+def spec_options(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """LLM's speculative-decoding options (random runs as ngram, its proposer swapped after)."""
+    algorithm = args.speculative_algorithm
+    if algorithm is None:
+        return {}
+    options: dict[str, Any] = {
+        "speculative_algorithm": "ngram" if algorithm == "random" else algorithm,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+    }
+    if algorithm == "standalone":
+        options["speculative_draft_model_path"] = args.speculative_draft_model_path or model
+    return options
+
+
+def speculate(llm: Any, args: argparse.Namespace) -> Any:
+    """For `--speculative-algorithm random`: swap in proposals of random ids (almost all
+    rejected: what verifying costs when nothing is gained). Returns a function that gives the
+    result's speculation fields for the counts since it was made."""
+    import random
+
+    from minisgl.scheduler.spec import NgramProposer, room
+
+    planner = llm.scheduler.planner
+    if args.speculative_algorithm == "random":
+        rng, vocab = random.Random(0), llm.engine.model_config.vocab_size
+
+        class RandomProposer(NgramProposer):
+            def propose(self, req: Any) -> list[int]:
+                return [rng.randrange(vocab) for _ in range(room(req, self.num_draft))]
+
+        planner.proposer = RandomProposer(args.speculative_num_draft_tokens, 1, 1)
+    before = planner.num_draft_tokens, planner.num_accepted_tokens, planner.num_verified_rows
+
+    def fields() -> dict[str, Any]:
+        if args.speculative_algorithm is None:
+            return {"speculative": None}
+        drafted, accepted, rows = (
+            planner.num_draft_tokens - before[0],
+            planner.num_accepted_tokens - before[1],
+            planner.num_verified_rows - before[2],
+        )
+        return {
+            "speculative": args.speculative_algorithm,
+            "num_draft_tokens": args.speculative_num_draft_tokens,
+            "spec_draft_tokens": drafted,
+            "spec_accepted_tokens": accepted,
+            # tokens a verifying request-step yields: its accepted proposals and its own token
+            "spec_accept_length": round(1 + accepted / rows, 3) if rows else None,
+        }
+
+    return fields
+
+
 def parse_args() -> argparse.Namespace:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -227,6 +280,15 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--json", help="append the result as one JSON line to this file")
     p.add_argument(
+        "--speculative-algorithm",
+        choices=["ngram", "standalone", "random"],
+        help="speculative decoding (as the server's flag); random: random proposals, nearly "
+        "all rejected (verification's cost); standalone without --speculative-draft-model-path "
+        "drafts with the target itself (dummy weights from the same seed: all accepted)",
+    )
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    p.add_argument("--speculative-draft-model-path", help="standalone's draft model")
+    p.add_argument(
         "--grammar-frac",
         type=float,
         default=0.0,
@@ -269,6 +331,7 @@ def main() -> None:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         kv_cache_dtype=args.kv_cache_dtype,
         max_prefill_tokens=args.max_prefill_tokens,
+        **spec_options(args, model),
     )
     if args.single:
         prompts, max_tokens = workload(1, 128, args.max_output_len)
@@ -301,6 +364,7 @@ def main() -> None:
     if host_profiler is not None:
         host_profiler.enable()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    spec_fields = speculate(llm, args)
     runs, cached_before = [], llm.scheduler.planner.num_cached_tokens
     for r in range(max(1, args.repeat)):
         # a repeat shifts every token id, so it finds nothing of the previous runs in the
@@ -342,7 +406,7 @@ def main() -> None:
         "tok_s": round(tok_s, 1),
         "attn": args.attn,
         "moe_backend": moe.backend if moe is not None else None,
-        "overlap": not args.no_overlap,
+        "overlap": not args.no_overlap and args.speculative_algorithm is None,  # spec: off
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "kv_cache_dtype": args.kv_cache_dtype,
         "fused": not args.no_fused,
@@ -350,6 +414,7 @@ def main() -> None:
         "grammar_frac": args.grammar_frac,
         "features_frac": args.features_frac,
         "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),
+        **spec_fields(),
     }
     peaks = next((v for k, v in GPU_PEAKS.items() if k in gpu), None)
     if peaks is not None and not args.single:

@@ -69,6 +69,19 @@ def test_cpu_smoke_run(tmp_path):
     assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny", 1, None)
 
 
+def test_cpu_smoke_run_speculative(tmp_path):
+    """--speculative-algorithm: the target drafting for itself accepts every proposal (the
+    accept length is K + 1 but where max_tokens cuts a step short); random proposals none."""
+    args = ["--tiny", "--single", "--max-output-len", "100", "--speculative-num-draft-tokens"]
+    result, _ = run_bench([*args, "4", "--speculative-algorithm", "standalone"], tmp_path / "a")
+    assert result["output_tokens"] == 100 and result["speculative"] == "standalone"
+    assert result["spec_accepted_tokens"] == result["spec_draft_tokens"] > 0
+    assert 4.5 < result["spec_accept_length"] <= 5 and result["overlap"] is False
+    result, _ = run_bench([*args, "2", "--speculative-algorithm", "random"], tmp_path / "b")
+    assert result["output_tokens"] == 100 and result["spec_draft_tokens"] >= 2 * 90
+    assert result["spec_accept_length"] < 1.1  # a random id matches the target's ~1 in 10^4
+
+
 def test_cpu_smoke_run_half_constrained(tmp_path):
     """--grammar-frac: a dummy model without tokenizer gets a synthetic xgrammar vocabulary;
     every other request writes JSON under BENCH_SCHEMA (the rest run unconstrained)."""
