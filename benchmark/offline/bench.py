@@ -266,6 +266,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-fused", action="store_true", help="MINISGL_DISABLE_FUSED_OPS")
     p.add_argument("--no-gemv", action="store_true", help="MINISGL_DISABLE_GEMV")
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="a step's tokens")
+    p.add_argument(
+        "--disable-mixed-steps", action="store_true", help="decodes wait for prefill steps"
+    )
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
     p.add_argument(
         "--host-profile",
@@ -331,6 +335,8 @@ def main() -> None:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         kv_cache_dtype=args.kv_cache_dtype,
         max_prefill_tokens=args.max_prefill_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        disable_mixed_steps=args.disable_mixed_steps,
         **spec_options(args, model),
     )
     if args.single:
@@ -409,6 +415,8 @@ def main() -> None:
         "overlap": not args.no_overlap and args.speculative_algorithm is None,  # spec: off
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "mixed_steps": not args.disable_mixed_steps,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "fused": not args.no_fused,
         "gemv": not args.no_gemv,
         "grammar_frac": args.grammar_frac,
