@@ -328,23 +328,25 @@ def random_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
         yield OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
-def sampled_calls(client: OpenAI, stream: bool, **body: Any) -> list[list[dict[str, Any]]]:
-    """Each choice's calls, sampled at temperature 0.8 with thinking off (the template closes
-    an empty block: the grammar holds from the first token), streamed or not; every call's
-    arguments valid against its function's schema."""
-    extra = {"chat_template_kwargs": {"enable_thinking": False}}
-    r = client.chat.completions.create(
+def plan_trip(client: OpenAI, **body: Any) -> Any:
+    """Three samples at temperature 0.8 (seeded) of a chat with RANDOM_TOOLS, thinking off."""
+    return client.chat.completions.create(
         model="x",
         messages=[{"role": "user", "content": "Plan my trip."}],
         tools=RANDOM_TOOLS,
         temperature=0.8,
         seed=0,
         n=3,
-        max_tokens=600,
-        stream=stream,
-        extra_body=extra,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
         **body,
     )
+
+
+def sampled_calls(client: OpenAI, stream: bool, **body: Any) -> list[list[dict[str, Any]]]:
+    """Each choice's calls, sampled at temperature 0.8 with thinking off (the template closes
+    an empty block: the grammar holds from the first token), streamed or not; every call's
+    arguments valid against its function's schema."""
+    r = plan_trip(client, max_tokens=600, stream=stream, **body)
     choices = collect_stream(r) if stream else [c.model_dump() for c in r.choices]
     result = []
     for choice in choices:
@@ -393,16 +395,7 @@ def test_forced_calls_validate(random_client: OpenAI, stream: bool) -> None:
 
 def test_free_sampling_makes_no_call(random_client: OpenAI) -> None:
     """The same requests under tool_choice auto: noise, no call (the grammar is what works)."""
-    r = random_client.chat.completions.create(
-        model="x",
-        messages=[{"role": "user", "content": "Plan my trip."}],
-        tools=RANDOM_TOOLS,
-        temperature=0.8,
-        seed=0,
-        n=3,
-        max_tokens=60,
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
-    )
+    r = plan_trip(random_client, max_tokens=60)
     assert all(not c.message.tool_calls for c in r.choices)
 
 
