@@ -166,3 +166,23 @@ def test_standalone_refuses_a_draft_with_another_vocabulary(model_dirs, tmp_path
         SchedulerConfig(speculative_algorithm="standalone")
     with pytest.raises(OptionError, match="only with it"):
         SchedulerConfig(speculative_draft_model_path=path)
+
+
+def test_target_leaves_room_for_the_draft_pool(model_dirs) -> None:
+    """On the GPU the target's pool is sized from a share of the free memory by KV bytes per
+    token, so the draft's pool (sized after it) fits: half each for the target as its own
+    draft (the target took all of it before, and the draft's pool ran out of memory)."""
+    from minisgl.engine import EngineConfig
+    from minisgl.scheduler.spec import kv_per_token, leave_room_for_draft
+
+    path, _ = model_dirs("qwen3")
+    draft, _ = model_dirs("llama")
+    engine = EngineConfig(model=path, memory_ratio=0.9)
+    itself = SchedulerConfig(speculative_algorithm="standalone", speculative_draft_model_path=path)
+    assert leave_room_for_draft(engine, itself).memory_ratio == pytest.approx(0.45)
+    other = SchedulerConfig(speculative_algorithm="standalone", speculative_draft_model_path=draft)
+    share = kv_per_token(path) / (kv_per_token(path) + kv_per_token(draft))
+    assert leave_room_for_draft(engine, other).memory_ratio == pytest.approx(0.9 * share)
+    fixed = EngineConfig(model=path, num_pages=64)  # a fixed page count applies to both
+    assert leave_room_for_draft(fixed, itself) == fixed
+    assert leave_room_for_draft(engine, SchedulerConfig()) == engine

@@ -52,6 +52,48 @@ def generate(
         llm.shutdown()
 
 
+def greedy_with_logprobs(path: str, monkeypatch, **kwargs) -> list[dict]:
+    """The 24 prompts in bf16, greedy, with the top 5 logprobs of every generated token."""
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0")
+    llm = LLM(
+        path,
+        device="cuda:0",
+        page_size=16,
+        num_pages=256,
+        max_prefill_tokens=64,
+        dtype="bfloat16",
+        **kwargs,
+    )
+    try:
+        params = [
+            SamplingParams(max_tokens=5 + i % 13, temperature=0.0, logprobs=5) for i in range(24)
+        ]
+        outs = llm.generate(prompts(), params, use_tqdm=False)
+        llm.scheduler.check_no_leak()
+        return outs
+    finally:
+        llm.shutdown()
+
+
+def assert_equal_up_to_near_ties(ref: list[dict], other: list[dict], tol: float = 0.1) -> None:
+    """In bf16 another kernel (fi's prefill kernel computing a decode row) rounds differently,
+    which can flip a greedy choice between two near-equal logits, after which the sequences
+    part. So: equal up to the first difference, where the other run's token is within `tol` of
+    the reference's top logprob, and most requests equal throughout."""
+    exact = 0
+    for r, o in zip(ref, other, strict=True):
+        a, b = r["token_ids"], o["token_ids"]
+        first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is None:
+            assert len(a) == len(b)
+            exact += 1
+            continue
+        top = r["logprobs"][first]
+        assert b[first] in top, f"token {b[first]} at {first} is not near the top: {top}"
+        assert top[a[first]] - top[b[first]] < tol, f"not a near-tie at {first}: {top}"
+    assert exact >= len(ref) // 2, f"only {exact} of {len(ref)} requests equal"
+
+
 @pytest.mark.parametrize("attn", ["triton", "fi"])
 def test_cuda_graph_decode_equals_eager(model_dirs, monkeypatch, attn):
     if attn == "fi":
@@ -249,13 +291,18 @@ def test_mixed_steps_equal_separate_steps(model_dirs, monkeypatch, attn):
     """Issue 22: decode rows computed beside prompt chunks (the prefill kernels) give the tokens
     that decode-only steps (graphs, decode kernels) give. The 24 prompts arrive at once and
     are chunked 64 tokens a step, so most steps mix."""
-    if attn == "fi":
-        pytest.importorskip("flashinfer")
-    path, _ = model_dirs("qwen3" if attn == "triton" else "qwen3_hd128")
-    dtype = "float32" if attn == "triton" else "bfloat16"
-    separate = generate(path, monkeypatch, attn=attn, dtype=dtype, disable_mixed_steps=True)
-    mixed = generate(path, monkeypatch, attn=attn, dtype=dtype, max_num_batched_tokens=80)
-    assert mixed == separate
+    kw: dict = {"disable_mixed_steps": True}
+    if attn == "triton":
+        path, _ = model_dirs("qwen3")
+        separate = generate(path, monkeypatch, attn=attn, dtype="float32", **kw)
+        mixed = generate(path, monkeypatch, attn=attn, dtype="float32", max_num_batched_tokens=80)
+        assert mixed == separate
+        return
+    pytest.importorskip("flashinfer")
+    path, _ = model_dirs("qwen3_hd128")
+    separate_outs = greedy_with_logprobs(path, monkeypatch, attn=attn, **kw)
+    mixed_outs = greedy_with_logprobs(path, monkeypatch, attn=attn, max_num_batched_tokens=80)
+    assert_equal_up_to_near_ties(separate_outs, mixed_outs)
 
 
 @pytest.mark.parametrize("attn", ["triton", "fi"])
@@ -266,9 +313,14 @@ def test_speculative_decoding_equals_plain_on_gpu(model_dirs, monkeypatch, attn,
     if attn == "fi":
         pytest.importorskip("flashinfer")
     path, _ = model_dirs("qwen3" if attn == "triton" else "qwen3_hd128")
-    dtype = "float32" if attn == "triton" else "bfloat16"
     spec: dict = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 3}
     if algorithm == "standalone":
         spec["speculative_draft_model_path"] = path  # itself: every proposal accepted
-    plain = generate(path, monkeypatch, attn=attn, dtype=dtype)
-    assert generate(path, monkeypatch, attn=attn, dtype=dtype, **spec) == plain
+    if attn == "triton":
+        plain = generate(path, monkeypatch, attn=attn, dtype="float32")
+        assert generate(path, monkeypatch, attn=attn, dtype="float32", **spec) == plain
+        return
+    plain_outs = greedy_with_logprobs(path, monkeypatch, attn=attn)
+    assert_equal_up_to_near_ties(
+        plain_outs, greedy_with_logprobs(path, monkeypatch, attn=attn, **spec)
+    )

@@ -23,6 +23,7 @@ from minisgl.message import (
 from minisgl.models.hf import eos_token_ids, load_tokenizer
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.spec import leave_room_for_draft
 from minisgl.utils.device import device_type
 from minisgl.utils.procs import die_with_parent, set_title
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
@@ -123,7 +124,7 @@ def build_scheduler(
         if rank > 0:  # the ranks share the cores; rank 0 may be the user's own process
             torch.set_num_threads(max(1, torch.get_num_threads() // tp))
         init_tp(rank, tp, rendezvous, device_type(engine_config.device))
-    engine = Engine(engine_config)
+    engine = Engine(leave_room_for_draft(engine_config, sched_config))
     tokenizer = load_tokenizer(engine.model_path)
     eos = eos_token_ids(engine.model_path, engine.model_config.eos_token_ids, tokenizer)
     return Scheduler(engine, sched_config, eos, tokenizer)

@@ -19,8 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from minisgl.core import Batch, Context, Req, get_global_ctx, set_global_ctx
-from minisgl.engine import Engine
+from minisgl.engine import Engine, EngineConfig
 from minisgl.kvcache.allocator import PageAllocator
+from minisgl.models import ModelConfig, resolve_model_path
+from minisgl.models.hf import load_hf_config
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.options import OptionError
 
@@ -125,7 +127,10 @@ class DraftModelProposer:
 
     def __init__(self, target: Engine, num_draft: int, path: str) -> None:
         self.num_draft = num_draft
-        config = dataclasses.replace(target.config, model=path, num_pages=target.num_pages)
+        # a fixed pool size applies to both; else the draft sizes its pool from the memory the
+        # target left it (leave_room_for_draft)
+        pages = None if target.config.num_pages is None else target.num_pages
+        config = dataclasses.replace(target.config, model=path, num_pages=pages)
         previous = get_global_ctx()
         try:
             self.engine = Engine(config)
@@ -200,6 +205,25 @@ class DraftModelProposer:
 
 
 Proposer = NgramProposer | DraftModelProposer
+
+
+def kv_per_token(model: str) -> int:
+    """A model's KV elements per token (layers x KV heads x head dim), from its config."""
+    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(model)))
+    return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+
+
+def leave_room_for_draft(config: EngineConfig, sched: SchedulerConfig) -> EngineConfig:
+    """With a draft model on the GPU, the target's KV pool takes only its share of the free
+    memory, by the two models' KV bytes per token, so that the draft's pool (sized later from
+    what is left) holds about as many tokens; without this the target takes it all and the
+    draft's pool does not fit."""
+    path = sched.speculative_draft_model_path
+    if sched.speculative_algorithm != "standalone" or config.num_pages:
+        return config
+    assert path is not None and config.model is not None  # SchedulerConfig, LLM and CLI set them
+    target, draft = kv_per_token(config.model), kv_per_token(path)
+    return dataclasses.replace(config, memory_ratio=config.memory_ratio * target / (target + draft))
 
 
 def make_proposer(engine: Engine, config: SchedulerConfig) -> Proposer | None:

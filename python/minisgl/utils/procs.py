@@ -77,7 +77,13 @@ def wait_ready(conns: list[Any], procs: list[Any]) -> list[Any]:
     while len(payloads) < len(conns):
         for i, (conn, proc) in enumerate(zip(conns, procs)):
             if i not in payloads and conn.poll():
-                status, payload = conn.recv()
+                try:
+                    status, payload = conn.recv()
+                except EOFError:  # it died before a word: its own stderr says why
+                    proc.join(timeout=5)
+                    raise RuntimeError(
+                        f"{proc.name} process exited during start-up (exit code {proc.exitcode})"
+                    ) from None
                 if status != "ready":
                     raise RuntimeError(payload)
                 payloads[i] = payload
