@@ -188,7 +188,7 @@ def spec_options(args: argparse.Namespace, model: str) -> dict[str, Any]:
     if algorithm is None:
         return {}
     options: dict[str, Any] = {
-        "speculative_algorithm": "ngram" if algorithm == "random" else algorithm,
+        "speculative_algorithm": "ngram" if algorithm in ("random", "oracle") else algorithm,
         "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
     }
     if algorithm == "standalone":
@@ -196,10 +196,13 @@ def spec_options(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return options
 
 
-def speculate(llm: Any, args: argparse.Namespace) -> Any:
+def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], params: Any) -> Any:
     """For `--speculative-algorithm random`: swap in proposals of random ids (almost all
-    rejected: what verifying costs when nothing is gained). Returns a function that gives the
-    result's speculation fields for the counts since it was made."""
+    rejected: what verifying costs when nothing is gained); for `oracle`: proposals of what
+    decoding without them gives (from an untimed run of the same `runs` first; seeded
+    sampling draws the same tokens), all accepted at no drafting cost (verification's gain).
+    Returns a function that gives the result's speculation fields for the counts since it
+    was made."""
     import random
 
     from minisgl.scheduler.spec import NgramProposer, room
@@ -213,6 +216,22 @@ def speculate(llm: Any, args: argparse.Namespace) -> Any:
                 return [rng.randrange(vocab) for _ in range(room(req, self.num_draft))]
 
         planner.proposer = RandomProposer(args.speculative_num_draft_tokens, 1, 1)
+    if args.speculative_algorithm == "oracle":
+        planner.proposer, future = None, {}
+        for prompts in runs:
+            for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+                future[tuple(prompt)] = out["token_ids"]
+        llm.scheduler.cache.reset_cache()  # the timed runs prefill their prompts again
+        by_uid: dict[int, list[int]] = {}
+
+        class OracleProposer(NgramProposer):
+            def propose(self, req: Any) -> list[int]:
+                if req.uid not in by_uid:
+                    by_uid[req.uid] = future[tuple(req.tokens[: req.prompt_len])]
+                done = req.num_output
+                return by_uid[req.uid][done : done + room(req, self.num_draft)]
+
+        planner.proposer = OracleProposer(args.speculative_num_draft_tokens, 1, 1)
     before = planner.num_draft_tokens, planner.num_accepted_tokens, planner.num_verified_rows
 
     def fields() -> dict[str, Any]:
@@ -285,10 +304,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", help="append the result as one JSON line to this file")
     p.add_argument(
         "--speculative-algorithm",
-        choices=["ngram", "standalone", "random"],
+        choices=["ngram", "standalone", "random", "oracle"],
         help="speculative decoding (as the server's flag); random: random proposals, nearly "
-        "all rejected (verification's cost); standalone without --speculative-draft-model-path "
-        "drafts with the target itself (dummy weights from the same seed: all accepted)",
+        "all rejected (verification's cost); oracle: the tokens decoding gives without "
+        "speculation (an untimed run first), all accepted and free (verification's gain); "
+        "standalone without --speculative-draft-model-path drafts with the target itself "
+        "(dummy weights from the same seed: all accepted)",
     )
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
     p.add_argument("--speculative-draft-model-path", help="standalone's draft model")
@@ -348,8 +369,16 @@ def main() -> None:
         constrain(llm, args.grammar_frac, args.tp),
         featured(args.features_frac, args.features),
     )
+    seeded = args.speculative_algorithm == "oracle"  # its untimed run draws the same tokens
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **grammar(i), **features(i))
+        SamplingParams(
+            temperature=0.6,
+            ignore_eos=True,
+            max_tokens=n,
+            seed=i if seeded else None,
+            **grammar(i),
+            **features(i),
+        )
         for i, n in enumerate(max_tokens)
     ]
     # Warm-up: Triton compiles a kernel variant per argument pattern (an int divisible by 16 or
@@ -370,12 +399,12 @@ def main() -> None:
     if host_profiler is not None:
         host_profiler.enable()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-    spec_fields = speculate(llm, args)
+    # a repeat shifts every token id, so it finds nothing of the previous runs in the radix
+    # cache (which would skip their prefill)
+    run_prompts_each = [shifted(prompts, r) for r in range(max(1, args.repeat))]
+    spec_fields = speculate(llm, args, run_prompts_each, params)
     runs, cached_before = [], llm.scheduler.planner.num_cached_tokens
-    for r in range(max(1, args.repeat)):
-        # a repeat shifts every token id, so it finds nothing of the previous runs in the
-        # radix cache (which would skip their prefill)
-        run_prompts = shifted(prompts, r)
+    for run_prompts in run_prompts_each:
         sync()
         start = time.perf_counter()
         outputs = llm.generate(run_prompts, params, use_tqdm=False)

@@ -203,6 +203,13 @@ class Req:
             self.seed = random.getrandbits(31)
 
     @property
+    def samples_plainly(self) -> bool:
+        """No grammar, logit adjustment or logprobs: its token at a position depends on the
+        logits there alone (what speculative decoding needs to verify proposals)."""
+        p = self.params
+        return self.grammar is None and not p.adjusts_logits and p.logprobs is None
+
+    @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 

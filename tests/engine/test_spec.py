@@ -35,9 +35,15 @@ def workload(n: int = 10, temperature: float = 0.0) -> tuple[list[list[int]], li
     return prompts, params
 
 
-def generate(path: str, monkeypatch, overlap: bool = True, temperature: float = 0.0, **kw):
+def generate(
+    path: str, monkeypatch, overlap: bool = True, temperature: float = 0.0, graphs: int = 0, **kw
+):
+    """graphs: replay decode batches of up to this many rows through the CUDA-graph step, run
+    eagerly (GraphRunner without capture), in the target and in a draft model's engine."""
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
     llm = LLM(path, **kw)
+    if graphs:
+        use_graph_step(llm, graphs)
     try:
         outs = llm.generate(*workload(temperature=temperature), use_tqdm=False)
         while llm.scheduler.has_work:  # a step launched for requests that ended meanwhile
@@ -46,6 +52,17 @@ def generate(path: str, monkeypatch, overlap: bool = True, temperature: float = 
         return outs
     finally:
         llm.shutdown()
+
+
+def use_graph_step(llm: LLM, max_bs: int) -> None:
+    from minisgl.engine.graph import GraphRunner
+    from minisgl.scheduler.spec import DraftModelProposer, using_context
+
+    llm.engine.graphs = GraphRunner(llm.engine, max_bs, capture=False)
+    proposer = llm.scheduler.planner.proposer
+    if isinstance(proposer, DraftModelProposer):
+        with using_context(proposer.engine.ctx):
+            proposer.engine.graphs = GraphRunner(proposer.engine, max_bs, capture=False)
 
 
 CONFIGS = [  # page size, pages, prefix cache, prompt tokens per step
@@ -186,3 +203,31 @@ def test_target_leaves_room_for_the_draft_pool(model_dirs) -> None:
     fixed = EngineConfig(model=path, num_pages=64)  # a fixed page count applies to both
     assert leave_room_for_draft(fixed, itself) == fixed
     assert leave_room_for_draft(engine, SchedulerConfig()) == engine
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "standalone"])
+def test_verify_as_decode_rows_equals_plain_decoding(model_dirs, monkeypatch, algorithm):
+    """With CUDA graphs a verify step (and a draft's short catch-up) runs as one decode row per
+    position (engine/verify.flat_batch) through the graph step: plain decoding's tokens still,
+    greedy and sampled (top-p too), with and without the graph step for the rows."""
+    from minisgl.engine import verify
+
+    path, _ = model_dirs("qwen3")
+    spec: dict = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 3}
+    if algorithm == "standalone":
+        spec["speculative_draft_model_path"] = path  # itself: every proposal accepted
+    flattened = []
+    real = verify.flat_batch
+    monkeypatch.setattr(verify, "flat_batch", lambda b: flattened.append(r := real(b)) or r)
+    import minisgl.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "flat_batch", verify.flat_batch)
+    config = dict(page_size=4, num_pages=256, max_prefill_tokens=24)
+    for temperature in (0.0, 0.8):
+        plain = generate(path, monkeypatch, temperature=temperature, **config)
+        fast = generate(
+            path, monkeypatch, overlap=False, temperature=temperature, graphs=16, **spec, **config
+        )
+        assert [o["token_ids"] for o in fast] == [o["token_ids"] for o in plain]
+        assert sum(o["num_accepted_tokens"] for o in fast) > 0
+    assert any(b is not None and b.size > 1 for b in flattened)

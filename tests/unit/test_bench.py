@@ -81,6 +81,10 @@ def test_cpu_smoke_run_speculative(tmp_path):
     result, _ = run_bench([*args, "2", "--speculative-algorithm", "random"], tmp_path / "b")
     assert result["output_tokens"] == 100 and result["spec_draft_tokens"] >= 2 * 90
     assert result["spec_accept_length"] < 1.1  # a random id matches the target's ~1 in 10^4
+    result, _ = run_bench([*args, "4", "--speculative-algorithm", "oracle"], tmp_path / "c")
+    assert result["output_tokens"] == 100 and result["prefix_cached_tokens"] == 0
+    assert result["spec_accepted_tokens"] == result["spec_draft_tokens"] > 0  # all, free
+    assert 4.5 < result["spec_accept_length"] <= 5
 
 
 def test_cpu_smoke_run_half_constrained(tmp_path):

@@ -26,7 +26,7 @@ from minisgl.engine.sample import (
     sample_at_temperature,
 )
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
-from minisgl.engine.verify import Verification
+from minisgl.engine.verify import Verification, flat_batch
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -185,6 +185,11 @@ class Engine:
         request whose `samples` flag is set). Nothing here waits for the device."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch, samples)
+        flat = flat_batch(batch) if self.graphs is not None else None
+        if flat is not None and self.graphs is not None and self.graphs.can_run(flat):
+            out = self.graphs.replay(flat, [True] * flat.size)
+            out.flat = flat
+            return out
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
         inputs = StepInputs.unpack(host.to(self.device, non_blocking=True))
         self.attn_backend.prepare(batch)
@@ -200,6 +205,19 @@ class Engine:
         """Phase 2: sample what the forward did not (filters, grammar `mask`, adjusted logits,
         eager batches); the ids go into the token table (where the next step reads its inputs)
         and into pinned host memory. Nothing here waits for the device."""
+        if out.flat is not None:  # one row per position (verify.flat_batch)
+            flat_ids, _ = self._sample_ids(out.flat, out, None)
+            verification, next_ids = Verification.from_flat(batch, flat_ids)
+            return StepOutput.start_copy(next_ids, None, None, verification)
+        next_ids, logprobs = self._sample_ids(batch, out, mask)
+        # rows with proposals (speculative decoding) are extends: never in a decode batch
+        verification = None if batch.is_decode else Verification.start(self, batch, out)
+        return StepOutput.start_copy(next_ids, logprobs, out.prompt_logprobs, verification)
+
+    def _sample_ids(
+        self, batch: Batch, out: ForwardOutput, mask: TokenMask | None
+    ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """The step's sampled ids (written into the token table) and logprobs being computed."""
         next_ids, reqs, vocab = out.sampled, batch.reqs, self.model_config.vocab_size
         adjusted, filtered = any_adjusted(reqs), any_filter(reqs, vocab)
         logprobs = SampledLogprobs.start(batch, out.logits)  # raw: before any adjustment
@@ -215,9 +233,7 @@ class Engine:
             self.token_table[out.inputs.write_rows, out.kv_lens] = next_ids.to(torch.int32)
         if logprobs is not None:
             logprobs.finish(next_ids)
-        # rows with proposals (speculative decoding) are extends: never in a decode batch
-        verification = None if batch.is_decode else Verification.start(self, batch, out)
-        return StepOutput.start_copy(next_ids, logprobs, out.prompt_logprobs, verification)
+        return next_ids, logprobs
 
     def _sample(self, reqs: list[Req], out: ForwardOutput, filtered: bool) -> torch.Tensor:
         """Eager sampling from `out.logits`: with the host-built filter arguments only when a

@@ -73,6 +73,7 @@ class ForwardOutput:
     sampled: torch.Tensor | None  # [B] or None
     hidden: torch.Tensor | None = None  # [num_tokens, hidden]
     prompt_logprobs: PromptLogprobs | None = None
+    flat: Batch | None = None  # the rows are these, one per position (verify.flat_batch)
 
     def first(self, n: int) -> ForwardOutput:
         """The first n requests' rows (the real ones of a padded graph batch)."""

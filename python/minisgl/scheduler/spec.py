@@ -29,15 +29,10 @@ from minisgl.utils.options import OptionError
 NGRAM_WINDOW = 4096  # the latest tokens of a request searched for a match
 
 
-def can_speculate(req: Req) -> bool:
-    p = req.params
-    return req.grammar is None and not p.adjusts_logits and p.logprobs is None
-
-
 def room(req: Req, num_draft: int) -> int:
     """How many tokens `req` may propose: never past its max_tokens or context (the step's own
     sampled token comes after them); 0 for a request that decodes without proposals."""
-    if not can_speculate(req):
+    if not req.samples_plainly:
         return 0
     left = req.params.max_tokens - req.num_output - 1
     return max(0, min(num_draft, left, req.max_total_len - len(req.tokens) - 1))
@@ -150,7 +145,9 @@ class DraftModelProposer:
             return {}
         starts = {s.uid: len(s.tokens) for s in shadows}
         with using_context(self.engine.ctx):
-            batch = Batch(shadows, "prefill")  # catch up with each request's new tokens
+            # catch up with each request's new tokens (running requests: with CUDA graphs a
+            # short catch-up runs as decode rows, Engine.forward_step)
+            batch = Batch(shadows, "prefill", num_decodes=len(shadows))
             while batch.reqs:
                 out = self.engine.forward_step(batch, [True] * batch.size)
                 for shadow, token in zip(batch.reqs, self.engine.sample_step(batch, out).tokens()):
