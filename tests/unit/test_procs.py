@@ -20,12 +20,18 @@ def report_ready(conn) -> None:
     conn.send(("ready", 7))
 
 
-def test_child_dying_before_ready_names_it_and_its_exit_code():
+def start(target, name: str):
+    """A spawned child given the sending end of a pipe; (its receiving end, the process)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=die_at_once, args=(child,), name="scheduler_0")
+    proc = ctx.Process(target=target, args=(child,), name=name)
     proc.start()
     child.close()
+    return parent, proc
+
+
+def test_child_dying_before_ready_names_it_and_its_exit_code():
+    parent, proc = start(die_at_once, "scheduler_0")
     with pytest.raises(
         RuntimeError, match=r"scheduler_0 process exited during start-up \(exit code 3\)"
     ):
@@ -33,10 +39,6 @@ def test_child_dying_before_ready_names_it_and_its_exit_code():
 
 
 def test_ready_payload_is_returned():
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=report_ready, args=(child,), name="detokenizer")
-    proc.start()
-    child.close()
+    parent, proc = start(report_ready, "detokenizer")
     assert wait_ready([parent], [proc]) == [7]
     proc.join()
