@@ -289,11 +289,16 @@ def in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, list[Any]]:
 def stream_events(
     url: str, body: dict[str, Any], events: list[dict[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
-    """The JSON events of a streamed completion; {"cut": ...} last if the connection broke.
-    Events are appended to `events` as they arrive, so another thread can watch progress."""
+    """The JSON events of a streamed completion; {"cut": ...} last if the connection broke; a
+    request refused before its stream began (an HTTP error, not SSE) gives its error body as
+    the one event. Events are appended to `events` as they arrive, so another thread can
+    watch progress."""
     events = [] if events is None else events
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            if r.status_code != 200:
+                events.append({**json.loads(r.read()), "status": r.status_code})
+                return events
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
