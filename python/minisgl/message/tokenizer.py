@@ -39,3 +39,12 @@ class AbortMsg:
     """The client went away (or cancelled): drop request `uid` everywhere."""
 
     uid: int
+
+
+@register
+@dataclass
+class DoneMsg:
+    """api server -> tokenizer worker, with --dp > 1: request `uid` has ended, so it no longer
+    counts in its replica's load (the dispatcher's)."""
+
+    uid: int
