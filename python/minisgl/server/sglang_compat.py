@@ -16,7 +16,9 @@ from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import APIError, error_response
 
 # SGLang's GenerateReqInput fields that change nothing at these values ("rid" names a request:
-# any value; it is not used to address it here)
+# any value; it is not used to address it here). sglang-router 0.3 sends return_text_in_logprobs,
+# log_metrics, return_hidden_states, background, no_logs, return_bytes and return_entropy at
+# these values with every /generate it forwards.
 ANY = object()
 SGLANG_GENERATE_DEFAULTS: dict[str, Any] = {
     "rid": ANY,
@@ -40,6 +42,10 @@ SGLANG_GENERATE_DEFAULTS: dict[str, Any] = {
     "bootstrap_room": None,
     "data_parallel_rank": None,
     "log_metrics": True,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
 }
 
 
