@@ -1,8 +1,8 @@
 """Multi-node tensor parallelism (issue 21) on one machine: two launches of `python -m minisgl`
 (--nnodes 2, --node-rank 0 and 1, --tp 2) meet at a TCP store on loopback and form one gloo
 group; their greedy tokens equal TP=1's. Node 1 ends when node 0 does (0 after its clean stop,
-non-zero when it is killed), leaving no process behind; bad flags fail with a message naming
-the flag."""
+non-zero when it is killed), leaving no process behind; /flush_cache reaches both ranks; bad
+flags fail with a message naming the flag."""
 
 from __future__ import annotations
 
@@ -73,6 +73,12 @@ def test_two_nodes_match_tp1(arch: str, tmp_path) -> None:
     single.shutdown()
     with two_nodes(path, tmp_path) as (node0, node1):
         assert [generate(node0.url, p) for p in PROMPTS] == expected
+        # every rank empties its cache (or their batches, and collectives, would differ)
+        flush = urllib.request.Request(f"{node0.url}/flush_cache", b"", method="POST")
+        with urllib.request.urlopen(flush, timeout=10) as r:
+            assert r.status == 200
+        assert node0.stats()["cached_pages"] == 0
+        assert [generate(node0.url, p) for p in reversed(PROMPTS)] == expected[::-1]
         ranks = descendants(node1.pid)
         assert node0.get_json("/server_info")["tp_size"] == 2
         if arch == "llama":  # a clean stop: rank 0 tells node 1's ranks to stop
