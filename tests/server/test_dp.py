@@ -96,6 +96,28 @@ def test_dp2_greedy_equals_one_engine(prefix_server: Server, model_dir: str) -> 
     assert sum(served.values()) == metric(prefix_server, "minisgl_prefill_tokens_total")[""]
 
 
+def test_data_parallel_rank_and_health_generate(prefix_server: Server) -> None:
+    """SGLang's data_parallel_rank picks the replica; /health_generate runs on each."""
+    url = prefix_server.url
+    for replica in (1, 0):
+        before = metric(prefix_server, "minisgl_replica_prefill_tokens_total")
+        body = {"input_ids": [9, 8, 7], "data_parallel_rank": replica}
+        assert httpx.post(f"{url}/generate", json=body, timeout=30).status_code == 200
+        prefix_server.wait_idle()
+        after = metric(prefix_server, "minisgl_replica_prefill_tokens_total")
+        assert after[str(replica)] - before[str(replica)] == 3
+        assert after[str(1 - replica)] == before[str(1 - replica)]
+    bad = httpx.post(f"{url}/generate", json={"text": "x", "data_parallel_rank": 2}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "data_parallel_rank"
+    before = metric(prefix_server, "minisgl_replica_prefill_tokens_total")
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+    prefix_server.wait_idle()
+    after = metric(prefix_server, "minisgl_replica_prefill_tokens_total")
+    assert all(after[r] - before[r] == 1 for r in ("0", "1"))  # token id 0 on each replica
+    loads = httpx.get(f"{url}/get_load", timeout=10).json()
+    assert [x["dp_rank"] for x in loads] == [0, 1] and all(x["num_reqs"] == 0 for x in loads)
+
+
 def shared_prefix_hits(server: Server) -> float:
     """8 prefixes x 16 requests, one at a time, each round in a rotated order (round robin
     then sends every prefix to both replicas, which cannot hold all 8): the prefix-cache hit

@@ -711,6 +711,11 @@ class ApiServer:
         fields, max_tokens = native_sampling_fields(req)
         source = dict(text=req.text, input_ids=req.input_ids, chat=None)
         msgs = self.make_msgs(fields, max_tokens, False, None, **source)  # SGLang's: to the context
+        if req.data_parallel_rank is not None:  # SGLang's: run on this --dp replica
+            if not 0 <= req.data_parallel_rank < self.args.dp:
+                message = f"data_parallel_rank must be in [0, {self.args.dp}) (--dp {self.args.dp})"
+                raise APIError(400, message, "data_parallel_rank")
+            msgs[0].dp_rank = req.data_parallel_rank
         started = await self.start_choices(msgs)
         if req.stream:
             return StreamingResponse(self.native_events(started), media_type="text/event-stream")
@@ -807,16 +812,24 @@ class ApiServer:
         return JSONResponse({"status": "ok"})
 
     async def generate_one_token(self) -> str | None:
-        """One greedy token from token id 0 through the tokenizer, scheduler and detokenizer
-        (not counted against --max-queued-requests); None, or why it failed."""
+        """One greedy token from token id 0 through the tokenizer, each --dp replica's
+        scheduler and the detokenizer (not counted against --max-queued-requests); None, or why
+        it failed."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        msg = TokenizeMsg(self.frontend.new_uid(), None, [0], None, params)
         timeout = self.args.health_check_timeout
-        async with aclosing(self.frontend.stream(msg, timeout)) as replies:
-            async for r in replies:
-                if r.error is not None:
-                    return f"health check generation failed: {r.error}"
-        return None
+
+        async def one(replica: int | None) -> str | None:
+            msg = TokenizeMsg(self.frontend.new_uid(), None, [0], None, params, dp_rank=replica)
+            where = "" if replica is None else f" (replica {replica})"
+            async with aclosing(self.frontend.stream(msg, timeout)) as replies:
+                async for r in replies:
+                    if r.error is not None:
+                        return f"health check generation failed{where}: {r.error}"
+            return None
+
+        replicas = [None] if self.args.dp == 1 else list(range(self.args.dp))
+        errors = await asyncio.gather(*(one(r) for r in replicas))
+        return next((e for e in errors if e is not None), None)
 
     async def stats(self) -> dict[str, Any]:
         """Scheduler snapshot (running requests, KV pages), refreshed when it goes idle, plus the

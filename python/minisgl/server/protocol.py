@@ -216,6 +216,7 @@ class GenerateRequest(BaseModel):
     # `sglang_compat.check_generate_extras`
     model_config = ConfigDict(extra="allow")
     model: str | None = None
+    data_parallel_rank: Int64 | None = None  # the --dp replica to run on (SGLang's)
     input_ids: list[TokenId] | None = None
     text: str | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)

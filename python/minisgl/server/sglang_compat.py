@@ -40,7 +40,6 @@ SGLANG_GENERATE_DEFAULTS: dict[str, Any] = {
     "bootstrap_host": None,
     "bootstrap_port": None,
     "bootstrap_room": None,
-    "data_parallel_rank": None,
     "log_metrics": True,
     "background": False,
     "no_logs": False,

@@ -213,7 +213,7 @@ class TokenizerWorker:
             return self.fail(msg.uid, e)
         tail, rank = ids[-PROMPT_TAIL:], 0
         if self.dispatcher is not None:
-            rank = self.dispatcher.choose(ids)
+            rank = self.dispatcher.choose(ids) if msg.dp_rank is None else msg.dp_rank
             self.dispatcher.sent(msg.uid, rank, ids)
         stop, min_tokens, skip = (
             list(msg.params.stop),
