@@ -3,9 +3,9 @@ the replies coming back from the detokenizer to one asyncio queue per request. I
 the request-level metrics (it sees every reply), fails every request when the pipeline dies, and
 runs the watchdog: while a request is unfinished, some message must come back from the pipeline
 at least every --watchdog-timeout seconds (the scheduler sends its stats every 0.2 s while it has
-work), or the pipeline is taken for hung. With --dp > 1 it keeps each replica's stats apart, tells the
-tokenizer worker when a request ends (its dispatcher counts the replicas' loads), and sends
-/flush_cache to every replica's scheduler."""
+work), or the pipeline is taken for hung. It keeps each --dp replica's stats apart, sends
+/flush_cache to every replica's scheduler and, with --dp > 1, tells the tokenizer worker when a
+request ends (its dispatcher counts the replicas' loads)."""
 
 from __future__ import annotations
 

@@ -118,6 +118,8 @@ def add_sglang_routes(app: FastAPI, frontend: Frontend, args: ServerArgs, info: 
             busy = f"cache_busy: {len(frontend.requests)} requests in flight; flush when idle"
             return error_response(400, busy, code="cache_busy")
         errors = await frontend.flush_cache()
+        if any(e.startswith("no answer") for e in errors):  # a scheduler is stuck
+            return error_response(503, "; ".join(errors), code="server_unavailable")
         if errors:
             return error_response(400, "; ".join(errors), code="cache_busy")
         return JSONResponse({"message": "Cache flushed."})
