@@ -145,6 +145,15 @@ def test_hub_id_model():
         ("--max-request-bytes", "0"),
         ("--shutdown-timeout", "-1"),
         ("--shutdown-timeout", "soon"),
+        ("--dp", "0"),
+        ("--dp-dispatch", "random"),
+        ("--dp-load-threshold", "-1"),
+        ("--nnodes", "0"),
+        ("--node-rank", "-1"),
+        ("--dist-init-addr", "10.0.0.1"),
+        ("--dist-init-addr", "10.0.0.1:0"),
+        ("--dist-init-addr", ":29500"),
+        ("--dist-timeout", "0"),
     ],
 )
 def test_invalid_value_exits_2_naming_flag(flag, value, capsys):
@@ -189,3 +198,43 @@ def test_llm_takes_the_option_names():
 
     with pytest.raises(TypeError, match="unknown option.*max_prefill_length"):
         LLM("unused", page_size=4, max_prefill_length=512)  # the flag's alias is no keyword
+
+
+@pytest.mark.parametrize(
+    "argv, flag, message",
+    [
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank", "must be in 0..1"),
+        (["--node-rank", "1"], "--node-rank", "must be in 0..0"),
+        (["--nnodes", "2", "--tp", "2"], "--dist-init-addr", "is required with --nnodes > 1"),
+        (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "h:1"], "--tp", "multiple of"),
+        (["--nnodes", "2", "--tp", "2", "--dp", "2", "--dist-init-addr", "h:1"], "--dp", "not"),
+    ],
+)
+def test_scale_out_combinations_exit_2_naming_flag(argv, flag, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}: " in err and message in err
+
+
+def test_scale_out_flags():
+    args = parse_args(
+        ["--tp", "4", "--nnodes", "2", "--node-rank", "1"]
+        + ["--dist-init-addr", "[::1]:29500", "--dist-timeout", "5"]
+    )
+    assert (args.tp_per_node, args.node_rank, args.dist_timeout) == (2, 1, 5.0)
+    args = parse_args(["--dp", "4", "--dp-dispatch", "round_robin", "--dp-load-threshold", "0"])
+    assert (args.dp, args.dp_dispatch, args.dp_load_threshold) == (4, "round_robin", 0)
+
+
+def test_dp_times_tp_above_the_gpus_fails_naming_both(monkeypatch):
+    import torch
+
+    from minisgl.server.launch import check_scale_out
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    args = parse_args(["--dp", "3", "--tp", "2", "--device", "cuda"])
+    with pytest.raises(ValueError, match=r"--dp 3 x --tp 2 needs 6 GPUs on this machine, found 4"):
+        check_scale_out(args, args.engine)

@@ -60,10 +60,11 @@ def _model_path(config: EngineConfig) -> str:
     return resolve_model_path(config.model)
 
 
-def check_tp(config: EngineConfig, size: int) -> None:
-    """Fail before any rank starts when the model or the machine cannot take TP `size`."""
+def check_tp(config: EngineConfig, size: int, gpus: int | None = None) -> None:
+    """Fail before any rank starts when the model or the machine cannot take TP `size`
+    (`gpus`: those this machine needs, when not `size`: --dp, --nnodes)."""
     cfg = ModelConfig.from_hf(load_hf_config(_model_path(config)))
-    check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config.device))
+    check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config.device), gpus)
 
 
 class Engine:

@@ -85,10 +85,19 @@ class LLM:
     `RequestOutput.outputs`).
     `model`: a directory, a .gguf file or a hub id; None: the embedded SmolLM2 GGUF.
     `tp=N`: shard the model over N processes (this one is rank 0; `shutdown` ends the rest).
+    `dp`: only 1 (replicas are the server's: `python -m minisgl --dp N`); else ValueError.
     `options`: the fields of EngineConfig and SchedulerConfig (the flags of `python -m minisgl`:
     `page_size=4` is `--page-size 4`); TypeError for any other keyword."""
 
-    def __init__(self, model: str | None = None, *, tp: int = 1, **options: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, tp: int = 1, dp: int = 1, **options: Any
+    ) -> None:
+        if dp != 1:  # a replica is a process tree of its own; this object is one scheduler
+            raise ValueError(
+                f"LLM(dp={dp!r}): data-parallel replicas are served by `python -m minisgl "
+                "--dp N` (one process per replica behind one API server); run several LLM "
+                "objects in separate processes for offline work"
+            )
         engine_options, sched_options = split_options(options, EngineConfig, SchedulerConfig)
         if model is None:
             from minisgl.models.gguf import announce_default_model

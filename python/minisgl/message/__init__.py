@@ -2,16 +2,23 @@
 `decode`. Flow: api server -> tokenizer -> scheduler -> detokenizer -> api server;
 scheduler rank 0 -> ranks > 0 with tensor parallelism (backend messages)."""
 
-from minisgl.message.backend import AbortBackendMsg, BatchBackendMsg, ExitMsg, UserMsg
+from minisgl.message.backend import (
+    AbortBackendMsg,
+    BatchBackendMsg,
+    ExitMsg,
+    FlushCacheMsg,
+    UserMsg,
+)
 from minisgl.message.base import decode, encode, register
 from minisgl.message.detokenizer import (
     BatchDetokenizeMsg,
     DetokenizeMsg,
     DetokInitMsg,
+    FlushCacheReply,
     SchedulerStats,
 )
 from minisgl.message.frontend import BatchFrontendMsg, UserReply
-from minisgl.message.tokenizer import AbortMsg, TokenizeMsg
+from minisgl.message.tokenizer import AbortMsg, DoneMsg, TokenizeMsg
 
 __all__ = [
     "AbortBackendMsg",
@@ -21,6 +28,9 @@ __all__ = [
     "BatchFrontendMsg",
     "DetokenizeMsg",
     "DetokInitMsg",
+    "DoneMsg",
+    "FlushCacheMsg",
+    "FlushCacheReply",
     "SchedulerStats",
     "ExitMsg",
     "TokenizeMsg",

@@ -28,6 +28,13 @@ class AbortBackendMsg:
 
 @register
 @dataclass
+class FlushCacheMsg:
+    """api server -> scheduler (rank 0, which passes it to the other TP ranks): empty the
+    prefix cache, unless requests run (then `FlushCacheReply` says why not)."""
+
+
+@register
+@dataclass
 class ExitMsg:
     """Shut the receiving loop down cleanly."""
 

@@ -38,6 +38,7 @@ class DetokInitMsg:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     min_tokens: int = 0  # stop strings cannot end the output before this many tokens
+    dp_rank: int = 0  # the replica the request went to (where a stop string's abort goes)
 
 
 @register
@@ -58,6 +59,17 @@ class SchedulerStats:
     draft_tokens: int = 0  # speculative decoding: tokens proposed so far
     accepted_tokens: int = 0  # of those, accepted
     verified_rows: int = 0  # request-steps that verified proposals
+    dp_rank: int = 0  # the replica (--dp) this snapshot is of
+
+
+@register
+@dataclass
+class FlushCacheReply:
+    """scheduler -> detokenizer -> api server: the answer to `FlushCacheMsg` of one replica;
+    `error` None when its prefix cache is now empty."""
+
+    dp_rank: int
+    error: str | None = None
 
 
 @register

@@ -26,6 +26,7 @@ class TokenizeMsg:
     context_len: int | None = None
     # the longest prompt + output (tokens): a text too long for it is refused before tokenizing
     max_seq_len: int | None = None
+    dp_rank: int | None = None  # the --dp replica it must run on (None: the dispatcher's choice)
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.text, self.input_ids, self.chat))
@@ -37,5 +38,14 @@ class TokenizeMsg:
 @dataclass
 class AbortMsg:
     """The client went away (or cancelled): drop request `uid` everywhere."""
+
+    uid: int
+
+
+@register
+@dataclass
+class DoneMsg:
+    """api server -> tokenizer worker, with --dp > 1: request `uid` has ended, so it no longer
+    counts in its replica's load (the dispatcher's)."""
 
     uid: int

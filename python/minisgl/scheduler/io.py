@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from minisgl.distributed import destroy_tp, init_tp
+from minisgl.distributed import Rendezvous, destroy_tp, init_tp, select_device
 from minisgl.engine import Engine, EngineConfig
 from minisgl.message import (
     AbortBackendMsg,
@@ -17,6 +17,8 @@ from minisgl.message import (
     BatchDetokenizeMsg,
     DetokenizeMsg,
     ExitMsg,
+    FlushCacheMsg,
+    FlushCacheReply,
     SchedulerStats,
     UserMsg,
 )
@@ -33,8 +35,11 @@ STATS_INTERVAL_S = 0.2
 
 
 class SchedulerServer:
-    def __init__(self, scheduler: Scheduler, recv_addr: str, send_addr: str) -> None:
+    def __init__(
+        self, scheduler: Scheduler, recv_addr: str, send_addr: str, dp_rank: int = 0
+    ) -> None:
         self.scheduler = scheduler
+        self.dp_rank = dp_rank
         self.recv = ZmqPullQueue(recv_addr, create=True)
         self.send = ZmqPushQueue(send_addr, create=False)
         self.last_stats = 0.0
@@ -57,6 +62,7 @@ class SchedulerServer:
             draft_tokens=s.num_draft_tokens,
             accepted_tokens=s.num_accepted_tokens,
             verified_rows=s.num_verified_rows,
+            dp_rank=self.dp_rank,
         )
 
     def handle(self, msg: Any) -> bool:
@@ -67,6 +73,10 @@ class SchedulerServer:
             return False
         if isinstance(msg, AbortBackendMsg):
             self.scheduler.abort(msg.uid)
+        elif isinstance(msg, FlushCacheMsg):
+            error = self.scheduler.flush_cache()
+            self.send.put(FlushCacheReply(self.dp_rank, error))
+            self.send.put(BatchDetokenizeMsg([], self.stats()))  # /metrics shows it at once
         elif isinstance(msg, UserMsg):
             try:
                 req = self.scheduler.make_request(msg.input_ids, msg.params, uid=msg.uid)
@@ -116,14 +126,21 @@ def build_scheduler(
     sched_config: SchedulerConfig,
     rank: int,
     tp: int,
-    rendezvous: str = "",
+    rendezvous: Rendezvous | None = None,
+    sharing: int = 1,
 ) -> Scheduler:
-    """Join the TP group (when tp > 1; its ranks meet through the file `rendezvous`), then
-    build this rank's engine shard and scheduler."""
+    """Join the TP group (when tp > 1; its ranks meet at `rendezvous`), then build this rank's
+    engine shard and scheduler. `sharing`: processes of this kind that share the CPU cores (the
+    --dp replicas' rank 0s); TP ranks > 0 share them with their group too."""
+    share = sharing * (tp if rank > 0 else 1)  # rank 0 may be the user's own process
+    if share > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // share))
+    kind = device_type(engine_config.device)
+    if kind == "cuda":
+        select_device(rank, rendezvous)
     if tp > 1:
-        if rank > 0:  # the ranks share the cores; rank 0 may be the user's own process
-            torch.set_num_threads(max(1, torch.get_num_threads() // tp))
-        init_tp(rank, tp, rendezvous, device_type(engine_config.device))
+        assert rendezvous is not None
+        init_tp(rank, tp, rendezvous, kind)
     engine = Engine(leave_room_for_draft(engine_config, sched_config))
     tokenizer = load_tokenizer(engine.model_path)
     eos = eos_token_ids(engine.model_path, engine.model_config.eos_token_ids, tokenizer)
@@ -135,23 +152,30 @@ def run_follower(
     sched_config: SchedulerConfig,
     rank: int,
     tp: int,
-    rendezvous: str,
+    rendezvous: Rendezvous,
     ready: Any,
+    sharing: int = 1,
+    title: str | None = None,
 ) -> None:
     """Process entry of TP ranks > 0 (server and offline LLM alike): say hello before joining
     the group (so rank 0 waits for no process that died importing), build, follow rank 0.
-    Ctrl-C is rank 0's to handle; the kernel ends this process with its parent."""
+    Ctrl-C is rank 0's to handle; the kernel ends this process with its parent. Rank 0 gone
+    (its sockets closed: killed, or on another node) ends it with code 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
-    set_title(f"scheduler_{rank}")
+    set_title(title or f"scheduler_{rank}")
     ready.send(("ready", None))
     try:
-        scheduler = build_scheduler(engine_config, sched_config, rank, tp, rendezvous)
+        scheduler = build_scheduler(engine_config, sched_config, rank, tp, rendezvous, sharing)
     except Exception as e:
         ready.send(("error", f"TP rank {rank} failed to start: {type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     ready.send(("ready", None))
-    scheduler.follow()
+    try:
+        scheduler.follow()
+    except RuntimeError as e:  # gloo / NCCL: the connection to rank 0 is gone
+        logger.error("TP rank %d: lost rank 0 (%s); exiting", rank, e)
+        raise SystemExit(1) from None
     scheduler.shutdown()
     scheduler.engine.shutdown()
     destroy_tp()
@@ -161,16 +185,18 @@ def run_scheduler_process(
     engine_config: EngineConfig,
     sched_config: SchedulerConfig,
     tp: int,
-    rendezvous: str,
+    rendezvous: Rendezvous,
     recv_addr: str,
     send_addr: str,
+    dp: tuple[int, int],
     ready: Any,
 ) -> None:
-    """Process entry of rank 0: build the engine, report readiness (or the error) through
-    `ready`, then serve."""
+    """Process entry of rank 0 of replica `dp` = (its rank, replicas): build the engine,
+    report readiness (or the error) through `ready`, then serve."""
+    dp_rank, dp_size = dp
     try:
-        scheduler = build_scheduler(engine_config, sched_config, 0, tp, rendezvous)
-        server = SchedulerServer(scheduler, recv_addr, send_addr)
+        scheduler = build_scheduler(engine_config, sched_config, 0, tp, rendezvous, dp_size)
+        server = SchedulerServer(scheduler, recv_addr, send_addr, dp_rank)
     except Exception as e:  # reported to the launcher, which prints it and exits non-zero
         ready.send(("error", f"scheduler failed to start: {type(e).__name__}: {e}"))
         raise SystemExit(1) from None

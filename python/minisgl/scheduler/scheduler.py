@@ -24,7 +24,7 @@ from minisgl.engine.engine import StepOutput
 from minisgl.engine.logprobs import Entry
 from minisgl.engine.sample import TokenMask
 from minisgl.kvcache import KVCacheManager
-from minisgl.message import AbortBackendMsg, BatchBackendMsg
+from minisgl.message import AbortBackendMsg, BatchBackendMsg, FlushCacheMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.planner import BatchPlanner, reaches_length
@@ -131,6 +131,16 @@ class Scheduler:
         if req is not None:
             self._finish(req, "abort")
 
+    def flush_cache(self) -> str | None:
+        """Empty the prefix cache (SGLang's /flush_cache); why not, while requests run."""
+        busy = len(self.planner.admitted()) + len(self.planner.waiting)
+        if self.has_work or self.cache.prefix_cache.locked_pages:
+            return f"cache_busy: {busy} requests are running; flush the cache when idle"
+        if self.leader is not None:
+            self.leader.flushed()
+        self.cache.reset_cache()
+        return None
+
     @property
     def has_work(self) -> bool:
         return bool(self.planner.busy or self.pending or self.in_flight)
@@ -162,9 +172,12 @@ class Scheduler:
             for change in msg.msgs:
                 if isinstance(change, AbortBackendMsg):
                     self.abort(change.uid)
+                elif isinstance(change, FlushCacheMsg):
+                    self.cache.reset_cache()  # rank 0 checked that nothing runs
                 else:
                     self.add_request(self.make_request(change.input_ids, change.params, change.uid))
-            self.step()
+            if not (msg.msgs and all(isinstance(c, FlushCacheMsg) for c in msg.msgs)):
+                self.step()  # a flush alone is sent outside rank 0's steps
 
     def stop_followers(self) -> None:
         if self.leader is not None:

@@ -2,7 +2,8 @@
 deterministic and sampled tokens are equal on every rank (the logits are all-gathered), so the
 ranks stay in step as long as they see the same requests: rank 0's `TPLeader` records each add
 (`UserMsg`, its seed in the params: one drawn at random must be the same on every rank) and
-abort (`AbortBackendMsg`) and broadcasts them at the start of its next step as one
+abort (`AbortBackendMsg`) and cache flush (`FlushCacheMsg`, sent at once: an idle rank 0 does
+not step) and broadcasts them at the start of its next step as one
 `BatchBackendMsg` (`ExitMsg` to stop); the others replay them and step (`Scheduler.follow`)."""
 
 from __future__ import annotations
@@ -11,12 +12,22 @@ from dataclasses import replace
 
 from minisgl.core import Req
 from minisgl.distributed import broadcast_object
-from minisgl.message import AbortBackendMsg, BatchBackendMsg, ExitMsg, UserMsg, decode, encode
+from minisgl.message import (
+    AbortBackendMsg,
+    BatchBackendMsg,
+    ExitMsg,
+    FlushCacheMsg,
+    UserMsg,
+    decode,
+    encode,
+)
 
 
 class TPLeader:
     def __init__(self) -> None:
-        self.changes: list[UserMsg | AbortBackendMsg] = []  # not yet seen by the other ranks
+        self.changes: list[
+            UserMsg | AbortBackendMsg | FlushCacheMsg
+        ] = []  # not yet seen by the other ranks
 
     def added(self, req: Req) -> None:
         params = replace(req.params, seed=req.seed)
@@ -24,6 +35,11 @@ class TPLeader:
 
     def aborted(self, uid: int) -> None:
         self.changes.append(AbortBackendMsg(uid))
+
+    def flushed(self) -> None:
+        """The other ranks empty their caches too, now (they wait for rank 0's next message)."""
+        self.changes.append(FlushCacheMsg())
+        self.send()
 
     def send(self, stop: bool = False) -> None:
         broadcast_object(encode(ExitMsg() if stop else BatchBackendMsg(self.changes)))

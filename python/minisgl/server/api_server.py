@@ -61,6 +61,7 @@ from minisgl.server.protocol import (
     native_sampling_fields,
     sampling_params,
 )
+from minisgl.server.sglang_compat import add_sglang_routes, check_generate_extras
 from minisgl.tokenizer.server import encode_chat, load_chat_tokenizer, needed, render_chat
 
 logger = logging.getLogger(__name__)
@@ -705,9 +706,16 @@ class ApiServer:
 
     async def generate(self, req: GenerateRequest) -> Any:
         """The native API: token ids in and out, one choice."""
+        self.check_model(req.model)
+        check_generate_extras(req.model_extra or {})
         fields, max_tokens = native_sampling_fields(req)
         source = dict(text=req.text, input_ids=req.input_ids, chat=None)
         msgs = self.make_msgs(fields, max_tokens, False, None, **source)  # SGLang's: to the context
+        if req.data_parallel_rank is not None:  # SGLang's: run on this --dp replica
+            if not 0 <= req.data_parallel_rank < self.args.dp:
+                message = f"data_parallel_rank must be in [0, {self.args.dp}) (--dp {self.args.dp})"
+                raise APIError(400, message, "data_parallel_rank")
+            msgs[0].dp_rank = req.data_parallel_rank
         started = await self.start_choices(msgs)
         if req.stream:
             return StreamingResponse(self.native_events(started), media_type="text/event-stream")
@@ -804,16 +812,24 @@ class ApiServer:
         return JSONResponse({"status": "ok"})
 
     async def generate_one_token(self) -> str | None:
-        """One greedy token from token id 0 through the tokenizer, scheduler and detokenizer
-        (not counted against --max-queued-requests); None, or why it failed."""
+        """One greedy token from token id 0 through the tokenizer, each --dp replica's
+        scheduler and the detokenizer (not counted against --max-queued-requests); None, or why
+        it failed."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        msg = TokenizeMsg(self.frontend.new_uid(), None, [0], None, params)
         timeout = self.args.health_check_timeout
-        async with aclosing(self.frontend.stream(msg, timeout)) as replies:
-            async for r in replies:
-                if r.error is not None:
-                    return f"health check generation failed: {r.error}"
-        return None
+
+        async def one(replica: int | None) -> str | None:
+            msg = TokenizeMsg(self.frontend.new_uid(), None, [0], None, params, dp_rank=replica)
+            where = "" if replica is None else f" (replica {replica})"
+            async with aclosing(self.frontend.stream(msg, timeout)) as replies:
+                async for r in replies:
+                    if r.error is not None:
+                        return f"health check generation failed{where}: {r.error}"
+            return None
+
+        replicas = [None] if self.args.dp == 1 else list(range(self.args.dp))
+        errors = await asyncio.gather(*(one(r) for r in replicas))
+        return next((e for e in errors if e is not None), None)
 
     async def stats(self) -> dict[str, Any]:
         """Scheduler snapshot (running requests, KV pages), refreshed when it goes idle, plus the
@@ -877,7 +893,11 @@ def error_statuses(path: str, method: str) -> set[int]:
     """The error statuses an endpoint answers."""
     statuses = {500} | ({400, 503} if path == "/health" else {401})  # 400: `generate`
     if method == "post":
-        statuses |= {400, 413} | (set() if path == "/generate" else {404})  # "model" unknown
+        statuses |= {400, 413, 404}  # 404: "model" unknown
+    if path == "/flush_cache":
+        statuses |= {400, 503}  # cache_busy; the pipeline is gone
+    if path == "/health_generate":
+        statuses |= {503}
     if path in GENERATION_PATHS:
         statuses |= {503, 504}
     return statuses
@@ -925,7 +945,10 @@ def document_errors(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(frontend: Frontend, args: ServerArgs, max_seq_len: int) -> FastAPI:
+def create_app(
+    frontend: Frontend, args: ServerArgs, max_seq_len: int, info: dict | None = None
+) -> FastAPI:
+    """The app; `info`: what the schedulers reported once ready (KV pages, for /server_info)."""
     app = FastAPI(title="minisgl", on_startup=[frontend.start])
     api = ApiServer(frontend, args, max_seq_len)
     app.exception_handler(APIError)(api_error)
@@ -933,6 +956,12 @@ def create_app(frontend: Frontend, args: ServerArgs, max_seq_len: int) -> FastAP
     app.exception_handler(StarletteHTTPException)(http_error)
     document_errors(app)
     app.get("/health")(api.health)
+
+    @app.get("/health_generate")  # SGLang's name of /health?generate=1
+    async def health_generate() -> JSONResponse:
+        return await api.health(generate=True)
+
+    add_sglang_routes(app, frontend, args, info or {})
     app.get("/stats")(api.stats)
     app.get("/metrics", response_class=PlainTextResponse)(api.metrics)  # documents text/plain
     app.get("/v1/models")(api.models)

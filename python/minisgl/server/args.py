@@ -30,11 +30,59 @@ def _seconds(allow_zero: bool) -> Callable[[str], float]:
     return parse
 
 
+def _host_port(value: str) -> str:
+    from minisgl.distributed import split_addr
+
+    try:
+        split_addr(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 @dataclass
 class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    tp: int = option(1, "tensor-parallel size (GPUs)", type=int_range(1))
+    tp: int = option(1, "tensor-parallel size (GPUs), over all --nnodes", type=int_range(1))
+    dp: int = option(
+        1,
+        "data-parallel replicas: N schedulers (each a TP group of --tp GPUs; dp x tp GPUs in all) "
+        "behind this one API server",
+        type=int_range(1),
+    )
+    dp_dispatch: str = option(
+        "prefix",
+        "with --dp > 1, which replica a request goes to: the one holding the longest prefix of "
+        "its prompt (ties: least loaded), or round_robin (the ablation)",
+        choices=["prefix", "round_robin"],
+    )
+    dp_load_threshold: int = option(
+        8,
+        "with --dp-dispatch prefix: when the replicas' in-flight requests differ by more than "
+        "this, the least loaded replica gets the request whatever its prefix",
+        type=int_range(0),
+    )
+    nnodes: int = option(
+        1, "machines the --tp group spans (each runs --tp / --nnodes ranks)", type=int_range(1)
+    )
+    node_rank: int = option(
+        0,
+        "this machine's index among --nnodes: node 0 runs the API server and TP rank 0, the "
+        "others only their scheduler ranks (they exit when rank 0 does)",
+        type=int_range(0),
+    )
+    dist_init_addr: str | None = option(
+        None,
+        "HOST:PORT where the ranks of several --nnodes meet (node 0 listens there: a TCP store)",
+        type=_host_port,
+    )
+    dist_timeout: float = option(
+        60.0,
+        "seconds the ranks of several --nnodes wait to meet at --dist-init-addr (and any one "
+        "collective) before giving up with an error",
+        type=_seconds(allow_zero=False),
+    )
     host: str = option("127.0.0.1", "HTTP bind address")
     port: int = option(1919, "HTTP port", type=int_range(1, 65535))
     num_tokenizer: int = option(
@@ -117,8 +165,37 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
+        self._check_scale_out()
         if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
             raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
+
+    def _check_scale_out(self) -> None:
+        if self.node_rank >= self.nnodes:
+            raise OptionError(
+                "node_rank", f"must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})"
+            )
+        if self.nnodes == 1:
+            return
+        if self.dist_init_addr is None:
+            raise OptionError(
+                "dist_init_addr", "is required with --nnodes > 1 (HOST:PORT of node 0)"
+            )
+        if self.tp % self.nnodes:
+            raise OptionError(
+                "tp", f"must be a multiple of --nnodes ({self.nnodes}), got {self.tp}"
+            )
+        if self.dp > 1:
+            raise OptionError(
+                "dp",
+                "--dp > 1 with --nnodes > 1 is not supported: run one "
+                "server per replica behind sglang-router",
+            )
+        if self.shell:
+            raise OptionError("shell", "is not supported with --nnodes > 1")
+
+    @property
+    def tp_per_node(self) -> int:
+        return self.tp // self.nnodes
 
 
 class _Parser(argparse.ArgumentParser):

@@ -3,7 +3,9 @@ the replies coming back from the detokenizer to one asyncio queue per request. I
 the request-level metrics (it sees every reply), fails every request when the pipeline dies, and
 runs the watchdog: while a request is unfinished, some message must come back from the pipeline
 at least every --watchdog-timeout seconds (the scheduler sends its stats every 0.2 s while it has
-work), or the pipeline is taken for hung."""
+work), or the pipeline is taken for hung. It keeps each --dp replica's stats apart, sends
+/flush_cache to every replica's scheduler and, with --dp > 1, tells the tokenizer worker when a
+request ends (its dispatcher counts the replicas' loads)."""
 
 from __future__ import annotations
 
@@ -18,15 +20,19 @@ from dataclasses import dataclass, field
 from minisgl.message import (
     AbortMsg,
     BatchFrontendMsg,
+    DoneMsg,
+    FlushCacheMsg,
+    FlushCacheReply,
     SchedulerStats,
     TokenizeMsg,
     UserReply,
     encode,
 )
-from minisgl.server.metrics import Metrics, priority_label
+from minisgl.server.metrics import Metrics, priority_label, total_stats
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 logger = logging.getLogger(__name__)
+FLUSH_TIMEOUT_S = 10.0  # for every replica's answer to /flush_cache
 
 
 @dataclass
@@ -45,15 +51,20 @@ class Frontend:
         recv_addr: str,
         watchdog_timeout: float = 0.0,
         on_hang: Callable[[str], None] | None = None,
+        scheduler_addrs: list[str] | None = None,
     ) -> None:
         """`watchdog_timeout` 0: no watchdog; else `on_hang(reason)` is called (on a thread of
-        its own) once the pipeline has been silent that long with a request unfinished."""
+        its own) once the pipeline has been silent that long with a request unfinished.
+        `scheduler_addrs`: one per --dp replica (for /flush_cache; none: it is refused)."""
         self.to_tokenizers = [ZmqAsyncPushQueue(a, create=False) for a in tokenizer_addrs]
         self.recv = ZmqAsyncPullQueue(recv_addr, create=True)
+        self.scheduler_addrs = scheduler_addrs or []
         self.requests: dict[int, _InFlight] = {}
         self.uids = itertools.count()
-        self.stats = SchedulerStats()
-        self.metrics = Metrics(lambda: self.stats, lambda: self.num_queued)
+        self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(self.num_replicas)]
+        self.metrics = Metrics(lambda: self.replica_stats, lambda: self.num_queued)
+        self._flushes: asyncio.Queue[FlushCacheReply] | None = None
+        self._flush_lock: asyncio.Lock | None = None
         self.dead: str | None = None  # set when the pipeline can no longer answer
         self.watchdog_timeout, self.on_hang = watchdog_timeout, on_hang
         self.last_progress = time.monotonic()  # of the last message, or of the last idle tick
@@ -65,6 +76,15 @@ class Frontend:
         self._tasks.append(self._loop.create_task(self._dispatch()))
         if self.watchdog_timeout > 0 and self.on_hang is not None:
             self._tasks.append(self._loop.create_task(self._watchdog()))
+
+    @property
+    def num_replicas(self) -> int:
+        return max(1, len(self.scheduler_addrs))
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler snapshot, summed over the replicas."""
+        return total_stats(self.replica_stats)
 
     @property
     def num_queued(self) -> int:
@@ -97,11 +117,15 @@ class Frontend:
         while True:
             batch = await self.recv.get()
             self.last_progress = time.monotonic()
+            if isinstance(batch, FlushCacheReply) and self._flushes is not None:
+                self._flushes.put_nowait(batch)
+                continue
             if not isinstance(batch, BatchFrontendMsg):  # decoded, but not for here
                 logger.error("api server: dropped an unexpected %s message", type(batch).__name__)
                 continue
-            if batch.stats is not None:
-                self.stats = batch.stats
+            stats = batch.stats
+            if stats is not None and 0 <= stats.dp_rank < len(self.replica_stats):
+                self.replica_stats[stats.dp_rank] = stats
             now = time.monotonic()
             for reply in batch.msgs:
                 req = self.requests.get(reply.uid)
@@ -176,8 +200,36 @@ class Frontend:
         finally:
             if finished:
                 self.requests.pop(msg.uid, None)
+                if self.num_replicas > 1:  # the dispatcher's load count
+                    await asyncio.shield(self._tokenizer(msg.uid).put(DoneMsg(msg.uid)))
             else:
                 await asyncio.shield(self.abort(msg.uid, "timeout" if timed_out else "abort"))
+
+    async def flush_cache(self) -> list[str]:
+        """Empty every replica's prefix cache (each refuses while requests run); the errors."""
+        if not self.scheduler_addrs:
+            return ["this front end has no scheduler to flush"]
+        if self._flush_lock is None:
+            self._flush_lock, self._flushes = asyncio.Lock(), asyncio.Queue()
+        assert self._flushes is not None
+        async with self._flush_lock:  # one flush at a time: the replies are not tagged
+            while not self._flushes.empty():  # late answers of a flush that timed out
+                self._flushes.get_nowait()
+            for addr in self.scheduler_addrs:
+                queue = ZmqAsyncPushQueue(addr, create=False)
+                try:
+                    await queue.put(FlushCacheMsg())
+                finally:
+                    queue.close()  # lingers until the message is out
+            errors: list[str] = []
+            for _ in self.scheduler_addrs:
+                try:
+                    reply = await asyncio.wait_for(self._flushes.get(), FLUSH_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    return errors + [f"no answer from the schedulers in {FLUSH_TIMEOUT_S:g} s"]
+                if reply.error is not None:
+                    errors.append(f"replica {reply.dp_rank}: {reply.error}")
+            return errors
 
     def fail(self, reason: str) -> None:
         """The pipeline is gone: end every request with an error; refuse new ones from now on."""

@@ -22,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from minisgl.distributed import Rendezvous, rendezvous_file
+from minisgl.engine.config import EngineConfig
+from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs
 from minisgl.utils.procs import Reaper, die_with_parent, set_title, wait_ready
 
@@ -34,18 +37,19 @@ logger = logging.getLogger("minisgl")
 
 @dataclass
 class Addresses:
-    root: str  # a private temp directory (mode 0700): the ipc sockets, the TP rendezvous file
-    scheduler: str
+    root: str  # a private temp directory (mode 0700): the ipc sockets, the TP rendezvous files
+    schedulers: list[str]  # rank 0 of each --dp replica
     detokenizer: str
     api: str
     tokenizers: list[str]
 
     @staticmethod
-    def make(num_tokenizer: int) -> Addresses:
+    def make(num_tokenizer: int, dp: int = 1) -> Addresses:
         root = tempfile.mkdtemp(prefix="minisgl-")
         ipc = lambda name: f"ipc://{os.path.join(root, name)}"  # noqa: E731
         tokenizers = [ipc(f"tokenizer{i}") for i in range(num_tokenizer)]
-        return Addresses(root, ipc("scheduler"), ipc("detokenizer"), ipc("api"), tokenizers)
+        schedulers = [ipc("scheduler" if r == 0 else f"scheduler{r}") for r in range(dp)]
+        return Addresses(root, schedulers, ipc("detokenizer"), ipc("api"), tokenizers)
 
 
 class Terminated(BaseException):
@@ -57,7 +61,52 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 DEATH_GRACE_S = 1.5  # after a failure: time for clients (on a loaded machine) to get their errors and see /health 503
+STOP_OTHER_NODES_S = 3.0  # rank 0's wait, on a clean stop, for the other nodes' ranks to stop
 CUT_MARGIN_S = 0.5  # the drain's requests still running end this long before it runs out
+
+
+Started = tuple[Any, Any]  # a child's end of its `ready` pipe (the parent's side), its process
+
+
+def _split(started: list[Started]) -> tuple[list[Any], list[Any]]:
+    return [conn for conn, _ in started], [proc for _, proc in started]
+
+
+def _follower_main(
+    config: EngineConfig,
+    sched_config: SchedulerConfig,
+    rank: int,
+    tp: int,
+    meet: Rendezvous,
+    sharing: int,
+    title: str,
+    ready: Any,
+) -> None:
+    from minisgl.scheduler.io import run_follower
+
+    run_follower(config, sched_config, rank, tp, meet, ready, sharing, title)
+
+
+def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
+    """Clear errors, before any process starts, for a TP size the model cannot take or GPUs
+    this machine does not have (--dp x --tp / --nnodes)."""
+    from minisgl.engine.engine import check_tp
+    from minisgl.utils.device import device_type
+
+    gpus = args.dp * args.tp_per_node
+    if device_type(config.device) == "cuda":
+        import torch
+
+        found = torch.cuda.device_count()
+        if gpus > found:
+            per = (
+                f"--tp {args.tp} / --nnodes {args.nnodes}" if args.nnodes > 1 else f"--tp {args.tp}"
+            )
+            raise ValueError(
+                f"--dp {args.dp} x {per} needs {gpus} GPUs on this machine, found {found}"
+            )
+    if args.tp > 1:
+        check_tp(config, args.tp, gpus)
 
 
 def _child_main(name: str, target: Any, *args: Any) -> None:
@@ -73,7 +122,7 @@ def _child_main(name: str, target: Any, *args: Any) -> None:
 class Launcher:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        self.addrs = Addresses.make(args.num_tokenizer)
+        self.addrs = Addresses.make(args.num_tokenizer, args.dp)
         logger.info("sockets in %s", self.addrs.root)
         self.reaper = Reaper(self.addrs.root)
         self.ctx = mp.get_context("spawn")
@@ -85,9 +134,9 @@ class Launcher:
         # called (from a thread of its own) with the reason of a failure; None: SIGTERM self
         self.on_failure: Callable[[str], None] | None = None
 
-    def _spawn(self, name: str, target: Any, *target_args: Any) -> Any:
+    def _spawn(self, name: str, target: Any, *target_args: Any) -> Started:
         """Start `target(*target_args, ready)` in a child titled `minisgl::NAME`; the parent's
-        end of the `ready` pipe."""
+        end of the `ready` pipe, and the process."""
         parent, child = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(
             target=_child_main, args=(name, target, *target_args, child), name=name, daemon=True
@@ -97,40 +146,66 @@ class Launcher:
         self.reaper.watch(proc.pid)
         logger.info("%s process started (pid %d)", name, proc.pid)
         self.procs.append(proc)
-        return parent
+        return parent, proc
 
     def start(self) -> None:
-        from minisgl.distributed import rendezvous_file
-        from minisgl.engine.engine import check_tp
         from minisgl.models.weight import resolve_model_path
-        from minisgl.scheduler.io import run_follower, run_scheduler_process
         from minisgl.tokenizer.server import run_detokenizer, run_tokenizer
 
         args, a = self.args, self.addrs
         assert args.engine.model is not None  # __main__ resolves the default model
         model_path = resolve_model_path(args.engine.model)  # download once, before the children
-        config, sched_cfg = replace(args.engine, model=model_path), args.scheduler
-        if args.tp > 1:
-            check_tp(config, args.tp)  # before any process starts
-        meet = rendezvous_file(a.root)  # TP ranks meet through a file: no TCP listener
-        spawn, tp, sched_io = self._spawn, args.tp, (a.scheduler, a.detokenizer)
-        waits = [
-            spawn("scheduler_0", run_scheduler_process, config, sched_cfg, tp, meet, *sched_io),
-            spawn("detokenizer", run_detokenizer, model_path, a.detokenizer, a.api, a.scheduler),
-        ]
+        config = replace(args.engine, model=model_path)
+        check_scale_out(args, config)  # before any process starts
+        per_node, first = args.tp_per_node, args.node_rank * args.tp_per_node
+        if args.node_rank > 0:  # scheduler ranks only: no front end on this node
+            followers = [self._follower(config, 0, k) for k in range(first, first + per_node)]
+            wait_ready(*_split(followers))  # hello
+            wait_ready(*_split(followers))  # built, in the group
+            return
+        starters, followers = [], []
+        for r in range(args.dp):
+            starters.append(self._replica(config, r))
+            followers += [self._follower(config, r, k) for k in range(1, per_node)]
+        sched = a.schedulers
+        detok = (model_path, a.detokenizer, a.api, sched)
+        starters.append(self._spawn("detokenizer", run_detokenizer, *detok))
+        dispatch = (config.page_size, args.dp_dispatch, args.dp_load_threshold)
         for i, addr in enumerate(a.tokenizers):
-            front = (a.scheduler, a.detokenizer, a.api)
-            template = args.chat_template
-            waits.append(spawn(f"tokenizer_{i}", run_tokenizer, model_path, template, addr, *front))
-        followers = [
-            spawn(f"scheduler_{rank}", run_follower, config, sched_cfg, rank, tp, meet)
-            for rank in range(1, args.tp)
-        ]
+            tok = (model_path, args.chat_template, addr, sched, a.detokenizer, a.api, dispatch)
+            starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok))
         # followers say hello first, then ready once built (rank 0 is ready only after them)
-        for payload in wait_ready(waits + followers, self.procs):
-            self.info.update(payload or {})
-        wait_ready(followers, self.procs[len(waits) :])
+        for payload in wait_ready(*_split(starters + followers)):
+            if payload:  # a replica's rank 0
+                self.info["num_pages"] = self.info.get("num_pages", 0) + payload["num_pages"]
+                self.info["max_seq_len"] = payload["max_seq_len"]
+        wait_ready(*_split(followers))
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def _rendezvous(self, replica: int) -> Rendezvous:
+        args = self.args
+        if args.nnodes > 1:  # rank 0's node hosts the TCP store; GPU 0 is the node's first rank
+            shift = -args.node_rank * args.tp_per_node
+            return Rendezvous("", args.dist_init_addr, args.dist_timeout, shift)
+        return rendezvous_file(self.addrs.root, f"tp-rendezvous-{replica}", replica * args.tp)
+
+    def _name(self, replica: int, rank: int) -> str:
+        return f"scheduler_{rank}" if self.args.dp == 1 else f"dp{replica}_scheduler_{rank}"
+
+    def _replica(self, config: EngineConfig, replica: int) -> Started:
+        from minisgl.scheduler.io import run_scheduler_process
+
+        args = self.args
+        io = (self.addrs.schedulers[replica], self.addrs.detokenizer, (replica, args.dp))
+        meet = self._rendezvous(replica)
+        entry = (run_scheduler_process, config, args.scheduler, args.tp, meet, *io)
+        return self._spawn(self._name(replica, 0), *entry)
+
+    def _follower(self, config: EngineConfig, replica: int, rank: int) -> Started:
+        args = self.args
+        name, meet = self._name(replica, rank), self._rendezvous(replica)
+        entry = (config, args.scheduler, rank, args.tp, meet, args.dp, name)
+        return self._spawn(name, _follower_main, *entry)
 
     def _watch(self) -> None:
         """Stop the server when any child dies, instead of hanging its clients."""
@@ -157,8 +232,41 @@ class Launcher:
         else:
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def follow(self) -> int:
+        """A node other than rank 0's: wait until a scheduler rank ends (rank 0 stopped them,
+        or is gone); 0 when every one ended cleanly."""
+        from multiprocessing.connection import wait
+
+        print(f"minisgl: node {self.args.node_rank} serving its TP ranks", flush=True)
+        wait([p.sentinel for p in self.procs])
+        for p in self.procs:
+            p.join(timeout=5)
+        if any(p.exitcode != 0 for p in self.procs):
+            self.failure = "; ".join(
+                f"{p.name} process ended with exit code {p.exitcode} (rank 0 gone?)"
+                for p in self.procs
+                if p.exitcode != 0
+            )
+        return 0
+
+    def _stop_other_nodes(self) -> None:
+        """With --nnodes > 1, rank 0 tells the other ranks to stop (its ExitMsg to them), so
+        that the other nodes exit 0; killed instead, it would leave them to find it gone."""
+        from minisgl.message import ExitMsg
+        from minisgl.utils.zmq import ZmqPushQueue
+
+        rank0 = self.procs[0]
+        if not rank0.is_alive():
+            return
+        queue = ZmqPushQueue(self.addrs.schedulers[0], create=False)
+        queue.put(ExitMsg())
+        queue.close()
+        rank0.join(timeout=STOP_OTHER_NODES_S)
+
     def stop(self) -> None:
         self.stopping = True
+        if self.args.nnodes > 1 and self.args.node_rank == 0 and self.procs and not self.failure:
+            self._stop_other_nodes()
         for p in self.procs:  # they ignore SIGTERM (see _child_main) and hold nothing to save
             if p.is_alive():
                 p.kill()
@@ -185,11 +293,16 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
         except (RuntimeError, ValueError) as e:
             print(f"minisgl: {e}", file=sys.stderr)
             return 1
-        from minisgl.server.frontend import Frontend
+        if args.node_rank > 0:
+            code = launcher.follow()
+        else:
+            from minisgl.server.frontend import Frontend
 
-        addrs, timeout = launcher.addrs, args.watchdog_timeout
-        frontend = Frontend(addrs.tokenizers, addrs.api, timeout, on_hang=launcher.fail)
-        code = front_end(launcher, frontend)
+            addrs, timeout = launcher.addrs, args.watchdog_timeout
+            frontend = Frontend(
+                addrs.tokenizers, addrs.api, timeout, launcher.fail, addrs.schedulers
+            )
+            code = front_end(launcher, frontend)
     except (Terminated, KeyboardInterrupt):  # a requested stop, or a failure (Launcher.fail)
         code = 0
     finally:
@@ -253,7 +366,7 @@ def serve_http(launcher: Launcher, frontend: Frontend) -> int:
     from minisgl.server.connections import ConnectionLimits, connection_budget
 
     args = launcher.args
-    app = create_app(frontend, args, launcher.info["max_seq_len"])
+    app = create_app(frontend, args, launcher.info["max_seq_len"], launcher.info)
     max_connections, backlog = connection_budget(args.max_connections)
     limits = ConnectionLimits(max_connections, args.timeout_keep_alive)
     config = uvicorn.Config(

@@ -2,13 +2,16 @@
 
 Request-level numbers (tokens, latencies, outcomes) are counted here, in the api server, as the
 replies arrive. Scheduler-level ones (running requests, KV pages, prefix-cache hits, preemptions)
-are read at scrape time from the latest `SchedulerStats` snapshot, at most 0.2 s old."""
+are read at scrape time from the latest `SchedulerStats` snapshot, at most 0.2 s old: summed over
+the --dp replicas, and per replica in the `minisgl_replica_*` series (label `dp_rank`)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import fields
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,6 +31,14 @@ def priority_label(priority: int) -> str:
     return f">{PRIORITY_LABELS}" if priority > PRIORITY_LABELS else str(priority)
 
 
+def total_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
+    """The replicas' snapshots summed (one replica: its own)."""
+    if len(replicas) == 1:
+        return replicas[0]
+    names = [f.name for f in fields(SchedulerStats) if f.name != "dp_rank"]
+    return SchedulerStats(**{n: sum(getattr(r, n) for r in replicas) for n in names})
+
+
 def tree_rss_bytes() -> int:
     """Resident memory of this process and its children (the server's workers); 0 off Linux."""
     total = 0
@@ -40,12 +51,37 @@ def tree_rss_bytes() -> int:
     return total
 
 
+def _replica_families(
+    replicas: list[SchedulerStats],
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def family(kind: type, name: str, doc: str) -> Any:
+        return kind(f"minisgl_replica_{name}", doc + " (per --dp replica)", labels=["dp_rank"])
+
+    running = family(GaugeMetricFamily, "num_running_requests", "requests running")
+    waiting = family(GaugeMetricFamily, "num_waiting_requests", "requests waiting")
+    free = family(GaugeMetricFamily, "kv_pages_free", "KV pages free")
+    prefill = family(CounterMetricFamily, "prefill_tokens", "prompt tokens scheduled")
+    hits = family(CounterMetricFamily, "prefix_cache_hit_tokens", "of those, cache hits")
+    for s in replicas:
+        rank = [str(s.dp_rank)]
+        running.add_metric(rank, s.running)
+        waiting.add_metric(rank, s.waiting)
+        free.add_metric(rank, s.free_pages)
+        prefill.add_metric(rank, s.prefill_tokens)
+        hits.add_metric(rank, s.cached_tokens)
+    yield from (running, waiting, free, prefill, hits)
+
+
 class _SchedulerCollector(Collector):
-    def __init__(self, stats: Callable[[], SchedulerStats], queued: Callable[[], int]) -> None:
-        self.stats, self.queued = stats, queued
+    def __init__(
+        self, replicas: Callable[[], list[SchedulerStats]], queued: Callable[[], int]
+    ) -> None:
+        self.replicas, self.queued = replicas, queued
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self.stats()
+        replicas = self.replicas()
+        yield from _replica_families(replicas)
+        s = total_stats(replicas)
         gauges = {
             "num_running_requests": ("requests running in the scheduler", s.running),
             "num_queued_requests": ("requests not started yet", self.queued()),
@@ -81,7 +117,9 @@ class _SchedulerCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], SchedulerStats], queued: Callable[[], int]) -> None:
+    def __init__(
+        self, replicas: Callable[[], list[SchedulerStats]], queued: Callable[[], int]
+    ) -> None:
         r = self.registry = CollectorRegistry()
         self.prompt_tokens = Counter(
             "minisgl_prompt_tokens", "prompt tokens of requests", registry=r
@@ -128,7 +166,7 @@ class Metrics:
             ["path", "status"],
             registry=r,
         )
-        r.register(_SchedulerCollector(stats, queued))
+        r.register(_SchedulerCollector(replicas, queued))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -212,6 +212,11 @@ class DetokenizeRequest(BaseModel):
 
 
 class GenerateRequest(BaseModel):
+    # SGLang's other fields (sglang-router passes them on) are kept to be checked:
+    # `sglang_compat.check_generate_extras`
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    data_parallel_rank: Int64 | None = None  # the --dp replica to run on (SGLang's)
     input_ids: list[TokenId] | None = None
     text: str | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)

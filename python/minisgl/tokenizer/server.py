@@ -18,11 +18,14 @@ from minisgl.message import (
     BatchFrontendMsg,
     DetokenizeMsg,
     DetokInitMsg,
+    DoneMsg,
     ExitMsg,
+    FlushCacheReply,
     TokenizeMsg,
     UserMsg,
     UserReply,
 )
+from minisgl.server.dispatch import Dispatcher
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, named_logprobs
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
@@ -151,12 +154,21 @@ class TokenizerWorker:
     """The tokenizer process's work: tokenize each request and hand it to the detokenizer and
     the scheduler, or answer its error. A long prompt is tokenized on a thread (the fast
     tokenizers release the GIL) while the requests behind it go on; an abort of such a request
-    drops it when its tokens are ready, so that the abort never overtakes its request."""
+    drops it when its tokens are ready, so that the abort never overtakes its request.
+    `to_sched`: the scheduler's queue, or with --dp > 1 a list of the replicas' queues; then
+    `dispatcher` picks one per request."""
 
-    def __init__(self, tokenizer: Any, to_sched: Any, to_detok: Any, to_api: Any) -> None:
-        self.tokenizer, self.to_sched, self.to_detok, self.to_api = (
-            tokenizer, to_sched, to_detok, to_api
-        )  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Any,
+        to_sched: Any,
+        to_detok: Any,
+        to_api: Any,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        self.tokenizer, self.to_detok, self.to_api = tokenizer, to_detok, to_api
+        self.to_scheds = to_sched if isinstance(to_sched, list) else [to_sched]
+        self.dispatcher = dispatcher
         self.background = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pending: dict[int, tuple[TokenizeMsg, Future[list[int]]]] = {}  # on the thread
         self.aborted: set[int] = set()  # of those, the ones whose client has left
@@ -166,7 +178,10 @@ class TokenizerWorker:
             if msg.uid in self.pending:
                 self.aborted.add(msg.uid)
             else:  # same pipe as the request: never overtakes it
-                self.to_sched.put(AbortBackendMsg(msg.uid))
+                self.to_scheds[self._replica_of(msg.uid)].put(AbortBackendMsg(msg.uid))
+                self._done(msg.uid)
+        elif isinstance(msg, DoneMsg):
+            self._done(msg.uid)
         elif not isinstance(msg, TokenizeMsg):
             logger.error("tokenizer: dropped an unexpected %s message", type(msg).__name__)
         else:
@@ -196,12 +211,25 @@ class TokenizerWorker:
             ids = token_ids()
         except Exception as e:  # a bad chat template input etc.: fail this request only
             return self.fail(msg.uid, e)
-        tail = ids[-PROMPT_TAIL:]
-        stop, min_tokens = list(msg.params.stop), msg.params.min_tokens
-        self.to_detok.put(
-            DetokInitMsg(msg.uid, len(ids), tail, stop, msg.skip_special_tokens, min_tokens)
+        tail, rank = ids[-PROMPT_TAIL:], 0
+        if self.dispatcher is not None:
+            rank = self.dispatcher.choose(ids) if msg.dp_rank is None else msg.dp_rank
+            self.dispatcher.sent(msg.uid, rank, ids)
+        stop, min_tokens, skip = (
+            list(msg.params.stop),
+            msg.params.min_tokens,
+            msg.skip_special_tokens,
         )
-        self.to_sched.put(UserMsg(msg.uid, ids, msg.params))
+        self.to_detok.put(DetokInitMsg(msg.uid, len(ids), tail, stop, skip, min_tokens, rank))
+        self.to_scheds[rank].put(UserMsg(msg.uid, ids, msg.params))
+
+    def _replica_of(self, uid: int) -> int:
+        rank = None if self.dispatcher is None else self.dispatcher.replica_of(uid)
+        return rank or 0
+
+    def _done(self, uid: int) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.done(uid)
 
     def fail(self, uid: int, error: Exception) -> None:
         self.to_api.put(BatchFrontendMsg([UserReply(uid, "", [], True, "error", 0, 0, str(error))]))
@@ -211,11 +239,15 @@ def run_tokenizer(
     model_path: str,
     chat_template: str | None,
     recv_addr: str,
-    sched_addr: str,
+    sched_addrs: list[str],
     detok_addr: str,
     api_addr: str,
+    dispatch: tuple[int, str, int],
     ready: Any,
 ) -> None:
+    """`sched_addrs`: one per --dp replica; `dispatch`: (page size, --dp-dispatch,
+    --dp-load-threshold), used with more than one."""
+    dispatcher = Dispatcher(len(sched_addrs), *dispatch) if len(sched_addrs) > 1 else None
     recv, worker = build_or_report(
         "tokenizer",
         ready,
@@ -223,9 +255,10 @@ def run_tokenizer(
             ZmqPullQueue(recv_addr, create=True),
             TokenizerWorker(
                 load_chat_tokenizer(model_path, chat_template),
-                ZmqPushQueue(sched_addr, create=False),
+                [ZmqPushQueue(a, create=False) for a in sched_addrs],
                 ZmqPushQueue(detok_addr, create=False),
                 ZmqPushQueue(api_addr, create=False),
+                dispatcher,
             ),
         ),
     )
@@ -246,13 +279,14 @@ class _DetokState:
     prompt_len: int
     completion_tokens: int = 0
     stopped: bool = False  # a stop string ended it; the scheduler was told to abort
+    dp_rank: int = 0  # its replica
 
 
 @dataclass
 class Detokenizer:
     tokenizer: Any
     to_api: ZmqPushQueue
-    to_sched: ZmqPushQueue
+    to_sched: Any  # the scheduler's queue, or with --dp > 1 the list of the replicas'
     states: dict[int, _DetokState] = field(default_factory=dict)
     early: dict[int, list[DetokenizeMsg]] = field(default_factory=dict)
 
@@ -268,10 +302,10 @@ class Detokenizer:
                     msg.min_tokens,
                 )
         except Exception as e:
-            self.states[msg.uid] = _DetokState(None, msg.prompt_len)
+            self.states[msg.uid] = _DetokState(None, msg.prompt_len, dp_rank=msg.dp_rank)
             ended = any(m.finished for m in self.early.pop(msg.uid, []))
             return [self._fail(msg.uid, ended, e)]
-        self.states[msg.uid] = _DetokState(detok, msg.prompt_len)
+        self.states[msg.uid] = _DetokState(detok, msg.prompt_len, dp_rank=msg.dp_rank)
         return [r for m in self.early.pop(msg.uid, []) if (r := self.guarded(m))]
 
     def guarded(self, msg: DetokenizeMsg) -> UserReply | None:
@@ -288,9 +322,14 @@ class Detokenizer:
             self.states.pop(uid, None)
         else:  # like a stop string: abort it; the abort's echo then drops the state
             st.stopped = True
-            self.to_sched.put(AbortBackendMsg(uid))
+            self._abort(uid, st)
         reason = f"detokenizing failed: {type(error).__name__}: {error}"
         return UserReply(uid, "", [], True, "error", st.prompt_len if st else 0, 0, reason)
+
+    def _abort(self, uid: int, st: _DetokState) -> None:
+        """Tell the request's replica to stop generating for it."""
+        queues = self.to_sched if isinstance(self.to_sched, list) else [self.to_sched]
+        queues[st.dp_rank].put(AbortBackendMsg(uid))
 
     def tokens(self, msg: DetokenizeMsg) -> UserReply | None:
         st = self.states.get(msg.uid)
@@ -308,7 +347,7 @@ class Detokenizer:
         finished, reason = msg.finished, msg.finish_reason
         if st.detok is not None and st.detok.stopped and not finished:
             st.stopped, finished, reason = True, True, "stop"
-            self.to_sched.put(AbortBackendMsg(msg.uid))
+            self._abort(msg.uid, st)
         elif finished:
             text += st.detok.finish() if st.detok else ""
             del self.states[msg.uid]
@@ -331,7 +370,9 @@ class Detokenizer:
         return reply
 
 
-def run_detokenizer(model_path: str, recv_addr: str, api_addr: str, sched_addr: str, ready) -> None:
+def run_detokenizer(
+    model_path: str, recv_addr: str, api_addr: str, sched_addrs: list[str], ready: Any
+) -> None:
     from minisgl.models.hf import load_tokenizer
 
     recv, worker = build_or_report(
@@ -342,7 +383,7 @@ def run_detokenizer(model_path: str, recv_addr: str, api_addr: str, sched_addr: 
             Detokenizer(
                 load_tokenizer(model_path),
                 ZmqPushQueue(api_addr, create=False),
-                ZmqPushQueue(sched_addr, create=False),
+                [ZmqPushQueue(a, create=False) for a in sched_addrs],
             ),
         ),
     )
@@ -356,6 +397,9 @@ def run_detokenizer(model_path: str, recv_addr: str, api_addr: str, sched_addr: 
         elif isinstance(msg, BatchDetokenizeMsg):
             replies = [r for m in msg.msgs if (r := worker.guarded(m))]
             stats = msg.stats
+        elif isinstance(msg, FlushCacheReply):
+            worker.to_api.put(msg)  # the api server's
+            continue
         else:
             continue
         if replies or stats is not None:

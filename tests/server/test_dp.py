@@ -1,0 +1,182 @@
+"""Data-parallel replicas (issue 21): `--dp 2` on CPU (two scheduler processes behind one API
+server and tokenizer) gives the greedy tokens of one engine; with a shared-prefix workload the
+prefix-aware dispatcher gets at least 1.8x the prefix-cache hits of round robin; killing one
+replica fails the requests in flight and stops the server (exit 1 within 5 s, nothing left)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from minisgl import LLM, SamplingParams
+from support.server import Server, make_tiny_model, run_server, wait_for
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
+PAGE = 4
+POOL_PAGES = 200  # per replica: 4 of the 8 prefixes below fit with room to work, 8 do not
+PREFIXES, PER_PREFIX, PREFIX_LEN = 8, 16, 128
+LONG = 600  # tokens of a request that runs for a while
+ENGINE = ["--page-size", str(PAGE), "--num-pages", str(POOL_PAGES)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+def dp_server(model_dir: str, tmp_path_factory: Any, dispatch: str) -> Iterator[Server]:
+    log = str(tmp_path_factory.mktemp("logs") / f"dp-{dispatch}.log")
+    args = ["--dp", "2", "--dp-dispatch", dispatch, *ENGINE]
+    with run_server(model_dir, *args, log_path=log) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prefix_server(model_dir: str, tmp_path_factory: Any) -> Iterator[Server]:
+    yield from dp_server(model_dir, tmp_path_factory, "prefix")
+
+
+@pytest.fixture(scope="module")
+def rr_server(model_dir: str, tmp_path_factory: Any) -> Iterator[Server]:
+    """Its last test kills one of its replicas."""
+    yield from dp_server(model_dir, tmp_path_factory, "round_robin")
+
+
+def generate(url: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    params = {"max_new_tokens": max_tokens, "ignore_eos": True}
+    body = json.dumps({"input_ids": ids, "sampling_params": params}).encode()
+    request = urllib.request.Request(f"{url}/generate", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def metric(server: Server, name: str) -> dict[str, float]:
+    """`name`'s samples by dp_rank label ("" when it has none)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        s.labels.get("dp_rank", ""): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def test_dp2_greedy_equals_one_engine(prefix_server: Server, model_dir: str) -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 400) for _ in range(rng.randrange(3, 20))] for _ in range(8)]
+    outs: list[Any] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        outs[i] = generate(prefix_server.url, prompts[i], 8)["output_ids"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    llm = LLM(model_dir, page_size=PAGE, num_pages=POOL_PAGES)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    assert outs == expected
+    served = metric(prefix_server, "minisgl_replica_prefill_tokens_total")
+    assert served["0"] > 0 and served["1"] > 0  # both replicas took part
+    assert sum(served.values()) == metric(prefix_server, "minisgl_prefill_tokens_total")[""]
+
+
+def test_data_parallel_rank_and_health_generate(prefix_server: Server) -> None:
+    """SGLang's data_parallel_rank picks the replica; /health_generate runs on each."""
+    url = prefix_server.url
+    for replica in (1, 0):
+        before = metric(prefix_server, "minisgl_replica_prefill_tokens_total")
+        body = {"input_ids": [9, 8, 7], "data_parallel_rank": replica}
+        assert httpx.post(f"{url}/generate", json=body, timeout=30).status_code == 200
+        prefix_server.wait_idle()
+        after = metric(prefix_server, "minisgl_replica_prefill_tokens_total")
+        assert after[str(replica)] - before[str(replica)] == 3
+        assert after[str(1 - replica)] == before[str(1 - replica)]
+    bad = httpx.post(f"{url}/generate", json={"text": "x", "data_parallel_rank": 2}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "data_parallel_rank"
+    before = metric(prefix_server, "minisgl_replica_prefill_tokens_total")
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+    prefix_server.wait_idle()
+    after = metric(prefix_server, "minisgl_replica_prefill_tokens_total")
+    assert all(after[r] - before[r] == 1 for r in ("0", "1"))  # token id 0 on each replica
+    loads = httpx.get(f"{url}/get_load", timeout=10).json()
+    assert [x["dp_rank"] for x in loads] == [0, 1] and all(x["num_reqs"] == 0 for x in loads)
+
+
+def shared_prefix_hits(server: Server) -> float:
+    """8 prefixes x 16 requests, one at a time, each round in a rotated order (round robin
+    then sends every prefix to both replicas, which cannot hold all 8): the prefix-cache hit
+    tokens they add."""
+    assert httpx.post(f"{server.url}/flush_cache", timeout=10).status_code == 200
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(3, 400) for _ in range(PREFIX_LEN)] for _ in range(PREFIXES)]
+    before = metric(server, "minisgl_prefix_cache_hit_tokens_total")[""]
+    for j in range(PER_PREFIX):
+        for k in range(PREFIXES):
+            p = (k + j) % PREFIXES
+            generate(server.url, prefixes[p] + [rng.randrange(3, 400) for _ in range(PAGE)], 1)
+    server.wait_idle()
+    return metric(server, "minisgl_prefix_cache_hit_tokens_total")[""] - before
+
+
+def test_prefix_dispatch_beats_round_robin(prefix_server: Server, rr_server: Server) -> None:
+    aware, blind = shared_prefix_hits(prefix_server), shared_prefix_hits(rr_server)
+    print(f"prefix-cache hit tokens: prefix {aware:.0f}, round robin {blind:.0f}")
+    assert aware >= 1.8 * blind and aware > 0
+
+
+def test_flush_cache_refused_while_requests_run(rr_server: Server) -> None:
+    done = threading.Event()
+    thread = threading.Thread(
+        target=lambda: (generate(rr_server.url, [5, 6, 7], LONG), done.set()), daemon=True
+    )
+    thread.start()
+    wait_for(lambda: rr_server.stats()["running"] > 0, 30, "the request to run")
+    r = httpx.get(f"{rr_server.url}/flush_cache", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "cache_busy"
+    thread.join(60)
+    assert done.is_set()
+    rr_server.wait_idle()
+    assert httpx.post(f"{rr_server.url}/flush_cache", timeout=10).status_code == 200
+    assert rr_server.stats()["cached_pages"] == 0
+
+
+def test_dead_replica_fails_requests_and_stops_the_server(rr_server: Server) -> None:
+    """rr_server's last test: SIGKILL replica 1 under load."""
+    errors: list[str] = []
+
+    def client() -> None:
+        try:
+            generate(rr_server.url, [5, 6, 7], LONG)
+            errors.append("finished")
+        except OSError as e:  # urllib's HTTPError: the 503
+            errors.append(e.read().decode() if hasattr(e, "read") else repr(e))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: rr_server.stats()["running"] == 4, 30, "the load to run")
+    killed = time.monotonic()
+    os.kill(rr_server.child_pid("dp1_scheduler_0"), signal.SIGKILL)
+    assert rr_server.wait_exit(timeout=10) == 1
+    assert time.monotonic() - killed < 5
+    assert "minisgl: dp1_scheduler_0 process died (exit code -9)" in rr_server.log()
+    for t in threads:
+        t.join(5)
+    assert len(errors) == 4 and all("dp1_scheduler_0 process died" in e for e in errors), errors
+    rr_server.expect_code = 1  # run_server's stop then checks that no process survived
