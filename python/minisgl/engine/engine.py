@@ -12,6 +12,7 @@ from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context, Req, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
+from minisgl.engine.cpu import announce, cpu_auto_dtype, resolve_quantization, set_cpu_threads
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.logprobs import Entry, PromptLogprobs, SampledLogprobs
 from minisgl.engine.sample import (
@@ -38,6 +39,7 @@ from minisgl.models import (
 )
 from minisgl.models.hf import load_hf_config
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.quantize import quantize_model
 from minisgl.models.weight import iter_checkpoint
 from minisgl.utils.device import device_type, resolve_device
 
@@ -48,7 +50,7 @@ def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cpu":
-        return torch.float32
+        return cpu_auto_dtype()
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
@@ -80,6 +82,9 @@ class Engine:
             self.model_config = replace(self.model_config, moe=replace(moe, backend=backend))
         self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.device)
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
+        self.quantization = resolve_quantization(
+            config.quantization, self.device, self.dtype, self.model_path, get_tp_info().size
+        )
         cfg = self.model_config
         check_tp_size(get_tp_info().size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
         self.max_model_len = min(
@@ -133,6 +138,12 @@ class Engine:
             init_dummy_weights(model, self.config.seed)
         else:
             load_weights(model, iter_checkpoint(self.model_path))
+        quantized = 0
+        if self.quantization != "none":
+            quantized = quantize_model(model, self.model_path, self.quantization, self.dtype)
+        if self.device.type == "cpu" and get_tp_info().size == 1:
+            set_cpu_threads()
+            announce(self.dtype, self.quantization, quantized)
         return model.eval()
 
     def _build_kv_cache(self) -> MHAKVCache:
