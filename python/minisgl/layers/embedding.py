@@ -46,5 +46,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         q = self.quantized
-        logits = all_gather_last_dim(linear(hidden, self.weight) if q is None else q(hidden))
+        logits = all_gather_last_dim(linear(hidden, self.weight) if q is None else q.matmul(hidden))
         return logits[..., : self.vocab_size]

@@ -37,6 +37,7 @@ class QuantizedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] in the scales' dtype -> [T, out] (the linear layers call it directly)."""
         raise NotImplementedError
 
 
@@ -56,7 +57,7 @@ class Int4Linear(QuantizedLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         sz = self.scale_zeros
-        return torch._weight_int4pack_mm_for_cpu(x.to(sz.dtype), self.packed, self.group_size, sz)
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, sz)
 
     def codes(self) -> torch.Tensor:
         """The 4-bit codes back out of the packed layout (int32 [out, in]): multiplying the
@@ -92,7 +93,7 @@ class Int8Linear(QuantizedLinear):
         return cls(codes, scales.to(dtype))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x.to(self.scales.dtype), self.codes, self.scales)
+        return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
     def dequantize(self) -> torch.Tensor:
         return self.codes.float() * self.scales.float()[:, None]
