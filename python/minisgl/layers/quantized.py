@@ -20,6 +20,11 @@ from torch import nn
 
 INT4_GROUP = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0
 INT4_OFFSET = 8  # torch's int4 kernels subtract 8 from every code
+INT4_ROWS = 16  # the CPU packing wants a multiple of 16 output rows
+
+
+def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    return out_features % INT4_ROWS == 0 and in_features % group_size == 0
 
 
 class QuantizedLinear(nn.Module):

@@ -2,8 +2,9 @@
 ones (`layers/quantized.py`).
 
 - `gguf`: from a GGUF's own blocks (`gguf_quant.py`): a projection whose parts are all Q4_0 /
-  Q4_1 becomes an `Int4Linear` with the file's codes; any other (Q8_0, float) an `Int8Linear`,
-  quantized per row from the GGUF's exact float32 values.
+  Q4_1 becomes an `Int4Linear` with the file's codes (when its rows are a multiple of 16, as
+  the packing needs); any other (Q8_0, float) an `Int8Linear`, quantized per row from the
+  GGUF's exact float32 values (or the loaded weights, for float tensors).
 - `int8`: every projection an `Int8Linear`, quantized per row from the loaded weights.
 The embedding table stays dense (a lookup reads one row per token)."""
 
@@ -14,8 +15,14 @@ from torch import nn
 
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import LinearBase
-from minisgl.layers.quantized import INT4_OFFSET, Int4Linear, Int8Linear, QuantizedLinear
-from minisgl.models.gguf_quant import Blocks, load_blocks
+from minisgl.layers.quantized import (
+    INT4_OFFSET,
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    int4_fits,
+)
+from minisgl.models.gguf_quant import BLOCK, Blocks, load_blocks
 
 MODES = ("auto", "none", "gguf", "int8")
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -48,8 +55,11 @@ def int4_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int4Linear:
 def _quantize_one(
     module: nn.Module, parts: list[Blocks | None], mode: str, dtype: torch.dtype
 ) -> QuantizedLinear:
-    if mode == "gguf" and all(b is not None and b.kind in ("Q4_0", "Q4_1") for b in parts):
-        return int4_from_blocks([b for b in parts if b is not None], dtype)
+    four_bit = [b for b in parts if b is not None and b.kind in ("Q4_0", "Q4_1")]
+    if mode == "gguf" and four_bit and len(four_bit) == len(parts):
+        rows = sum(b.codes.shape[0] for b in four_bit)
+        if int4_fits(rows, four_bit[0].codes.shape[1], BLOCK):
+            return int4_from_blocks(four_bit, dtype)
     if mode == "gguf" and all(b is not None for b in parts):
         exact = torch.cat([b.dequantize() for b in parts if b is not None])
         return Int8Linear.from_float(exact, dtype)
