@@ -49,6 +49,9 @@ class QuantizedLinear(nn.Module):
 class Int4Linear(QuantizedLinear):
     """codes [out, in] in 0..15, scales and zeros [out, in / group] (the activation dtype)."""
 
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
@@ -82,6 +85,9 @@ class Int4Linear(QuantizedLinear):
 
 class Int8Linear(QuantizedLinear):
     """codes int8 [out, in], one scale per output row (the activation dtype)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()

@@ -63,7 +63,9 @@ def _quantize_one(
     if mode == "gguf" and all(b is not None for b in parts):
         exact = torch.cat([b.dequantize() for b in parts if b is not None])
         return Int8Linear.from_float(exact, dtype)
-    return Int8Linear.from_float(module.weight, dtype)
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return Int8Linear.from_float(weight, dtype)
 
 
 def quantize_model(model: nn.Module, model_dir: str, mode: str, dtype: torch.dtype) -> int:
