@@ -108,13 +108,19 @@ def test_auto_quantizes_only_a_gguf_on_cpu_in_16_bits(tmp_path):
             resolve_quantization(mode, torch.device(dev), dtype, path, tp)
 
 
-def test_cpu_dtype_auto_is_float32_under_the_tests_flag(monkeypatch):
-    assert cpu_auto_dtype() == torch.float32  # conftest sets MINISGL_CPU_FLOAT32=1
-    monkeypatch.setenv("MINISGL_CPU_FLOAT32", "0")
+def test_cpu_dtype_auto_is_bf16_only_for_quantized_weights(tmp_path, monkeypatch):
     from minisgl.engine.cpu import cpu_bf16_flag
 
-    want = torch.float32 if cpu_bf16_flag() is None else torch.bfloat16
-    assert cpu_auto_dtype() == want
+    (tmp_path / "gguf-blocks.st").touch()
+    gguf_dir, plain = str(tmp_path), str(tmp_path / "plain")
+    assert cpu_auto_dtype("auto", gguf_dir, 1) == torch.float32  # conftest: MINISGL_CPU_FLOAT32
+    monkeypatch.setenv("MINISGL_CPU_FLOAT32", "0")
+    bf16 = torch.float32 if cpu_bf16_flag() is None else torch.bfloat16
+    assert cpu_auto_dtype("auto", gguf_dir, 1) == bf16
+    assert cpu_auto_dtype("int8", plain, 1) == bf16
+    assert cpu_auto_dtype("auto", plain, 1) == torch.float32
+    assert cpu_auto_dtype("auto", gguf_dir, 2) == torch.float32
+    assert cpu_auto_dtype("none", gguf_dir, 1) == torch.float32
 
 
 def prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:

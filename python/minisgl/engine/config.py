@@ -36,7 +36,8 @@ class EngineConfig:
     dtype: str = option(
         "auto",
         "auto: the model's dtype on cuda (bfloat16 for a float32 checkpoint); on cpu bfloat16 "
-        "where the CPU has avx512_bf16 or amx_bf16, else float32",
+        "when the weights are quantized (--quantization) and the CPU has avx512_bf16 or "
+        "amx_bf16, else float32",
         choices=DTYPES,
     )
     quantization: str = option(

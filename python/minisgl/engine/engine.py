@@ -46,11 +46,11 @@ from minisgl.utils.device import device_type, resolve_device
 logger = logging.getLogger(__name__)
 
 
-def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
+def _resolve_dtype(config: EngineConfig, hf_config, device: torch.device, path: str) -> torch.dtype:
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
     if device.type == "cpu":
-        return cpu_auto_dtype()
+        return cpu_auto_dtype(config.quantization, path, get_tp_info().size)
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
@@ -80,7 +80,7 @@ class Engine:
         if (moe := self.model_config.moe) is not None:
             backend = resolve_moe_backend(config.moe_backend, self.device.type)
             self.model_config = replace(self.model_config, moe=replace(moe, backend=backend))
-        self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.dtype = _resolve_dtype(config, self.hf_config, self.device, self.model_path)
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
         self.quantization = resolve_quantization(
             config.quantization, self.device, self.dtype, self.model_path, get_tp_info().size
