@@ -5,6 +5,8 @@ its refusals, and the embedded SmolLM2's quantized path against its dequantized 
 
 from __future__ import annotations
 
+import glob
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -130,23 +132,29 @@ def prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 def test_tiny_gguf_runs_quantized(tmp_path, monkeypatch):
-    """A tiny Llama GGUF (Q8_0 / Q4_0 / Q4_1 / F16 / F32 tensors in turn): gguf mode quantizes
-    every projection (int4 where all parts are 4-bit, int8 otherwise) and scores a prompt as
-    the dequantized model in bf16 does, within quantization noise."""
+    """A tiny Llama GGUF (Q8_0 / Q4_0 / Q4_1 / F16 / F32 tensors in turn): gguf mode makes int4
+    the projections whose parts are all 4-bit, int8 those all quantized otherwise, leaves those
+    with a float part dense; the packed layers are cached and a second start reads them; every
+    mode scores a prompt as the dequantized model in bf16 does, within quantization noise."""
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
     path = str(tmp_path / "tiny.gguf")
     write_gguf("llama", path)
     prompt = [5, 77, 300, 12, 400, 3, 9, 81]
     got = {}
-    for mode in ("gguf", "int8", "none"):
-        llm = LLM(path, quantization=mode, dtype="bfloat16", page_size=4, num_pages=32)
+    for mode in ("gguf", "gguf-cached", "int8", "none"):
+        llm = LLM(path, quantization=mode[:4], dtype="bfloat16", page_size=4, num_pages=32)
         model = llm.engine.model
         kinds = {type(m.quantized).__name__ for m in model.modules() if hasattr(m, "quantized")}
-        want = {"none": {"NoneType"}, "int8": {"Int8Linear"}}.get(
-            mode, {"Int4Linear", "Int8Linear"}
-        )
+        want = {
+            "none": {"NoneType"},
+            "int8": {"Int8Linear"},
+        }.get(mode, {"Int4Linear", "Int8Linear", "NoneType"})
         assert kinds == want
         got[mode] = prompt_logprobs(llm, prompt)
+        if mode == "gguf":
+            cached = glob.glob(os.path.join(llm.engine.model_path, "packed-*-bfloat16-*.st"))
+            assert len(cached) == 1
+    assert torch.equal(got["gguf-cached"], got["gguf"])
     assert (got["gguf"] - got["none"]).abs().max() < 0.05
     assert (got["int8"] - got["none"]).abs().max() < 0.05
 

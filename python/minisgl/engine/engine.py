@@ -39,7 +39,7 @@ from minisgl.models import (
 )
 from minisgl.models.hf import load_hf_config
 from minisgl.models.llama import LlamaForCausalLM
-from minisgl.models.quantize import quantize_model
+from minisgl.models.quantize import count_quantized, quantize_gguf, quantize_int8
 from minisgl.models.weight import iter_checkpoint
 from minisgl.utils.device import device_type, resolve_device
 
@@ -134,16 +134,18 @@ class Engine:
                 model = cls(self.model_config)
         finally:
             torch.set_default_dtype(old_dtype)
+        skip: set[str] = set()
+        if self.quantization == "gguf":  # first: the dense copies of its weights are not read
+            skip = quantize_gguf(model, self.model_path, self.dtype)
         if self.config.dummy_weights:
             init_dummy_weights(model, self.config.seed)
         else:
-            load_weights(model, iter_checkpoint(self.model_path))
-        quantized = 0
-        if self.quantization != "none":
-            quantized = quantize_model(model, self.model_path, self.quantization, self.dtype)
+            load_weights(model, iter_checkpoint(self.model_path), skip)
+        if self.quantization == "int8":
+            quantize_int8(model, self.dtype)
         if self.device.type == "cpu" and get_tp_info().size == 1:
             set_cpu_threads()
-            announce(self.dtype, self.quantization, quantized)
+            announce(self.dtype, self.quantization, count_quantized(model))
         return model.eval()
 
     def _build_kv_cache(self) -> MHAKVCache:

@@ -24,7 +24,7 @@ INT4_ROWS = 16  # the CPU packing wants a multiple of 16 output rows
 
 
 def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
-    return out_features % INT4_ROWS == 0 and in_features % group_size == 0
+    return out_features % INT4_ROWS == 0 and in_features % group_size == 0 and group_size % 2 == 0
 
 
 class QuantizedLinear(nn.Module):
@@ -47,21 +47,28 @@ class QuantizedLinear(nn.Module):
 
 
 class Int4Linear(QuantizedLinear):
-    """codes [out, in] in 0..15, scales and zeros [out, in / group] (the activation dtype)."""
+    """packed [out, in / 2] (torch's CPU int4 layout), scale_zeros [in / group, out, 2] (the
+    activation dtype); `pack` builds them from codes in 0..15 and per-group scales and zeros."""
 
     packed: torch.Tensor
     scale_zeros: torch.Tensor
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor) -> None:
         super().__init__()
-        self.out_features, self.in_features = codes.shape
-        self.group_size = self.in_features // scales.shape[1]
-        if self.group_size * scales.shape[1] != self.in_features or scales.shape != zeros.shape:
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
+        self.group_size = self.in_features // scale_zeros.shape[0]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zeros", scale_zeros)
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Linear:
+        """codes [out, in] in 0..15, scales and zeros [out, in / group]."""
+        out_features, in_features = codes.shape
+        group = in_features // scales.shape[1]
+        if not int4_fits(out_features, in_features, group) or scales.shape != zeros.shape:
             raise ValueError(f"int4 scales {tuple(scales.shape)} do not fit codes {codes.shape}")
         packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        self.register_buffer("packed", packed)
-        # [in / group, out, 2]: the kernel's layout of (scale, zero) pairs
-        self.register_buffer("scale_zeros", torch.stack([scales.t(), zeros.t()], -1).contiguous())
+        return cls(packed, torch.stack([scales.t(), zeros.t()], -1).contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         sz = self.scale_zeros
