@@ -26,9 +26,11 @@ from typing import Any
 DECODE_PROMPT = "Tell me a long story about a cat who learns to sail."
 
 
-def random_prompt(count: int, seed: int) -> list[int]:
+def random_prompt(count: int, seed: int, vocab: int) -> list[int]:
+    """The same ids for both engines: plain tokens from the vocabulary's middle half (special
+    tokens sit at its ends)."""
     rng = random.Random(seed)
-    return [rng.randint(1000, 40000) for _ in range(count)]  # plain tokens of the vocabulary
+    return [rng.randint(vocab // 4, vocab * 3 // 4) for _ in range(count)]
 
 
 def llama_cpp_run(model: str, threads: int, decode: int, prompt_tokens: int, seed: int) -> dict:
@@ -46,7 +48,7 @@ def llama_cpp_run(model: str, threads: int, decode: int, prompt_tokens: int, see
             break
     decode_s = time.perf_counter() - start
     llm.reset()
-    prompt = random_prompt(prompt_tokens, seed)
+    prompt = random_prompt(prompt_tokens, seed, llm.n_vocab())
     start = time.perf_counter()
     llm.eval(prompt)
     prefill_s = time.perf_counter() - start
@@ -81,7 +83,8 @@ def minisgl_round(llm: Any, args: argparse.Namespace, seed: int) -> dict:
     llm.generate([prompt], decode, False)
     decode_s = time.perf_counter() - start - prompt_s
     start = time.perf_counter()
-    llm.generate([random_prompt(args.prompt_tokens, seed)], first, False)
+    vocab = llm.engine.model_config.vocab_size
+    llm.generate([random_prompt(args.prompt_tokens, seed, vocab)], first, False)
     prefill_s = time.perf_counter() - start
     return {
         "decode_tok_s": (args.decode_tokens - 1) / decode_s,
@@ -111,7 +114,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def report(rows: dict[str, list[dict]], args: argparse.Namespace) -> dict:
+def report(rows: dict[str, list[dict]], args: argparse.Namespace | None = None) -> dict:
     med = {
         engine: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         for engine, runs in rows.items()
@@ -146,7 +149,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     limit = args.prompt_tokens + args.decode_tokens + 64
     llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, max_model_len=limit)
-    llm.generate([[1000, 1001, 1002]], None, False)  # warm-up
+    llm.generate([DECODE_PROMPT], None, False)  # warm-up
     rows: dict[str, list[dict]] = {"minisgl": [], "llama.cpp": []}
     for i in range(args.repeats):
         rows["minisgl"].append(minisgl_round(llm, args, args.seed + i))
