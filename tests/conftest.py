@@ -3,12 +3,17 @@ helpers live in support/ (tests/ is on sys.path through pytest's `pythonpath`). 
 needs CUDA carries `@pytest.mark.gpu` and nothing else: here it is skipped without a GPU, and
 `pytest -m gpu` selects every GPU test."""
 
+import os
+
 import pytest
 import torch
 
 from support.models import save_model
 
 torch.set_num_threads(2)
+# The exact path: `--dtype auto` on a CPU with bf16 instructions would pick bfloat16 (and the
+# quantized GGUF layers); tests compare float32 with transformers. Server children inherit it.
+os.environ["MINISGL_CPU_FLOAT32"] = "1"
 
 
 def pytest_collection_modifyitems(config, items) -> None:

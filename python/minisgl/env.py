@@ -39,3 +39,9 @@ def api_key() -> str | None:
     """MINISGL_API_KEY: the server's API key when `--api-key` is not given (an environment
     variable is private to its user, a command line is not: /proc/PID/cmdline). Empty: none."""
     return os.environ.get("MINISGL_API_KEY") or None
+
+
+def cpu_float32() -> bool:
+    """MINISGL_CPU_FLOAT32: `--dtype auto` on CPU stays float32 even where the CPU computes bf16
+    natively (the exact path; the tests set it)."""
+    return _flag("MINISGL_CPU_FLOAT32")

@@ -8,7 +8,6 @@ conversion cache and its progress bar; clear errors."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Callable
@@ -21,23 +20,13 @@ import torch
 import minisgl.models.gguf as mg
 from minisgl import LLM, SamplingParams
 from minisgl.models import resolve_model_path
-from support.models import build_hf_model, hf_greedy
-from support.tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
+from support.gguf_files import QTYPES, llama_cpp_permute, llama_cpp_rope_freqs, write_gguf
+from support.models import hf_greedy
+from support.tokenizer import build_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType
 MAX_NEW = 12
 PROMPTS = [[5, 77, 300, 12], [400, 3, 3, 3, 9, 81, 2, 150, 64, 7, 250], [17]]
-GGUF_ARCH = {
-    "llama": gguf.MODEL_ARCH.LLAMA,
-    "qwen2": gguf.MODEL_ARCH.QWEN2,
-    "qwen3": gguf.MODEL_ARCH.QWEN3,
-}
-# the types of the 2-D tensors, in turn (1-D ones are F32, as llama.cpp keeps them)
-QTYPES = {
-    "llama": [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16, Q.F32],
-    "qwen2": [Q.F16, Q.Q8_0],
-    "qwen3": [Q.Q4_1, Q.F16, Q.Q8_0],
-}
 
 
 @pytest.fixture(autouse=True)
@@ -45,101 +34,6 @@ def cache_dir(tmp_path, monkeypatch) -> str:
     path = str(tmp_path / "cache")
     monkeypatch.setenv("MINISGL_CACHE_DIR", path)
     return path
-
-
-def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to Llama's q/k rows (pairs the two rotary halves)."""
-    return (
-        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
-    """The tiny byte-level BPE as a llama.cpp 'gpt2' vocabulary, padded to the model's size."""
-    tok = build_tiny_tokenizer()
-    tokens = [f"<|extra_{i}|>" for i in range(vocab_size)]
-    for text, i in tok.get_vocab().items():
-        tokens[i] = text
-    special = set(tok.all_special_ids) | set(range(len(tok), vocab_size))
-    types = [
-        gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(vocab_size)
-    ]
-    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(tok.bos_token_id)
-    writer.add_eos_token_id(tok.eos_token_id)
-    writer.add_chat_template(CHAT_TEMPLATE)
-
-
-def llama_cpp_rope_freqs(cfg, head_dim: int) -> np.ndarray:
-    """The per-frequency divisors llama.cpp's converter writes for Llama 3.1 rope scaling."""
-    rope = cfg.rope_parameters
-    inv = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim))
-    old, low, high = 8192, 1.0, 4.0  # llama.cpp reads these where HF configs never put them
-    wavelen = 2 * math.pi / inv
-    smooth = (old / wavelen - low) / (high - low)
-    blended = 1 / ((1 - smooth) / rope["factor"] + smooth)
-    factors = np.where(wavelen > old / low, rope["factor"], blended)
-    return np.where(wavelen < old / high, 1.0, factors).astype(np.float32)
-
-
-def write_gguf(model: str, path: str, with_tokenizer: bool = False) -> torch.nn.Module:
-    """Write a tiny random model (a name from models.py) as a GGUF file; returns the
-    transformers model holding exactly the weights the file holds (each tensor quantized and
-    dequantized)."""
-    arch = "llama" if model.startswith(("llama", "mistral")) else model  # as llama.cpp names them
-    hf = build_hf_model(model)
-    cfg = hf.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
-    w = gguf.GGUFWriter(path, arch)
-    w.add_name(model)  # transformers reads a llama GGUF named "mistral..." as Mistral
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_vocab_size(cfg.vocab_size)
-    if with_tokenizer:
-        add_tokenizer(w, cfg.vocab_size)
-    if rope.get("rope_type") == "llama3":
-        w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(cfg, head_dim))
-    names = gguf.get_tensor_name_map(GGUF_ARCH[arch], cfg.num_hidden_layers)
-    qtypes = QTYPES[arch]
-    state = hf.state_dict()
-    count = 0
-    for name, tensor in state.items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        data = tensor.numpy()
-        qtype = Q.F32
-        if data.ndim == 2:
-            qtype, count = qtypes[count % len(qtypes)], count + 1
-        # quantization works on blocks within a row, so the row permutation commutes with it
-        state[name] = torch.from_numpy(
-            gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype).copy()
-        )
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
-            data = llama_cpp_permute(data, heads)
-        w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    hf.load_state_dict(state)
-    return hf
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,11 @@ class TorchAttnBackend(BaseAttnBackend):
         keys = kv_cache.k_flat(layer_id)[md.kv_slots].transpose(1, 2).to(q.dtype)
         values = kv_cache.v_flat(layer_id)[md.kv_slots].transpose(1, 2).to(q.dtype)
         bsz, (_, heads, dim) = md.kv_slots.shape[0], q.shape
+        if md.max_q_len == 1:  # decode: one token per request, no padding to build
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, attn_mask=md.mask, scale=scale, enable_gqa=True
+            )
+            return out.squeeze(2)
         padded = q.new_zeros(bsz * md.max_q_len, heads, dim)
         padded[md.q_index] = q
         padded = padded.view(bsz, md.max_q_len, heads, dim).transpose(1, 2)

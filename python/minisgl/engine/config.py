@@ -10,6 +10,7 @@ import torch
 from minisgl.attention import BACKENDS as ATTN_BACKENDS
 from minisgl.attention import parse_attn
 from minisgl.kernel import MOE_BACKENDS, resolve_moe_backend
+from minisgl.models.quantize import MODES as QUANTIZATIONS
 from minisgl.utils.device import device_type
 from minisgl.utils.options import OptionError, check_options, int_range, option, ratio
 
@@ -34,8 +35,18 @@ class EngineConfig:
     device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
     dtype: str = option(
         "auto",
-        "auto: the model's dtype on cuda (bfloat16 for a float32 checkpoint), float32 on cpu",
+        "auto: the model's dtype on cuda (bfloat16 for a float32 checkpoint); on cpu bfloat16 "
+        "when the weights are quantized (--quantization) and the CPU has avx512_bf16 or "
+        "amx_bf16, else float32",
         choices=DTYPES,
+    )
+    quantization: str = option(
+        "auto",
+        "weight-only quantized linear layers (CPU, 16-bit dtype, TP 1): gguf keeps a GGUF's "
+        "Q4_0/Q4_1 codes as int4 and makes Q8_0 per-row int8; int8 quantizes every "
+        "projection per row; none computes with the dequantized weights (the exact path); "
+        "auto: gguf for a quantized GGUF on cpu in bfloat16, else none",
+        choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = option(
         "auto",

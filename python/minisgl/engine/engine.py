@@ -12,6 +12,7 @@ from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context, Req, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
+from minisgl.engine.cpu import announce, cpu_auto_dtype, resolve_quantization, set_cpu_threads
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.logprobs import Entry, PromptLogprobs, SampledLogprobs
 from minisgl.engine.sample import (
@@ -38,17 +39,18 @@ from minisgl.models import (
 )
 from minisgl.models.hf import load_hf_config
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.quantize import count_quantized, quantize_gguf, quantize_int8
 from minisgl.models.weight import iter_checkpoint
 from minisgl.utils.device import device_type, resolve_device
 
 logger = logging.getLogger(__name__)
 
 
-def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
+def _resolve_dtype(config: EngineConfig, hf_config, device: torch.device, path: str) -> torch.dtype:
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
     if device.type == "cpu":
-        return torch.float32
+        return cpu_auto_dtype(config.quantization, path, get_tp_info().size)
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
@@ -79,8 +81,11 @@ class Engine:
         if (moe := self.model_config.moe) is not None:
             backend = resolve_moe_backend(config.moe_backend, self.device.type)
             self.model_config = replace(self.model_config, moe=replace(moe, backend=backend))
-        self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.dtype = _resolve_dtype(config, self.hf_config, self.device, self.model_path)
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
+        self.quantization = resolve_quantization(
+            config.quantization, self.device, self.dtype, self.model_path, get_tp_info().size
+        )
         cfg = self.model_config
         check_tp_size(get_tp_info().size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
         self.max_model_len = min(
@@ -130,10 +135,18 @@ class Engine:
                 model = cls(self.model_config)
         finally:
             torch.set_default_dtype(old_dtype)
+        skip: set[str] = set()
+        if self.quantization == "gguf":  # first: the dense copies of its weights are not read
+            skip = quantize_gguf(model, self.model_path, self.dtype)
         if self.config.dummy_weights:
             init_dummy_weights(model, self.config.seed)
         else:
-            load_weights(model, iter_checkpoint(self.model_path))
+            load_weights(model, iter_checkpoint(self.model_path), skip)
+        if self.quantization == "int8":
+            quantize_int8(model, self.dtype)
+        if self.device.type == "cpu" and get_tp_info().size == 1:
+            set_cpu_threads()
+            announce(self.dtype, self.quantization, count_quantized(model))
         return model.eval()
 
     def _build_kv_cache(self) -> MHAKVCache:

@@ -10,6 +10,7 @@ from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.layers.linear import copy_checked, linear, narrow, set_weight_loader
+from minisgl.layers.quantized import QuantizedLinear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,6 +40,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the full vocabulary (gathered across ranks)."""
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.quantized: QuantizedLinear | None = None  # models/quantize.py
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(linear(hidden, self.weight))
+        q = self.quantized
+        logits = all_gather_last_dim(linear(hidden, self.weight) if q is None else q.matmul(hidden))
         return logits[..., : self.vocab_size]

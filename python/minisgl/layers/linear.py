@@ -13,6 +13,7 @@ from torch import nn
 
 from minisgl import kernel
 from minisgl.distributed import all_reduce, divide, get_tp_info
+from minisgl.layers.quantized import QuantizedLinear
 
 # (param, loaded[, shard id]): copies this rank's part of a checkpoint tensor into param
 WeightLoader = Callable[..., None]
@@ -62,6 +63,14 @@ class LinearBase(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        # set by models/quantize.py: the weight, quantized; it then replaces `weight`
+        self.quantized: QuantizedLinear | None = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T, through the quantized weight when there is one."""
+        if self.quantized is not None:  # the kernel straight: no module call per projection
+            return self.quantized.matmul(x)
+        return linear(x, self.weight)
 
     def set_loaders(self, weight_loader: WeightLoader, bias_loader: WeightLoader) -> None:
         set_weight_loader(self.weight, weight_loader)
@@ -69,6 +78,9 @@ class LinearBase(nn.Module):
             set_weight_loader(self.bias, bias_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            y = self.quantized.matmul(x)
+            return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)
 
 
@@ -138,5 +150,5 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, narrow(loaded, 1, get_tp_info().rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+        y = all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias

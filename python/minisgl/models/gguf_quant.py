@@ -1,0 +1,101 @@
+"""GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1 and Q8_0,
+split out of llama.cpp's block layout once at conversion and stored next to the dequantized
+weights (`gguf-blocks.st`), so that `--quantization gguf` builds its int4 / int8 layers
+from the file's own codes at start without reading the GGUF again.
+
+Block layouts (32 weights each, little endian):
+- Q4_0: float16 d, 16 bytes of nibbles; w = d (q - 8)
+- Q4_1: float16 d, float16 m, 16 bytes of nibbles; w = d q + m
+- Q8_0: float16 d, 32 int8; w = d q
+Nibbles: byte j holds weight j in its low half and weight j + 16 in its high half."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+BLOCK = 32
+QUANTIZED_FILE = "gguf-blocks.st"  # safetensors; not *.safetensors: no checkpoint part
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@dataclass
+class Blocks:
+    """One tensor's blocks: codes [rows, cols] (uint8 0..15 or int8), scales and mins
+    [rows, cols / 32] float16 (mins only for Q4_1)."""
+
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    def permute_rows(self, fn: Any) -> Blocks:
+        mins = None if self.mins is None else fn(self.mins)
+        return Blocks(self.kind, fn(self.codes), fn(self.scales), mins)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 weights, computed as the gguf package does (bit for bit)."""
+        d = self.scales.float().unsqueeze(-1)
+        q = self.codes.float().unflatten(1, (-1, BLOCK))
+        if self.kind == "Q4_0":
+            w = d * (q - 8)
+        elif self.kind == "Q4_1":
+            assert self.mins is not None
+            w = d * q + self.mins.float().unsqueeze(-1)
+        else:
+            w = q * d
+        return w.flatten(1)
+
+
+def split_blocks(tensor: Any) -> Blocks | None:
+    """The blocks of a GGUF tensor of a kind in KINDS, else None."""
+    kind = tensor.tensor_type.name
+    if kind not in KINDS:
+        return None
+    raw = np.asarray(tensor.data, dtype=np.uint8)
+    rows = raw.shape[0]
+    head = 4 if kind == "Q4_1" else 2
+    blocks = raw.reshape(rows, -1, head + (BLOCK if kind == "Q8_0" else BLOCK // 2))
+    scales = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
+    mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]) if head == 4 else None
+    body = blocks[..., head:]
+    if kind == "Q8_0":
+        codes = torch.from_numpy(body.copy().view(np.int8).reshape(rows, -1))
+    else:
+        nibbles = np.concatenate([body & 0x0F, body >> 4], axis=-1)
+        codes = torch.from_numpy(np.ascontiguousarray(nibbles).reshape(rows, -1))
+    return Blocks(kind, codes, scales, mins)
+
+
+def blocks_to_tensors(name: str, blocks: Blocks) -> dict[str, torch.Tensor]:
+    kind = torch.tensor([KINDS.index(blocks.kind)], dtype=torch.uint8)
+    out = {f"{name}.codes": blocks.codes, f"{name}.scales": blocks.scales, f"{name}.kind": kind}
+    if blocks.mins is not None:
+        out[f"{name}.mins"] = blocks.mins
+    return out
+
+
+def load_blocks(model_dir: str) -> dict[str, Blocks]:
+    """HF parameter name -> its GGUF blocks; empty when the model has none (not a GGUF, or
+    no tensor of a kind in KINDS)."""
+    path = os.path.join(model_dir, QUANTIZED_FILE)
+    if not os.path.isfile(path):
+        return {}
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    out = {}
+    for key, kind in tensors.items():
+        if key.endswith(".kind"):
+            name = key[: -len(".kind")]
+            out[name] = Blocks(
+                KINDS[int(kind[0])],
+                tensors[f"{name}.codes"],
+                tensors[f"{name}.scales"],
+                tensors.get(f"{name}.mins"),
+            )
+    return out

@@ -1,0 +1,154 @@
+"""`--quantization`: give a model's projections (and LM head) weight-only quantized layers
+(`layers/quantized.py`).
+
+- `gguf`, before the checkpoint loads: from a GGUF's own blocks (`gguf_quant.py`). A projection
+  whose parts are all Q4_0 / Q4_1 becomes an `Int4Linear` with the file's codes (when its rows
+  are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
+  (Q8_0) an `Int8Linear`, quantized per row from the GGUF's exact float32 values; one with a
+  float part stays dense. The quantized layers are cached next to the converted checkpoint
+  (`packed-...st`, per torch version and dtype), so later starts read them without packing,
+  and the dense copies of quantized weights are never read.
+- `int8`, after loading: every projection an `Int8Linear`, quantized per row from the loaded
+  weights.
+The embedding table stays dense (a lookup reads one row per token)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from minisgl.layers.embedding import ParallelLMHead
+from minisgl.layers.linear import LinearBase
+from minisgl.layers.quantized import (
+    INT4_OFFSET,
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    int4_fits,
+)
+from minisgl.models.gguf_quant import BLOCK, Blocks, load_blocks
+
+MODES = ("auto", "none", "gguf", "int8")
+_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_CACHE_FORMAT = 1  # bump when the cached layers change
+
+
+def checkpoint_parts(name: str, tied: bool) -> list[str]:
+    """The checkpoint weights merged into module `name` (in order)."""
+    if name == "lm_head" and tied:
+        return ["model.embed_tokens.weight"]
+    prefix, _, leaf = name.rpartition(".")
+    return [f"{prefix}.{part}.weight" for part in _MERGED.get(leaf, (leaf,))]
+
+
+def int4_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int4Linear:
+    """Q4_0 / Q4_1 blocks (rows concatenated) as torch's int4 layout, codes unchanged:
+    Q4_0 w = d (q - 8): scale d, zero 0; Q4_1 w = d q + m = d (q - 8) + (m + 8 d)."""
+    codes = torch.cat([b.codes for b in parts])
+    scales = torch.cat([b.scales.float() for b in parts])
+    zeros = torch.cat(
+        [
+            torch.zeros_like(b.scales.float())
+            if b.mins is None
+            else b.mins.float() + INT4_OFFSET * b.scales.float()
+            for b in parts
+        ]
+    )
+    return Int4Linear.pack(codes, scales.to(dtype), zeros.to(dtype))
+
+
+def from_blocks(parts: list[Blocks | None], dtype: torch.dtype) -> QuantizedLinear | None:
+    """A projection's layer from its parts' GGUF blocks; None when a part is not quantized."""
+    blocks = [b for b in parts if b is not None]
+    if not blocks or len(blocks) != len(parts):
+        return None
+    rows = sum(b.codes.shape[0] for b in blocks)
+    four_bit = all(b.kind in ("Q4_0", "Q4_1") for b in blocks)
+    if four_bit and int4_fits(rows, blocks[0].codes.shape[1], BLOCK):
+        return int4_from_blocks(blocks, dtype)
+    return Int8Linear.from_float(torch.cat([b.dequantize() for b in blocks]), dtype)
+
+
+def _projections(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+
+
+def _attach(model: nn.Module, layers: dict[str, QuantizedLinear]) -> set[str]:
+    """Give each named module its quantized layer; -> the parameter names no longer used."""
+    dropped = set()
+    for name, module in _projections(model):
+        if name in layers:
+            module.quantized = layers[name]
+            if isinstance(module, LinearBase):  # the LM head's weight may be the embedding's
+                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+                dropped.add(f"{name}.weight")
+    return dropped
+
+
+def cache_file(model_dir: str, dtype: torch.dtype) -> str:
+    version = torch.__version__.replace("+", "-")
+    name = str(dtype).removeprefix("torch.")
+    return os.path.join(model_dir, f"packed-{_CACHE_FORMAT}-{name}-torch{version}.st")
+
+
+def _load_cached(path: str) -> dict[str, QuantizedLinear]:
+    from safetensors.torch import load_file
+
+    # copies: the kernels' vector loads want aligned memory, which tensors straight out of a
+    # safetensors file need not be (a segfault in _weight_int8pack_mm otherwise)
+    tensors = {k: t.clone() for k, t in load_file(path).items()}
+    layers: dict[str, QuantizedLinear] = {}
+    for key in tensors:
+        name, _, buf = key.rpartition(".")
+        if buf == "packed":
+            layers[name] = Int4Linear(tensors[key], tensors[f"{name}.scale_zeros"])
+        elif buf == "codes":
+            layers[name] = Int8Linear(tensors[key], tensors[f"{name}.scales"])
+    return layers
+
+
+def _save_cached(path: str, layers: dict[str, QuantizedLinear]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"{n}.{k}": t for n, layer in layers.items() for k, t in layer.state_dict().items()}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:  # a read-only cache only costs the packing at every start
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def quantize_gguf(model: nn.Module, model_dir: str, dtype: torch.dtype) -> set[str]:
+    """`gguf` mode, before loading: quantized layers from the cache or the GGUF's blocks;
+    -> the parameter names that loading must skip."""
+    path = cache_file(model_dir, dtype)
+    if os.path.isfile(path):
+        return _attach(model, _load_cached(path))
+    blocks = load_blocks(model_dir)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    layers = {}
+    for name, _ in _projections(model):
+        layer = from_blocks([blocks.get(p) for p in checkpoint_parts(name, tied)], dtype)
+        if layer is not None:
+            layers[name] = layer
+    _save_cached(path, layers)
+    return _attach(model, layers)
+
+
+def quantize_int8(model: nn.Module, dtype: torch.dtype) -> None:
+    """`int8` mode, after loading: every projection per-row int8 from its loaded weight."""
+    layers: dict[str, QuantizedLinear] = {}
+    with torch.no_grad():
+        for name, module in _projections(model):
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor)
+            layers[name] = Int8Linear.from_float(weight, dtype)
+    _attach(model, layers)
+
+
+def count_quantized(model: nn.Module) -> int:
+    return sum(getattr(m, "quantized", None) is not None for _, m in _projections(model))

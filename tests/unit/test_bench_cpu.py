@@ -1,0 +1,54 @@
+"""benchmark/offline/bench_cpu.py: its report (medians, ratios) and a minisgl-only smoke run on
+a tiny GGUF (llama-cpp-python is not in the test environment)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmark", "offline", "bench_cpu.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+
+from bench_cpu import random_prompt, report  # noqa: E402
+
+from support.gguf_files import write_gguf  # noqa: E402
+
+
+def test_report_takes_medians_and_the_ratio(capsys):
+    rows = {
+        "minisgl": [{"decode_tok_s": d, "prefill_tok_s": 300.0} for d in (40.0, 50.0, 45.0)],
+        "llama.cpp": [{"decode_tok_s": d, "prefill_tok_s": 150.0} for d in (90.0, 80.0, 100.0)],
+    }
+    out = report(rows, None)
+    assert out["minisgl_decode_tok_s"] == 45.0 and out["llama_cpp_decode_tok_s"] == 90.0
+    assert out["ratio_decode"] == 0.5 and out["ratio_prefill"] == 2.0
+    assert "ratio" in capsys.readouterr().out
+
+
+def test_prompts_are_seeded_and_inside_the_vocabulary():
+    a, b = random_prompt(64, 3, 512), random_prompt(64, 3, 512)
+    assert a == b and all(128 <= t <= 384 for t in a)
+
+
+def test_smoke_on_a_tiny_gguf(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf("llama", path, with_tokenizer=True)
+    out_json = str(tmp_path / "out.jsonl")
+    env = {**os.environ, "MINISGL_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, SCRIPT, "--model", path, "--decode-tokens", "4"]
+    cmd += ["--prompt-tokens", "16", "--repeats", "1", "--json", out_json]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    if "llama-cpp-python not found" not in run.stdout:  # installed here: both engines ran
+        assert "ratio" in run.stdout
+    line = json.loads(open(out_json).read())
+    assert line["bench"] == "bench_cpu" and line["minisgl_decode_tok_s"] > 0
+    assert line["prompt_tokens"] == 16 and line["threads"] >= 1
+
+
+def test_bad_counts_name_the_flag():
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--repeats", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2 and "--repeats must be at least 1" in run.stderr
