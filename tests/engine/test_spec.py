@@ -218,7 +218,7 @@ def test_verify_as_decode_rows_equals_plain_decoding(model_dirs, monkeypatch, al
         spec["speculative_draft_model_path"] = path  # itself: every proposal accepted
     flattened = []
     real = verify.flat_batch
-    monkeypatch.setattr(verify, "flat_batch", lambda b: flattened.append(r := real(b)) or r)
+    monkeypatch.setattr(verify, "flat_batch", lambda b, m: flattened.append(r := real(b, m)) or r)
     import minisgl.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "flat_batch", verify.flat_batch)

@@ -197,13 +197,13 @@ class Engine:
     def forward_step(self, batch: Batch, samples: list[bool]) -> ForwardOutput:
         """Phase 1 of a step: queue the forward (and, in a CUDA graph, the sampling of every
         request whose `samples` flag is set). Nothing here waits for the device."""
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.replay(batch, samples)
-        flat = flat_batch(batch) if self.graphs is not None else None
-        if flat is not None and self.graphs is not None and self.graphs.can_run(flat):
-            out = self.graphs.replay(flat, [True] * flat.size)
-            out.flat = flat
-            return out
+        if self.graphs is not None:
+            if self.graphs.can_run(batch):
+                return self.graphs.replay(batch, samples)
+            if (flat := flat_batch(batch, self.graphs.max_bs)) is not None:
+                out = self.graphs.replay(flat, [True] * flat.size)
+                out.flat = flat
+                return out
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
         inputs = StepInputs.unpack(host.to(self.device, non_blocking=True))
         self.attn_backend.prepare(batch)
@@ -252,9 +252,12 @@ class Engine:
     def _sample(self, reqs: list[Req], out: ForwardOutput, filtered: bool) -> torch.Tensor:
         """Eager sampling from `out.logits`: with the host-built filter arguments only when a
         request uses top-k, top-p or min-p; else from the step's own inputs on the device."""
-        if filtered:
-            vocab = self.model_config.vocab_size
-            return sample(out.logits, BatchSamplingArgs.from_reqs(reqs, vocab, self.device))
+        if filtered:  # each row's step: the position it samples (as the graph's kv_lens)
+            steps = [r.cached_len + r.extend_len for r in reqs]
+            args = BatchSamplingArgs.from_reqs(
+                reqs, self.model_config.vocab_size, self.device, steps
+            )
+            return sample(out.logits, args)
         if all(r.params.is_greedy for r in reqs):
             return out.logits.argmax(dim=-1)
         inputs = out.inputs

@@ -65,26 +65,21 @@ class Verification:
     def from_flat(batch: Batch, ids: torch.Tensor) -> tuple[Verification | None, torch.Tensor]:
         """`ids`: a token per position of `flat_batch(batch)`. The verification of the rows
         with proposals, and each row's token at its last position (its plain sample)."""
-        starts: list[int] = []
+        lasts: list[int] = []
         rows: list[int] = []
         picked: list[int] = []
         counts: list[int] = []
         offset = 0
         for i, req in enumerate(batch.reqs):
-            starts.append(offset)
             if req.drafts:
                 rows.append(i)
                 counts.append(req.extend_len)
                 picked += range(offset, offset + req.extend_len)
             offset += req.extend_len
-        last = ids[
-            to_device(
-                [s + r.extend_len - 1 for s, r in zip(starts, batch.reqs)], torch.int64, ids.device
-            )
-        ]
-        if not rows:
-            return None, last
-        return Verification(rows, counts, ids[to_device(picked, torch.int64, ids.device)]), last
+            lasts.append(offset - 1)
+        gathered = ids[to_device(lasts + picked, torch.int64, ids.device)]  # one copy in
+        last, targets = gathered[: len(lasts)], gathered[len(lasts) :]
+        return (Verification(rows, counts, targets) if rows else None), last
 
     def to_host(self) -> Verification:
         """Queue the copy into pinned host memory (the caller records the event to wait on)."""
@@ -102,25 +97,24 @@ class Verification:
         return out
 
 
-def flat_batch(batch: Batch) -> Batch | None:
+def flat_batch(batch: Batch, max_rows: int) -> Batch | None:
     """A step of running requests that compute several known tokens each (proposals to
     verify, or a draft model catching up) as a decode batch with one row per position: the
     request at that position (a shallow copy). Row j attends to the KV that rows before it
     store in the same layer, so the logits are the extend's, and CUDA graphs can replay it.
-    Each row samples as a plain decode there and writes its id after its position in the
-    token table, where the next row read its input before (inputs are gathered first); ids
-    past what is accepted are overwritten later. None when the batch is not such a step, or a
-    request samples otherwise (grammar, adjusted logits, logprobs)."""
-    if batch.is_decode or batch.num_decodes != batch.size:
+    Each row samples as a plain decode there (its step is its position) and writes its id
+    after its position in the token table, where the next row read its input before (inputs
+    are gathered first); ids past what is accepted are overwritten later. None when the batch
+    is not such a step, has more than `max_rows` positions, or a request samples otherwise
+    (grammar, adjusted logits, logprobs)."""
+    if batch.is_decode or batch.num_decodes != batch.size or batch.num_tokens > max_rows:
         return None
     if not all(r.samples_plainly for r in batch.reqs):
         return None
     rows = []
     for req in batch.reqs:
-        known = req.tokens + req.drafts
         for j in range(req.extend_len):
-            row = copy.copy(req)  # its tokens end at its position: sampling's step is their count
+            row = copy.copy(req)
             row.cached_len, row.extend_len, row.drafts = req.cached_len + j, 1, []
-            row.tokens = known[: row.cached_len + 1]
             rows.append(row)
     return Batch(rows, "decode")

@@ -63,7 +63,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] -> rotated copies: the torch path. With the fused ops the
         attention layer runs kernel/fused.py's rotary_store_kv on `cos_sin` instead."""
-        if self._table is None:
+        if self._table is None or self._table.device != self.cos_sin.device:  # module moved
             self._table = rope_table(self.cos_sin)
         return rope_rows(q, k, self._table, positions)
 
