@@ -81,6 +81,35 @@ def roofline_tok_s(
     return sum(output_lens) / seconds
 
 
+def roofline(
+    engine: Any, gpu: str, prompts: list[list[int]], max_tokens: list[int], tok_s: float
+) -> dict[str, float]:
+    """The roofline of this workload on this GPU (empty when its peaks are unknown): rank 0's
+    shard (tied weights count once), the experts apart (a token uses top_k of them)."""
+    peaks = next((v for k, v in GPU_PEAKS.items() if k in gpu), None)
+    if peaks is None:
+        return {}
+    moe = engine.model_config.moe
+    num_params, weight_bytes = param_size(list(engine.model.parameters()))
+    expert_params, expert_bytes = param_size(
+        [p for name, p in engine.model.named_parameters() if ".experts." in name]
+    )
+    kv = engine.kv_cache
+    kv_per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
+    roof = roofline_tok_s(
+        [len(p) for p in prompts],
+        max_tokens,
+        weight_bytes - expert_bytes,
+        kv_per_token,
+        num_params - expert_params,
+        *peaks,
+        expert_bytes=expert_bytes,
+        expert_params=expert_params,
+        expert_share=moe.top_k / moe.num_experts if moe is not None else 1.0,
+    )
+    return {"roofline_tok_s": round(roof, 1), "roofline_fraction": round(tok_s / roof, 4)}
+
+
 def param_size(params: list) -> tuple[int, int]:
     """(number of parameters, bytes)"""
     return sum(p.numel() for p in params), sum(p.nbytes for p in params)
@@ -141,9 +170,9 @@ def constrain(llm: Any, frac: float, tp: int) -> Any:
         raise SystemExit(f"--grammar-frac must be in [0, 1], got {frac}")
     if frac == 0.0:
         return lambda i: {}
-    if llm.scheduler.tokenizer is None:
-        if tp > 1:
-            raise SystemExit("--grammar-frac with --tp > 1 needs a model with a tokenizer")
+    if llm.tokenizer is None:
+        if tp > 1 or llm.replicas is not None:
+            raise SystemExit("--grammar-frac with --tp or --dp > 1 needs a model with a tokenizer")
         llm.scheduler.tokenizer = synthetic_vocab(llm.engine.model_config.vocab_size)
     return lambda i: {"json_schema": BENCH_SCHEMA} if chosen(i, frac) else {}
 
@@ -207,6 +236,10 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
 
     from minisgl.scheduler.spec import NgramProposer, room
 
+    if args.speculative_algorithm is not None and args.dp > 1:
+        raise SystemExit("--speculative-algorithm with --dp > 1: not measured by this script")
+    if args.speculative_algorithm is None:
+        return lambda: {"speculative": None}
     planner = llm.scheduler.planner
     if args.speculative_algorithm == "random":
         rng, vocab = random.Random(0), llm.engine.model_config.vocab_size
@@ -221,7 +254,7 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
         for prompts in runs:
             for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
                 future[tuple(prompt)] = out["token_ids"]
-        llm.scheduler.cache.reset_cache()  # the timed runs prefill their prompts again
+        llm.reset_prefix_cache()  # the timed runs prefill their prompts again
         by_uid: dict[int, list[int]] = {}
 
         class OracleProposer(NgramProposer):
@@ -235,8 +268,6 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
     before = planner.num_draft_tokens, planner.num_accepted_tokens, planner.num_verified_rows
 
     def fields() -> dict[str, Any]:
-        if args.speculative_algorithm is None:
-            return {"speculative": None}
         drafted, accepted, rows = (
             planner.num_draft_tokens - before[0],
             planner.num_accepted_tokens - before[1],
@@ -273,6 +304,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--attn", default="auto")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel replicas (LLM(dp=N): dp x tp GPUs; no roofline, no --profile)",
+    )
     p.add_argument("--moe-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
     p.add_argument(
@@ -345,12 +382,15 @@ def main() -> None:
 
     from minisgl import LLM, SamplingParams
 
+    if args.dp > 1 and args.profile:
+        raise SystemExit("--profile with --dp > 1: the kernels run in the replicas' processes")
     model = tiny_model_dir() if args.tiny else args.model
     llm = LLM(
         model,
         dummy_weights=True,
         device=args.device,
         tp=args.tp,
+        dp=args.dp,
         attn=args.attn,
         moe_backend=args.moe_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
@@ -403,7 +443,7 @@ def main() -> None:
     # cache (which would skip their prefill)
     run_prompts_each = [shifted(prompts, r) for r in range(max(1, args.repeat))]
     spec_fields = speculate(llm, args, run_prompts_each, params)
-    runs, cached_before = [], llm.scheduler.planner.num_cached_tokens
+    runs, cached_before = [], llm.num_cached_tokens
     for run_prompts in run_prompts_each:
         sync()
         start = time.perf_counter()
@@ -425,19 +465,20 @@ def main() -> None:
     # a constrained request may end early, when its random text happens to close the JSON
     assert total == sum(max_tokens) or args.grammar_frac > 0, (total, sum(max_tokens))
     tok_s = total / seconds
-    engine = llm.engine
-    device = engine.device
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    moe = engine.model_config.moe
+    engine = getattr(llm, "engine", None)  # None with --dp > 1: the replicas hold theirs
+    on_gpu = torch.cuda.is_available() and args.device != "cpu"
+    gpu = torch.cuda.get_device_name(engine.device if engine else 0) if on_gpu else "cpu"
+    moe = engine.model_config.moe if engine is not None else None
     result = {
         "gpu": gpu,
         "model": "tiny" if args.tiny else os.path.basename(os.path.normpath(args.model)),
         "tp": args.tp,
+        "dp": args.dp,
         "requests": len(prompts),
         "output_tokens": total,
         "seconds": round(seconds, 3),
         "runs_s": [round(t, 3) for t in runs],
-        "prefix_cached_tokens": llm.scheduler.planner.num_cached_tokens - cached_before,
+        "prefix_cached_tokens": llm.num_cached_tokens - cached_before,
         "tok_s": round(tok_s, 1),
         "attn": args.attn,
         "moe_backend": moe.backend if moe is not None else None,
@@ -453,28 +494,8 @@ def main() -> None:
         "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),
         **spec_fields(),
     }
-    peaks = next((v for k, v in GPU_PEAKS.items() if k in gpu), None)
-    if peaks is not None and not args.single:
-        # rank 0's shard (tied weights count once), the experts apart: a token uses top_k of them
-        num_params, weight_bytes = param_size(list(engine.model.parameters()))
-        expert_params, expert_bytes = param_size(
-            [p for name, p in engine.model.named_parameters() if ".experts." in name]
-        )
-        kv = engine.kv_cache
-        kv_per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
-        roof = roofline_tok_s(
-            [len(p) for p in prompts],
-            max_tokens,
-            weight_bytes - expert_bytes,
-            kv_per_token,
-            num_params - expert_params,
-            *peaks,
-            expert_bytes=expert_bytes,
-            expert_params=expert_params,
-            expert_share=moe.top_k / moe.num_experts if moe is not None else 1.0,
-        )
-        result["roofline_tok_s"] = round(roof, 1)
-        result["roofline_fraction"] = round(tok_s / roof, 4)
+    if engine is not None and not args.single:
+        result.update(roofline(engine, gpu, prompts, max_tokens, tok_s))
     line = f"{gpu}: {total} tokens in {seconds:.2f} s = {tok_s:,.1f} tok/s" + (
         f" ({result['roofline_fraction']:.1%} of the {result['roofline_tok_s']:,.0f} tok/s"
         " roofline)"

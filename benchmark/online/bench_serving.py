@@ -214,14 +214,52 @@ async def sse_events(r: httpx.Response) -> AsyncIterator[tuple[float, dict]]:
                 yield now, msg
 
 
+def request_body(endpoint: str, model: str, prompt: list[int], max_tokens: int, **extra) -> dict:
+    """The streamed request: OpenAI's /v1/completions, or SGLang's native /generate (token ids
+    in `input_ids`: what sglang-router routes by tokens; its /v1/completions takes text only)."""
+    if endpoint == "generate":
+        params = {"max_new_tokens": max_tokens, "ignore_eos": True, **extra}
+        priority = params.pop("priority", None)
+        body = {"model": model, "input_ids": prompt, "sampling_params": params, "stream": True}
+        return body if priority is None else {**body, "priority": priority}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+
+
+def token_event(msg: dict, res: Result) -> bool | None:
+    """Whether an event carries tokens (None: no choice at all, nothing to time); a native
+    /generate event counts its token ids, a completions one reports usage at the end."""
+    if "token_ids" in msg:  # minisgl's native stream
+        res.output_tokens += len(msg["token_ids"])
+        return bool(msg["token_ids"])
+    if usage := msg.get("usage"):
+        res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+        res.output_tokens = usage.get("completion_tokens", 0)
+    choices = msg.get("choices") or []
+    if not choices:
+        return None
+    # a token event: text, or an empty delta that is not the closing chunk (vLLM streams those
+    # for tokens that decode to no text yet)
+    return bool(choices[0].get("text")) or choices[0].get("finish_reason") is None
+
+
 async def send(client: httpx.AsyncClient, body: dict) -> Result:
     import httpx
 
-    res = Result(prompt_tokens=len(body["prompt"]))
+    native = "input_ids" in body
+    res = Result(prompt_tokens=len(body["input_ids"] if native else body["prompt"]))
     start = time.perf_counter()
     last = first_choice = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        path = "/generate" if native else "/v1/completions"
+        async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 res.error = f"HTTP {r.status_code}: {text[:300]}"
@@ -230,16 +268,11 @@ async def send(client: httpx.AsyncClient, body: dict) -> Result:
                 if msg.get("error"):  # vLLM / SGLang report mid-stream errors this way
                     res.error = f"stream error: {msg['error']}"
                     return res
-                if usage := msg.get("usage"):
-                    res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
-                    res.output_tokens = usage.get("completion_tokens", 0)
-                choices = msg.get("choices") or []
-                if not choices:
+                tokens = token_event(msg, res)
+                if tokens is None:
                     continue
                 first_choice = first_choice or now
-                # a token event: text, or an empty delta that is not the closing chunk (vLLM
-                # streams those for tokens that decode to no text yet)
-                if choices[0].get("text") or choices[0].get("finish_reason") is None:
+                if tokens:
                     if last is None:
                         res.ttft = now - start
                     else:
@@ -337,17 +370,10 @@ async def run_rate(
 
     async def one(req: Request, at: float) -> Result:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        body = {
-            "model": model,
-            "prompt": req.prompt,
-            "max_tokens": req.output_len,
-            "temperature": args.temperature,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        extra: dict = {"temperature": args.temperature}
         if req.priority is not None:
-            body["priority"] = req.priority
+            extra["priority"] = req.priority
+        body = request_body(args.endpoint, model, req.prompt, req.output_len, **extra)
         if limit is None:
             res = await send(client, body)
         else:
@@ -458,8 +484,11 @@ async def bench(args: argparse.Namespace) -> list[dict]:
             model = args.model
             for i in range(args.warmup):  # first-use costs (allocations, JIT) stay out of the data
                 prompt = random_tokens(random.Random(-1 - i), 16, args.vocab_size)
-                body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
-                r = await client.post("/v1/completions", json={**body, "ignore_eos": True})
+                body = request_body(args.endpoint, model, prompt, 8, temperature=0.0)
+                body["stream"] = False
+                body.pop("stream_options", None)
+                path = "/generate" if args.endpoint == "generate" else "/v1/completions"
+                r = await client.post(path, json=body)
                 if r.status_code != 200:
                     raise BenchError(f"warm-up request: HTTP {r.status_code}: {r.text[:300]}")
         except httpx.HTTPError as e:
@@ -742,6 +771,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--launch", help="server command: start it, wait for /health, benchmark, stop it")
     add("--launch-timeout", type=float, default=1200.0, help="seconds to wait for /health")
     add("--launch-log", help="the launched server's output; default: a temp file")
+    add(
+        "--endpoint",
+        choices=["completions", "generate"],
+        default="completions",
+        help="/v1/completions, or SGLang's native /generate with input_ids (through"
+        " sglang-router, whose /v1/completions takes text prompts only)",
+    )
     add = p.add_argument_group("workload").add_argument
     add("--rates", type=positive_rate, help="request rates, e.g. 4,8,inf; default inf")
     add("--num-prompts", type=at_least(1), help="per rate; default 200 (a trace: all)")

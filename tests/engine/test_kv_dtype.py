@@ -98,8 +98,10 @@ def test_auto_attention_and_fi_with_an_fp8_pool(monkeypatch):
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(attn, "flashinfer_available", lambda: True)
-    assert auto_backend(cuda, torch.bfloat16, None, torch.bfloat16) == "fi"
+    assert auto_backend(cuda, torch.bfloat16, None, torch.bfloat16) == "triton"
     assert auto_backend(cuda, torch.bfloat16, None, torch.float8_e4m3fn) == "triton"
+    assert auto_backend(cuda, torch.bfloat16, 4096, torch.bfloat16) == "fi"  # sliding window
+    assert auto_backend(cuda, torch.bfloat16, 4096, torch.float8_e4m3fn) == "torch"
     for name in ("fi", "fi,triton", "triton,fi"):
         with pytest.raises(ValueError, match="needs a 16-bit KV cache.*--attn triton"):
             create_attention_backend(

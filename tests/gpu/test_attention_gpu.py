@@ -113,10 +113,10 @@ def test_auto_on_cuda():
     def auto(dtype, window=None):
         return create_attention_backend("auto", DEVICE, window, dtype=dtype, num_qo_heads=8)
 
-    want = "fi" if flashinfer_available() else "triton"
-    assert auto(torch.bfloat16).name == want
+    assert isinstance(auto(torch.bfloat16), TritonAttnBackend)  # measured faster than fi
     assert isinstance(auto(torch.float32), TritonAttnBackend)
     assert isinstance(auto(torch.float32, 4096), TorchAttnBackend)
+    assert auto(torch.bfloat16, 4096).name == ("fi" if flashinfer_available() else "torch")
 
 
 def decode_req(row: int, kv_len: int) -> Req:

@@ -78,8 +78,8 @@ def test_auto_rule(monkeypatch, have_fi):
 
     assert auto_backend(CPU, bf16, None) == "torch"
     assert auto_backend(CPU, fp32, 4096) == "torch"
-    assert auto_backend(CUDA, bf16, None) == fi_or("triton")
-    assert auto_backend(CUDA, None, None) == fi_or("triton")
+    assert auto_backend(CUDA, bf16, None) == "triton"  # measured faster than fi on the H100
+    assert auto_backend(CUDA, None, None) == "triton"
     assert auto_backend(CUDA, torch.float16, 4096) == fi_or("torch")
     assert auto_backend(CUDA, fp32, None) == "triton"  # flashinfer has no float32
     assert auto_backend(CUDA, fp32, 4096) == "torch"  # nor does triton have windows

@@ -119,6 +119,32 @@ def test_send_counts_tokens_from_usage_else_chunks():
     assert s["chunkless"] == 1 and "warning: 1 streams sent nothing" in bs.summary_line(s, [50])
 
 
+def test_send_native_generate():
+    """--endpoint generate: SGLang's /generate body, minisgl's native events (token ids)."""
+    seen: list[tuple[str, dict]] = []
+    events = sse(
+        {"token_ids": [7], "text": "a", "finished": False, "finish_reason": None},
+        {"token_ids": [8, 9], "text": "bc", "finished": False, "finish_reason": None},
+        {"token_ids": [], "text": "", "finished": True, "finish_reason": "length"},
+    )
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append((req.url.path, json.loads(req.content)))
+        return httpx.Response(200, content=events)
+
+    async def go() -> bs.Result:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            body = bs.request_body("generate", "m", [1, 2, 3], 4, temperature=0.0, priority=1)
+            return await bs.send(client, body)
+
+    r = asyncio.run(go())
+    assert r.ok and (r.prompt_tokens, r.output_tokens, len(r.itl)) == (3, 3, 1)
+    path, body = seen[0]
+    assert path == "/generate" and body["input_ids"] == [1, 2, 3] and body["priority"] == 1
+    assert body["sampling_params"] == {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+
+
 def test_send_reports_errors():
     r = send_to(lambda req: httpx.Response(400, json={"error": {"message": "too long"}}))
     assert not r.ok and r.error.startswith("HTTP 400") and "too long" in r.error
@@ -224,7 +250,7 @@ def record_prompts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     prompts, send = [], bs.send
 
     async def recording(client, body: dict) -> bs.Result:
-        prompts.append(body["prompt"])
+        prompts.append(body.get("prompt") or body["input_ids"])
         return await send(client, body)
 
     monkeypatch.setattr(bs, "send", recording)
@@ -265,6 +291,9 @@ def test_against_the_cpu_server(tmp_path, capsys, monkeypatch):
         assert len(prompts) == 4 and max(max(p) for p in prompts) < 400  # the flag wins
         argv = ["--base-url", server.url, *shared, "--label", "radix", "--out", radix]
         assert bs.main(argv) == 0
+        native = str(tmp_path / "native.json")  # SGLang's /generate (sglang-router's way)
+        argv = ["--base-url", server.url, "--endpoint", "generate", "--input-len", "24"]
+        assert bs.main([*argv, "--disable-tqdm", *common, "--out", native]) == 0
     run = check_result(sweep, [30.0, "inf"], 6, 24, 5)
     assert run["config"]["model"] == model  # asked from /v1/models
     assert run["config"]["vocab_size"] == vocab
@@ -280,6 +309,7 @@ def test_against_the_cpu_server(tmp_path, capsys, monkeypatch):
         high, low = line["by_priority"]["-1"], line["by_priority"]["0"]
         assert high["completed"] == low["completed"] == 3  # the server took both classes
         assert high["ttft_ms"]["p50"] > 0 and low["ttft_ms"]["p99"] > 0
+    check_result(native, ["inf"], 6, 24, 5)
     run = check_result(replayed, ["trace"], 4, 24, 5)
     assert run["results"][0]["duration_s"] >= 0.5  # the last request arrived at 0.5 s
     hits_before = run["results"][0]["server_stats"]["cached_tokens"]

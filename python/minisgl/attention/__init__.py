@@ -3,9 +3,9 @@
 - `fi`: flashinfer (paged prefill over the cached prefix, paged decode, CUDA-graph decode)
 - `triton`: the Triton kernels of `minisgl.kernel.triton_attention`
 - `torch`: the reference (padded gather + masked SDPA), any device
-`auto`: fi when flashinfer imports, the device is CUDA and the model and KV dtypes are 16-bit;
-else triton on CUDA (torch for sliding-window models, which triton does not support); else
-torch."""
+`auto`: triton on CUDA (measured faster than fi on the H100: docs/benchmarks.md, session 11);
+for sliding-window models, which triton does not support, fi when flashinfer imports and the
+model and KV dtypes are 16-bit, else torch; torch on CPU."""
 
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ def auto_backend(
 ) -> str:
     if device.type != "cuda":
         return "torch"
+    if sliding_window is None:
+        return "triton"  # the faster one on the H100 in throughput and in a single stream
     fi_dtypes = dtype != torch.float32 and (kv_dtype is None or kv_dtype.itemsize == 2)
-    if fi_dtypes and flashinfer_available():
-        return "fi"  # fi also handles sliding windows
-    return "triton" if sliding_window is None else "torch"
+    return "fi" if fi_dtypes and flashinfer_available() else "torch"
 
 
 def create_attention_backend(

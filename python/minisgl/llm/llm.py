@@ -15,7 +15,9 @@ from minisgl.core import Req, SamplingParams
 from minisgl.distributed import destroy_tp, get_tp_info, rendezvous_file
 from minisgl.engine import EngineConfig
 from minisgl.engine.engine import check_tp
+from minisgl.llm.replicas import Replicas
 from minisgl.models import resolve_model_path
+from minisgl.models.hf import load_tokenizer
 from minisgl.parsers import (
     OutputParser,
     ToolChoice,
@@ -28,6 +30,7 @@ from minisgl.parsers.output import ToolConstraint
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
 from minisgl.scheduler.scheduler import TokenOutput
+from minisgl.server.dispatch import Dispatcher
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.utils.options import split_options
 from minisgl.utils.procs import wait_ready
@@ -85,19 +88,26 @@ class LLM:
     `RequestOutput.outputs`).
     `model`: a directory, a .gguf file or a hub id; None: the embedded SmolLM2 GGUF.
     `tp=N`: shard the model over N processes (this one is rank 0; `shutdown` ends the rest).
-    `dp`: only 1 (replicas are the server's: `python -m minisgl --dp N`); else ValueError.
+    `dp=N`: N data-parallel replicas, each a whole engine with its `tp` GPUs (dp x tp in all; on
+    CPU a share of the cores) in a process of its own; each prompt goes to the replica holding
+    its longest prefix (`dp_dispatch="prefix"`, new prefixes to the least loaded, as the
+    server's --dp-dispatch and --dp-load-threshold) or in turn (`"round_robin"`). With dp > 1
+    this object holds the tokenizer only: no `scheduler` or `engine` attribute.
     `options`: the fields of EngineConfig and SchedulerConfig (the flags of `python -m minisgl`:
     `page_size=4` is `--page-size 4`); TypeError for any other keyword."""
 
     def __init__(
-        self, model: str | None = None, *, tp: int = 1, dp: int = 1, **options: Any
+        self,
+        model: str | None = None,
+        *,
+        tp: int = 1,
+        dp: int = 1,
+        dp_dispatch: str = "prefix",
+        dp_load_threshold: int = 8,
+        **options: Any,
     ) -> None:
-        if dp != 1:  # a replica is a process tree of its own; this object is one scheduler
-            raise ValueError(
-                f"LLM(dp={dp!r}): data-parallel replicas are served by `python -m minisgl "
-                "--dp N` (one process per replica behind one API server); run several LLM "
-                "objects in separate processes for offline work"
-            )
+        if not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"LLM(dp={dp!r}): the number of replicas must be an int >= 1")
         engine_options, sched_options = split_options(options, EngineConfig, SchedulerConfig)
         if model is None:
             from minisgl.models.gguf import announce_default_model
@@ -106,14 +116,23 @@ class LLM:
         if get_tp_info().size > 1:
             raise RuntimeError("another LLM with tp > 1 is running in this process: shut it down")
         config = EngineConfig(model=model, **engine_options)
-        sched_config = SchedulerConfig(**sched_options)
+        self.sched_config = SchedulerConfig(**sched_options)
         self.workers: list[Any] = []  # TP ranks 1..N-1
         self.tp_dir: str | None = None  # private directory of the ranks' rendezvous file
+        self.replicas: Replicas | None = None
+        # a bad policy or threshold fails here, before any process starts (also with dp = 1)
+        dispatcher = Dispatcher(dp, config.page_size, dp_dispatch, dp_load_threshold)
+        if dp > 1:
+            path = resolve_model_path(model)  # download once, before the replicas
+            self.tokenizer = load_tokenizer(path)
+            self.replicas = Replicas(LLM, path, tp, dp, options, dispatcher)
+            atexit.register(self.shutdown)
+            return
         if tp == 1:
-            self.scheduler = build_scheduler(config, sched_config, rank=0, tp=1)
+            self.scheduler = build_scheduler(config, self.sched_config, rank=0, tp=1)
         else:
             config.model = resolve_model_path(model)  # download once, before the other ranks
-            self.scheduler = self._start_tp(config, sched_config, tp)
+            self.scheduler = self._start_tp(config, self.sched_config, tp)
             atexit.register(self.shutdown)  # the other ranks wait for rank 0's word to stop
         self.engine, self.tokenizer = self.scheduler.engine, self.scheduler.tokenizer
 
@@ -236,7 +255,7 @@ class LLM:
     ) -> list[SamplingParams]:
         """Each chat's params with the grammar of forced calls, or its constraint moved after
         the reasoning (OutputParser.constrain)."""
-        any_whitespace = self.scheduler.config.json_any_whitespace
+        any_whitespace = self.sched_config.json_any_whitespace
         return [
             parser.constrain(params, forced, state, any_whitespace)
             for params, state in zip(per_prompt(sampling_params, count), states)
@@ -271,6 +290,9 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         sampling_params = per_prompt(sampling_params, len(prompts))
+        if self.replicas is not None:
+            ids = [self.encode(p) for p in prompts]
+            return self.replicas.generate(ids, sampling_params, use_tqdm)
         # validate everything before anything runs, so a bad prompt wastes no work
         groups = [
             [self._sample(self.encode(p), sp.for_sample(j)) for j in range(sp.n)]
@@ -330,8 +352,30 @@ class LLM:
             result["num_accepted_tokens"] = req.num_accepted_tokens
         return result
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache so far (all replicas')."""
+        if self.replicas is not None:
+            return sum(self.replicas.call_all("_cached_tokens"))
+        return self._cached_tokens()
+
+    def _cached_tokens(self) -> int:
+        return self.scheduler.planner.num_cached_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (all replicas'), e.g. between timed runs."""
+        if self.replicas is not None:
+            self.replicas.call_all("reset_prefix_cache")
+            return
+        self.scheduler.cache.reset_cache()
+
     def shutdown(self) -> None:
-        """Release the engine; with tp > 1 also stop the other ranks (idempotent)."""
+        """Release the engine; with tp > 1 also stop the other ranks, with dp > 1 the replicas
+        (idempotent)."""
+        if self.replicas is not None:
+            atexit.unregister(self.shutdown)
+            self.replicas.shutdown()
+            return
         self.scheduler.shutdown()
         self.engine.shutdown()
         if not self.workers:

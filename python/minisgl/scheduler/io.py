@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -134,7 +135,9 @@ def build_scheduler(
     --dp replicas' rank 0s); TP ranks > 0 share them with their group too."""
     share = sharing * (tp if rank > 0 else 1)  # rank 0 may be the user's own process
     if share > 1:
-        torch.set_num_threads(max(1, torch.get_num_threads() // share))
+        threads = max(1, torch.get_num_threads() // share)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the engine's set_cpu_threads keeps it
     kind = device_type(engine_config.device)
     if kind == "cuda":
         select_device(rank, rendezvous)

@@ -32,7 +32,9 @@ def block_hashes(ids: Sequence[int], page_size: int) -> list[int]:
 class Dispatcher:
     def __init__(self, replicas: int, page_size: int, policy: str, load_threshold: int) -> None:
         if policy not in ("prefix", "round_robin"):
-            raise ValueError(f"unknown dispatch policy {policy!r}")
+            raise ValueError(f"unknown dispatch policy {policy!r}: prefix or round_robin")
+        if load_threshold < 0:
+            raise ValueError(f"the dispatch load threshold must be >= 0, got {load_threshold}")
         self.page_size, self.policy, self.threshold = page_size, policy, load_threshold
         self.blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]
         self.loads = [0] * replicas
