@@ -425,7 +425,8 @@ def main() -> None:
     # not, ...) on first use; varied prompt lengths and batch sizes meet them before the clock.
     warm_prompts = shifted(workload(24, 300, 100)[0], 5000)  # shares no prefix with the run
     warm_params = [
-        SamplingParams(temperature=0.6, max_tokens=4 + i % 5, **grammar(i)) for i in range(24)
+        SamplingParams(temperature=0.6, max_tokens=4 + i % 5, **grammar(i), **features(i))
+        for i in range(24)
     ]
     llm.generate(warm_prompts, warm_params, use_tqdm=False)
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -187,7 +188,7 @@ class Req:
     # prompt_logprobs: the next prompt position whose log-probability is not computed yet, and
     # the entries computed so far (sent with the first output)
     next_prompt_logprob: int = 1
-    prompt_logprobs: list[list[Any]] = field(default_factory=list)
+    prompt_logprobs: list[Sequence[Any]] = field(default_factory=list)  # engine.logprobs.Entry
     arrival: int = 0  # the planner's count of requests queued before it (priority aging)
     queued_at: float = 0.0  # time.monotonic() when it was queued
     queue_time: float | None = None  # seconds from queued to its first forward

@@ -234,7 +234,8 @@ class Engine:
         """The step's sampled ids (written into the token table) and logprobs being computed."""
         next_ids, reqs, vocab = out.sampled, batch.reqs, self.model_config.vocab_size
         adjusted, filtered = any_adjusted(reqs), any_filter(reqs, vocab)
-        logprobs = SampledLogprobs.start(batch, out.logits)  # raw: before any adjustment
+        # raw: read before the mask and the adjustments change the logits in place
+        logprobs = SampledLogprobs.start(batch, out.logits, mask is not None or adjusted)
         if next_ids is None or mask is not None or adjusted or filtered:
             if mask is not None:
                 apply_token_bitmask(out.logits, mask)
@@ -334,8 +335,11 @@ class StepOutput:
         if lp is None or lp.result is None:
             return None
         self.tokens()  # waits for the copies
+        entries: list[Entry | None] = list(lp.result.entries(lp.ks))
+        if lp.index is None:  # every row asked
+            return entries
         out: list[Entry | None] = [None] * len(self.host)
-        for row, entry in zip(lp.rows, lp.result.entries(lp.ks)):
+        for row, entry in zip(lp.rows, entries):
             out[row] = entry
         return out
 

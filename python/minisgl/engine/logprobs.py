@@ -8,18 +8,19 @@ results travel to the host with the step's sampled ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from minisgl import kernel
 from minisgl.core import Batch, to_device
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
 
 PROMPT_SLICE = 512  # prompt positions projected onto the vocabulary at once (bounds memory)
-# one position on the host: [log-probability of its token, top ids, their log-probabilities]
-Entry = list[Any]
+# one position on the host: (log-probability of its token, top ids, their log-probabilities)
+Entry = tuple[float, list[int], list[float]]
 
 
 @dataclass
@@ -31,9 +32,18 @@ class LogprobRows:
     top_values: torch.Tensor  # [M, K] float32
 
     @staticmethod
-    def of(logits: torch.Tensor, targets: torch.Tensor, k: int) -> LogprobRows:
-        """log p = logit - logsumexp(logits), the top-k found on the logits themselves (the
-        same order), so no [M, V] log-softmax is written."""
+    def of(
+        logits: torch.Tensor, targets: torch.Tensor, k: int, rows: torch.Tensor | None = None
+    ) -> LogprobRows:
+        """log p = logit - logsumexp(logits) for the rows `rows` of logits (all when None; an
+        index, so the caller copies nothing) and their targets [M]. On CUDA one read of the
+        logits (`kernel/logprobs.py`); this torch code is its reference: the top-k found on the
+        logits themselves (the same order), so no [M, V] log-softmax is written."""
+        ops = kernel.fused_ops(logits, "logprobs")
+        if ops is not None and k <= ops.MAX_K:
+            return LogprobRows(*ops.logprob_rows(logits, targets, k, rows))
+        if rows is not None:
+            logits = logits[rows]
         lse = torch.logsumexp(logits.float(), dim=-1)
         chosen = logits.gather(1, targets[:, None].long()).squeeze(1).float() - lse
         top_values, top_ids = logits.topk(k, dim=-1)  # k = 0: empty [M, 0]
@@ -59,33 +69,47 @@ class LogprobRows:
         return LogprobRows(copy(self.chosen), copy(self.top_ids), copy(self.top_values))
 
     def entries(self, ks: list[int]) -> list[Entry]:
-        """Host entries, row i keeping its own top ks[i] (the batch computed the largest k)."""
+        """Host entries, row i keeping its own top ks[i] (the batch computed the largest k):
+        three `tolist` calls and, when every row asks for the batch's k (the usual case), no
+        per-row work beyond the tuple `zip` makes."""
         chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
-        return [[c, i[:k], v[:k]] for c, i, v, k in zip(chosen, ids, values, ks)]
+        k = self.top_ids.shape[1]
+        if all(n == k for n in ks):
+            return list(zip(chosen, ids, values))
+        return [(c, i[:n], v[:n]) for c, i, v, n in zip(chosen, ids, values, ks)]
 
 
 @dataclass
 class SampledLogprobs:
-    """Log-probabilities of the tokens sampled in some rows of a batch: `rows` (host), the raw
-    log-softmax computed before the logits were adjusted, and, once sampled, the results."""
+    """Log-probabilities of the tokens sampled in some rows of a batch: `rows` (host), the
+    raw logits they are computed from and, once sampled, the results."""
 
     rows: list[int]
     ks: list[int]
-    index: torch.Tensor
-    logits: torch.Tensor  # [M, V] raw logits of those rows (a copy: adjustments come later)
+    index: torch.Tensor | None  # `rows` on the device; None: every row of the batch
+    # the step's [B, V] logits, or a [M, V] copy of the rows' raw logits (`copied`) when the
+    # step adjusts or masks the logits in place before sampling
+    logits: torch.Tensor
+    copied: bool
     result: LogprobRows | None = None
 
     @staticmethod
-    def start(batch: Batch, logits: torch.Tensor) -> SampledLogprobs | None:
+    def start(batch: Batch, logits: torch.Tensor, copy: bool) -> SampledLogprobs | None:
+        """Call before anything changes `logits`; `copy`: something will (a copy of the asking
+        rows then keeps the raw values; else they are read in place, after sampling)."""
         rows = [i for i, r in enumerate(batch.reqs) if r.params.logprobs is not None]
         if not rows:
             return None
-        index = to_device(rows, torch.int64, logits.device)
         ks = [batch.reqs[i].params.logprobs or 0 for i in rows]
-        return SampledLogprobs(rows, ks, index, logits[index])
+        index = None if len(rows) == batch.size else to_device(rows, torch.int64, logits.device)
+        if copy:
+            logits = logits.clone() if index is None else logits[index]
+        return SampledLogprobs(rows, ks, index, logits, copy)
 
     def finish(self, next_ids: torch.Tensor) -> None:
-        self.result = LogprobRows.of(self.logits, next_ids[self.index], max(self.ks)).to_host()
+        targets = next_ids if self.index is None else next_ids[self.index]
+        rows = None if self.copied else self.index
+        self.result = LogprobRows.of(self.logits, targets, max(self.ks), rows).to_host()
 
 
 @dataclass

@@ -12,12 +12,13 @@ import torch
 from minisgl import env
 
 
-def fused_ops(x: torch.Tensor) -> ModuleType | None:
-    """The Triton fused-op module (`kernel/fused.py`) when `x` is on CUDA, triton imports and
-    MINISGL_DISABLE_FUSED_OPS is unset; None means: run the torch reference."""
+def fused_ops(x: torch.Tensor, module: str = "fused") -> ModuleType | None:
+    """The Triton module `kernel/<module>.py` (the fused ops; "logprobs": log-probability rows)
+    when `x` is on CUDA, triton imports and MINISGL_DISABLE_FUSED_OPS is unset; None means: run
+    the torch reference."""
     if not x.is_cuda or env.disable_fused_ops():
         return None
-    return _import("fused")
+    return _import(module)
 
 
 # Decode batches up to this many rows make a linear layer a pure weight read: kernel/gemv.py

@@ -66,9 +66,14 @@ def logprob_dicts(entries: list[list[Any]]) -> list[dict[int, float] | None]:
     """vLLM's shape, per position: token id -> log-probability, the top alternatives and the
     token itself; None where nothing predicts the token (a prompt's first)."""
     return [
-        None if logprob is None else {**dict(zip(top_ids, top_logprobs)), token: logprob}
+        None if logprob is None else _with(dict(zip(top_ids, top_logprobs)), token, logprob)
         for token, logprob, top_ids, top_logprobs in entries
     ]
+
+
+def _with(top: dict[int, float], token: int, logprob: float) -> dict[int, float]:
+    top[token] = logprob  # in place: no second dict per position
+    return top
 
 
 def per_prompt(

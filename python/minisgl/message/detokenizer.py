@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +19,9 @@ class DetokenizeMsg:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
     error: str | None = None  # why the scheduler refused the request
-    # per token: [logprob, top ids, top logprobs] (SamplingParams.logprobs)
-    logprobs: list[list[Any]] | None = None
+    # per token: [logprob, top ids, top logprobs] (SamplingParams.logprobs; a tuple before
+    # encoding)
+    logprobs: list[Sequence[Any]] | None = None
     # once, with the first token: [token id, logprob | None, top ids, top logprobs] per prompt
     # token (SamplingParams.prompt_logprobs)
     prompt_logprobs: list[list[Any]] | None = None
