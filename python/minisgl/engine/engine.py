@@ -197,11 +197,22 @@ class Engine:
     def forward_step(self, batch: Batch, samples: list[bool]) -> ForwardOutput:
         """Phase 1 of a step: queue the forward (and, in a CUDA graph, the sampling of every
         request whose `samples` flag is set). Nothing here waits for the device."""
+        reqs = batch.reqs
+        adjusted, filtered = any_adjusted(reqs), any_filter(reqs, self.model_config.vocab_size)
+        # the ids sample_step draws again after changing the logits: the graph skips them
+        resample = adjusted or filtered or any(r.grammar is not None for r in reqs)
+        out = self._forward(batch, samples, resample)
+        out.adjusted, out.filtered = adjusted, filtered
+        if resample:
+            out.sampled = None
+        return out
+
+    def _forward(self, batch: Batch, samples: list[bool], resample: bool) -> ForwardOutput:
         if self.graphs is not None:
             if self.graphs.can_run(batch):
-                return self.graphs.replay(batch, samples)
+                return self.graphs.replay(batch, samples, resample)
             if (flat := flat_batch(batch, self.graphs.max_bs)) is not None:
-                out = self.graphs.replay(flat, [True] * flat.size)
+                out = self.graphs.replay(flat, [True] * flat.size, resample)
                 out.flat = flat
                 return out
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
@@ -232,8 +243,8 @@ class Engine:
         self, batch: Batch, out: ForwardOutput, mask: TokenMask | None
     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """The step's sampled ids (written into the token table) and logprobs being computed."""
-        next_ids, reqs, vocab = out.sampled, batch.reqs, self.model_config.vocab_size
-        adjusted, filtered = any_adjusted(reqs), any_filter(reqs, vocab)
+        next_ids, reqs = out.sampled, batch.reqs
+        adjusted, filtered = out.adjusted, out.filtered
         # raw: read before the mask and the adjustments change the logits in place
         logprobs = SampledLogprobs.start(batch, out.logits, mask is not None or adjusted)
         if next_ids is None or mask is not None or adjusted or filtered:

@@ -75,15 +75,16 @@ class GraphRunner:
     def can_run(self, batch: Batch) -> bool:
         return batch.is_decode and batch.size <= self.max_bs
 
-    def replay(self, batch: Batch, samples: list[bool]) -> ForwardOutput:
+    def replay(self, batch: Batch, samples: list[bool], resample: bool = False) -> ForwardOutput:
         """Run a decode batch; the ids sampled for the requests whose `samples` flag is set
-        land in the token table after their last token (the others' in the dummy row)."""
+        land in the token table after their last token (the others' in the dummy row).
+        `resample`: the caller samples every row again, so the graph's sampling skips them."""
         bs, engine = batch.size, self.engine
         padded = next(size for size in self.sizes if size >= bs)
         graph, out, static = self.graphs[padded]
         pad = padded - bs
         static.reqs, samples = batch.reqs + self.padding[:pad], samples + [False] * pad
-        host = StepInputs.pack(static.reqs, samples, engine.dummy_row, engine.device)
+        host = StepInputs.pack(static.reqs, samples, engine.dummy_row, engine.device, resample)
         self.block[:, :padded].copy_(host, non_blocking=True)
         if graph is None:
             engine.attn_backend.prepare(static)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl import env
+from minisgl import env, kernel
 from minisgl.core import Req, to_device
 
 MASK32 = 0xFFFFFFFF
@@ -95,14 +95,16 @@ def sample_at_temperature(
     seed: torch.Tensor,
     step: torch.Tensor,
     filters: BatchSamplingArgs | None = None,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Greedy in the rows whose temperature is 0, a Gumbel-max draw at the row's temperature
     elsewhere, after top-k / top-p / min-p when `filters` is given. No host sync; without
-    filters it is what CUDA graphs capture."""
+    filters it is what CUDA graphs capture. `skip` [B]: rows whose id nobody reads (the fused
+    kernel leaves them out and gives 0; elsewhere they are sampled all the same)."""
     if logits.is_cuda and filters is None and not env.disable_fused_ops():
         from minisgl.kernel.sampling import gumbel_argmax
 
-        return gumbel_argmax(logits, temperature, seed, step)
+        return gumbel_argmax(logits, temperature, seed, step, skip)
     temp = torch.where(temperature > 0, temperature, 1.0)
     scores = logits.float() / temp[:, None]
     if filters is not None:
@@ -229,7 +231,16 @@ def adjust_logits(
     """In place, for every row of the batch (`rows`: their page-table rows, `kv_lens`: the
     positions being sampled), from the adjust table: add logit_bias, set to -inf the stop ids
     while min_tokens holds them back, then, if `penalty_length` (the longest request, 0: no
-    request has a penalty), apply the penalties. Neutral rows come out unchanged."""
+    request has a penalty), apply the penalties. Neutral rows come out unchanged. On CUDA one
+    launch (`kernel/adjust.py`); this torch code is its reference."""
+    ops = kernel.fused_ops(logits, "adjust")
+    if ops is not None and logits.stride(-1) == 1:
+        bias, stops = (table.bias_ids, table.bias_values), (table.stop_ids, table.stop_values)
+        ops.adjust_logits(
+            logits, rows, kv_lens, table.params, table.lens, bias, stops, token_table,
+            penalty_length,
+        )  # fmt: skip
+        return
     if table.bias_ids.shape[1]:
         values = table.bias_values[rows].to(logits.dtype)
         logits.scatter_add_(1, table.bias_ids[rows], values)

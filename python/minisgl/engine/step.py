@@ -27,14 +27,20 @@ class StepInputs:
     extend_lens: torch.Tensor  # tokens this step computes
     write_rows: torch.Tensor  # row the sampled id goes to: own row, or the dummy row if unsampled
     seeds: torch.Tensor  # low 32 bits of the sampling seed (all the sampling hash reads)
+    skips: torch.Tensor  # 1: a CUDA graph's sampling passes the row (unsampled, or resampled)
     temperatures: torch.Tensor  # float32, 0 = greedy (carried as the bits of a float64)
 
     @staticmethod
     def pack(
-        reqs: list[Req], samples: list[bool], dummy_row: int, device: torch.device
+        reqs: list[Req],
+        samples: list[bool],
+        dummy_row: int,
+        device: torch.device,
+        resample: bool = False,
     ) -> torch.Tensor:
-        """The host block [6, len(reqs)]; pinned for a CUDA device, since a copy from pageable
-        memory would wait for all queued device work."""
+        """The host block [7, len(reqs)]; pinned for a CUDA device, since a copy from pageable
+        memory would wait for all queued device work. `resample`: the step samples every row
+        again after the forward (adjusted, masked or filtered logits)."""
         host = torch.tensor(
             [
                 [r.table_idx for r in reqs],
@@ -42,6 +48,7 @@ class StepInputs:
                 [r.extend_len for r in reqs],
                 [r.table_idx if s else dummy_row for r, s in zip(reqs, samples)],
                 [r.seed & MASK32 for r in reqs],
+                [int(resample or not s) for s in samples],
                 [0] * len(reqs),
             ],
             dtype=torch.int64,
@@ -56,9 +63,9 @@ class StepInputs:
 
     @staticmethod
     def unpack(block: torch.Tensor) -> StepInputs:
-        rows, cached, extend, write_rows, seeds, temperature_bits = block.unbind(0)
+        rows, cached, extend, write_rows, seeds, skips, temperature_bits = block.unbind(0)
         temperatures = temperature_bits.view(torch.float64).float()
-        return StepInputs(rows, cached, extend, write_rows, seeds, temperatures)
+        return StepInputs(rows, cached, extend, write_rows, seeds, skips, temperatures)
 
 
 @dataclass
@@ -74,6 +81,8 @@ class ForwardOutput:
     hidden: torch.Tensor | None = None  # [num_tokens, hidden]
     prompt_logprobs: PromptLogprobs | None = None
     flat: Batch | None = None  # the rows are these, one per position (verify.flat_batch)
+    adjusted: bool = False  # some request adjusts its logits (penalties, bias, min_tokens)
+    filtered: bool = False  # some request samples with top-k, top-p or min-p
 
     def first(self, n: int) -> ForwardOutput:
         """The first n requests' rows (the real ones of a padded graph batch)."""
@@ -114,6 +123,8 @@ def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> 
     kv_lens = inputs.cached_lens + inputs.extend_lens
     sampled = None
     if sample:
-        sampled = sample_at_temperature(logits, inputs.temperatures, inputs.seeds, kv_lens)
+        sampled = sample_at_temperature(
+            logits, inputs.temperatures, inputs.seeds, kv_lens, skip=inputs.skips
+        )
         engine.token_table[inputs.write_rows, kv_lens] = sampled.to(torch.int32)
     return ForwardOutput(logits, kv_lens, inputs, sampled, hidden)

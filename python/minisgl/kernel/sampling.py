@@ -26,15 +26,20 @@ def _gumbel_argmax_kernel(
     temperature,  # [B] float32, 0 = greedy
     seed,  # [B] int64
     step,  # [B] int64
+    skip,  # [B] int64: nonzero = leave the row out (HAS_SKIP)
     out_val,  # [B, C] float32: best score of each vocab chunk
     out_idx,  # [B, C] int64: its token id
     vocab_size,
     chunk_size,  # a multiple of BLOCK
     stride_b,
+    HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
+    blocks = tl.cdiv(chunk_size, BLOCK)
+    if HAS_SKIP:  # a skipped row reads nothing: its chunks report (-inf, 0)
+        blocks = tl.where(tl.load(skip + b) != 0, 0, blocks)
     temp = tl.load(temperature + b)
     greedy = temp == 0.0
     safe_temp = tl.where(greedy, 1.0, temp)
@@ -44,7 +49,7 @@ def _gumbel_argmax_kernel(
     best_val = -float("inf")
     best_idx = tl.zeros((), dtype=tl.int64)
     chunk_start = c * chunk_size
-    for block in range(tl.cdiv(chunk_size, BLOCK)):
+    for block in range(blocks):
         start = chunk_start + block * BLOCK
         offs = start + tl.arange(0, BLOCK)
         valid = offs < vocab_size
@@ -64,9 +69,15 @@ def _gumbel_argmax_kernel(
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, step: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    step: torch.Tensor,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """argmax(logits / T + Gumbel noise) per row (argmax(logits) where T == 0) -> [B] int64."""
+    """argmax(logits / T + Gumbel noise) per row (argmax(logits) where T == 0) -> [B] int64;
+    0 in the rows where `skip` [B] is nonzero, whose logits are not read: a CUDA graph's
+    sampling costs nothing in a step that samples again after adjusting the logits."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     batch, vocab = logits.shape
@@ -85,11 +96,13 @@ def gumbel_argmax(
         temperature,
         seed,
         step,
+        step if skip is None else skip.contiguous(),  # unread without HAS_SKIP
         best_val,
         best_idx,
         vocab,
         chunk_size,
         logits.stride(0),
+        HAS_SKIP=skip is not None,
         BLOCK=block,
         num_warps=4,
     )
