@@ -53,7 +53,8 @@ def _adjust_kernel(
     stride,
     rows,  # [B] int64: each batch row's table row
     kv_lens,  # [B] int64: the position being sampled
-    params,  # [R, 3] float32: repetition, frequency, presence
+    penalties,  # [R, 3] float32: repetition, frequency, presence (a kernel argument named
+    # `params` breaks Triton 3.6's argument binder, which has a local of that name)
     lens,  # [R, 2] int64: prompt length, end of min_tokens
     bias_ids,  # [R, NB] int64 (padded with id 0, value 0)
     bias_vals,  # [R, NB] float32
@@ -75,9 +76,9 @@ def _adjust_kernel(
     row = tl.load(rows + b).to(tl.int64)
     kv_len = tl.load(kv_lens + b)
     held = kv_len < tl.load(lens + row * 2 + 1)
-    rep = tl.load(params + row * 3)
-    freq = tl.load(params + row * 3 + 1)
-    pres = tl.load(params + row * 3 + 2)
+    rep = tl.load(penalties + row * 3)
+    freq = tl.load(penalties + row * 3 + 1)
+    pres = tl.load(penalties + row * 3 + 2)
     penalized = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
     n_seen = tl.where(penalized, tl.minimum(kv_len, length), 0)
     out = logits + b.to(tl.int64) * stride
