@@ -53,9 +53,8 @@ class TorchAttnBackend(BaseAttnBackend):
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
         md = TorchAttnMetadata.of(batch)
         kv_cache = get_global_ctx().kv_cache
-        # [B, Hk, L, D], in q's dtype (an fp8 pool is widened, as the kernels do)
-        keys = kv_cache.k_flat(layer_id)[md.kv_slots].transpose(1, 2).to(q.dtype)
-        values = kv_cache.v_flat(layer_id)[md.kv_slots].transpose(1, 2).to(q.dtype)
+        keys = _gather(kv_cache.k_flat(layer_id), md.kv_slots, q.dtype)
+        values = _gather(kv_cache.v_flat(layer_id), md.kv_slots, q.dtype)
         bsz, (_, heads, dim) = md.kv_slots.shape[0], q.shape
         if md.max_q_len == 1:  # decode: one token per request, no padding to build
             out = F.scaled_dot_product_attention(
@@ -69,3 +68,10 @@ class TorchAttnBackend(BaseAttnBackend):
             padded, keys, values, attn_mask=md.mask, scale=scale, enable_gqa=True
         )
         return out.transpose(1, 2).reshape(bsz * md.max_q_len, heads, dim)[md.q_index]
+
+
+def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Hk, L, D] of the pool's rows at `slots` [B, L], in `dtype` (an fp8 pool is widened,
+    as the kernels do). index_select: half the CPU time of advanced indexing at decode sizes."""
+    rows = pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
+    return rows.transpose(1, 2).to(dtype)
