@@ -170,7 +170,14 @@ def test_dead_replica_fails_requests_and_stops_the_server(rr_server: Server) -> 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
-    wait_for(lambda: rr_server.stats()["running"] == 4, 30, "the load to run")
+
+    # all 4 in the server, some running (a 200-page pool runs 2 such requests only until about
+    # 400 tokens each: "running == 4" is a window a loaded machine can miss)
+    def loaded() -> bool:
+        s = rr_server.stats()
+        return s["in_flight"] == 4 and s["running"] >= 2
+
+    wait_for(loaded, 30, "the load to run")
     killed = time.monotonic()
     os.kill(rr_server.child_pid("dp1_scheduler_0"), signal.SIGKILL)
     assert rr_server.wait_exit(timeout=10) == 1
