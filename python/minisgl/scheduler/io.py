@@ -192,13 +192,17 @@ def run_scheduler_process(
     recv_addr: str,
     send_addr: str,
     dp: tuple[int, int],
+    warm_up: bool,
     ready: Any,
 ) -> None:
-    """Process entry of rank 0 of replica `dp` = (its rank, replicas): build the engine,
-    report readiness (or the error) through `ready`, then serve."""
+    """Process entry of rank 0 of replica `dp` = (its rank, replicas): build the engine, warm
+    it up on a GPU (unless `warm_up` is False), report readiness (or the error) through
+    `ready`, then serve."""
     dp_rank, dp_size = dp
     try:
         scheduler = build_scheduler(engine_config, sched_config, 0, tp, rendezvous, dp_size)
+        if warm_up and scheduler.engine.device.type == "cuda":  # (no JIT on the CPU path)
+            scheduler.warm_up()
         server = SchedulerServer(scheduler, recv_addr, send_addr, dp_rank)
     except Exception as e:  # reported to the launcher, which prints it and exits non-zero
         ready.send(("error", f"scheduler failed to start: {type(e).__name__}: {e}"))

@@ -52,6 +52,10 @@ class BatchPlanner:
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
         self.refused: list[tuple[Req, str]] = []  # left the queue: their grammar does not compile
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """The running totals the server reports (/metrics, /stats) back to zero."""
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens scheduled (for the prefix-cache hit rate)
         self.num_cached_tokens = 0  # of those, found in the prefix cache

@@ -11,6 +11,7 @@ token, which the next step reads on the device) and `_process` fills it one step
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from itertools import repeat
@@ -30,6 +31,10 @@ from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.planner import BatchPlanner, reaches_length
 from minisgl.scheduler.spec import accept
 from minisgl.scheduler.tp import TPLeader, receive_step
+
+# the warm-up's prompt lengths: short and long, off and on multiples of 16 (Triton specializes
+# integer arguments on divisibility by 16), over a page or several
+WARMUP_PROMPT_LENS = (5, 16, 33, 64, 130, 250, 513, 1000)
 
 
 @dataclass
@@ -130,6 +135,27 @@ class Scheduler:
         req = self.requests.get(uid)
         if req is not None:
             self._finish(req, "abort")
+
+    def warm_up(self) -> None:
+        """Serve a few short synthetic requests of varied lengths before the real ones, half
+        greedy and half sampled, the second group arriving while the first decodes (prefill,
+        mixed and decode steps of several shapes), so that Triton compiles its kernel variants
+        now and not in the first user's request; then forget them: the prefix cache is
+        flushed and the reported counters start from zero."""
+        vocab, room = self.engine.model_config.vocab_size, self.engine.max_seq_len - 8
+        rng = random.Random(0)
+        groups = [WARMUP_PROMPT_LENS[::2], WARMUP_PROMPT_LENS[1::2]]
+        for group in groups:
+            for i, length in enumerate(group):
+                ids = [rng.randrange(vocab) for _ in range(max(1, min(length, room)))]
+                params = SamplingParams(temperature=0.6 * (i % 2), max_tokens=4, ignore_eos=True)
+                self.add_request(self.make_request(ids, params))
+            for _ in range(2):
+                self.step()
+        while self.has_work:
+            self.step()
+        self.flush_cache()
+        self.planner.reset_counters()
 
     def flush_cache(self) -> str | None:
         """Empty the prefix cache (SGLang's /flush_cache); why not, while requests run."""

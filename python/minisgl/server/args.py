@@ -105,6 +105,12 @@ class ServerArgs:
         "format of the model's reasoning, returned as reasoning_content (unset: in content)",
         choices=sorted(REASONING_PARSERS),
     )
+    skip_server_warmup: bool = option(
+        False,
+        "serve without the warm-up (on a GPU each scheduler first runs a few short synthetic "
+        "requests, so that Triton compiles its kernels before the first real request; CPU "
+        "servers never warm up)",
+    )
     shell: bool = option(False, "interactive terminal chat instead of a server")
     shell_hide_reasoning: bool = option(
         False,

@@ -198,7 +198,8 @@ class Launcher:
         args = self.args
         io = (self.addrs.schedulers[replica], self.addrs.detokenizer, (replica, args.dp))
         meet = self._rendezvous(replica)
-        entry = (run_scheduler_process, config, args.scheduler, args.tp, meet, *io)
+        warm_up = not args.skip_server_warmup
+        entry = (run_scheduler_process, config, args.scheduler, args.tp, meet, *io, warm_up)
         return self._spawn(self._name(replica, 0), *entry)
 
     def _follower(self, config: EngineConfig, replica: int, rank: int) -> Started:
