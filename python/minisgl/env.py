@@ -20,8 +20,8 @@ def _flag(name: str) -> bool:
 
 def disable_fused_ops() -> bool:
     """MINISGL_DISABLE_FUSED_OPS: run the torch reference of RMSNorm, RoPE, SiLU-and-mul, the
-    KV-cache store, sampling and log-probability rows on CUDA too, instead of the Triton kernels
-    in `kernel/fused.py`, `kernel/sampling.py` and `kernel/logprobs.py`."""
+    KV-cache store, sampling, log-probability rows and logit adjustments on CUDA too, instead of
+    the Triton kernels in `kernel/fused.py`, `sampling.py`, `logprobs.py` and `adjust.py`."""
     return _flag("MINISGL_DISABLE_FUSED_OPS")
 
 

@@ -386,11 +386,14 @@ class LLM:
         return self.scheduler.planner.num_cached_tokens
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (all replicas'), e.g. between timed runs."""
+        """Forget every cached prefix (all replicas', every TP rank's), e.g. between timed
+        runs: the scheduler's flush, as the server's /flush_cache."""
         if self.replicas is not None:
             self.replicas.call_all("reset_prefix_cache")
             return
-        self.scheduler.cache.reset_cache()
+        busy = self.scheduler.flush_cache()
+        if busy is not None:  # (generate returns only when every request is done)
+            raise RuntimeError(busy)
 
     def shutdown(self) -> None:
         """Release the engine; with tp > 1 also stop the other ranks, with dp > 1 the replicas
