@@ -36,7 +36,7 @@ def test_smoke_on_a_tiny_gguf(tmp_path):
     write_gguf("llama", path, with_tokenizer=True)
     out_json = str(tmp_path / "out.jsonl")
     env = {**os.environ, "MINISGL_CACHE_DIR": str(tmp_path / "cache")}
-    cmd = [sys.executable, SCRIPT, "--model", path, "--decode-tokens", "4"]
+    cmd = [sys.executable, SCRIPT, "--model", path, "--decode-tokens", "16"]
     cmd += ["--prompt-tokens", "16", "--repeats", "1", "--json", out_json]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
