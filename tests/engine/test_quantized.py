@@ -17,10 +17,10 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.engine.cpu import cpu_auto_dtype, resolve_quantization
-from minisgl.layers.quantized import Int4Linear, Int8Linear, QuantizedLinear
+from minisgl.layers.quantized import Int4Linear, Int8Linear, Int8SplitLinear, QuantizedLinear
 from minisgl.models.gguf import DefaultModelMissing, default_model
 from minisgl.models.gguf_quant import Blocks, split_blocks
-from minisgl.models.quantize import int4_from_blocks
+from minisgl.models.quantize import from_blocks, int4_from_blocks, split_from_blocks
 from support.gguf_files import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -61,16 +61,50 @@ def test_int4_keeps_the_gguf_codes_and_scales(qtype):
     assert ((layer.dequantize() - torch.from_numpy(ref)).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_int8_split_keeps_the_gguf_codes_and_scales(qtype):
+    """Any block kind as 8-bit codes split into two 4-bit halves: the halves give back the
+    file's codes exactly, and the weights differ from the file's only by d and the minimum
+    rounded to bf16."""
+    blocks, ref = gguf_blocks(qtype)
+    layer = split_from_blocks([blocks], torch.bfloat16)
+    assert isinstance(layer, Int8SplitLinear) and layer.in_features == blocks.codes.shape[1]
+    halves = layer.codes()
+    codes = 16 * halves[:, : layer.in_features] + halves[:, layer.in_features :] - 128
+    signed = blocks.codes.to(torch.int32) - (8 if qtype == Q.Q4_0 else 0)
+    assert torch.equal(codes, signed)
+    d = blocks.scales.float().repeat_interleave(32, 1)
+    m = 0 if blocks.mins is None else blocks.mins.float().repeat_interleave(32, 1)
+    bound = BF16_EPS * ((signed.float() - 8).abs() * d.abs() + (m + 8 * d).abs()) + 1e-7
+    assert ((layer.dequantize() - torch.from_numpy(ref)).abs() <= bound).all()
+
+
+def test_int8_split_merges_parts_of_every_kind():
+    parts = [gguf_blocks(q, rows=16, seed=i)[0] for i, q in enumerate([Q.Q8_0, Q.Q4_0, Q.Q4_1])]
+    layer = from_blocks(list(parts), torch.bfloat16)
+    assert isinstance(layer, Int8SplitLinear) and layer.out_features == 48
+    want = torch.cat([p.dequantize() for p in parts])
+    assert torch.allclose(layer.dequantize(), want, rtol=2 * BF16_EPS, atol=1e-3)
+
+
+def test_int8_per_row_is_within_half_a_step():
+    """`--quantization int8`: per-row codes from float weights."""
+    blocks, ref = gguf_blocks(Q.Q8_0)
+    layer = Int8Linear.from_float(blocks.dequantize(), torch.bfloat16)
+    step = layer.scales.float()[:, None]
+    err = (layer.dequantize() - torch.from_numpy(ref)).abs()
+    assert (err <= step / 2 + 127 * step * BF16_EPS).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, "int8"])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_quantized_linear_equals_the_float_matmul_of_its_weights(qtype, tokens):
-    blocks, ref = gguf_blocks(qtype, seed=tokens)
+    blocks, ref = gguf_blocks(Q.Q8_0 if qtype == "int8" else qtype, seed=tokens)
     layer: QuantizedLinear
-    if qtype == Q.Q8_0:  # per-row int8 from the exact floats: within half a step plus bf16
+    if qtype == "int8":
         layer = Int8Linear.from_float(blocks.dequantize(), torch.bfloat16)
-        step = layer.scales.float()[:, None]
-        err = (layer.dequantize() - torch.from_numpy(ref)).abs()
-        assert (err <= step / 2 + 127 * step * BF16_EPS).all()
+    elif qtype == Q.Q8_0:
+        layer = split_from_blocks([blocks], torch.bfloat16)
     else:
         layer = int4_from_blocks([blocks], torch.bfloat16)
     x = torch.randn(tokens, blocks.codes.shape[1], generator=torch.Generator().manual_seed(0))
@@ -133,7 +167,7 @@ def prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 def test_tiny_gguf_runs_quantized(tmp_path, monkeypatch):
     """A tiny Llama GGUF (Q8_0 / Q4_0 / Q4_1 / F16 / F32 tensors in turn): gguf mode makes int4
-    the projections whose parts are all 4-bit, int8 those all quantized otherwise, leaves those
+    the projections whose parts are all 4-bit, split int8 those all quantized otherwise, leaves those
     with a float part dense; the packed layers are cached and a second start reads them; every
     mode scores a prompt as the dequantized model in bf16 does, within quantization noise."""
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
@@ -148,7 +182,7 @@ def test_tiny_gguf_runs_quantized(tmp_path, monkeypatch):
         want = {
             "none": {"NoneType"},
             "int8": {"Int8Linear"},
-        }.get(mode, {"Int4Linear", "Int8Linear", "NoneType"})
+        }.get(mode, {"Int4Linear", "Int8SplitLinear", "NoneType"})
         assert kinds == want
         got[mode] = prompt_logprobs(llm, prompt)
         if mode == "gguf":

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minisgl import kernel
@@ -9,10 +10,9 @@ from minisgl.layers.linear import load_replicated, set_weight_loader
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Reference RMSNorm over the last dim, in float32 like transformers; the CPU path."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    # F.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit, in one call from Python
+    normed = F.rms_norm(x.float(), x.shape[-1:], None, eps)
+    return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +42,5 @@ class RMSNorm(nn.Module):
         if (ops := kernel.fused_ops(x)) is not None:
             ops.add_rms_norm_(x, residual, self.weight, self.eps)
         else:  # residual + x is bit for bit x + residual, so CPU results stay transformers'
-            residual.add_(x)
-            x.copy_(rms_norm_torch(residual, self.weight, self.eps))
+            x.copy_(rms_norm_torch(residual.add_(x), self.weight, self.eps))
         return x, residual

@@ -7,6 +7,8 @@ y = x W^T in the activation dtype. Two formats:
   zero point: w = (q - 8) * scale + zero, torch's int4 "tinygemm" convention
   (`torch._weight_int4pack_mm_for_cpu`). GGUF Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) map
   onto it with their codes unchanged: scale = d, zero = 0 or m + 8 d.
+- `Int8SplitLinear`: 8-bit codes in groups (GGUF Q8_0) on the same int4 kernel, each code
+  split into two 4-bit halves: exact, and faster on CPU than the int8 kernel.
 - `Int8Linear`: int8 codes with one scale per output row (`torch._weight_int8pack_mm`).
 
 The kernels are fast only for 16-bit activations (float32 takes a slow fallback: 100x slower at
@@ -35,6 +37,11 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The float weight [out, in] the layer computes with (tests, fallbacks)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> QuantizedLinear:
+        """The layer back from its `state_dict()` (the packed-layer cache)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,16 +77,20 @@ class Int4Linear(QuantizedLinear):
         packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         return cls(packed, torch.stack([scales.t(), zeros.t()], -1).contiguous())
 
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> QuantizedLinear:
+        return cls(state["packed"], state["scale_zeros"])
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         sz = self.scale_zeros
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, sz)
 
     def codes(self) -> torch.Tensor:
-        """The 4-bit codes back out of the packed layout (int32 [out, in]): multiplying the
-        identity with scale 1 and zero 8 gives each code exactly (small integers)."""
+        """The 4-bit codes back out of the packed layout (int32 [out, packed in]): multiplying
+        the identity with scale 1 and zero 8 gives each code exactly (small integers)."""
         unit = torch.ones_like(self.scale_zeros)
         unit[..., 1] = INT4_OFFSET
-        eye = torch.eye(self.in_features, dtype=unit.dtype)
+        eye = torch.eye(self.packed.shape[1] * 2, dtype=unit.dtype)
         out = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, unit)
         return out.t().round().to(torch.int32)
 
@@ -88,6 +99,39 @@ class Int4Linear(QuantizedLinear):
         codes = self.codes().float().unflatten(1, (-1, self.group_size)) - INT4_OFFSET
         w = codes * scales.unsqueeze(-1) + zeros.unsqueeze(-1)
         return w.flatten(1)
+
+
+class Int8SplitLinear(Int4Linear):
+    """Grouped 8-bit codes, w = d c + m with c in -128..127 (GGUF Q8_0: m = 0), on the int4
+    kernel: c + 128 = 16 h + l with h, l in 0..15, so x W^T = [x, x] [W_h | W_l]^T where
+    W_h = 16 d (h - 8) (zero 0) and W_l = d (l - 8) + (8 d + m), the file's codes and
+    per-group scales kept. Measured on a 2-core AVX512 CPU, 49152 x 576 (SmolLM2's LM head):
+    1.8 ms against 2.9 for `torch._weight_int8pack_mm`'s per-row codes; 30 distinct 3072 x 576
+    layers: 3.3 against 5.5 ms."""
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor) -> None:
+        super().__init__(packed, scale_zeros)
+        self.in_features //= 2  # the packed rows hold both halves
+
+    @classmethod
+    def split(
+        cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype
+    ) -> Int8SplitLinear:
+        """codes [out, in] in -128..127; float32 scales and mins [out, in / group], each
+        rounded once to `dtype` (16 d exactly; 8 d + m as one value, as `Int4Linear` does)."""
+        biased = codes.to(torch.int32) + 128
+        halves = torch.cat([biased // 16, biased % 16], 1)
+        zeros = torch.cat([torch.zeros_like(mins), mins + INT4_OFFSET * scales], 1)
+        scale_halves = torch.cat([16 * scales, scales], 1)
+        both = Int4Linear.pack(halves, scale_halves.to(dtype), zeros.to(dtype))
+        return cls(both.packed, both.scale_zeros)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return super().matmul(torch.cat([x, x], -1))
+
+    def dequantize(self) -> torch.Tensor:
+        halves = super().dequantize()
+        return halves[:, : self.in_features] + halves[:, self.in_features :]
 
 
 class Int8Linear(QuantizedLinear):
@@ -109,6 +153,10 @@ class Int8Linear(QuantizedLinear):
         scales = w.abs().amax(1).clamp_min(1e-12) / 127
         codes = torch.round(w / scales[:, None]).clamp(-127, 127)
         return cls(codes, scales.to(dtype))
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> QuantizedLinear:
+        return cls(state["codes"], state["scales"])
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.codes, self.scales)

@@ -57,6 +57,13 @@ class RotaryEmbedding(nn.Module):
         # read cos_sin; a long context's table is MBs a GPU need not hold)
         cpu = self.cos_sin.device.type == "cpu"
         self._table: torch.Tensor | None = rope_table(self.cos_sin) if cpu else None
+        # this forward's rows: every layer rotates at the same positions (one lookup a step)
+        self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor] | None = None
+
+    def new_forward(self) -> None:
+        """Forget the rows (the model calls it first): a static buffer (a CUDA graph's) may hold
+        new positions under the same tensor, and a graph must capture the lookup."""
+        self._rows = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -65,7 +72,10 @@ class RotaryEmbedding(nn.Module):
         attention layer runs kernel/fused.py's rotary_store_kv on `cos_sin` instead."""
         if self._table is None or self._table.device != self.cos_sin.device:  # module moved
             self._table = rope_table(self.cos_sin)
-        return rope_rows(q, k, self._table, positions)
+        last = self._rows
+        if last is None or last[0] is not positions or last[1] != q.dtype:
+            last = self._rows = (positions, q.dtype, table_rows(self._table, positions, q.dtype))
+        return rotate(q, last[2]), rotate(k, last[2])
 
 
 def rope_table(cos_sin: torch.Tensor) -> torch.Tensor:
@@ -75,21 +85,21 @@ def rope_table(cos_sin: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
 
 
-def rope_rows(
-    q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = table[positions].to(q.dtype).unsqueeze(2)  # [T, 2, 1, D]
-    cos, sin = rows[:, 0], rows[:, 1]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+def table_rows(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, 2, 1, D]: the table's (cos, sin) rows at `positions`, in `dtype`."""
+    return table[positions].to(dtype).unsqueeze(2)
 
 
 def rope_torch(
     q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference neox RoPE (as transformers: cos/sin cast to x's dtype first); the CPU path."""
-    return rope_rows(q, k, rope_table(cos_sin), positions)
+    rows = table_rows(rope_table(cos_sin), positions, q.dtype)
+    return rotate(q, rows), rotate(k, rows)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # first half x1 cos - x2 sin, second x2 cos + x1 sin: bit for bit the two-halves form
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+def rotate(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by `table_rows` [T, 2, 1, D]: first half x1 cos - x2 sin, second
+    x2 cos + x1 sin, bit for bit the two-halves form; the halves swap in one flip."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * rows[:, 0] + swapped * rows[:, 1]

@@ -4,8 +4,9 @@
 - `gguf`, before the checkpoint loads: from a GGUF's own blocks (`gguf_quant.py`). A projection
   whose parts are all Q4_0 / Q4_1 becomes an `Int4Linear` with the file's codes (when its rows
   are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
-  (Q8_0) an `Int8Linear`, quantized per row from the GGUF's exact float32 values; one with a
-  float part stays dense. The quantized layers are cached next to the converted checkpoint
+  (Q8_0, or Q8_0 with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
+  `Int8Linear` quantized per row from the exact float32 values where the rows do not fit the
+  packing); one with a float part stays dense. The quantized layers are cached next to the converted checkpoint
   (`packed-...st`, per torch version and dtype), so later starts read them without packing,
   and the dense copies of quantized weights are never read.
 - `int8`, after loading: every projection an `Int8Linear`, quantized per row from the loaded
@@ -25,6 +26,7 @@ from minisgl.layers.quantized import (
     INT4_OFFSET,
     Int4Linear,
     Int8Linear,
+    Int8SplitLinear,
     QuantizedLinear,
     int4_fits,
 )
@@ -32,7 +34,8 @@ from minisgl.models.gguf_quant import BLOCK, Blocks, load_blocks
 
 MODES = ("auto", "none", "gguf", "int8")
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_CACHE_FORMAT = 1  # bump when the cached layers change
+_CACHE_FORMAT = 2  # bump when the cached layers change
+_KINDS: tuple[type[QuantizedLinear], ...] = (Int4Linear, Int8Linear, Int8SplitLinear)
 
 
 def checkpoint_parts(name: str, tied: bool) -> list[str]:
@@ -59,15 +62,28 @@ def int4_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int4Linear:
     return Int4Linear.pack(codes, scales.to(dtype), zeros.to(dtype))
 
 
+def split_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int8SplitLinear:
+    """Blocks of any kind (rows concatenated) as signed 8-bit codes, w = d c + m, codes
+    unchanged: Q8_0 c = q; Q4_0 c = q - 8; Q4_1 c = q, m its minimum."""
+    codes = torch.cat([b.codes.to(torch.int32) - (b.kind == "Q4_0") * INT4_OFFSET for b in parts])
+    scales = torch.cat([b.scales.float() for b in parts])
+    mins = torch.cat(
+        [torch.zeros_like(b.scales.float()) if b.mins is None else b.mins.float() for b in parts]
+    )
+    return Int8SplitLinear.split(codes, scales, mins, dtype)
+
+
 def from_blocks(parts: list[Blocks | None], dtype: torch.dtype) -> QuantizedLinear | None:
     """A projection's layer from its parts' GGUF blocks; None when a part is not quantized."""
     blocks = [b for b in parts if b is not None]
     if not blocks or len(blocks) != len(parts):
         return None
-    rows = sum(b.codes.shape[0] for b in blocks)
+    rows, cols = sum(b.codes.shape[0] for b in blocks), blocks[0].codes.shape[1]
     four_bit = all(b.kind in ("Q4_0", "Q4_1") for b in blocks)
-    if four_bit and int4_fits(rows, blocks[0].codes.shape[1], BLOCK):
+    if four_bit and int4_fits(rows, cols, BLOCK):
         return int4_from_blocks(blocks, dtype)
+    if int4_fits(rows, 2 * cols, BLOCK):
+        return split_from_blocks(blocks, dtype)
     return Int8Linear.from_float(torch.cat([b.dequantize() for b in blocks]), dtype)
 
 
@@ -102,10 +118,11 @@ def _load_cached(path: str) -> dict[str, QuantizedLinear]:
     layers: dict[str, QuantizedLinear] = {}
     for key in tensors:
         name, _, buf = key.rpartition(".")
-        if buf == "packed":
-            layers[name] = Int4Linear(tensors[key], tensors[f"{name}.scale_zeros"])
-        elif buf == "codes":
-            layers[name] = Int8Linear(tensors[key], tensors[f"{name}.scales"])
+        if buf == "kind":
+            state = {
+                k.removeprefix(f"{name}."): t for k, t in tensors.items() if k.startswith(name)
+            }
+            layers[name] = _KINDS[int(tensors[key][0])].from_state(state)
     return layers
 
 
@@ -113,6 +130,8 @@ def _save_cached(path: str, layers: dict[str, QuantizedLinear]) -> None:
     from safetensors.torch import save_file
 
     tensors = {f"{n}.{k}": t for n, layer in layers.items() for k, t in layer.state_dict().items()}
+    for name, layer in layers.items():
+        tensors[f"{name}.kind"] = torch.tensor([_KINDS.index(type(layer))], dtype=torch.uint8)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:  # a read-only cache only costs the packing at every start
         save_file(tensors, tmp)
