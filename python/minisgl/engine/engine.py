@@ -23,6 +23,7 @@ from minisgl.engine.sample import (
     any_adjusted,
     any_filter,
     apply_token_bitmask,
+    greedy,
     sample,
     sample_at_temperature,
 )
@@ -271,7 +272,7 @@ class Engine:
             )
             return sample(out.logits, args)
         if all(r.params.is_greedy for r in reqs):
-            return out.logits.argmax(dim=-1)
+            return greedy(out.logits)
         inputs = out.inputs
         return sample_at_temperature(out.logits, inputs.temperatures, inputs.seeds, out.kv_lens)
 

@@ -81,10 +81,17 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> to
     return ((bits >> 9).float() + 0.5) * 2.0**-23
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> argmax ids [B]. On CUDA in the model's dtype (a float32 copy adds
+    nothing); on CPU in float32, where a bf16 argmax over a 49k vocabulary is 3x slower than
+    the copy and a float32 argmax together (the same ids: widening is exact)."""
+    return (logits.float() if logits.device.type == "cpu" else logits).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     """logits [B, V] -> next token ids [B] (int64, on the logits' device). No host sync."""
     if args.all_greedy:
-        return logits.argmax(dim=-1)  # in the model's dtype: a float32 copy adds nothing
+        return greedy(logits)
     filters = args if args.need_filter else None
     return sample_at_temperature(logits, args.temperature, args.seed, args.step, filters)
 

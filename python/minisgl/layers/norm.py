@@ -8,11 +8,13 @@ from minisgl import kernel
 from minisgl.layers.linear import load_replicated, set_weight_loader
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference RMSNorm over the last dim, in float32 like transformers; the CPU path."""
-    # F.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit, in one call from Python
-    normed = F.rms_norm(x.float(), x.shape[-1:], None, eps)
-    return weight * normed.to(x.dtype)
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reference RMSNorm over the last dim, in float32 like transformers (weight * the normed
+    x rounded to x's dtype); the CPU path. F.rms_norm is that formula bit for bit, its float32
+    math inside one call from Python."""
+    return torch.mul(weight, F.rms_norm(x, x.shape[-1:], None, eps), out=out)
 
 
 class RMSNorm(nn.Module):
@@ -42,5 +44,5 @@ class RMSNorm(nn.Module):
         if (ops := kernel.fused_ops(x)) is not None:
             ops.add_rms_norm_(x, residual, self.weight, self.eps)
         else:  # residual + x is bit for bit x + residual, so CPU results stay transformers'
-            x.copy_(rms_norm_torch(residual.add_(x), self.weight, self.eps))
+            rms_norm_torch(residual.add_(x), self.weight, self.eps, out=x)
         return x, residual

@@ -75,7 +75,24 @@ class RotaryEmbedding(nn.Module):
         last = self._rows
         if last is None or last[0] is not positions or last[1] != q.dtype:
             last = self._rows = (positions, q.dtype, table_rows(self._table, positions, q.dtype))
+        if (qk := _adjacent(q, k)) is not None:  # QKV output: one rotation for both
+            return rotate(qk, last[2]).split([q.shape[1], k.shape[1]], 1)
         return rotate(q, last[2]), rotate(k, last[2])
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """[T, Hq + Hk, D]: q and k as one view when each row's k heads directly follow its q heads
+    in the same storage (the QKV projection's output without q/k norm), else None."""
+    d = q.shape[2]
+    if q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1):
+        return None
+    if q.shape[0] > 1 and q.stride(0) != k.stride(0):  # one row: its stride is arbitrary
+        return None
+    if k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr():
+        return None
+    if k.storage_offset() != q.storage_offset() + q.shape[1] * d:
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], d), q.stride())
 
 
 def rope_table(cos_sin: torch.Tensor) -> torch.Tensor:
