@@ -6,7 +6,8 @@ from minisgl import kernel
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """Reference: x = [gate | up] along the last dim -> silu(gate) * up; the CPU path."""
-    gate, up = x.chunk(2, dim=-1)
+    half = x.shape[-1] // 2
+    gate, up = x[..., :half], x[..., half:]
     return F.silu(gate) * up
 
 

@@ -59,7 +59,7 @@ class AttentionLayer(nn.Module):
         ctx = get_global_ctx()
         batch = ctx.batch
         assert batch is not None
-        q, k, v = (x.unflatten(-1, (-1, self.head_dim)) for x in (q, k, v))
+        q, k, v = (x.view(x.shape[0], -1, self.head_dim) for x in (q, k, v))
         q = self.rope_store_kv(positions, q, k, v, batch)
         out = ctx.attn_backend.forward(q, self.layer_id, self.scale, batch)
         return out.flatten(1)

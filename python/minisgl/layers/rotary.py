@@ -76,7 +76,7 @@ class RotaryEmbedding(nn.Module):
         if last is None or last[0] is not positions or last[1] != q.dtype:
             last = self._rows = (positions, q.dtype, table_rows(self._table, positions, q.dtype))
         if (qk := _adjacent(q, k)) is not None:  # QKV output: one rotation for both
-            return rotate(qk, last[2]).split([q.shape[1], k.shape[1]], 1)
+            return rotate(qk, last[2]).split_with_sizes([q.shape[1], k.shape[1]], 1)
         return rotate(q, last[2]), rotate(k, last[2])
 
 
@@ -118,5 +118,5 @@ def rope_torch(
 def rotate(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by `table_rows` [T, 2, 1, D]: first half x1 cos - x2 sin, second
     x2 cos + x1 sin, bit for bit the two-halves form; the halves swap in one flip."""
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    swapped = x.view(*x.shape[:-1], 2, -1).flip(-2).view(x.shape)
     return x * rows[:, 0] + swapped * rows[:, 1]

@@ -34,7 +34,7 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         p = self.qkv_proj
-        q, k, v = p(x).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        q, k, v = p(x).split_with_sizes([p.q_size, p.kv_size, p.kv_size], dim=-1)
         return self.o_proj(self.attn(positions, q, k, v))
 
 
