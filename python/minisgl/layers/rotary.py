@@ -76,7 +76,8 @@ class RotaryEmbedding(nn.Module):
         if last is None or last[0] is not positions or last[1] != q.dtype:
             last = self._rows = (positions, q.dtype, table_rows(self._table, positions, q.dtype))
         if (qk := _adjacent(q, k)) is not None:  # QKV output: one rotation for both
-            return rotate(qk, last[2]).split_with_sizes([q.shape[1], k.shape[1]], 1)
+            q_rot, k_rot = rotate(qk, last[2]).split_with_sizes([q.shape[1], k.shape[1]], 1)
+            return q_rot, k_rot
         return rotate(q, last[2]), rotate(k, last[2])
 
 

@@ -119,9 +119,8 @@ def _load_cached(path: str) -> dict[str, QuantizedLinear]:
     for key in tensors:
         name, _, buf = key.rpartition(".")
         if buf == "kind":
-            state = {
-                k.removeprefix(f"{name}."): t for k, t in tensors.items() if k.startswith(name)
-            }
+            prefix = f"{name}."
+            state = {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}
             layers[name] = _KINDS[int(tensors[key][0])].from_state(state)
     return layers
 
