@@ -55,6 +55,7 @@ class Soak:
         self.errors: Counter[str] = Counter()  # unexpected outcomes, by kind
         self.expected: Counter[str] = Counter()  # refusals that are the server doing its job
         self.rng = random.Random(args.seed)
+        self.leave_tokens, self.leave_seconds = 512, 1.0  # calibrate_leave's
 
     # ---- one request of each kind ------------------------------------------------------
     def prompt(self) -> list[int]:
@@ -131,10 +132,23 @@ class Soak:
             else:
                 self.errors[f"{kind}: bad answer"] += 1
 
+    async def calibrate_leave(self, client: httpx.AsyncClient) -> None:
+        """Time one answer as long as leave_plain's, alone on the server: the clients that
+        leave give up at a fraction of it, so that they leave before the answer on any
+        hardware (a fixed delay would not: a fast server answers first)."""
+        model = (await client.get(f"{self.url}/v1/models")).json()["data"][0]
+        self.leave_tokens = min(512, model.get("max_model_len", 576) - 64)
+        body = {"prompt": [5] * 64, "max_tokens": self.leave_tokens, "ignore_eos": True}
+        start = time.monotonic()
+        r = await client.post(f"{self.url}/v1/completions", json=body)
+        r.raise_for_status()
+        self.leave_seconds = time.monotonic() - start
+        print(f"one {self.leave_tokens}-token answer alone: {self.leave_seconds:.2f} s", flush=True)
+
     async def leave_plain(self, client: httpx.AsyncClient) -> None:
-        body = {"prompt": self.prompt(), "max_tokens": 512, "ignore_eos": True}
+        body = {"prompt": self.prompt(), "max_tokens": self.leave_tokens, "ignore_eos": True}
         try:  # gives up long before the answer: the server must abort the request
-            timeout = self.rng.uniform(0.2, 1.5)
+            timeout = self.leave_seconds * self.rng.uniform(0.1, 0.5)
             r = await client.post(f"{self.url}/v1/completions", json=body, timeout=timeout)
         except httpx.TimeoutException:
             self.done["leave_plain"] += 1
@@ -185,6 +199,7 @@ class Soak:
         a = self.args
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=a.concurrency)
         async with httpx.AsyncClient(headers=self.headers, timeout=300, limits=limits) as client:
+            await self.calibrate_leave(client)
             start = time.monotonic()
             deadline = start + a.duration
             warm_until = start + min(a.warmup, a.duration / 2)

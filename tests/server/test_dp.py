@@ -185,5 +185,9 @@ def test_dead_replica_fails_requests_and_stops_the_server(rr_server: Server) -> 
     assert "minisgl: dp1_scheduler_0 process died (exit code -9)" in rr_server.log()
     for t in threads:
         t.join(5)
-    assert len(errors) == 4 and all("dp1_scheduler_0 process died" in e for e in errors), errors
+    # replica 1's two fail; replica 0's fail too unless they finished in the moment between
+    # the kill and the server's failure (a fast machine can finish them there)
+    failed = [e for e in errors if "dp1_scheduler_0 process died" in e]
+    assert len(errors) == 4 and len(failed) >= 2, errors
+    assert all(e in failed or e == "finished" for e in errors), errors
     rr_server.expect_code = 1  # run_server's stop then checks that no process survived
