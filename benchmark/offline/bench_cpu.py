@@ -104,6 +104,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantization", default="auto", help="minisgl's --quantization")
     p.add_argument("--dtype", default="auto", help="minisgl's --dtype")
+    p.add_argument(
+        "--enable-torch-compile", action="store_true", help="minisgl's (compiled at warm-up)"
+    )
     p.add_argument("--llama-cpp-python", help="a python that imports llama_cpp (another venv)")
     p.add_argument("--no-llama-cpp", action="store_true", help="minisgl alone")
     p.add_argument("--seed", type=int, default=0)
@@ -151,8 +154,15 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     torch.set_num_threads(args.threads)
     limit = args.prompt_tokens + args.decode_tokens + 64
-    llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype, max_model_len=limit)
-    llm.generate([DECODE_PROMPT], None, False)  # warm-up
+    compiled = args.enable_torch_compile
+    llm = LLM(
+        args.model, quantization=args.quantization, dtype=args.dtype, max_model_len=limit,
+        enable_torch_compile=compiled,
+    )  # fmt: skip
+    start = time.perf_counter()
+    llm.generate([DECODE_PROMPT], None, False)  # warm-up (and the compile, if asked)
+    warmup_s = time.perf_counter() - start
+    print(f"minisgl warm-up: {warmup_s:.1f} s")
     rows: dict[str, list[dict]] = {"minisgl": [], "llama.cpp": []}
     for i in range(args.repeats):
         rows["minisgl"].append(minisgl_round(llm, args, args.seed + i))
@@ -174,6 +184,8 @@ def main() -> None:
             "threads": args.threads,
             "quantization": llm.engine.quantization,
             "dtype": str(llm.engine.dtype).removeprefix("torch."),
+            "torch_compile": compiled,
+            "warmup_s": round(warmup_s, 1),
             "decode_tokens": args.decode_tokens,
             "prompt_tokens": args.prompt_tokens,
             "repeats": args.repeats,

@@ -11,6 +11,7 @@ import torch
 
 from minisgl import env
 from minisgl.models.gguf_quant import QUANTIZED_FILE
+from minisgl.utils.options import OptionError
 
 # /proc/cpuinfo flags of x86 CPUs that compute bf16 dot products natively
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -71,6 +72,26 @@ def resolve_quantization(
     return mode
 
 
+def check_torch_compile(device: torch.device, tp_size: int, moe: bool) -> None:
+    """--enable-torch-compile runs where one graph can hold the decoder: OptionError else."""
+    why = None
+    if device.type != "cpu":
+        why = "it is for cpu (on cuda, decode steps replay CUDA graphs)"
+    elif tp_size != 1:
+        why = "it needs --tp 1 (the all-reduce would split the graph)"
+    elif moe:
+        why = "MoE models pick their experts on the host: nothing a graph can hold"
+    if why is not None:
+        raise OptionError("enable_torch_compile", f"--enable-torch-compile: {why}")
+
+
+def compile_decoder(decoder: torch.nn.Module) -> torch.nn.Module:
+    """The decoder for one-request decode steps, compiled at its first call: the KV length
+    is dynamic (one graph for every step), a batch of one its own specialisation, so that
+    batches stay eager and a second request never stalls the server with a compile."""
+    return torch.compile(decoder, dynamic=True, fullgraph=True)  # type: ignore[return-value]
+
+
 def set_cpu_threads() -> int:
     """Use every core this process may run on (its affinity mask, which containers and
     `taskset` narrow), unless OMP_NUM_THREADS chose already."""
@@ -79,12 +100,13 @@ def set_cpu_threads() -> int:
     return torch.get_num_threads()
 
 
-def announce(dtype: torch.dtype, quantization: str, layers: int) -> None:
+def announce(dtype: torch.dtype, quantization: str, layers: int, compiled: bool) -> None:
     flag = cpu_bf16_flag()
     why = f" ({flag})" if dtype == torch.bfloat16 and flag else ""
     quant = f", {layers} projections quantized ({quantization})" if layers else ""
+    compile_note = ", decode compiled (torch.compile: the first decode step waits)"
     print(
         f"minisgl: cpu, {str(dtype).removeprefix('torch.')}{why}, "
-        f"{torch.get_num_threads()} threads{quant}",
+        f"{torch.get_num_threads()} threads{quant}{compile_note if compiled else ''}",
         file=sys.stderr,
     )

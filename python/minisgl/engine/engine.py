@@ -12,7 +12,14 @@ from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context, Req, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
-from minisgl.engine.cpu import announce, cpu_auto_dtype, resolve_quantization, set_cpu_threads
+from minisgl.engine.cpu import (
+    announce,
+    check_torch_compile,
+    compile_decoder,
+    cpu_auto_dtype,
+    resolve_quantization,
+    set_cpu_threads,
+)
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.logprobs import Entry, PromptLogprobs, SampledLogprobs
 from minisgl.engine.sample import (
@@ -89,12 +96,17 @@ class Engine:
         )
         cfg = self.model_config
         check_tp_size(get_tp_info().size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
+        if config.enable_torch_compile:
+            check_torch_compile(self.device, get_tp_info().size, cfg.moe is not None)
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
 
         torch.manual_seed(config.seed)
         self.model = self._build_model()
+        self.compiled_decoder = None
+        if config.enable_torch_compile:
+            self.compiled_decoder = compile_decoder(self.model.model)
         self.kv_cache = self._build_kv_cache()
         # The pool's last page and the page table's last row are never handed out: padded
         # CUDA-graph entries and unsampled tokens write there instead of into a request's KV.
@@ -147,7 +159,8 @@ class Engine:
             quantize_int8(model, self.dtype)
         if self.device.type == "cpu" and get_tp_info().size == 1:
             set_cpu_threads()
-            announce(self.dtype, self.quantization, count_quantized(model))
+            layers, compiled = count_quantized(model), self.config.enable_torch_compile
+            announce(self.dtype, self.quantization, layers, compiled)
         return model.eval()
 
     def _build_kv_cache(self) -> MHAKVCache:
@@ -207,6 +220,13 @@ class Engine:
         if resample:
             out.sampled = None
         return out
+
+    def decoder(self, batch: Batch) -> torch.nn.Module:
+        """The decoder that runs `batch`: the compiled one for a one-request decode step
+        (--enable-torch-compile), else the model's own."""
+        if self.compiled_decoder is not None and batch.is_decode and batch.size == 1:
+            return self.compiled_decoder
+        return self.model.model
 
     def _forward(self, batch: Batch, samples: list[bool], resample: bool) -> ForwardOutput:
         if self.graphs is not None:

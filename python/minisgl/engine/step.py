@@ -116,7 +116,7 @@ def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> 
     logits_indices = fill_token_inputs(engine, batch, inputs)
     engine.ctx.batch = batch
     try:
-        hidden = engine.model.model(batch.input_ids, batch.positions)  # normed, every token
+        hidden = engine.decoder(batch)(batch.input_ids, batch.positions)  # normed, every token
         logits = engine.model.compute_logits(hidden[logits_indices])
     finally:
         engine.ctx.batch = None

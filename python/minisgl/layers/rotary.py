@@ -85,6 +85,8 @@ def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """[T, Hq + Hk, D]: q and k as one view when each row's k heads directly follow its q heads
     in the same storage (the QKV projection's output without q/k norm), else None."""
     d = q.shape[2]
+    if torch.compiler.is_compiling():  # no storage pointers in a graph; it fuses both anyway
+        return None
     if q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1):
         return None
     if q.shape[0] > 1 and q.stride(0) != k.stride(0):  # one row: its stride is arbitrary

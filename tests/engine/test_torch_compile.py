@@ -1,0 +1,61 @@
+"""--enable-torch-compile: one-request decode steps run the compiled decoder, with transformers'
+greedy tokens in float32; batches stay eager (no second compile); refused where one graph
+cannot hold the decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.engine.cpu import check_torch_compile
+from minisgl.utils.options import OptionError
+from support.models import hf_greedy
+
+
+def test_compiled_decode_equals_transformers(model_dirs):
+    from torch._dynamo.utils import counters
+
+    path, hf = model_dirs("llama")
+    torch._dynamo.reset()
+    counters.clear()
+    llm = LLM(path, page_size=4, num_pages=128, enable_torch_compile=True)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = hf_greedy(hf, prompt, 12)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == want
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 1  # every decode step of any KV length ran the one compiled graph
+    # two requests decode eagerly; the longer one's last steps alone run the compiled graph
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = llm.generate([prompt, prompt[:5]], [params, short], use_tqdm=False)
+    assert outs[0]["token_ids"] == want and outs[1]["token_ids"] == hf_greedy(hf, prompt[:5], 4)
+    assert counters["stats"]["unique_graphs"] == graphs
+    llm.scheduler.check_no_leak()
+
+
+@pytest.mark.parametrize(
+    "device, tp, moe, why",
+    [("cuda", 1, False, "for cpu"), ("cpu", 2, False, "--tp 1"), ("cpu", 1, True, "MoE")],
+)
+def test_refused_where_one_graph_cannot_hold_the_decoder(device, tp, moe, why):
+    with pytest.raises(OptionError, match=f"--enable-torch-compile: .*{why}") as e:
+        check_torch_compile(torch.device(device), tp, moe)
+    assert e.value.name == "enable_torch_compile"
+
+
+def test_compiled_quantized_decode_equals_eager(tmp_path, monkeypatch):
+    """The int4 and split-int8 GGUF layers inside the graph: the same greedy tokens as eager."""
+    from support.gguf_files import write_gguf
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf("llama", path)
+    prompt, params = [5, 77, 300, 12, 400, 3, 9, 81], SamplingParams(max_tokens=16, ignore_eos=True)
+    outs = []
+    for compiled in (False, True):
+        llm = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=64,
+                  enable_torch_compile=compiled)  # fmt: skip
+        outs.append(llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"])
+        llm.scheduler.check_no_leak()
+    assert outs[0] == outs[1]
