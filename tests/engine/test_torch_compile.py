@@ -59,3 +59,26 @@ def test_compiled_quantized_decode_equals_eager(tmp_path, monkeypatch):
         outs.append(llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"])
         llm.scheduler.check_no_leak()
     assert outs[0] == outs[1]
+
+
+def test_server_warm_up_compiles_the_graph(model_dirs):
+    """The server warms a compiled engine up (eager CPU engines skip it), ending with a lone
+    request so that the compile happens before the first user's."""
+    from torch._dynamo.utils import counters
+
+    path, _ = model_dirs("llama")
+    assert not LLM(path, page_size=4, num_pages=128).engine.needs_warm_up
+    torch._dynamo.reset()
+    counters.clear()
+    llm = LLM(path, page_size=4, num_pages=128, enable_torch_compile=True)
+    assert llm.engine.needs_warm_up
+    llm.scheduler.warm_up()
+    assert counters["stats"]["unique_graphs"] == 1
+    llm.scheduler.check_no_leak()
+
+
+def test_flag():
+    from minisgl.server.args import parse_args
+
+    assert parse_args(["--enable-torch-compile"]).engine.enable_torch_compile
+    assert not parse_args([]).engine.enable_torch_compile

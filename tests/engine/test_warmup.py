@@ -1,6 +1,6 @@
-"""The server's start-up warm-up (`Scheduler.warm_up`, run on a GPU unless
---skip-server-warmup): it leaves no trace — no page held, an empty prefix cache, counters at
-zero — and the requests after it get the same tokens as on a fresh engine."""
+"""The server's start-up warm-up (`Scheduler.warm_up`, run on a GPU or a compiled CPU engine
+unless --skip-server-warmup): it leaves no trace — no page held, an empty prefix cache,
+counters at zero — and the requests after it get the same tokens as on a fresh engine."""
 
 from __future__ import annotations
 

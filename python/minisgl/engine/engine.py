@@ -221,6 +221,12 @@ class Engine:
             out.sampled = None
         return out
 
+    @property
+    def needs_warm_up(self) -> bool:
+        """Kernels compile at first use: Triton's and FlashInfer's on CUDA, the decoder's
+        graph under --enable-torch-compile (eager CPU has nothing to compile)."""
+        return self.device.type == "cuda" or self.compiled_decoder is not None
+
     def decoder(self, batch: Batch) -> torch.nn.Module:
         """The decoder that runs `batch`: the compiled one for a one-request decode step
         (--enable-torch-compile), else the model's own."""

@@ -196,12 +196,12 @@ def run_scheduler_process(
     ready: Any,
 ) -> None:
     """Process entry of rank 0 of replica `dp` = (its rank, replicas): build the engine, warm
-    it up on a GPU (unless `warm_up` is False), report readiness (or the error) through
+    it up where it compiles (unless `warm_up` is False), report readiness (or the error) through
     `ready`, then serve."""
     dp_rank, dp_size = dp
     try:
         scheduler = build_scheduler(engine_config, sched_config, 0, tp, rendezvous, dp_size)
-        if warm_up and scheduler.engine.device.type == "cuda":  # (no JIT on the CPU path)
+        if warm_up and scheduler.engine.needs_warm_up:
             scheduler.warm_up()
         server = SchedulerServer(scheduler, recv_addr, send_addr, dp_rank)
     except Exception as e:  # reported to the launcher, which prints it and exits non-zero

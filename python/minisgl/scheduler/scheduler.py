@@ -140,7 +140,8 @@ class Scheduler:
         """Serve a few short synthetic requests of varied lengths before the real ones, half
         greedy and half sampled, the second group arriving while the first decodes (prefill,
         mixed and decode steps of several shapes), so that Triton compiles its kernel variants
-        now and not in the first user's request; then forget them: the prefix cache is
+        now and not in the first user's request (and --enable-torch-compile its graph: a lone
+        request ends the warm-up); then forget them: the prefix cache is
         flushed and the reported counters start from zero."""
         vocab, room = self.engine.model_config.vocab_size, self.engine.max_seq_len - 8
         rng = random.Random(0)
@@ -152,6 +153,9 @@ class Scheduler:
                 self.add_request(self.make_request(ids, params))
             for _ in range(2):
                 self.step()
+        if self.engine.compiled_decoder is not None:  # a lone decode: its compile happens now
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            self.add_request(self.make_request([rng.randrange(vocab) for _ in range(4)], params))
         while self.has_work:
             self.step()
         self.flush_cache()
