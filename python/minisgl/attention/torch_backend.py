@@ -53,6 +53,7 @@ class TorchAttnBackend(BaseAttnBackend):
         # decode rows of one length see every slot: SDPA without a mask is the cheaper kernel
         unmasked = max_q == 1 and len(lens) == 1 and (window is None or max_kv <= window)
         full = None if unmasked else mask.unsqueeze(1)
+        torch._dynamo.maybe_mark_dynamic(kv_slots, 1)  # a compiled decoder: any KV length
         batch.attn_metadata = TorchAttnMetadata(kv_slots, full, q_index, max_q)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
