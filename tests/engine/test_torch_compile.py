@@ -82,3 +82,15 @@ def test_flag():
 
     assert parse_args(["--enable-torch-compile"]).engine.enable_torch_compile
     assert not parse_args([]).engine.enable_torch_compile
+
+
+def test_needs_the_torch_attention_backend():
+    from minisgl.attention import HybridAttnBackend
+    from minisgl.attention.torch_backend import TorchAttnBackend
+    from minisgl.engine.cpu import mark_kv_len_dynamic
+
+    with pytest.raises(OptionError, match="torch attention backend"):
+        mark_kv_len_dynamic(HybridAttnBackend(TorchAttnBackend(), TorchAttnBackend()))
+    backend = TorchAttnBackend()
+    mark_kv_len_dynamic(backend)
+    assert backend.dynamic_kv_len

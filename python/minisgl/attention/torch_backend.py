@@ -25,6 +25,9 @@ class TorchAttnBackend(BaseAttnBackend):
 
     def __init__(self, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
+        # set for a compiled decoder (--enable-torch-compile): the KV length is marked dynamic,
+        # one graph for every step; eager engines (every GPU one) have nothing to mark
+        self.dynamic_kv_len = False
 
     def prepare(self, batch: Batch) -> None:
         ctx = get_global_ctx()
@@ -53,7 +56,8 @@ class TorchAttnBackend(BaseAttnBackend):
         # decode rows of one length see every slot: SDPA without a mask is the cheaper kernel
         unmasked = max_q == 1 and len(lens) == 1 and (window is None or max_kv <= window)
         full = None if unmasked else mask.unsqueeze(1)
-        torch._dynamo.maybe_mark_dynamic(kv_slots, 1)  # a compiled decoder: any KV length
+        if self.dynamic_kv_len:
+            torch._dynamo.maybe_mark_dynamic(kv_slots, 1)
         batch.attn_metadata = TorchAttnMetadata(kv_slots, full, q_index, max_q)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:

@@ -92,8 +92,7 @@ class EngineConfig:
         "cpu: compile one-request decode steps with torch.compile (fused C++ kernels instead "
         "of ~60 eager ops a layer: decode ~1.2x on the embedded model) at the cost of a "
         "compile at the first decode step (2 cores: ~30 s, ~10 s from inductor's cache); "
-        "batches stay eager; on cuda "
-        "decode steps replay CUDA graphs instead",
+        "batches stay eager; on cuda decode steps replay CUDA graphs instead",
     )
     dummy_weights: bool = option(False, "random weights (benchmarks, tests)")
     seed: int = option(0, "seed for dummy weights and global RNGs", type=int)

@@ -10,6 +10,8 @@ import sys
 import torch
 
 from minisgl import env
+from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.models.gguf_quant import QUANTIZED_FILE
 from minisgl.utils.options import OptionError
 
@@ -92,6 +94,16 @@ def compile_decoder(decoder: torch.nn.Module) -> torch.nn.Module:
     make every weight's shape symbolic too: 85 s to compile on 2 cores instead of 30, and the
     cached graph's thousands of shape guards cost 40 s to check at the next start (9 s now)."""
     return torch.compile(decoder, fullgraph=True)  # type: ignore[return-value]
+
+
+def mark_kv_len_dynamic(backend: BaseAttnBackend) -> None:
+    """Have the attention backend mark the KV length dynamic for the compiled decoder; only
+    the torch backend runs on CPU (OptionError for another, e.g. --attn triton)."""
+    if not isinstance(backend, TorchAttnBackend):
+        raise OptionError(
+            "enable_torch_compile", "--enable-torch-compile: it needs the torch attention backend"
+        )
+    backend.dynamic_kv_len = True
 
 
 def set_cpu_threads() -> int:

@@ -17,6 +17,7 @@ from minisgl.engine.cpu import (
     check_torch_compile,
     compile_decoder,
     cpu_auto_dtype,
+    mark_kv_len_dynamic,
     resolve_quantization,
     set_cpu_threads,
 )
@@ -134,6 +135,8 @@ class Engine:
             num_qo_heads=cfg.num_heads // get_tp_info().size,
             kv_dtype=self.kv_dtype,
         )
+        if self.compiled_decoder is not None:
+            mark_kv_len_dynamic(self.attn_backend)
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
         self.graphs = self._build_graphs()
