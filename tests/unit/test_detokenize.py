@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
@@ -279,7 +279,8 @@ def test_special_token_as_stop_string():
 
 def reference_min_tokens(ids: list[int], stops: list[str], min_tokens: int) -> str:
     """vLLM's rule: only a stop string that ends in text decoded after token min_tokens counts
-    (it may start before); text belongs to the first token after which it decodes."""
+    (it may start before); text belongs to the first token after which it decodes, and a token
+    that ends mid-character passes all its text (characters before that included) on."""
     text = TOK.decode(ids)
     if min_tokens >= len(ids):
         return text
@@ -301,6 +302,11 @@ def reference_min_tokens(ids: list[int], stops: list[str], min_tokens: int) -> s
     min_tokens=st.integers(0, 12),
     sizes=st.lists(st.integers(1, 3), max_size=4),
 )
+# Token 3 carries the space and the first bytes of the second 你 (decode(ids[:3]) == "你 \ufffd"):
+# its text, space included, belongs to token 4, after min_tokens, so the stop " " counts there.
+@example(text="你 你", stops=[" "], min_tokens=3, sizes=[])
+# "a", "a", then token 3 ends mid-character (all three fed at once): both "a"s stay protected.
+@example(text="aa你", stops=["a"], min_tokens=3, sizes=[3])
 def test_min_tokens_matches_reference(text, stops, min_tokens, sizes):
     ids = TOK.encode(text)
     deltas, _ = run(ids, sizes, stop=stops, min_tokens=min_tokens)

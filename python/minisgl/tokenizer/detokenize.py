@@ -12,8 +12,10 @@ Two layers of holding back:
 min_tokens (vLLM's semantics): a stop string cannot end the output before min_tokens tokens.
 A stop string counts only if it ends in the text of a token after the first min_tokens; one that
 starts earlier and ends there (it straddles the boundary) counts, and the output is cut where it
-starts, as vLLM's search window does. Text belongs to the token after which it decodes (one
-that ends mid-character passes its text on to the next), as in vLLM's detokenizer.
+starts, as vLLM's search window does. Text belongs to the token after which it decodes, as in
+vLLM's detokenizer: one that ends mid-character passes all its text on to the token that
+completes the character, even characters it completes itself before that (" 你" split as
+" " + two bytes, then the last byte: the space belongs to the second token).
 """
 
 from __future__ import annotations
@@ -73,11 +75,23 @@ class IncrementalDetokenizer:
         self._pending = ""  # UTF-8-final text held back because it may start a stop string
         self._protected = 0  # _pending[:_protected] is text of the first min_tokens tokens
         # characters at the start of the next delta that the first min_tokens tokens decoded,
-        # when the min_tokens-th token ended inside a character (so nothing was emitted then)
+        # when the min_tokens-th token ended inside a character (so nothing was emitted then):
+        # the text up to the last of them that did not end mid-character
         self._early = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _complete_len(self) -> int:
+        """Length of the decode of the longest run of the window's ids that does not end
+        mid-character: the text that per-token decoding (vLLM's) has emitted by now. A token
+        that ends mid-character emits nothing, not even the characters it does complete before
+        that; they come out with the later token that completes the character."""
+        for n in range(len(self._ids) - 1, self._read, -1):
+            text = self._decode(self._ids[:n])
+            if not text.endswith("\ufffd"):
+                return len(text)
+        return len(self._prefix_text)
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new output tokens; return the text that became final."""
@@ -90,8 +104,8 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         text = self._decode(self._ids)
         if text.endswith("\ufffd"):  # the last token ends mid-character: wait for the rest
-            if self._num_tokens <= self.min_tokens:
-                self._early = len(text.rstrip("\ufffd")) - len(self._prefix_text)
+            if self._num_tokens == self.min_tokens:  # (add splits chunks at min_tokens)
+                self._early = self._complete_len() - len(self._prefix_text)
             return ""
         delta = text[len(self._prefix_text) :]
         # Slide the window: what was read becomes the context for the next decode.
