@@ -77,7 +77,7 @@ def _table(batch: int, vocab: int, longest: int, distinct: int, gen: torch.Gener
 
 
 def _to(table: AdjustTable, device: torch.device) -> AdjustTable:
-    out = AdjustTable(0, device)
+    out = AdjustTable(table.params.shape[0], device)
     for name in ("params", "lens", "bias_ids", "bias_values", "stop_ids", "stop_values"):
         setattr(out, name, getattr(table, name).to(device))
     return out
@@ -99,15 +99,25 @@ def run_both(ops, shape, dtype, seed, monkeypatch, bias_cols=4, stop_cols=3):
     logits = (torch.randn(batch, vocab, generator=gen) * 4).to(dtype)
     table = _to(table, DEVICE)
     rows, kv_lens, tokens, logits = (t.to(DEVICE) for t in (rows, kv_lens, tokens, logits))
-    penalized = (table.params[rows] != torch.tensor([1.0, 0.0, 0.0], device=DEVICE)).any(1)
-    length = int(kv_lens[penalized].max()) if bool(penalized.any()) else 0
+    pairs = _penalized(table, rows, kv_lens)
+    length = max((n for _, n in pairs), default=0)
     got = logits.clone()
     bias, stops = (table.bias_ids, table.bias_values), (table.stop_ids, table.stop_values)
-    ops.adjust_logits(got, rows, kv_lens, table.params, table.lens, bias, stops, tokens, length)
+    track = table.track(tokens, pairs)
+    ops.adjust_logits(
+        got, rows, kv_lens, table.params, table.lens, bias, stops, tokens, track, length
+    )
     monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
     ref = logits.clone()
-    adjust_logits(ref, table, rows, kv_lens, tokens, length)
+    adjust_logits(ref, table, rows, kv_lens, tokens, pairs)
     return logits, got, ref
+
+
+def _penalized(table: AdjustTable, rows: torch.Tensor, kv_lens: torch.Tensor):
+    """(table row, positions) of the batch's rows whose penalties are not neutral."""
+    neutral = torch.tensor([1.0, 0.0, 0.0], device=table.params.device)
+    penalized = (table.params[rows] != neutral).any(1)
+    return [(int(r), int(n)) for r, n, p in zip(rows, kv_lens, penalized) if p]
 
 
 @on_device
@@ -140,9 +150,10 @@ def test_adjust_without_penalties(ops, monkeypatch):
     logits = torch.randn(batch, vocab, generator=gen).to(DEVICE)
     got, ref = logits.clone(), logits.clone()
     bias, stops = (table.bias_ids, table.bias_values), (table.stop_ids, table.stop_values)
-    ops.adjust_logits(got, rows, kv_lens, table.params, table.lens, bias, stops, tokens, 0)
+    track = table.track(tokens, [])
+    ops.adjust_logits(got, rows, kv_lens, table.params, table.lens, bias, stops, tokens, track, 0)
     monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
-    adjust_logits(ref, table, rows, kv_lens, tokens, 0)
+    adjust_logits(ref, table, rows, kv_lens, tokens, [])
     assert torch.equal(got, ref)
     assert int((got != logits).sum()) <= batch * 5
 
@@ -157,8 +168,54 @@ def test_adjust_dispatch(ops, monkeypatch):
     table, rows, kv_lens, tokens = _table(*shape, gen)
     table = _to(table, DEVICE)
     rows, kv_lens, tokens = rows.to(DEVICE), kv_lens.to(DEVICE), tokens.to(DEVICE)
-    penalized = (table.params[rows] != torch.tensor([1.0, 0.0, 0.0], device=DEVICE)).any(1)
-    length = int(kv_lens[penalized].max()) if bool(penalized.any()) else 0
     got = logits.clone()
-    adjust_logits(got, table, rows, kv_lens, tokens, length)
+    adjust_logits(got, table, rows, kv_lens, tokens, _penalized(table, rows, kv_lens))
     assert torch.equal(got, ref)
+
+
+@on_device
+def test_adjust_state_follows_steps(ops, monkeypatch):
+    """The kernel's per-position state across steps of one table: decode steps (one new
+    position), a chunk of several, a row whose positions go back (rebuilt), a row given to a
+    new request (`write` resets it) and one left out of a step; each step equals the reference
+    computed from scratch. Repeats of a prompt id in the output count where the prompt holds
+    it first."""
+    from minisgl.core import Req, SamplingParams
+
+    batch, vocab, distinct = 4, 151936 if CUDA else 64, 9
+    gen = torch.Generator().manual_seed(11)
+    table, rows, kv_lens, tokens = _table(batch, vocab, 40, distinct, gen)
+    table.params[rows] = torch.tensor([[1.3, 0.4, 0.2], [0.8, -0.3, 0.5]]).repeat(2, 1)
+    table.lens[rows, 0] = torch.tensor([5, 0, 12, 3])
+    kv_lens = torch.tensor([6, 1, 15, 9])
+    table, rows, tokens = _to(table, DEVICE), rows.to(DEVICE), tokens.to(DEVICE)
+    schedule = [(0, 1), (1, 1), (2, 1), (3, 1), (4, 7), (5, 1), (6, -5), (7, 1), (8, 1)]
+    for step, grow in schedule:
+        kv_lens = (kv_lens + grow).clamp(min=1)
+        keep = (
+            torch.arange(batch) != step % batch
+            if step in (5, 7)
+            else torch.ones(batch, dtype=torch.bool)
+        )
+        if step == 3:  # row 1 to a new request with new tokens: its state restarts
+            new = Req([3, 3, 4], 3, SamplingParams(frequency_penalty=0.7), 100)
+            table.write(int(rows[1]), new, [])
+            tokens[rows[1]] = torch.randint(distinct, tokens[0].shape, generator=gen).to(DEVICE)
+        step_rows, step_lens = rows[keep], kv_lens[keep].to(DEVICE)
+        logits = (torch.randn(int(keep.sum()), vocab, generator=gen) * 4).to(DEVICE)
+        pairs = _penalized(table, step_rows, step_lens)
+        length = max(n for _, n in pairs)
+        got, ref = logits.clone(), logits.clone()
+        bias, stops = (table.bias_ids, table.bias_values), (table.stop_ids, table.stop_values)
+        track = table.track(tokens, pairs)
+        ops.adjust_logits(
+            got, step_rows, step_lens, table.params, table.lens, bias, stops, tokens, track, length
+        )
+        with monkeypatch.context() as m:
+            m.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
+            adjust_logits(ref, table, step_rows, step_lens, tokens, pairs)
+        assert torch.equal(got, ref), f"step {step}"
+        # the step's sampled token: often one already seen
+        sampled = torch.randint(distinct, (int(keep.sum()),), generator=gen, dtype=torch.int32)
+        tokens[step_rows, step_lens] = sampled.to(DEVICE)
+        kv_lens = torch.where(keep, kv_lens, kv_lens - grow)  # a row left out stays put

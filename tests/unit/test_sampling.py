@@ -114,7 +114,7 @@ def test_adjust_logits_against_the_plain_formulas():
         token_table[row, :6] = torch.tensor(req.tokens)
     rows, kv_lens = torch.tensor([0, 1, 2]), torch.tensor([6, 6, 6])  # sampling position 6
     got = logits.clone()
-    adjust_logits(got, table, rows, kv_lens, token_table, 6)
+    adjust_logits(got, table, rows, kv_lens, token_table, [(1, 6)])
     want = logits.clone()
     want[1, 0] += 3.0
     want[1, [4, 5]] = -float("inf")
@@ -127,9 +127,9 @@ def test_adjust_logits_against_the_plain_formulas():
     assert torch.equal(got[0], logits[0]) and torch.allclose(got, want)
     token_table[1, 6] = 3  # min_tokens reached: EOS and stop ids are free again
     again = logits.clone()
-    adjust_logits(again, table, rows[1:2], torch.tensor([7]), token_table, 7)
+    adjust_logits(again, table, rows[1:2], torch.tensor([7]), token_table, [(1, 7)])
     assert again[0, 4] > -float("inf") and again[0, 5] > -float("inf")
     table.write(1, Req([1, 2, 2], 3, SamplingParams(), 100), {4})  # a plain request's row now
     plain = logits.clone()
-    adjust_logits(plain, table, rows, kv_lens, token_table, 6)
+    adjust_logits(plain, table, rows, kv_lens, token_table, [])
     assert torch.equal(plain[:2], logits[:2]) and 1 not in table.dirty

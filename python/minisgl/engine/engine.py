@@ -281,10 +281,15 @@ class Engine:
             if mask is not None:
                 apply_token_bitmask(out.logits, mask)
             if adjusted:
-                penalized = [r.cached_len + r.extend_len for r in reqs if r.params.uses_penalties]
+                penalized = [
+                    (r.table_idx, r.cached_len + r.extend_len)
+                    for r in reqs
+                    if r.params.uses_penalties
+                ]
                 rows, kv_lens = out.inputs.rows, out.kv_lens
-                length = max(penalized, default=0)
-                adjust_logits(out.logits, self.adjustments, rows, kv_lens, self.token_table, length)
+                adjust_logits(
+                    out.logits, self.adjustments, rows, kv_lens, self.token_table, penalized
+                )
             next_ids = self._sample(reqs, out, filtered)
             self.token_table[out.inputs.write_rows, out.kv_lens] = next_ids.to(torch.int32)
         if logprobs is not None:

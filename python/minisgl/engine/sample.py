@@ -7,7 +7,7 @@ device, and the whole batch is sampled with tensor ops and no host sync."""
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +183,12 @@ class AdjustTable:
         self.stop_ids = torch.zeros((rows, 0), dtype=torch.int64, device=device)
         self.stop_values = torch.zeros((rows, 0), dtype=torch.float32, device=device)  # -inf
         self.dirty: set[int] = set()  # rows holding a request's non-neutral entries
+        # the fused kernel's per-position penalty state (shaped as the token table, made at
+        # its first use) and, on the host, the positions each row's state covers: the next
+        # step's new positions, which set the kernel's parallelism
+        self.firsts: torch.Tensor | None = None
+        self.built = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.built_host: dict[int, int] = {}
 
     def write(self, row: int, req: Req, eos_token_ids: Collection[int]) -> None:
         p = req.params
@@ -191,6 +197,9 @@ class AdjustTable:
                 self.clear(row)
             return
         self.dirty.add(row)
+        if p.uses_penalties:  # a new request's positions: its state starts empty
+            self.built[row] = 0
+            self.built_host.pop(row, None)
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
         stops = stops if p.min_tokens > 0 else set()
         self.bias_ids, self.bias_values = _grown(self.bias_ids, self.bias_values, len(p.logit_bias))
@@ -210,6 +219,20 @@ class AdjustTable:
         self.params[row] = to_device([1.0, 0.0, 0.0], torch.float32, self.device)
         for t in (self.lens, self.bias_ids, self.bias_values, self.stop_ids, self.stop_values):
             t[row] = 0
+
+    def track(
+        self, token_table: torch.Tensor, penalized: Sequence[tuple[int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The fused kernel's state for a step whose penalized rows see `penalized` (table row,
+        positions) and the most new positions a row has (from the host's own count)."""
+        if self.firsts is None:
+            self.firsts = torch.empty_like(token_table)
+        new = 0
+        for row, seen in penalized:
+            built = self.built_host.get(row, 0)
+            new = max(new, seen - built if seen >= built else seen)
+            self.built_host[row] = seen
+        return self.firsts, self.built, new
 
     def _set(self, table: torch.Tensor, row: int, values: list) -> None:
         table[row] = 0
@@ -233,18 +256,21 @@ def adjust_logits(
     rows: torch.Tensor,
     kv_lens: torch.Tensor,
     token_table: torch.Tensor,
-    penalty_length: int,
+    penalized: Sequence[tuple[int, int]],
 ) -> None:
     """In place, for every row of the batch (`rows`: their page-table rows, `kv_lens`: the
     positions being sampled), from the adjust table: add logit_bias, set to -inf the stop ids
-    while min_tokens holds them back, then, if `penalty_length` (the longest request, 0: no
-    request has a penalty), apply the penalties. Neutral rows come out unchanged. On CUDA one
-    launch (`kernel/adjust.py`); this torch code is its reference."""
+    while min_tokens holds them back, then apply the penalties of the requests in `penalized`
+    (table row, positions being sampled; the batch's rows whose penalties are not neutral).
+    Neutral rows come out unchanged. On CUDA two launches (`kernel/adjust.py`, linear in the
+    positions); this torch code is its reference."""
+    penalty_length = max((seen for _, seen in penalized), default=0)
     ops = kernel.fused_ops(logits, "adjust")
     if ops is not None and logits.stride(-1) == 1:
         bias, stops = (table.bias_ids, table.bias_values), (table.stop_ids, table.stop_values)
+        track = table.track(token_table, penalized)
         ops.adjust_logits(
-            logits, rows, kv_lens, table.params, table.lens, bias, stops, token_table,
+            logits, rows, kv_lens, table.params, table.lens, bias, stops, token_table, track,
             penalty_length,
         )  # fmt: skip
         return

@@ -327,9 +327,9 @@ class LLM:
         for s in samples:
             self.scheduler.add_request(s.req)
         with _gc_paused():
-            self._run(samples, use_tqdm)
-        results = [[self._result(s) for s in group] for group in groups]
-        return [group[0] if len(group) == 1 else {"outputs": group} for group in results]
+            results = self._run(samples, use_tqdm)
+        shaped = [[results[s.req.uid] for s in group] for group in groups]
+        return [group[0] if len(group) == 1 else {"outputs": group} for group in shaped]
 
     def _sample(self, ids: list[int], params: SamplingParams) -> _Sample:
         req = self.scheduler.make_request(ids, params)
@@ -341,16 +341,21 @@ class LLM:
         )
         return _Sample(req, detok)
 
-    def _run(self, samples: list[_Sample], use_tqdm: bool) -> None:
+    def _run(self, samples: list[_Sample], use_tqdm: bool) -> dict[int, dict[str, Any]]:
+        """Each request's result by uid, shaped as it finishes: while the device runs the
+        others' steps, so the host work (text, logprob dicts) hides behind them."""
         by_uid = {s.req.uid: s for s in samples}
+        results: dict[int, dict[str, Any]] = {}
         with tqdm(total=len(samples), desc="Generating", disable=not use_tqdm) as bar:
-            done = 0
-            while done < len(samples):
+            while len(results) < len(samples):
                 for out in self.scheduler.step():
-                    if by_uid[out.uid].add(out) and not out.finished:
+                    sample = by_uid[out.uid]
+                    if sample.add(out) and not out.finished:
                         self.scheduler.abort(out.uid)  # as the server does; reported as "stop"
-                    done += out.finished
-                    bar.update(int(out.finished))
+                    if out.finished:
+                        results[out.uid] = self._result(sample)
+                        bar.update(1)
+        return results
 
     def _result(self, sample: _Sample) -> dict[str, Any]:
         req, detok = sample.req, sample.detok
