@@ -36,6 +36,12 @@ def disable_overlap_scheduling() -> bool:
     return _flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")
 
 
+def disable_gc_freeze() -> bool:
+    """MINISGL_DISABLE_GC_FREEZE: leave the start-up heap of the server's processes to Python's
+    cyclic garbage collector (`utils.procs.freeze_startup_heap` freezes it once they are ready)."""
+    return _flag("MINISGL_DISABLE_GC_FREEZE")
+
+
 def api_key() -> str | None:
     """MINISGL_API_KEY: the server's API key when `--api-key` is not given (an environment
     variable is private to its user, a command line is not: /proc/PID/cmdline). Empty: none."""

@@ -1,10 +1,12 @@
 """utils/procs.wait_ready: a child that dies before its ready message gives a clear error (its
-name and exit code), never the pipe's EOFError traceback."""
+name and exit code), never the pipe's EOFError traceback; freeze_startup_heap."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +44,30 @@ def test_ready_payload_is_returned():
     parent, proc = start(report_ready, "detokenizer")
     assert wait_ready([parent], [proc]) == [7]
     proc.join()
+
+
+FREEZE_CHILD = """
+import gc, sys
+sys.path.insert(0, {python!r})
+from minisgl.utils.procs import freeze_startup_heap
+cycle = []
+cycle.append(cycle)  # start-up garbage: collected before the freeze, never frozen
+del cycle
+frozen = freeze_startup_heap()
+print(frozen, gc.get_freeze_count(), len(gc.get_objects(generation=2)))
+"""
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_freeze_startup_heap(disabled):
+    """A serving process's start-up heap leaves the collector's full passes (they then walk
+    only what serving creates); MINISGL_DISABLE_GC_FREEZE=1 keeps it there."""
+    python = os.path.join(os.path.dirname(__file__), "..", "..", "python")
+    env = {**os.environ, "MINISGL_DISABLE_GC_FREEZE": "1" if disabled else "0"}
+    code = FREEZE_CHILD.format(python=os.path.abspath(python))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    frozen, count, oldest = map(int, out.stdout.split())
+    if disabled:
+        assert frozen == count == 0 and oldest > 1000
+    else:
+        assert frozen == count > 1000 and oldest < 100

@@ -28,7 +28,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.spec import leave_room_for_draft
 from minisgl.utils.device import device_type
-from minisgl.utils.procs import die_with_parent, set_title
+from minisgl.utils.procs import die_with_parent, freeze_startup_heap, set_title
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,7 @@ def run_follower(
     except Exception as e:
         ready.send(("error", f"TP rank {rank} failed to start: {type(e).__name__}: {e}"))
         raise SystemExit(1) from None
+    freeze_startup_heap()
     ready.send(("ready", None))
     try:
         scheduler.follow()
@@ -208,6 +209,7 @@ def run_scheduler_process(
         ready.send(("error", f"scheduler failed to start: {type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     engine = scheduler.engine
+    freeze_startup_heap()
     ready.send(("ready", {"max_seq_len": engine.max_seq_len, "num_pages": engine.num_pages}))
     server.run()
     scheduler.stop_followers()

@@ -63,6 +63,7 @@ from minisgl.server.protocol import (
 )
 from minisgl.server.sglang_compat import add_sglang_routes, check_generate_extras
 from minisgl.tokenizer.server import encode_chat, load_chat_tokenizer, needed, render_chat
+from minisgl.utils.procs import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -753,7 +754,8 @@ class ApiServer:
 
     async def with_tokenizer(self, work: Callable[[Any], T], param: str) -> T:
         """`work(tokenizer)` in a thread, with the workers' tokenizer (same files, same
-        --chat-template) loaded here once; its failure is the client's (400), as in a worker."""
+        --chat-template) loaded here once; its failure is the client's (400), as in a worker.
+        The load imports transformers into this process: its objects join the frozen heap."""
 
         def run() -> T:
             with self.tokenizer_lock:
@@ -762,6 +764,7 @@ class ApiServer:
 
                     path = resolve_model_path(self.args.engine.model or "")
                     self.tokenizer.append(load_chat_tokenizer(path, self.args.chat_template))
+                    freeze_startup_heap()
             return work(self.tokenizer[0])
 
         try:
@@ -949,7 +952,9 @@ def create_app(
     frontend: Frontend, args: ServerArgs, max_seq_len: int, info: dict | None = None
 ) -> FastAPI:
     """The app; `info`: what the schedulers reported once ready (KV pages, for /server_info)."""
-    app = FastAPI(title="minisgl", on_startup=[frontend.start])
+    # the heap is frozen once the app is built and the backends ready: only serving's objects are
+    # left for the garbage collector's full collections to walk
+    app = FastAPI(title="minisgl", on_startup=[frontend.start, freeze_startup_heap])
     api = ApiServer(frontend, args, max_seq_len)
     app.exception_handler(APIError)(api_error)
     app.exception_handler(RequestValidationError)(validation_error)

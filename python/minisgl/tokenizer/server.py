@@ -27,6 +27,7 @@ from minisgl.message import (
 )
 from minisgl.server.dispatch import Dispatcher
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, named_logprobs
+from minisgl.utils.procs import freeze_startup_heap
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def build_or_report(name: str, ready: Any, build: Callable[[], T]) -> T:
     except Exception as e:
         ready.send(("error", f"{name} failed to start: {type(e).__name__}: {e}"))
         raise SystemExit(1) from None
+    freeze_startup_heap()
     ready.send(("ready", None))
     return parts
 

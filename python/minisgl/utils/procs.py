@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from minisgl import env
 
 TITLE_PREFIX = "minisgl::"
 
@@ -20,6 +23,20 @@ def set_title(name: str) -> None:
     import setproctitle
 
     setproctitle.setproctitle(TITLE_PREFIX + name)
+
+
+def freeze_startup_heap() -> int:
+    """Collect what start-up left behind, then move every object alive now (modules, the model,
+    tokenizers, the app) out of the cyclic garbage collector's reach, as vLLM and SGLang do once
+    a serving process is ready: a full collection then walks only what serving created, not the
+    whole start-up heap (without it, an H100 server's frontend paused 50-230 ms at each full
+    collection under load, stalling every stream). Returns the number of objects frozen; none
+    with MINISGL_DISABLE_GC_FREEZE=1 (the ablation)."""
+    if env.disable_gc_freeze():
+        return 0
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def die_with_parent() -> None:
