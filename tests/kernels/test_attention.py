@@ -206,3 +206,20 @@ def test_triton_metadata_rows_start_16_byte_aligned():
             fields = (md.rows, md.cached_lens, md.extend_lens, md.kv_lens, md.q_starts)
             assert all(t.data_ptr() % 16 == 0 and t.shape == (n,) for t in fields), (n, graph)
             assert md.kv_lens.tolist() == [6 + i for i in range(n)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU one")
+def test_decode_attention_benchmark_smoke():
+    """benchmark/kernels/decode_attention_bench.py --smoke runs the decode kernel interpreted
+    for bf16 and fp8 pools, checks it against its float32 reference, prints a row each."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "benchmark", "kernels", "decode_attention_bench.py")
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
+    res = subprocess.run(
+        [sys.executable, script, "--smoke", "--block-n", "16"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = [line for line in res.stdout.splitlines() if "block_n" in line and "us" in line]
+    assert len(rows) == 2 and "WRONG" not in res.stdout, res.stdout
