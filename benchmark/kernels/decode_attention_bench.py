@@ -126,7 +126,7 @@ def bench_dtype(args: argparse.Namespace, kv_dtype: str, device, peak: float | N
     scale = args.head_dim**-0.5
     splits = ta.decode_splits(args.batch, args.kv_heads, ta.num_sms(device))
     nbytes = int(lengths.sum()) * args.kv_heads * args.head_dim * 2 * k_pool.element_size()
-    default_n, default_stages = ta.decode_tuning(k_pool)
+    default_n, default_stages = ta.decode_tuning(k_pool, splits)
     ref = reference(q, k_pool, v_pool, table, lengths, args.page_size, scale)
     print(f"{kv_dtype}: batch {args.batch}, KV {args.min_len}-{args.max_len}, {splits} splits,"
           f" {nbytes / 1e9:.3f} GB a step; default block_n {default_n}, stages {default_stages}")  # fmt: skip

@@ -206,11 +206,15 @@ def compute_dtype(q: torch.Tensor, k_pool: torch.Tensor) -> tl.dtype:
     return tl.float16 if k_pool.dtype.itemsize == 1 or q.dtype == torch.float16 else tl.bfloat16
 
 
-def decode_tuning(k_pool: torch.Tensor) -> tuple[int, int]:
+def decode_tuning(k_pool: torch.Tensor, num_splits: int) -> tuple[int, int]:
     """(KV positions per block, pipeline stages) of the decode kernel. H100, 256 requests x
-    300-1800 tokens: for bf16 all of (64 | 128, 2 | 3) are within 3 %; for an fp8 pool (128, 3)
-    takes 248 us, (128, 2) 267, (64, 2) 281 (`.gpu`-style microbenchmark, CUDA graphs)."""
-    return (128, 3) if k_pool.dtype.itemsize == 1 else (64, 2)
+    300-1800 tokens, one split (`benchmark/kernels/decode_attention_bench.py`): an fp8 pool
+    takes 246 us at (128, 3), 265 at (128, 2), 268 at (64, 2); bf16 379 us at (128, 2) against
+    387 at (64, 2), and 1.4 % more tok/s end to end. With splits (small batches) the chunks
+    are short and 64 keeps them apart: one stream decodes 1-3 % faster at (64, 2)."""
+    if k_pool.dtype.itemsize == 1:
+        return 128, 3
+    return (128, 2) if num_splits == 1 else (64, 2)
 
 
 def num_sms(device: torch.device) -> int:
@@ -237,9 +241,9 @@ def decode_attention(
     num_splits: int,
     page_size: int,
     scale: float,
-    block_n: int | None = None,  # default: decode_tuning(k_pool)
+    block_n: int | None = None,  # default: decode_tuning(k_pool, num_splits)
     num_warps: int = 4,
-    num_stages: int | None = None,  # default: decode_tuning(k_pool)
+    num_stages: int | None = None,  # default: decode_tuning(k_pool, num_splits)
 ) -> torch.Tensor:
     """Graph-safe: the launches and allocations depend only on the shapes and num_splits.
     (block_n, num_warps, num_stages) are tuning knobs for benchmarks."""
@@ -248,7 +252,7 @@ def decode_attention(
     check_head_dim(dim)
     assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
     assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
-    default_block_n, default_stages = decode_tuning(k_pool)
+    default_block_n, default_stages = decode_tuning(k_pool, num_splits)
     block_n, num_stages = block_n or default_block_n, num_stages or default_stages
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
     part_out = part_lse = out  # unused when there is a single split
