@@ -71,3 +71,28 @@ def test_freeze_startup_heap(disabled):
         assert frozen == count == 0 and oldest > 1000
     else:
         assert frozen == count > 1000 and oldest < 100
+
+
+def test_api_server_freezes_what_its_tokenizer_load_brings(tmp_path):
+    """The API server loads its tokenizer on first use (/v1/models' vocab_size, /tokenize),
+    which imports transformers into a process whose heap is already frozen: the load freezes
+    again, so every later full collection does not walk those modules."""
+    import asyncio
+    import gc
+
+    from minisgl.server.api_server import ApiServer
+    from minisgl.server.args import parse_args
+    from support.server import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "tiny"))
+    api = ApiServer(None, parse_args(["--model", model, "--device", "cpu"]), 128)  # type: ignore[arg-type]
+    gc.collect()
+    before = gc.get_freeze_count()
+    try:
+        card = asyncio.run(api.models())["data"][0]
+        assert card["vocab_size"] > 0 and gc.get_freeze_count() > before
+        again = gc.get_freeze_count()
+        asyncio.run(api.models())  # loaded once: no second freeze
+        assert gc.get_freeze_count() == again
+    finally:
+        gc.unfreeze()
