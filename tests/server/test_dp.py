@@ -174,7 +174,17 @@ def test_dead_replica_fails_requests_and_stops_the_server(rr_server: Server) -> 
     # all 4 in the server, queued or running: each replica then holds 2 (round robin). Polled
     # often: on a fast CPU the tiny model ends them well under a second after they arrive, and
     # a narrower condition ("running >= 2" as well) was missed by a 0.1 s poll in CI.
-    wait_for(lambda: rr_server.stats()["in_flight"] == 4, 30, "the load to run", interval=0.01)
+    seen: list[dict[str, Any]] = []  # what the polls saw, for the failure message
+
+    def loaded() -> bool:
+        seen.append(rr_server.stats())
+        return seen[-1]["in_flight"] == 4
+
+    try:
+        wait_for(loaded, 30, "the load to run", interval=0.01)
+    except AssertionError as e:
+        flights = sorted({s["in_flight"] for s in seen})
+        raise AssertionError(f"{e}; in_flight seen {flights}, clients: {errors}") from None
     killed = time.monotonic()
     os.kill(rr_server.child_pid("dp1_scheduler_0"), signal.SIGKILL)
     assert rr_server.wait_exit(timeout=10) == 1
