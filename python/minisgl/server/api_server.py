@@ -70,8 +70,9 @@ T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by anyone
-# one request's replies, and its first reply (already taken from them)
-Started = tuple[AsyncGenerator[UserReply, None], UserReply]
+# one request's batches of replies (Frontend.batches), and its first batch (already taken)
+Started = tuple[AsyncGenerator[list[UserReply], None], list[UserReply]]
+Tagged = list[tuple[int, UserReply]]  # replies of a response's choices, by choice index
 
 
 # a JSON \u escape of a UTF-16 surrogate: the one way a JSON body can carry text that is not
@@ -242,6 +243,13 @@ def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+def sse_chunks(head: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
+    """`sse({**head, "choices": [choice]})` for one choice, byte for byte, with the head
+    encoded once per response instead of once per token."""
+    prefix = sse({**head, "choices": []})[:-4]  # without ']}' and the blank line
+    return lambda choice: f"{prefix}{json.dumps(choice, ensure_ascii=False)}]}}\n\n"
+
+
 def usage(prompt: int, completion: int) -> dict[str, int]:
     total = prompt + completion
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
@@ -253,23 +261,37 @@ def text_choice(
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-async def merged(started: list[Started]) -> AsyncGenerator[tuple[int, UserReply], None]:
-    """Replies of all choices as they come, tagged with the choice index."""
-    queue: asyncio.Queue[tuple[int, UserReply]] = asyncio.Queue()
+async def merged(started: list[Started]) -> AsyncGenerator[Tagged, None]:
+    """Replies of all choices as they come, tagged with the choice index: each time all that
+    have come, so that a handler that fell behind writes them at once."""
+    if len(started) == 1:  # one choice: its batches as they are, without a pump task
+        stream, first = started[0]
+        try:
+            yield [(0, r) for r in first]
+            if not first[-1].finished:
+                async for batch in stream:
+                    yield [(0, r) for r in batch]
+        finally:
+            await stream.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, list[UserReply]]] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[UserReply], first: UserReply) -> None:
-        await queue.put((i, first))
-        if not first.finished:
-            async for r in stream:
-                await queue.put((i, r))
+    async def pump(i: int, stream: AsyncIterator[list[UserReply]], first: list[UserReply]) -> None:
+        queue.put_nowait((i, first))
+        if not first[-1].finished:
+            async for batch in stream:
+                queue.put_nowait((i, batch))
 
     tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(started)]
     try:
         done = 0
         while done < len(tasks):
-            i, r = await queue.get()
-            done += r.finished
-            yield i, r
+            ready = [await queue.get()]
+            while not queue.empty():
+                ready.append(queue.get_nowait())
+            tagged = [(i, r) for i, batch in ready for r in batch]
+            done += sum(r.finished for _, r in tagged)
+            yield tagged
     finally:
         for t in tasks:
             t.cancel()
@@ -470,11 +492,11 @@ class ApiServer:
 
     async def first_reply(self, msg: TokenizeMsg) -> Started:
         """Start a request and wait for its first reply, so refusals become HTTP errors."""
-        stream = self.frontend.stream(msg, self.args.request_timeout)
+        stream = self.frontend.batches(msg, self.args.request_timeout)
         first = await stream.__anext__()
-        if first.error is not None:
+        if first[0].error is not None:
             await stream.aclose()
-            raise self.reply_error(first, first=True)
+            raise self.reply_error(first[0], first=True)
         return stream, first
 
     async def start_choices(self, msgs: list[TokenizeMsg]) -> list[Started]:
@@ -661,14 +683,15 @@ class ApiServer:
         texts, prompt, completion = list(shape.echo or [""] * n), [0] * n, [0] * n
         entries: list[list[list[Any]]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
-        async with aclosing(merged(started)) as replies:
-            async for i, r in replies:
-                if r.error is not None:
-                    raise self.reply_error(r, first=False)
-                texts[i] += r.text_delta
-                entries[i] += shape.entries(r)
-                prompt[i], completion[i] = r.prompt_tokens, r.completion_tokens
-                reasons[i] = r.finish_reason if r.finished else None
+        async with aclosing(merged(started)) as batches:
+            async for batch in batches:
+                for i, r in batch:
+                    if r.error is not None:
+                        raise self.reply_error(r, first=False)
+                    texts[i] += r.text_delta
+                    entries[i] += shape.entries(r)
+                    prompt[i], completion[i] = r.prompt_tokens, r.completion_tokens
+                    reasons[i] = r.finish_reason if r.finished else None
         choices = [
             shape.choice(i, text, reason, entries[i], CompletionLogprobs())
             for i, (text, reason) in enumerate(zip(texts, reasons))
@@ -687,23 +710,28 @@ class ApiServer:
             yield sse({**head, "choices": opening})
         prompt, completion = [0] * n, [0] * n
         echo, legacy = list(shape.echo or [""] * n), [CompletionLogprobs() for _ in range(n)]
-        async with aclosing(merged(started)) as replies:
-            async for i, r in replies:
-                if r.error is not None:  # the client sees an error, not a truncated answer
-                    yield error_event(self.reply_error(r, first=False))
-                    return
-                prompt[i], completion[i] = r.prompt_tokens, r.completion_tokens
-                fr = r.finish_reason if r.finished else None
-                text, echo[i] = echo[i] + r.text_delta, ""  # the prompt goes first, once
-                entries = shape.entries(r)
-                if not text and not r.token_ids and fr is None and not entries:
-                    continue
-                choice = shape.choice(i, text, fr, entries, legacy[i], delta=True)
-                yield sse({**head, "choices": [choice]})
+        chunk = sse_chunks(head)
+        async with aclosing(merged(started)) as batches:
+            async for batch in batches:
+                events: list[str] = []  # one write for the batch
+                for i, r in batch:
+                    if r.error is not None:  # the client sees an error, not a truncated answer
+                        yield "".join(events) + error_event(self.reply_error(r, first=False))
+                        return
+                    prompt[i], completion[i] = r.prompt_tokens, r.completion_tokens
+                    fr = r.finish_reason if r.finished else None
+                    text, echo[i] = echo[i] + r.text_delta, ""  # the prompt goes first, once
+                    entries = shape.entries(r)
+                    if not text and not r.token_ids and fr is None and not entries:
+                        continue
+                    events.append(chunk(shape.choice(i, text, fr, entries, legacy[i], delta=True)))
+                if events:
+                    yield "".join(events)
+        tail = ""
         if include_usage:
             prompt_tokens = sum(prompt) // shape.n  # each prompt counted once
-            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion))})
-        yield "data: [DONE]\n\n"
+            tail = sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion))})
+        yield tail + "data: [DONE]\n\n"
 
     async def generate(self, req: GenerateRequest) -> Any:
         """The native API: token ids in and out, one choice."""
@@ -721,14 +749,15 @@ class ApiServer:
         if req.stream:
             return StreamingResponse(self.native_events(started), media_type="text/event-stream")
         ids: list[int] = []
-        text, last = "", started[0][1]
-        async with aclosing(merged(started)) as replies:
-            async for _, r in replies:
-                if r.error is not None:
-                    raise self.reply_error(r, first=False)
-                ids += r.token_ids
-                text += r.text_delta
-                last = r
+        text, last = "", started[0][1][-1]
+        async with aclosing(merged(started)) as batches:
+            async for batch in batches:
+                for _, r in batch:
+                    if r.error is not None:
+                        raise self.reply_error(r, first=False)
+                    ids += r.token_ids
+                    text += r.text_delta
+                    last = r
         return {
             "output_ids": ids,
             "text": text,
@@ -738,18 +767,21 @@ class ApiServer:
         }
 
     async def native_events(self, started: list[Started]) -> AsyncIterator[str]:
-        async with aclosing(merged(started)) as replies:
-            async for _, r in replies:
-                if r.error is not None:
-                    yield error_event(self.reply_error(r, first=False))
-                    return
-                body = {
-                    "token_ids": r.token_ids,
-                    "text": r.text_delta,
-                    "finished": r.finished,
-                    "finish_reason": r.finish_reason,
-                }
-                yield sse(body)
+        async with aclosing(merged(started)) as batches:
+            async for batch in batches:
+                events: list[str] = []  # one write for the batch
+                for _, r in batch:
+                    if r.error is not None:
+                        yield "".join(events) + error_event(self.reply_error(r, first=False))
+                        return
+                    body = {
+                        "token_ids": r.token_ids,
+                        "text": r.text_delta,
+                        "finished": r.finished,
+                        "finish_reason": r.finish_reason,
+                    }
+                    events.append(sse(body))
+                yield "".join(events)
         yield "data: [DONE]\n\n"
 
     async def with_tokenizer(self, work: Callable[[Any], T], param: str) -> T:

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from minisgl.message import (
@@ -178,8 +179,19 @@ class Frontend:
     async def stream(
         self, msg: TokenizeMsg, timeout: float | None = None
     ) -> AsyncGenerator[UserReply, None]:
-        """Replies of one request until it finishes. Leaving early (client gone) aborts it; past
-        `timeout` seconds it ends with a "timeout" reply and is aborted."""
+        """Replies of one request until it finishes (see `batches`)."""
+        async with aclosing(self.batches(msg, timeout)) as batches:
+            async for batch in batches:
+                for reply in batch:
+                    yield reply
+
+    async def batches(
+        self, msg: TokenizeMsg, timeout: float | None = None
+    ) -> AsyncGenerator[list[UserReply], None]:
+        """Replies of one request until it finishes, each time all that have come: a handler
+        that fell behind catches up in one write instead of one per reply. Leaving early
+        (client gone) aborts the request; past `timeout` seconds it ends with a "timeout"
+        reply and is aborted."""
         queue = await self.submit(msg)
         deadline = None if timeout is None else time.monotonic() + timeout
         finished = timed_out = False
@@ -193,10 +205,14 @@ class Frontend:
                     except asyncio.TimeoutError:
                         timed_out = True
                         error = f"request timed out after {timeout:g} s"
-                        yield UserReply(msg.uid, "", [], True, "timeout", 0, 0, error)
+                        yield [UserReply(msg.uid, "", [], True, "timeout", 0, 0, error)]
                         return  # not `finished`: the request is aborted below
+                batch = [reply]
+                while not reply.finished and not queue.empty():
+                    reply = queue.get_nowait()
+                    batch.append(reply)
                 finished = reply.finished
-                yield reply
+                yield batch
         finally:
             if finished:
                 self.requests.pop(msg.uid, None)
