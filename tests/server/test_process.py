@@ -27,7 +27,7 @@ import pytest
 from support.server import REPO, Server, descendants, make_tiny_model, run_server, title, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
-CONTEXT = 4096
+CONTEXT = 32768  # LONG then runs 10 s or more even on a fast CPU (~2,000 tokens/s alone)
 LONG = CONTEXT - 100  # max_tokens of a request that runs for minutes unless cut
 KEY = "sk-test-7f3a9c1e5b"
 IDLE_SOCKETS = 1500
