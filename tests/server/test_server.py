@@ -28,7 +28,7 @@ from support.server import Server, descendants, make_tiny_model, run_server, wai
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 NAME = "tiny-qwen3"  # the model directory's name, which the server also answers to
 API_KEY = "sk-test-key"
-CONTEXT = 32768  # the main server's model context: a request of CONTEXT - 100 tokens runs 10 s or more
+CONTEXT = 32768  # the main server's: a request of CONTEXT - 100 tokens runs 10 s or more
 STRICT_CONTEXT = 64
 IGNORE_EOS = {"ignore_eos": True}
 CHAT = [{"role": "user", "content": "hello world, the quick brown fox"}]
