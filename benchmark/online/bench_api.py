@@ -30,6 +30,8 @@ from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any
 
+from bench_serving import percentile  # this script's directory is on sys.path
+
 EVENT = b'data: {"id"'  # the start of every completion chunk
 
 
@@ -103,11 +105,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else 0.0
-
-
 def summarize(results: list[tuple[float, list[tuple[float, int]]]]) -> dict[str, float]:
     gaps: list[float] = []
     total = 0
@@ -120,8 +117,9 @@ def summarize(results: list[tuple[float, list[tuple[float, int]]]]) -> dict[str,
     reads = sum(len(arrivals) for _, arrivals in results)
     out = {"tokens": total, "seconds": end - start, "tok_per_s": total / (end - start)}
     out["events_per_read"] = total / max(1, reads)
+    ordered = sorted(gaps) or [0.0]
     for q in (50, 90, 99):
-        out[f"gap_p{q}_ms"] = percentile(gaps, q) * 1e3
+        out[f"gap_p{q}_ms"] = percentile(ordered, q) * 1e3
     return out
 
 
