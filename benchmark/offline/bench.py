@@ -321,6 +321,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-overlap", action="store_true", help="MINISGL_DISABLE_OVERLAP_SCHEDULING")
     p.add_argument("--no-fused", action="store_true", help="MINISGL_DISABLE_FUSED_OPS")
     p.add_argument("--no-gemv", action="store_true", help="MINISGL_DISABLE_GEMV")
+    p.add_argument("--no-pdl", action="store_true", help="MINISGL_DISABLE_PDL")
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="a step's tokens")
     p.add_argument(
@@ -378,6 +379,8 @@ def main() -> None:
         os.environ["MINISGL_DISABLE_FUSED_OPS"] = "1"
     if args.no_gemv:
         os.environ["MINISGL_DISABLE_GEMV"] = "1"
+    if args.no_pdl:
+        os.environ["MINISGL_DISABLE_PDL"] = "1"
     import torch
 
     from minisgl import LLM, SamplingParams
@@ -490,6 +493,7 @@ def main() -> None:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "fused": not args.no_fused,
         "gemv": not args.no_gemv,
+        "pdl": not args.no_pdl,
         "grammar_frac": args.grammar_frac,
         "features_frac": args.features_frac,
         "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),

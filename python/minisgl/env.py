@@ -31,6 +31,12 @@ def disable_gemv() -> bool:
     return _flag("MINISGL_DISABLE_GEMV")
 
 
+def disable_pdl() -> bool:
+    """MINISGL_DISABLE_PDL: launch the Triton kernels without programmatic dependent launch
+    (`kernel/pdl.py`; sm_90+ GPUs use it by default)."""
+    return _flag("MINISGL_DISABLE_PDL")
+
+
 def disable_overlap_scheduling() -> bool:
     """MINISGL_DISABLE_OVERLAP_SCHEDULING: build the next batch only after the current one ends."""
     return _flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")

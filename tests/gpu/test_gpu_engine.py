@@ -105,6 +105,25 @@ def test_cuda_graph_decode_equals_eager(model_dirs, monkeypatch, attn):
     assert graphs == eager
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pdl_on_equals_off(model_dirs, monkeypatch, dtype):
+    """Programmatic dependent launch (kernel/pdl.py) changes when the Triton kernels start,
+    never what they compute: the same tokens (greedy and sampled rows) with MINISGL_DISABLE_PDL=1
+    and without, decode in CUDA graphs through the GEMV, norms, RoPE + store, split-KV
+    attention and sampling kernels. A kernel that read its input before the previous kernel
+    finished would change them."""
+    from minisgl.kernel import pdl
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs an sm_90+ GPU")
+    path, _ = model_dirs("qwen3_hd128")
+    kw = dict(attn="triton", dtype=dtype, cuda_graph_max_bs=16, graphs=True)
+    monkeypatch.setenv("MINISGL_DISABLE_PDL", "1")
+    off = generate(path, monkeypatch, **kw)
+    monkeypatch.setenv("MINISGL_DISABLE_PDL", "0")
+    assert generate(path, monkeypatch, **kw) == off
+
+
 def test_fp8_kv_cache_graphs_equal_eager(model_dirs, monkeypatch):
     path, _ = model_dirs("qwen3_hd128")
     kw = dict(attn="auto", dtype="bfloat16", kv_cache_dtype="fp8_e4m3")

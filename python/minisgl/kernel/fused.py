@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel import pdl
+from minisgl.kernel.pdl import wait_for_previous
+
 
 def _num_warps(elements: int) -> int:
     return max(1, min(8, elements // 256))  # about 8 elements (16 bytes of bf16) per thread
@@ -46,12 +49,15 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0)  # one program per row x[t, h]
     t = (row // HEADS).to(tl.int64)
     h = row % HEADS
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    wait_for_previous(PDL)
     x32 = tl.load(x + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         # the sum is rounded to the residual's dtype first, like the torch path's x + residual
@@ -63,7 +69,6 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
     # rounded before the weight multiply, as in the reference: weight * normed.to(dtype)
     normed = (x32 * rstd).to(out.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
     o_ptr = out + t * stride_ot + h * stride_oh + cols
     tl.store(o_ptr, (w * normed).to(out.dtype.element_ty), mask=mask)
 
@@ -84,6 +89,7 @@ def _launch_rms_norm(
     if tokens * heads == 0:
         return
     block = triton.next_power_of_2(n)
+    use_pdl = pdl.enabled(x.device)
     _rms_norm_kernel[(tokens * heads,)](
         x3,
         r3,
@@ -100,7 +106,9 @@ def _launch_rms_norm(
         N=n,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        PDL=use_pdl,
         num_warps=_num_warps(block),
+        launch_pdl=use_pdl,
     )
 
 
@@ -191,7 +199,9 @@ def _rotary_kernel(
     BLOCK_D: tl.constexpr,
     NORM: tl.constexpr,
     STORE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)  # one program per token: all its q and k heads
     pos = tl.load(positions + t * stride_pos).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -281,6 +291,7 @@ def _launch_rotary(
         return
     v, k_pool, v_pool, out_loc = store or (k, k, k, positions)  # unused when there is no store
     half = dim // 2
+    use_pdl = pdl.enabled(q.device)
     _rotary_kernel[(tokens,)](
         q,
         k,
@@ -309,12 +320,17 @@ def _launch_rotary(
         BLOCK_D=triton.next_power_of_2(half),
         NORM=qk_norm is not None,
         STORE=store is not None,
+        PDL=use_pdl,
         num_warps=4,
+        launch_pdl=use_pdl,
     )
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, stride_xt, stride_ot, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x, out, stride_xt, stride_ot, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -334,8 +350,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and n > 0:
         block = min(1024, triton.next_power_of_2(n))
+        use_pdl = pdl.enabled(x.device)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, out, x2.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=_num_warps(block)
+            x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            N=n,
+            BLOCK=block,
+            PDL=use_pdl,
+            num_warps=_num_warps(block),
+            launch_pdl=use_pdl,
         )
     return out.view(*x.shape[:-1], n)
 
@@ -358,7 +383,9 @@ def _store_kv_kernel(
     DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)  # one program per token: its K and V, all heads
     slot = tl.load(out_loc + t * stride_loc).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)[:, None]
@@ -391,6 +418,7 @@ def store_kv(
     if tokens == 0:
         return
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
+    use_pdl = pdl.enabled(k.device)
     _store_kv_kernel[(tokens,)](
         k,
         v,
@@ -408,5 +436,7 @@ def store_kv(
         DIM=dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        PDL=use_pdl,
         num_warps=_num_warps(block_h * block_d),
+        launch_pdl=use_pdl,
     )

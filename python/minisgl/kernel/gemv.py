@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel import GEMV_DTYPES, GEMV_MAX_M
+from minisgl.kernel import GEMV_DTYPES, GEMV_MAX_M, pdl
+from minisgl.kernel.pdl import wait_for_previous
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,52 @@ def _finish(
 
 
 @triton.jit
+def _k_mask(offs_k, K, k, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[1, BLOCK_K] mask of the K tile at offset k (all true when EVEN_K)."""
+    if EVEN_K:
+        return tl.arange(0, BLOCK_K)[None, :] < BLOCK_K
+    return (offs_k < K - k)[None, :]
+
+
+@triton.jit
+def _load_w(w_ptrs, mask, UP_OFFSET, SILU: tl.constexpr):
+    """A weight tile, and with SILU the matching tile of the up half (else the same tile)."""
+    wt = tl.load(w_ptrs, mask=mask, other=0.0)
+    ut = wt
+    if SILU:
+        ut = tl.load(w_ptrs + UP_OFFSET, mask=mask, other=0.0)
+    return wt, ut
+
+
+@triton.jit
+def _accumulate(
+    acc,
+    acc_up,
+    xt,
+    wt,
+    ut,
+    SILU: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Add one K tile's products: tl.dot into [BLOCK_M, BLOCK_N] accumulators, or elementwise
+    into the FMA path's [pairs, BLOCK_K] ones (summed over K after the loop)."""
+    if DOT:
+        if UPCAST:  # the CPU interpreter multiplies bf16 dot tiles as raw bits
+            xt, wt = xt.to(tl.float32), wt.to(tl.float32)
+        acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
+        if SILU:
+            acc_up = tl.dot(xt, tl.trans(ut.to(xt.dtype)), acc_up, input_precision=PRECISION)
+    else:
+        xt = xt.to(tl.float32)
+        acc += xt * wt.to(tl.float32)
+        if SILU:
+            acc_up += xt * ut.to(tl.float32)
+    return acc, acc_up
+
+
+@triton.jit
 def _gemv_kernel(
     x,  # [M, K], unit stride along K
     w,  # [N, K] or, when SILU, [2N, K]: gate rows then up rows; contiguous
@@ -138,6 +185,7 @@ def _gemv_kernel(
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     k_start = tl.program_id(1) * K_SPLIT
@@ -160,28 +208,20 @@ def _gemv_kernel(
     w_ptrs = w + w_rows.to(tl.int64)[:, None] * K + offs_k[None, :]
     x_mask = (x_rows < M)[:, None]  # rows masks: constant along K, loads stay vectorised
     w_mask = (w_rows < N)[:, None]
-    for k in range(0, K_SPLIT, BLOCK_K):
-        if EVEN_K:
-            k_mask = tl.arange(0, BLOCK_K)[None, :] < BLOCK_K  # all true
-        else:
-            k_mask = (offs_k < K - k)[None, :]
-        wt = tl.load(w_ptrs, mask=w_mask & k_mask, other=0.0)  # the DRAM stream first
-        if SILU:
-            ut = tl.load(w_ptrs + UP_OFFSET, mask=w_mask & k_mask, other=0.0)
-        xt = tl.load(x_ptrs, mask=x_mask & k_mask, other=0.0)
-        if DOT:
-            if UPCAST:  # the CPU interpreter multiplies bf16 dot tiles as raw bits
-                xt, wt = xt.to(tl.float32), wt.to(tl.float32)
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PRECISION)
-            if SILU:
-                acc_up = tl.dot(xt, tl.trans(ut.to(xt.dtype)), acc_up, input_precision=PRECISION)
-        else:
-            xt = xt.to(tl.float32)
-            acc += xt * wt.to(tl.float32)
-            if SILU:
-                acc_up += xt * ut.to(tl.float32)
+    # the first weight tile is read before the PDL wait: weights are no kernel's output, so
+    # that read overlaps the kernel before (the norm or attention this GEMV waits for)
+    k_mask = _k_mask(offs_k, K, 0, EVEN_K, BLOCK_K)
+    wt, ut = _load_w(w_ptrs, w_mask & k_mask, UP_OFFSET, SILU)
+    wait_for_previous(PDL)
+    xt = tl.load(x_ptrs, mask=x_mask & k_mask, other=0.0)
+    acc, acc_up = _accumulate(acc, acc_up, xt, wt, ut, SILU, DOT, PRECISION, UPCAST)
+    for k in range(BLOCK_K, K_SPLIT, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        k_mask = _k_mask(offs_k, K, k, EVEN_K, BLOCK_K)
+        wt, ut = _load_w(w_ptrs, w_mask & k_mask, UP_OFFSET, SILU)  # the DRAM stream first
+        xt = tl.load(x_ptrs, mask=x_mask & k_mask, other=0.0)
+        acc, acc_up = _accumulate(acc, acc_up, xt, wt, ut, SILU, DOT, PRECISION, UPCAST)
     if DOT:
         out_m = tl.broadcast_to(offs_m[:, None], (BLOCK_M, BLOCK_N))
         out_n = tl.broadcast_to(offs_n[None, :], (BLOCK_M, BLOCK_N))
@@ -213,8 +253,10 @@ def _reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = epilogue(sum of the SPLIT_K partial sums), one program per BLOCK_N columns."""
+    wait_for_previous(PDL)
     rows = tl.broadcast_to(tl.arange(0, BLOCK_M)[:, None], (BLOCK_M, BLOCK_N))
     cols = tl.broadcast_to(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], rows.shape)
     mask = (rows < M) & (cols < N)
@@ -317,6 +359,7 @@ def _launch(
         partial = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out  # unused pointer without a bias
+    use_pdl = pdl.enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x2,
         weight,
@@ -342,8 +385,10 @@ def _launch(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # the CPU interpreter multiplies bf16 dot tiles as raw bits (see kernel/moe.py)
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype == torch.bfloat16,
+        PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=use_pdl,
     )
     if split > 1:
         _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK),)](
@@ -358,6 +403,8 @@ def _launch(
             SPLIT_K=split,
             HAS_BIAS=has_bias,
             SILU=silu,
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
         )
     return out.view(*x.shape[:-1], n)
 

@@ -10,6 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel import pdl
+from minisgl.kernel.pdl import wait_for_previous
+
 _MASK32 = tl.constexpr(0xFFFFFFFF)
 
 
@@ -34,7 +37,9 @@ def _gumbel_argmax_kernel(
     stride_b,
     HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     blocks = tl.cdiv(chunk_size, BLOCK)
@@ -91,6 +96,7 @@ def gumbel_argmax(
     best_idx = torch.empty(batch, chunks, dtype=torch.int64, device=logits.device)
     # the per-request arguments are often strided views of one [B, 3] tensor
     temperature, seed, step = temperature.contiguous(), seed.contiguous(), step.contiguous()
+    use_pdl = pdl.enabled(logits.device)
     _gumbel_argmax_kernel[(batch, chunks)](
         logits,
         temperature,
@@ -104,6 +110,8 @@ def gumbel_argmax(
         logits.stride(0),
         HAS_SKIP=skip is not None,
         BLOCK=block,
+        PDL=use_pdl,
         num_warps=4,
+        launch_pdl=use_pdl,
     )
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1)

@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel import pdl
+from minisgl.kernel.pdl import wait_for_previous
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -102,7 +105,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,  # dtype of the dot products' inputs (compute_dtype)
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -176,7 +181,9 @@ def _decode_merge_kernel(
     SPLITS_POW2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     kv_len = tl.load(kv_lens + b)
@@ -259,6 +266,7 @@ def decode_attention(
     if num_splits > 1:
         part_out = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
+    use_pdl = pdl.enabled(q.device)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
         q,
         k_pool,
@@ -288,8 +296,10 @@ def decode_attention(
         BLOCK_N=block_n,
         COMPUTE=compute_dtype(q, k_pool),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=use_pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=use_pdl,
     )
     if num_splits > 1:
         _decode_merge_kernel[(bsz, heads)](
@@ -303,7 +313,9 @@ def decode_attention(
             SPLITS_POW2=triton.next_power_of_2(num_splits),
             HEAD_DIM=dim,
             BLOCK_N=block_n,
+            PDL=use_pdl,
             num_warps=1 if dim <= 64 else 2,
+            launch_pdl=use_pdl,
         )
     return out
 

@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (PDL, sm_90+): a kernel launched with it may start while the
+kernel before it in the stream still runs, and waits in `wait_for_previous` until that one has
+finished and its writes are visible. Whatever a kernel does before that wait overlaps the
+previous kernel: its launch, and reads of memory that no kernel of the step writes (the GEMV's
+first weight tile). In a CUDA graph the launches become programmatic edges.
+
+The rule every kernel launched with `launch_pdl` keeps: nothing another kernel writes is read,
+and nothing at all is written, before `wait_for_previous`. The wait also lets the next kernel
+launch, so at most one kernel waits ahead of the running one. Kernels launched without PDL (torch
+ops, cuBLAS) keep the full stream order, so mixing both is safe.
+
+Why: one decode stream runs ~280 small kernels per step; each one's launch and ramp-up is time
+the GPU reads no weights. MINISGL_DISABLE_PDL=1 turns it off (the ablation)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl import env
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With PDL: wait until the previous kernel has finished, then let the next one launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Launch with PDL on this device: CUDA sm_90+, not the interpreter, MINISGL_DISABLE_PDL
+    unset (read at every launch, like the other flags: launches are captured once per graph)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _supported(index) and not env.disable_pdl()
