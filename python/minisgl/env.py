@@ -31,13 +31,6 @@ def disable_gemv() -> bool:
     return _flag("MINISGL_DISABLE_GEMV")
 
 
-def disable_gemv_norm() -> bool:
-    """MINISGL_DISABLE_GEMV_NORM: run the residual add + RMSNorm after a decode batch's o_proj
-    and down_proj GEMVs as its own kernel, not in the GEMV's last program
-    (`RMSNorm.add_projected`)."""
-    return _flag("MINISGL_DISABLE_GEMV_NORM")
-
-
 def disable_pdl() -> bool:
     """MINISGL_DISABLE_PDL: launch the Triton kernels without programmatic dependent launch
     (`kernel/pdl.py`; sm_90+ GPUs use it by default)."""

@@ -94,34 +94,6 @@ def test_gemv_interpreted(gemv, dtype, config):
         check(gemv.gemv_silu_and_mul(x, w, b, config=cfg), reference(x, w, b, silu=True))
 
 
-def norm_problem(m: int, n: int, dtype: torch.dtype, seed: int):
-    """A residual [m, n] and an RMSNorm weight [n] for gemv_add_rms_norm."""
-    gen = torch.Generator().manual_seed(seed)
-    residual = torch.randn(m, n, generator=gen).to(DEVICE, dtype)
-    return residual, (1 + torch.randn(n, generator=gen) / 4).to(DEVICE, dtype)
-
-
-@pytest.mark.parametrize("config", ["heuristic", "split", "dot_split"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_add_rms_norm(gemv, dtype, config):
-    """The GEMV whose last program adds the residual and applies RMSNorm (through the split-K
-    reduce kernel too) against F.linear then the torch add + norm; the residual is updated in
-    place and the counter the programs count on ends at zero again."""
-    from minisgl.kernel.last_program import counters
-    from minisgl.layers.norm import rms_norm_torch
-
-    cfg = cpu_configs(gemv)[config] if not CUDA else None
-    for m, bias in [(1, False), (3, True), (8, False)]:
-        x, w, b = problem(m, 37, 72, dtype, seed=20 + m, bias=bias)
-        residual, norm_w = norm_problem(m, 37, dtype, seed=30 + m)
-        want_residual = residual + reference(x, w, b)
-        want = rms_norm_torch(want_residual, norm_w, 1e-6)
-        out = gemv.gemv_add_rms_norm(x, w, b, residual, norm_w, 1e-6, config=cfg)
-        check(residual, want_residual)
-        check(out, want)
-        assert not counters(DEVICE, 1).any()
-
-
 @pytest.mark.skipif(CUDA, reason="interpreter shapes")
 def test_gemv_shapes_and_strides(gemv):
     x, w, b = problem(6, 24, 40, torch.float32, seed=3, bias=True)
@@ -223,7 +195,7 @@ def spy_gemv(monkeypatch, gemv, on_any_device: bool) -> list[str]:
     """Record each GEMV launch (by entry point). Off CUDA, `gemv_ops` applies the eligibility
     rule to CPU tensors (the kernels run interpreted), so the layers' wiring is tested."""
     calls: list[str] = []
-    for name in ("gemv", "gemv_silu_and_mul", "gemv_add_rms_norm"):
+    for name in ("gemv", "gemv_silu_and_mul"):
         real = getattr(gemv, name)
         monkeypatch.setattr(
             gemv,
@@ -261,37 +233,6 @@ def test_layers_dispatch(gemv, monkeypatch, flag):
                 check(out, ref)
         expected = ["gemv", "gemv", "gemv_silu_and_mul", "gemv", "gemv"]
         assert calls == ([] if fallback else expected)
-
-
-@pytest.mark.parametrize("flag", [None, "MINISGL_DISABLE_GEMV_NORM", "MINISGL_DISABLE_GEMV"])
-def test_add_projected_dispatch(gemv, monkeypatch, flag):
-    """RMSNorm.add_projected (o_proj / down_proj then the next norm): one gemv_add_rms_norm
-    launch for M <= 8, else (M = 9 or a flag) the projection then the norm; all equal the
-    torch path, and the residual is updated in place either way."""
-    from minisgl.layers.norm import RMSNorm, rms_norm_torch
-
-    for name in ("MINISGL_DISABLE_GEMV", "MINISGL_DISABLE_GEMV_NORM"):
-        monkeypatch.delenv(name, raising=False)
-    if flag:
-        monkeypatch.setenv(flag, "1")
-    calls = spy_gemv(monkeypatch, gemv, on_any_device=not CUDA)
-    row = layers(torch.float32)[1]
-    norm = RMSNorm(12, 1e-6).to(DEVICE)
-    norm.weight.data = torch.linspace(0.5, 1.5, 12, device=DEVICE)
-    gen = torch.Generator().manual_seed(2)
-    for m in (1, 3, 9):
-        x = torch.randn(m, 24, generator=gen).to(DEVICE)
-        residual = torch.randn(m, 12, generator=gen).to(DEVICE)
-        want_residual = residual + F.linear(x, row.weight)
-        calls.clear()
-        with torch.inference_mode():
-            out, new_residual = norm.add_projected(row, x, residual)
-        assert new_residual is residual
-        check(residual, want_residual)
-        check(out, rms_norm_torch(want_residual, norm.weight, 1e-6))
-        fused = m <= kernel.GEMV_MAX_M and flag is None
-        unfused = [] if m > kernel.GEMV_MAX_M or flag == "MINISGL_DISABLE_GEMV" else ["gemv"]
-        assert calls == (["gemv_add_rms_norm"] if fused else unfused)
 
 
 # ---- GPU ----------------------------------------------------------------------------------
@@ -349,12 +290,10 @@ def test_gemv_in_cuda_graph(gemv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["MINISGL_DISABLE_GEMV", "MINISGL_DISABLE_GEMV_NORM"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_model_greedy_gemv_on_equals_off(gemv, model_dirs, monkeypatch, arch, flag):
+def test_model_greedy_gemv_on_equals_off(gemv, model_dirs, monkeypatch, arch):
     """Tiny models in float32 on CUDA, CUDA graphs on (decode batches 1..8 replay graphs that
-    hold the GEMV): the same greedy tokens with the flag (the GEMV, or its residual-add + norm
-    epilogue, off) and without."""
+    hold the GEMV): the same greedy tokens with MINISGL_DISABLE_GEMV=1 and without."""
     from minisgl import LLM, SamplingParams
 
     path, _ = model_dirs(arch)
@@ -369,12 +308,12 @@ def test_model_greedy_gemv_on_equals_off(gemv, model_dirs, monkeypatch, arch, fl
             llm.shutdown()
         return [o["token_ids"] for o in outs + one]
 
-    monkeypatch.setenv(flag, "1")
+    monkeypatch.setenv("MINISGL_DISABLE_GEMV", "1")
     expected = generate()
-    monkeypatch.delenv(flag)
+    monkeypatch.delenv("MINISGL_DISABLE_GEMV")
     calls = spy_gemv(monkeypatch, gemv, on_any_device=False)
     assert generate() == expected
-    assert {"gemv", "gemv_silu_and_mul", "gemv_add_rms_norm"} <= set(calls)
+    assert "gemv" in calls and "gemv_silu_and_mul" in calls
 
 
 @pytest.mark.skipif(CUDA, reason="the smoke run is the CPU one")

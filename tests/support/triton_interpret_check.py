@@ -90,10 +90,10 @@ check(
 )
 
 # each merge zeroed its counter again, so the next launch counts from zero
-from minisgl.kernel.last_program import counters  # noqa: E402
+from minisgl.kernel.triton_attention import split_counters  # noqa: E402
 
-if counters(CPU, 1).any():
-    failures.append(f"split counters left at {counters(CPU, 1).nonzero().tolist()}")
+if split_counters(CPU, 1).any():
+    failures.append(f"split counters left at {split_counters(CPU, 1).nonzero().tolist()}")
 
 if failures:
     sys.exit("FAILED:\n" + "\n".join(failures))

@@ -66,16 +66,11 @@ def _rms_norm_kernel(
         total = (x32 + r32).to(residual.dtype.element_ty)
         tl.store(r_ptr, total, mask=mask)
         x32 = total.to(tl.float32)
-    o_ptr = out + t * stride_ot + h * stride_oh + cols
-    tl.store(o_ptr, normed_row(x32, w, eps, N, out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def normed_row(x32, w, eps, N, dtype: tl.constexpr):
-    """RMSNorm of one float32 row (zeros past N) times its float32 weight, in dtype; rounded to
-    dtype before the weight multiply, as the reference: weight * normed.to(dtype)."""
     rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
-    return (w * (x32 * rstd).to(dtype).to(tl.float32)).to(dtype)
+    # rounded before the weight multiply, as in the reference: weight * normed.to(dtype)
+    normed = (x32 * rstd).to(out.dtype.element_ty).to(tl.float32)
+    o_ptr = out + t * stride_ot + h * stride_oh + cols
+    tl.store(o_ptr, (w * normed).to(out.dtype.element_ty), mask=mask)
 
 
 def _launch_rms_norm(

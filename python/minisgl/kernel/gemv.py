@@ -33,9 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel import GEMV_DTYPES, GEMV_MAX_M, last_program, pdl
-from minisgl.kernel.fused import normed_row
-from minisgl.kernel.last_program import last_to_arrive
+from minisgl.kernel import GEMV_DTYPES, GEMV_MAX_M, pdl
 from minisgl.kernel.pdl import wait_for_previous
 
 
@@ -118,39 +116,6 @@ def _finish(
 
 
 @triton.jit
-def _add_rms_norm_when_last(
-    out,
-    residual,
-    norm_w,
-    eps,
-    counter,
-    M,
-    N,
-    stride_om,
-    stride_rm,
-    BLOCK: tl.constexpr,  # N rounded up to a power of two
-    FENCE: tl.constexpr,
-):
-    """ADD_NORM's epilogue, run by the launch's last program once every program has stored its
-    columns of out [M, N]: residual <- out + residual, out <- rms_norm(residual) * norm_w,
-    rounded as add_rms_norm_ (kernel/fused.py) rounds them."""
-    if last_to_arrive(counter, tl.num_programs(0) * tl.num_programs(1), FENCE):
-        cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        w = tl.load(norm_w + cols, mask=mask, other=0.0).to(tl.float32)
-        for m in range(M):
-            o_ptr = out + m * stride_om + cols
-            y = tl.load(o_ptr, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            r_ptr = residual + m * stride_rm + cols
-            r32 = tl.load(r_ptr, mask=mask, other=0.0).to(tl.float32)
-            total = (y + r32).to(residual.dtype.element_ty)
-            tl.store(r_ptr, total, mask=mask)
-            tl.store(
-                o_ptr, normed_row(total.to(tl.float32), w, eps, N, out.dtype.element_ty), mask=mask
-            )
-
-
-@triton.jit
 def _k_mask(offs_k, K, k, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """[1, BLOCK_K] mask of the K tile at offset k (all true when EVEN_K)."""
     if EVEN_K:
@@ -210,11 +175,6 @@ def _gemv_kernel(
     UP_OFFSET,  # N * K when SILU: where the up half of the weight starts
     stride_xm,
     stride_om,
-    residual,  # [M, N], with norm_w, eps, counter and stride_rm: read when ADD_NORM
-    norm_w,
-    eps,
-    counter,
-    stride_rm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -226,9 +186,6 @@ def _gemv_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
-    ADD_NORM: tl.constexpr,  # then the residual add and RMSNorm of out's rows (not with PARTIAL)
-    NORM_BLOCK: tl.constexpr,
-    FENCE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     k_start = tl.program_id(1) * K_SPLIT
@@ -281,10 +238,6 @@ def _gemv_kernel(
             tl.store(p_ptrs + N, acc_up, mask=mask)
     else:
         _finish(acc, acc_up, bias, out, out_m * stride_om + out_n, out_n, mask, N, HAS_BIAS, SILU)
-        if ADD_NORM:
-            _add_rms_norm_when_last(
-                out, residual, norm_w, eps, counter, M, N, stride_om, stride_rm, NORM_BLOCK, FENCE
-            )
 
 
 @triton.jit
@@ -295,20 +248,12 @@ def _reduce_kernel(
     M,
     N,
     stride_om,
-    residual,
-    norm_w,
-    eps,
-    counter,
-    stride_rm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     PDL: tl.constexpr,
-    ADD_NORM: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    FENCE: tl.constexpr,
 ):
     """out = epilogue(sum of the SPLIT_K partial sums), one program per BLOCK_N columns."""
     wait_for_previous(PDL)
@@ -324,10 +269,6 @@ def _reduce_kernel(
         if SILU:
             acc_up += tl.load(p_ptrs + N, mask=mask, other=0.0)
     _finish(acc, acc_up, bias, out, rows * stride_om + cols, cols, mask, N, HAS_BIAS, SILU)
-    if ADD_NORM:
-        _add_rms_norm_when_last(
-            out, residual, norm_w, eps, counter, M, N, stride_om, stride_rm, NORM_BLOCK, FENCE
-        )
 
 
 def block_m(m: int) -> int:
@@ -392,36 +333,12 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     assert m <= GEMV_MAX_M, f"{what}: {m} rows of x, more than GEMV_MAX_M = {GEMV_MAX_M}"
 
 
-# the widest row the ADD_NORM epilogue normalises in registers (one program, one pass)
-MAX_NORM_N = 8192
-Norm = tuple[torch.Tensor, torch.Tensor, float]  # (residual [..., N], RMSNorm weight [N], eps)
-
-
-def _norm_args(norm: Norm | None, out: torch.Tensor) -> tuple[tuple, dict]:
-    """The kernels' positional (residual, norm_w, eps, counter, stride_rm) and constexpr
-    arguments of the ADD_NORM epilogue; placeholders without a norm."""
-    if norm is None:
-        return (out, out, 0.0, out, 0), dict(ADD_NORM=False, NORM_BLOCK=1, FENCE=False)
-    residual, weight, eps = norm
-    m, n = out.shape
-    assert residual.dtype == out.dtype and residual.shape[-1] == n and residual.stride(-1) == 1
-    residual = residual.view(-1, n)  # the callers' [T, N] hidden states: a view
-    assert residual.shape[0] == m and weight.shape == (n,) and weight.is_contiguous()
-    assert n <= MAX_NORM_N, f"gemv_add_rms_norm: rows of {n} > MAX_NORM_N = {MAX_NORM_N}"
-    counter = last_program.counters(out.device, 1)
-    fence = last_program.fence_needed(out.device)
-    return (residual, weight, eps, counter, residual.stride(0)), dict(
-        ADD_NORM=True, NORM_BLOCK=triton.next_power_of_2(n), FENCE=fence
-    )
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     silu: bool,
     config: GemvConfig | None,
-    norm: Norm | None = None,
 ) -> torch.Tensor:
     _validate(x, weight, bias, silu)
     rows, k = weight.shape
@@ -443,7 +360,6 @@ def _launch(
     has_bias = bias is not None
     bias_arg = bias if has_bias else out  # unused pointer without a bias
     use_pdl = pdl.enabled(x.device)
-    norm_args, norm_kw = _norm_args(norm, out)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x2,
         weight,
@@ -457,7 +373,6 @@ def _launch(
         n * k if silu else 0,
         x2.stride(0),
         out.stride(0),
-        *norm_args,
         BLOCK_M=bm,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -471,7 +386,6 @@ def _launch(
         # the CPU interpreter multiplies bf16 dot tiles as raw bits (see kernel/moe.py)
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype == torch.bfloat16,
         PDL=use_pdl,
-        **dict(norm_kw, ADD_NORM=norm_kw["ADD_NORM"] and split == 1),  # else the reduce's
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=use_pdl,
@@ -484,14 +398,12 @@ def _launch(
             m,
             n,
             out.stride(0),
-            *norm_args,
             BLOCK_M=block_m(m),
             BLOCK_N=_REDUCE_BLOCK,
             SPLIT_K=split,
             HAS_BIAS=has_bias,
             SILU=silu,
             PDL=use_pdl,
-            **norm_kw,
             launch_pdl=use_pdl,
         )
     return out.view(*x.shape[:-1], n)
@@ -517,18 +429,3 @@ def gemv_silu_and_mul(
     """silu(x @ gate^T) * (x @ up^T) -> [..., I] for weight [2I, K] = [gate; up] (+ bias [2I]):
     silu_and_mul(F.linear(x, weight, bias)) in one kernel."""
     return _launch(x, weight, bias, True, config)
-
-
-def gemv_add_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    config: GemvConfig | None = None,
-) -> torch.Tensor:
-    """residual <- F.linear(x, weight, bias) + residual (in place) and -> rms_norm(residual) *
-    norm_weight [..., N]: gemv() then add_rms_norm_ (kernel/fused.py), bit for bit, in one
-    launch whose last program does the add and the norm (rows up to MAX_NORM_N)."""
-    return _launch(x, weight, bias, False, config, (residual, norm_weight, eps))

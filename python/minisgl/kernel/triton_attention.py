@@ -15,12 +15,14 @@ chosen, so `import triton` stays off the CPU path."""
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel import last_program, pdl
-from minisgl.kernel.last_program import last_to_arrive
+from minisgl.kernel import pdl
 from minisgl.kernel.pdl import wait_for_previous
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -75,6 +77,16 @@ def _online_softmax_step(
     ).to(COMPUTE)
     acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), vb, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _fence_gpu(FENCE: tl.constexpr):
+    """This thread's earlier writes are visible GPU-wide before its later ones (the interpreter
+    runs one program at a time and needs none)."""
+    if FENCE:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit
@@ -202,7 +214,11 @@ def _decode_split_kernel(
     if NUM_SPLITS > 1:
         # The last split of this (request, kv head) to finish merges its query heads, instead
         # of a merge kernel after this one (one launch less per layer: a single stream runs ~9)
-        if last_to_arrive(done + b * tl.num_programs(1) + kvh, NUM_SPLITS, FENCE):
+        _fence_gpu(FENCE)
+        tl.debug_barrier()
+        counter = done + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            tl.store(counter, 0)  # zero again for the next launch
             used = tl.cdiv(kv_len, chunk)
             for g in tl.static_range(GROUP):
                 h = kvh * GROUP + g
@@ -246,6 +262,22 @@ def decode_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     return max(1, min(32, triton.cdiv(4 * sm_count, batch_size * num_kv_heads)))
 
 
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    # splits > 1 only while batch * kv heads < 4 * SMs (decode_splits), so this many suffice
+    return torch.zeros(4 * num_sms(device), dtype=torch.int32, device=device)
+
+
+def split_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The zeroed int32 counters the decode kernel's splits count themselves in (one per
+    request and kv head; each merge zeroes its own). Allocated once per device, at the first
+    split launch, which is an eager one: the graph runner warms each batch size up before it
+    captures."""
+    counters = _counters(device)
+    assert needed <= counters.numel(), f"{needed} split counters, {counters.numel()} allocated"
+    return counters
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_pool: torch.Tensor,  # [slots, Hkv, D]
@@ -285,7 +317,7 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        last_program.counters(q.device, bsz * kv_heads) if num_splits > 1 else kv_lens,
+        split_counters(q.device, bsz * kv_heads) if num_splits > 1 else kv_lens,
         scale,
         q.stride(0),
         q.stride(1),
@@ -307,7 +339,7 @@ def decode_attention(
         COMPUTE=compute_dtype(q, k_pool),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
-        FENCE=last_program.fence_needed(q.device),
+        FENCE=os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=use_pdl,

@@ -4,9 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl import env, kernel
-from minisgl.distributed import get_tp_info
-from minisgl.layers.linear import RowParallelLinear, load_replicated, set_weight_loader
+from minisgl import kernel
+from minisgl.layers.linear import load_replicated, set_weight_loader
 
 
 def rms_norm_torch(
@@ -16,9 +15,6 @@ def rms_norm_torch(
     x rounded to x's dtype); the CPU path. F.rms_norm is that formula bit for bit, its float32
     math inside one call from Python."""
     return torch.mul(weight, F.rms_norm(x, x.shape[-1:], None, eps), out=out)
-
-
-MAX_FUSED_ROW = 8192  # kernel.gemv.MAX_NORM_N (that module imports triton)
 
 
 class RMSNorm(nn.Module):
@@ -50,23 +46,3 @@ class RMSNorm(nn.Module):
         else:  # residual + x is bit for bit x + residual, so CPU results stay transformers'
             rms_norm_torch(residual.add_(x), self.weight, self.eps, out=x)
         return x, residual
-
-    def add_projected(
-        self, proj: RowParallelLinear, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """self(proj(x), residual). For a decode batch on one GPU, the GEMV kernel does the
-        residual add and this norm in its last program (`kernel.gemv.gemv_add_rms_norm`): one
-        launch less, same bits. MINISGL_DISABLE_GEMV_NORM=1 keeps the two launches."""
-        weight = proj.weight
-        fusable = proj.quantized is None and get_tp_info().size == 1  # no all-reduce between
-        if (
-            fusable
-            and (ops := kernel.gemv_ops(x, weight)) is not None  # None on CPU: checked first
-            and weight.shape[0] <= MAX_FUSED_ROW
-            and residual.dtype == x.dtype
-            and not env.disable_gemv_norm()
-        ):
-            return ops.gemv_add_rms_norm(
-                x, weight, proj.bias, residual, self.weight, self.eps
-            ), residual
-        return self(proj(x), residual)

@@ -3,8 +3,6 @@ QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3), mixture-of-experts MLPs (Qwen3-M
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch import nn
 
@@ -34,11 +32,10 @@ class Attention(nn.Module):
             qk_norm = (self.q_norm, self.k_norm)
         self.attn = AttentionLayer(layer_id, cfg.head_dim, rotary, qk_norm)
 
-    def attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The attention output, o_proj's input: the caller projects it (with the next norm)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         p = self.qkv_proj
         q, k, v = p(x).split_with_sizes([p.q_size, p.kv_size, p.kv_size], dim=-1)
-        return self.attn(positions, q, k, v)
+        return self.o_proj(self.attn(positions, q, k, v))
 
 
 class MLP(nn.Module):
@@ -47,15 +44,11 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
-    def activate(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, down_proj's input: the caller projects it (with the next norm)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         w13 = self.gate_up_proj.weight
         if (ops := kernel.gemv_ops(x, w13)) is not None:  # decode: SiLU in the GEMV's epilogue
-            return ops.gemv_silu_and_mul(x, w13, self.gate_up_proj.bias)
-        return silu_and_mul(self.gate_up_proj(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activate(x))
+            return self.down_proj(ops.gemv_silu_and_mul(x, w13, self.gate_up_proj.bias))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -78,18 +71,12 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: this layer's input, already normed by its input_layernorm (the layer before ran
-        it) -> (next_norm of the output + residual, the new residual). Each output projection
-        runs with the norm after it, which the decode GEMV fuses (RMSNorm.add_projected)."""
-        attn = self.self_attn
-        x, residual = self.post_attention_layernorm.add_projected(
-            attn.o_proj, attn.attend(positions, x), residual
-        )
-        if isinstance(self.mlp, MLP):
-            return next_norm.add_projected(self.mlp.down_proj, self.mlp.activate(x), residual)
-        return next_norm(self.mlp(x), residual)
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -103,13 +90,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
         self.rotary.new_forward()
-        layers = cast(list[DecoderLayer], list(self.layers))
-        x, residual = layers[0].input_layernorm(self.embed_tokens(input_ids))
-        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
-        for layer, next_norm in zip(layers, next_norms, strict=True):
-            x, residual = layer(positions, x, residual, next_norm)
-        return x
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
