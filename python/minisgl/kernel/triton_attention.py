@@ -3,10 +3,9 @@ head_dim]; a token's slot is page_table[row, pos // page_size] * page_size + pos
 
 - `decode_attention`: one query token per request, split-KV (flash-decoding): each program
   reduces one chunk of one request's KV for all query heads of one kv head (GQA: the KV is read
-  once); the last chunk of a (request, kv head) to finish merges them by their log-sum-exp,
-  found by a counter (no merge kernel). The split count depends on the batch size only and
-  each request sizes its chunks from its own length, so a CUDA graph captured at one batch size
-  replays for any KV lengths.
+  once), a second kernel merges the chunks by their log-sum-exp. The split count depends on the
+  batch size only and each request sizes its chunks from its own length, so a CUDA graph
+  captured at one batch size replays for any KV lengths.
 - `extend_attention`: each request's new tokens [cached_len, cached_len + extend_len) attend
   causally to its KV [0, cached_len + extend_len), all read from the pool after the store.
 
@@ -14,9 +13,6 @@ The reference is `minisgl.attention.torch_backend`. Imported only when the trito
 chosen, so `import triton` stays off the CPU path."""
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
@@ -80,45 +76,6 @@ def _online_softmax_step(
 
 
 @triton.jit
-def _fence_gpu(FENCE: tl.constexpr):
-    """This thread's earlier writes are visible GPU-wide before its later ones (the interpreter
-    runs one program at a time and needs none)."""
-    if FENCE:
-        tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
-
-
-@triton.jit
-def _merge_splits(
-    part_out,
-    part_lse,
-    base,  # (b * heads + h) * NUM_SPLITS: this head's first split
-    used,  # splits that ran
-    dst,  # this head's output row
-    SPLITS_POW2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """One head's output from its splits, weighted by their log-sum-exp. The loads skip L1:
-    other programs wrote the partials in this same kernel."""
-    offs_s = tl.arange(0, SPLITS_POW2)
-    offs_d = tl.arange(0, HEAD_DIM)
-    in_range = offs_s < used
-    lse = tl.load(
-        part_lse + base + offs_s, mask=in_range, other=float("-inf"), cache_modifier=".cg"
-    )
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always ran, so the max is finite
-    o = tl.load(
-        part_out + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
-        mask=in_range[:, None],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(dst + offs_d, res.to(dst.dtype.element_ty))
-
-
-@triton.jit
 def _decode_split_kernel(
     q,  # [B, H, D]
     k_pool,  # [slots, Hkv, D]
@@ -126,10 +83,9 @@ def _decode_split_kernel(
     page_table,  # [rows, pages] int32
     rows,  # [B] int32
     kv_lens,  # [B] int32
-    out,  # [B, H, D]
+    out,  # [B, H, D], written here when NUM_SPLITS == 1
     part_out,  # [B, H, S, D] float32
     part_lse,  # [B, H, S] float32 (log2 units)
-    done,  # [B * Hkv] int32 zeros: splits finished per (request, kv head), reset by the last
     scale,
     stride_qb,
     stride_qh,
@@ -144,14 +100,12 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,  # query heads per kv head, all handled by one program
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16 for tl.dot
     NUM_SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,  # dtype of the dot products' inputs (compute_dtype)
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    FENCE: tl.constexpr,
 ):
     wait_for_previous(PDL)
     b = tl.program_id(0)
@@ -161,70 +115,92 @@ def _decode_split_kernel(
     # each request splits its own length: the launch depends on the batch size only
     chunk = _split_chunk(kv_len, NUM_SPLITS, BLOCK_N)
     start = split * chunk
+    if start >= kv_len:  # past this request's end; the merge skips this split
+        return
+    end = tl.minimum(start + chunk, kv_len)
+    row = tl.load(rows + b)
+
     offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
     h_valid = tl.arange(0, BLOCK_H) < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
-    if start < kv_len:  # else past this request's end: nothing to attend, the merge skips it
-        end = tl.minimum(start + chunk, kv_len)
-        row = tl.load(rows + b)
-        qb = tl.load(
-            q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-            mask=h_valid[:, None],
+    qb = tl.load(
+        q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=h_valid[:, None],
+        other=0.0,
+    ).to(COMPUTE)
+    qk_scale = scale * LOG2E  # scores in log2 units: exp2 below
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)
+        kb = tl.load(
+            k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=valid[:, None],
             other=0.0,
         ).to(COMPUTE)
-        qk_scale = scale * LOG2E  # scores in log2 units: exp2 below
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            valid = pos < end
-            slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)
-            kb = tl.load(
-                k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                mask=valid[:, None],
-                other=0.0,
-            ).to(COMPUTE)
-            s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))  # every block has a valid position
-            m_i, l_i, acc = _online_softmax_step(
-                s,
-                m_i,
-                l_i,
-                acc,
-                v_pool,
-                slot,
-                kvh,
-                valid,
-                offs_d,
-                stride_vt,
-                stride_vh,
-                COMPUTE,
-                PRECISION,
-            )
-        res = acc / l_i[:, None]
-        if NUM_SPLITS == 1:  # nothing to merge
-            dst = out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
-            tl.store(dst, res.to(out.dtype.element_ty), mask=h_valid[:, None])
-        else:
-            base = (b * NUM_HEADS + offs_h) * NUM_SPLITS + split  # [BLOCK_H]
-            part = part_out + base[:, None] * HEAD_DIM + offs_d[None, :]
-            tl.store(part, res, mask=h_valid[:, None])
-            tl.store(part_lse + base, m_i + tl.log2(l_i), mask=h_valid)
-    if NUM_SPLITS > 1:
-        # The last split of this (request, kv head) to finish merges its query heads, instead
-        # of a merge kernel after this one (one launch less per layer: a single stream runs ~9)
-        _fence_gpu(FENCE)
-        tl.debug_barrier()
-        counter = done + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            tl.store(counter, 0)  # zero again for the next launch
-            used = tl.cdiv(kv_len, chunk)
-            for g in tl.static_range(GROUP):
-                h = kvh * GROUP + g
-                dst = out + b * stride_ob + h * stride_oh
-                base = (b * NUM_HEADS + h) * NUM_SPLITS
-                _merge_splits(part_out, part_lse, base, used, dst, SPLITS_POW2, HEAD_DIM)
+        s = tl.dot(qb, tl.trans(kb), input_precision=PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))  # every block has a valid position
+        m_i, l_i, acc = _online_softmax_step(
+            s,
+            m_i,
+            l_i,
+            acc,
+            v_pool,
+            slot,
+            kvh,
+            valid,
+            offs_d,
+            stride_vt,
+            stride_vh,
+            COMPUTE,
+            PRECISION,
+        )
+
+    res = acc / l_i[:, None]
+    if NUM_SPLITS == 1:  # nothing to merge
+        dst = out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, res.to(out.dtype.element_ty), mask=h_valid[:, None])
+    else:
+        base = (b * NUM_HEADS + offs_h) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(part_out + base[:, None] * HEAD_DIM + offs_d[None, :], res, mask=h_valid[:, None])
+        tl.store(part_lse + base, m_i + tl.log2(l_i), mask=h_valid)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out,  # [B, H, S, D] float32
+    part_lse,  # [B, H, S] float32
+    kv_lens,  # [B] int32
+    out,  # [B, H, D]
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_previous(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_len = tl.load(kv_lens + b)
+    used = tl.cdiv(kv_len, _split_chunk(kv_len, NUM_SPLITS, BLOCK_N))  # splits that ran
+    base = (b * tl.num_programs(1) + h) * NUM_SPLITS
+    offs_s = tl.arange(0, SPLITS_POW2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_range = offs_s < used
+    lse = tl.load(part_lse + base + offs_s, mask=in_range, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always ran, so the max is finite
+    o = tl.load(
+        part_out + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+        mask=in_range[:, None],
+        other=0.0,
+    )
+    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out + b * stride_ob + h * stride_oh + offs_d, res.to(out.dtype.element_ty))
 
 
 def compute_dtype(q: torch.Tensor, k_pool: torch.Tensor) -> tl.dtype:
@@ -260,22 +236,6 @@ def decode_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     serves any lengths: each request cuts its own KV into this many block-aligned chunks, and
     the chunks past a short request's end exit at once."""
     return max(1, min(32, triton.cdiv(4 * sm_count, batch_size * num_kv_heads)))
-
-
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    # splits > 1 only while batch * kv heads < 4 * SMs (decode_splits), so this many suffice
-    return torch.zeros(4 * num_sms(device), dtype=torch.int32, device=device)
-
-
-def split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The zeroed int32 counters the decode kernel's splits count themselves in (one per
-    request and kv head; each merge zeroes its own). Allocated once per device, at the first
-    split launch, which is an eager one: the graph runner warms each batch size up before it
-    captures."""
-    counters = _counters(device)
-    assert needed <= counters.numel(), f"{needed} split counters, {counters.numel()} allocated"
-    return counters
 
 
 def decode_attention(
@@ -317,7 +277,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        split_counters(q.device, bsz * kv_heads) if num_splits > 1 else kv_lens,
         scale,
         q.stride(0),
         q.stride(1),
@@ -332,18 +291,32 @@ def decode_attention(
         GROUP=heads // kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
         NUM_SPLITS=num_splits,
-        SPLITS_POW2=triton.next_power_of_2(num_splits),
         PAGE_SIZE=page_size,
         HEAD_DIM=dim,
         BLOCK_N=block_n,
         COMPUTE=compute_dtype(q, k_pool),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=use_pdl,
-        FENCE=os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=use_pdl,
     )
+    if num_splits > 1:
+        _decode_merge_kernel[(bsz, heads)](
+            part_out,
+            part_lse,
+            kv_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_POW2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=dim,
+            BLOCK_N=block_n,
+            PDL=use_pdl,
+            num_warps=1 if dim <= 64 else 2,
+            launch_pdl=use_pdl,
+        )
     return out
 
 
