@@ -244,6 +244,29 @@ def test_env_flags(monkeypatch):
         env.disable_fused_ops()
 
 
+def test_pdl_rule(monkeypatch):
+    """Kernels launch with programmatic dependent launch only on sm_90+ CUDA devices, never
+    under the interpreter or with MINISGL_DISABLE_PDL set (read at each launch)."""
+    pytest.importorskip("triton")
+    from minisgl.kernel import pdl
+
+    assert not pdl.enabled(torch.device("cpu"))
+    capability = {0: 9, 1: 8}  # an H100 and an A100, without touching CUDA
+    monkeypatch.setattr(pdl, "_supported", lambda index: capability[index] >= 9)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("MINISGL_DISABLE_PDL", raising=False)
+    assert pdl.enabled(torch.device("cuda", 0)) and not pdl.enabled(torch.device("cuda", 1))
+    monkeypatch.setenv("MINISGL_DISABLE_PDL", "1")
+    assert not pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("MINISGL_DISABLE_PDL", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("MINISGL_DISABLE_PDL", "sometimes")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="MINISGL_DISABLE_PDL='sometimes'"):
+        pdl.enabled(torch.device("cuda", 0))
+
+
 def test_cpu_tensors_take_the_torch_path():
     assert kernel.fused_ops(torch.zeros(2)) is None
 
