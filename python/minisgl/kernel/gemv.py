@@ -10,6 +10,8 @@ all M rows of x, so W is read from memory once. Two inner products:
   no shuffles, barriers or layout changes (checked in the sm_90 TTGIR/PTX).
 - `dot` (M > 2): tl.dot of x padded to 16 rows with the W tile on tensor cores; Triton pipelines
   the W loads (cp.async, num_stages).
+With PDL (kernel/pdl.py) a program reads its first W tile before waiting for the kernel
+before it, so that read overlaps the norm or attention whose output x is.
 When N / BLOCK_N programs cannot fill the GPU, K is split: each program writes float32 partial
 sums [splits, M, N] and a small second kernel adds them (no atomics: deterministic, nothing to
 zero first).
