@@ -256,6 +256,8 @@ def test_pdl_rule(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("MINISGL_DISABLE_PDL", raising=False)
     assert pdl.enabled(torch.device("cuda", 0)) and not pdl.enabled(torch.device("cuda", 1))
+    assert pdl.options(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    assert pdl.options(torch.device("cuda", 1)) == {"PDL": False, "launch_pdl": False}
     monkeypatch.setenv("MINISGL_DISABLE_PDL", "1")
     assert not pdl.enabled(torch.device("cuda", 0))
     monkeypatch.setenv("MINISGL_DISABLE_PDL", "0")

@@ -89,7 +89,7 @@ def _launch_rms_norm(
     if tokens * heads == 0:
         return
     block = triton.next_power_of_2(n)
-    use_pdl = pdl.enabled(x.device)
+    launch = pdl.options(x.device)
     _rms_norm_kernel[(tokens * heads,)](
         x3,
         r3,
@@ -106,9 +106,8 @@ def _launch_rms_norm(
         N=n,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
-        PDL=use_pdl,
+        **launch,
         num_warps=_num_warps(block),
-        launch_pdl=use_pdl,
     )
 
 
@@ -291,7 +290,7 @@ def _launch_rotary(
         return
     v, k_pool, v_pool, out_loc = store or (k, k, k, positions)  # unused when there is no store
     half = dim // 2
-    use_pdl = pdl.enabled(q.device)
+    launch = pdl.options(q.device)
     _rotary_kernel[(tokens,)](
         q,
         k,
@@ -320,9 +319,8 @@ def _launch_rotary(
         BLOCK_D=triton.next_power_of_2(half),
         NORM=qk_norm is not None,
         STORE=store is not None,
-        PDL=use_pdl,
+        **launch,
         num_warps=4,
-        launch_pdl=use_pdl,
     )
 
 
@@ -350,7 +348,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and n > 0:
         block = min(1024, triton.next_power_of_2(n))
-        use_pdl = pdl.enabled(x.device)
+        launch = pdl.options(x.device)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
             x2,
             out,
@@ -358,9 +356,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             N=n,
             BLOCK=block,
-            PDL=use_pdl,
+            **launch,
             num_warps=_num_warps(block),
-            launch_pdl=use_pdl,
         )
     return out.view(*x.shape[:-1], n)
 
@@ -418,7 +415,7 @@ def store_kv(
     if tokens == 0:
         return
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
-    use_pdl = pdl.enabled(k.device)
+    launch = pdl.options(k.device)
     _store_kv_kernel[(tokens,)](
         k,
         v,
@@ -436,7 +433,6 @@ def store_kv(
         DIM=dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
-        PDL=use_pdl,
+        **launch,
         num_warps=_num_warps(block_h * block_d),
-        launch_pdl=use_pdl,
     )

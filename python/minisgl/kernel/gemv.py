@@ -361,7 +361,7 @@ def _launch(
         partial = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)
     has_bias = bias is not None
     bias_arg = bias if has_bias else out  # unused pointer without a bias
-    use_pdl = pdl.enabled(x.device)
+    launch = pdl.options(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x2,
         weight,
@@ -387,10 +387,9 @@ def _launch(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # the CPU interpreter multiplies bf16 dot tiles as raw bits (see kernel/moe.py)
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype == torch.bfloat16,
-        PDL=use_pdl,
+        **launch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=use_pdl,
     )
     if split > 1:
         _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK),)](
@@ -405,8 +404,7 @@ def _launch(
             SPLIT_K=split,
             HAS_BIAS=has_bias,
             SILU=silu,
-            PDL=use_pdl,
-            launch_pdl=use_pdl,
+            **launch,
         )
     return out.view(*x.shape[:-1], n)
 

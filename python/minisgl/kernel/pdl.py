@@ -44,3 +44,10 @@ def enabled(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _supported(index) and not env.disable_pdl()
+
+
+def options(device: torch.device) -> dict[str, bool]:
+    """A PDL kernel's launch keywords: its PDL constexpr (the wait) and `launch_pdl` together,
+    never one without the other (a PDL launch whose kernel never waits would race)."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on}

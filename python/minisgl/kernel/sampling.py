@@ -96,7 +96,7 @@ def gumbel_argmax(
     best_idx = torch.empty(batch, chunks, dtype=torch.int64, device=logits.device)
     # the per-request arguments are often strided views of one [B, 3] tensor
     temperature, seed, step = temperature.contiguous(), seed.contiguous(), step.contiguous()
-    use_pdl = pdl.enabled(logits.device)
+    launch = pdl.options(logits.device)
     _gumbel_argmax_kernel[(batch, chunks)](
         logits,
         temperature,
@@ -110,8 +110,7 @@ def gumbel_argmax(
         logits.stride(0),
         HAS_SKIP=skip is not None,
         BLOCK=block,
-        PDL=use_pdl,
+        **launch,
         num_warps=4,
-        launch_pdl=use_pdl,
     )
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1)

@@ -266,7 +266,7 @@ def decode_attention(
     if num_splits > 1:
         part_out = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
-    use_pdl = pdl.enabled(q.device)
+    launch = pdl.options(q.device)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
         q,
         k_pool,
@@ -296,10 +296,9 @@ def decode_attention(
         BLOCK_N=block_n,
         COMPUTE=compute_dtype(q, k_pool),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PDL=use_pdl,
+        **launch,
         num_warps=num_warps,
         num_stages=num_stages,
-        launch_pdl=use_pdl,
     )
     if num_splits > 1:
         _decode_merge_kernel[(bsz, heads)](
@@ -313,9 +312,8 @@ def decode_attention(
             SPLITS_POW2=triton.next_power_of_2(num_splits),
             HEAD_DIM=dim,
             BLOCK_N=block_n,
-            PDL=use_pdl,
+            **launch,
             num_warps=1 if dim <= 64 else 2,
-            launch_pdl=use_pdl,
         )
     return out
 
