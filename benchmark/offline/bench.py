@@ -322,7 +322,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-fused", action="store_true", help="MINISGL_DISABLE_FUSED_OPS")
     p.add_argument("--no-gemv", action="store_true", help="MINISGL_DISABLE_GEMV")
     p.add_argument("--no-pdl", action="store_true", help="MINISGL_DISABLE_PDL")
-    p.add_argument("--no-gemv-norm", action="store_true", help="MINISGL_DISABLE_GEMV_NORM")
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="a step's tokens")
     p.add_argument(
@@ -382,8 +381,6 @@ def main() -> None:
         os.environ["MINISGL_DISABLE_GEMV"] = "1"
     if args.no_pdl:
         os.environ["MINISGL_DISABLE_PDL"] = "1"
-    if args.no_gemv_norm:
-        os.environ["MINISGL_DISABLE_GEMV_NORM"] = "1"
     import torch
 
     from minisgl import LLM, SamplingParams
@@ -497,7 +494,6 @@ def main() -> None:
         "fused": not args.no_fused,
         "gemv": not args.no_gemv,
         "pdl": not args.no_pdl,
-        "gemv_norm": not args.no_gemv_norm,
         "grammar_frac": args.grammar_frac,
         "features_frac": args.features_frac,
         "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),

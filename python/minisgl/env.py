@@ -31,12 +31,6 @@ def disable_gemv() -> bool:
     return _flag("MINISGL_DISABLE_GEMV")
 
 
-def disable_gemv_norm() -> bool:
-    """MINISGL_DISABLE_GEMV_NORM: run each RMSNorm in front of a GEMV projection as its own
-    kernel, instead of in the GEMV's prologue (`kernel.gemv.gemv_normed`)."""
-    return _flag("MINISGL_DISABLE_GEMV_NORM")
-
-
 def disable_pdl() -> bool:
     """MINISGL_DISABLE_PDL: launch the Triton kernels without programmatic dependent launch
     (`kernel/pdl.py`; sm_90+ GPUs use it by default)."""

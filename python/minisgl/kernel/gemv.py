@@ -164,56 +164,6 @@ def _accumulate(
 
 
 @triton.jit
-def _summed(xt, res, r_offs, mask, HAS_RES: tl.constexpr):
-    """x + residual rounded to x's dtype, as the residual stream keeps it (else x)."""
-    if HAS_RES:
-        rt = tl.load(res + r_offs, mask=mask, other=0.0)
-        xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(xt.dtype)
-    return xt
-
-
-@triton.jit
-def _row_rstd(x_ptrs, res, r_offs, x_mask, K, eps, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / rms of each x row (+ residual) over the whole of K: the norm's statistics, which
-    every program computes for itself (a row is a few KiB read from L2)."""
-    mask = x_mask & (tl.arange(0, BLOCK_K) < K)[None, :]
-    xt = _summed(tl.load(x_ptrs, mask=mask, other=0.0), res, r_offs, mask, HAS_RES)
-    sq = xt.to(tl.float32) * xt.to(tl.float32)
-    for k in range(BLOCK_K, K, BLOCK_K):
-        mask = x_mask & (tl.arange(0, BLOCK_K) < K - k)[None, :]
-        xt = _summed(tl.load(x_ptrs + k, mask=mask, other=0.0), res, r_offs + k, mask, HAS_RES)
-        sq += xt.to(tl.float32) * xt.to(tl.float32)
-    return tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
-
-
-@triton.jit
-def _x_tile(
-    x_ptrs,
-    mask,
-    res,
-    res_out,
-    r_offs,
-    writes,
-    nw_ptrs,
-    rstd,
-    NORM: tl.constexpr,
-    HAS_RES: tl.constexpr,
-):
-    """An x tile; with NORM the RMSNorm of x + residual (the sum stored to res_out where
-    `writes`), rounded as the reference rounds it: the normed x to x's dtype, then times the
-    norm weight, rounded again."""
-    xt = tl.load(x_ptrs, mask=mask, other=0.0)
-    if NORM:
-        xt = _summed(xt, res, r_offs, mask, HAS_RES)
-        if HAS_RES:
-            tl.store(res_out + r_offs, xt, mask=writes & mask)
-        normed = (xt.to(tl.float32) * rstd[:, None]).to(xt.dtype).to(tl.float32)
-        nw = tl.load(nw_ptrs, mask=mask, other=0.0).to(tl.float32)
-        xt = (nw * normed).to(xt.dtype)
-    return xt
-
-
-@triton.jit
 def _gemv_kernel(
     x,  # [M, K], unit stride along K
     w,  # [N, K] or, when SILU, [2N, K]: gate rows then up rows; contiguous
@@ -227,16 +177,9 @@ def _gemv_kernel(
     UP_OFFSET,  # N * K when SILU: where the up half of the weight starts
     stride_xm,
     stride_om,
-    norm_w,  # [K]: with NORM, x is RMSNorm(x + residual) * norm_w
-    res,  # [M, K] residual, read when HAS_RES
-    res_out,  # [M, K], receives x + residual when HAS_RES (programs of the first column block)
-    stride_rm,  # of res and res_out
-    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RES: tl.constexpr,
     PARTIAL: tl.constexpr,  # K is split: write partial sums for _reduce_kernel
     EVEN_K: tl.constexpr,  # every split is whole BLOCK_K tiles inside K: no K mask
     HAS_BIAS: tl.constexpr,
@@ -253,7 +196,6 @@ def _gemv_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         x_rows, w_rows = offs_m, offs_n
-        first = offs_m + pid_n * BLOCK_M < BLOCK_M  # the first column block: pid_n == 0
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         # One tile row per (n, m) pair, m fastest: the rows of a pair load the same W row (the
@@ -262,7 +204,6 @@ def _gemv_kernel(
         pairs = tl.arange(0, BLOCK_N * BLOCK_M)
         x_rows = pairs % BLOCK_M
         w_rows = pid_n * BLOCK_N + pairs // BLOCK_M
-        first = w_rows < 1  # W row 0's pairs: each x row once, in the first column block
         acc = tl.zeros((BLOCK_N * BLOCK_M, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
     x_ptrs = x + x_rows[:, None] * stride_xm + offs_k[None, :]
@@ -274,27 +215,14 @@ def _gemv_kernel(
     k_mask = _k_mask(offs_k, K, 0, EVEN_K, BLOCK_K)
     wt, ut = _load_w(w_ptrs, w_mask & k_mask, UP_OFFSET, SILU)
     wait_for_previous(PDL)
-    rstd = x_rows.to(tl.float32)  # unused without NORM
-    r_offs = x_rows[:, None] * stride_rm + offs_k[None, :]
-    # x + residual is written once per element: by the first column block's programs
-    writes = x_mask & first[:, None]
-    if NORM:  # the statistics of whole rows, from K = 0
-        x_row = x_ptrs - k_start
-        rstd = _row_rstd(x_row, res, r_offs - k_start, x_mask, K, eps, HAS_RES, BLOCK_K)
-    nw_ptrs = norm_w + offs_k[None, :]
-    xt = _x_tile(
-        x_ptrs, x_mask & k_mask, res, res_out, r_offs, writes, nw_ptrs, rstd, NORM, HAS_RES
-    )
+    xt = tl.load(x_ptrs, mask=x_mask & k_mask, other=0.0)
     acc, acc_up = _accumulate(acc, acc_up, xt, wt, ut, SILU, DOT, PRECISION, UPCAST)
     for k in range(BLOCK_K, K_SPLIT, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        r_offs += BLOCK_K
-        nw_ptrs += BLOCK_K
         k_mask = _k_mask(offs_k, K, k, EVEN_K, BLOCK_K)
         wt, ut = _load_w(w_ptrs, w_mask & k_mask, UP_OFFSET, SILU)  # the DRAM stream first
-        mask = x_mask & k_mask
-        xt = _x_tile(x_ptrs, mask, res, res_out, r_offs, writes, nw_ptrs, rstd, NORM, HAS_RES)
+        xt = tl.load(x_ptrs, mask=x_mask & k_mask, other=0.0)
         acc, acc_up = _accumulate(acc, acc_up, xt, wt, ut, SILU, DOT, PRECISION, UPCAST)
     if DOT:
         out_m = tl.broadcast_to(offs_m[:, None], (BLOCK_M, BLOCK_N))
@@ -407,24 +335,12 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     assert m <= GEMV_MAX_M, f"{what}: {m} rows of x, more than GEMV_MAX_M = {GEMV_MAX_M}"
 
 
-@dataclass(frozen=True)
-class Norm:
-    """The RMSNorm in front of a projection: x becomes RMSNorm(x + residual) * weight, and
-    x + residual goes to `residual_out` (RMSNorm.forward with its residual add)."""
-
-    weight: torch.Tensor  # [K]
-    eps: float
-    residual: torch.Tensor | None  # x's shape, contiguous
-    residual_out: torch.Tensor | None  # [M, K], written when there is a residual
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     silu: bool,
     config: GemvConfig | None,
-    norm: Norm | None = None,
 ) -> torch.Tensor:
     _validate(x, weight, bias, silu)
     rows, k = weight.shape
@@ -432,12 +348,6 @@ def _launch(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    res = res_out = norm_w = x2  # unused pointers without a norm (or its residual)
-    eps = 0.0
-    if norm is not None:
-        norm_w, eps = norm.weight, norm.eps
-        if norm.residual is not None and norm.residual_out is not None:
-            res, res_out = norm.residual.view(m, k), norm.residual_out
     n = rows // 2 if silu else rows
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -465,16 +375,9 @@ def _launch(
         n * k if silu else 0,
         x2.stride(0),
         out.stride(0),
-        norm_w,
-        res,
-        res_out,
-        k,
-        eps,
         BLOCK_M=bm,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        NORM=norm is not None,
-        HAS_RES=res is not x2,
         PARTIAL=split > 1,
         EVEN_K=k % k_split == 0,
         HAS_BIAS=has_bias,
@@ -526,32 +429,3 @@ def gemv_silu_and_mul(
     """silu(x @ gate^T) * (x @ up^T) -> [..., I] for weight [2I, K] = [gate; up] (+ bias [2I]):
     silu_and_mul(F.linear(x, weight, bias)) in one kernel."""
     return _launch(x, weight, bias, True, config)
-
-
-def gemv_normed(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    silu: bool = False,
-    config: GemvConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm (residual add included) and then the projection, in one kernel: every program
-    computes the norm's row statistics itself, so no norm kernel runs between the kernel that
-    wrote x and this one. -> (gemv(normed) or, with silu, gemv_silu_and_mul(normed); the new
-    residual: x + residual, or x without one). x and residual are only read: unlike
-    add_rms_norm_, the new residual is a new tensor (other programs still read the old one)."""
-    k = weight.shape[1]
-    assert norm_weight.shape == (k,) and norm_weight.dtype == x.dtype, (
-        f"gemv_normed: norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} for x {x.dtype}"
-    )
-    if residual is None:
-        return _launch(x, weight, bias, silu, config, Norm(norm_weight, eps, None, None)), x
-    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous(), (
-        f"gemv_normed: residual {tuple(residual.shape)} {residual.dtype} for x {tuple(x.shape)}"
-    )
-    residual_out = torch.empty_like(residual)
-    norm = Norm(norm_weight, eps, residual, residual_out.view(-1, k))
-    return _launch(x, weight, bias, silu, config, norm), residual_out

@@ -13,7 +13,6 @@ from torch import nn
 
 from minisgl import kernel
 from minisgl.distributed import all_reduce, divide, get_tp_info
-from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.quantized import QuantizedLinear
 
 # (param, loaded[, shard id]): copies this rank's part of a checkpoint tensor into param
@@ -83,13 +82,6 @@ class LinearBase(nn.Module):
             y = self.quantized.matmul(x)
             return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu_and_mul(self(x)) for a [gate; up] weight (the MLP's gate_up); decode batches on
-        CUDA run it as one GEMV with the SiLU in its epilogue."""
-        if self.quantized is None and (ops := kernel.gemv_ops(x, self.weight)) is not None:
-            return ops.gemv_silu_and_mul(x, self.weight, self.bias)
-        return silu_and_mul(self(x))
 
 
 class ReplicatedLinear(LinearBase):

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl import env, kernel
-from minisgl.layers.linear import LinearBase, load_replicated, set_weight_loader
+from minisgl import kernel
+from minisgl.layers.linear import load_replicated, set_weight_loader
 
 
 def rms_norm_torch(
@@ -46,23 +46,3 @@ class RMSNorm(nn.Module):
         else:  # residual + x is bit for bit x + residual, so CPU results stay transformers'
             rms_norm_torch(residual.add_(x), self.weight, self.eps, out=x)
         return x, residual
-
-
-def norm_linear(
-    norm: RMSNorm,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    proj: LinearBase,
-    silu: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """proj(norm(x, residual)), with SiLU-and-mul after it when `silu` (the MLP's gate_up), and
-    the new residual. Decode batches on CUDA run it as one GEMV with the norm in its prologue
-    (kernel.gemv.gemv_normed: no norm kernel between the kernel that wrote x and the GEMV);
-    MINISGL_DISABLE_GEMV_NORM=1 or anything the GEMV does not take runs the two in turn. As
-    with RMSNorm.forward, the caller must not reuse x or residual afterwards."""
-    w = proj.weight
-    if proj.quantized is None and not env.disable_gemv_norm():
-        if (ops := kernel.gemv_ops(x, w)) is not None:
-            return ops.gemv_normed(x, residual, norm.weight, norm.eps, w, proj.bias, silu)
-    x, residual = norm(x, residual)
-    return (proj.silu_and_mul(x) if silu else proj(x)), residual

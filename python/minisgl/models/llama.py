@@ -6,12 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl import kernel
 from minisgl.distributed import get_tp_info
+from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.moe import MoELayer
-from minisgl.layers.norm import RMSNorm, norm_linear
+from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
@@ -30,11 +32,9 @@ class Attention(nn.Module):
             qk_norm = (self.q_norm, self.k_norm)
         self.attn = AttentionLayer(layer_id, cfg.head_dim, rotary, qk_norm)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """The attention block from its input's QKV projection (DecoderLayer runs the
-        projection, with the norm in front of it) to the output projection."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         p = self.qkv_proj
-        q, k, v = qkv.split_with_sizes([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        q, k, v = p(x).split_with_sizes([p.q_size, p.kv_size, p.kv_size], dim=-1)
         return self.o_proj(self.attn(positions, q, k, v))
 
 
@@ -45,14 +45,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
-
-    def normed(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """self(norm(x, residual)) and the new residual, the norm in the gate_up GEMV."""
-        h, residual = norm_linear(norm, x, residual, self.gate_up_proj, silu=True)
-        return self.down_proj(h), residual
+        w13 = self.gate_up_proj.weight
+        if (ops := kernel.gemv_ops(x, w13)) is not None:  # decode: SiLU in the GEMV's epilogue
+            return self.down_proj(ops.gemv_silu_and_mul(x, w13, self.gate_up_proj.bias))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -77,12 +73,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # each norm runs inside the projection after it where the GEMV takes the batch
-        qkv, residual = norm_linear(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
-        x = self.self_attn(positions, qkv)
-        if isinstance(self.mlp, MLP):
-            return self.mlp.normed(self.post_attention_layernorm, x, residual)
-        x, residual = self.post_attention_layernorm(x, residual)  # the MoE router reads it
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
