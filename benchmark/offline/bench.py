@@ -219,6 +219,7 @@ def spec_options(args: argparse.Namespace, model: str) -> dict[str, Any]:
     options: dict[str, Any] = {
         "speculative_algorithm": "ngram" if algorithm in ("random", "oracle") else algorithm,
         "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+        "speculative_max_backoff": args.speculative_max_backoff,
     }
     if algorithm == "standalone":
         options["speculative_draft_model_path"] = args.speculative_draft_model_path or model
@@ -276,6 +277,7 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
         return {
             "speculative": args.speculative_algorithm,
             "num_draft_tokens": args.speculative_num_draft_tokens,
+            "max_backoff": args.speculative_max_backoff,
             "spec_draft_tokens": drafted,
             "spec_accepted_tokens": accepted,
             # tokens a verifying request-step yields: its accepted proposals and its own token
@@ -350,6 +352,12 @@ def parse_args() -> argparse.Namespace:
         "(dummy weights from the same seed: all accepted)",
     )
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    p.add_argument(
+        "--speculative-max-backoff",
+        type=int,
+        default=16,
+        help="steps a request whose proposals gained nothing waits at most (0: proposes always)",
+    )
     p.add_argument("--speculative-draft-model-path", help="standalone's draft model")
     p.add_argument(
         "--grammar-frac",
@@ -486,7 +494,9 @@ def main() -> None:
         "tok_s": round(tok_s, 1),
         "attn": args.attn,
         "moe_backend": moe.backend if moe is not None else None,
-        "overlap": not args.no_overlap and args.speculative_algorithm is None,  # spec: off
+        # speculation: the steps between proposals overlap (a back-off of 0 leaves none)
+        "overlap": not args.no_overlap
+        and (args.speculative_algorithm is None or args.speculative_max_backoff > 0),
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "kv_cache_dtype": args.kv_cache_dtype,
         "mixed_steps": not args.disable_mixed_steps,

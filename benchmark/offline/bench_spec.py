@@ -81,6 +81,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument(
+        "--max-backoff",
+        type=int,
+        default=16,
+        help="--speculative-max-backoff (0: propose at every step, no overlap)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="timed runs per mode (the median)")
     p.add_argument("--prompts", default=",".join(PROMPTS), help="which of " + ", ".join(PROMPTS))
     p.add_argument("--dtype", default="auto", help="the engine's --dtype (float32: exact)")
@@ -102,7 +108,9 @@ def main() -> None:
         raise SystemExit(f"--prompts: unknown {unknown}; known: {', '.join(PROMPTS)}")
     results: dict[str, dict[str, dict]] = {n: {} for n in names}
     for mode in ("plain", "ngram"):
-        spec = {} if mode == "plain" else {"speculative_algorithm": "ngram"}
+        spec: dict[str, Any] = {}
+        if mode == "ngram":
+            spec = {"speculative_algorithm": "ngram", "speculative_max_backoff": args.max_backoff}
         llm = LLM(
             args.model,
             device=args.device,
@@ -141,6 +149,7 @@ def main() -> None:
                 "device": args.device,
                 "prompt": name,
                 "num_draft_tokens": args.num_draft_tokens,
+                "max_backoff": args.max_backoff,
                 "plain_tok_s": round(plain["decode_tok_s"], 2),
                 "ngram_tok_s": round(ngram["decode_tok_s"], 2),
                 "speedup": round(ratio, 3),

@@ -196,6 +196,7 @@ class Req:
     drafts: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    spec_backoff: int = 0  # > 1: it proposes in every spec_backoff-th step only (planner.backoff)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -11,7 +11,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.spec import NgramProposer, accept, latest_match
+from minisgl.scheduler.spec import Backoff, NgramProposer, accept, latest_match, room
 from minisgl.utils.options import OptionError
 
 
@@ -75,12 +75,18 @@ CONFIGS = [  # page size, pages, prefix cache, prompt tokens per step
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"p{c['page_size']}-{c['cache']}")
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_ngram_outputs_equal_plain_decoding(model_dirs, monkeypatch, config, temperature):
+@pytest.mark.parametrize("overlap, backoff", [(True, 16), (False, 0)], ids=["adaptive", "every"])
+def test_ngram_outputs_equal_plain_decoding(
+    model_dirs, monkeypatch, config, temperature, overlap, backoff
+):
+    """Adaptive (the default: requests back off, the steps between proposals overlap) and
+    proposing at every step without overlap."""
     path, _ = model_dirs("qwen3")
     plain = generate(path, monkeypatch, temperature=temperature, **config)
     spec = generate(
-        path, monkeypatch, overlap=False, temperature=temperature,
-        speculative_algorithm="ngram", speculative_num_draft_tokens=3, **config,
+        path, monkeypatch, overlap=overlap, temperature=temperature,
+        speculative_algorithm="ngram", speculative_num_draft_tokens=3,
+        speculative_max_backoff=backoff, **config,
     )  # fmt: skip
     assert [(o["token_ids"], o["finish_reason"]) for o in spec] == [
         (o["token_ids"], o["finish_reason"]) for o in plain
@@ -113,6 +119,85 @@ def test_sampled_tokens_with_and_without_speculation_share_a_distribution(model_
                 counts[ids[position]] = counts.get(ids[position], 0) + 1
         chi2 = sum((counts_spec.get(t, 0) - n) ** 2 / n for t, n in counts_plain.items())
         assert chi2 == 0.0
+
+
+class WrongProposer(NgramProposer):
+    """Proposes ids the scripted model never outputs: nothing is ever accepted."""
+
+    def propose(self, req: Req) -> list[int]:
+        return [1] * room(req, self.num_draft)
+
+
+def test_backoff_doubles_to_its_cap_and_resets_on_a_gain() -> None:
+    """Nothing gained: every 2nd step, then every 4th (the cap), on the shared clock; a gain at
+    step 8 makes it propose at the next step again."""
+    backoff = Backoff(max_steps=4)
+    req = Req([5, 6, 7], 3, SamplingParams(max_tokens=50), max_total_len=60)
+    due = []
+    for step in range(12):
+        if backoff.due(req, 3):
+            due.append(step)
+            backoff.result(req, gained=step == 8)
+        backoff.tick()
+    assert due == [0, 2, 4, 8, 9, 10]  # after the gain: step 9, which gains nothing, then 10
+    plain = Req([5], 1, SamplingParams(max_tokens=50, presence_penalty=0.5), max_total_len=60)
+    assert not backoff.due(plain, 3)  # penalties: it never proposes
+    for cap in (0, 1):  # proposing at every step
+        every = Backoff(max_steps=cap)
+        for _ in range(3):
+            assert every.due(req, 3)
+            every.result(req, gained=False)
+            every.tick()
+
+
+@pytest.mark.parametrize("backoff", [0, 4])
+def test_proposals_that_never_pay_back_off_and_the_steps_between_overlap(
+    model_dirs, monkeypatch, backoff
+):
+    """Nothing accepted: with a cap of 4 the request verifies in decode steps 0, 2, 4, 8, 12,
+    ... and every step between runs overlapped; with 0 it verifies at every step, none
+    overlapped. The tokens are plain decoding's either way."""
+    path, _ = model_dirs("qwen3")
+    prompt, params = [[7, 8, 9, 10]], SamplingParams(max_tokens=24, ignore_eos=True)
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0")
+    llm = LLM(path, page_size=4, num_pages=64)
+    try:
+        expected = llm.generate(prompt, params, use_tqdm=False)[0]["token_ids"]
+    finally:
+        llm.shutdown()
+    llm = LLM(path, page_size=4, num_pages=64, speculative_algorithm="ngram",
+              speculative_num_draft_tokens=3, speculative_max_backoff=backoff)  # fmt: skip
+    scheduler = llm.scheduler
+    scheduler.planner.proposer = WrongProposer(3, 1, 1)
+    verifying, overlapped = [], []
+    real_process = scheduler._process
+
+    def process(step):
+        verifying.append(step.verifies)
+        return real_process(step)
+
+    monkeypatch.setattr(scheduler, "_process", process)
+    real_step = scheduler.step
+
+    def step():
+        outputs = real_step()
+        overlapped.append(scheduler.in_flight is not None)
+        return outputs
+
+    monkeypatch.setattr(scheduler, "step", step)
+    try:
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        scheduler.check_no_leak()
+    finally:
+        llm.shutdown()
+    assert out["token_ids"] == expected
+    assert out["num_accepted_tokens"] == 0
+    decodes = verifying[1:]  # after the prefill's
+    if backoff == 0:
+        assert all(decodes[:-1]) and not any(overlapped[1:-2])
+    else:
+        assert [i for i, v in enumerate(decodes) if v][:5] == [0, 2, 4, 8, 12]
+        assert sum(overlapped) >= len(decodes) - 2 * sum(decodes)
 
 
 def test_ngram_proposer_takes_the_latest_longest_match() -> None:

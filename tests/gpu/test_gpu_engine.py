@@ -324,15 +324,20 @@ def test_mixed_steps_equal_separate_steps(model_dirs, monkeypatch, attn):
     assert_equal_up_to_near_ties(separate_outs, mixed_outs)
 
 
+@pytest.mark.parametrize("backoff", [16, 0])
 @pytest.mark.parametrize("attn", ["triton", "fi"])
 @pytest.mark.parametrize("algorithm", ["ngram", "standalone"])
-def test_speculative_decoding_equals_plain_on_gpu(model_dirs, monkeypatch, attn, algorithm):
+def test_speculative_decoding_equals_plain_on_gpu(
+    model_dirs, monkeypatch, attn, algorithm, backoff
+):
     """Issue 17: verification extends (prefill kernels) and the draft's graph decode steps
-    give plain decoding's tokens, greedy and sampled."""
+    give plain decoding's tokens, greedy and sampled; adaptive (overlapped steps between
+    proposals) and proposing at every step."""
     if attn == "fi":
         pytest.importorskip("flashinfer")
     path, _ = model_dirs("qwen3" if attn == "triton" else "qwen3_hd128")
     spec: dict = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 3}
+    spec["speculative_max_backoff"] = backoff
     if algorithm == "standalone":
         spec["speculative_draft_model_path"] = path  # itself: every proposal accepted
     if attn == "triton":

@@ -77,10 +77,14 @@ def test_cpu_smoke_run_speculative(tmp_path):
     result, _ = run_bench([*args, "4", "--speculative-algorithm", "standalone"], tmp_path / "a")
     assert result["output_tokens"] == 100 and result["speculative"] == "standalone"
     assert result["spec_accepted_tokens"] == result["spec_draft_tokens"] > 0
-    assert 4.5 < result["spec_accept_length"] <= 5 and result["overlap"] is False
-    result, _ = run_bench([*args, "2", "--speculative-algorithm", "random"], tmp_path / "b")
+    assert 4.5 < result["spec_accept_length"] <= 5 and result["overlap"] is True
+    random = [*args, "2", "--speculative-algorithm", "random"]
+    result, _ = run_bench([*random, "--speculative-max-backoff", "0"], tmp_path / "b")
     assert result["output_tokens"] == 100 and result["spec_draft_tokens"] >= 2 * 90
     assert result["spec_accept_length"] < 1.1  # a random id matches the target's ~1 in 10^4
+    assert result["overlap"] is False and result["max_backoff"] == 0
+    result, _ = run_bench(random, tmp_path / "d")  # backing off: a proposal every 17 steps
+    assert result["max_backoff"] == 16 and 2 * 6 <= result["spec_draft_tokens"] <= 2 * 12
     result, _ = run_bench([*args, "4", "--speculative-algorithm", "oracle"], tmp_path / "c")
     assert result["output_tokens"] == 100 and result["prefix_cached_tokens"] == 0
     assert result["spec_accepted_tokens"] == result["spec_draft_tokens"] > 0  # all, free

@@ -46,8 +46,8 @@ class SchedulerConfig:
         None,
         "speculative decoding: ngram proposes the continuation of the latest earlier match of"
         " a request's last tokens in its prompt and output (prompt lookup); standalone, what a"
-        " smaller draft model decodes; verified in one forward; steps then run without overlap"
-        " scheduling (unset: off)",
+        " smaller draft model decodes; verified in one forward; a step that verifies proposals"
+        " runs without overlap scheduling (unset: off)",
         choices=["ngram", "standalone"],
     )
     speculative_draft_model_path: str | None = option(
@@ -56,6 +56,14 @@ class SchedulerConfig:
     )
     speculative_num_draft_tokens: int = option(
         4, "tokens proposed per request and step (speculative decoding)", type=int_range(1, 16)
+    )
+    speculative_max_backoff: int = option(
+        16,
+        "speculative decoding: a request whose proposals gain nothing (none found, or none"
+        " accepted) proposes only every 2nd, 4th, ... step, at most every this many; steps in"
+        " which no request proposes overlap like plain decoding (0 or 1: propose at every step,"
+        " and no step overlaps)",
+        type=int_range(0, 1024),
     )
     speculative_ngram_min_match_window_size: int = option(
         1, "ngram: the shortest suffix of a request's tokens looked up", type=int_range(1)

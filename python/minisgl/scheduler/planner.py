@@ -10,7 +10,7 @@ from minisgl.engine import Engine
 from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.queue import WaitingQueue
-from minisgl.scheduler.spec import make_proposer
+from minisgl.scheduler.spec import Backoff, make_proposer
 
 
 def reaches_length(req: Req, num_tokens: int) -> bool:
@@ -48,6 +48,7 @@ class BatchPlanner:
         self.refuse_failed_grammars = solo
         self.waiting = WaitingQueue(config.schedule_policy, config.priority_aging, cache)
         self.proposer = make_proposer(engine, config)  # speculative decoding (None: off)
+        self.backoff = Backoff(config.speculative_max_backoff)
         self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
@@ -147,9 +148,31 @@ class BatchPlanner:
         self._preempt(victim)
         return True
 
+    def wants_proposals(self) -> bool:
+        """Whether the next step proposes for some running request (speculative decoding): it
+        needs the tokens of the step in flight first."""
+        proposer = self.proposer
+        return proposer is not None and any(
+            self.backoff.due(r, proposer.num_draft) for r in self.running
+        )
+
+    def _proposals(self) -> dict[int, list[int]]:
+        """uid -> proposals of the running requests due to propose; a due request that finds
+        none backs off."""
+        if self.proposer is None:
+            return {}
+        k = self.proposer.num_draft
+        due = [r for r in self.running if self.backoff.due(r, k)]
+        self.backoff.tick()
+        proposals = self.proposer.propose_all(due) if due else {}
+        for req in due:
+            if req.uid not in proposals:
+                self.backoff.result(req, gained=False)
+        return proposals
+
     def _schedule_decode(self) -> Batch | None:
         i, reqs = 0, []
-        proposals = self.proposer.propose_all(self.running) if self.proposer else {}
+        proposals = self._proposals()
         while i < len(self.running):
             req = self.running[i]
             if reaches_length(req, len(req.tokens)):

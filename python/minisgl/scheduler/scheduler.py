@@ -63,6 +63,11 @@ class InFlight:
     def empty(self) -> bool:
         return all(slot < 0 for slot in self.slots) and self.output.prompt is None
 
+    @property
+    def verifies(self) -> bool:
+        """Some request verifies proposals: the next step starts where its accepted run ends."""
+        return any(r.drafts for r in self.batch.reqs)
+
 
 class Scheduler:
     def __init__(
@@ -85,9 +90,10 @@ class Scheduler:
         self.grammar = GrammarState(vocab, rows, pin, any_whitespace)
         self.requests: dict[int, Req] = {}
         self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
-        # a proposal needs the previous step's tokens: speculative steps run one at a time
-        speculating = config.speculative_algorithm is not None
-        self.overlap = not env.disable_overlap_scheduling() and not speculating
+        # speculative decoding: a step that proposes waits for the step in flight (proposals
+        # continue its tokens) and is read before the next (its accepted run sets where that
+        # one starts); the steps between overlap as plain decoding does (planner.backoff)
+        self.overlap = not env.disable_overlap_scheduling()
         self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
 
     # ---- requests in and out -------------------------------------------------------------
@@ -180,6 +186,9 @@ class Scheduler:
         overlap, those of the previous step, whose device work ran while this one was built."""
         if self.leader is not None:
             self.leader.send()
+        if self.in_flight is not None and self.planner.wants_proposals():
+            self.pending.extend(self._process(self.in_flight))
+            self.in_flight = None
         batch = self.planner.schedule()
         for req, error in self.planner.refused:
             self._finish(req, "error", error=error)
@@ -187,13 +196,16 @@ class Scheduler:
         launched = self._launch(batch) if batch is not None else None
         if launched is not None and launched.empty:
             launched = None  # nothing to read back (prompt chunks; requests ended meanwhile)
-        if self.overlap:
-            ready, self.in_flight = self.in_flight, launched
+        ready = [self.in_flight]
+        if self.overlap and not (launched is not None and launched.verifies):
+            self.in_flight = launched
         else:
-            ready = launched
+            ready.append(launched)
+            self.in_flight = None
         outputs, self.pending = self.pending, []
-        if ready is not None:
-            outputs.extend(self._process(ready))
+        for step in ready:
+            if step is not None:
+                outputs.extend(self._process(step))
         return outputs
 
     def follow(self) -> None:
@@ -274,6 +286,7 @@ class Scheduler:
         rejected proposals is dropped (cached_len) and overwritten by later tokens."""
         drafts, req.drafts = req.drafts, []
         new = accept(drafts, targets)
+        self.planner.backoff.result(req, gained=len(new) > 1)
         req.num_draft_tokens += len(drafts)
         req.num_accepted_tokens += len(new) - 1
         self.planner.num_draft_tokens += len(drafts)

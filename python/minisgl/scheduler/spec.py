@@ -38,6 +38,34 @@ def room(req: Req, num_draft: int) -> int:
     return max(0, min(num_draft, left, req.max_total_len - len(req.tokens) - 1))
 
 
+class Backoff:
+    """Adaptive speculation: a request whose proposals gained nothing (none found, or none
+    accepted) proposes only every 2nd, then 4th, 8th, ... decode step, up to every
+    `max_steps`-th, and at every step again once one is accepted. A step has to wait for the
+    step in flight before it can propose (the proposals continue its tokens), so only steps in
+    which nobody proposes keep overlap scheduling: this bounds what proposals that never pay
+    cost. The steps are counted on one clock, so requests that back off alike propose in the
+    same steps and a batch keeps the steps between overlapped."""
+
+    def __init__(self, max_steps: int) -> None:
+        self.max_steps = max_steps
+        self.clock = 0  # decode steps planned so far
+
+    def due(self, req: Req, num_draft: int) -> bool:
+        """Whether the request proposes in the next decode step."""
+        every = req.spec_backoff
+        return (every <= 1 or self.clock % every == 0) and room(req, num_draft) > 0
+
+    def tick(self) -> None:
+        """A decode step was planned."""
+        self.clock += 1
+
+    def result(self, req: Req, gained: bool) -> None:
+        """A step it proposed in (or was due to and found nothing): whether a proposal was
+        accepted."""
+        req.spec_backoff = 0 if gained else min(max(2, 2 * req.spec_backoff), self.max_steps)
+
+
 class NgramProposer:
     """Prompt lookup: for n from `max_n` down to `min_n`, the latest earlier occurrence of the
     request's last n tokens within its last NGRAM_WINDOW tokens; the tokens that followed it
