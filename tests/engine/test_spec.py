@@ -214,7 +214,47 @@ def test_ngram_proposer_takes_the_latest_longest_match() -> None:
     assert proposer.propose(req([1, 2, 1, 2, 1], max_tokens=5)) == [2]
     biased = Req([1, 2, 1, 2], 2, SamplingParams(logit_bias={3: 1.0}), max_total_len=1000)
     assert proposer.propose(biased) == []  # adjusted logits decode without proposals
-    assert latest_match([1, 2, 1, 2], 2) == 2
+    assert latest_match("".join(map(chr, [1, 2, 1, 2])), 2) == 2
+
+
+def reference_lookup(tokens: list[int], n: int) -> int | None:
+    """latest_match as a loop over the window (what it replaced)."""
+    for start in range(len(tokens) - n - 1, -1, -1):
+        if tokens[start : start + n] == tokens[-n:]:
+            return start + n
+    return None
+
+
+def test_ngram_lookup_equals_the_reference_loop() -> None:
+    """The string search against the loop on random token lists (few and many distinct ids,
+    ids past 0xFFFF and in the surrogate range), within the window, and as a request grows
+    (the kept string is extended) or is replaced by other tokens under the same uid."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab = rng.choice([2, 3, 7, 300, 0xD900, 150_000])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(2, 50))]
+        text = "".join(map(chr, tokens))
+        for n in range(1, min(5, len(tokens))):
+            assert latest_match(text, n) == reference_lookup(tokens, n), (tokens, n)
+    proposer = NgramProposer(num_draft=4, min_n=1, max_n=4)
+    req = Req([5, 6, 7, 8, 5, 6], 2, SamplingParams(max_tokens=20000), max_total_len=30000)
+    for _ in range(300):  # past the 4,096-token window
+        window = req.tokens[-4096:]
+        expected: list[int] = []
+        for n in range(min(4, len(window) - 1), 0, -1):
+            if (end := reference_lookup(window, n)) is not None:
+                expected = window[end : end + 4]
+                break
+        assert proposer.propose(req) == expected
+        req.tokens += [rng.randrange(20) for _ in range(rng.choice([1, 1, 3, 60]))]
+    req.tokens[:] = [3, 9, 1, 4, 9, 1]  # other tokens under the same uid, fewer: rebuilt
+    assert proposer.propose(req) == [4, 9, 1]
+    req.tokens[:] = [3, 8, 1, 4, 8, 1, 2]  # as many as kept, and more, its last one differs
+    assert proposer.propose(req) == []
+    req.tokens[-1] = 8
+    assert proposer.propose(req) == [1, 8]  # "8" last seen at 4
+    proposer.release(req)
+    assert req.uid not in proposer.texts
     assert accept([4, 5, 6], [4, 5, 9, 1]) == [4, 5, 9]
     assert accept([4, 5], [4, 5, 8]) == [4, 5, 8]
     assert accept([4], [3, 0]) == [3]

@@ -69,10 +69,14 @@ class Backoff:
 class NgramProposer:
     """Prompt lookup: for n from `max_n` down to `min_n`, the latest earlier occurrence of the
     request's last n tokens within its last NGRAM_WINDOW tokens; the tokens that followed it
-    are the proposal (up to `num_draft`)."""
+    are the proposal (up to `num_draft`). Each request's tokens are kept as a string, one
+    character per id, extended by the new tokens at each lookup, so that the search is
+    str.rfind's (C) rather than a Python loop over the window (0.39 ms a lookup of a 4,096-token
+    window that matches nothing, ~0.01 ms this way)."""
 
     def __init__(self, num_draft: int, min_n: int, max_n: int) -> None:
         self.num_draft, self.min_n, self.max_n = num_draft, min_n, max_n
+        self.texts: dict[int, str] = {}  # uid -> its tokens so far, chr(id) each
 
     def propose_all(self, reqs: list[Req]) -> dict[int, list[int]]:
         """uid -> proposals for the tokens after req.tokens (requests without any absent)."""
@@ -86,28 +90,38 @@ class NgramProposer:
         limit = room(req, self.num_draft)
         if limit == 0:
             return []
-        tokens = req.tokens[-NGRAM_WINDOW:]
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            found = latest_match(tokens, n)
+        text = self._text(req)
+        start = max(0, len(text) - NGRAM_WINDOW)
+        for n in range(min(self.max_n, len(text) - start - 1), self.min_n - 1, -1):
+            found = latest_match(text, n, start)
             if found is not None:
-                return tokens[found : found + limit]
+                return req.tokens[found : found + limit]
         return []
 
+    def _text(self, req: Req) -> str:
+        """req.tokens as a string. Tokens only grow while a request runs (a lookup never sees
+        the placeholder of a step in flight), so the kept string is extended; a spot check of
+        its last id rebuilds it should that ever not hold."""
+        text, tokens = self.texts.get(req.uid, ""), req.tokens
+        if len(text) > len(tokens) or (text and ord(text[-1]) != tokens[len(text) - 1]):
+            text = ""
+        text += "".join(map(chr, tokens[len(text) :]))  # ids are below chr's 0x110000
+        self.texts[req.uid] = text
+        return text
+
     def release(self, req: Req) -> None:
-        """The request left the running set (nothing kept per request)."""
+        """The request left the running set."""
+        self.texts.pop(req.uid, None)
 
     def shutdown(self) -> None:
         pass
 
 
-def latest_match(tokens: list[int], n: int) -> int | None:
-    """The end of the latest occurrence of tokens[-n:] that ends before the last token (so a
-    continuation exists), or None."""
-    suffix, first = tokens[-n:], tokens[-n]
-    for start in range(len(tokens) - n - 1, -1, -1):
-        if tokens[start] == first and tokens[start : start + n] == suffix:
-            return start + n
-    return None
+def latest_match(text: str, n: int, start: int = 0) -> int | None:
+    """The end of the latest occurrence of text[-n:] at or after `start` that ends before the
+    last token (so a continuation exists), or None. `text`: token ids, one character each."""
+    pos = text.rfind(text[-n:], start, len(text) - 1)
+    return None if pos < 0 else pos + n
 
 
 def accept(drafts: list[int], targets: list[int]) -> list[int]:
