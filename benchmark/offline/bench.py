@@ -356,7 +356,8 @@ def parse_args() -> argparse.Namespace:
         "--speculative-max-backoff",
         type=int,
         default=16,
-        help="steps a request whose proposals gained nothing waits at most (0: proposes always)",
+        help="a request whose proposals gained nothing proposes at most every N-th step"
+        " (0 or 1: at every step, none overlapped)",
     )
     p.add_argument("--speculative-draft-model-path", help="standalone's draft model")
     p.add_argument(
@@ -494,9 +495,9 @@ def main() -> None:
         "tok_s": round(tok_s, 1),
         "attn": args.attn,
         "moe_backend": moe.backend if moe is not None else None,
-        # speculation: the steps between proposals overlap (a back-off of 0 leaves none)
+        # speculation: the steps between proposals overlap (a back-off of 0 or 1 leaves none)
         "overlap": not args.no_overlap
-        and (args.speculative_algorithm is None or args.speculative_max_backoff > 0),
+        and (args.speculative_algorithm is None or args.speculative_max_backoff > 1),
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "kv_cache_dtype": args.kv_cache_dtype,
         "mixed_steps": not args.disable_mixed_steps,

@@ -148,21 +148,23 @@ class BatchPlanner:
         self._preempt(victim)
         return True
 
+    def _due(self) -> list[Req]:
+        """The running requests that propose in the next decode step (speculative decoding)."""
+        if self.proposer is None:
+            return []
+        return [r for r in self.running if self.backoff.due(r, self.proposer.num_draft)]
+
     def wants_proposals(self) -> bool:
-        """Whether the next step proposes for some running request (speculative decoding): it
-        needs the tokens of the step in flight first."""
-        proposer = self.proposer
-        return proposer is not None and any(
-            self.backoff.due(r, proposer.num_draft) for r in self.running
-        )
+        """Whether the next step proposes for some running request: it needs the tokens of
+        the step in flight first."""
+        return bool(self._due())
 
     def _proposals(self) -> dict[int, list[int]]:
         """uid -> proposals of the running requests due to propose; a due request that finds
         none backs off."""
         if self.proposer is None:
             return {}
-        k = self.proposer.num_draft
-        due = [r for r in self.running if self.backoff.due(r, k)]
+        due = self._due()
         self.backoff.tick()
         proposals = self.proposer.propose_all(due) if due else {}
         for req in due:
