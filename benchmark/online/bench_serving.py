@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -58,6 +58,7 @@ BENCH_EXTRA = "pip install 'minisgl[bench]'"
 # LLM's is larger; minisgl's /v1/models says it)
 FALLBACK_VOCAB = 10000
 RUN_MODULES = ["httpx", "tqdm"]  # what a benchmark run needs; --plot: matplotlib too
+BUSY_CLIENT = 0.8  # a client process busier than this (CPU over wall time) delays what it reads
 LATENCIES = [("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")]
 
 
@@ -355,21 +356,39 @@ def latencies(ok: list[Result], percentiles: list[float]) -> dict[str, dict]:
 
 
 # ---- the run -------------------------------------------------------------------------------
-async def run_rate(
+# One Python process parses at most ~20,000 streamed events a second (httpx, ~50 us each on a
+# server CPU); past that its own delays enter the latencies it measures. --client-procs splits
+# a rate's requests over several processes, each with its own event loop and connections.
+_finished: Any = None  # a client process's count of finished requests, shared with the parent
+
+
+def http_client(args: argparse.Namespace) -> httpx.AsyncClient:
+    import httpx
+
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=timeout, limits=limits, trust_env=False
+    )
+
+
+async def send_all(
     client: httpx.AsyncClient,
     requests: list[Request],
     times: list[float],
+    start: float,
     args: argparse.Namespace,
     model: str,
-    desc: str,
-) -> tuple[list[Result], float]:
-    from tqdm import tqdm
-
+    done: Callable[[], None],
+) -> list[Result]:
+    """Each request sent at `start` + its arrival time (time.monotonic(): one clock for every
+    client process of the host)."""
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    bar = tqdm(total=len(requests), desc=desc, disable=args.disable_tqdm, file=sys.stderr)
 
     async def one(req: Request, at: float) -> Result:
-        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         extra: dict = {"temperature": args.temperature}
         if req.priority is not None:
             extra["priority"] = req.priority
@@ -380,14 +399,114 @@ async def run_rate(
             async with limit:
                 res = await send(client, body)
         res.priority = req.priority
-        bar.update(1)
+        done()
         return res
 
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, times)))
-    duration = time.perf_counter() - start
+    return list(await asyncio.gather(*(one(r, t) for r, t in zip(requests, times))))
+
+
+def start_client_proc(finished: Any) -> None:
+    global _finished
+    _finished = finished
+    import httpx  # noqa: F401  (imported before the first arrival)
+
+
+def count_finished() -> None:
+    with _finished.get_lock():
+        _finished.value += 1
+
+
+def client_share(
+    args: argparse.Namespace, model: str, requests: list[Request], times: list[float], start: float
+) -> tuple[list[Result], float, float]:
+    """One client process's share of a rate: its results, when it ended and its CPU seconds."""
+
+    async def run() -> tuple[list[Result], float, float]:
+        async with http_client(args) as client:
+            cpu = time.process_time()
+            results = await send_all(client, requests, times, start, args, model, count_finished)
+            return results, time.monotonic(), time.process_time() - cpu
+
+    return asyncio.run(run())
+
+
+class ClientProcs:
+    """--client-procs N > 1: N spawned processes, started once, that share each rate."""
+
+    def __init__(self, n: int) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a running event loop
+        self.n, self.finished = n, ctx.Value("l", 0)
+        self.pool = ProcessPoolExecutor(
+            n, mp_context=ctx, initializer=start_client_proc, initargs=(self.finished,)
+        )
+        list(self.pool.map(time.sleep, [0.3] * n))  # each process started and ready
+
+    async def run(
+        self,
+        args: argparse.Namespace,
+        model: str,
+        requests: list[Request],
+        times: list[float],
+        bar: Any,
+    ) -> tuple[list[Result], float, float, float]:
+        """Results in the order of `requests`, the start, the end, the busiest process's share."""
+        self.finished.value = 0
+        shares = [range(i, len(requests), self.n) for i in range(self.n)]
+        start = time.monotonic() + 0.2  # every process holds its share before the first arrival
+        loop = asyncio.get_running_loop()
+        futures = [
+            loop.run_in_executor(
+                self.pool,
+                client_share,
+                args,
+                model,
+                [requests[j] for j in share],
+                [times[j] for j in share],
+                start,
+            )
+            for share in shares
+            if share
+        ]
+        while not all(f.done() for f in futures):
+            await asyncio.wait(futures, timeout=0.25)
+            bar.update(self.finished.value - bar.n)
+        outs = [f.result() for f in futures]
+        results: list[Result] = [Result()] * len(requests)
+        for share, (share_results, _, _) in zip(shares, outs):
+            for j, res in zip(share, share_results):
+                results[j] = res
+        end = max(o[1] for o in outs)
+        return results, start, end, max(o[2] for o in outs) / max(end - start, 1e-9)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+async def run_rate(
+    client: httpx.AsyncClient,
+    procs: ClientProcs | None,
+    requests: list[Request],
+    times: list[float],
+    args: argparse.Namespace,
+    model: str,
+    desc: str,
+) -> tuple[list[Result], float, float]:
+    """The results, the run's wall time and the busiest client process's CPU share of it."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(requests), desc=desc, disable=args.disable_tqdm, file=sys.stderr)
+    if procs is None:
+        start, cpu = time.monotonic(), time.process_time()
+        results = await send_all(client, requests, times, start, args, model, bar.update)
+        end = time.monotonic()
+        busy = (time.process_time() - cpu) / max(end - start, 1e-9)
+    else:
+        results, start, end, busy = await procs.run(args, model, requests, times, bar)
     bar.close()
-    return list(results), duration
+    return results, end - start, busy
 
 
 def workload(args: argparse.Namespace, index: int) -> list[Request]:
@@ -472,13 +591,7 @@ async def ask_server(client: httpx.AsyncClient, args: argparse.Namespace) -> Non
 async def bench(args: argparse.Namespace) -> list[dict]:
     import httpx
 
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = httpx.Timeout(args.timeout, connect=30.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=timeout, limits=limits, trust_env=False
-    ) as client:
+    async with http_client(args) as client:
         try:
             await ask_server(client, args)
             model = args.model
@@ -495,21 +608,32 @@ async def bench(args: argparse.Namespace) -> list[dict]:
             raise BenchError(f"cannot reach {args.base_url}: {type(e).__name__}: {e}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise BenchError(f"GET /v1/models: unexpected answer ({e!r}); pass --model") from None
-        summaries = []
-        rates = ["trace"] if args.trace else args.rates
-        for i, rate in enumerate(rates):
-            requests = workload(args, i)
-            if args.trace:
-                times = [r.arrival for r in requests]
-            else:
-                times = arrival_times(len(requests), rate, args.seed + 1000 + i)
-            results, duration = await run_rate(
-                client, requests, times, args, model, f"rate {rate_name(rate)}"
-            )
-            summary = summarize(results, duration, rate, args.percentiles)
-            summary["server_stats"] = await server_stats(client)
-            print(summary_line(summary, args.percentiles), flush=True)
-            summaries.append(summary)
+        procs = ClientProcs(args.client_procs) if args.client_procs > 1 else None
+        try:
+            return await run_rates(client, procs, args, model)
+        finally:
+            if procs is not None:
+                procs.close()
+
+
+async def run_rates(
+    client: httpx.AsyncClient, procs: ClientProcs | None, args: argparse.Namespace, model: str
+) -> list[dict]:
+    summaries = []
+    rates = ["trace"] if args.trace else args.rates
+    for i, rate in enumerate(rates):
+        requests = workload(args, i)
+        if args.trace:
+            times = [r.arrival for r in requests]
+        else:
+            times = arrival_times(len(requests), rate, args.seed + 1000 + i)
+        desc = f"rate {rate_name(rate)}"
+        results, duration, busy = await run_rate(client, procs, requests, times, args, model, desc)
+        summary = summarize(results, duration, rate, args.percentiles)
+        summary["client_procs"], summary["client_busy"] = args.client_procs, round(busy, 3)
+        summary["server_stats"] = await server_stats(client)
+        print(summary_line(summary, args.percentiles), flush=True)
+        summaries.append(summary)
     return summaries
 
 
@@ -533,6 +657,11 @@ def summary_line(s: dict, percentiles: list[float]) -> str:
         line += f"\n  priority {value}: {c['completed']} ok, TTFT {names} {pcts_of(c['ttft_ms'])}"
     if s["errors"]:
         line += f"\n  first error: {s['errors'][0]}"
+    if s.get("client_busy", 0) > BUSY_CLIENT:
+        line += (
+            f"\n  warning: a client process was busy {s['client_busy']:.0%} of the run: its own"
+            " delays are in these latencies (raise --client-procs)"
+        )
     if s["chunkless"]:
         line += (
             f"\n  warning: {s['chunkless']} streams sent nothing before their end (no text to"
@@ -817,6 +946,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "SGLang by default higher ones: give 1,0 there)",
     )
     add("--max-concurrency", type=at_least(1), help="cap on requests in flight")
+    add(
+        "--client-procs",
+        type=at_least(1),
+        help="client processes that share each rate's requests; default: a quarter of the CPUs"
+        " (at most 8), 1 with --max-concurrency (one cap needs one event loop). A process"
+        " streams ~20,000 events/s at most; the summary warns when one was saturated",
+    )
     add("--warmup", type=at_least(0), default=1, help="short requests before measuring")
     add("--timeout", type=float, default=600.0, help="seconds a request may wait for a chunk")
     add = p.add_argument_group("output").add_argument
@@ -836,6 +972,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.trace and args.rates is not None:
         p.error("--rates does not apply to --trace (arrivals come from the trace)")
     args.rates = args.rates or [math.inf]
+    if args.client_procs is None:
+        args.client_procs = 1 if args.max_concurrency else min(8, max(1, cpu_count() // 4))
+    elif args.client_procs > 1 and args.max_concurrency:
+        p.error("--max-concurrency needs --client-procs 1 (one cap needs one event loop)")
     if not 0 <= args.range_ratio < 1:
         p.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     if not args.trace_time_scale > 0 or not args.timeout > 0:
@@ -849,6 +989,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.base_url = f"http://127.0.0.1:{port}"
     args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
     return args
+
+
+def cpu_count() -> int:
+    """The CPUs this process may run on (a container's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
 
 
 def append_lines(path: str, run: dict, note: str | None) -> None:
@@ -865,7 +1013,7 @@ def append_lines(path: str, run: dict, note: str | None) -> None:
         "command": run["command"],
     }
     keep = ["rate", "completed", "failed", "request_throughput", "output_throughput"]
-    keep += ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "by_priority"]
+    keep += ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "by_priority", "client_procs", "client_busy"]
     try:
         with open(path, "a") as f:
             for summary in run["results"]:

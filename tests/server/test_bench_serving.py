@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -261,7 +262,8 @@ def test_against_the_cpu_server(tmp_path, capsys, monkeypatch):
     model = make_tiny_model(str(tmp_path / "tiny-qwen3"))
     vocab = len(build_tiny_tokenizer())  # 480, under the model's 512 embedding rows
     # no --vocab-size: the ids stay below the vocab_size of minisgl's /v1/models
-    common = ["--num-prompts", "6", "--output-len", "5"]
+    # one client process: record_prompts sees its sends (the default depends on the CPUs)
+    common = ["--num-prompts", "6", "--output-len", "5", "--client-procs", "1"]
     sweep, sweep_png = str(tmp_path / "sweep.json"), str(tmp_path / "sweep.png")
     trace, replayed = tmp_path / "trace.jsonl", str(tmp_path / "trace.json")
     lines = [{"timestamp": t, "input_length": 24, "output_length": 5} for t in (0, 0.2, 0.3, 0.5)]
@@ -392,6 +394,44 @@ def test_launch_starts_and_stops_the_server(tmp_path, capsys):
     assert "/health not ready after 1 s" in err
     pid = int(re.search(r"launched the server \(pid (\d+)\)", err).group(1))
     assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped
+
+
+def test_client_procs_share_a_rate_and_keep_the_order(tmp_path, capsys):
+    """--client-procs 2: two processes send the requests on one schedule; each result comes
+    back in its request's place, and a saturated client is named in the summary."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    port = free_port()
+    server = bs.launch(
+        f"{sys.executable} {script} --port {port}",
+        f"http://127.0.0.1:{port}",
+        30,
+        str(tmp_path / "fake.log"),
+    )
+    try:
+        args = bs.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--client-procs", "2"])
+        requests = [bs.Request([1] * (3 + i), 1 + i % 4, priority=i % 2) for i in range(7)]
+        times = [0.0, 0.0, 0.1, 0.1, 0.2, 0.3, 0.6]
+        procs = bs.ClientProcs(2)
+        try:
+            bar = SimpleNamespace(n=0, update=lambda n=1: None)
+            results, start, end, busy = asyncio.run(procs.run(args, "fake", requests, times, bar))
+        finally:
+            procs.close()
+    finally:
+        bs.stop(server)
+    assert [(r.ok, r.prompt_tokens, r.output_tokens) for r in results] == [
+        (True, 3 + i, 1 + i % 4) for i in range(7)
+    ]
+    assert [r.priority for r in results] == [i % 2 for i in range(7)]
+    assert end - start >= 0.6 and 0 <= busy < 1  # the last one waited for its arrival
+
+    with pytest.raises(SystemExit):
+        bs.main(["--max-concurrency", "4", "--client-procs", "2"])
+    assert "--max-concurrency needs --client-procs 1" in capsys.readouterr().err
+    assert bs.parse_args(["--max-concurrency", "4"]).client_procs == 1
+    summary = {**bs.summarize([results[0]], 1.0, 8.0, [50]), "client_busy": 0.97}
+    assert "a client process was busy 97% of the run" in bs.summary_line(summary, [50])
 
 
 # ---- without the bench extra --------------------------------------------------------------
