@@ -175,6 +175,53 @@ def test_graph_step_equals_eager_step(model_dirs, size):
     sched.check_no_leak()
 
 
+@pytest.mark.parametrize("max_prefill_tokens", [8192, 8])
+def test_small_prefill_steps_replay_as_decode_rows(model_dirs, monkeypatch, max_prefill_tokens):
+    """Prefill and mixed steps of at most the graphs' size run as decode rows, one per
+    position, through the step CUDA graphs capture (eagerly here): greedy tokens equal
+    transformers', one prompt at a time (a cached prefix, a prompt longer than the graphs, which
+    the planner splits to fit them) and in 8-token chunks;
+    sampled tokens of a batch (mixed steps) equal the eager steps'. The rows ran, and
+    disable_prefill_graphs turns them off."""
+    from minisgl.engine.engine import Engine
+    from minisgl.engine.graph import GraphRunner
+
+    path, hf = model_dirs("qwen3")
+    replay_rows, rows = Engine._replay_rows, []
+
+    def counted(engine, batch, flat, samples, resample):
+        rows.append(flat.size)
+        return replay_rows(engine, batch, flat, samples, resample)
+
+    monkeypatch.setattr(Engine, "_replay_rows", counted)
+    prompts = [[2 + (7 * i + j) % 97 for j in range(3 + 5 * i)] for i in range(4)]
+    prompts.append(prompts[3] + [5, 6])  # its first 18 tokens are in the radix cache
+    # 50 tokens: alone, two steps of at most 32 rows (the planner caps a step at the graphs'
+    # rows when what waits fits in two); with the others, a backlog: an eager step first
+    prompts.append([3 + (5 * j) % 89 for j in range(50)])
+    params = [SamplingParams(max_tokens=6, temperature=0.9, seed=i) for i in range(6)]
+    sampled = []
+    for disable in (False, True):
+        rows.clear()
+        llm = LLM(
+            path,
+            device="cpu",
+            page_size=4,
+            num_pages=128,
+            max_prefill_tokens=max_prefill_tokens,
+            disable_prefill_graphs=disable,
+        )
+        llm.engine.graphs = GraphRunner(llm.engine, 32, capture=False)
+        for prompt in prompts:
+            out = llm.generate([prompt], SamplingParams(max_tokens=5), use_tqdm=False)[0]
+            assert out["token_ids"] == hf_greedy(hf, prompt, 5)
+        sampled.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.scheduler.check_no_leak()
+        assert (rows == []) == disable and all(n <= 32 for n in rows)
+        assert disable or max_prefill_tokens < 32 or 32 in rows
+    assert sampled[0] == sampled[1]
+
+
 def test_n_samples_per_prompt(chat_model):
     path, _ = chat_model
     llm = LLM(path, page_size=4, num_pages=128)

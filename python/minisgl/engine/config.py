@@ -87,6 +87,13 @@ class EngineConfig:
     cuda_graph_max_bs: int = option(
         256, "largest decode batch captured in a CUDA graph (0: no graphs)", type=int_range(0)
     )
+    disable_prefill_graphs: bool = option(
+        False,
+        "run every prefill step eagerly: by default a prefill or mixed step of at most "
+        "--cuda-graph-max-bs tokens (and no proposals, logprobs, grammar or logit "
+        "adjustments) replays the decode graphs with one row per position instead, saving "
+        "the eager step's ~300 launches (an idle H100's time to first token)",
+    )
     enable_torch_compile: bool = option(
         False,
         "cpu: compile one-request decode steps with torch.compile (fused C++ kernels instead "

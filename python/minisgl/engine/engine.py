@@ -36,7 +36,7 @@ from minisgl.engine.sample import (
     sample_at_temperature,
 )
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
-from minisgl.engine.verify import Verification, flat_batch
+from minisgl.engine.verify import Verification, flat_batch, prefill_rows
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -140,6 +140,7 @@ class Engine:
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
         self.graphs = self._build_graphs()
+        self.prefill_as_rows = not config.disable_prefill_graphs
         self.adjustments = AdjustTable(rows, self.device)
 
     def _build_model(self) -> LlamaForCausalLM:
@@ -245,6 +246,8 @@ class Engine:
                 out = self.graphs.replay(flat, [True] * flat.size, resample)
                 out.flat = flat
                 return out
+            if self.prefill_as_rows and (rows := prefill_rows(batch, self.graphs.max_bs)):
+                return self._replay_rows(batch, rows, samples, resample)
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
         inputs = StepInputs.unpack(host.to(self.device, non_blocking=True))
         self.attn_backend.prepare(batch)
@@ -252,6 +255,22 @@ class Engine:
         if not batch.is_decode and out.hidden is not None:
             out.prompt_logprobs = PromptLogprobs.compute(self, batch, out.hidden)
         return out
+
+    def _replay_rows(
+        self, batch: Batch, rows: Batch, samples: list[bool], resample: bool
+    ) -> ForwardOutput:
+        """`batch` replayed as `rows` (one per position, `prefill_rows`): each request's last
+        row samples for it (to its own token-table row, as the eager step would), the others
+        to the dummy row, so the prompt's tokens in the table stay. The outputs of the last
+        rows, one per request, as the eager step gives them."""
+        flags: list[bool] = []
+        lasts: list[int] = []
+        for req, samples_here in zip(batch.reqs, samples):
+            flags += [False] * (req.extend_len - 1) + [samples_here]
+            lasts.append(len(flags) - 1)
+        out = self.graphs.replay(rows, flags, resample) if self.graphs else None
+        assert out is not None
+        return out.pick(to_device(lasts, torch.int64, self.device))
 
     @torch.inference_mode()
     def sample_step(
@@ -313,6 +332,11 @@ class Engine:
     def track_adjustments(self, req: Req, eos_token_ids: Collection[int]) -> None:
         """A request was admitted to its page-table row: its logit adjustments go there."""
         self.adjustments.write(req.table_idx, req, eos_token_ids)
+
+    @property
+    def prefill_graph_rows(self) -> int:
+        """How many tokens a prefill or mixed step may hold to replay the graphs (0: never)."""
+        return self.graphs.max_bs if self.graphs is not None and self.prefill_as_rows else 0
 
     def _build_graphs(self) -> GraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)

@@ -84,6 +84,12 @@ class ForwardOutput:
     adjusted: bool = False  # some request adjusts its logits (penalties, bias, min_tokens)
     filtered: bool = False  # some request samples with top-k, top-p or min-p
 
+    def pick(self, index: torch.Tensor) -> ForwardOutput:
+        """The rows at `index` (a device tensor), without the hidden states."""
+        sampled = None if self.sampled is None else self.sampled[index]
+        inputs = StepInputs(*(getattr(self.inputs, f.name)[index] for f in fields(self.inputs)))
+        return ForwardOutput(self.logits[index], self.kv_lens[index], inputs, sampled)
+
     def first(self, n: int) -> ForwardOutput:
         """The first n requests' rows (the real ones of a padded graph batch)."""
         sampled = None if self.sampled is None else self.sampled[:n]
