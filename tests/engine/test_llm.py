@@ -222,6 +222,38 @@ def test_small_prefill_steps_replay_as_decode_rows(model_dirs, monkeypatch, max_
     assert sampled[0] == sampled[1]
 
 
+def test_prefill_rows_only_for_small_plain_steps():
+    """Rows replace an extend only where they are cheap and exact: up to the graphs' size, KV
+    reads of the prompts' rows within the limit (a long cached prefix goes eager), no
+    proposals, logprobs, grammar or logit adjustments; decode rows cost the same either way."""
+    from minisgl.core import Batch, Req
+    from minisgl.engine.verify import ROWS_KV_READS, prefill_rows, prefix_reads
+
+    def req(cached: int, extend: int, **params) -> Req:
+        tokens = list(range(cached + extend))
+        return Req(
+            tokens,
+            len(tokens),
+            SamplingParams(**params),
+            8192,
+            cached_len=cached,
+            extend_len=extend,
+        )
+
+    assert prefix_reads(req(10, 3)) == 11 + 12 + 13
+    decodes = [req(4000, 1) for _ in range(20)]  # long contexts: 80k positions, not counted
+    rows = prefill_rows(Batch([*decodes, req(0, 200)], "prefill", num_decodes=20), 256)
+    assert rows is not None and rows.is_decode and rows.size == 220
+    assert [(r.cached_len, r.extend_len) for r in rows.reqs[20:23]] == [(0, 1), (1, 1), (2, 1)]
+    assert prefill_rows(Batch([req(0, 200)], "prefill"), 199) is None  # over the graphs' size
+    long_history = req(ROWS_KV_READS // 50, 50)  # a short turn after a long cached history
+    assert prefill_rows(Batch([long_history], "prefill"), 256) is None
+    assert prefill_rows(Batch([req(0, 20, logprobs=1)], "prefill"), 256) is None
+    with_proposals = req(30, 3)
+    with_proposals.drafts = [1, 2]
+    assert prefill_rows(Batch([with_proposals, req(0, 20)], "prefill"), 256) is None
+
+
 def test_n_samples_per_prompt(chat_model):
     path, _ = chat_model
     llm = LLM(path, page_size=4, num_pages=128)

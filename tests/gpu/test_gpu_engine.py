@@ -306,6 +306,34 @@ def test_fused_rotary_kv_store_equals_torch_path(model_dirs, monkeypatch, arch, 
 
 
 @pytest.mark.parametrize("attn", ["triton", "fi"])
+def test_prefill_rows_equal_eager_prefill(model_dirs, monkeypatch, attn):
+    """Small prefill and mixed steps replayed as decode-graph rows, one per position, give the
+    eager extend's tokens (float32 triton: equal; fi in bf16: up to near ties), and ran."""
+    from minisgl.engine.engine import Engine
+
+    replay_rows, rows = Engine._replay_rows, []
+
+    def counted(engine, batch, flat, samples, resample):
+        rows.append(flat.size)
+        return replay_rows(engine, batch, flat, samples, resample)
+
+    monkeypatch.setattr(Engine, "_replay_rows", counted)
+    if attn == "triton":
+        path, _ = model_dirs("qwen3")
+        eager = generate(path, monkeypatch, attn=attn, dtype="float32", disable_prefill_graphs=True)
+        assert not rows
+        assert generate(path, monkeypatch, attn=attn, dtype="float32", graphs=True) == eager
+        assert rows
+        return
+    pytest.importorskip("flashinfer")
+    path, _ = model_dirs("qwen3_hd128")
+    eager_outs = greedy_with_logprobs(path, monkeypatch, attn=attn, disable_prefill_graphs=True)
+    assert not rows
+    assert_equal_up_to_near_ties(eager_outs, greedy_with_logprobs(path, monkeypatch, attn=attn))
+    assert rows
+
+
+@pytest.mark.parametrize("attn", ["triton", "fi"])
 def test_mixed_steps_equal_separate_steps(model_dirs, monkeypatch, attn):
     """Issue 22: decode rows computed beside prompt chunks (the prefill kernels) give the tokens
     that decode-only steps (graphs, decode kernels) give. The 24 prompts arrive at once and
