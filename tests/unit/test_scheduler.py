@@ -57,6 +57,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace(vocab_size=1000)
         self.config = SimpleNamespace(max_running_requests=max_running_requests)
         self.device = torch.device("cpu")
+        self.prefill_graph_rows = 0  # no CUDA graphs: no step is capped to fit them
         self.page_table: dict[int, list[int]] = {}
         self.token_table: dict[int, dict[int, int]] = {}
         self.batches: list[tuple[str, list[tuple[int, int]]]] = []  # (phase, [(uid, extend)])
@@ -169,6 +170,29 @@ def test_long_prompt_is_chunked_within_the_budget(make, overlap):
         ("decode", [(a.uid, 1), (b.uid, 1)]),
     ]
     assert out == {a.uid: (expected(a, 2), "length"), b.uid: (expected(b, 2), "length")}
+
+
+def test_steps_fit_the_graph_rows_when_little_waits(make):
+    """With CUDA graphs of 8 rows, a step is capped to fit them (prefill rows) while the
+    prompts waiting hold at most 16 tokens; a larger backlog keeps the budget's large chunks.
+    The running decode counts against the rows."""
+    sched = make(False, max_prefill_tokens=64)
+    sched.engine.prefill_graph_rows = 8
+    a = add(sched, 12, 3)
+    sched.step()
+    assert sched.engine.batches[-1] == ("prefill", [(a.uid, 8)])  # 12 <= 16: capped to 8
+    b = add(sched, 40, 1, first=100)  # 4 + 40 waiting: a backlog
+    sched.step()
+    assert sched.engine.batches[-1] == ("prefill", [(a.uid, 4), (b.uid, 40)])
+    c = add(sched, 10, 1, first=300)  # 10 waiting, a decoding: 7 rows left beside it
+    sched.step()
+    assert sched.engine.batches[-1] == ("mixed", [(a.uid, 1), (c.uid, 7)])
+    run(sched)
+    sched.engine.prefill_graph_rows = 0  # no graphs: one chunk
+    d = add(sched, 12, 1, first=500)
+    sched.step()
+    assert sched.engine.batches[-1] == ("prefill", [(d.uid, 12)])
+    run(sched)
 
 
 def test_prefill_keeps_a_page_per_running_request(make):
