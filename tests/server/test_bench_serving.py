@@ -412,7 +412,7 @@ def test_client_procs_share_a_rate_and_keep_the_order(tmp_path, capsys):
         args = bs.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--client-procs", "2"])
         requests = [bs.Request([1] * (3 + i), 1 + i % 4, priority=i % 2) for i in range(7)]
         times = [0.0, 0.0, 0.1, 0.1, 0.2, 0.3, 0.6]
-        procs = bs.ClientProcs(2)
+        procs = bs.ClientProcs(2, args)
         try:
             bar = SimpleNamespace(n=0, update=lambda n=1: None)
             results, start, end, busy = asyncio.run(procs.run(args, "fake", requests, times, bar))
