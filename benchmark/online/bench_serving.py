@@ -960,7 +960,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add(
         "--client-procs",
         type=at_least(1),
-        help="client processes that share each rate's requests; default: a quarter of the CPUs"
+        help="client processes that share each rate's requests; default: half the CPUs"
         " (at most 8), 1 with --max-concurrency (one cap needs one event loop). A process"
         " streams ~20,000 events/s at most; the summary warns when one was saturated",
     )
@@ -984,7 +984,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--rates does not apply to --trace (arrivals come from the trace)")
     args.rates = args.rates or [math.inf]
     if args.client_procs is None:
-        args.client_procs = 1 if args.max_concurrency else min(8, max(1, cpu_count() // 4))
+        args.client_procs = 1 if args.max_concurrency else min(8, max(1, cpu_count() // 2))
     elif args.client_procs > 1 and args.max_concurrency:
         p.error("--max-concurrency needs --client-procs 1 (one cap needs one event loop)")
     if not 0 <= args.range_ratio < 1:
