@@ -329,6 +329,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--disable-mixed-steps", action="store_true", help="decodes wait for prefill steps"
     )
+    p.add_argument(
+        "--disable-prefill-graphs",
+        action="store_true",
+        help="small prefill and mixed steps run eagerly instead of as decode-graph rows",
+    )
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
     p.add_argument(
         "--host-profile",
@@ -410,6 +415,7 @@ def main() -> None:
         max_prefill_tokens=args.max_prefill_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
         disable_mixed_steps=args.disable_mixed_steps,
+        disable_prefill_graphs=args.disable_prefill_graphs,
         **spec_options(args, model),
     )
     if args.single:
@@ -501,6 +507,7 @@ def main() -> None:
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "kv_cache_dtype": args.kv_cache_dtype,
         "mixed_steps": not args.disable_mixed_steps,
+        "prefill_graphs": not args.disable_prefill_graphs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "fused": not args.no_fused,
         "gemv": not args.no_gemv,

@@ -68,6 +68,7 @@ def test_cpu_smoke_run(tmp_path):
     assert result["tok_s"] > 0 and "tok/s" in stdout
     assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny", 1, None)
     assert result["mixed_steps"] is True and result["max_num_batched_tokens"] == 8192
+    assert result["prefill_graphs"] is True
 
 
 def test_cpu_smoke_run_speculative(tmp_path):
@@ -95,9 +96,10 @@ def test_cpu_smoke_run_half_constrained(tmp_path):
     """--grammar-frac: a dummy model without tokenizer gets a synthetic xgrammar vocabulary;
     every other request writes JSON under BENCH_SCHEMA (the rest run unconstrained)."""
     args = ["--tiny", "--num-seqs", "4", "--max-input-len", "110", "--max-output-len", "104"]
-    args += ["--grammar-frac", "0.5", "--disable-mixed-steps"]
+    args += ["--grammar-frac", "0.5", "--disable-mixed-steps", "--disable-prefill-graphs"]
     result, _ = run_bench(args, tmp_path / "result.jsonl")
     assert result["grammar_frac"] == 0.5 and result["mixed_steps"] is False
+    assert result["prefill_graphs"] is False
     # at most the two constrained requests end early, when the random text closes the JSON
     assert 0 <= result["ended_by_grammar"] <= 2
     assert result["output_tokens"] <= sum(workload(4, 110, 104)[1])
