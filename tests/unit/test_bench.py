@@ -136,3 +136,29 @@ def test_benchmark_configs_are_the_published_ones():
     assert moe.moe is not None and moe.moe.sparse_layers == tuple(range(48))
     assert (moe.moe.num_experts, moe.moe.top_k, moe.moe.intermediate_size) == (128, 8, 768)
     assert moe.moe.norm_topk_prob and moe.rope.base == 1e6 == dense.rope.base
+
+
+def test_first_token_bench_on_cpu(tmp_path):
+    """bench_ttft.py: one line per prompt length, with and without prefill graphs."""
+    out = tmp_path / "ttft.jsonl"
+    script = os.path.join(ROOT, "benchmark", "offline", "bench_ttft.py")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    for ablation in ([], ["--disable-prefill-graphs"]):
+        cmd = [sys.executable, script, "--tiny", "--device", "cpu", "--lens", "4,40", "--runs", "2"]
+        proc = subprocess.run(
+            [*cmd, *ablation, "--json", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "prompt 40: first token" in proc.stdout
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(x["prompt_tokens"], x["prefill_graphs"]) for x in lines] == [
+        (4, True),
+        (40, True),
+        (4, False),
+        (40, False),
+    ]
+    assert all(x["first_token_ms"] > 0 and x["eight_tokens_ms"] > 0 for x in lines)
