@@ -188,6 +188,13 @@ def test_steps_fit_the_graph_rows_when_little_waits(make):
     sched.step()
     assert sched.engine.batches[-1] == ("mixed", [(a.uid, 1), (c.uid, 7)])
     run(sched)
+    sched.planner.max_prefill_tokens = 10  # a 25-token prompt's tail (15) is not capped:
+    e = add(sched, 25, 1, first=700)  # its rows would read its first 10 tokens' KV too
+    sched.step()
+    sched.step()
+    assert sched.engine.batches[-2:] == [("prefill", [(e.uid, 10)]), ("prefill", [(e.uid, 10)])]
+    run(sched)
+    sched.planner.max_prefill_tokens = 64
     sched.engine.prefill_graph_rows = 0  # no graphs: one chunk
     d = add(sched, 12, 1, first=500)
     sched.step()

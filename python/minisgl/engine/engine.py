@@ -268,8 +268,8 @@ class Engine:
         for req, samples_here in zip(batch.reqs, samples):
             flags += [False] * (req.extend_len - 1) + [samples_here]
             lasts.append(len(flags) - 1)
-        out = self.graphs.replay(rows, flags, resample) if self.graphs else None
-        assert out is not None
+        assert self.graphs is not None
+        out = self.graphs.replay(rows, flags, resample)
         return out.pick(to_device(lasts, torch.int64, self.device))
 
     @torch.inference_mode()

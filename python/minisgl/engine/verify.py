@@ -117,8 +117,8 @@ def flat_batch(batch: Batch, max_rows: int) -> Batch | None:
 def prefill_rows(batch: Batch, max_rows: int) -> Batch | None:
     """A small prefill or mixed step (at most `max_rows` tokens, no proposals) as a decode batch
     with one row per position, which CUDA graphs replay instead of an eager extend whose ~300
-    kernel launches cost the host 15-25 ms (an idle H100 server's time to first token). Only
-    each request's last row samples; the others write nowhere (see `Engine._replay_rows`).
+    kernel launches cost the host 12-25 ms (an idle H100 server's time to first token). Only
+    each request's last row samples; the others write to the dummy row (`Engine._replay_rows`).
     Row j attends to the KV that rows before it store in the same layer, so each row's logits
     are the extend's at that position. None for requests that need every position's hidden
     state or logits afterwards (proposals, prompt logprobs) or sample otherwise than plainly."""

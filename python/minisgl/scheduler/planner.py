@@ -89,9 +89,11 @@ class BatchPlanner:
 
     def _graph_budget(self, budget: int, decodes: list[Req]) -> int:
         """The prompt budget of a step, capped so that the step fits the CUDA graphs' rows when
-        the prompts waiting hold at most twice as many tokens as the graphs have rows and the
-        step could replay them (engine `prefill_rows`: ~300 fewer launches, ~10 ms less per
-        step on an H100). A backlog keeps the large eager chunks that throughput wants."""
+        the prompts waiting hold at most twice as many tokens as the graphs have rows, none is
+        longer than that with its cached prefix (the rows' KV reads stay within the engine's
+        limit), and the step could replay them (engine `prefill_rows`: ~300 fewer launches,
+        ~10 ms less per step on an H100). A backlog, or the tail of a long prompt, keeps the
+        large eager chunks."""
         graph_rows = self.engine.prefill_graph_rows
         rows = graph_rows - sum(r.extend_len for r in decodes)
         if rows <= 0 or budget <= rows:
@@ -102,7 +104,9 @@ class BatchPlanner:
         total = 0
         for req in chain(pending, self.waiting):
             total += req.remaining_len
-            if total > 2 * graph_rows or not req.samples_plainly:
+            if total > 2 * graph_rows or len(req.tokens) > 2 * graph_rows:
+                return budget
+            if not req.samples_plainly:
                 return budget
         return rows
 
