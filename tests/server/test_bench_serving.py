@@ -372,10 +372,11 @@ def test_launch_starts_and_stops_the_server(tmp_path, capsys):
     port, out = free_port(), str(tmp_path / "fake.json")
     argv = ["--launch", f"{sys.executable} {script} --port {port}", "--num-prompts", "5"]
     argv += ["--rates", "100", "--input-len", "8", "--output-len", "3", "--disable-tqdm"]
-    argv += ["--launch-log", str(tmp_path / "fake.log")]
+    argv += ["--launch-log", str(tmp_path / "fake.log"), "--client-procs", "2"]
     assert bs.main([*argv, "--out", out]) == 0  # the base URL comes from --launch's --port
     run = check_result(out, [100.0], 5, 8, 3)
     assert run["config"]["model"] == "fake" and run["results"][0]["server_stats"] is None
+    assert run["results"][0]["client_procs"] == 2 and 0 <= run["results"][0]["client_busy"] < 1
     # a server whose model card has no vocab_size (as vLLM's): the fallback, said once
     assert run["config"]["vocab_size"] == bs.FALLBACK_VOCAB
     assert capsys.readouterr().err.count("does not give vocab_size") == 1
