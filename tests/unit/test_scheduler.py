@@ -174,8 +174,8 @@ def test_long_prompt_is_chunked_within_the_budget(make, overlap):
 
 def test_steps_fit_the_graph_rows_when_little_waits(make):
     """With CUDA graphs of 8 rows, a step is capped to fit them (prefill rows) while the
-    prompts waiting hold at most 16 tokens; a larger backlog keeps the budget's large chunks.
-    The running decode counts against the rows."""
+    prompts waiting fit in three such steps beside the decodes; a larger backlog, a prompt
+    longer than 16 tokens, or decodes that leave a single row keep the budget's chunks."""
     sched = make(False, max_prefill_tokens=64)
     sched.engine.prefill_graph_rows = 8
     a = add(sched, 12, 3)
@@ -195,6 +195,13 @@ def test_steps_fit_the_graph_rows_when_little_waits(make):
     assert sched.engine.batches[-2:] == [("prefill", [(e.uid, 10)]), ("prefill", [(e.uid, 10)])]
     run(sched)
     sched.planner.max_prefill_tokens = 64
+    decoding = [add(sched, 2, 6, first=800 + 10 * i) for i in range(7)]
+    while sched.planner.waiting or sched.planner.prefilling:
+        sched.step()
+    f = add(sched, 10, 1, first=900)  # 7 decodes leave 1 row: 10 steps for it, not 3
+    sched.step()
+    assert sched.engine.batches[-1] == ("mixed", [(r.uid, 1) for r in decoding] + [(f.uid, 10)])
+    run(sched)
     sched.engine.prefill_graph_rows = 0  # no graphs: one chunk
     d = add(sched, 12, 1, first=500)
     sched.step()

@@ -89,11 +89,11 @@ class BatchPlanner:
 
     def _graph_budget(self, budget: int, decodes: list[Req]) -> int:
         """The prompt budget of a step, capped so that the step fits the CUDA graphs' rows when
-        the prompts waiting hold at most twice as many tokens as the graphs have rows, none is
-        longer than that with its cached prefix (the rows' KV reads stay within the engine's
-        limit), and the step could replay them (engine `prefill_rows`: ~300 fewer launches,
-        ~10 ms less per step on an H100). A backlog, or the tail of a long prompt, keeps the
-        large eager chunks."""
+        the prompts waiting fit in three such steps beside the decodes, none is longer than
+        twice the graphs' rows with its cached prefix (the rows' KV reads stay within the
+        engine's limit), and the step could replay them (engine `prefill_rows`: ~300 fewer
+        launches, ~10 ms less per step on an H100). A backlog, a long prompt's tail, or so
+        many decodes that few rows are left keep the large eager chunks."""
         graph_rows = self.engine.prefill_graph_rows
         rows = graph_rows - sum(r.extend_len for r in decodes)
         if rows <= 0 or budget <= rows:
@@ -104,7 +104,7 @@ class BatchPlanner:
         total = 0
         for req in chain(pending, self.waiting):
             total += req.remaining_len
-            if total > 2 * graph_rows or len(req.tokens) > 2 * graph_rows:
+            if total > 3 * rows or len(req.tokens) > 2 * graph_rows:
                 return budget
             if not req.samples_plainly:
                 return budget
