@@ -48,6 +48,21 @@ def disable_gc_freeze() -> bool:
     return _flag("MINISGL_DISABLE_GC_FREEZE")
 
 
+def gc_warning_threshold_s() -> float:
+    """MINISGL_GC_WARNING_THRESHOLD_SECS (`--gc-warning-threshold-secs` sets it for the server's
+    processes): a ready process logs a warning for every garbage collection longer than this
+    many seconds (`utils.procs.watch_gc`); unset or 0: none."""
+    name = "MINISGL_GC_WARNING_THRESHOLD_SECS"
+    value = os.environ.get(name, "").strip()
+    try:
+        seconds = float(value or 0)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a number of seconds") from None
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{name}={value!r}: expected a finite number of seconds >= 0")
+    return seconds
+
+
 def api_key() -> str | None:
     """MINISGL_API_KEY: the server's API key when `--api-key` is not given (an environment
     variable is private to its user, a command line is not: /proc/PID/cmdline). Empty: none."""

@@ -73,6 +73,50 @@ def test_freeze_startup_heap(disabled):
         assert frozen == count > 1000 and oldest < 100
 
 
+WATCH_CHILD = """
+import gc, logging, sys
+sys.path.insert(0, {python!r})
+logging.basicConfig(level="WARNING", format="%(message)s")
+from minisgl.utils.procs import freeze_startup_heap, set_title
+set_title("tokenizer_0")
+freeze_startup_heap()  # its own collection is start-up's: never logged
+cycle = []
+cycle.append(cycle)
+del cycle
+gc.collect()  # serving's, longer than any threshold above 0
+"""
+
+
+@pytest.mark.parametrize("threshold", ["", "0", "1e-9", "1000", "-1", "x"])
+def test_long_garbage_collections_are_logged_once_ready(threshold):
+    """MINISGL_GC_WARNING_THRESHOLD_SECS (what --gc-warning-threshold-secs sets for every
+    server process): a warning naming the process for each collection over it, after the
+    process is ready; unset or 0: none; a bad value: a clear error."""
+    python = os.path.join(os.path.dirname(__file__), "..", "..", "python")
+    env = {**os.environ, "MINISGL_GC_WARNING_THRESHOLD_SECS": threshold}
+    code = WATCH_CHILD.format(python=os.path.abspath(python))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    warnings = [line for line in out.stderr.splitlines() if "garbage collection took" in line]
+    if threshold in ("-1", "x"):
+        assert out.returncode != 0 and "MINISGL_GC_WARNING_THRESHOLD_SECS" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    if threshold != "1e-9":
+        assert warnings == []
+        return
+    assert all("minisgl::tokenizer_0 (pid" in w for w in warnings)  # later small ones too
+    assert any("generation-2 " in w and "1 objects collected" in w for w in warnings)
+    assert "--gc-warning-threshold-secs 1e-09" in warnings[0]
+
+
+def test_gc_warning_flag_is_checked():
+    from minisgl.server.args import parse_args
+
+    assert parse_args(["--gc-warning-threshold-secs", "0.05"]).gc_warning_threshold_secs == 0.05
+    with pytest.raises(SystemExit):
+        parse_args(["--gc-warning-threshold-secs", "-1"])
+
+
 def test_api_server_freezes_what_its_tokenizer_load_brings(tmp_path):
     """The API server loads its tokenizer on first use (/v1/models' vocab_size, /tokenize),
     which imports transformers into a process whose heap is already frozen: the load freezes

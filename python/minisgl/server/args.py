@@ -140,6 +140,13 @@ class ServerArgs:
         "seconds SIGTERM waits for in-flight requests to finish before exiting",
         type=_seconds(allow_zero=True),
     )
+    gc_warning_threshold_secs: float = option(
+        0.0,
+        "log a warning for every garbage collection longer than this many seconds in any "
+        "server process once it is ready (a collection stalls the streams that process "
+        "serves); 0: off",
+        type=_seconds(allow_zero=True),
+    )
     watchdog_timeout: float = option(
         300.0,
         "seconds the pipeline may stay silent (no step, no reply) while requests are unfinished "

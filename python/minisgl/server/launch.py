@@ -285,6 +285,8 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     hide_api_key()
+    if args.gc_warning_threshold_secs > 0:  # every process reads it once ready (spawn copies it)
+        os.environ["MINISGL_GC_WARNING_THRESHOLD_SECS"] = str(args.gc_warning_threshold_secs)
     # The default SIGTERM action would kill this process at once and orphan the children.
     signal.signal(signal.SIGTERM, _on_sigterm)
     launcher = Launcher(args)

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from minisgl import env
+
+logger = logging.getLogger(__name__)
 
 TITLE_PREFIX = "minisgl::"
 
@@ -31,12 +35,51 @@ def freeze_startup_heap() -> int:
     a serving process is ready: a full collection then walks only what serving created, not the
     whole start-up heap (without it, an H100 server's frontend paused 50-230 ms at each full
     collection under load, stalling every stream). Returns the number of objects frozen; none
-    with MINISGL_DISABLE_GC_FREEZE=1 (the ablation)."""
-    if env.disable_gc_freeze():
-        return 0
-    gc.collect()
-    gc.freeze()
+    with MINISGL_DISABLE_GC_FREEZE=1 (the ablation). Then, with --gc-warning-threshold-secs,
+    long collections are logged from now on (`watch_gc`)."""
+    if not env.disable_gc_freeze():
+        gc.collect()
+        gc.freeze()
+    watch_gc(env.gc_warning_threshold_s())  # serving's collections, not start-up's
     return gc.get_freeze_count()
+
+
+_GC_WATCHERS: list[Callable[[str, dict[str, int]], None]] = []  # this process's, at most one
+
+
+def watch_gc(threshold_s: float) -> Callable[[str, dict[str, int]], None] | None:
+    """From now on, log a warning for every garbage collection of this process that takes longer
+    than `threshold_s` (SGLang's --gc-warning-threshold-secs): while one runs, every stream the
+    process serves waits. The callback installed (None: 0, or one is installed already)."""
+    if threshold_s <= 0 or _GC_WATCHERS:
+        return None
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif (took := time.perf_counter() - started[0]) > threshold_s:
+            logger.warning(
+                "%s (pid %d): a generation-%d garbage collection took %.3f s, %d objects "
+                "collected (--gc-warning-threshold-secs %g)",
+                title(),
+                os.getpid(),
+                info["generation"],
+                took,
+                info["collected"],
+                threshold_s,
+            )
+
+    gc.callbacks.append(on_gc)
+    _GC_WATCHERS.append(on_gc)
+    return on_gc
+
+
+def title() -> str:
+    """This process's name as `set_title` gave it (the command line otherwise)."""
+    import setproctitle
+
+    return setproctitle.getproctitle()
 
 
 def die_with_parent() -> None:
