@@ -359,6 +359,17 @@ def test_sigkill_of_the_main_process_removes_its_temp_directory(server: Server) 
 
 
 # ---- tensor parallelism -------------------------------------------------------------------
+def test_gc_warning_threshold_reaches_every_worker(model_dir: str, tmp_path: Any) -> None:
+    """--gc-warning-threshold-secs: the API process and the scheduler (the busy ones while a
+    request runs) log their collections over it once ready, each under its own name."""
+    log = str(tmp_path / "gc.log")
+    with run_server(model_dir, "--gc-warning-threshold-secs", "1e-9", log_path=log) as server:
+        body = {"prompt": list(range(5, 60)), "max_tokens": 40, "ignore_eos": True}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        warned = re.findall(r"(\S+ ?\S*) \(pid \d+\): a generation-\d garbage", server.log())
+    assert {"minisgl::scheduler_0", "main process"} <= set(warned), set(warned)
+
+
 def test_tp_listens_on_loopback_only(model_dir: str, tmp_path: Any) -> None:
     """`--tp 2 --device cpu`: the ranks meet through a file, gloo binds to loopback; the only
     listener is the HTTP server on --host. --api-key is masked in the command line."""

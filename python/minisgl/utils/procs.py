@@ -76,10 +76,12 @@ def watch_gc(threshold_s: float) -> Callable[[str, dict[str, int]], None] | None
 
 
 def title() -> str:
-    """This process's name as `set_title` gave it (the command line otherwise)."""
+    """This process's name as `set_title` gave it; the main process (the API server's, or the
+    user's with `LLM`) has its command line there, and is called "main process"."""
     import setproctitle
 
-    return setproctitle.getproctitle()
+    name = setproctitle.getproctitle()
+    return name if name.startswith(TITLE_PREFIX) else "main process"
 
 
 def die_with_parent() -> None:
