@@ -53,12 +53,8 @@ def main() -> None:
     from minisgl import LLM, SamplingParams
 
     model = tiny_model_dir() if args.tiny else args.model
-    llm = LLM(
-        model,
-        dummy_weights=True,
-        device=args.device,
-        disable_prefill_graphs=args.disable_prefill_graphs,
-    )
+    options = {"device": args.device, "disable_prefill_graphs": args.disable_prefill_graphs}
+    llm = LLM(model, dummy_weights=True, **options)
     vocab = llm.engine.model_config.vocab_size
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
 
