@@ -76,8 +76,10 @@ class SchedulerServer:
             self.scheduler.abort(msg.uid)
         elif isinstance(msg, FlushCacheMsg):
             error = self.scheduler.flush_cache()
+            # the stats first, on the same ordered path: a /stats read after the flush's
+            # answer shows the emptied cache (the other order raced under load)
+            self.send.put(BatchDetokenizeMsg([], self.stats()))
             self.send.put(FlushCacheReply(self.dp_rank, error))
-            self.send.put(BatchDetokenizeMsg([], self.stats()))  # /metrics shows it at once
         elif isinstance(msg, UserMsg):
             try:
                 req = self.scheduler.make_request(msg.input_ids, msg.params, uid=msg.uid)
