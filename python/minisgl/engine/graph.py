@@ -93,4 +93,4 @@ class GraphRunner:
             engine.attn_backend.prepare_for_replay(static)
             graph.replay()
         assert out is not None
-        return out.first(bs)
+        return out.pick(slice(0, bs))

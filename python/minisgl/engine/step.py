@@ -58,8 +58,8 @@ class StepInputs:
         host[-1].view(torch.float64).copy_(torch.tensor(temps, dtype=torch.float64))
         return host
 
-    def first(self, n: int) -> StepInputs:
-        return StepInputs(*(getattr(self, f.name)[:n] for f in fields(self)))
+    def pick(self, index: slice | torch.Tensor) -> StepInputs:
+        return StepInputs(*(getattr(self, f.name)[index] for f in fields(self)))
 
     @staticmethod
     def unpack(block: torch.Tensor) -> StepInputs:
@@ -84,16 +84,12 @@ class ForwardOutput:
     adjusted: bool = False  # some request adjusts its logits (penalties, bias, min_tokens)
     filtered: bool = False  # some request samples with top-k, top-p or min-p
 
-    def pick(self, index: torch.Tensor) -> ForwardOutput:
-        """The rows at `index` (a device tensor), without the hidden states."""
+    def pick(self, index: slice | torch.Tensor) -> ForwardOutput:
+        """The rows at `index` (a slice, or a device tensor of rows), without the hidden
+        states: the real requests of a padded graph batch, or each request's last row."""
         sampled = None if self.sampled is None else self.sampled[index]
-        inputs = StepInputs(*(getattr(self.inputs, f.name)[index] for f in fields(self.inputs)))
+        inputs = self.inputs.pick(index)
         return ForwardOutput(self.logits[index], self.kv_lens[index], inputs, sampled)
-
-    def first(self, n: int) -> ForwardOutput:
-        """The first n requests' rows (the real ones of a padded graph batch)."""
-        sampled = None if self.sampled is None else self.sampled[:n]
-        return ForwardOutput(self.logits[:n], self.kv_lens[:n], self.inputs.first(n), sampled)
 
 
 def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch.Tensor:

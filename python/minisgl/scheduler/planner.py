@@ -74,20 +74,20 @@ class BatchPlanner:
         row never waits behind a prompt), then prompt chunks in what is left of the step's
         token budget. Without them (--disable-mixed-steps): prompt chunks first, else decodes."""
         if not self.mixed or not self.running:
-            budget = self._graph_budget(self.max_prefill_tokens, [])
+            budget = self._graph_budget(self.max_prefill_tokens, [], 0)
             return self._schedule_prefill(budget) or self._schedule_decode()
         decode = self._schedule_decode()
         decodes = decode.reqs if decode is not None else []
         num_decode_tokens = sum(r.extend_len for r in decodes)  # proposals count too
         budget = min(self.max_prefill_tokens, self.max_batched_tokens - num_decode_tokens)
-        budget = self._graph_budget(budget, decodes)
+        budget = self._graph_budget(budget, decodes, num_decode_tokens)
         prefill = self._schedule_prefill(budget) if budget > 0 else None
         decodes = [r for r in decodes if r.table_idx >= 0]  # not preempted for a prompt
         if prefill is None:
             return decode_batch(decodes)
         return Batch(decodes + prefill.reqs, "prefill", num_decodes=len(decodes))
 
-    def _graph_budget(self, budget: int, decodes: list[Req]) -> int:
+    def _graph_budget(self, budget: int, decodes: list[Req], num_decode_tokens: int) -> int:
         """The prompt budget of a step, capped so that the step fits the CUDA graphs' rows when
         the prompts waiting fit in three such steps beside the decodes, none is longer than
         twice the graphs' rows with its cached prefix (the rows' KV reads stay within the
@@ -95,9 +95,9 @@ class BatchPlanner:
         launches, ~10 ms less per step on an H100). A backlog, a long prompt's tail, or so
         many decodes that few rows are left keep the large eager chunks."""
         graph_rows = self.engine.prefill_graph_rows
-        rows = graph_rows - sum(r.extend_len for r in decodes)
-        if rows <= 0 or budget <= rows:
-            return budget
+        rows = graph_rows - num_decode_tokens
+        if rows <= 0 or budget <= rows or (self.prefilling is None and not self.waiting):
+            return budget  # a decode-only step looks at no request here
         if not all(r.samples_plainly and not r.drafts for r in decodes):
             return budget
         pending = [self.prefilling] if self.prefilling is not None else []
