@@ -85,6 +85,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     chunkless: bool = False  # the server streamed nothing before the end: TTFT is the e2e
     priority: int | None = None
+    sent: float = 0.0  # time.monotonic() when it was sent (--save-detailed)
 
 
 # ---- workloads -----------------------------------------------------------------------------
@@ -393,12 +394,14 @@ async def send_all(
         if req.priority is not None:
             extra["priority"] = req.priority
         body = request_body(args.endpoint, model, req.prompt, req.output_len, **extra)
+        sent = time.monotonic()
         if limit is None:
             res = await send(client, body)
         else:
             async with limit:
+                sent = time.monotonic()
                 res = await send(client, body)
-        res.priority = req.priority
+        res.priority, res.sent = req.priority, sent
         done()
         return res
 
@@ -504,8 +507,9 @@ async def run_rate(
     args: argparse.Namespace,
     model: str,
     desc: str,
-) -> tuple[list[Result], float, float]:
-    """The results, the run's wall time and the busiest client process's CPU share of it."""
+) -> tuple[list[Result], float, float, float]:
+    """The results, the run's wall time, the busiest client process's CPU share of it and the
+    run's start (Unix time); each result's `sent` is made relative to that start."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(requests), desc=desc, disable=args.disable_tqdm, file=sys.stderr)
@@ -517,7 +521,10 @@ async def run_rate(
     else:
         results, start, end, busy = await procs.run(args, model, requests, times, bar)
     bar.close()
-    return results, end - start, busy
+    for res in results:
+        res.sent = max(0.0, res.sent - start) if res.sent else 0.0
+    started_at = time.time() - (time.monotonic() - start)  # the wall clock, as servers log it
+    return results, end - start, busy, started_at
 
 
 def workload(args: argparse.Namespace, index: int) -> list[Request]:
@@ -639,13 +646,34 @@ async def run_rates(
         else:
             times = arrival_times(len(requests), rate, args.seed + 1000 + i)
         desc = f"rate {rate_name(rate)}"
-        results, duration, busy = await run_rate(client, procs, requests, times, args, model, desc)
+        results, duration, busy, started_at = await run_rate(
+            client, procs, requests, times, args, model, desc
+        )
         summary = summarize(results, duration, rate, args.percentiles)
         summary["client_procs"], summary["client_busy"] = args.client_procs, round(busy, 3)
         summary["server_stats"] = await server_stats(client)
         print(summary_line(summary, args.percentiles), flush=True)
+        if args.save_detailed:
+            summary["started_at"] = round(started_at, 6)
+            summary["requests"] = [detail(r) for r in results]
         summaries.append(summary)
     return summaries
+
+
+def detail(r: Result) -> dict:
+    """One request of --save-detailed: when it was sent (s after the rate's start) and its own
+    latencies (ms), so that slow tokens can be placed in time."""
+    return {
+        "sent_s": round(r.sent, 6),
+        "ok": r.ok,
+        "error": r.error or None,
+        "priority": r.priority,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "ttft_ms": round(r.ttft * 1000, 3),
+        "itl_ms": [round(x * 1000, 3) for x in r.itl],
+        "e2e_ms": round(r.e2e * 1000, 3),
+    }
 
 
 def summary_line(s: dict, percentiles: list[float]) -> str:
@@ -970,6 +998,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--out", help="JSON result file")
     add("--plot", help="PNG plot file")
     add("--json", help="append one JSON line per rate (host, commit, command, figures) to it")
+    add(
+        "--save-detailed",
+        action="store_true",
+        help="--out also holds every request: when it was sent, its TTFT, each ITL, its E2E",
+    )
     add("--note", help="a remark stored in each --json line (e.g. the server's flags)")
     add("--label", help="this run's name in plots; default: the workload")
     add("--percentiles", type=percentile_list, default=[50.0, 90.0, 99.0], help="e.g. 50,99")
@@ -978,6 +1011,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.plot_only and not args.plot:
         p.error("--plot-only needs --plot")
+    if args.save_detailed and not args.out:
+        p.error("--save-detailed needs --out (the requests go into that file)")
     if args.shared_prefix and args.trace:
         p.error("--shared-prefix and --trace exclude each other")
     if args.trace and args.rates is not None:

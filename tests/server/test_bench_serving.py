@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -213,6 +214,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bs.main(["--trace", "t.jsonl", "--rates", "4"])
     assert "--rates does not apply to --trace" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bs.main(["--save-detailed"])
+    assert "--save-detailed needs --out" in capsys.readouterr().err
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert bs.main(["--base-url", url, "--disable-tqdm"]) == 1
@@ -373,8 +377,15 @@ def test_launch_starts_and_stops_the_server(tmp_path, capsys):
     argv = ["--launch", f"{sys.executable} {script} --port {port}", "--num-prompts", "5"]
     argv += ["--rates", "100", "--input-len", "8", "--output-len", "3", "--disable-tqdm"]
     argv += ["--launch-log", str(tmp_path / "fake.log"), "--client-procs", "2"]
-    assert bs.main([*argv, "--out", out]) == 0  # the base URL comes from --launch's --port
+    assert bs.main([*argv, "--out", out, "--save-detailed"]) == 0  # URL from --launch's --port
     run = check_result(out, [100.0], 5, 8, 3)
+    detail = run["results"][0]["requests"]  # --save-detailed: each request, in request order
+    assert [(d["ok"], d["output_tokens"], d["prompt_tokens"]) for d in detail] == [(True, 3, 8)] * 5
+    duration = run["results"][0]["duration_s"]
+    assert abs(run["results"][0]["started_at"] - time.time()) < 60  # Unix time, to meet logs
+    for d in detail:
+        assert 0 <= d["sent_s"] < duration and 0 < d["ttft_ms"] <= d["e2e_ms"] < duration * 1000
+        assert len(d["itl_ms"]) <= 2 and d["ttft_ms"] + sum(d["itl_ms"]) <= d["e2e_ms"]
     assert run["config"]["model"] == "fake" and run["results"][0]["server_stats"] is None
     assert run["results"][0]["client_procs"] == 2 and 0 <= run["results"][0]["client_busy"] < 1
     # a server whose model card has no vocab_size (as vLLM's): the fallback, said once
