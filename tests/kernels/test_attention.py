@@ -209,17 +209,24 @@ def test_triton_metadata_rows_start_16_byte_aligned():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU one")
-def test_decode_attention_benchmark_smoke():
-    """benchmark/kernels/decode_attention_bench.py --smoke runs the decode kernel interpreted
-    for bf16 and fp8 pools, checks it against its float32 reference, prints a row each."""
+@pytest.mark.parametrize(
+    "script, argv, num_rows",
+    [
+        ("decode_attention_bench.py", ["--block-n", "16"], 2),  # bf16 and fp8 pools
+        ("extend_attention_bench.py", ["--block-m", "16,32", "--block-n", "16"], 2),  # two tiles
+    ],
+)
+def test_attention_benchmark_smoke(script, argv, num_rows):
+    """benchmark/kernels/*_attention_bench.py --smoke runs the kernel interpreted, checks each
+    configuration against its float32 reference and prints a row for each."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = os.path.join(root, "benchmark", "kernels", "decode_attention_bench.py")
+    path = os.path.join(root, "benchmark", "kernels", script)
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
     res = subprocess.run(
-        [sys.executable, script, "--smoke", "--block-n", "16"],
+        [sys.executable, path, "--smoke", *argv],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = [line for line in res.stdout.splitlines() if "block_n" in line and "us" in line]
-    assert len(rows) == 2 and "WRONG" not in res.stdout, res.stdout
+    assert len(rows) == num_rows and "WRONG" not in res.stdout, res.stdout

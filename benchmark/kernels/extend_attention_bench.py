@@ -1,0 +1,153 @@
+"""The Triton paged extend (prefill) attention (python/minisgl/kernel/triton_attention.py) alone:
+a batch of requests, each with --cached-len positions already in the KV pool and --extend-len
+new tokens that attend causally to those and to themselves, on pages spread over the pool.
+Each (block_m, block_n, num_warps, num_stages) asked for is checked against the torch
+reference first, then timed as a CUDA graph replayed. The rate counts the causal attention's
+matrix FLOPs (4 x head_dim per query-key pair that is not masked) against the dense bf16 peak.
+
+    python benchmark/kernels/extend_attention_bench.py                  # 16 prompts of 512
+    python benchmark/kernels/extend_attention_bench.py --batch 1 --extend-len 2000
+    python benchmark/kernels/extend_attention_bench.py --block-m 64,128 --block-n 32,64 \\
+        --num-warps 4,8 --num-stages 2,3
+    python benchmark/kernels/extend_attention_bench.py --smoke          # CPU interpreter"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+
+from decode_attention_bench import KV_DTYPES, ROOT, ints, time_us
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--extend-len", type=int, default=512, help="new tokens per request")
+    p.add_argument("--cached-len", type=int, default=0, help="cached positions per request")
+    p.add_argument("--heads", type=int, default=16, help="query heads (Qwen3-0.6B: 16)")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-dtype", default="bf16", help=f"of {', '.join(KV_DTYPES)}")
+    p.add_argument("--block-m", type=ints, default=None, help="default: extend_tuning's")
+    p.add_argument("--block-n", type=ints, default=None, help="default: extend_tuning's")
+    p.add_argument("--num-warps", type=ints, default=None, help="default: extend_tuning's")
+    p.add_argument("--num-stages", type=ints, default=None, help="default: extend_tuning's")
+    p.add_argument("--reps", type=int, default=20, help="graph replays timed")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, Triton's CPU interpreter")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.batch, args.extend_len, args.cached_len, args.heads, args.kv_heads = 2, 20, 9, 4, 2
+        args.head_dim, args.page_size, args.reps = 16, 4, 1
+    return args
+
+
+def build(args: argparse.Namespace, device):
+    """(q, k_pool, v_pool, page_table, rows, q_starts, cached_lens, extend_lens): each
+    request's pages a random subset of the pool; its new tokens' K and V already stored."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    total = args.cached_len + args.extend_len
+    pages = math.ceil(total / args.page_size)
+    order = torch.randperm(pages * args.batch, generator=gen).to(torch.int32)
+    table = order.view(args.batch, pages).contiguous()
+    slots = pages * args.batch * args.page_size
+    dtype = getattr(torch, KV_DTYPES[args.kv_dtype])
+    q_dtype = torch.float16 if args.smoke else torch.bfloat16
+    if args.smoke and dtype == torch.bfloat16:  # the interpreter has no bfloat16 loads
+        dtype = torch.float16
+    k, v = (
+        torch.randn(slots, args.kv_heads, args.head_dim, generator=gen).to(dtype) for _ in range(2)
+    )
+    q = torch.randn(args.batch * args.extend_len, args.heads, args.head_dim, generator=gen)
+    rows = torch.arange(args.batch, dtype=torch.int32)
+    starts = rows * args.extend_len
+    cached = torch.full((args.batch,), args.cached_len, dtype=torch.int32)
+    extend = torch.full((args.batch,), args.extend_len, dtype=torch.int32)
+    tensors = (q.to(q_dtype), k, v, table, rows, starts, cached, extend)
+    return tuple(t.to(device) for t in tensors)
+
+
+def reference(q, k_pool, v_pool, table, args: argparse.Namespace, scale: float):
+    """Each request's causal attention from its gathered KV in float32."""
+    import torch
+
+    outs = []
+    group = args.heads // args.kv_heads
+    total = args.cached_len + args.extend_len
+    pos = torch.arange(total, device=q.device)
+    allowed = (
+        pos[None, :] <= (args.cached_len + torch.arange(args.extend_len, device=q.device))[:, None]
+    )
+    for i in range(args.batch):
+        slot = table[i, pos // args.page_size].long() * args.page_size + pos % args.page_size
+        k = k_pool[slot].float().repeat_interleave(group, dim=1)  # [n, H, D]
+        v = v_pool[slot].float().repeat_interleave(group, dim=1)
+        qi = q[i * args.extend_len : (i + 1) * args.extend_len].float()
+        s = torch.einsum("thd,nhd->htn", qi, k) * scale
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        outs.append(torch.einsum("htn,nhd->thd", torch.softmax(s, dim=-1), v))
+    return torch.cat(outs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.kv_dtype not in KV_DTYPES:
+        print(f"error: --kv-dtype {args.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+        return 2
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from minisgl.kernel import triton_attention as ta
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    peak = None
+    if device.type == "cuda":
+        sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
+        from bench import GPU_PEAKS
+
+        name = torch.cuda.get_device_name()
+        peak = next((flops / 1e12 for key, (_, flops) in GPU_PEAKS.items() if key in name), None)
+        print(name)
+    q, k_pool, v_pool, table, rows, starts, cached, extend = build(args, device)
+    scale = args.head_dim**-0.5
+    ref = reference(q, k_pool, v_pool, table, args, scale)
+    n, c = args.extend_len, args.cached_len
+    flops = 4 * args.head_dim * args.heads * args.batch * (n * c + n * (n + 1) / 2)
+    default = ta.extend_tuning(q)
+    print(f"batch {args.batch} x {n} new tokens after {c} cached, {args.kv_dtype} KV;"
+          f" {flops / 1e9:.1f} GFLOP; default (block_m, block_n, warps, stages) {default}")  # fmt: skip
+    configs = itertools.product(
+        *(given or [d] for given, d in zip((args.block_m, args.block_n, args.num_warps, args.num_stages), default))
+    )  # fmt: skip
+    for tuning in configs:
+
+        def step(tuning=tuning) -> torch.Tensor:
+            return ta.extend_attention(
+                q, k_pool, v_pool, table, rows, starts, cached, extend, n, args.page_size, scale,
+                tuning=tuning,
+            )  # fmt: skip
+
+        label = "block_m {:3d} block_n {:3d} warps {} stages {}".format(*tuning)
+        try:
+            err = (step().float() - ref).abs().max().item()
+        except Exception as e:  # e.g. out of shared memory for this tile: skip it
+            print(f"  {label}: fails ({type(e).__name__}: {str(e)[:80]})")
+            continue
+        if err > 5e-2:
+            print(f"  {label}: WRONG, max error {err:.3g}")
+            continue
+        us = time_us(step, args.reps, device.type == "cuda")
+        rate = flops / us / 1e6  # TFLOP/s
+        share = f" ({rate / peak:.0%} of {peak:g})" if peak else ""
+        print(f"  {label}: {us:8.1f} us  {rate:6.1f} TFLOP/s{share}  max error {err:.2g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
