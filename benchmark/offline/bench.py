@@ -25,10 +25,13 @@ import cProfile
 import json
 import os
 import pstats
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from random import randint, seed
 from typing import Any
 
@@ -287,6 +290,22 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
     return fields
 
 
+def commit() -> str | None:
+    """The checkout's short HEAD, with "+dirty" when tracked files differ from it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        git = ["git", "-C", here]
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            [*git, "diff", "--quiet", "HEAD", "--", "."], capture_output=True
+        ).returncode
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def parse_args() -> argparse.Namespace:
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -346,7 +365,12 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="time the workload this many times in one process; tok/s is the median run",
     )
-    p.add_argument("--json", help="append the result as one JSON line to this file")
+    p.add_argument(
+        "--json",
+        help="append the result as one JSON line to this file (with the date, commit, command"
+        " and --note; with --profile the GPU's kernel time)",
+    )
+    p.add_argument("--note", help="a remark stored in the --json line (e.g. what was compared)")
     p.add_argument(
         "--speculative-algorithm",
         choices=["ngram", "standalone", "random", "oracle"],
@@ -477,8 +501,9 @@ def main() -> None:
         profiler.__exit__(None, None, None)
         kernels = profiler.key_averages()
         print(kernels.table(sort_by="cuda_time_total", row_limit=20))
-        busy = sum(k.self_device_time_total for k in kernels) / 1e6
-        print(f"GPU busy {busy:.3f} s of {seconds:.3f} s ({busy / seconds:.0%})")
+        # summed kernel times: two kernels that overlap under PDL both count
+        kernel_s = sum(k.self_device_time_total for k in kernels) / 1e6
+        print(f"GPU kernel time {kernel_s:.3f} s of {sum(runs):.3f} s ({kernel_s / sum(runs):.0%})")
 
     total = sum(len(o["token_ids"]) for o in outputs)
     # a constrained request may end early, when its random text happens to close the JSON
@@ -490,6 +515,10 @@ def main() -> None:
     moe = engine.model_config.moe if engine is not None else None
     result = {
         "gpu": gpu,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds")[:10],
+        "commit": commit(),
+        "command": shlex.join(["python", "benchmark/offline/bench.py", *sys.argv[1:]]),
+        **({"note": args.note} if args.note else {}),
         "model": "tiny" if args.tiny else os.path.basename(os.path.normpath(args.model)),
         "tp": args.tp,
         "dp": args.dp,
@@ -517,6 +546,9 @@ def main() -> None:
         "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),
         **spec_fields(),
     }
+    if profiler is not None:  # the summed kernel time over the timed runs' wall time
+        result["gpu_kernel_s"] = round(kernel_s, 3)
+        result["gpu_busy"] = round(kernel_s / sum(runs), 3)
     if engine is not None and not args.single:
         result.update(roofline(engine, gpu, prompts, max_tokens, tok_s))
     line = f"{gpu}: {total} tokens in {seconds:.2f} s = {tok_s:,.1f} tok/s" + (

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import time
 from datetime import datetime, timezone
 from typing import Any
+
+from bench import commit
 
 PARAGRAPH = (
     "Speculative decoding proposes several tokens cheaply and verifies them in one forward pass "
@@ -64,15 +64,6 @@ def decode_rate(llm: Any, ids: list[int], max_tokens: int, repeat: int) -> dict[
         "accepted": out.get("num_accepted_tokens"),
         "drafted": out.get("num_draft_tokens"),
     }
-
-
-def commit() -> str | None:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        cmd = ["git", "-C", here, "rev-parse", "--short", "HEAD"]
-        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def parse_args() -> argparse.Namespace:

@@ -19,8 +19,7 @@ import statistics
 import time
 from datetime import datetime, timezone
 
-from bench import tiny_model_dir
-from bench_spec import commit
+from bench import commit, tiny_model_dir
 
 FRESH = itertools.count(1000)  # each prompt's own ids: nothing in the radix cache matches it
 

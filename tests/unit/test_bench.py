@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -61,8 +62,12 @@ def run_bench(args: list[str], out) -> tuple[dict, str]:
 
 def test_cpu_smoke_run(tmp_path):
     args = ["--tiny", "--num-seqs", "3", "--max-input-len", "110", "--max-output-len", "104"]
-    result, stdout = run_bench(args + ["--repeat", "2"], tmp_path / "result.jsonl")
+    result, stdout = run_bench([*args, "--repeat", "2", "--note", "x"], tmp_path / "result.jsonl")
     assert result["output_tokens"] == sum(workload(3, 110, 104)[1])
+    # the line says when, on what and how it ran (results.jsonl's fields)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", result["date"]) and result["note"] == "x"
+    assert result["command"].startswith("python benchmark/offline/bench.py --tiny")
+    assert result["commit"] is None or re.fullmatch(r"[0-9a-f]{4,}(\+dirty)?", result["commit"])
     assert len(result["runs_s"]) == 2 and min(result["runs_s"]) <= result["seconds"]
     assert result["prefix_cached_tokens"] == 0  # the repeat shares no prefix with the first run
     assert result["tok_s"] > 0 and "tok/s" in stdout
