@@ -479,11 +479,12 @@ def extend_tuning(q: torch.Tensor) -> tuple[int, int, int, int]:
     128, bf16 (`benchmark/kernels/extend_attention_bench.py`): (64, 64, 4, 3) took 99.8 us
     for 16 prompts of 512 tokens, 92.5 for one of 2,000 and 439 for 4 x 1,024 after 3,072
     cached, against 187, 188 and 1,106 at (32, 32, 4, 2), which other GPUs keep (its three
-    stages of 64 x 128 K and V tiles need Hopper's shared memory; not measured elsewhere)."""
+    stages of 64 x 128 K and V tiles need Hopper's shared memory; not measured elsewhere, nor
+    for head_dim 256, whose tiles would be twice as large)."""
     dim = q.shape[-1]
     if q.dtype == torch.float32 or dim <= 64:
         block_m = 64 if dim <= 64 and q.dtype != torch.float32 else 32
         return block_m, 64 if dim <= 64 else 32, 4, 2
-    if q.is_cuda and hopper(q.device.index):
+    if dim == 128 and q.is_cuda and hopper(q.device.index):
         return 64, 64, 4, 3
     return 32, 32, 4, 2
