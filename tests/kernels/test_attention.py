@@ -230,3 +230,27 @@ def test_attention_benchmark_smoke(script, argv, num_rows):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = [line for line in res.stdout.splitlines() if "block_n" in line and "us" in line]
     assert len(rows) == num_rows and "WRONG" not in res.stdout, res.stdout
+
+
+def test_extend_tuning_follows_the_measurements(monkeypatch):
+    """The extend kernel's tiles: Hopper's measured (64, 64, 4 warps, 3 stages) only for 16-bit
+    head_dim 128; every other case keeps the tiles it had."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from minisgl.kernel import triton_attention as ta
+
+    def q(dim: int, dtype: torch.dtype, cuda: bool = True) -> SimpleNamespace:
+        device = SimpleNamespace(index=0 if cuda else None)
+        return SimpleNamespace(shape=(7, 16, dim), dtype=dtype, is_cuda=cuda, device=device)
+
+    for is_hopper in (True, False):
+        monkeypatch.setattr(ta, "hopper", lambda index, h=is_hopper: h)
+        new = (64, 64, 4, 3) if is_hopper else (32, 32, 4, 2)
+        assert ta.extend_tuning(q(128, torch.bfloat16)) == new
+        assert ta.extend_tuning(q(128, torch.float16)) == new
+        assert ta.extend_tuning(q(128, torch.bfloat16, cuda=False)) == (32, 32, 4, 2)
+        assert ta.extend_tuning(q(256, torch.bfloat16)) == (32, 32, 4, 2)
+        assert ta.extend_tuning(q(128, torch.float32)) == (32, 32, 4, 2)
+        assert ta.extend_tuning(q(64, torch.bfloat16)) == (64, 64, 4, 2)
+        assert ta.extend_tuning(q(64, torch.float32)) == (32, 64, 4, 2)
