@@ -63,6 +63,24 @@ def gc_warning_threshold_s() -> float:
     return seconds
 
 
+def gc_threshold() -> tuple[int, ...] | None:
+    """MINISGL_GC_THRESHOLD (`--gc-threshold` sets it for the server's processes): one to three
+    integers >= 0, comma-separated, that a ready process gives `gc.set_threshold` (the
+    allocations before a generation-0 collection, then how many collections of each generation
+    before one of the next); unset or empty: Python's own."""
+    name = "MINISGL_GC_THRESHOLD"
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        counts = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        counts = ()
+    if not 1 <= len(counts) <= 3 or min(counts) < 0:
+        raise ValueError(f"{name}={value!r}: expected one to three integers >= 0, e.g. 700,10,100")
+    return counts
+
+
 def api_key() -> str | None:
     """MINISGL_API_KEY: the server's API key when `--api-key` is not given (an environment
     variable is private to its user, a command line is not: /proc/PID/cmdline). Empty: none."""

@@ -364,12 +364,30 @@ def test_gc_warning_threshold_reaches_every_worker(model_dir: str, tmp_path: Any
     request runs, logs its collections over it under its own name. (Whether a process
     collects at all while one request runs depends on its net allocations: the API process
     may not; the threshold's own checks are in tests/unit/test_procs.py.)"""
-    log = str(tmp_path / "gc.log")
-    with run_server(model_dir, "--gc-warning-threshold-secs", "1e-9", log_path=log) as server:
+    path = str(tmp_path / "gc.log")
+    with run_server(model_dir, "--gc-warning-threshold-secs", "1e-9", log_path=path) as server:
         body = {"prompt": list(range(5, 60)), "max_tokens": 40, "ignore_eos": True}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
-        warned = re.findall(r"(\S+ ?\S*) \(pid \d+\): a generation-\d garbage", server.log())
+        log = server.log()
+    warned = re.findall(r"(main process|minisgl::\S+) \(pid \d+\): a generation-\d garbage", log)
     assert "minisgl::scheduler_0" in warned, set(warned)
+
+
+def test_gc_threshold_reaches_every_worker(model_dir: str, tmp_path: Any) -> None:
+    """--gc-threshold reaches every server process: each says, once ready, the thresholds it
+    set (the API server's main process, the tokenizer, the detokenizer and the scheduler), in
+    the server's log format (spawned workers log at --log-level too)."""
+    path = str(tmp_path / "gc.log")
+    with run_server(model_dir, "--gc-threshold", "700", "10", "1000", log_path=path) as server:
+        log = server.log()
+    said = re.findall(
+        r"(main process|minisgl::\S+) \(pid \d+\): garbage-collection thresholds \((.*)\)", log
+    )
+    names = {name for name, _ in said}
+    assert {"main process", "minisgl::scheduler_0", "minisgl::detokenizer"} <= names, said
+    assert any(name.startswith("minisgl::tokenizer") for name in names), said
+    assert {counts for _, counts in said} == {"700, 10, 1000"}
+    assert "INFO KV cache:" in log  # --log-level reaches the workers' own logging (info here)
 
 
 def test_tp_listens_on_loopback_only(model_dir: str, tmp_path: Any) -> None:

@@ -121,6 +121,51 @@ def test_gc_warning_flag_is_checked():
         parse_args(["--gc-warning-threshold-secs", "-1"])
 
 
+THRESHOLD_CHILD = """
+import gc, logging, sys
+sys.path.insert(0, {python!r})
+logging.basicConfig(level="INFO", format="%(message)s")
+from minisgl.utils.procs import freeze_startup_heap
+gc.set_threshold(700, 10, 10)  # Python's defaults, whatever this interpreter was given
+before = gc.get_threshold()
+freeze_startup_heap()
+print(*before, *gc.get_threshold())
+"""
+
+
+@pytest.mark.parametrize(
+    "value, counts",
+    [("", (700, 10, 10)), ("700,10,1000", (700, 10, 1000)), (" 50000 ", (50000, 10, 10)),
+     ("0", (0, 10, 10)), ("1,2,3,4", None), ("-1", None), ("x", None), ("1,,2", None)],
+)  # fmt: skip
+def test_gc_thresholds_apply_once_ready(value, counts):
+    """MINISGL_GC_THRESHOLD (what --gc-threshold sets for every server process): a ready
+    process gives its counts to gc.set_threshold and says so; unset: Python's stay; a bad
+    value: a clear error naming the variable."""
+    python = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+    env = {**os.environ, "MINISGL_GC_THRESHOLD": value}
+    code = THRESHOLD_CHILD.format(python=python)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if counts is None:
+        assert out.returncode != 0 and "MINISGL_GC_THRESHOLD" in out.stderr, out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    assert tuple(map(int, out.stdout.split())) == (700, 10, 10, *counts)
+    said = "garbage-collection thresholds" in out.stderr
+    assert said == bool(value), out.stderr
+
+
+def test_gc_threshold_flag_is_checked():
+    from minisgl.server.args import parse_args
+
+    assert parse_args([]).gc_threshold is None
+    assert parse_args(["--gc-threshold", "700", "10", "1000"]).gc_threshold == [700, 10, 1000]
+    assert parse_args(["--gc-threshold", "20000"]).gc_threshold == [20000]
+    for bad in (["1", "2", "3", "4"], ["-1"], ["x"], []):
+        with pytest.raises(SystemExit):
+            parse_args(["--gc-threshold", *bad])
+
+
 def test_api_server_freezes_what_its_tokenizer_load_brings(tmp_path):
     """The API server loads its tokenizer on first use (/v1/models' vocab_size, /tokenize),
     which imports transformers into a process whose heap is already frozen: the load freezes

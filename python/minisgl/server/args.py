@@ -147,6 +147,17 @@ class ServerArgs:
         "serves); 0: off",
         type=_seconds(allow_zero=True),
     )
+    gc_threshold: list[int] | None = option(
+        None,
+        "one to three integers for gc.set_threshold in every server process once it is ready: "
+        "allocations before a generation-0 collection, then collections of each generation "
+        "before one of the next (e.g. 700 10 1000: full collections, which walk every live "
+        "object and stall the streams a process serves, a hundred times rarer); default: "
+        "Python's 700 10 10",
+        type=int_range(0),
+        nargs="+",
+        metavar="N",
+    )
     watchdog_timeout: float = option(
         300.0,
         "seconds the pipeline may stay silent (no step, no reply) while requests are unfinished "
@@ -181,6 +192,10 @@ class ServerArgs:
         self._check_scale_out()
         if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
             raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
+        if self.gc_threshold is not None and not 1 <= len(self.gc_threshold) <= 3:
+            raise OptionError(
+                "gc_threshold", f"takes one to three counts, got {len(self.gc_threshold)}"
+            )
 
     def _check_scale_out(self) -> None:
         if self.node_rank >= self.nnodes:

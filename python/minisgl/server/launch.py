@@ -109,14 +109,19 @@ def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
         check_tp(config, args.tp, gpus)
 
 
-def _child_main(name: str, target: Any, *args: Any) -> None:
+def _child_main(name: str, log_level: str, target: Any, *args: Any) -> None:
     # A terminal's Ctrl-C (or systemd's SIGTERM) signals the whole process group; only the
     # parent acts on it, draining requests first and then stopping the children itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
     set_title(name)
+    # a spawned interpreter starts without logging: --log-level applies here too
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     target(*args)
+
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 class Launcher:
@@ -138,8 +143,12 @@ class Launcher:
         """Start `target(*target_args, ready)` in a child titled `minisgl::NAME`; the parent's
         end of the `ready` pipe, and the process."""
         parent, child = self.ctx.Pipe(duplex=False)
+        level = self.args.log_level
         proc = self.ctx.Process(
-            target=_child_main, args=(name, target, *target_args, child), name=name, daemon=True
+            target=_child_main,
+            args=(name, level, target, *target_args, child),
+            name=name,
+            daemon=True,
         )
         proc.start()
         assert proc.pid is not None  # started
@@ -281,12 +290,12 @@ class Launcher:
 def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], int]) -> int:
     """Start the children, run `front_end` (`serve_http`, or the shell) until it returns or
     SIGTERM, then stop the children; the exit code."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     hide_api_key()
     if args.gc_warning_threshold_secs > 0:  # every process reads it once ready (spawn copies it)
         os.environ["MINISGL_GC_WARNING_THRESHOLD_SECS"] = str(args.gc_warning_threshold_secs)
+    if args.gc_threshold is not None:  # the same way
+        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, args.gc_threshold))
     # The default SIGTERM action would kill this process at once and orphan the children.
     signal.signal(signal.SIGTERM, _on_sigterm)
     launcher = Launcher(args)

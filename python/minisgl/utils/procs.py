@@ -35,11 +35,15 @@ def freeze_startup_heap() -> int:
     a serving process is ready: a full collection then walks only what serving created, not the
     whole start-up heap (without it, an H100 server's frontend paused 50-230 ms at each full
     collection under load, stalling every stream). Returns the number of objects frozen; none
-    with MINISGL_DISABLE_GC_FREEZE=1 (the ablation). Then, with --gc-warning-threshold-secs,
-    long collections are logged from now on (`watch_gc`)."""
+    with MINISGL_DISABLE_GC_FREEZE=1 (the ablation). Then --gc-threshold's counts apply, and
+    with --gc-warning-threshold-secs long collections are logged from now on (`watch_gc`)."""
     if not env.disable_gc_freeze():
         gc.collect()
         gc.freeze()
+    if (counts := env.gc_threshold()) is not None:
+        gc.set_threshold(*counts)
+        logger.info("%s (pid %d): garbage-collection thresholds %s", title(), os.getpid(),
+                    gc.get_threshold())  # fmt: skip
     watch_gc(env.gc_warning_threshold_s())  # serving's collections, not start-up's
     return gc.get_freeze_count()
 
