@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import os
 import sys
 
-from decode_attention_bench import KV_DTYPES, ROOT, ints, time_us
+from decode_attention_bench import KV_DTYPES, ints, report, setup
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,21 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_dtype not in KV_DTYPES:
         print(f"error: --kv-dtype {args.kv_dtype!r}: expected one of {', '.join(KV_DTYPES)}")
         return 2
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
+    device, peak = setup(args.smoke, 1)
     import torch
 
     from minisgl.kernel import triton_attention as ta
 
-    device = torch.device("cpu" if args.smoke else "cuda")
-    peak = None
-    if device.type == "cuda":
-        sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
-        from bench import GPU_PEAKS
-
-        name = torch.cuda.get_device_name()
-        peak = next((flops / 1e12 for key, (_, flops) in GPU_PEAKS.items() if key in name), None)
-        print(name)
     q, k_pool, v_pool, table, rows, starts, cached, extend = build(args, device)
     scale = args.head_dim**-0.5
     ref = reference(q, k_pool, v_pool, table, args, scale)
@@ -134,18 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
 
         label = "block_m {:3d} block_n {:3d} warps {} stages {}".format(*tuning)
-        try:
-            err = (step().float() - ref).abs().max().item()
-        except Exception as e:  # e.g. out of shared memory for this tile: skip it
-            print(f"  {label}: fails ({type(e).__name__}: {str(e)[:80]})")
-            continue
-        if err > 5e-2:
-            print(f"  {label}: WRONG, max error {err:.3g}")
-            continue
-        us = time_us(step, args.reps, device.type == "cuda")
-        rate = flops / us / 1e6  # TFLOP/s
-        share = f" ({rate / peak:.0%} of {peak:g})" if peak else ""
-        print(f"  {label}: {us:8.1f} us  {rate:6.1f} TFLOP/s{share}  max error {err:.2g}")
+        report(label, step, ref, args.reps, device.type == "cuda", flops / 1e12, "TFLOP/s", peak)
     return 0
 
 
