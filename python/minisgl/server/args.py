@@ -153,7 +153,7 @@ class ServerArgs:
         "allocations before a generation-0 collection, then collections of each generation "
         "before one of the next (e.g. 700 10 1000: full collections, which walk every live "
         "object and stall the streams a process serves, a hundred times rarer); default: "
-        "Python's 700 10 10",
+        "Python's own (700 10 10 on CPython 3.11 and 3.12)",
         type=int_range(0),
         nargs="+",
         metavar="N",
