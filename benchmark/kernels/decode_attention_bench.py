@@ -17,6 +17,8 @@ import itertools
 import math
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -145,7 +147,10 @@ def bench_dtype(args: argparse.Namespace, kv_dtype: str, device, peak: float | N
         report(label, step, ref, args.reps, device.type == "cuda", nbytes / 1e12, "TB/s", peak)
 
 
-def report(label: str, step, ref, reps: int, cuda: bool, work: float, unit: str, peak) -> None:
+def report(
+    label: str, step: Callable[[], Any], ref: Any, reps: int, cuda: bool, work: float, unit: str,
+    peak: float | None,
+) -> None:  # fmt: skip
     """Check `step`'s output against `ref` (a configuration that cannot compile or is wrong
     says so), time it and print its us and `work` (in `unit` x 1e12) per second."""
     try:
@@ -162,7 +167,7 @@ def report(label: str, step, ref, reps: int, cuda: bool, work: float, unit: str,
     print(f"  {label}: {us:8.1f} us  {rate:6.2f} {unit}{share}  max error {err:.2g}")
 
 
-def setup(smoke: bool, peak_index: int):
+def setup(smoke: bool, peak_index: int) -> tuple[Any, float | None]:
     """The device (Triton's CPU interpreter with --smoke) and its data-sheet peak in units of
     1e12: GPU_PEAKS[gpu][peak_index] (0: bytes/s, 1: bf16 FLOP/s); None where unknown."""
     if smoke:
