@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,9 +45,23 @@ def make_tiny_model(path: str, context: int | None = None) -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on loopback, below the kernel's ephemeral range where there is room: a
+    server binds it only later, and meanwhile its own TP ranks (gloo) and clients take
+    ephemeral ports, which once took the one picked (EADDRINUSE at start-up)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.sample(range(10000, low), min(64, low - 10000)) if low > 11000 else []
+    for port in [*candidates, 0]:  # 0: any port the kernel gives
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise AssertionError("no free port")
 
 
 def wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
