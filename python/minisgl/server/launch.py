@@ -109,6 +109,9 @@ def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
         check_tp(config, args.tp, gpus)
 
 
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
 def _child_main(name: str, log_level: str, target: Any, *args: Any) -> None:
     # A terminal's Ctrl-C (or systemd's SIGTERM) signals the whole process group; only the
     # parent acts on it, draining requests first and then stopping the children itself.
@@ -119,9 +122,6 @@ def _child_main(name: str, log_level: str, target: Any, *args: Any) -> None:
     # a spawned interpreter starts without logging: --log-level applies here too
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     target(*args)
-
-
-LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 class Launcher:

@@ -40,8 +40,10 @@ def freeze_startup_heap() -> int:
     if not env.disable_gc_freeze():
         gc.collect()
         gc.freeze()
+    before = gc.get_threshold()
     if (counts := env.gc_threshold()) is not None:
         gc.set_threshold(*counts)
+    if gc.get_threshold() != before:  # said once: the API server freezes again later
         logger.info("%s (pid %d): garbage-collection thresholds %s", title(), os.getpid(),
                     gc.get_threshold())  # fmt: skip
     watch_gc(env.gc_warning_threshold_s())  # serving's collections, not start-up's
