@@ -374,11 +374,12 @@ def test_gc_warning_threshold_reaches_every_worker(model_dir: str, tmp_path: Any
 
 
 def test_gc_threshold_reaches_every_worker(model_dir: str, tmp_path: Any) -> None:
-    """--gc-threshold reaches every server process: each says, once ready, the thresholds it
-    set (the API server's main process, the tokenizer, the detokenizer and the scheduler), in
-    the server's log format (spawned workers log at --log-level too)."""
+    """The server's GC thresholds (its default, 700 10 1000, as --gc-threshold would set them)
+    reach every server process: each says, once ready, the thresholds it set (the API server's
+    main process, the tokenizer, the detokenizer and the scheduler), in the server's log format
+    (spawned workers log at --log-level too)."""
     path = str(tmp_path / "gc.log")
-    with run_server(model_dir, "--gc-threshold", "700", "10", "1000", log_path=path) as server:
+    with run_server(model_dir, log_path=path) as server:
         log = server.log()
     said = re.findall(
         r"(main process|minisgl::\S+) \(pid \d+\): garbage-collection thresholds \((.*)\)", log

@@ -166,6 +166,25 @@ def test_gc_threshold_flag_is_checked():
             parse_args(["--gc-threshold", *bad])
 
 
+@pytest.mark.parametrize(
+    "flag, environ, exported",
+    [([], None, "700,10,1000"), ([], "700,10,10", "700,10,10"), ([], " ", "700,10,1000"),
+     (["--gc-threshold", "2000", "20"], "700,10,10", "2000,20")],
+)  # fmt: skip
+def test_server_gc_threshold_defaults_to_the_measured_one(monkeypatch, flag, environ, exported):
+    """The server's processes get 700 10 1000 unless the flag or MINISGL_GC_THRESHOLD says
+    otherwise; the flag wins over the variable."""
+    from minisgl.server.args import parse_args
+    from minisgl.server.launch import export_gc_settings
+
+    if environ is None:
+        monkeypatch.delenv("MINISGL_GC_THRESHOLD", raising=False)
+    else:
+        monkeypatch.setenv("MINISGL_GC_THRESHOLD", environ)
+    export_gc_settings(parse_args(flag))
+    assert os.environ["MINISGL_GC_THRESHOLD"] == exported
+
+
 def test_api_server_freezes_what_its_tokenizer_load_brings(tmp_path):
     """The API server loads its tokenizer on first use (/v1/models' vocab_size, /tokenize),
     which imports transformers into a process whose heap is already frozen: the load freezes

@@ -151,9 +151,9 @@ class ServerArgs:
         None,
         "one to three integers for gc.set_threshold in every server process once it is ready: "
         "allocations before a generation-0 collection, then collections of each generation "
-        "before one of the next (e.g. 700 10 1000: full collections, which walk every live "
-        "object and stall the streams a process serves, a hundred times rarer); default: "
-        "Python's own (700 10 10 on CPython 3.11 and 3.12)",
+        "before one of the next; default: $MINISGL_GC_THRESHOLD, else 700 10 1000 (full "
+        "collections, which walk every live object and stall every stream a process serves, "
+        "a hundred times rarer than Python's 700 10 10: measured on an H100, docs/benchmarks.md)",
         type=int_range(0),
         nargs="+",
         metavar="N",

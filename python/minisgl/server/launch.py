@@ -287,15 +287,29 @@ class Launcher:
         self.reaper.stop()
 
 
+# The server's default: with Python's 700 10 10, the API process's full collections (20-37 ms
+# on an H100) each held back every stream of an all-at-once burst (docs/benchmarks.md, session 20).
+SERVER_GC_THRESHOLD = (700, 10, 1000)
+
+
+def export_gc_settings(args: ServerArgs) -> None:
+    """The collector's settings, for every server process to read once ready (spawned children
+    copy the environment): the flags, else what the caller's environment says, else the
+    server's default thresholds."""
+    if args.gc_warning_threshold_secs > 0:
+        os.environ["MINISGL_GC_WARNING_THRESHOLD_SECS"] = str(args.gc_warning_threshold_secs)
+    if args.gc_threshold is not None:
+        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, args.gc_threshold))
+    elif not os.environ.get("MINISGL_GC_THRESHOLD", "").strip():
+        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, SERVER_GC_THRESHOLD))
+
+
 def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], int]) -> int:
     """Start the children, run `front_end` (`serve_http`, or the shell) until it returns or
     SIGTERM, then stop the children; the exit code."""
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     hide_api_key()
-    if args.gc_warning_threshold_secs > 0:  # every process reads it once ready (spawn copies it)
-        os.environ["MINISGL_GC_WARNING_THRESHOLD_SECS"] = str(args.gc_warning_threshold_secs)
-    if args.gc_threshold is not None:  # the same way
-        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, args.gc_threshold))
+    export_gc_settings(args)
     # The default SIGTERM action would kill this process at once and orphan the children.
     signal.signal(signal.SIGTERM, _on_sigterm)
     launcher = Launcher(args)
