@@ -143,8 +143,7 @@ class Frontend:
                 m.ttft.labels(req.priority).observe(now - req.submitted)
                 m.prompt_tokens.inc(reply.prompt_tokens)
             else:
-                for _ in range(n):
-                    m.itl.observe((now - req.last_token) / n)
+                m.itl.observe((now - req.last_token) / n, n)
             req.last_token = now
             m.generation_tokens.inc(n)
         if reply.finished:

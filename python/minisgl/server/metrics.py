@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from minisgl.message import SchedulerStats
@@ -70,6 +71,27 @@ def _replica_families(
         prefill.add_metric(rank, s.prefill_tokens)
         hits.add_metric(rank, s.cached_tokens)
     yield from (running, waiting, free, prefill, hits)
+
+
+class TokenHistogram(Collector):
+    """A histogram that takes a reply's n tokens as one call, with no lock (the event loop's
+    thread observes and scrapes it): the API process observes every token of every stream, and
+    prometheus_client's `Histogram.observe` takes a lock and scans the buckets per value."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.doc, self.bounds = name, doc, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += n  # a bound is inclusive (le)
+        self.sum += value * n
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        les = [*(repr(float(b)) for b in self.bounds), "+Inf"]
+        cumulative = [sum(self.counts[: i + 1]) for i in range(len(self.counts))]
+        buckets = list(zip(les, cumulative))
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
 
 
 class _SchedulerCollector(Collector):
@@ -148,12 +170,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl = TokenHistogram(
             "minisgl_inter_token_latency_seconds",
             "between consecutive generated tokens of a request",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
+        r.register(self.itl)
         self.finished = Counter(
             "minisgl_requests_finished",
             "generation requests by how they ended (stop, length, abort, error, timeout)",
