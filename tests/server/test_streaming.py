@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from minisgl.message import BatchFrontendMsg, TokenizeMsg, UserReply
 from minisgl.server.api_server import Chunks, Shape, create_app
-from minisgl.server.logprobs import CompletionLogprobs
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
+from minisgl.server.logprobs import CompletionLogprobs
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 from support.server import REPO
 

@@ -59,7 +59,6 @@ class ConnectionLimits:
     def __init__(self, max_connections: int, head_timeout: float) -> None:
         self.max_connections, self.head_timeout = max_connections, head_timeout
         self.idle: OrderedDict[Any, None] = OrderedDict()
-        self.closing: set[Any] = set()  # closed here, not yet gone from uvicorn's set
         self.num_shed = 0
         self._warned_at, self._warned_count = 0.0, 0
 
@@ -69,16 +68,17 @@ class ConnectionLimits:
 
     def forget(self, conn: Any) -> None:
         self.idle.pop(conn, None)
-        self.closing.discard(conn)
 
     def close(self, conn: Any) -> None:
         self.forget(conn)
-        self.closing.add(conn)
+        # Out of uvicorn's set now: it leaves it only at connection_lost, a loop turn later (with
+        # uvloop, after a whole burst of accepts), and until then limit_concurrency counts it.
+        conn.connections.discard(conn)
         conn.transport.close()
 
     def make_room(self, new: Any) -> None:
         """`new` was just opened: close the longest idle connections beyond the limit."""
-        excess = len(new.connections) - len(self.closing) - self.max_connections
+        excess = len(new.connections) - self.max_connections
         while excess > 0 and self.idle:
             conn = next(iter(self.idle))
             if conn is new:  # every other connection is busy
