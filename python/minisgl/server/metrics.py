@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from minisgl.message import SchedulerStats
 
@@ -88,7 +89,7 @@ class TokenHistogram(Collector):
         self.sum += value * n
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        les = [*(repr(float(b)) for b in self.bounds), "+Inf"]
+        les = [*(floatToGoString(b) for b in self.bounds), "+Inf"]
         cumulative = [sum(self.counts[: i + 1]) for i in range(len(self.counts))]
         buckets = list(zip(les, cumulative))
         yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
