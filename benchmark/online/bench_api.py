@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any
 
-from bench_serving import percentile  # this script's directory is on sys.path
+from bench_serving import percentile, process_cpu_s  # this script's directory is on sys.path
 
 EVENT = b'data: {"id"'  # the start of every completion chunk
 
@@ -99,12 +99,6 @@ async def one_stream(port: int, tokens: int) -> tuple[float, list[tuple[float, i
     return sent, arrivals
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def summarize(results: list[tuple[float, list[tuple[float, int]]]]) -> dict[str, float]:
     gaps: list[float] = []
     total = 0
@@ -168,9 +162,12 @@ def main() -> None:
     try:
         wait_ready(args.port, api)
         asyncio.run(burst(args.port, min(16, args.streams), 16))  # warm-up
-        cpu = cpu_seconds(api.pid)
+        cpu = process_cpu_s(api.pid)
         result = summarize(asyncio.run(burst(args.port, args.streams, args.tokens)))
-        api_ms_per_1k = (cpu_seconds(api.pid) - cpu) * 1e6 / result["tokens"]
+        after = process_cpu_s(api.pid)
+        if cpu is None or after is None:
+            sys.exit("bench_api: cannot read the API process's CPU time (Linux /proc only)")
+        api_ms_per_1k = (after - cpu) * 1e6 / result["tokens"]
     finally:
         for proc in (api, pipeline):
             proc.terminate()

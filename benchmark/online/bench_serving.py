@@ -59,6 +59,7 @@ BENCH_EXTRA = "pip install 'minisgl[bench]'"
 FALLBACK_VOCAB = 10000
 RUN_MODULES = ["httpx", "tqdm"]  # what a benchmark run needs; --plot: matplotlib too
 BUSY_CLIENT = 0.8  # a client process busier than this (CPU over wall time) delays what it reads
+BUSY_SERVER = 0.9  # a server process this busy is close to a core's worth: it may be the limit
 LATENCIES = [("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")]
 
 
@@ -646,11 +647,14 @@ async def run_rates(
         else:
             times = arrival_times(len(requests), rate, args.seed + 1000 + i)
         desc = f"rate {rate_name(rate)}"
+        server_cpu = process_cpu_s(args.server_pid) if args.server_pid else None
         results, duration, busy, started_at = await run_rate(
             client, procs, requests, times, args, model, desc
         )
         summary = summarize(results, duration, rate, args.percentiles)
         summary["client_procs"], summary["client_busy"] = args.client_procs, round(busy, 3)
+        if server_cpu is not None and (after := process_cpu_s(args.server_pid)) is not None:
+            summary["server_busy"] = round((after - server_cpu) / max(duration, 1e-9), 3)
         summary["server_stats"] = await server_stats(client)
         print(summary_line(summary, args.percentiles), flush=True)
         if args.save_detailed:
@@ -700,6 +704,11 @@ def summary_line(s: dict, percentiles: list[float]) -> str:
         line += (
             f"\n  warning: a client process was busy {s['client_busy']:.0%} of the run: its own"
             " delays are in these latencies (raise --client-procs)"
+        )
+    if s.get("server_busy", 0) > BUSY_SERVER:
+        line += (
+            f"\n  warning: the server process (--server-pid) was busy {s['server_busy']:.0%} of"
+            " the run: one core's worth, so it may be what sets these latencies"
         )
     if s["chunkless"]:
         line += (
@@ -992,6 +1001,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         " (at most 8), 1 with --max-concurrency (one cap needs one event loop). A process"
         " streams ~20,000 events/s at most; the summary warns when one was saturated",
     )
+    add(
+        "--server-pid",
+        type=at_least(1),
+        help="the server process whose CPU share of each rate to report (`server_busy`; a"
+        " minisgl server's main process is its API server); default: --launch's process",
+    )
     add("--warmup", type=at_least(0), default=1, help="short requests before measuring")
     add("--timeout", type=float, default=600.0, help="seconds a request may wait for a chunk")
     add = p.add_argument_group("output").add_argument
@@ -1013,6 +1028,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--plot-only needs --plot")
     if args.save_detailed and not args.out:
         p.error("--save-detailed needs --out (the requests go into that file)")
+    if args.server_pid is not None and process_cpu_s(args.server_pid) is None:
+        p.error(f"--server-pid {args.server_pid}: no such process (or no /proc to read it from)")
     if args.shared_prefix and args.trace:
         p.error("--shared-prefix and --trace exclude each other")
     if args.trace and args.rates is not None:
@@ -1035,6 +1052,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.base_url = f"http://127.0.0.1:{port}"
     args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
     return args
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) that process `pid` has used; None off Linux or once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def cpu_count() -> int:
@@ -1060,6 +1087,7 @@ def append_lines(path: str, run: dict, note: str | None) -> None:
     }
     keep = ["rate", "completed", "failed", "request_throughput", "output_throughput"]
     keep += ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "by_priority", "client_procs", "client_busy"]
+    keep += ["server_busy"]
     try:
         with open(path, "a") as f:
             for summary in run["results"]:
@@ -1118,6 +1146,7 @@ def main(argv: list[str] | None = None) -> int:
                 tempfile.gettempdir(), f"bench_serving_server_{os.getpid()}.log"
             )
             server = launch(args.launch, args.base_url, args.launch_timeout, log)
+            args.server_pid = args.server_pid or server.pid
         try:
             summaries = asyncio.run(bench(args))
         finally:

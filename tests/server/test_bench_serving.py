@@ -217,6 +217,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bs.main(["--save-detailed"])
     assert "--save-detailed needs --out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bs.main(["--server-pid", str(2**22 + 1)])  # above Linux's largest pid
+    assert "no such process" in capsys.readouterr().err
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert bs.main(["--base-url", url, "--disable-tqdm"]) == 1
@@ -388,6 +391,7 @@ def test_launch_starts_and_stops_the_server(tmp_path, capsys):
         assert len(d["itl_ms"]) <= 2 and d["ttft_ms"] + sum(d["itl_ms"]) <= d["e2e_ms"]
     assert run["config"]["model"] == "fake" and run["results"][0]["server_stats"] is None
     assert run["results"][0]["client_procs"] == 2 and 0 <= run["results"][0]["client_busy"] < 1
+    assert 0 <= run["results"][0]["server_busy"] < 1.5  # --launch's process, read from /proc
     # a server whose model card has no vocab_size (as vLLM's): the fallback, said once
     assert run["config"]["vocab_size"] == bs.FALLBACK_VOCAB
     assert capsys.readouterr().err.count("does not give vocab_size") == 1
