@@ -30,21 +30,27 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def add_common_args(p: argparse.ArgumentParser, kv_dtype: str) -> None:
+    """The attention benches' shared options: the model's attention shape, the KV pool, the
+    timing and the CPU smoke mode."""
+    p.add_argument("--heads", type=int, default=16, help="query heads (Qwen3-0.6B: 16)")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-dtype", default=kv_dtype, help=f"of {', '.join(KV_DTYPES)}")
+    p.add_argument("--reps", type=int, default=20, help="graph replays timed")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, Triton's CPU interpreter")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--min-len", type=int, default=300, help="shortest KV length")
     p.add_argument("--max-len", type=int, default=1800, help="longest KV length")
-    p.add_argument("--heads", type=int, default=16, help="query heads (Qwen3-0.6B: 16)")
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-dtype", default="bf16,fp8_e4m3", help=f"of {', '.join(KV_DTYPES)}")
+    add_common_args(p, "bf16,fp8_e4m3")
     p.add_argument("--block-n", type=ints, default=None, help="default: decode_tuning's")
     p.add_argument("--num-warps", type=ints, default=[4])
     p.add_argument("--num-stages", type=ints, default=None, help="default: decode_tuning's")
-    p.add_argument("--reps", type=int, default=20, help="graph replays timed")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, Triton's CPU interpreter")
     args = p.parse_args(argv)
     if args.smoke:
         args.batch, args.min_len, args.max_len, args.heads, args.kv_heads = 3, 5, 40, 4, 2

@@ -18,7 +18,7 @@ import itertools
 import math
 import sys
 
-from decode_attention_bench import KV_DTYPES, ints, report, setup
+from decode_attention_bench import KV_DTYPES, add_common_args, ints, report, setup
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,17 +26,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--extend-len", type=int, default=512, help="new tokens per request")
     p.add_argument("--cached-len", type=int, default=0, help="cached positions per request")
-    p.add_argument("--heads", type=int, default=16, help="query heads (Qwen3-0.6B: 16)")
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-dtype", default="bf16", help=f"of {', '.join(KV_DTYPES)}")
+    add_common_args(p, "bf16")
     p.add_argument("--block-m", type=ints, default=None, help="default: extend_tuning's")
     p.add_argument("--block-n", type=ints, default=None, help="default: extend_tuning's")
     p.add_argument("--num-warps", type=ints, default=None, help="default: extend_tuning's")
     p.add_argument("--num-stages", type=ints, default=None, help="default: extend_tuning's")
-    p.add_argument("--reps", type=int, default=20, help="graph replays timed")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, Triton's CPU interpreter")
     args = p.parse_args(argv)
     if args.smoke:
         args.batch, args.extend_len, args.cached_len, args.heads, args.kv_heads = 2, 20, 9, 4, 2

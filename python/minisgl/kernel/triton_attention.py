@@ -228,6 +228,7 @@ def decode_tuning(k_pool: torch.Tensor, num_splits: int) -> tuple[int, int]:
 
 @functools.cache
 def hopper(device_index: int | None) -> bool:
+    """Whether the CUDA device is a Hopper GPU (sm_90), once per device."""
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
@@ -481,10 +482,8 @@ def extend_tuning(q: torch.Tensor) -> tuple[int, int, int, int]:
     cached, against 187, 188 and 1,106 at (32, 32, 4, 2), which other GPUs keep (its three
     stages of 64 x 128 K and V tiles need Hopper's shared memory; not measured elsewhere, nor
     for head_dim 256, whose tiles would be twice as large)."""
-    dim = q.shape[-1]
-    if q.dtype == torch.float32 or dim <= 64:
-        block_m = 64 if dim <= 64 and q.dtype != torch.float32 else 32
-        return block_m, 64 if dim <= 64 else 32, 4, 2
-    if dim == 128 and q.is_cuda and hopper(q.device.index):
+    dim, fp32 = q.shape[-1], q.dtype == torch.float32
+    if dim == 128 and not fp32 and q.is_cuda and hopper(q.device.index):
         return 64, 64, 4, 3
-    return 32, 32, 4, 2
+    small = dim <= 64
+    return (64 if small and not fp32 else 32), (64 if small else 32), 4, 2
