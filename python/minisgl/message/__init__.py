@@ -17,12 +17,21 @@ from minisgl.message.detokenizer import (
     FlushCacheReply,
     SchedulerStats,
 )
-from minisgl.message.frontend import BatchFrontendMsg, UserReply
+from minisgl.message.frontend import (
+    ApiFailMsg,
+    ApiQueryMsg,
+    ApiViewMsg,
+    BatchFrontendMsg,
+    UserReply,
+)
 from minisgl.message.tokenizer import AbortMsg, DoneMsg, TokenizeMsg
 
 __all__ = [
     "AbortBackendMsg",
     "AbortMsg",
+    "ApiFailMsg",
+    "ApiQueryMsg",
+    "ApiViewMsg",
     "BatchBackendMsg",
     "BatchDetokenizeMsg",
     "BatchFrontendMsg",

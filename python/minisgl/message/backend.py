@@ -32,6 +32,8 @@ class FlushCacheMsg:
     """api server -> scheduler (rank 0, which passes it to the other TP ranks): empty the
     prefix cache, unless requests run (then `FlushCacheReply` says why not)."""
 
+    api_rank: int = 0  # the API process (--api-server-count) that waits for the reply
+
 
 @register
 @dataclass

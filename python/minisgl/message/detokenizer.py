@@ -72,6 +72,7 @@ class FlushCacheReply:
 
     dp_rank: int
     error: str | None = None
+    api_rank: int = 0  # the API process that asked (`FlushCacheMsg.api_rank`)
 
 
 @register

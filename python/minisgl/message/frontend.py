@@ -35,3 +35,38 @@ class UserReply:
 class BatchFrontendMsg:
     msgs: list[UserReply] = field(default_factory=list)
     stats: SchedulerStats | None = None
+
+
+# ---- between the API processes (--api-server-count > 1) ---------------------------------------
+@register
+@dataclass
+class ApiQueryMsg:
+    """API process `rank` -> the others: send me your view (`ApiViewMsg`), for /stats and
+    /metrics, which add up what every API process counts."""
+
+    rank: int
+    seq: int
+
+
+@register
+@dataclass
+class ApiViewMsg:
+    """The answer to `ApiQueryMsg` number `seq`: this process's requests in flight, those not
+    started yet, the text of its request-level metrics, and (rank 0) the server's RSS."""
+
+    rank: int
+    seq: int
+    pid: int
+    in_flight: int
+    queued: int
+    metrics: str
+    rss_bytes: int
+
+
+@register
+@dataclass
+class ApiFailMsg:
+    """The server failed for `reason`: sent by the launcher to the other API processes (end
+    every request with this error), or by one of those to rank 0 (its watchdog fired)."""
+
+    reason: str

@@ -79,7 +79,7 @@ class SchedulerServer:
             # the stats first, on the same ordered path: a /stats read after the flush's
             # answer shows the emptied cache (the other order raced under load)
             self.send.put(BatchDetokenizeMsg([], self.stats()))
-            self.send.put(FlushCacheReply(self.dp_rank, error))
+            self.send.put(FlushCacheReply(self.dp_rank, error, msg.api_rank))
         elif isinstance(msg, UserMsg):
             try:
                 req = self.scheduler.make_request(msg.input_ids, msg.params, uid=msg.uid)

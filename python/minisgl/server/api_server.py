@@ -40,7 +40,7 @@ from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.server.limits import MAX_GRAMMAR_CHARS, check_limits
 from minisgl.server.logprobs import CompletionLogprobs, chat_logprobs
-from minisgl.server.metrics import CONTENT_TYPE, tree_rss_bytes
+from minisgl.server.metrics import CONTENT_TYPE
 from minisgl.server.protocol import (
     COMPLETION_NOT_SUPPORTED,
     NOT_SUPPORTED,
@@ -500,6 +500,8 @@ class ApiServer:
             reason = f"server is shutting down: {self.frontend.dead}"
             raise APIError(503, reason, code="server_unavailable")
         limit, queued = self.args.max_queued_requests, self.frontend.num_queued
+        if limit is not None:  # each API process admits its share
+            limit = -(-limit // self.frontend.api_count)
         if limit is not None and queued >= limit:
             raise APIError(
                 503,
@@ -888,17 +890,31 @@ class ApiServer:
         errors = await asyncio.gather(*(one(r) for r in replicas))
         return next((e for e in errors if e is not None), None)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> Any:
         """Scheduler snapshot (running requests, KV pages), refreshed when it goes idle, plus the
-        api server's view: requests in flight and not started yet, RSS of all processes."""
-        return self.frontend.stats.__dict__ | {
-            "in_flight": len(self.frontend.requests),
-            "queued": self.frontend.num_queued,
-            "rss_bytes": tree_rss_bytes(),
+        API processes' view: requests in flight and not started yet (summed over the
+        --api-server-count processes, and per process), RSS of all processes."""
+        try:
+            views = await self.frontend.views()
+        except asyncio.TimeoutError:
+            return error_response(503, "an API process did not answer", code="server_unavailable")
+        out = self.frontend.stats.__dict__ | {
+            "in_flight": sum(v.in_flight for v in views),
+            "queued": sum(v.queued for v in views),
+            "rss_bytes": sum(v.rss_bytes for v in views),
         }
+        if len(views) > 1:
+            keys = ("rank", "pid", "in_flight", "queued")
+            out["api_servers"] = [{k: getattr(v, k) for k in keys} for v in views]
+        return out
 
     async def metrics(self) -> Response:
-        return Response(self.frontend.metrics.render(), media_type=CONTENT_TYPE)
+        try:
+            views = await self.frontend.views()
+        except asyncio.TimeoutError:
+            return error_response(503, "an API process did not answer", code="server_unavailable")
+        peers = [v.metrics for v in views if v.rank != self.frontend.api_rank]
+        return Response(self.frontend.metrics.render(peers), media_type=CONTENT_TYPE)
 
     async def models(self) -> dict[str, Any]:
         card = {

@@ -88,6 +88,14 @@ class ServerArgs:
     num_tokenizer: int = option(
         1, "tokenizer worker processes (requests are spread over them by id)", type=int_range(1)
     )
+    api_server_count: int = option(
+        1,
+        "HTTP API processes sharing --port (vLLM's name): each takes its own connections and "
+        "streams their replies, so more of them deliver more streamed tokens per second where "
+        "one API process's CPU is the limit; --max-connections and --max-queued-requests are "
+        "split between them",
+        type=int_range(1),
+    )
     served_model_name: str | None = option(
         None, "model id that /v1/models lists and requests may name (unset: the --model value)"
     )
@@ -192,6 +200,8 @@ class ServerArgs:
         self._check_scale_out()
         if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
             raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
+        if self.api_server_count > 1 and self.shell:
+            raise OptionError("api_server_count", "is for the HTTP server, not --shell")
         if self.gc_threshold is not None and not 1 <= len(self.gc_threshold) <= 3:
             raise OptionError(
                 "gc_threshold", f"takes one to three counts, got {len(self.gc_threshold)}"

@@ -5,13 +5,19 @@ runs the watchdog: while a request is unfinished, some message must come back fr
 at least every --watchdog-timeout seconds (the scheduler sends its stats every 0.2 s while it has
 work), or the pipeline is taken for hung. It keeps each --dp replica's stats apart, sends
 /flush_cache to every replica's scheduler and, with --dp > 1, tells the tokenizer worker when a
-request ends (its dispatcher counts the replicas' loads)."""
+request ends (its dispatcher counts the replicas' loads).
+
+With --api-server-count N, each API process has a Frontend of its own (`api_rank` k): it numbers
+its requests k, k + N, k + 2N... (the pipeline routes their replies back by uid % N), asks the
+others for their views (`views`: /stats and /metrics add them up), and passes a failure on
+(`ApiFailMsg`: rank 0's launcher fails the server; the others fail their own requests)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -20,6 +26,9 @@ from dataclasses import dataclass, field
 
 from minisgl.message import (
     AbortMsg,
+    ApiFailMsg,
+    ApiQueryMsg,
+    ApiViewMsg,
     BatchFrontendMsg,
     DoneMsg,
     FlushCacheMsg,
@@ -29,11 +38,12 @@ from minisgl.message import (
     UserReply,
     encode,
 )
-from minisgl.server.metrics import Metrics, priority_label, total_stats
+from minisgl.server.metrics import Metrics, priority_label, total_stats, tree_rss_bytes
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 logger = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 10.0  # for every replica's answer to /flush_cache
+VIEW_TIMEOUT_S = 5.0  # for the other API processes' views (/stats, /metrics)
 
 
 @dataclass
@@ -53,17 +63,31 @@ class Frontend:
         watchdog_timeout: float = 0.0,
         on_hang: Callable[[str], None] | None = None,
         scheduler_addrs: list[str] | None = None,
+        api_rank: int = 0,
+        api_addrs: list[str] | None = None,
     ) -> None:
         """`watchdog_timeout` 0: no watchdog; else `on_hang(reason)` is called (on a thread of
-        its own) once the pipeline has been silent that long with a request unfinished.
-        `scheduler_addrs`: one per --dp replica (for /flush_cache; none: it is refused)."""
+        its own) once the pipeline has been silent that long with a request unfinished, or
+        when another API process reports a failure to rank 0.
+        `scheduler_addrs`: one per --dp replica (for /flush_cache; none: it is refused).
+        `api_addrs`: every API process's `recv_addr`, by rank (None: this one alone)."""
         self.to_tokenizers = [ZmqAsyncPushQueue(a, create=False) for a in tokenizer_addrs]
         self.recv = ZmqAsyncPullQueue(recv_addr, create=True)
         self.scheduler_addrs = scheduler_addrs or []
+        self.api_rank, self.api_count = api_rank, len(api_addrs or [recv_addr])
+        self.to_peers = {
+            rank: ZmqAsyncPushQueue(addr, create=False)
+            for rank, addr in enumerate(api_addrs or [])
+            if rank != api_rank
+        }
+        self._views: dict[int, asyncio.Queue[ApiViewMsg]] = {}  # by query number
+        self._view_seqs = itertools.count()
         self.requests: dict[int, _InFlight] = {}
-        self.uids = itertools.count()
+        self.uids = itertools.count(api_rank, self.api_count)
         self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(self.num_replicas)]
-        self.metrics = Metrics(lambda: self.replica_stats, lambda: self.num_queued)
+        # the server's RSS is rank 0's to count (its children include the other API processes)
+        rss = tree_rss_bytes if api_rank == 0 else lambda: 0
+        self.metrics = Metrics(lambda: self.replica_stats, lambda: self.num_queued, rss)
         self._flushes: asyncio.Queue[FlushCacheReply] | None = None
         self._flush_lock: asyncio.Lock | None = None
         self.dead: str | None = None  # set when the pipeline can no longer answer
@@ -121,6 +145,9 @@ class Frontend:
             if isinstance(batch, FlushCacheReply) and self._flushes is not None:
                 self._flushes.put_nowait(batch)
                 continue
+            if isinstance(batch, (ApiQueryMsg, ApiViewMsg, ApiFailMsg)):
+                await self._from_peer(batch)
+                continue
             if not isinstance(batch, BatchFrontendMsg):  # decoded, but not for here
                 logger.error("api server: dropped an unexpected %s message", type(batch).__name__)
                 continue
@@ -133,6 +160,44 @@ class Frontend:
                 if req is not None:
                     self._observe(req, reply, now)
                     req.queue.put_nowait(reply)
+
+    async def _from_peer(self, msg: ApiQueryMsg | ApiViewMsg | ApiFailMsg) -> None:
+        if isinstance(msg, ApiQueryMsg):
+            if msg.rank in self.to_peers:
+                await self.to_peers[msg.rank].put(self.view(msg.seq))
+        elif isinstance(msg, ApiViewMsg):
+            if msg.seq in self._views:  # else: too late, the query timed out
+                self._views[msg.seq].put_nowait(msg)
+        elif self.api_rank == 0 and self.on_hang is not None:  # the launcher fails the server
+            threading.Thread(target=self.on_hang, args=(msg.reason,), daemon=True).start()
+        else:
+            self.fail(msg.reason)
+
+    def view(self, seq: int = 0) -> ApiViewMsg:
+        """What this API process counts: requests in flight, not started yet, its metrics."""
+        text = self.metrics.request_text()
+        rss = tree_rss_bytes() if self.api_rank == 0 else 0
+        return ApiViewMsg(
+            self.api_rank, seq, os.getpid(), len(self.requests), self.num_queued, text, rss
+        )
+
+    async def views(self) -> list[ApiViewMsg]:
+        """Every API process's view, by rank (this one's alone without --api-server-count);
+        TimeoutError when one does not answer in time."""
+        if not self.to_peers:
+            return [self.view()]
+        seq = next(self._view_seqs)
+        answers = self._views[seq] = asyncio.Queue()
+        try:
+            for queue in self.to_peers.values():
+                await queue.put(ApiQueryMsg(self.api_rank, seq))
+            views = [self.view(seq)]
+            deadline = time.monotonic() + VIEW_TIMEOUT_S
+            while len(views) < self.api_count:
+                views.append(await asyncio.wait_for(answers.get(), deadline - time.monotonic()))
+            return sorted(views, key=lambda v: v.rank)
+        finally:
+            del self._views[seq]
 
     def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
         m, n = self.metrics, len(reply.token_ids)
@@ -233,7 +298,7 @@ class Frontend:
             for addr in self.scheduler_addrs:
                 queue = ZmqAsyncPushQueue(addr, create=False)
                 try:
-                    await queue.put(FlushCacheMsg())
+                    await queue.put(FlushCacheMsg(self.api_rank))
                 finally:
                     queue.close()  # lingers until the message is out
             errors: list[str] = []

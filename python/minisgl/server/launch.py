@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from minisgl.distributed import Rendezvous, rendezvous_file
 from minisgl.engine.config import EngineConfig
+from minisgl.message import ApiFailMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs
 from minisgl.utils.procs import Reaper, die_with_parent, set_title, wait_ready
@@ -40,16 +42,17 @@ class Addresses:
     root: str  # a private temp directory (mode 0700): the ipc sockets, the TP rendezvous files
     schedulers: list[str]  # rank 0 of each --dp replica
     detokenizer: str
-    api: str
+    apis: list[str]  # each API process's (--api-server-count), by rank
     tokenizers: list[str]
 
     @staticmethod
-    def make(num_tokenizer: int, dp: int = 1) -> Addresses:
+    def make(num_tokenizer: int, dp: int = 1, api_servers: int = 1) -> Addresses:
         root = tempfile.mkdtemp(prefix="minisgl-")
         ipc = lambda name: f"ipc://{os.path.join(root, name)}"  # noqa: E731
         tokenizers = [ipc(f"tokenizer{i}") for i in range(num_tokenizer)]
         schedulers = [ipc("scheduler" if r == 0 else f"scheduler{r}") for r in range(dp)]
-        return Addresses(root, schedulers, ipc("detokenizer"), ipc("api"), tokenizers)
+        apis = [ipc("api" if k == 0 else f"api{k}") for k in range(api_servers)]
+        return Addresses(root, schedulers, ipc("detokenizer"), apis, tokenizers)
 
 
 class Terminated(BaseException):
@@ -85,6 +88,54 @@ def _follower_main(
     from minisgl.scheduler.io import run_follower
 
     run_follower(config, sched_config, rank, tp, meet, ready, sharing, title)
+
+
+def _api_main(
+    args: ServerArgs, info: dict[str, Any], rank: int, addrs: Addresses, sock: Any, ready: Any
+) -> None:
+    """API process `rank` > 0 of --api-server-count: the app on the listening socket that
+    rank 0 (the main process) opened; a failure it sees (its watchdog) goes to rank 0."""
+    from minisgl.server.frontend import Frontend
+
+    def report(reason: str) -> None:
+        _send(addrs.apis[0], ApiFailMsg(reason))
+
+    frontend = Frontend(
+        addrs.tokenizers,
+        addrs.apis[rank],
+        args.watchdog_timeout,
+        report,
+        addrs.schedulers,
+        api_rank=rank,
+        api_addrs=addrs.apis,
+    )
+    server = http_server(args, info, frontend)
+    ready.send(("ready", None))
+    server.run(sockets=[sock])  # uvicorn drains on SIGTERM / SIGINT, as rank 0 does
+
+
+def _send(addr: str, msg: Any) -> None:
+    from minisgl.utils.zmq import ZmqPushQueue
+
+    queue = ZmqPushQueue(addr, create=False)
+    queue.put(msg)
+    queue.close()  # lingers until the message is out
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port, opened once for every API process (--api-server-count): each accepts
+    from it, as uvicorn's own --workers do."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on {host}:{port} (--host, --port): {e.strerror}"
+        ) from None
+    return sock
 
 
 def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
@@ -127,12 +178,15 @@ def _child_main(name: str, log_level: str, target: Any, *args: Any) -> None:
 class Launcher:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        self.addrs = Addresses.make(args.num_tokenizer, args.dp)
+        self.addrs = Addresses.make(args.num_tokenizer, args.dp, args.api_server_count)
         logger.info("sockets in %s", self.addrs.root)
         self.reaper = Reaper(self.addrs.root)
         self.ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
+        self.api_procs: list[Any] = []  # of those, the API processes other than this one
+        self.listener: socket.socket | None = None  # the port they share with this one
         self.stopping = False
+        self.draining = False  # SIGTERM: the API processes finish their requests, then exit
         self.failure: str | None = None  # why the server stops with code 1 (a child died, hung)
         self._fail_lock = threading.Lock()
         self.info: dict[str, Any] = {}  # what the scheduler reported once ready (max_seq_len)
@@ -167,6 +221,8 @@ class Launcher:
         config = replace(args.engine, model=model_path)
         check_scale_out(args, config)  # before any process starts
         per_node, first = args.tp_per_node, args.node_rank * args.tp_per_node
+        if args.node_rank == 0 and args.api_server_count > 1:  # a taken port fails here, early
+            self.listener = listen_socket(args.host, args.port)
         if args.node_rank > 0:  # scheduler ranks only: no front end on this node
             followers = [self._follower(config, 0, k) for k in range(first, first + per_node)]
             wait_ready(*_split(followers))  # hello
@@ -177,11 +233,11 @@ class Launcher:
             starters.append(self._replica(config, r))
             followers += [self._follower(config, r, k) for k in range(1, per_node)]
         sched = a.schedulers
-        detok = (model_path, a.detokenizer, a.api, sched)
+        detok = (model_path, a.detokenizer, a.apis, sched)
         starters.append(self._spawn("detokenizer", run_detokenizer, *detok))
         dispatch = (config.page_size, args.dp_dispatch, args.dp_load_threshold)
         for i, addr in enumerate(a.tokenizers):
-            tok = (model_path, args.chat_template, addr, sched, a.detokenizer, a.api, dispatch)
+            tok = (model_path, args.chat_template, addr, sched, a.detokenizer, a.apis, dispatch)
             starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok))
         # followers say hello first, then ready once built (rank 0 is ready only after them)
         for payload in wait_ready(*_split(starters + followers)):
@@ -189,6 +245,13 @@ class Launcher:
                 self.info["num_pages"] = self.info.get("num_pages", 0) + payload["num_pages"]
                 self.info["max_seq_len"] = payload["max_seq_len"]
         wait_ready(*_split(followers))
+        if self.listener is not None:
+            apis = [
+                self._spawn(f"api_server_{k}", _api_main, args, self.info, k, a, self.listener)
+                for k in range(1, args.api_server_count)
+            ]
+            self.api_procs = [proc for _, proc in apis]
+            wait_ready(*_split(apis))
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _rendezvous(self, replica: int) -> Rendezvous:
@@ -222,12 +285,16 @@ class Launcher:
         from multiprocessing.connection import wait
 
         sentinels = {p.sentinel: p for p in self.procs}
-        ready = wait(list(sentinels))
-        if self.stopping:
+        while sentinels:
+            ready = wait(list(sentinels))
+            if self.stopping:
+                return
+            dead = sentinels.pop(ready[0])
+            dead.join(timeout=1)  # the exit code is known only once it is reaped
+            if self.draining and dead in self.api_procs:
+                continue  # it drained its requests (`stop` may have reaped it: no exit code)
+            self.fail(f"{dead.name} process died (exit code {dead.exitcode})")
             return
-        dead = sentinels[ready[0]]
-        dead.join(timeout=1)  # the exit code is known only once it is reaped
-        self.fail(f"{dead.name} process died (exit code {dead.exitcode})")
 
     def fail(self, reason: str) -> None:
         """A child died or the pipeline hung: stop the server, which exits with code 1 (the
@@ -237,6 +304,8 @@ class Launcher:
                 return
             self.failure = reason
         logger.error("%s; shutting down", reason)
+        for addr in self.addrs.apis[1:]:  # the other API processes end their requests too
+            _send(addr, ApiFailMsg(reason))
         if self.on_failure is not None:
             self.on_failure(reason)
         else:
@@ -273,8 +342,21 @@ class Launcher:
         queue.close()
         rank0.join(timeout=STOP_OTHER_NODES_S)
 
+    def drain(self) -> None:
+        """SIGTERM reached this process: the other API processes drain their requests too."""
+        self.draining = True
+        for proc in self.api_procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
     def stop(self) -> None:
+        if self.draining and not self.failure:  # they got the same time as this process
+            deadline = time.monotonic() + self.args.shutdown_timeout + DEATH_GRACE_S
+            for proc in self.api_procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self.stopping = True
+        if self.listener is not None:
+            self.listener.close()
         if self.args.nnodes > 1 and self.args.node_rank == 0 and self.procs and not self.failure:
             self._stop_other_nodes()
         for p in self.procs:  # they ignore SIGTERM (see _child_main) and hold nothing to save
@@ -326,7 +408,12 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
 
             addrs, timeout = launcher.addrs, args.watchdog_timeout
             frontend = Frontend(
-                addrs.tokenizers, addrs.api, timeout, launcher.fail, addrs.schedulers
+                addrs.tokenizers,
+                addrs.apis[0],
+                timeout,
+                launcher.fail,
+                addrs.schedulers,
+                api_addrs=addrs.apis,
             )
             code = front_end(launcher, frontend)
     except (Terminated, KeyboardInterrupt):  # a requested stop, or a failure (Launcher.fail)
@@ -341,9 +428,16 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
     return code
 
 
-def make_server(config: Any, frontend: Frontend, limits: ConnectionLimits, drain_s: float) -> Any:
+def make_server(
+    config: Any,
+    frontend: Frontend,
+    limits: ConnectionLimits,
+    drain_s: float,
+    on_shutdown: Callable[[], None] | None = None,
+) -> Any:
     """uvicorn's server, whose drain (SIGTERM) ends the requests still running with the error
-    event (or a 503) just before `drain_s` (--shutdown-timeout) runs out, not a bare close."""
+    event (or a 503) just before `drain_s` (--shutdown-timeout) runs out, not a bare close.
+    `on_shutdown` is called as the drain begins."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -352,6 +446,8 @@ def make_server(config: Any, frontend: Frontend, limits: ConnectionLimits, drain
             await super().startup(sockets)
 
         async def shutdown(self, sockets: Any = None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
             reason = f"server shut down before the request finished ({drain_s:g} s drain)"
             cut = None
             if drain_s <= CUT_MARGIN_S:
@@ -385,15 +481,22 @@ def hide_api_key() -> None:
         setproctitle.setproctitle(" ".join(argv))
 
 
-def serve_http(launcher: Launcher, frontend: Frontend) -> int:
+def http_server(
+    args: ServerArgs,
+    info: dict[str, Any],
+    frontend: Frontend,
+    on_shutdown: Callable[[], None] | None = None,
+) -> Any:
+    """The app under uvicorn, as one API process serves it (each of --api-server-count gets
+    its share of --max-connections)."""
     import uvicorn
 
     from minisgl.server.api_server import create_app
     from minisgl.server.connections import ConnectionLimits, connection_budget
 
-    args = launcher.args
-    app = create_app(frontend, args, launcher.info["max_seq_len"], launcher.info)
-    max_connections, backlog = connection_budget(args.max_connections)
+    app = create_app(frontend, args, info["max_seq_len"], info)
+    share = -(-args.max_connections // frontend.api_count)
+    max_connections, backlog = connection_budget(share)
     limits = ConnectionLimits(max_connections, args.timeout_keep_alive)
     config = uvicorn.Config(
         app,
@@ -406,7 +509,12 @@ def serve_http(launcher: Launcher, frontend: Frontend) -> int:
         timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # float works
         timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
     )
-    server = make_server(config, frontend, limits, args.shutdown_timeout)
+    return make_server(config, frontend, limits, args.shutdown_timeout, on_shutdown)
+
+
+def serve_http(launcher: Launcher, frontend: Frontend) -> int:
+    args = launcher.args
+    server = http_server(args, launcher.info, frontend, launcher.drain)
 
     def on_failure(reason: str) -> None:
         frontend.fail_threadsafe(reason)  # in-flight requests end with an error, /health 503
@@ -417,5 +525,5 @@ def serve_http(launcher: Launcher, frontend: Frontend) -> int:
     print(f"minisgl: serving {args.engine.model} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again: that ends
     # here as Terminated / KeyboardInterrupt, caught by launch_server.
-    server.run()
+    server.run(sockets=None if launcher.listener is None else [launcher.listener])
     return 0

@@ -3,7 +3,9 @@
 Request-level numbers (tokens, latencies, outcomes) are counted here, in the api server, as the
 replies arrive. Scheduler-level ones (running requests, KV pages, prefix-cache hits, preemptions)
 are read at scrape time from the latest `SchedulerStats` snapshot, at most 0.2 s old: summed over
-the --dp replicas, and per replica in the `minisgl_replica_*` series (label `dp_rank`)."""
+the --dp replicas, and per replica in the `minisgl_replica_*` series (label `dp_rank`). With
+--api-server-count N, each API process counts its own requests; the one that answers /metrics
+adds up every process's series (`summed_exposition`)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -96,10 +100,8 @@ class TokenHistogram(Collector):
 
 
 class _SchedulerCollector(Collector):
-    def __init__(
-        self, replicas: Callable[[], list[SchedulerStats]], queued: Callable[[], int]
-    ) -> None:
-        self.replicas, self.queued = replicas, queued
+    def __init__(self, replicas: Callable[[], list[SchedulerStats]]) -> None:
+        self.replicas = replicas
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         replicas = self.replicas()
@@ -107,7 +109,6 @@ class _SchedulerCollector(Collector):
         s = total_stats(replicas)
         gauges = {
             "num_running_requests": ("requests running in the scheduler", s.running),
-            "num_queued_requests": ("requests not started yet", self.queued()),
             "kv_pages_total": ("KV cache pages", s.total_pages),
             "kv_pages_used": (
                 "KV pages held by running requests (locked prefix-cache pages included)",
@@ -119,7 +120,6 @@ class _SchedulerCollector(Collector):
                 "share of scheduled prompt tokens found in the prefix cache",
                 s.cached_tokens / s.prefill_tokens if s.prefill_tokens else 0.0,
             ),
-            "resident_memory_bytes": ("RSS of all server processes", tree_rss_bytes()),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"minisgl_{name}", doc, value=value)
@@ -139,11 +139,58 @@ class _SchedulerCollector(Collector):
             yield CounterMetricFamily(f"minisgl_{name}", doc, value=value)
 
 
+class _Summed(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
+
+
+def summed_exposition(texts: list[str]) -> bytes:
+    """Several processes' Prometheus text as one: each series summed over them (counters,
+    histogram buckets, gauges of what each process counts), except `_created` timestamps,
+    the earliest. A series only some processes have is kept."""
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            if family.name not in families:
+                families[family.name] = Metric(family.name, family.documentation, family.type)
+                values[family.name] = {}
+            samples = values[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if key not in samples:
+                    samples[key] = sample.value
+                elif sample.name.endswith("_created"):
+                    samples[key] = min(samples[key], sample.value)
+                else:
+                    samples[key] += sample.value
+    for name, family in families.items():
+        for (sample_name, labels), value in values[name].items():
+            family.add_sample(sample_name, dict(labels), value)
+    registry = CollectorRegistry()
+    registry.register(_Summed(list(families.values())))
+    return generate_latest(registry)
+
+
 class Metrics:
     def __init__(
-        self, replicas: Callable[[], list[SchedulerStats]], queued: Callable[[], int]
+        self,
+        replicas: Callable[[], list[SchedulerStats]],
+        queued: Callable[[], int],
+        rss: Callable[[], int] = tree_rss_bytes,
     ) -> None:
-        r = self.registry = CollectorRegistry()
+        """`replicas`: the latest scheduler snapshots; `queued`: this process's requests not
+        started yet; `rss`: the server's resident memory as this process counts it."""
+        r = self.registry = CollectorRegistry()  # what this API process counts
+        Gauge("minisgl_num_queued_requests", "requests not started yet", registry=r).set_function(
+            queued
+        )
+        Gauge(
+            "minisgl_resident_memory_bytes", "RSS of all server processes", registry=r
+        ).set_function(rss)
         self.prompt_tokens = Counter(
             "minisgl_prompt_tokens", "prompt tokens of requests", registry=r
         )
@@ -189,7 +236,14 @@ class Metrics:
             ["path", "status"],
             registry=r,
         )
-        r.register(_SchedulerCollector(replicas, queued))
+        self.scheduler = CollectorRegistry()
+        self.scheduler.register(_SchedulerCollector(replicas))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def request_text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    def render(self, peers: list[str] | None = None) -> bytes:
+        """The exposition: this process's series, summed with `peers` (the other API
+        processes' `request_text`), then the scheduler's."""
+        own = summed_exposition([self.request_text(), *peers]) if peers else None
+        return (own or generate_latest(self.registry)) + generate_latest(self.scheduler)

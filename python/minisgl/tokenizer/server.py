@@ -21,6 +21,7 @@ from minisgl.message import (
     DoneMsg,
     ExitMsg,
     FlushCacheReply,
+    SchedulerStats,
     TokenizeMsg,
     UserMsg,
     UserReply,
@@ -152,6 +153,34 @@ def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
     return ids
 
 
+class ToApi:
+    """The API processes' queues (one per --api-server-count): a request's replies go to the
+    process that took it (process k numbers its requests k, k + N, k + 2N...); the scheduler's
+    stats go to every one (their /stats, /metrics and watchdogs read them); a /flush_cache
+    answer to the one that asked. `queues`: one queue, or the list of them."""
+
+    def __init__(self, queues: Any) -> None:
+        self.queues = queues if isinstance(queues, list) else [queues]
+
+    def replies(self, replies: list[UserReply], stats: SchedulerStats | None = None) -> None:
+        n = len(self.queues)
+        if n == 1:
+            self.queues[0].put(BatchFrontendMsg(replies, stats))
+            return
+        groups: list[list[UserReply]] = [[] for _ in range(n)]
+        for reply in replies:
+            groups[reply.uid % n].append(reply)
+        for queue, group in zip(self.queues, groups):
+            if group or stats is not None:
+                queue.put(BatchFrontendMsg(group, stats))
+
+    def flush_reply(self, msg: FlushCacheReply) -> None:
+        if 0 <= msg.api_rank < len(self.queues):
+            self.queues[msg.api_rank].put(msg)
+        else:
+            logger.error("dropped a /flush_cache answer for API process %d", msg.api_rank)
+
+
 class TokenizerWorker:
     """The tokenizer process's work: tokenize each request and hand it to the detokenizer and
     the scheduler, or answer its error. A long prompt is tokenized on a thread (the fast
@@ -168,7 +197,7 @@ class TokenizerWorker:
         to_api: Any,
         dispatcher: Dispatcher | None = None,
     ) -> None:
-        self.tokenizer, self.to_detok, self.to_api = tokenizer, to_detok, to_api
+        self.tokenizer, self.to_detok, self.to_api = tokenizer, to_detok, ToApi(to_api)
         self.to_scheds = to_sched if isinstance(to_sched, list) else [to_sched]
         self.dispatcher = dispatcher
         self.background = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -234,7 +263,7 @@ class TokenizerWorker:
             self.dispatcher.done(uid)
 
     def fail(self, uid: int, error: Exception) -> None:
-        self.to_api.put(BatchFrontendMsg([UserReply(uid, "", [], True, "error", 0, 0, str(error))]))
+        self.to_api.replies([UserReply(uid, "", [], True, "error", 0, 0, str(error))])
 
 
 def run_tokenizer(
@@ -243,7 +272,7 @@ def run_tokenizer(
     recv_addr: str,
     sched_addrs: list[str],
     detok_addr: str,
-    api_addr: str,
+    api_addrs: list[str],
     dispatch: tuple[int, str, int],
     ready: Any,
 ) -> None:
@@ -259,7 +288,7 @@ def run_tokenizer(
                 load_chat_tokenizer(model_path, chat_template),
                 [ZmqPushQueue(a, create=False) for a in sched_addrs],
                 ZmqPushQueue(detok_addr, create=False),
-                ZmqPushQueue(api_addr, create=False),
+                [ZmqPushQueue(a, create=False) for a in api_addrs],
                 dispatcher,
             ),
         ),
@@ -287,7 +316,7 @@ class _DetokState:
 @dataclass
 class Detokenizer:
     tokenizer: Any
-    to_api: ZmqPushQueue
+    to_api: ToApi
     to_sched: Any  # the scheduler's queue, or with --dp > 1 the list of the replicas'
     states: dict[int, _DetokState] = field(default_factory=dict)
     early: dict[int, list[DetokenizeMsg]] = field(default_factory=dict)
@@ -373,7 +402,7 @@ class Detokenizer:
 
 
 def run_detokenizer(
-    model_path: str, recv_addr: str, api_addr: str, sched_addrs: list[str], ready: Any
+    model_path: str, recv_addr: str, api_addrs: list[str], sched_addrs: list[str], ready: Any
 ) -> None:
     from minisgl.models.hf import load_tokenizer
 
@@ -384,7 +413,7 @@ def run_detokenizer(
             ZmqPullQueue(recv_addr, create=True),
             Detokenizer(
                 load_tokenizer(model_path),
-                ZmqPushQueue(api_addr, create=False),
+                ToApi([ZmqPushQueue(a, create=False) for a in api_addrs]),
                 [ZmqPushQueue(a, create=False) for a in sched_addrs],
             ),
         ),
@@ -400,9 +429,9 @@ def run_detokenizer(
             replies = [r for m in msg.msgs if (r := worker.guarded(m))]
             stats = msg.stats
         elif isinstance(msg, FlushCacheReply):
-            worker.to_api.put(msg)  # the api server's
+            worker.to_api.flush_reply(msg)
             continue
         else:
             continue
         if replies or stats is not None:
-            worker.to_api.put(BatchFrontendMsg(replies, stats))
+            worker.to_api.replies(replies, stats)
