@@ -73,7 +73,7 @@ def run_api(tok_addr: str, api_addr: str, port: int) -> None:
     args = ServerArgs()
     args.host, args.port, args.log_level = "127.0.0.1", port, "warning"
     launcher = SimpleNamespace(
-        args=args, info={"max_seq_len": 1 << 20}, on_failure=None, listener=None, drain=None
+        args=args, info={"max_seq_len": 1 << 20}, on_failure=None, listeners=[], drain=None
     )
     serve_http(launcher, Frontend([tok_addr], api_addr))  # type: ignore[arg-type]
 

@@ -7,6 +7,7 @@ validators that raise ArgumentTypeError), e.g. `error: argument --port: must be 
 from __future__ import annotations
 
 import argparse
+import socket
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
@@ -202,6 +203,8 @@ class ServerArgs:
             raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
         if self.api_server_count > 1 and self.shell:
             raise OptionError("api_server_count", "is for the HTTP server, not --shell")
+        if self.api_server_count > 1 and not hasattr(socket, "SO_REUSEPORT"):
+            raise OptionError("api_server_count", "> 1 needs SO_REUSEPORT (Linux, macOS)")
         if self.gc_threshold is not None and not 1 <= len(self.gc_threshold) <= 3:
             raise OptionError(
                 "gc_threshold", f"takes one to three counts, got {len(self.gc_threshold)}"

@@ -93,8 +93,8 @@ def _follower_main(
 def _api_main(
     args: ServerArgs, info: dict[str, Any], rank: int, addrs: Addresses, sock: Any, ready: Any
 ) -> None:
-    """API process `rank` > 0 of --api-server-count: the app on the listening socket that
-    rank 0 (the main process) opened; a failure it sees (its watchdog) goes to rank 0."""
+    """API process `rank` > 0 of --api-server-count: the app on the socket of the port that
+    rank 0 (the main process) opened for it; a failure it sees (its watchdog) goes to rank 0."""
     from minisgl.server.frontend import Frontend
 
     def report(reason: str) -> None:
@@ -122,20 +122,31 @@ def _send(addr: str, msg: Any) -> None:
     queue.close()  # lingers until the message is out
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The HTTP port, opened once for every API process (--api-server-count): each accepts
-    from it, as uvicorn's own --workers do."""
+def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """One socket on the HTTP port per API process (--api-server-count), with SO_REUSEPORT: the
+    kernel spreads new connections evenly over them (one socket that all accept from would let
+    whichever process wakes first take a whole burst). A plain bind first makes sure that no
+    other server holds the port: SO_REUSEPORT alone would share it with one of the same user."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(
-            f"cannot listen on {host}:{port} (--host, --port): {e.strerror}"
-        ) from None
-    return sock
+
+    def bound(reuse_port: bool) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            error = f"cannot listen on {host}:{port} (--host, --port): {e.strerror}"
+            raise RuntimeError(error) from None
+        return sock
+
+    bound(reuse_port=False).close()
+    socks = [bound(reuse_port=True) for _ in range(count)]
+    for sock in socks:  # all in the kernel's spread from now on, whichever process serves first
+        sock.listen()
+    return socks
 
 
 def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
@@ -184,7 +195,7 @@ class Launcher:
         self.ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.api_procs: list[Any] = []  # of those, the API processes other than this one
-        self.listener: socket.socket | None = None  # the port they share with this one
+        self.listeners: list[socket.socket] = []  # the port, one socket per API process
         self.stopping = False
         self.draining = False  # SIGTERM: the API processes finish their requests, then exit
         self.failure: str | None = None  # why the server stops with code 1 (a child died, hung)
@@ -222,7 +233,7 @@ class Launcher:
         check_scale_out(args, config)  # before any process starts
         per_node, first = args.tp_per_node, args.node_rank * args.tp_per_node
         if args.node_rank == 0 and args.api_server_count > 1:  # a taken port fails here, early
-            self.listener = listen_socket(args.host, args.port)
+            self.listeners = listen_sockets(args.host, args.port, args.api_server_count)
         if args.node_rank > 0:  # scheduler ranks only: no front end on this node
             followers = [self._follower(config, 0, k) for k in range(first, first + per_node)]
             wait_ready(*_split(followers))  # hello
@@ -245,9 +256,9 @@ class Launcher:
                 self.info["num_pages"] = self.info.get("num_pages", 0) + payload["num_pages"]
                 self.info["max_seq_len"] = payload["max_seq_len"]
         wait_ready(*_split(followers))
-        if self.listener is not None:
+        if self.listeners:
             apis = [
-                self._spawn(f"api_server_{k}", _api_main, args, self.info, k, a, self.listener)
+                self._spawn(f"api_server_{k}", _api_main, args, self.info, k, a, self.listeners[k])
                 for k in range(1, args.api_server_count)
             ]
             self.api_procs = [proc for _, proc in apis]
@@ -355,8 +366,8 @@ class Launcher:
             for proc in self.api_procs:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self.stopping = True
-        if self.listener is not None:
-            self.listener.close()
+        for sock in self.listeners:
+            sock.close()
         if self.args.nnodes > 1 and self.args.node_rank == 0 and self.procs and not self.failure:
             self._stop_other_nodes()
         for p in self.procs:  # they ignore SIGTERM (see _child_main) and hold nothing to save
@@ -525,5 +536,5 @@ def serve_http(launcher: Launcher, frontend: Frontend) -> int:
     print(f"minisgl: serving {args.engine.model} on http://{args.host}:{args.port}", flush=True)
     # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again: that ends
     # here as Terminated / KeyboardInterrupt, caught by launch_server.
-    server.run(sockets=None if launcher.listener is None else [launcher.listener])
+    server.run(sockets=launcher.listeners[:1] or None)
     return 0

@@ -1,0 +1,245 @@
+"""--api-server-count: several HTTP API processes on one port. The pipeline routes each reply
+to the process that took its request and the scheduler's stats to all of them; /stats and
+/metrics add up what every process counts; a failure anywhere ends the requests of every
+process with an error; SIGTERM drains them all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from support.server import Server, make_tiny_model, run_server, wait_for
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
+CONTEXT = 8192
+
+
+class SentList:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def put(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+# ---- the parts, without a server ------------------------------------------------------------
+def test_replies_go_back_to_the_process_that_took_the_request() -> None:
+    from minisgl.message import FlushCacheReply, SchedulerStats, UserReply
+    from minisgl.tokenizer.server import ToApi
+
+    queues = [SentList(), SentList(), SentList()]
+    to_api = ToApi(queues)
+    replies = [UserReply(uid, "x", [1], False, None, 1, 1) for uid in (0, 1, 4, 7, 9)]
+    stats = SchedulerStats(running=5)
+    to_api.replies(replies, stats)
+    got = [[r.uid for m in q.sent for r in m.msgs] for q in queues]
+    assert got == [[0, 9], [1, 4, 7], []]
+    assert all(q.sent[0].stats == stats for q in queues)  # the stats reach every process
+    to_api.replies([replies[1]])  # no stats: only the one that has a reply gets a message
+    assert [len(q.sent) for q in queues] == [1, 2, 1]
+    to_api.flush_reply(FlushCacheReply(0, None, api_rank=2))
+    assert isinstance(queues[2].sent[-1], FlushCacheReply)
+    to_api.flush_reply(FlushCacheReply(0, None, api_rank=5))  # no such process: dropped
+    assert [len(q.sent) for q in queues] == [1, 2, 2]
+
+
+def observe_some(metrics: Any, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        priority = rng.choice(["0", "1", "-3"][: 1 + seed % 3])
+        metrics.ttft.labels(priority).observe(rng.random())
+        metrics.itl.observe(rng.random() / 10, rng.randint(1, 5))
+        metrics.generation_tokens.inc(rng.randint(1, 9))
+        metrics.finished.labels(rng.choice(["stop", "length", "abort"])).inc()
+        metrics.http.labels("/v1/completions", rng.choice(["200", "400"])).inc()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def test_summed_metrics_are_those_of_one_process_that_saw_everything() -> None:
+    """Three processes' series (labels only some of them have included) summed equal one
+    registry that observed all of it; each process's queued count adds up, the RSS is rank 0's."""
+    from minisgl.server.metrics import Metrics, summed_exposition
+
+    parts = [Metrics(list, lambda k=k: k + 1, lambda k=k: 100 if k == 0 else 0) for k in range(3)]
+    whole = Metrics(list, lambda: 6, lambda: 100)
+    for seed, m in enumerate(parts):
+        observe_some(m, seed)
+        observe_some(whole, seed)
+    summed = summed_exposition([m.request_text() for m in parts]).decode()
+    assert samples(summed) == pytest.approx(samples(whole.request_text()))  # sums: rounding
+    rendered = parts[1].render([parts[0].request_text(), parts[2].request_text()]).decode()
+    assert samples(summed).items() <= samples(rendered).items()
+    assert "minisgl_kv_pages_total" in rendered  # the scheduler's series follow
+
+
+def test_api_processes_number_their_requests_apart_and_answer_each_other(tmp_path: Any) -> None:
+    """Rank k of 3 numbers its requests k, k + 3...; rank 0 gathers every process's view; a
+    failure sent to rank 1 ends its requests, one sent to rank 0 goes to the launcher."""
+    from minisgl.core import SamplingParams
+    from minisgl.message import ApiFailMsg, TokenizeMsg
+    from minisgl.server.frontend import Frontend
+    from minisgl.utils.zmq import ZmqAsyncPushQueue
+
+    addrs = [f"ipc://{tmp_path}/api{k}" for k in range(3)]
+    hung: list[str] = []
+
+    async def main() -> None:
+        fronts = [
+            Frontend([f"ipc://{tmp_path}/tok"], addrs[k], 0, hung.append, None, k, addrs)
+            for k in range(3)
+        ]
+        for f in fronts:
+            f.start()
+        assert [fronts[1].new_uid() for _ in range(3)] == [1, 4, 7]
+        msg = TokenizeMsg(fronts[1].new_uid(), "hi", None, None, SamplingParams())
+        queue = await fronts[1].submit(msg)
+        views = await fronts[0].views()
+        assert [(v.rank, v.in_flight, v.queued) for v in views] == [(0, 0, 0), (1, 1, 1), (2, 0, 0)]
+        assert views[0].pid == os.getpid() and "minisgl_generation_tokens" in views[2].metrics
+        await ZmqAsyncPushQueue(addrs[1], create=False).put(ApiFailMsg("the scheduler died"))
+        reply = await asyncio.wait_for(queue.get(), 10)
+        assert reply.finished and reply.error == "the scheduler died"
+        await ZmqAsyncPushQueue(addrs[0], create=False).put(ApiFailMsg("api_server_2 hung"))
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: wait_for(lambda: hung or None, 10, "rank 0 to call the launcher")
+        )
+        assert hung == ["api_server_2 hung"] and fronts[0].dead is None
+
+    asyncio.run(main())
+
+
+def test_api_server_count_is_refused_with_the_shell(capsys: Any) -> None:
+    from minisgl.server.args import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--shell", "--api-server-count", "2"])
+    assert exc.value.code == 2
+    assert "error: argument --api-server-count: is for the HTTP server" in capsys.readouterr().err
+
+
+# ---- a server with two API processes --------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = str(tmp_path_factory.mktemp("logs") / "two.log")
+    args = ("--page-size", "4", "--api-server-count", "2", "--shutdown-timeout", "20")
+    with run_server(model_dir, *args, log_path=log) as s:
+        yield s
+
+
+def stream(url: str, max_tokens: int, seed: int, events: list[dict[str, Any]]) -> None:
+    """A streamed completion's JSON events, appended as they come; {"cut": ...} if it broke."""
+    body = {"prompt": [5, 6, seed % 200], "max_tokens": max_tokens, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                events.append({**json.loads(r.read()), "status": r.status_code})
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+    except httpx.HTTPError as e:
+        events.append({"cut": repr(e)})
+
+
+def streams(url: str, count: int, max_tokens: int) -> tuple[list[threading.Thread], list[Any]]:
+    outs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
+    threads = [
+        threading.Thread(target=stream, args=(url, max_tokens, i, outs[i]), daemon=True)
+        for i in range(count)
+    ]
+    for t in threads:
+        t.start()
+    return threads, outs
+
+
+def both_busy(server: Server, in_flight: int = 1) -> bool:
+    """Every request in flight (at least `in_flight`), some on each API process."""
+    stats = server.stats()
+    busy = all(p["in_flight"] > 0 for p in stats["api_servers"])
+    return busy and stats["in_flight"] >= in_flight
+
+
+def metric(server: Server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(v for (n, _), v in samples(text).items() if n == name)
+
+
+def test_streams_spread_over_both_processes_and_every_count_adds_up(server: Server) -> None:
+    before = metric(server, "minisgl_generation_tokens_total")
+    threads, outs = streams(server.url, 12, 600)
+    wait_for(lambda: both_busy(server), 60, "both API processes to have requests in flight")
+    for t in threads:
+        t.join(120)
+    usages = [o[-1].get("usage") for o in outs]
+    assert all(u is not None and u["completion_tokens"] == 600 for u in usages), outs[0][-1]
+    stats = server.wait_idle()
+    assert stats["leaked_pages"] == 0 and stats["in_flight"] == 0
+    assert [p["rank"] for p in stats["api_servers"]] == [0, 1]
+    assert metric(server, "minisgl_generation_tokens_total") - before == 12 * 600
+    for _ in range(4):  # new connections, so both processes ask; each gets its own answer
+        r = httpx.post(f"{server.url}/flush_cache", timeout=30)
+        assert r.status_code == 200, r.text
+
+
+def test_sigterm_drains_the_streams_of_both_processes(server: Server) -> None:
+    """The module server's last test: streams on both processes finish during the drain."""
+    threads, outs = streams(server.url, 8, 1500)
+    wait_for(lambda: both_busy(server, 8), 60, "all eight requests in flight on both processes")
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    for out in outs:
+        assert out[-1].get("usage", {}).get("completion_tokens") == 1500, out[-1]
+    assert server.wait_exit(30) == 0
+
+
+@pytest.mark.parametrize("victim", ["scheduler_0", "api_server_1"])
+def test_a_dead_process_fails_every_api_process_s_streams(
+    model_dir: str, tmp_path: Any, victim: str
+) -> None:
+    """SIGKILL the scheduler under load: the streams of both API processes end with the error
+    event. SIGKILL API process 1: its own connections are cut, rank 0's get the error event.
+    Either way the server exits 1 naming the process."""
+    log = str(tmp_path / "server.log")
+    server = Server(model_dir, "--page-size", "4", "--api-server-count", "2", log_path=log)
+    try:
+        server.wait_ready()
+        threads, outs = streams(server.url, 10, CONTEXT - 100)
+        wait_for(lambda: both_busy(server, 10), 60, "all ten requests in flight on both processes")
+        os.kill(server.child_pid(victim), signal.SIGKILL)
+        assert server.wait_exit(timeout=15) == 1
+        assert f"minisgl: {victim} process died (exit code -9)" in server.log()
+        for t in threads:
+            t.join(10)
+        errors = [o[-1]["error"]["message"] for o in outs if "error" in o[-1]]
+        assert all(f"{victim} process died" in e for e in errors), errors
+        cut = sum("cut" in o[-1] for o in outs)
+        assert len(errors) + cut == 10 and (cut == 0 if victim == "scheduler_0" else errors)
+        assert server.stop() == 1  # checks that no process survived
+    finally:
+        if server.proc.poll() is None:
+            server.kill_all()
