@@ -8,7 +8,7 @@ runs it) streams them to --streams raw-socket clients in this process, which onl
 events they receive. On an H100, 200 streams of Qwen3-0.6B take ~10 ms per step (~20,000
 tokens/s); a server whose API process cannot keep up delays every stream (issue 22's ITL).
 
-    python benchmark/online/bench_api.py --streams 200 --tokens 256 --step-ms 10
+    python benchmark/online/bench_api.py --streams 200 --tokens 256 --step-ms 10 [--api-server-count 2]
 
 Reports the offered and delivered tokens/s, the gaps between the events a client receives
 (p50/p90/p99: events that arrive in one read count as gaps of 0) and the API process's CPU
@@ -27,7 +27,6 @@ import tempfile
 import time
 import urllib.request
 from datetime import datetime, timezone
-from types import SimpleNamespace
 from typing import Any
 
 from bench_serving import percentile, process_cpu_s  # this script's directory is on sys.path
@@ -35,12 +34,15 @@ from bench_serving import percentile, process_cpu_s  # this script's directory i
 EVENT = b'data: {"id"'  # the start of every completion chunk
 
 
-def run_pipeline(tok_addr: str, api_addr: str, step_s: float) -> None:
-    """The tokenizer, scheduler and detokenizer, faked: one token per running request per step."""
-    from minisgl.message import AbortMsg, BatchFrontendMsg, TokenizeMsg, UserReply
+def run_pipeline(tok_addr: str, api_addrs: list[str], step_s: float) -> None:
+    """The tokenizer, scheduler and detokenizer, faked: one token per running request per step,
+    routed to the API process that took the request (as the detokenizer does)."""
+    from minisgl.message import AbortMsg, TokenizeMsg, UserReply
+    from minisgl.tokenizer.server import ToApi
     from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
-    pull, push = ZmqPullQueue(tok_addr, create=True), ZmqPushQueue(api_addr, create=False)
+    pull = ZmqPullQueue(tok_addr, create=True)
+    to_api = ToApi([ZmqPushQueue(a, create=False) for a in api_addrs])
     active: dict[int, list[int]] = {}  # uid -> [tokens made, max_tokens, prompt tokens]
     tick = time.monotonic()
     while True:
@@ -61,21 +63,28 @@ def run_pipeline(tok_addr: str, api_addr: str, step_s: float) -> None:
             if done:
                 del active[uid]
         if replies:
-            push.put(BatchFrontendMsg(replies))
+            to_api.replies(replies)
 
 
-def run_api(tok_addr: str, api_addr: str, port: int) -> None:
-    """minisgl's API server as `python -m minisgl` runs it, behind the stand-in pipeline."""
+def run_api(tok_addr: str, api_addrs: list[str], rank: int, port: int) -> None:
+    """API process `rank` of minisgl's server, as `python -m minisgl --api-server-count
+    len(api_addrs)` runs it, behind the stand-in pipeline."""
     from minisgl.server.args import ServerArgs
     from minisgl.server.frontend import Frontend
-    from minisgl.server.launch import serve_http
+    from minisgl.server.launch import http_server
 
     args = ServerArgs()
     args.host, args.port, args.log_level = "127.0.0.1", port, "warning"
-    launcher = SimpleNamespace(
-        args=args, info={"max_seq_len": 1 << 20}, on_failure=None, listeners=[], drain=None
-    )
-    serve_http(launcher, Frontend([tok_addr], api_addr))  # type: ignore[arg-type]
+    args.api_server_count = len(api_addrs)
+    frontend = Frontend([tok_addr], api_addrs[rank], api_rank=rank, api_addrs=api_addrs)
+    server = http_server(args, {"max_seq_len": 1 << 20}, frontend)
+    if len(api_addrs) == 1:
+        return server.run()
+    sock = socket.socket()  # one of the processes' SO_REUSEPORT sockets, as the launcher opens
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    server.run(sockets=[sock])
 
 
 async def one_stream(port: int, tokens: int) -> tuple[float, list[tuple[float, int]]]:
@@ -123,17 +132,25 @@ async def burst(port: int, streams: int, tokens: int) -> list[tuple[float, list[
     return list(await asyncio.gather(*(one_stream(port, tokens) for _ in range(streams))))
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+def wait_ready(port: int, procs: list[subprocess.Popen], timeout: float = 60) -> None:
+    """Until /stats answers, which takes every API process (each answers the one asked)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"bench_api: the API server exited with code {proc.returncode}")
+        if any(proc.poll() is not None for proc in procs):
+            sys.exit("bench_api: an API process exited")
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=10)
             return
         except OSError:
             time.sleep(0.2)
     sys.exit(f"bench_api: the API server did not answer in {timeout:.0f} s")
+
+
+def cpu_s(procs: list[subprocess.Popen]) -> list[float]:
+    times = [process_cpu_s(proc.pid) for proc in procs]
+    if any(t is None for t in times):
+        sys.exit("bench_api: cannot read the API processes' CPU time (Linux /proc only)")
+    return times  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -142,36 +159,44 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     p.add_argument("--step-ms", type=float, default=10.0, help="one token per stream per step")
     p.add_argument("--port", type=int, default=0, help="the API server's (0: a free one)")
+    p.add_argument(
+        "--api-server-count", type=int, default=1, help="API processes (the server's flag)"
+    )
     p.add_argument("--json", help="append the result as one JSON line to this file")
     p.add_argument("--note", default="", help="stored with --json")
     p.add_argument("--role", choices=["api", "pipeline"], help=argparse.SUPPRESS)
-    p.add_argument("--addrs", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--addrs", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.role == "pipeline":
-        return run_pipeline(*args.addrs, args.step_ms / 1e3)
+        return run_pipeline(args.addrs[0], args.addrs[1:], args.step_ms / 1e3)
     if args.role == "api":
-        return run_api(*args.addrs, args.port)
+        return run_api(args.addrs[0], args.addrs[1:], args.rank, args.port)
+    if args.api_server_count < 1:
+        p.error("--api-server-count must be at least 1")
 
     if args.port == 0:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
     folder = tempfile.mkdtemp(prefix="bench_api_")
-    addrs = [f"ipc://{folder}/tokenizer", f"ipc://{folder}/api"]
-    me = [sys.executable, os.path.abspath(__file__), "--addrs", *addrs]
+    apis = [f"ipc://{folder}/api{k}" for k in range(args.api_server_count)]
+    me = [sys.executable, os.path.abspath(__file__), "--addrs", f"ipc://{folder}/tok", *apis]
     pipeline = subprocess.Popen([*me, "--role", "pipeline", "--step-ms", str(args.step_ms)])
-    api = subprocess.Popen([*me, "--role", "api", "--port", str(args.port)])
+    procs = [
+        subprocess.Popen([*me, "--role", "api", "--rank", str(k), "--port", str(args.port)])
+        for k in range(args.api_server_count)
+    ]
     try:
-        wait_ready(args.port, api)
+        wait_ready(args.port, procs)
         asyncio.run(burst(args.port, min(16, args.streams), 16))  # warm-up
-        cpu = process_cpu_s(api.pid)
+        cpu = cpu_s(procs)
         result = summarize(asyncio.run(burst(args.port, args.streams, args.tokens)))
-        after = process_cpu_s(api.pid)
-        if cpu is None or after is None:
-            sys.exit("bench_api: cannot read the API process's CPU time (Linux /proc only)")
-        api_ms_per_1k = (after - cpu) * 1e6 / result["tokens"]
+        used = [after - before for before, after in zip(cpu, cpu_s(procs))]
+        api_ms_per_1k = sum(used) * 1e6 / result["tokens"]
+        busiest = max(used) / result["seconds"]
     finally:
-        for proc in (api, pipeline):
+        for proc in (*procs, pipeline):
             proc.terminate()
             proc.wait(10)
     offered = args.streams / args.step_ms * 1e3
@@ -180,7 +205,8 @@ def main() -> None:
         f"(offered {offered:,.0f} tok/s): delivered {result['tok_per_s']:,.0f} tok/s; "
         f"gaps p50/p90/p99 {result['gap_p50_ms']:.1f}/{result['gap_p90_ms']:.1f}/"
         f"{result['gap_p99_ms']:.1f} ms; {result['events_per_read']:.2f} events per read; "
-        f"API process CPU {api_ms_per_1k:.1f} ms per 1,000 tokens"
+        f"API CPU {api_ms_per_1k:.1f} ms per 1,000 tokens ({args.api_server_count} processes, "
+        f"the busiest {busiest:.0%} of a core)"
     )
     if args.json:
         line = {
@@ -190,7 +216,9 @@ def main() -> None:
             "tokens": args.tokens,
             "step_ms": args.step_ms,
             "offered_tok_per_s": offered,
+            "api_server_count": args.api_server_count,
             "api_cpu_ms_per_1k_tokens": api_ms_per_1k,
+            "api_busiest_share": busiest,
             "note": args.note,
         } | result
         with open(args.json, "a") as f:

@@ -627,6 +627,9 @@ async def bench(args: argparse.Namespace) -> list[dict]:
             raise BenchError(f"cannot reach {args.base_url}: {type(e).__name__}: {e}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise BenchError(f"GET /v1/models: unexpected answer ({e!r}); pass --model") from None
+        if args.server_pid is not None and args.server_pid == args.launched_pid:
+            stats = await server_stats(client) or {}  # --api-server-count: every API process
+            args.server_pids = [p["pid"] for p in stats.get("api_servers", [])] or [args.server_pid]
         procs = ClientProcs(args.client_procs, args) if args.client_procs > 1 else None
         try:
             return await run_rates(client, procs, args, model)
@@ -647,14 +650,21 @@ async def run_rates(
         else:
             times = arrival_times(len(requests), rate, args.seed + 1000 + i)
         desc = f"rate {rate_name(rate)}"
-        server_cpu = process_cpu_s(args.server_pid) if args.server_pid else None
+        server_cpu = [process_cpu_s(pid) for pid in args.server_pids]
         results, duration, busy, started_at = await run_rate(
             client, procs, requests, times, args, model, desc
         )
         summary = summarize(results, duration, rate, args.percentiles)
         summary["client_procs"], summary["client_busy"] = args.client_procs, round(busy, 3)
-        if server_cpu is not None and (after := process_cpu_s(args.server_pid)) is not None:
-            summary["server_busy"] = round((after - server_cpu) / max(duration, 1e-9), 3)
+        shares = [
+            round((after - before) / max(duration, 1e-9), 3)
+            for pid, before in zip(args.server_pids, server_cpu)
+            if before is not None and (after := process_cpu_s(pid)) is not None
+        ]
+        if shares:  # the busiest API process: the one that may hold its streams back
+            summary["server_busy"] = max(shares)
+        if len(shares) > 1:
+            summary["server_busy_each"] = shares
         summary["server_stats"] = await server_stats(client)
         print(summary_line(summary, args.percentiles), flush=True)
         if args.save_detailed:
@@ -1005,7 +1015,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--server-pid",
         type=at_least(1),
         help="the server process whose CPU share of each rate to report (`server_busy`; a"
-        " minisgl server's main process is its API server); default: --launch's process",
+        " minisgl server's main process is its API server); default: --launch's process, or"
+        " with --api-server-count every API process (the busiest; `server_busy_each`)",
     )
     add("--warmup", type=at_least(0), default=1, help="short requests before measuring")
     add("--timeout", type=float, default=600.0, help="seconds a request may wait for a chunk")
@@ -1035,6 +1046,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.trace and args.rates is not None:
         p.error("--rates does not apply to --trace (arrivals come from the trace)")
     args.rates = args.rates or [math.inf]
+    args.launched_pid = None  # set by --launch
+    args.server_pids = [args.server_pid] if args.server_pid else []
     if args.client_procs is None:
         args.client_procs = 1 if args.max_concurrency else min(8, max(1, cpu_count() // 2))
     elif args.client_procs > 1 and args.max_concurrency:
@@ -1087,7 +1100,7 @@ def append_lines(path: str, run: dict, note: str | None) -> None:
     }
     keep = ["rate", "completed", "failed", "request_throughput", "output_throughput"]
     keep += ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "by_priority", "client_procs", "client_busy"]
-    keep += ["server_busy"]
+    keep += ["server_busy", "server_busy_each"]
     try:
         with open(path, "a") as f:
             for summary in run["results"]:
@@ -1146,6 +1159,7 @@ def main(argv: list[str] | None = None) -> int:
                 tempfile.gettempdir(), f"bench_serving_server_{os.getpid()}.log"
             )
             server = launch(args.launch, args.base_url, args.launch_timeout, log)
+            args.launched_pid = server.pid
             args.server_pid = args.server_pid or server.pid
         try:
             summaries = asyncio.run(bench(args))
