@@ -965,6 +965,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="/v1/completions, or SGLang's native /generate with input_ids (through"
         " sglang-router, whose /v1/completions takes text prompts only)",
     )
+    _add_workload_args(p)
+    _add_output_args(p)
+    return _checked(p, p.parse_args(argv))
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
     add = p.add_argument_group("workload").add_argument
     add("--rates", type=positive_rate, help="request rates, e.g. 4,8,inf; default inf")
     add("--num-prompts", type=at_least(1), help="per rate; default 200 (a trace: all)")
@@ -1020,6 +1026,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     add("--warmup", type=at_least(0), default=1, help="short requests before measuring")
     add("--timeout", type=float, default=600.0, help="seconds a request may wait for a chunk")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
     add = p.add_argument_group("output").add_argument
     add("--out", help="JSON result file")
     add("--plot", help="PNG plot file")
@@ -1034,7 +1043,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--percentiles", type=percentile_list, default=[50.0, 90.0, 99.0], help="e.g. 50,99")
     add("--plot-only", nargs="+", metavar="JSON", help="only plot these results into --plot")
     add("--disable-tqdm", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
+
+
+def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The flags' combinations checked (an error names them), and the defaults that depend
+    on other flags filled in."""
     if args.plot_only and not args.plot:
         p.error("--plot-only needs --plot")
     if args.save_detailed and not args.out:

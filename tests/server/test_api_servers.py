@@ -114,7 +114,9 @@ def test_api_processes_number_their_requests_apart_and_answer_each_other(tmp_pat
         queue = await fronts[1].submit(msg)
         views = await fronts[0].views()
         assert [(v.rank, v.in_flight, v.queued) for v in views] == [(0, 0, 0), (1, 1, 1), (2, 0, 0)]
-        assert views[0].pid == os.getpid() and "minisgl_generation_tokens" in views[2].metrics
+        assert views[0].pid == os.getpid() and not views[2].metrics  # /stats: counts only
+        views = await fronts[2].views(metrics=True)
+        assert all("minisgl_generation_tokens" in v.metrics for v in views)
         await ZmqAsyncPushQueue(addrs[1], create=False).put(ApiFailMsg("the scheduler died"))
         reply = await asyncio.wait_for(queue.get(), 10)
         assert reply.finished and reply.error == "the scheduler died"
@@ -125,6 +127,25 @@ def test_api_processes_number_their_requests_apart_and_answer_each_other(tmp_pat
         assert hung == ["api_server_2 hung"] and fronts[0].dead is None
 
     asyncio.run(main())
+
+
+def test_each_api_process_admits_its_share_of_the_queue_limit() -> None:
+    """--max-queued-requests 5 over 2 API processes: each admits 3 waiting requests."""
+    from types import SimpleNamespace
+
+    from minisgl.server.api_server import ApiServer
+    from minisgl.server.args import ServerArgs
+    from minisgl.server.protocol import APIError
+
+    args = ServerArgs(max_queued_requests=5, api_server_count=2)
+    frontend = SimpleNamespace(dead=None, num_queued=0, api_count=2)
+    api = ApiServer(frontend, args, 64)  # type: ignore[arg-type]
+    for queued in range(3):
+        frontend.num_queued = queued
+        api.admit(1)
+    frontend.num_queued = 3
+    with pytest.raises(APIError, match=r"limit 3\)"):
+        api.admit(1)
 
 
 def test_api_server_count_is_refused_with_the_shell(capsys: Any) -> None:

@@ -46,6 +46,7 @@ class ApiQueryMsg:
 
     rank: int
     seq: int
+    metrics: bool  # with the text of its metrics (/metrics), or only the counts (/stats)
 
 
 @register

@@ -910,7 +910,7 @@ class ApiServer:
 
     async def metrics(self) -> Response:
         try:
-            views = await self.frontend.views()
+            views = await self.frontend.views(metrics=True)
         except asyncio.TimeoutError:
             return error_response(503, "an API process did not answer", code="server_unavailable")
         peers = [v.metrics for v in views if v.rank != self.frontend.api_rank]

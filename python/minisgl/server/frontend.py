@@ -164,7 +164,7 @@ class Frontend:
     async def _from_peer(self, msg: ApiQueryMsg | ApiViewMsg | ApiFailMsg) -> None:
         if isinstance(msg, ApiQueryMsg):
             if msg.rank in self.to_peers:
-                await self.to_peers[msg.rank].put(self.view(msg.seq))
+                await self.to_peers[msg.rank].put(self.view(msg.seq, msg.metrics))
         elif isinstance(msg, ApiViewMsg):
             if msg.seq in self._views:  # else: too late, the query timed out
                 self._views[msg.seq].put_nowait(msg)
@@ -173,25 +173,26 @@ class Frontend:
         else:
             self.fail(msg.reason)
 
-    def view(self, seq: int = 0) -> ApiViewMsg:
-        """What this API process counts: requests in flight, not started yet, its metrics."""
-        text = self.metrics.request_text()
+    def view(self, seq: int = 0, metrics: bool = False) -> ApiViewMsg:
+        """What this API process counts: requests in flight, not started yet (and with
+        `metrics` the text of its metrics)."""
+        text = self.metrics.request_text() if metrics else ""
         rss = tree_rss_bytes() if self.api_rank == 0 else 0
         return ApiViewMsg(
             self.api_rank, seq, os.getpid(), len(self.requests), self.num_queued, text, rss
         )
 
-    async def views(self) -> list[ApiViewMsg]:
+    async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
         """Every API process's view, by rank (this one's alone without --api-server-count);
         TimeoutError when one does not answer in time."""
         if not self.to_peers:
-            return [self.view()]
+            return [self.view(0, metrics)]
         seq = next(self._view_seqs)
         answers = self._views[seq] = asyncio.Queue()
         try:
             for queue in self.to_peers.values():
-                await queue.put(ApiQueryMsg(self.api_rank, seq))
-            views = [self.view(seq)]
+                await queue.put(ApiQueryMsg(self.api_rank, seq, metrics))
+            views = [self.view(seq, metrics)]
             deadline = time.monotonic() + VIEW_TIMEOUT_S
             while len(views) < self.api_count:
                 views.append(await asyncio.wait_for(answers.get(), deadline - time.monotonic()))
