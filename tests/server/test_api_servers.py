@@ -226,6 +226,21 @@ def test_streams_spread_over_both_processes_and_every_count_adds_up(server: Serv
         assert r.status_code == 200, r.text
 
 
+def test_soak_over_both_processes(server: Server) -> None:
+    """scripts/soak.py's mix (good, bad and leaving clients) against two API processes: no
+    unexpected outcome, no leaked page, /stats idle across both afterwards."""
+    import subprocess
+    import sys
+
+    from support.server import REPO
+
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "soak.py"), "--url", server.url]
+    cmd += ["--duration", "4", "--concurrency", "8", "--warmup", "1", "--report-every", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "errors by kind: none" in out.stdout and "soak: OK" in out.stdout
+
+
 def test_sigterm_drains_the_streams_of_both_processes(server: Server) -> None:
     """The module server's last test: streams on both processes finish during the drain."""
     threads, outs = streams(server.url, 8, 1500)

@@ -328,15 +328,18 @@ def test_against_the_cpu_server(tmp_path, capsys, monkeypatch):
     # (the warm-up request, the same in every run, can add at most 15)
     assert run["results"][0]["server_stats"]["cached_tokens"] - hits_before >= 4 * 32
 
-    # the same workload against a server launched with --cache naive: no prefix is reused
+    # the same workload against a server launched with --cache naive: no prefix is reused;
+    # with two API processes, each one's CPU share is reported
     port = free_port()
     env = f"PYTHONPATH={os.path.join(REPO, 'python')}"
     cmd = ["env", env, sys.executable, "-m", "minisgl", "--model", model, "--page-size", "4"]
-    cmd += ["--cache", "naive", "--port", str(port)]
+    cmd += ["--cache", "naive", "--port", str(port), "--api-server-count", "2"]
     argv = ["--launch", shlex.join(cmd), "--launch-log", str(tmp_path / "naive.log")]
     assert bs.main([*argv, *shared, "--label", "naive", "--out", naive]) == 0
     run = check_result(naive, ["inf"], 6, 36, 5)
     assert run["label"] == "naive" and run["results"][0]["server_stats"]["cached_tokens"] == 0
+    each = run["results"][0]["server_busy_each"]
+    assert len(each) == 2 and run["results"][0]["server_busy"] == max(each)
 
     both = str(tmp_path / "both.png")
     assert bs.main(["--plot-only", radix, naive, "--plot", both]) == 0
