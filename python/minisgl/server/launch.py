@@ -316,7 +316,8 @@ class Launcher:
             self.failure = reason
         logger.error("%s; shutting down", reason)
         for addr in self.addrs.apis[1:]:  # the other API processes end their requests too
-            _send(addr, ApiFailMsg(reason))
+            # on threads: a dead one's socket would hold `close` for its linger
+            threading.Thread(target=_send, args=(addr, ApiFailMsg(reason)), daemon=True).start()
         if self.on_failure is not None:
             self.on_failure(reason)
         else:
