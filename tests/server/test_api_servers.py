@@ -6,6 +6,7 @@ process with an error; SIGTERM drains them all."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -253,29 +254,44 @@ def test_sigterm_drains_the_streams_of_both_processes(server: Server) -> None:
     assert server.wait_exit(30) == 0
 
 
-@pytest.mark.parametrize("victim", ["scheduler_0", "api_server_1"])
-def test_a_dead_process_fails_every_api_process_s_streams(
-    model_dir: str, tmp_path: Any, victim: str
+@pytest.mark.parametrize(
+    "victim, sig",
+    [
+        ("scheduler_0", signal.SIGKILL),
+        ("api_server_1", signal.SIGKILL),
+        ("scheduler_0", signal.SIGSTOP),
+    ],
+)
+def test_a_dead_or_hung_process_fails_every_api_process_s_streams(
+    model_dir: str, tmp_path: Any, victim: str, sig: int
 ) -> None:
     """SIGKILL the scheduler under load: the streams of both API processes end with the error
     event. SIGKILL API process 1: its own connections are cut, rank 0's get the error event.
-    Either way the server exits 1 naming the process."""
+    SIGSTOP the scheduler: the watchdogs (--watchdog-timeout 3) fail both processes' streams.
+    Each time the server exits 1 naming the reason."""
     log = str(tmp_path / "server.log")
-    server = Server(model_dir, "--page-size", "4", "--api-server-count", "2", log_path=log)
+    args = ("--page-size", "4", "--api-server-count", "2", "--watchdog-timeout", "3")
+    server = Server(model_dir, *args, log_path=log)
+    pid = None
     try:
         server.wait_ready()
         threads, outs = streams(server.url, 10, CONTEXT - 100)
         wait_for(lambda: both_busy(server, 10), 60, "all ten requests in flight on both processes")
-        os.kill(server.child_pid(victim), signal.SIGKILL)
-        assert server.wait_exit(timeout=15) == 1
-        assert f"minisgl: {victim} process died (exit code -9)" in server.log()
+        pid = server.child_pid(victim)
+        os.kill(pid, sig)
+        reason = f"{victim} process died" if sig == signal.SIGKILL else "watchdog: no progress"
+        assert server.wait_exit(timeout=20) == 1
+        assert f"minisgl: {reason}" in server.log()
         for t in threads:
             t.join(10)
         errors = [o[-1]["error"]["message"] for o in outs if "error" in o[-1]]
-        assert all(f"{victim} process died" in e for e in errors), errors
+        assert all(reason in e for e in errors), errors
         cut = sum("cut" in o[-1] for o in outs)
         assert len(errors) + cut == 10 and (cut == 0 if victim == "scheduler_0" else errors)
         assert server.stop() == 1  # checks that no process survived
     finally:
+        if pid is not None and sig == signal.SIGSTOP:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         if server.proc.poll() is None:
             server.kill_all()
