@@ -243,10 +243,23 @@ def test_soak_over_both_processes(server: Server) -> None:
 
 
 def test_sigterm_drains_the_streams_of_both_processes(server: Server) -> None:
-    """The module server's last test: streams on both processes finish during the drain."""
+    """The module server's last test: streams on both processes finish during the drain, and
+    meanwhile new connections are refused at once (no socket of the port is left listening)."""
     threads, outs = streams(server.url, 8, 1500)
     wait_for(lambda: both_busy(server, 8), 60, "all eight requests in flight on both processes")
     server.proc.send_signal(signal.SIGTERM)
+
+    def refused() -> bool:
+        try:
+            httpx.get(f"{server.url}/health", timeout=0.5)
+        except httpx.ConnectError:
+            return True
+        except httpx.HTTPError:  # accepted into a backlog nobody serves: it hangs
+            pass
+        return False
+
+    wait_for(refused, 10, "new connections to be refused", interval=0.05)
+    assert any(t.is_alive() for t in threads)  # while the drain still runs
     for t in threads:
         t.join(60)
     for out in outs:

@@ -195,7 +195,7 @@ class Launcher:
         self.ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.api_procs: list[Any] = []  # of those, the API processes other than this one
-        self.listeners: list[socket.socket] = []  # the port, one socket per API process
+        self.listeners: list[socket.socket] = []  # the port's sockets (then only rank 0's)
         self.stopping = False
         self.draining = False  # SIGTERM: the API processes finish their requests, then exit
         self.failure: str | None = None  # why the server stops with code 1 (a child died, hung)
@@ -263,6 +263,9 @@ class Launcher:
             ]
             self.api_procs = [proc for _, proc in apis]
             wait_ready(*_split(apis))
+            for sock in self.listeners[1:]:  # each is its process's now: when that one closes
+                sock.close()  # it (drain) or dies, the kernel sends its connections elsewhere
+            del self.listeners[1:]
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _rendezvous(self, replica: int) -> Rendezvous:
