@@ -66,9 +66,10 @@ def run_pipeline(tok_addr: str, api_addrs: list[str], step_s: float) -> None:
             to_api.replies(replies)
 
 
-def run_api(tok_addr: str, api_addrs: list[str], rank: int, port: int) -> None:
+def run_api(tok_addr: str, api_addrs: list[str], rank: int, port: int, fd: int | None) -> None:
     """API process `rank` of minisgl's server, as `python -m minisgl --api-server-count
-    len(api_addrs)` runs it, behind the stand-in pipeline."""
+    len(api_addrs)` runs it, behind the stand-in pipeline; `fd`: its socket of the port (with
+    more than one; else uvicorn binds the port)."""
     from minisgl.server.args import ServerArgs
     from minisgl.server.frontend import Frontend
     from minisgl.server.launch import http_server
@@ -78,13 +79,7 @@ def run_api(tok_addr: str, api_addrs: list[str], rank: int, port: int) -> None:
     args.api_server_count = len(api_addrs)
     frontend = Frontend([tok_addr], api_addrs[rank], api_rank=rank, api_addrs=api_addrs)
     server = http_server(args, {"max_seq_len": 1 << 20}, frontend)
-    if len(api_addrs) == 1:
-        return server.run()
-    sock = socket.socket()  # one of the processes' SO_REUSEPORT sockets, as the launcher opens
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen()
-    server.run(sockets=[sock])
+    server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
 
 
 async def one_stream(port: int, tokens: int) -> tuple[float, list[tuple[float, int]]]:
@@ -146,6 +141,22 @@ def wait_ready(port: int, procs: list[subprocess.Popen], timeout: float = 60) ->
     sys.exit(f"bench_api: the API server did not answer in {timeout:.0f} s")
 
 
+def start_apis(me: list[str], port: int, count: int) -> list[subprocess.Popen]:
+    """The API processes; with more than one, each gets its socket of the port as the
+    launcher opens them (`listen_sockets`: one per process, SO_REUSEPORT)."""
+    from minisgl.server.launch import listen_sockets
+
+    socks = listen_sockets("127.0.0.1", port, count) if count > 1 else []
+    procs = []
+    for k in range(count):
+        cmd = [*me, "--role", "api", "--rank", str(k), "--port", str(port)]
+        fds = [socks[k].fileno()] if socks else []
+        procs.append(subprocess.Popen(cmd + [f"--fd={f}" for f in fds], pass_fds=fds))
+    for sock in socks:  # the processes hold them now
+        sock.close()
+    return procs
+
+
 def cpu_s(procs: list[subprocess.Popen]) -> list[float]:
     times = [process_cpu_s(proc.pid) for proc in procs]
     if any(t is None for t in times):
@@ -166,12 +177,13 @@ def main() -> None:
     p.add_argument("--note", default="", help="stored with --json")
     p.add_argument("--role", choices=["api", "pipeline"], help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--addrs", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.role == "pipeline":
         return run_pipeline(args.addrs[0], args.addrs[1:], args.step_ms / 1e3)
     if args.role == "api":
-        return run_api(args.addrs[0], args.addrs[1:], args.rank, args.port)
+        return run_api(args.addrs[0], args.addrs[1:], args.rank, args.port, args.fd)
     if args.api_server_count < 1:
         p.error("--api-server-count must be at least 1")
 
@@ -183,10 +195,7 @@ def main() -> None:
     apis = [f"ipc://{folder}/api{k}" for k in range(args.api_server_count)]
     me = [sys.executable, os.path.abspath(__file__), "--addrs", f"ipc://{folder}/tok", *apis]
     pipeline = subprocess.Popen([*me, "--role", "pipeline", "--step-ms", str(args.step_ms)])
-    procs = [
-        subprocess.Popen([*me, "--role", "api", "--rank", str(k), "--port", str(args.port)])
-        for k in range(args.api_server_count)
-    ]
+    procs = start_apis(me, args.port, args.api_server_count)
     try:
         wait_ready(args.port, procs)
         asyncio.run(burst(args.port, min(16, args.streams), 16))  # warm-up

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.core import SamplingParams
-from minisgl.message import TokenizeMsg, UserReply
+from minisgl.message import ApiViewMsg, TokenizeMsg, UserReply
 from minisgl.parsers import (
     FunctionSchema,
     OutputParser,
@@ -890,14 +890,20 @@ class ApiServer:
         errors = await asyncio.gather(*(one(r) for r in replicas))
         return next((e for e in errors if e is not None), None)
 
-    async def stats(self) -> Any:
+    async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
+        """Every API process's counts (`Frontend.views`); 503 when one does not answer."""
+        try:
+            return await self.frontend.views(metrics)
+        except asyncio.TimeoutError:
+            raise APIError(
+                503, "an API process did not answer", code="server_unavailable"
+            ) from None
+
+    async def stats(self) -> dict[str, Any]:
         """Scheduler snapshot (running requests, KV pages), refreshed when it goes idle, plus the
         API processes' view: requests in flight and not started yet (summed over the
         --api-server-count processes, and per process), RSS of all processes."""
-        try:
-            views = await self.frontend.views()
-        except asyncio.TimeoutError:
-            return error_response(503, "an API process did not answer", code="server_unavailable")
+        views = await self.views()
         out = self.frontend.stats.__dict__ | {
             "in_flight": sum(v.in_flight for v in views),
             "queued": sum(v.queued for v in views),
@@ -909,10 +915,7 @@ class ApiServer:
         return out
 
     async def metrics(self) -> Response:
-        try:
-            views = await self.frontend.views(metrics=True)
-        except asyncio.TimeoutError:
-            return error_response(503, "an API process did not answer", code="server_unavailable")
+        views = await self.views(metrics=True)
         peers = [v.metrics for v in views if v.rank != self.frontend.api_rank]
         return Response(self.frontend.metrics.render(peers), media_type=CONTENT_TYPE)
 

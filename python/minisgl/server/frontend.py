@@ -86,8 +86,8 @@ class Frontend:
         self.uids = itertools.count(api_rank, self.api_count)
         self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(self.num_replicas)]
         # the server's RSS is rank 0's to count (its children include the other API processes)
-        rss = tree_rss_bytes if api_rank == 0 else lambda: 0
-        self.metrics = Metrics(lambda: self.replica_stats, lambda: self.num_queued, rss)
+        self.rss: Callable[[], int] = tree_rss_bytes if api_rank == 0 else lambda: 0
+        self.metrics = Metrics(lambda: self.replica_stats, lambda: self.num_queued, self.rss)
         self._flushes: asyncio.Queue[FlushCacheReply] | None = None
         self._flush_lock: asyncio.Lock | None = None
         self.dead: str | None = None  # set when the pipeline can no longer answer
@@ -177,9 +177,8 @@ class Frontend:
         """What this API process counts: requests in flight, not started yet (and with
         `metrics` the text of its metrics)."""
         text = self.metrics.request_text() if metrics else ""
-        rss = tree_rss_bytes() if self.api_rank == 0 else 0
         return ApiViewMsg(
-            self.api_rank, seq, os.getpid(), len(self.requests), self.num_queued, text, rss
+            self.api_rank, seq, os.getpid(), len(self.requests), self.num_queued, text, self.rss()
         )
 
     async def views(self, metrics: bool = False) -> list[ApiViewMsg]:

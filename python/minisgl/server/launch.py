@@ -347,14 +347,11 @@ class Launcher:
         """With --nnodes > 1, rank 0 tells the other ranks to stop (its ExitMsg to them), so
         that the other nodes exit 0; killed instead, it would leave them to find it gone."""
         from minisgl.message import ExitMsg
-        from minisgl.utils.zmq import ZmqPushQueue
 
         rank0 = self.procs[0]
         if not rank0.is_alive():
             return
-        queue = ZmqPushQueue(self.addrs.schedulers[0], create=False)
-        queue.put(ExitMsg())
-        queue.close()
+        _send(self.addrs.schedulers[0], ExitMsg())
         rank0.join(timeout=STOP_OTHER_NODES_S)
 
     def drain(self) -> None:

@@ -245,5 +245,8 @@ class Metrics:
     def render(self, peers: list[str] | None = None) -> bytes:
         """The exposition: this process's series, summed with `peers` (the other API
         processes' `request_text`), then the scheduler's."""
-        own = summed_exposition([self.request_text(), *peers]) if peers else None
-        return (own or generate_latest(self.registry)) + generate_latest(self.scheduler)
+        if peers:
+            own = summed_exposition([self.request_text(), *peers])
+        else:
+            own = generate_latest(self.registry)
+        return own + generate_latest(self.scheduler)
