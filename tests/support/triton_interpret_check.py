@@ -89,6 +89,16 @@ check(
     run_backend("torch", b2, q2, k2, v2),
 )
 
+# a GPU's split count (32): the merge loops over the splits each request used (4, 17, 24, 32)
+b3, q3, k3, v3 = make_problem(
+    [(199, 1), (2099, 1), (1499, 1), (2047, 1)], 16, 32, torch.float32, True, CPU, 4, 2
+)
+wide = create_attention_backend("triton", CPU)
+wide.sm_count = 64  # 4 * 64 programs over 4 requests x 2 kv heads: 32 splits each
+wide.prepare(b3)
+assert b3.attn_metadata.num_splits == 32, b3.attn_metadata.num_splits
+check("decode, 32 splits", attend(wide, b3, q3, k3, v3), run_backend("torch", b3, q3, k3, v3))
+
 if failures:
     sys.exit("FAILED:\n" + "\n".join(failures))
 print("ok")
