@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minisgl.layers.linear import get_weight_loader
+from minisgl.utils.options import OptionError
 
 # checkpoint name fragment -> (our fragment, shard id) for weights we merge into one matmul
 _STACKED = {
@@ -28,9 +29,10 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 _EXPERT_SHARD = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, option: str = "model") -> str:
     """A local directory as is; a .gguf file converted (cached) once into a directory;
-    otherwise a Hugging Face hub id, downloaded (cached) once."""
+    otherwise a Hugging Face hub id, downloaded (cached) once. A model none of these provides
+    is an OptionError against `option`, in one line."""
     if os.path.isdir(model):
         return model
     if model.lower().endswith(".gguf"):
@@ -43,10 +45,34 @@ def resolve_model_path(model: str) -> str:
         raise ValueError(
             f"model path {model!r} is a file, expected a directory with config.json or a .gguf file"
         )
+    return _download(model, option)
+
+
+def _download(model: str, option: str) -> str:
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-    return snapshot_download(model, allow_patterns=patterns)
+    try:
+        return snapshot_download(model, allow_patterns=patterns)
+    except HFValidationError:
+        why = "is neither a directory nor a Hugging Face repo id (NAME or ORG/NAME)"
+    except GatedRepoError:
+        why = "is a gated Hugging Face repository: accept its terms on the hub, then set HF_TOKEN"
+    except RepositoryNotFoundError:
+        why = "is neither a directory nor a Hugging Face repository (a private one needs HF_TOKEN)"
+    except LocalEntryNotFoundError as e:  # no network (or HF_HUB_OFFLINE) and nothing cached
+        detail = str(e).splitlines()[0].removeprefix("Got: ") if str(e) else "offline"
+        why = f"is not a directory, and the Hugging Face hub is unreachable with no copy cached ({detail})"
+    except OSError as e:  # an HTTP error, a full disk
+        detail = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        why = f"is not a directory, and the Hugging Face hub could not provide it: {detail}"
+    raise OptionError(option, f"{model!r} {why}")
 
 
 def map_checkpoint_name(name: str) -> tuple[str, Any]:

@@ -167,6 +167,7 @@ class DraftModelProposer:
         # a fixed pool size applies to both; else the draft sizes its pool from the memory the
         # target left it (leave_room_for_draft)
         pages = None if target.config.num_pages is None else target.num_pages
+        path = resolve_model_path(path, "speculative_draft_model_path")
         config = dataclasses.replace(target.config, model=path, num_pages=pages)
         previous = get_global_ctx()
         try:
@@ -261,7 +262,8 @@ def leave_room_for_draft(config: EngineConfig, sched: SchedulerConfig) -> Engine
     if sched.speculative_algorithm != "standalone" or config.num_pages:
         return config
     assert path is not None and config.model is not None  # SchedulerConfig, LLM and CLI set them
-    target, draft = kv_per_token(config.model), kv_per_token(path)
+    target = kv_per_token(config.model)
+    draft = kv_per_token(resolve_model_path(path, "speculative_draft_model_path"))
     return dataclasses.replace(config, memory_ratio=config.memory_ratio * target / (target + draft))
 
 

@@ -28,6 +28,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.message import ApiFailMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs
+from minisgl.utils.options import OptionError
 from minisgl.utils.procs import Reaper, die_with_parent, set_title, wait_ready
 
 if TYPE_CHECKING:
@@ -230,6 +231,9 @@ class Launcher:
         assert args.engine.model is not None  # __main__ resolves the default model
         model_path = resolve_model_path(args.engine.model)  # download once, before the children
         config = replace(args.engine, model=model_path)
+        if (draft := args.scheduler.speculative_draft_model_path) is not None:  # the same for it
+            path = resolve_model_path(draft, "speculative_draft_model_path")
+            args.scheduler = replace(args.scheduler, speculative_draft_model_path=path)
         check_scale_out(args, config)  # before any process starts
         per_node, first = args.tp_per_node, args.node_rank * args.tp_per_node
         if args.node_rank == 0 and args.api_server_count > 1:  # a taken port fails here, early
@@ -410,6 +414,9 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
     try:
         try:
             launcher.start()
+        except OptionError as e:  # found only now, e.g. a --model the hub cannot provide
+            print(f"minisgl: argument --{e.name.replace('_', '-')}: {e}", file=sys.stderr)
+            return 2
         except (RuntimeError, ValueError) as e:
             print(f"minisgl: {e}", file=sys.stderr)
             return 1
