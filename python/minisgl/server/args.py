@@ -205,6 +205,10 @@ class ServerArgs:
             raise OptionError("api_server_count", "is for the HTTP server, not --shell")
         if self.api_server_count > 1 and not hasattr(socket, "SO_REUSEPORT"):
             raise OptionError("api_server_count", "> 1 needs SO_REUSEPORT (Linux, macOS)")
+        if self.chat_template is not None:  # a mistyped path fails here, not as a template
+            from minisgl.tokenizer.server import read_chat_template
+
+            read_chat_template(self.chat_template)
         if self.gc_threshold is not None and not 1 <= len(self.gc_threshold) <= 3:
             raise OptionError(
                 "gc_threshold", f"takes one to three counts, got {len(self.gc_threshold)}"

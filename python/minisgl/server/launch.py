@@ -124,7 +124,8 @@ def _send(addr: str, msg: Any) -> None:
 
 
 def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """One socket on the HTTP port per API process (--api-server-count), with SO_REUSEPORT: the
+    """The HTTP port's sockets, bound before the model loads so that a taken port or a bad host
+    fails at once. One per API process (--api-server-count); several get SO_REUSEPORT: the
     kernel spreads new connections evenly over them (one socket that all accept from would let
     whichever process wakes first take a whole burst). A plain bind first makes sure that no
     other server holds the port: SO_REUSEPORT alone would share it with one of the same user."""
@@ -143,8 +144,11 @@ def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
             raise RuntimeError(error) from None
         return sock
 
-    bound(reuse_port=False).close()
-    socks = [bound(reuse_port=True) for _ in range(count)]
+    if count == 1:
+        socks = [bound(reuse_port=False)]
+    else:
+        bound(reuse_port=False).close()
+        socks = [bound(reuse_port=True) for _ in range(count)]
     for sock in socks:  # all in the kernel's spread from now on, whichever process serves first
         sock.listen()
     return socks
@@ -236,7 +240,7 @@ class Launcher:
             args.scheduler = replace(args.scheduler, speculative_draft_model_path=path)
         check_scale_out(args, config)  # before any process starts
         per_node, first = args.tp_per_node, args.node_rank * args.tp_per_node
-        if args.node_rank == 0 and args.api_server_count > 1:  # a taken port fails here, early
+        if args.node_rank == 0 and not args.shell:  # a taken port fails here, early
             self.listeners = listen_sockets(args.host, args.port, args.api_server_count)
         if args.node_rank > 0:  # scheduler ranks only: no front end on this node
             followers = [self._follower(config, 0, k) for k in range(first, first + per_node)]
@@ -260,7 +264,7 @@ class Launcher:
                 self.info["num_pages"] = self.info.get("num_pages", 0) + payload["num_pages"]
                 self.info["max_seq_len"] = payload["max_seq_len"]
         wait_ready(*_split(followers))
-        if self.listeners:
+        if len(self.listeners) > 1:
             apis = [
                 self._spawn(f"api_server_{k}", _api_main, args, self.info, k, a, self.listeners[k])
                 for k in range(1, args.api_server_count)

@@ -28,6 +28,7 @@ from minisgl.message import (
 )
 from minisgl.server.dispatch import Dispatcher
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, named_logprobs
+from minisgl.utils.options import OptionError
 from minisgl.utils.procs import freeze_startup_heap
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
@@ -52,17 +53,30 @@ def build_or_report(name: str, ready: Any, build: Callable[[], T]) -> T:
     return parts
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template's text: an existing file's, else the value itself when it looks like a
+    template (vLLM's rule: it holds a brace or a newline); otherwise it is a path that does not
+    exist, refused rather than sent to the model as a literal template."""
+    if os.path.isfile(value):
+        try:
+            with open(value) as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise OptionError("chat_template", f"cannot read {value!r}: {e}") from None
+    if os.path.isdir(value):
+        raise OptionError("chat_template", f"{value!r} is a directory, not a template file")
+    if not any(c in value for c in "{}\n"):
+        raise OptionError("chat_template", f"no such file {value!r}, and no template tags in it")
+    return value
+
+
 def load_chat_tokenizer(model_path: str, chat_template: str | None) -> Any | None:
-    """The model's tokenizer with --chat-template applied: a file's text when the value names an
-    existing file, else the value itself is the template."""
+    """The model's tokenizer with --chat-template (read_chat_template) applied."""
     from minisgl.models.hf import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     if tokenizer is not None and chat_template is not None:
-        if os.path.isfile(chat_template):
-            with open(chat_template) as f:
-                chat_template = f.read()
-        tokenizer.chat_template = chat_template
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
 
 

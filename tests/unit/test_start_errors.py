@@ -1,7 +1,11 @@
-"""A model that is neither a directory, a .gguf file nor something the Hugging Face hub provides
-fails in one line against its option (the CLI: `argument --model: ...`, exit 2), never with the
-hub client's traceback. The hub is never called: its download function is replaced."""
+"""Start-up errors fail at once, in one line naming the flag, before any model loads:
+- a model that is neither a directory, a .gguf file nor something the Hugging Face hub provides
+  (the CLI: `argument --model: ...`, exit 2), never the hub client's traceback; the hub is never
+  called here (its download function is replaced);
+- a --chat-template path that does not exist (not sent to the model as a literal template);
+- a taken port or a host that does not resolve (the socket is bound before the model loads)."""
 
+import socket
 import subprocess
 import sys
 
@@ -10,6 +14,8 @@ import pytest
 from huggingface_hub import errors
 
 from minisgl.models import resolve_model_path
+from minisgl.server.args import parse_args
+from minisgl.tokenizer.server import read_chat_template
 from minisgl.utils.options import OptionError
 
 
@@ -74,9 +80,44 @@ def test_a_path_that_is_no_repo_id_names_the_option_asked():
 )
 def test_cli_names_the_flag(tmp_path, flags, flag):
     # the target is any directory: a draft path is checked before anything loads or starts
-    argv = [sys.executable, "-m", "minisgl", "--model", str(tmp_path), "--device", "cpu", *flags]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    done = start(tmp_path, flags)
     assert done.returncode == 2, done.stderr
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"minisgl: argument {flag}: '/no/such/"), done.stderr
-    assert "Traceback" not in done.stderr
+    assert last_line(done).startswith(f"minisgl: argument {flag}: '/no/such/"), done.stderr
+
+
+def start(model_dir, flags: list[str]) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "minisgl", "--model", str(model_dir), "--device", "cpu", *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def last_line(done: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_chat_template_path_that_does_not_exist(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--chat-template", str(tmp_path / "chat.jinja")])
+    assert exc.value.code == 2
+    assert "argument --chat-template: no such file '" in capsys.readouterr().err
+    with pytest.raises(OptionError, match="is a directory"):
+        read_chat_template(str(tmp_path))
+    (tmp_path / "chat.jinja").write_text("{{ messages[0].content }}")
+    assert read_chat_template(str(tmp_path / "chat.jinja")) == "{{ messages[0].content }}"
+    text = "{% for m in messages %}{{ m.content }}{% endfor %}"  # the template itself
+    assert read_chat_template(text) == text and parse_args(["--chat-template", text])
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])
+def test_taken_port_or_bad_host_fails_before_the_model_loads(tmp_path, host):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:  # the model directory is empty: loading it would fail differently, and later
+        done = start(tmp_path, ["--host", host, "--port", str(port)])
+    finally:
+        holder.close()
+    assert done.returncode == 1, done.stderr
+    line = last_line(done)
+    assert line.startswith(f"minisgl: cannot listen on {host}:{port} (--host, --port): "), line
