@@ -121,3 +121,20 @@ def test_taken_port_or_bad_host_fails_before_the_model_loads(tmp_path, host):
     assert done.returncode == 1, done.stderr
     line = last_line(done)
     assert line.startswith(f"minisgl: cannot listen on {host}:{port} (--host, --port): "), line
+
+
+def test_max_model_len_above_the_context_is_refused(tmp_path, model_dirs):
+    from minisgl import LLM
+    from support.server import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "tiny"), context=256)
+    done = start(model, ["--max-model-len", "300"])
+    assert done.returncode == 2, done.stderr
+    expected = "minisgl: argument --max-model-len: 300 is above the model's context of 256 tokens"
+    assert last_line(done).startswith(expected), done.stderr
+    with pytest.raises(OptionError, match="above the model's context of 512 tokens") as info:
+        LLM(model_dirs("llama")[0], max_model_len=513)
+    assert info.value.name == "max_model_len"
+    llm = LLM(model_dirs("llama")[0], max_model_len=512, num_pages=64)  # the context itself
+    assert llm.engine.max_model_len == 512
+    llm.shutdown()

@@ -51,6 +51,7 @@ from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.quantize import count_quantized, quantize_gguf, quantize_int8
 from minisgl.models.weight import iter_checkpoint
 from minisgl.utils.device import device_type, resolve_device
+from minisgl.utils.options import OptionError
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +72,23 @@ def _model_path(config: EngineConfig) -> str:
     return resolve_model_path(config.model)
 
 
-def check_tp(config: EngineConfig, size: int, gpus: int | None = None) -> None:
+def check_model(config: EngineConfig, size: int = 1, gpus: int | None = None) -> None:
     """Fail before any rank starts when the model or the machine cannot take TP `size`
-    (`gpus`: those this machine needs, when not `size`: --dp, --nnodes)."""
+    (`gpus`: those this machine needs, when not `size`: --dp, --nnodes), or --max-model-len
+    is above the model's context."""
     cfg = ModelConfig.from_hf(load_hf_config(_model_path(config)))
     check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config.device), gpus)
+    model_len(config, cfg)
+
+
+def model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    """--max-model-len, or the model's context when unset. Above the context it is refused, not
+    cut: the rotary table ends there, and positions past it were never trained."""
+    context = cfg.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > context:
+        message = f"{config.max_model_len} is above the model's context of {context} tokens"
+        raise OptionError("max_model_len", f"{message} (max_position_embeddings)")
+    return config.max_model_len or context
 
 
 class Engine:
@@ -99,9 +112,7 @@ class Engine:
         check_tp_size(get_tp_info().size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
         if config.enable_torch_compile:
             check_torch_compile(self.device, get_tp_info().size, cfg.moe is not None)
-        self.max_model_len = min(
-            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
+        self.max_model_len = model_len(config, cfg)
 
         torch.manual_seed(config.seed)
         self.model = self._build_model()

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from minisgl.core import Req, SamplingParams
 from minisgl.distributed import destroy_tp, get_tp_info, rendezvous_file
 from minisgl.engine import EngineConfig
-from minisgl.engine.engine import check_tp
+from minisgl.engine.engine import check_model
 from minisgl.llm.replicas import Replicas
 from minisgl.models import resolve_model_path
 from minisgl.models.hf import load_tokenizer
@@ -161,7 +161,7 @@ class LLM:
     def _start_tp(self, config: EngineConfig, sched_config: SchedulerConfig, tp: int) -> Scheduler:
         import multiprocessing as mp
 
-        check_tp(config, tp)  # before any process starts
+        check_model(config, tp)  # before any process starts
         ctx, self.tp_dir = mp.get_context("spawn"), tempfile.mkdtemp(prefix="minisgl-tp-")
         rendezvous = rendezvous_file(self.tp_dir)
         conns = []

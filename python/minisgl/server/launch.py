@@ -155,9 +155,9 @@ def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
 
 
 def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
-    """Clear errors, before any process starts, for a TP size the model cannot take or GPUs
-    this machine does not have (--dp x --tp / --nnodes)."""
-    from minisgl.engine.engine import check_tp
+    """Clear errors, before any process starts, for a TP size or --max-model-len the model
+    cannot take, or GPUs this machine does not have (--dp x --tp / --nnodes)."""
+    from minisgl.engine.engine import check_model
     from minisgl.utils.device import device_type
 
     gpus = args.dp * args.tp_per_node
@@ -172,8 +172,7 @@ def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
             raise ValueError(
                 f"--dp {args.dp} x {per} needs {gpus} GPUs on this machine, found {found}"
             )
-    if args.tp > 1:
-        check_tp(config, args.tp, gpus)
+    check_model(config, args.tp, gpus)
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
