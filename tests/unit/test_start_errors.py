@@ -86,7 +86,11 @@ def test_cli_names_the_flag(tmp_path, flags, flag):
 
 
 def start(model_dir, flags: list[str]) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "minisgl", "--model", str(model_dir), "--device", "cpu", *flags]
+    from support.server import free_port
+
+    port = [] if "--port" in flags else ["--port", str(free_port())]  # bound first, then checks
+    argv = [sys.executable, "-m", "minisgl", "--model", str(model_dir), "--device", "cpu"]
+    argv += [*port, *flags]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
@@ -138,3 +142,19 @@ def test_max_model_len_above_the_context_is_refused(tmp_path, model_dirs):
     llm = LLM(model_dirs("llama")[0], max_model_len=512, num_pages=64)  # the context itself
     assert llm.engine.max_model_len == 512
     llm.shutdown()
+
+
+def test_one_api_process_s_socket_refuses_until_uvicorn_listens():
+    """Bound early (the port is this server's), listening late: during the model's load a
+    client is refused at once instead of waiting in a backlog nobody serves yet."""
+    from minisgl.server.launch import listen_sockets
+
+    (sock,) = listen_sockets("127.0.0.1", 0, 1)
+    port = sock.getsockname()[1]
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.listen()
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        sock.close()

@@ -125,8 +125,10 @@ def _send(addr: str, msg: Any) -> None:
 
 def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     """The HTTP port's sockets, bound before the model loads so that a taken port or a bad host
-    fails at once. One per API process (--api-server-count); several get SO_REUSEPORT: the
-    kernel spreads new connections evenly over them (one socket that all accept from would let
+    fails at once. One API process's socket listens only once uvicorn serves it: until then a
+    client is refused at once, as before the bind, rather than left waiting in a backlog.
+    Several (--api-server-count) get SO_REUSEPORT and listen now: the kernel spreads new
+    connections evenly over the listening ones (one socket that all accept from would let
     whichever process wakes first take a whole burst). A plain bind first makes sure that no
     other server holds the port: SO_REUSEPORT alone would share it with one of the same user."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -145,10 +147,9 @@ def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
         return sock
 
     if count == 1:
-        socks = [bound(reuse_port=False)]
-    else:
-        bound(reuse_port=False).close()
-        socks = [bound(reuse_port=True) for _ in range(count)]
+        return [bound(reuse_port=False)]
+    bound(reuse_port=False).close()
+    socks = [bound(reuse_port=True) for _ in range(count)]
     for sock in socks:  # all in the kernel's spread from now on, whichever process serves first
         sock.listen()
     return socks
@@ -231,6 +232,8 @@ class Launcher:
         from minisgl.tokenizer.server import run_detokenizer, run_tokenizer
 
         args, a = self.args, self.addrs
+        if args.node_rank == 0 and not args.shell:  # a taken port fails here, before a download
+            self.listeners = listen_sockets(args.host, args.port, args.api_server_count)
         assert args.engine.model is not None  # __main__ resolves the default model
         model_path = resolve_model_path(args.engine.model)  # download once, before the children
         config = replace(args.engine, model=model_path)
@@ -239,8 +242,6 @@ class Launcher:
             args.scheduler = replace(args.scheduler, speculative_draft_model_path=path)
         check_scale_out(args, config)  # before any process starts
         per_node, first = args.tp_per_node, args.node_rank * args.tp_per_node
-        if args.node_rank == 0 and not args.shell:  # a taken port fails here, early
-            self.listeners = listen_sockets(args.host, args.port, args.api_server_count)
         if args.node_rank > 0:  # scheduler ranks only: no front end on this node
             followers = [self._follower(config, 0, k) for k in range(first, first + per_node)]
             wait_ready(*_split(followers))  # hello
