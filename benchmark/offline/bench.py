@@ -335,7 +335,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
         default="auto",
         help="KV pool type (the roofline then counts its bytes)",
     )

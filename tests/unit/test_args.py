@@ -238,3 +238,22 @@ def test_dp_times_tp_above_the_gpus_fails_naming_both(monkeypatch):
     args = parse_args(["--dp", "3", "--tp", "2", "--device", "cuda"])
     with pytest.raises(ValueError, match=r"--dp 3 x --tp 2 needs 6 GPUs on this machine, found 4"):
         check_scale_out(args, args.engine)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("half", "float16"), ("float", "float32"), ("fp8", "float8_e4m3fn")]
+)
+def test_vllm_dtype_names(model_dirs, name, dtype):
+    """vLLM's --dtype half / float and --kv-cache-dtype fp8 mean what they mean there."""
+    import torch
+
+    from minisgl import LLM
+
+    flag = "--kv-cache-dtype" if name == "fp8" else "--dtype"
+    engine_args = parse_args(["--model", "m", flag, name]).engine
+    assert name in (engine_args.dtype, engine_args.kv_cache_dtype)
+    option = {"kv_cache_dtype" if name == "fp8" else "dtype": name}
+    llm = LLM(model_dirs("llama")[0], device="cpu", num_pages=16, **option)
+    stored = llm.engine.kv_cache.dtype if name == "fp8" else llm.engine.dtype
+    assert stored == getattr(torch, dtype)
+    llm.shutdown()

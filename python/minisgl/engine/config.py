@@ -15,11 +15,12 @@ from minisgl.utils.device import device_type
 from minisgl.utils.options import OptionError, check_options, int_range, option, ratio
 
 DEVICES = ("auto", "cuda", "cpu")  # LLM(device=...) also takes "cuda:N"
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # vLLM's last two
 # --kv-cache-dtype: the pool stores K and V in this type (no scales: values are cast as they
 # are, like vLLM's fp8 cache without calibration) and the kernels widen them on load
 KV_CACHE_DTYPES = {
     "auto": None,
+    "fp8": torch.float8_e4m3fn,  # vLLM's name for it
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
@@ -37,7 +38,7 @@ class EngineConfig:
         "auto",
         "auto: the model's dtype on cuda (bfloat16 for a float32 checkpoint); on cpu bfloat16 "
         "when the weights are quantized (--quantization) and the CPU has avx512_bf16 or "
-        "amx_bf16, else float32",
+        "amx_bf16, else float32; half and float are float16 and float32 (vLLM's names)",
         choices=DTYPES,
     )
     quantization: str = option(
@@ -52,7 +53,7 @@ class EngineConfig:
         "auto",
         "KV cache storage type; auto: the model's dtype. fp8 halves the KV bytes (twice "
         "the tokens fit, faster long-context decode) at some accuracy; needs --attn triton or "
-        "torch (auto picks triton on cuda)",
+        "torch (auto picks triton on cuda); fp8 is fp8_e4m3 (vLLM's name)",
         choices=list(KV_CACHE_DTYPES),
     )
     page_size: int = option(16, "tokens per KV page", type=int_range(1))
