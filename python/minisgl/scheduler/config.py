@@ -16,7 +16,7 @@ class SchedulerConfig:
         8192,
         "max prompt tokens computed in one prefill step (longer prompts are chunked)",
         type=int_range(1),
-        aliases=["--max-prefill-length"],  # its name before it took SGLang's
+        aliases=["--max-prefill-length", "--chunked-prefill-size"],  # older name, SGLang's
     )
     max_num_batched_tokens: int = option(
         8192,
@@ -72,7 +72,14 @@ class SchedulerConfig:
         4, "ngram: the longest suffix looked up (the longest match wins)", type=int_range(1)
     )
     cache: Literal["radix", "naive"] = option(
-        "radix", "prefix cache (naive: no prefix sharing)", choices=["radix", "naive"]
+        "radix",
+        "prefix cache (naive: no prefix sharing)",
+        choices=["radix", "naive"],
+        switches={  # SGLang's, vLLM's
+            "--disable-radix-cache": "naive",
+            "--no-enable-prefix-caching": "naive",
+            "--enable-prefix-caching": "radix",
+        },
     )
     json_any_whitespace: bool = option(
         False,

@@ -45,12 +45,18 @@ def _host_port(value: str) -> str:
 class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    tp: int = option(1, "tensor-parallel size (GPUs), over all --nnodes", type=int_range(1))
+    tp: int = option(
+        1,
+        "tensor-parallel size (GPUs), over all --nnodes",
+        type=int_range(1),
+        aliases=["--tensor-parallel-size", "--tp-size"],  # vLLM's, SGLang's
+    )
     dp: int = option(
         1,
         "data-parallel replicas: N schedulers (each a TP group of --tp GPUs; dp x tp GPUs in all) "
         "behind this one API server",
         type=int_range(1),
+        aliases=["--data-parallel-size", "--dp-size"],  # vLLM's, SGLang's
     )
     dp_dispatch: str = option(
         "prefix",
@@ -255,13 +261,17 @@ def _flag(name: str) -> str:
 
 def _add_flag(parser: argparse.ArgumentParser, f: Field[Any]) -> None:
     kwargs = dict(f.metadata)
-    aliases = kwargs.pop("aliases", [])
+    aliases, switches = kwargs.pop("aliases", []), kwargs.pop("switches", {})
     if f.default is False:
         kwargs["action"] = "store_true"
     parser.add_argument(_flag(f.name), dest=f.name, default=f.default, **kwargs)
     for alias in aliases:  # a flag of its own, so that its errors name it
         kwargs["help"] = f"same as {_flag(f.name)}"
         parser.add_argument(alias, dest=f.name, default=argparse.SUPPRESS, **kwargs)
+    for switch, value in switches.items():
+        help = f"same as {_flag(f.name)} {value}"
+        const = {"action": "store_const", "const": value, "help": help}
+        parser.add_argument(switch, dest=f.name, default=argparse.SUPPRESS, **const)
 
 
 def build_parser() -> argparse.ArgumentParser:

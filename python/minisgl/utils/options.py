@@ -14,7 +14,9 @@ from typing import Any
 
 
 def option(default: Any, help: str, **flag: Any) -> Any:
-    """A dataclass field; `flag`: add_argument keywords, and `aliases` (older flag names)."""
+    """A dataclass field; `flag`: add_argument keywords, `aliases` (other names of the flag:
+    older ones, vLLM's and SGLang's) and `switches` (value-less flags of vLLM or SGLang that set
+    this option to one value, e.g. --enforce-eager for --cuda-graph-max-bs 0)."""
     return field(default=default, metadata={"help": help, **flag})
 
 
