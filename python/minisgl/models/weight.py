@@ -68,7 +68,8 @@ def _download(model: str, option: str) -> str:
         why = "is neither a directory nor a Hugging Face repository (a private one needs HF_TOKEN)"
     except LocalEntryNotFoundError as e:  # no network (or HF_HUB_OFFLINE) and nothing cached
         detail = str(e).splitlines()[0].removeprefix("Got: ") if str(e) else "offline"
-        why = f"is not a directory, and the Hugging Face hub is unreachable with no copy cached ({detail})"
+        why = "is not a directory, and the Hugging Face hub is unreachable with no copy cached"
+        why += f" ({detail})"
     except OSError as e:  # an HTTP error, a full disk
         detail = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         why = f"is not a directory, and the Hugging Face hub could not provide it: {detail}"
