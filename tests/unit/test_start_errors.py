@@ -3,7 +3,8 @@
   (the CLI: `argument --model: ...`, exit 2), never the hub client's traceback; the hub is never
   called here (its download function is replaced);
 - a --chat-template path that does not exist (not sent to the model as a literal template);
-- a taken port or a host that does not resolve (the socket is bound before the model loads)."""
+- a taken port or a host that does not resolve (the socket is bound before the model loads);
+- a --max-model-len above the model's context (refused, not cut)."""
 
 import socket
 import subprocess
