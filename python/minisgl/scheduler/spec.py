@@ -247,9 +247,10 @@ class DraftModelProposer:
 Proposer = NgramProposer | DraftModelProposer
 
 
-def kv_per_token(model: str) -> int:
-    """A model's KV elements per token (layers x KV heads x head dim), from its config."""
-    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(model)))
+def kv_per_token(model: str, option: str = "model") -> int:
+    """A model's KV elements per token (layers x KV heads x head dim), from its config; `option`
+    names the model's flag in an error."""
+    cfg = ModelConfig.from_hf(load_hf_config(resolve_model_path(model, option)))
     return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
 
 
@@ -262,8 +263,7 @@ def leave_room_for_draft(config: EngineConfig, sched: SchedulerConfig) -> Engine
     if sched.speculative_algorithm != "standalone" or config.num_pages:
         return config
     assert path is not None and config.model is not None  # SchedulerConfig, LLM and CLI set them
-    target = kv_per_token(config.model)
-    draft = kv_per_token(resolve_model_path(path, "speculative_draft_model_path"))
+    target, draft = kv_per_token(config.model), kv_per_token(path, "speculative_draft_model_path")
     return dataclasses.replace(config, memory_ratio=config.memory_ratio * target / (target + draft))
 
 

@@ -259,6 +259,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def option_error(e: OptionError) -> str:
+    """An OptionError as the command line reports it: against its flag."""
+    return f"argument {_flag(e.name)}: {e}"
+
+
 def _add_flag(parser: argparse.ArgumentParser, f: Field[Any]) -> None:
     kwargs = dict(f.metadata)
     aliases, switches = kwargs.pop("aliases", []), kwargs.pop("switches", {})
@@ -299,4 +304,4 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     try:
         return ServerArgs(EngineConfig(**engine), SchedulerConfig(**scheduler), **server)
     except OptionError as e:  # a check only the config makes, e.g. the --attn names
-        parser.error(f"argument {_flag(e.name)}: {e}")
+        parser.error(option_error(e))

@@ -27,7 +27,7 @@ from minisgl.distributed import Rendezvous, rendezvous_file
 from minisgl.engine.config import EngineConfig
 from minisgl.message import ApiFailMsg
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.server.args import ServerArgs
+from minisgl.server.args import ServerArgs, option_error
 from minisgl.utils.options import OptionError
 from minisgl.utils.procs import Reaper, die_with_parent, set_title, wait_ready
 
@@ -419,7 +419,7 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
         try:
             launcher.start()
         except OptionError as e:  # found only now, e.g. a --model the hub cannot provide
-            print(f"minisgl: argument --{e.name.replace('_', '-')}: {e}", file=sys.stderr)
+            print(f"minisgl: {option_error(e)}", file=sys.stderr)
             return 2
         except (RuntimeError, ValueError) as e:
             print(f"minisgl: {e}", file=sys.stderr)
