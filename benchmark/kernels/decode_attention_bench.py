@@ -7,7 +7,7 @@ length x kv heads x head_dim x 2 x the pool's item size), against the data-sheet
 
     python benchmark/kernels/decode_attention_bench.py                       # bf16 and fp8
     python benchmark/kernels/decode_attention_bench.py --kv-dtype fp8_e4m3 \\
-        --block-n 64,128 --num-warps 4,8 --num-stages 2,3
+        --block-n 64,128 --num-warps 4,8 --num-stages 2,3 --num-splits 1,2
     python benchmark/kernels/decode_attention_bench.py --smoke               # CPU interpreter"""
 
 from __future__ import annotations
@@ -51,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-n", type=ints, default=None, help="default: decode_tuning's")
     p.add_argument("--num-warps", type=ints, default=[4])
     p.add_argument("--num-stages", type=ints, default=None, help="default: decode_tuning's")
+    p.add_argument("--num-splits", type=ints, default=None, help="default: decode_splits'")
+    p.add_argument(
+        "--maxnreg",
+        type=ints,
+        default=None,
+        help="register caps, 0: none (default: decode_tuning's)",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.batch, args.min_len, args.max_len, args.heads, args.kv_heads = 3, 5, 40, 4, 2
@@ -132,24 +139,29 @@ def bench_dtype(args: argparse.Namespace, kv_dtype: str, device, peak: float | N
 
     q, k_pool, v_pool, table, rows, kv_lens, lengths = build(args, kv_dtype, device)
     scale = args.head_dim**-0.5
-    splits = ta.decode_splits(args.batch, args.kv_heads, ta.num_sms(device))
+    default_splits = ta.decode_splits(args.batch, args.kv_heads, ta.num_sms(device))
     nbytes = int(lengths.sum()) * args.kv_heads * args.head_dim * 2 * k_pool.element_size()
-    default_n, default_stages = ta.decode_tuning(k_pool, splits)
+    default = ta.decode_tuning(k_pool, default_splits)
     ref = reference(q, k_pool, v_pool, table, lengths, args.page_size, scale)
-    print(f"{kv_dtype}: batch {args.batch}, KV {args.min_len}-{args.max_len}, {splits} splits,"
-          f" {nbytes / 1e9:.3f} GB a step; default block_n {default_n}, stages {default_stages}")  # fmt: skip
+    print(f"{kv_dtype}: batch {args.batch}, KV {args.min_len}-{args.max_len}, {default_splits}"
+          f" splits, {nbytes / 1e9:.3f} GB a step; default {default}")  # fmt: skip
     configs = itertools.product(
-        args.block_n or [default_n], args.num_warps, args.num_stages or [default_stages]
+        args.num_splits or [default_splits],
+        args.block_n or [default.block_n],
+        args.num_warps,
+        args.num_stages or [default.num_stages],
+        args.maxnreg or [default.maxnreg or 0],
     )
-    for block_n, warps, stages in configs:
+    for splits, block_n, warps, stages, regs in configs:
+        tuning = ta.DecodeTuning(block_n, stages, regs or None)
 
-        def step(block_n=block_n, warps=warps, stages=stages) -> torch.Tensor:
+        def step(splits=splits, tuning=tuning, warps=warps) -> torch.Tensor:
             return ta.decode_attention(
                 q, k_pool, v_pool, table, rows, kv_lens, splits, args.page_size, scale,
-                block_n=block_n, num_warps=warps, num_stages=stages,
+                tuning=tuning, num_warps=warps,
             )  # fmt: skip
 
-        label = f"block_n {block_n:4d} warps {warps} stages {stages}"
+        label = f"splits {splits:2d} block_n {block_n:4d} warps {warps} stages {stages} regs {regs}"
         report(label, step, ref, args.reps, device.type == "cuda", nbytes / 1e12, "TB/s", peak)
 
 

@@ -15,6 +15,7 @@ chosen, so `import triton` stays off the CPU path."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -180,29 +181,48 @@ def _decode_merge_kernel(
     stride_ob,
     stride_oh,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,
+    LOW: tl.constexpr,  # splits in the first tile: min(16, NUM_SPLITS rounded up to a power of 2)
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """The splits past LOW are read only when a request used them: a short request's merge
+    loads one LOW-row tile (at batch 1 on an H100, 1,000 positions in 32 splits of which 16
+    ran, the kernel pair took 9.0 us with one 32-row tile, 7.4 us with a 16-row one)."""
     wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     kv_len = tl.load(kv_lens + b)
     used = tl.cdiv(kv_len, _split_chunk(kv_len, NUM_SPLITS, BLOCK_N))  # splits that ran
     base = (b * tl.num_programs(1) + h) * NUM_SPLITS
-    offs_s = tl.arange(0, SPLITS_POW2)
+    m, acc, total = _merge_tile(part_out, part_lse, base, 0, used, LOW, HEAD_DIM)
+    if NUM_SPLITS > LOW:
+        if used > LOW:  # NUM_SPLITS <= 32, so one more tile holds the rest
+            m_hi, acc_hi, total_hi = _merge_tile(part_out, part_lse, base, LOW, used, LOW, HEAD_DIM)
+            top = tl.maximum(m, m_hi)
+            acc = acc * tl.exp2(m - top) + acc_hi * tl.exp2(m_hi - top)
+            total = total * tl.exp2(m - top) + total_hi * tl.exp2(m_hi - top)
+    res = acc / total
     offs_d = tl.arange(0, HEAD_DIM)
-    in_range = offs_s < used
-    lse = tl.load(part_lse + base + offs_s, mask=in_range, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always ran, so the max is finite
+    tl.store(out + b * stride_ob + h * stride_oh + offs_d, res.to(out.dtype.element_ty))
+
+
+@triton.jit
+def _merge_tile(part_out, part_lse, base, first, used, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(max log-sum-exp, weighted sum of outputs, sum of weights) of splits first..first+ROWS
+    that ran; the weights are relative to that maximum. Split `first` always ran."""
+    offs_s = first + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ran = offs_s < used
+    lse = tl.load(part_lse + base + offs_s, mask=ran, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - m)
     o = tl.load(
         part_out + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
-        mask=in_range[:, None],
+        mask=ran[:, None],
         other=0.0,
     )
-    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(out + b * stride_ob + h * stride_oh + offs_d, res.to(out.dtype.element_ty))
+    return m, tl.sum(w[:, None] * o, axis=0), tl.sum(w, axis=0)
 
 
 def compute_dtype(q: torch.Tensor, k_pool: torch.Tensor) -> tl.dtype:
@@ -215,15 +235,29 @@ def compute_dtype(q: torch.Tensor, k_pool: torch.Tensor) -> tl.dtype:
     return tl.float16 if k_pool.dtype.itemsize == 1 or q.dtype == torch.float16 else tl.bfloat16
 
 
-def decode_tuning(k_pool: torch.Tensor, num_splits: int) -> tuple[int, int]:
-    """(KV positions per block, pipeline stages) of the decode kernel. H100, 256 requests x
-    300-1800 tokens, one split (`benchmark/kernels/decode_attention_bench.py`): an fp8 pool
-    takes 246 us at (128, 3), 265 at (128, 2), 268 at (64, 2); bf16 379 us at (128, 2) against
-    387 at (64, 2), and 1.4 % more tok/s end to end. With splits (small batches) the chunks
-    are short and 64 keeps them apart: one stream decodes 1-3 % faster at (64, 2)."""
+class DecodeTuning(NamedTuple):
+    block_n: int  # KV positions per block
+    # Triton 3.6 gives the K/V loads, which follow a page-table load, one shared-memory buffer
+    # below 5 stages (the next block's copy waits for this block's compute); 5 gives two.
+    num_stages: int
+    maxnreg: int | None = None  # registers per thread, capped for occupancy (None: no cap)
+
+
+def decode_tuning(k_pool: torch.Tensor, num_splits: int) -> DecodeTuning:
+    """The decode kernel's tiles, H100 (`benchmark/kernels/decode_attention_bench.py`, CUDA
+    graph replays). 256 requests x 300-1800 tokens, one split: an fp8 pool takes 229 us at
+    (128, 5) against 246 at (128, 3), 265 at (128, 2) and 242 at (64, 5); +3 % fp8 tok/s end
+    to end. bf16 takes 379 us at (128, 2) against 387 at (64, 2) (+1.4 % end to end); 5 stages
+    change nothing there. With splits (small batches) the chunks are short and 64 keeps them
+    apart: one stream decodes 1-3 % faster at (64, 2). At 16-32 splits (batches of 1-4) long
+    contexts gain from the second buffer: one request of 8,000 / 32,000 positions takes
+    15.4 / 54.9 us at (64, 5) against 16.7 / 57.3 at (64, 2); at 5 splits (batch 16) 5 stages
+    are slower (40.2 against 37.5 us)."""
     if k_pool.dtype.itemsize == 1:
-        return 128, 3
-    return (128, 2) if num_splits == 1 else (64, 2)
+        return DecodeTuning(128, 5)
+    if num_splits == 1:
+        return DecodeTuning(128, 2)
+    return DecodeTuning(64, 5) if num_splits >= 16 else DecodeTuning(64, 2)
 
 
 @functools.cache
@@ -256,19 +290,18 @@ def decode_attention(
     num_splits: int,
     page_size: int,
     scale: float,
-    block_n: int | None = None,  # default: decode_tuning(k_pool, num_splits)
+    tuning: DecodeTuning | None = None,  # default: decode_tuning(k_pool, num_splits)
     num_warps: int = 4,
-    num_stages: int | None = None,  # default: decode_tuning(k_pool, num_splits)
 ) -> torch.Tensor:
     """Graph-safe: the launches and allocations depend only on the shapes and num_splits.
-    (block_n, num_warps, num_stages) are tuning knobs for benchmarks."""
+    `tuning` and `num_warps` are knobs for benchmarks."""
     bsz, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
     check_head_dim(dim)
     assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
     assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
-    default_block_n, default_stages = decode_tuning(k_pool, num_splits)
-    block_n, num_stages = block_n or default_block_n, num_stages or default_stages
+    assert 1 <= num_splits <= 32, "the merge reads at most two 16-split tiles"
+    block_n, num_stages, maxnreg = tuning or decode_tuning(k_pool, num_splits)
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
     part_out = part_lse = out  # unused when there is a single split
     if num_splits > 1:
@@ -305,6 +338,7 @@ def decode_attention(
         COMPUTE=compute_dtype(q, k_pool),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **launch,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -317,7 +351,7 @@ def decode_attention(
             out.stride(0),
             out.stride(1),
             NUM_SPLITS=num_splits,
-            SPLITS_POW2=triton.next_power_of_2(num_splits),
+            LOW=min(16, triton.next_power_of_2(num_splits)),
             HEAD_DIM=dim,
             BLOCK_N=block_n,
             **launch,
