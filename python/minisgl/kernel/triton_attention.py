@@ -249,15 +249,12 @@ def decode_tuning(k_pool: torch.Tensor, num_splits: int) -> DecodeTuning:
     (128, 5) against 246 at (128, 3), 265 at (128, 2) and 242 at (64, 5); +3 % fp8 tok/s end
     to end. bf16 takes 379 us at (128, 2) against 387 at (64, 2) (+1.4 % end to end); 5 stages
     change nothing there. With splits (small batches) the chunks are short and 64 keeps them
-    apart: one stream decodes 1-3 % faster at (64, 2). At 16-32 splits (batches of 1-4) long
-    contexts gain from the second buffer: one request of 8,000 / 32,000 positions takes
-    15.4 / 54.9 us at (64, 5) against 16.7 / 57.3 at (64, 2); at 5 splits (batch 16) 5 stages
-    are slower (40.2 against 37.5 us)."""
+    apart: one stream decodes 1-3 % faster at (64, 2). 5 stages help there only with 1-2
+    programs per SM (one request of 32,000 positions: 54.9 against 57.3 us) and cost with
+    more (4 requests of 8,000: 58.9 against 53.3 us; 16 of 300-1,800: 40.2 against 37.5)."""
     if k_pool.dtype.itemsize == 1:
         return DecodeTuning(128, 5)
-    if num_splits == 1:
-        return DecodeTuning(128, 2)
-    return DecodeTuning(64, 5) if num_splits >= 16 else DecodeTuning(64, 2)
+    return DecodeTuning(128, 2) if num_splits == 1 else DecodeTuning(64, 2)
 
 
 @functools.cache
