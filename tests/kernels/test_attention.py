@@ -232,6 +232,29 @@ def test_attention_benchmark_smoke(script, argv, num_rows):
     assert len(rows) == num_rows and "WRONG" not in res.stdout, res.stdout
 
 
+def test_fp8_decode_tiles_double_buffer_kv_on_hopper():
+    """decode_tuning's fp8 tiles rely on Triton's pipeliner giving the K/V loads two
+    shared-memory buffers (5 stages; 2-4 give one: 246 against 229 us on an H100). Compiled
+    for sm_90 on the CPU by benchmark/kernels/inspect_kernels.py, so a Triton upgrade that
+    changes this shows here, before any GPU run."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmark", "kernels"))
+    import inspect_kernels
+
+    if not inspect_kernels.tools_available():
+        pytest.skip("this Triton has no NVIDIA ptxas")
+    path = os.path.join(root, "benchmark", "kernels", "inspect_kernels.py")
+    res = subprocess.run(
+        [sys.executable, path, "--kv-dtype", "fp8_e4m3,bf16", "--num-splits", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    fp8, bf16 = (line for line in res.stdout.splitlines() if "decode_tuning's" in line)
+    assert "fp8_e4m3" in fp8 and "0 spills" in fp8 and "2 K/V buffers" in fp8, res.stdout
+    assert "bf16" in bf16 and "0 spills" in bf16, res.stdout
+
+
 def test_extend_tuning_follows_the_measurements(monkeypatch):
     """The extend kernel's tiles: Hopper's measured (64, 64, 4 warps, 3 stages) only for 16-bit
     head_dim 128; every other case keeps the tiles it had."""

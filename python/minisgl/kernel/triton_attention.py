@@ -246,7 +246,7 @@ class DecodeTuning(NamedTuple):
 def decode_tuning(k_pool: torch.Tensor, num_splits: int) -> DecodeTuning:
     """The decode kernel's tiles, H100 (`benchmark/kernels/decode_attention_bench.py`, CUDA
     graph replays). 256 requests x 300-1800 tokens, one split: an fp8 pool takes 229 us at
-    (128, 5) against 246 at (128, 3), 265 at (128, 2) and 242 at (64, 5); +3 % fp8 tok/s end
+    (128, 5) against 246 at (128, 3), 265 at (128, 2) and 242 at (64, 5); +3.8 % fp8 tok/s end
     to end. bf16 takes 379 us at (128, 2) against 387 at (64, 2) (+1.4 % end to end); 5 stages
     change nothing there. With splits (small batches) the chunks are short and 64 keeps them
     apart: one stream decodes 1-3 % faster at (64, 2). 5 stages help there only with 1-2
