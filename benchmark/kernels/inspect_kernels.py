@@ -101,9 +101,9 @@ def compile_decode(
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def inspect(kernel, block_n: int, head_dim: int) -> KernelReport:
+def inspect(kernel, block_n: int) -> KernelReport:
     """Registers and spills from the cubin, shared memory from the metadata, K/V buffers from
-    the TTGIR's shared-memory allocations of [buffers, block_n, head_dim]."""
+    the TTGIR's shared-memory allocations of [buffers, block_n, a part of head_dim]."""
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -113,7 +113,7 @@ def inspect(kernel, block_n: int, head_dim: int) -> KernelReport:
         sass = subprocess.run([_tool("nvdisasm"), f.name], capture_output=True)
     regs = re.search(r"REG:(\d+)", usage.stdout.decode())
     spills = len(re.findall(r"\b(?:LDL|STL)\b", sass.stdout.decode()))
-    tile = re.compile(rf"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x{block_n}x{head_dim}x")
+    tile = re.compile(rf"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x{block_n}x\d+x")
     buffers = [int(n) for n in tile.findall(kernel.asm["ttgir"])]
     return KernelReport(
         registers=int(regs[1]) if regs else -1,
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             tuning = DecodeTuning(block_n, stages, regs or default.maxnreg)
             kernel = compile_decode(kv_dtype, splits, tuning, args.arch, args.num_warps)
-            r = inspect(kernel, block_n, 128)
+            r = inspect(kernel, block_n)
             mark = " (decode_tuning's)" if tuning == default else ""
             print(f"  {kv_dtype:8s} splits {splits:2d} {tuning}{mark}: {r.registers} registers,"
                   f" {r.spills} spills, {r.shared_bytes / 1024:.1f} KiB shared,"
