@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     args = p.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # compiled, never interpreted: before the import
     if not tools_available():
         print("error: this Triton has no NVIDIA ptxas / cuobjdump / nvdisasm to compile with")
         return 2

@@ -20,6 +20,10 @@ EXAMPLES_PER_OPERATION = 25
 # A body the schema allows may still be refused for what the document cannot say (a model this
 # server does not serve, a prompt longer than the context, two grammars at once): 400 counts as
 # an answer to valid data here; the other checks still hold every answer to the document.
+# CPython 3.11 before 3.11.8 (gh-106905) may report an error inside ast.parse as this
+# SystemError; hypothesis parses its lambdas' source while schemathesis generates data (seen
+# once in CI, on 3.11.7, in the coverage phase), so the client run, not the server, failed.
+CPYTHON_AST_BUG = "SystemError: AST constructor recursion depth mismatch"
 CONFIG = """
 [checks.positive_data_acceptance]
 expected-statuses = ["2xx", "400", "404", "413"]
@@ -47,6 +51,8 @@ def test_schemathesis_finds_no_server_error_and_no_mismatch(server: Server, tmp_
         "--max-response-time", "60",  # a correctness run on a shared CPU, not a benchmark
     ]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    if CPYTHON_AST_BUG in run.stdout:  # the fuzzer's own interpreter failed: run it once more
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, f"{run.stdout[-12000:]}\n{run.stderr[-3000:]}"
     stats = server.wait_idle()
     assert stats["in_flight"] == 0 and stats["leaked_pages"] == 0, stats
