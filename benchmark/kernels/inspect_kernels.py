@@ -22,7 +22,9 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
-TRITON_TYPES = {"bf16": "bf16", "fp8_e4m3": "fp8e4nv", "fp8_e5m2": "fp8e5"}
+from decode_attention_bench import KV_DTYPES  # noqa: E402  (this directory: the bench's names)
+
+TRITON_TYPES = {"bf16": "bf16", "fp8_e4m3": "fp8e4nv", "fp8_e5m2": "fp8e5"}  # KV_DTYPES' keys
 
 
 @dataclass
@@ -72,8 +74,7 @@ def compile_decode(
     from minisgl.kernel import triton_attention as ta
 
     q = torch.empty(1, heads, head_dim, dtype=torch.bfloat16)
-    pool_dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}.get(kv_dtype)
-    k_pool = torch.empty(1, kv_heads, head_dim, dtype=pool_dtype or torch.float8_e5m2)
+    k_pool = torch.empty(1, kv_heads, head_dim, dtype=getattr(torch, KV_DTYPES[kv_dtype]))
     block_n, num_stages, maxnreg = tuning or ta.decode_tuning(k_pool, num_splits)
     group = heads // kv_heads
     constexprs = dict(
@@ -133,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     args = p.parse_args(argv)
+    kv_dtypes = args.kv_dtype.split(",")
+    if unknown := [d for d in kv_dtypes if d not in KV_DTYPES]:
+        print(f"error: --kv-dtype {unknown[0]!r}: expected one of {', '.join(KV_DTYPES)}")
+        return 2
     os.environ.pop("TRITON_INTERPRET", None)  # compiled, never interpreted: before the import
     if not tools_available():
         print("error: this Triton has no NVIDIA ptxas / cuobjdump / nvdisasm to compile with")
@@ -144,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.num_warps} warps: registers, spill"
           " instructions, shared memory, K/V buffers (figures move between Triton versions)")  # fmt: skip
-    for kv_dtype, splits in itertools.product(args.kv_dtype.split(","), args.num_splits):
-        pool = torch.empty(0, dtype=torch.bfloat16 if kv_dtype == "bf16" else torch.float8_e4m3fn)
+    for kv_dtype, splits in itertools.product(kv_dtypes, args.num_splits):
+        pool = torch.empty(0, dtype=getattr(torch, KV_DTYPES[kv_dtype]))
         default = decode_tuning(pool, splits)
         for block_n, stages, regs in itertools.product(
             args.block_n or [default.block_n],
