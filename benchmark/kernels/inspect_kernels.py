@@ -63,6 +63,7 @@ def compile_decode(
     kv_heads: int = 8,
     head_dim: int = 128,
     page_size: int = 16,
+    rope: bool = False,  # RoPE and the K/V store inside (DecodeRope), with Qwen3's q/k norm
 ):
     """The compiled `_decode_split_kernel` for bf16 queries over a `kv_dtype` pool, with the
     constexprs `decode_attention` launches it with (PDL on from sm_90)."""
@@ -81,17 +82,20 @@ def compile_decode(
         NUM_HEADS=heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         NUM_SPLITS=num_splits, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
         COMPUTE=ta.compute_dtype(q, k_pool), PRECISION="tf32", PDL=arch >= 90,
+        ROPE=rope, NORM=rope,
     )  # fmt: skip
     kv = TRITON_TYPES[kv_dtype]
     pointers = dict(q="*bf16", k_pool=f"*{kv}", v_pool=f"*{kv}", out="*bf16", part_out="*fp32")
     pointers.update(part_lse="*fp32", page_table="*i32", rows="*i32", kv_lens="*i32")
+    pointers.update(new_k="*bf16", new_v="*bf16", cos_sin="*fp32", positions="*i64")
+    pointers.update(out_loc="*i64", q_norm_w="*bf16", k_norm_w="*bf16")
     fn = ta._decode_split_kernel
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
-        signature[name] = pointers.get(name, "fp32" if name == "scale" else "i32")
+        signature[name] = pointers.get(name, "fp32" if name in ("scale", "eps") else "i32")
         if name in pointers or name.startswith("stride"):  # as the runtime specialises them
             attrs[(i,)] = [["tt.divisibility", 16]]
     consts = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--maxnreg", type=ints, default=[0], help="register caps, 0: none")
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10")
+    p.add_argument("--rope", action="store_true", help="RoPE inside the kernel (DecodeRope)")
     args = p.parse_args(argv)
     kv_dtypes = args.kv_dtype.split(",")
     if unknown := [d for d in kv_dtypes if d not in KV_DTYPES]:
@@ -158,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             args.maxnreg,
         ):
             tuning = DecodeTuning(block_n, stages, regs or default.maxnreg)
-            kernel = compile_decode(kv_dtype, splits, tuning, args.arch, args.num_warps)
+            kernel = compile_decode(
+                kv_dtype, splits, tuning, args.arch, args.num_warps, rope=args.rope
+            )
             r = inspect(kernel, block_n)
             mark = " (decode_tuning's)" if tuning == default else ""
             print(f"  {kv_dtype:8s} splits {splits:2d} {tuning}{mark}: {r.registers} registers,"

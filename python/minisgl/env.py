@@ -31,6 +31,12 @@ def disable_gemv() -> bool:
     return _flag("MINISGL_DISABLE_GEMV")
 
 
+def disable_decode_rope() -> bool:
+    """MINISGL_DISABLE_DECODE_ROPE: apply RoPE and store the new K/V with the rotary kernel
+    before decode attention (`kernel/fused.py`), instead of inside the Triton decode kernel."""
+    return _flag("MINISGL_DISABLE_DECODE_ROPE")
+
+
 def disable_pdl() -> bool:
     """MINISGL_DISABLE_PDL: launch the Triton kernels without programmatic dependent launch
     (`kernel/pdl.py`; sm_90+ GPUs use it by default)."""

@@ -185,3 +185,20 @@ def test_decode_graph_replay_matches_eager(name, page_size, heads):
             case = f"{name} decode graph replay ({what}, page_size {page_size}, {heads})"
             print(f"{case} vs {against}: max abs diff {diff:.3g}")
             assert diff <= TOL[dtype], f"{case} vs {against}: {diff:.3g} > {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_splits", [1, 7, 32])
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_inside_decode_equals_rotary_kernel_then_decode(kv_dtype, num_splits, norm):
+    """DecodeRope: the decode kernel rotating q itself and writing the new token's k and v
+    (from the split that reads it, behind a barrier) gives what the rotary kernel + decode
+    give, at Qwen3-0.6B's heads, one split and many (the new token in the last split used)."""
+    from support.attn import rope_inside_vs_rotary_kernel
+
+    lens = [1, 17, 300, 1000, 2049, 4000]
+    diff, same_pool = rope_inside_vs_rotary_kernel(
+        torch.bfloat16, kv_dtype, norm, lens, num_splits, DEVICE, 16, 8, 128, 16
+    )
+    assert same_pool, "the pools differ"
+    assert diff <= 1e-2, diff  # the same values; only the rounding of fused multiply-adds may move

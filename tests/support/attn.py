@@ -79,3 +79,56 @@ def max_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert out.dtype == ref.dtype, f"dtype {out.dtype} != reference {ref.dtype}"
     assert torch.isfinite(out).all(), "non-finite values in the output"
     return (out.float() - ref.float()).abs().max().item()
+
+
+def rope_inside_vs_rotary_kernel(
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    norm: bool,
+    lens: list[int],
+    num_splits: int,
+    device: torch.device,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    page_size: int = 4,
+) -> tuple[float, bool]:
+    """Decode of one new token per request (KV lengths `lens`, the new token's slot in a
+    scattered page table) twice: the rotary kernel (q rotated in place, k and v stored) then
+    `decode_attention`, and `decode_attention` given q before RoPE with a `DecodeRope`. Returns
+    (max abs difference of the outputs, whether both pools are identical)."""
+    from minisgl.kernel import DecodeRope, fused
+    from minisgl.kernel import triton_attention as ta
+
+    gen = torch.Generator().manual_seed(len(lens) * 101 + int(norm))
+    pages = [-(-n // page_size) for n in lens]
+    order = torch.randperm(sum(pages) + 3, generator=gen).to(torch.int32)  # 3 pages unused
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    for i, n in enumerate(pages):
+        table[i, :n] = order[sum(pages[:i]) : sum(pages[:i]) + n]
+    slots = (sum(pages) + 3) * page_size
+    pools = [torch.randn(slots, kv_heads, head_dim, generator=gen).to(kv_dtype) for _ in "kv"]
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor(lens) - 1
+    rows = torch.arange(len(lens))
+    out_loc = table[rows, positions // page_size].long() * page_size + positions % page_size
+    cos_sin = torch.randn(max(lens), head_dim, generator=gen)
+    weights = torch.randn(2, head_dim, generator=gen).to(dtype)
+    moved = [t.to(device) for t in (qkv, table, positions, out_loc, cos_sin, weights, *pools)]
+    qkv, table, positions, out_loc, cos_sin, weights, k_pool, v_pool = moved
+    qk_norm = (weights[0], weights[1], 1e-6) if norm else None
+    q, k, v = (  # strided views of one projection output, as the model passes them
+        t.view(len(lens), -1, head_dim)
+        for t in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
+    )
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    args = (table, rows.to(device, torch.int32), kv_lens, num_splits, page_size, head_dim**-0.5)
+    k_a, v_a = k_pool.clone(), v_pool.clone()
+    q_a = q.clone()
+    fused.rotary_store_kv(q_a, k, v, cos_sin, positions, k_a, v_a, out_loc, qk_norm)
+    out_a = ta.decode_attention(q_a, k_a, v_a, *args)
+    k_b, v_b = k_pool.clone(), v_pool.clone()
+    rope = DecodeRope(k, v, cos_sin, positions, out_loc, qk_norm)
+    out_b = ta.decode_attention(q, k_b, v_b, *args, rope=rope)
+    same = torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+    return (out_a.float() - out_b.float()).abs().max().item(), same

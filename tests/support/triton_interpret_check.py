@@ -25,7 +25,13 @@ interp._patch_lang_tensor = _patch_index
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from minisgl.attention import create_attention_backend  # noqa: E402
 from minisgl.core import Batch, get_global_ctx  # noqa: E402
-from support.attn import attend, make_problem, max_diff, run_backend  # noqa: E402
+from support.attn import (  # noqa: E402
+    attend,
+    make_problem,
+    max_diff,
+    rope_inside_vs_rotary_kernel,
+    run_backend,
+)
 
 CPU = torch.device("cpu")
 TOL = 1e-4
@@ -98,6 +104,22 @@ wide.sm_count = 64  # 4 * 64 programs over 4 requests x 2 kv heads: 32 splits ea
 wide.prepare(b3)
 assert b3.attn_metadata.num_splits == 32, b3.attn_metadata.num_splits
 check("decode, 32 splits", attend(wide, b3, q3, k3, v3), run_backend("torch", b3, q3, k3, v3))
+
+
+def check_decode_rope(dtype: torch.dtype, kv_dtype: torch.dtype, norm: bool, lens: list[int]):
+    """RoPE inside the decode kernel (kernel.DecodeRope) against the rotary kernel that stores
+    k, v before it: the same output, the same pool, bit for bit."""
+    what = f"decode with RoPE inside, {dtype} q, {kv_dtype} pool, norm {norm}, lens {lens}"
+    out_diff, same_pool = rope_inside_vs_rotary_kernel(dtype, kv_dtype, norm, lens, 3, CPU)
+    print(f"{what}: output diff {out_diff:.2e}, pool {'identical' if same_pool else 'DIFFERENT'}")
+    if out_diff != 0 or not same_pool:
+        failures.append(f"{what}: differs from the rotary kernel + decode")
+
+
+for norm in (False, True):
+    check_decode_rope(torch.float32, torch.float32, norm, [1, 13, 70, 200])  # 1-2 splits used
+check_decode_rope(torch.float16, torch.float16, True, [7, 33])
+check_decode_rope(torch.float16, torch.float8_e4m3fn, True, [7, 300])
 
 if failures:
     sys.exit("FAILED:\n" + "\n".join(failures))

@@ -6,6 +6,7 @@ from typing import TypeVar
 import torch
 
 from minisgl.core import Batch, get_global_ctx
+from minisgl.kernel import DecodeRope
 
 M = TypeVar("M", bound="AttnMetadata")
 
@@ -54,6 +55,17 @@ class BaseAttnBackend(ABC):
         scale: float,
         batch: Batch,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+    def fuses_rope(self, batch: Batch) -> bool:
+        """Whether `forward_rope` serves this batch: RoPE and the K/V store inside the
+        attention kernel, instead of the rotary kernel before it."""
+        return False
+
+    def forward_rope(
+        self, q: torch.Tensor, rope: DecodeRope, layer_id: int, scale: float, batch: Batch
+    ) -> torch.Tensor:
+        """`forward` for q before RoPE; it also writes rope.k (rotated) and rope.v to the pool."""
+        raise NotImplementedError(f"the {self.name} attention backend does not apply RoPE")
 
     def init_cuda_graph(self, max_bs: int) -> None:
         """Allocate the buffers for decode graphs of up to max_bs requests."""

@@ -6,6 +6,7 @@ import torch
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch
+from minisgl.kernel import DecodeRope
 
 
 class HybridAttnBackend(BaseAttnBackend):
@@ -22,6 +23,14 @@ class HybridAttnBackend(BaseAttnBackend):
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
         return self._for(batch).forward(q, layer_id, scale, batch)
+
+    def fuses_rope(self, batch: Batch) -> bool:
+        return self._for(batch).fuses_rope(batch)
+
+    def forward_rope(
+        self, q: torch.Tensor, rope: DecodeRope, layer_id: int, scale: float, batch: Batch
+    ) -> torch.Tensor:
+        return self._for(batch).forward_rope(q, rope, layer_id, scale, batch)
 
     # CUDA graphs capture decode batches only
     def init_cuda_graph(self, max_bs: int) -> None:

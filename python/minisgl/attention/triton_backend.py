@@ -9,8 +9,10 @@ from itertools import accumulate
 
 import torch
 
+from minisgl import env
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend
 from minisgl.core import Batch, get_global_ctx
+from minisgl.kernel import DecodeRope
 
 
 @dataclass
@@ -90,24 +92,23 @@ class TritonAttnBackend(BaseAttnBackend):
         max_extend = max(r.extend_len for r in batch.reqs)
         return TritonAttnMetadata(rows, cached, extend, kv_lens, q_starts, max_extend, splits)
 
+    def fuses_rope(self, batch: Batch) -> bool:
+        return batch.is_decode and not env.disable_decode_rope()
+
+    def forward_rope(
+        self, q: torch.Tensor, rope: DecodeRope, layer_id: int, scale: float, batch: Batch
+    ) -> torch.Tensor:
+        assert batch.is_decode
+        return self._decode(q, layer_id, scale, batch, rope)
+
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
+        if batch.is_decode:
+            return self._decode(q, layer_id, scale, batch, None)
         md = TritonAttnMetadata.of(batch)
         ctx = get_global_ctx()
         k_pool, v_pool = ctx.kv_cache.k_flat(layer_id), ctx.kv_cache.v_flat(layer_id)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        if batch.is_decode:
-            return self.kernels.decode_attention(
-                q,
-                k_pool,
-                v_pool,
-                ctx.page_table,
-                md.rows,
-                md.kv_lens,
-                md.num_splits,
-                ctx.page_size,
-                scale,
-            )
         return self.kernels.extend_attention(
             q,
             k_pool,
@@ -120,4 +121,25 @@ class TritonAttnBackend(BaseAttnBackend):
             md.max_extend_len,
             ctx.page_size,
             scale,
+        )
+
+    def _decode(
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch, rope: DecodeRope | None
+    ) -> torch.Tensor:
+        md = TritonAttnMetadata.of(batch)
+        ctx = get_global_ctx()
+        k_pool, v_pool = ctx.kv_cache.k_flat(layer_id), ctx.kv_cache.v_flat(layer_id)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        return self.kernels.decode_attention(
+            q,
+            k_pool,
+            v_pool,
+            ctx.page_table,
+            md.rows,
+            md.kv_lens,
+            md.num_splits,
+            ctx.page_size,
+            scale,
+            rope=rope,
         )

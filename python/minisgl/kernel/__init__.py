@@ -6,10 +6,27 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 from minisgl import env
+
+
+class DecodeRope(NamedTuple):
+    """What `triton_attention.decode_attention` needs to apply RoPE itself (q given unrotated):
+    this step's k and v [B, Hkv, D] before RoPE, the rotary table, positions [B], the new
+    tokens' pool slots [B] and Qwen3's (q weight, k weight, eps) per-head norm. It replaces
+    `fused.rotary_store_kv`: each program rotates its query heads, and the program whose split
+    reads the new token first writes that token's rotated k and its v to the pool (one launch
+    fewer a layer)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos_sin: torch.Tensor
+    positions: torch.Tensor
+    out_loc: torch.Tensor
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None
 
 
 def fused_ops(x: torch.Tensor, module: str = "fused") -> ModuleType | None:

@@ -131,7 +131,25 @@ def add_rms_norm_(
 
 
 @triton.jit
-def _rotate_heads(
+def rope_halves(
+    x1, x2, cos, sin, norm_w, offs_d, d_mask, eps, HALF: tl.constexpr, NORM: tl.constexpr, dtype
+):
+    """Neox RoPE of heads given as their halves x1, x2 [heads, BLOCK_D] (float32): (the
+    per-head RMSNorm first when NORM,) -> the rotated halves, rounded to `dtype` as the
+    unfused path stores them (returned in float32)."""
+    if NORM:  # rounded like rms_norm(): normalised, to dtype, times the weight, to dtype
+        inv = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(norm_w + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(dtype).to(tl.float32)
+    y2 = (x2 * cos + x1 * sin).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
+def rotate_heads(
     x,  # this token's first head
     stride_h,
     dst,  # where the rotated heads go: x itself (in place) or a KV-pool slot
@@ -152,18 +170,13 @@ def _rotate_heads(
     first = x + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    dtype = x.dtype.element_ty
-    if NORM:  # rounded like rms_norm(): normalised, to dtype, times the weight, to dtype
-        inv = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(norm_w + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(norm_w + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    # rounded to x's dtype first, as the unfused path stores the rotated tensor
+    y1, y2 = rope_halves(
+        x1, x2, cos, sin, norm_w, offs_d, d_mask, eps, HALF, NORM, x.dtype.element_ty
+    )
     out = dst + offs_h[:, None] * stride_dh + offs_d[None, :]
     dst_dtype = dst.dtype.element_ty
-    tl.store(out, (x1 * cos - x2 * sin).to(dtype).to(dst_dtype), mask=mask)
-    tl.store(out + HALF, (x2 * cos + x1 * sin).to(dtype).to(dst_dtype), mask=mask)
+    tl.store(out, y1.to(dst_dtype), mask=mask)
+    tl.store(out + HALF, y2.to(dst_dtype), mask=mask)
 
 
 @triton.jit
@@ -210,7 +223,7 @@ def _rotary_kernel(
     sin = tl.load(row + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
     q_t, k_t = q + t * stride_qt, k + t * stride_kt
     rotate = (cos, sin, offs_d, d_mask)
-    _rotate_heads(
+    rotate_heads(
         q_t, stride_qh, q_t, stride_qh, *rotate, q_norm_w, eps, Q_HEADS, BLOCK_QH, HALF, NORM
     )
     if STORE:
@@ -218,7 +231,7 @@ def _rotary_kernel(
         k_dst, stride_dh = k_pool + slot * stride_ps, stride_ph
     else:
         k_dst, stride_dh = k_t, stride_kh
-    _rotate_heads(
+    rotate_heads(
         k_t, stride_kh, k_dst, stride_dh, *rotate, k_norm_w, eps, K_HEADS, BLOCK_KH, HALF, NORM
     )
     if STORE:  # v as it is, in the two halves that the masks above cover

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel import pdl
+from minisgl.kernel import DecodeRope, pdl
+from minisgl.kernel.fused import rope_halves, rotate_heads
 from minisgl.kernel.pdl import wait_for_previous
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -79,6 +80,29 @@ def _online_softmax_step(
 
 
 @triton.jit
+def _rope_q(
+    q_rows,
+    h_valid,
+    cos,
+    sin,
+    norm_w,
+    eps,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    """This program's query heads [BLOCK_H, HEAD_DIM] (rows past the group are zeros), RoPE'd
+    as the rotary kernel would have stored them (after the q-norm when NORM)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    half = tl.arange(0, HALF)
+    x1 = tl.load(q_rows + half[None, :], mask=h_valid[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(q_rows + HALF + half[None, :], mask=h_valid[:, None], other=0.0).to(tl.float32)
+    dtype = q_rows.dtype.element_ty
+    y1, y2 = rope_halves(x1, x2, cos, sin, norm_w, half, half < HALF, eps, HALF, NORM, dtype)
+    return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_H, HEAD_DIM)).to(dtype)
+
+
+@triton.jit
 def _decode_split_kernel(
     q,  # [B, H, D]
     k_pool,  # [slots, Hkv, D]
@@ -99,6 +123,18 @@ def _decode_split_kernel(
     stride_ob,
     stride_oh,
     stride_pt,
+    new_k,  # ROPE: this step's k [B, Hkv, D] before RoPE (q is too) and v, for the pool
+    new_v,
+    stride_nkb,
+    stride_nkh,
+    stride_nvb,
+    stride_nvh,
+    cos_sin,  # [max_position, D] float32: cos | sin
+    positions,  # [B]
+    out_loc,  # [B] the new token's pool slot
+    q_norm_w,  # per-head RMSNorm weights (Qwen3), used when NORM
+    k_norm_w,
+    eps,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per kv head, all handled by one program
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16 for tl.dot
@@ -108,6 +144,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     COMPUTE: tl.constexpr,  # dtype of the dot products' inputs (compute_dtype)
     PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,  # q, k are unrotated: rotate q here, and k and v into the pool
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -126,11 +164,27 @@ def _decode_split_kernel(
     offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
     h_valid = tl.arange(0, BLOCK_H) < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
-    qb = tl.load(
-        q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-        mask=h_valid[:, None],
-        other=0.0,
-    ).to(COMPUTE)
+    q_rows = q + b * stride_qb + offs_h[:, None] * stride_qh
+    if ROPE:
+        half = tl.arange(0, HEAD_DIM // 2)
+        rope_row = cos_sin + tl.load(positions + b).to(tl.int64) * HEAD_DIM
+        cos = tl.load(rope_row + half)[None, :]
+        sin = tl.load(rope_row + HEAD_DIM // 2 + half)[None, :]
+        qb = _rope_q(q_rows, h_valid, cos, sin, q_norm_w, eps, BLOCK_H, HEAD_DIM, NORM)
+        if start + chunk >= kv_len:  # the split that reads the new token writes it first
+            slot = tl.load(out_loc + b).to(tl.int64)
+            rotate_heads(
+                new_k + b * stride_nkb + kvh * stride_nkh, stride_nkh,
+                k_pool + slot * stride_kt + kvh * stride_kh, stride_kh,
+                cos, sin, half, half < HEAD_DIM // 2, k_norm_w, eps, 1, 1, HEAD_DIM // 2, NORM,
+            )  # fmt: skip
+            v_new = tl.load(new_v + b * stride_nvb + kvh * stride_nvh + offs_d)
+            v_dst = v_pool + slot * stride_vt + kvh * stride_vh + offs_d
+            tl.store(v_dst, v_new.to(v_pool.dtype.element_ty))
+            tl.debug_barrier()  # the stores are visible to every thread of the program
+    else:
+        qb = tl.load(q_rows + offs_d[None, :], mask=h_valid[:, None], other=0.0)
+    qb = qb.to(COMPUTE)
     qk_scale = scale * LOG2E  # scores in log2 units: exp2 below
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -278,6 +332,21 @@ def decode_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
     return max(1, min(32, triton.cdiv(4 * sm_count, batch_size * num_kv_heads)))
 
 
+def _rope_args(rope: DecodeRope | None, q: torch.Tensor) -> tuple:
+    """The decode kernel's RoPE arguments (placeholders without RoPE: never read)."""
+    if rope is None:
+        return (q, q, 0, 0, 0, 0, q, q, q, q, q, 0.0)
+    k, v = rope.k, rope.v
+    assert k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2]
+    assert k.stride(2) == 1 and v.stride(2) == 1 and rope.cos_sin.is_contiguous()
+    assert rope.cos_sin.dtype == torch.float32 and rope.cos_sin.shape[1] == q.shape[2]
+    q_w, k_w, eps = rope.qk_norm or (q, q, 0.0)
+    return (
+        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.cos_sin, rope.positions,
+        rope.out_loc, q_w, k_w, eps,
+    )  # fmt: skip
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_pool: torch.Tensor,  # [slots, Hkv, D]
@@ -290,6 +359,7 @@ def decode_attention(
     scale: float,
     tuning: DecodeTuning | None = None,  # default: decode_tuning(k_pool, num_splits)
     num_warps: int = 4,
+    rope: DecodeRope | None = None,  # q (and rope.k) before RoPE: rotated and stored here
 ) -> torch.Tensor:
     """Graph-safe: the launches and allocations depend only on the shapes and num_splits.
     `tuning` and `num_warps` are knobs for benchmarks."""
@@ -326,6 +396,7 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         page_table.stride(0),
+        *_rope_args(rope, q),
         NUM_HEADS=heads,
         GROUP=heads // kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
@@ -335,6 +406,8 @@ def decode_attention(
         BLOCK_N=block_n,
         COMPUTE=compute_dtype(q, k_pool),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ROPE=rope is not None,
+        NORM=rope is not None and rope.qk_norm is not None,
         **launch,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
         num_warps=num_warps,

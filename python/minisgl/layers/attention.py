@@ -5,6 +5,7 @@ from torch import nn
 
 from minisgl import kernel
 from minisgl.core import Batch, get_global_ctx
+from minisgl.kernel import DecodeRope
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 
@@ -12,7 +13,8 @@ from minisgl.layers.rotary import RotaryEmbedding
 class AttentionLayer(nn.Module):
     """One layer's paged attention: RoPE on the new tokens' q and k (after the per-head q/k
     RMSNorm when given: Qwen3), k and v written to the KV pool, then the context's backend
-    attends q to the pool, the new tokens included."""
+    attends q to the pool, the new tokens included. A backend whose decode kernel does the
+    RoPE and the store itself (`fuses_rope`: triton) gets q, k, v as they are instead."""
 
     def __init__(
         self,
@@ -25,6 +27,11 @@ class AttentionLayer(nn.Module):
         self.layer_id, self.head_dim, self.scale = layer_id, head_dim, head_dim**-0.5
         # held, not registered: the model owns them (one rotary for every layer)
         self.rotary, self.qk_norm = [rotary], qk_norm
+
+    def qk_norm_args(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q weight, k weight, eps) of the per-head q/k RMSNorm for the fused kernels."""
+        norms = self.qk_norm
+        return None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
 
     def rope_store_kv(
         self,
@@ -41,9 +48,9 @@ class AttentionLayer(nn.Module):
         ctx, cos_sin, norms = get_global_ctx(), self.rotary[0].cos_sin, self.qk_norm
         if (ops := kernel.fused_ops(q)) is not None:
             assert batch.out_loc is not None
-            qk_norm = None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps)
             k_pool, v_pool = ctx.kv_cache.k_flat(self.layer_id), ctx.kv_cache.v_flat(self.layer_id)
-            ops.rotary_store_kv(q, k, v, cos_sin, positions, k_pool, v_pool, batch.out_loc, qk_norm)
+            out_loc, qk_norm = batch.out_loc, self.qk_norm_args()
+            ops.rotary_store_kv(q, k, v, cos_sin, positions, k_pool, v_pool, out_loc, qk_norm)
             return q
         if norms is not None:
             q, k = norms[0].norm(q), norms[1].norm(k)
@@ -60,6 +67,13 @@ class AttentionLayer(nn.Module):
         batch = ctx.batch
         assert batch is not None
         q, k, v = (x.view(x.shape[0], -1, self.head_dim) for x in (q, k, v))
-        q = self.rope_store_kv(positions, q, k, v, batch)
-        out = ctx.attn_backend.forward(q, self.layer_id, self.scale, batch)
+        backend = ctx.attn_backend
+        if kernel.fused_ops(q) is not None and backend.fuses_rope(batch):
+            assert batch.out_loc is not None
+            cos_sin, qk_norm = self.rotary[0].cos_sin, self.qk_norm_args()
+            rope = DecodeRope(k, v, cos_sin, positions, batch.out_loc, qk_norm)
+            out = backend.forward_rope(q, rope, self.layer_id, self.scale, batch)
+        else:
+            q = self.rope_store_kv(positions, q, k, v, batch)
+            out = backend.forward(q, self.layer_id, self.scale, batch)
         return out.flatten(1)
