@@ -11,7 +11,7 @@ import torch
 
 from minisgl import env
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend
-from minisgl.core import Batch, get_global_ctx
+from minisgl.core import Batch, Context, get_global_ctx
 from minisgl.kernel import DecodeRope
 
 
@@ -24,6 +24,9 @@ class TritonAttnMetadata(AttnMetadata):
     q_starts: torch.Tensor  # [B] int32 first token of each request in the flat q
     max_extend_len: int  # prefill only: sizes the extend grid
     num_splits: int  # decode only: KV chunks per request, from the batch size alone
+
+
+Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class TritonAttnBackend(BaseAttnBackend):
@@ -104,42 +107,27 @@ class TritonAttnBackend(BaseAttnBackend):
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
         if batch.is_decode:
             return self._decode(q, layer_id, scale, batch, None)
-        md = TritonAttnMetadata.of(batch)
-        ctx = get_global_ctx()
-        k_pool, v_pool = ctx.kv_cache.k_flat(layer_id), ctx.kv_cache.v_flat(layer_id)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        md, ctx, operands = self._operands(q, layer_id, batch)
         return self.kernels.extend_attention(
-            q,
-            k_pool,
-            v_pool,
-            ctx.page_table,
-            md.rows,
-            md.q_starts,
-            md.cached_lens,
-            md.extend_lens,
-            md.max_extend_len,
-            ctx.page_size,
-            scale,
-        )
+            *operands, md.q_starts, md.cached_lens, md.extend_lens, md.max_extend_len,
+            ctx.page_size, scale,
+        )  # fmt: skip
 
     def _decode(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch, rope: DecodeRope | None
     ) -> torch.Tensor:
+        md, ctx, operands = self._operands(q, layer_id, batch)
+        return self.kernels.decode_attention(
+            *operands, md.kv_lens, md.num_splits, ctx.page_size, scale, rope=rope
+        )
+
+    @staticmethod
+    def _operands(
+        q: torch.Tensor, layer_id: int, batch: Batch
+    ) -> tuple[TritonAttnMetadata, Context, Operands]:
+        """(metadata, context, (q, k pool, v pool, page table, rows)) of a forward."""
         md = TritonAttnMetadata.of(batch)
         ctx = get_global_ctx()
         k_pool, v_pool = ctx.kv_cache.k_flat(layer_id), ctx.kv_cache.v_flat(layer_id)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        return self.kernels.decode_attention(
-            q,
-            k_pool,
-            v_pool,
-            ctx.page_table,
-            md.rows,
-            md.kv_lens,
-            md.num_splits,
-            ctx.page_size,
-            scale,
-            rope=rope,
-        )
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        return md, ctx, (q, k_pool, v_pool, ctx.page_table, md.rows)
