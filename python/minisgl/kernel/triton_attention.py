@@ -292,13 +292,15 @@ class DecodeTuning(NamedTuple):
 
 def decode_tuning(k_pool: torch.Tensor, num_splits: int) -> DecodeTuning:
     """The decode kernel's tiles, H100 (`benchmark/kernels/decode_attention_bench.py`, CUDA
-    graph replays). 256 requests x 300-1800 tokens, one split: an fp8 pool takes 229 us at
-    (128, 5) against 246 at (128, 3), 265 at (128, 2) and 242 at (64, 5); +3.8 % fp8 tok/s end
-    to end. bf16 takes 379 us at (128, 2) against 387 at (64, 2) (+1.4 % end to end); 5 stages
-    change nothing there. With splits (small batches) the chunks are short and 64 keeps them
-    apart: one stream decodes 1-3 % faster at (64, 2). 5 stages help there only with 1-2
-    programs per SM (one request of 32,000 positions: 54.9 against 57.3 us) and cost with
-    more (4 requests of 8,000: 58.9 against 53.3 us; 16 of 300-1,800: 40.2 against 37.5)."""
+    graph replays). 256 requests x 300-1800 tokens, one split: an fp8 pool takes 223 us at
+    (128, 3) against 236 at (128, 5) and 228 at (64, 5) (session 24: the head_dim halves give
+    (128, 3) 158 registers, three programs per SM; with whole rows (128, 5) was best at 229
+    us, its two K/V buffers hiding what two programs per SM could not). bf16 takes 379-382 us
+    at (128, 2) against 385-387 at (64, 2) (+1.4 % end to end); 5 stages change nothing there.
+    With splits (small batches) the chunks are short and 64 keeps them apart: one stream
+    decodes 1-3 % faster at (64, 2). 5 stages help there only with 1-2 programs per SM (one
+    request of 32,000 positions: 54.9 against 57.3 us) and cost with more (4 requests of
+    8,000: 58.9 against 53.3 us; 16 of 300-1,800: 40.2 against 37.5)."""
     if k_pool.dtype.itemsize == 1:
         return DecodeTuning(128, 3)
     return DecodeTuning(128, 2) if num_splits == 1 else DecodeTuning(64, 2)
