@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     p.add_argument("--rope", action="store_true", help="RoPE inside the kernel (DecodeRope)")
+    p.add_argument("--head-dim", type=ints, default=[128], help="Qwen3-0.6B's: 128")
     args = p.parse_args(argv)
     kv_dtypes = args.kv_dtype.split(",")
     if unknown := [d for d in kv_dtypes if d not in KV_DTYPES]:
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.num_warps} warps: registers, spill"
           " instructions, shared memory, K/V buffers (figures move between Triton versions)")  # fmt: skip
-    for kv_dtype, splits in itertools.product(kv_dtypes, args.num_splits):
+    for kv_dtype, splits, head_dim in itertools.product(kv_dtypes, args.num_splits, args.head_dim):
         pool = torch.empty(0, dtype=getattr(torch, KV_DTYPES[kv_dtype]))
         default = decode_tuning(pool, splits)
         for block_n, stages, regs in itertools.product(
@@ -164,11 +165,18 @@ def main(argv: list[str] | None = None) -> int:
         ):
             tuning = DecodeTuning(block_n, stages, regs or default.maxnreg)
             kernel = compile_decode(
-                kv_dtype, splits, tuning, args.arch, args.num_warps, rope=args.rope
+                kv_dtype,
+                splits,
+                tuning,
+                args.arch,
+                args.num_warps,
+                head_dim=head_dim,
+                rope=args.rope,
             )
             r = inspect(kernel, block_n)
             mark = " (decode_tuning's)" if tuning == default else ""
-            print(f"  {kv_dtype:8s} splits {splits:2d} {tuning}{mark}: {r.registers} registers,"
+            print(f"  {kv_dtype:8s} head_dim {head_dim:3d} splits {splits:2d} {tuning}{mark}:"
+                  f" {r.registers} registers,"
                   f" {r.spills} spills, {r.shared_bytes / 1024:.1f} KiB shared,"
                   f" {r.kv_buffers} K/V buffers")  # fmt: skip
     return 0

@@ -45,12 +45,12 @@ def check(what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         failures.append(f"{what}: max abs diff {diff} > {TOL}")
 
 
-def compare(what: str, lens, page_size: int, decode: bool, kv_dtype=None) -> None:
+def compare(what: str, lens, page_size: int, decode: bool, kv_dtype=None, head_dim=32) -> None:
     b, q, k, v = make_problem(
-        lens, page_size, 32, torch.float32, decode, CPU, 4, 2, kv_dtype=kv_dtype
+        lens, page_size, head_dim, torch.float32, decode, CPU, 4, 2, kv_dtype=kv_dtype
     )
     check(
-        f"{what} page {page_size} kv {kv_dtype or 'float32'}",
+        f"{what} page {page_size} kv {kv_dtype or 'float32'} head_dim {head_dim}",
         run_backend("triton", b, q, k, v),
         run_backend("torch", b, q, k, v),
     )
@@ -62,6 +62,7 @@ for page_size in (1, 16):
     compare("decode, 5 requests (2 splits)", DECODE, page_size, True)
     compare("decode, 1 request (8 splits)", DECODE[-1:], page_size, True)
     compare("extend with prefixes", EXTEND, page_size, False)
+compare("decode, 5 requests (2 splits), one part of head_dim", DECODE, 16, True, head_dim=16)
 # an fp8 pool: both backends widen the same stored values
 for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
     compare("decode, 5 requests (2 splits)", DECODE, 16, True, fp8)
@@ -106,11 +107,14 @@ assert b3.attn_metadata.num_splits == 32, b3.attn_metadata.num_splits
 check("decode, 32 splits", attend(wide, b3, q3, k3, v3), run_backend("torch", b3, q3, k3, v3))
 
 
-def check_decode_rope(dtype: torch.dtype, kv_dtype: torch.dtype, norm: bool, lens: list[int]):
+def check_decode_rope(dtype, kv_dtype, norm: bool, lens: list[int], head_dim: int = 32) -> None:
     """RoPE inside the decode kernel (kernel.DecodeRope) against the rotary kernel that stores
     k, v before it: the same output, the same pool, bit for bit."""
     what = f"decode with RoPE inside, {dtype} q, {kv_dtype} pool, norm {norm}, lens {lens}"
-    out_diff, same_pool = rope_inside_vs_rotary_kernel(dtype, kv_dtype, norm, lens, 3, CPU)
+    what += f", head_dim {head_dim}"
+    out_diff, same_pool = rope_inside_vs_rotary_kernel(
+        dtype, kv_dtype, norm, lens, 3, CPU, head_dim=head_dim
+    )
     print(f"{what}: output diff {out_diff:.2e}, pool {'identical' if same_pool else 'DIFFERENT'}")
     if out_diff != 0 or not same_pool:
         failures.append(f"{what}: differs from the rotary kernel + decode")
@@ -120,6 +124,7 @@ for norm in (False, True):
     check_decode_rope(torch.float32, torch.float32, norm, [1, 13, 70, 200])  # 1-2 splits used
 check_decode_rope(torch.float16, torch.float16, True, [7, 33])
 check_decode_rope(torch.float16, torch.float8_e4m3fn, True, [7, 300])
+check_decode_rope(torch.float32, torch.float32, False, [5, 40], head_dim=16)  # one part
 
 if failures:
     sys.exit("FAILED:\n" + "\n".join(failures))

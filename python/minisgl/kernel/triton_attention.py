@@ -152,23 +152,28 @@ def _decode_split_kernel(
 
     offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
     h_valid = tl.arange(0, BLOCK_H) < GROUP
-    # q, K and V are read in two halves of head_dim: fewer live registers (fp8 (128, 3) 165
-    # instead of 199 with Triton 3.6 for sm_90: three programs per SM instead of two)
+    # q, K and V are read in two parts of head_dim: fewer live registers (fp8 (128, 3): 158
+    # instead of 199 with Triton 3.6 for sm_90, three programs per SM instead of two). One
+    # part below 32 (tl.dot needs 16 columns): offs_b is then offs_a, and unused.
     HALF: tl.constexpr = HEAD_DIM // 2
-    offs_a = tl.arange(0, HALF)
-    offs_b = HALF + offs_a
+    PART: tl.constexpr = HALF if HALF >= 16 else HEAD_DIM
+    offs_a = tl.arange(0, PART)
+    offs_b = HEAD_DIM - PART + offs_a
     q_rows = q + b * stride_qb + offs_h[:, None] * stride_qh
     if ROPE:
         rope_row = cos_sin + tl.load(positions + b).to(tl.int64) * HEAD_DIM
-        cos = tl.load(rope_row + offs_a)[None, :]
-        sin = tl.load(rope_row + offs_b)[None, :]
+        half = tl.arange(0, HALF)
+        cos = tl.load(rope_row + half)[None, :]
+        sin = tl.load(rope_row + HALF + half)[None, :]
         qa, qb = _rope_q(q_rows, h_valid, cos, sin, q_norm_w, eps, HALF, NORM)
+        if PART == HEAD_DIM:
+            qa = tl.join(qa, qb).permute(0, 2, 1).reshape(BLOCK_H, HEAD_DIM)
         if start + chunk >= kv_len:  # the split that reads the new token writes it first
             slot = tl.load(out_loc + b).to(tl.int64)
             rotate_heads(
                 new_k + b * stride_nkb + kvh * stride_nkh, stride_nkh,
                 k_pool + slot * stride_kt + kvh * stride_kh, stride_kh,
-                cos, sin, offs_a, offs_a < HALF, k_norm_w, eps, 1, 1, HALF, NORM,
+                cos, sin, half, half < HALF, k_norm_w, eps, 1, 1, HALF, NORM,
             )  # fmt: skip
             offs_d = tl.arange(0, HEAD_DIM)
             v_new = tl.load(new_v + b * stride_nvb + kvh * stride_nvh + offs_d)
@@ -182,8 +187,8 @@ def _decode_split_kernel(
     qk_scale = scale * LOG2E  # scores in log2 units: exp2 below
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_a = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
@@ -191,8 +196,10 @@ def _decode_split_kernel(
         k_rows = k_pool + slot[:, None] * stride_kt + kvh * stride_kh
         ka = tl.load(k_rows + offs_a[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
         s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
-        kb = tl.load(k_rows + offs_b[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
-        s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION) * qk_scale
+        if PART < HEAD_DIM:
+            kb = tl.load(k_rows + offs_b[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
+            s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
+        s *= qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))  # every block has a valid position
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -201,11 +208,14 @@ def _decode_split_kernel(
         v_rows = v_pool + slot[:, None] * stride_vt + kvh * stride_vh
         va = tl.load(v_rows + offs_a[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
         acc_a = acc_a * alpha[:, None] + tl.dot(pc, va, input_precision=PRECISION)
-        vb = tl.load(v_rows + offs_b[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
-        acc_b = acc_b * alpha[:, None] + tl.dot(pc, vb, input_precision=PRECISION)
+        if PART < HEAD_DIM:
+            vb = tl.load(v_rows + offs_b[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
+            acc_b = acc_b * alpha[:, None] + tl.dot(pc, vb, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    acc = tl.join(acc_a, acc_b).permute(0, 2, 1).reshape(BLOCK_H, HEAD_DIM)
+    acc = acc_a
+    if PART < HEAD_DIM:
+        acc = tl.join(acc_a, acc_b).permute(0, 2, 1).reshape(BLOCK_H, HEAD_DIM)
     offs_d = tl.arange(0, HEAD_DIM)
 
     res = acc / l_i[:, None]
