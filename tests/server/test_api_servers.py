@@ -201,12 +201,14 @@ def streams(url: str, count: int, max_tokens: int) -> tuple[list[threading.Threa
 
 def streams_on_both(server: Server, count: int, max_tokens: int) -> tuple[list[Any], list[Any]]:
     """`count` streams, and two more whenever all have answered while one API process has none
-    in flight, until a moment when both have some: the kernel hashes each connection to a
+    in flight, until a moment when both have some and every stream has answered (so none is
+    still connecting: a SIGTERM then would refuse it): the kernel hashes each connection to a
     process, so all of 8 land on one about once in 128 tries."""
     threads, outs = streams(server.url, count, max_tokens)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if all(p["in_flight"] > 0 for p in server.stats()["api_servers"]):
+        both = all(p["in_flight"] > 0 for p in server.stats()["api_servers"])
+        if both and all(outs):
             return threads, outs
         if all(outs) and len(outs) < 4 * count:
             more, more_outs = streams(server.url, 2, max_tokens)
