@@ -153,7 +153,7 @@ def _decode_split_kernel(
     offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
     h_valid = tl.arange(0, BLOCK_H) < GROUP
     # q, K and V are read in two parts of head_dim: fewer live registers (fp8 (128, 3): 158
-    # instead of 199 with Triton 3.6 for sm_90, three programs per SM instead of two). One
+    # instead of 251 with Triton 3.6 for sm_90, three programs per SM instead of two). One
     # part below 32 (tl.dot needs 16 columns): offs_b is then offs_a, and unused.
     HALF: tl.constexpr = HEAD_DIM // 2
     PART: tl.constexpr = HALF if HALF >= 16 else HEAD_DIM
