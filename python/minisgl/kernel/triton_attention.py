@@ -35,6 +35,18 @@ def check_head_dim(head_dim: int) -> None:
     )
 
 
+def check_operands(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """(rows of q, heads, head_dim, kv heads) of an attention call, its layouts checked."""
+    rows, heads, dim = q.shape
+    kv_heads = k_pool.shape[1]
+    check_head_dim(dim)
+    assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
+    assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
+    return rows, heads, dim, kv_heads
+
+
 @triton.jit
 def _kv_slots(page_table, row, pos, mask, stride_pt, PAGE_SIZE: tl.constexpr):
     """int64 pool slots of positions `pos` (masked lanes read page 0)."""
@@ -80,111 +92,55 @@ def _online_softmax_step(
 
 
 @triton.jit
-def _rope_q(q_rows, h_valid, cos, sin, norm_w, eps, HALF: tl.constexpr, NORM: tl.constexpr):
-    """This program's query heads as two [BLOCK_H, HALF] halves (rows past the group are
-    zeros), RoPE'd as the rotary kernel would have stored them (after the q-norm when NORM)."""
+def _rope_row(cos_sin, positions, b, HALF: tl.constexpr):
+    """(cos, sin) [1, HALF] of request b's position."""
+    row = cos_sin + tl.load(positions + b).to(tl.int64) * (2 * HALF)
+    half = tl.arange(0, HALF)
+    return tl.load(row + half)[None, :], tl.load(row + HALF + half)[None, :]
+
+
+@triton.jit
+def _rope_q(
+    q_rows, h_valid, cos, sin, norm_w, eps, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+    PART: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """This program's query heads in the kernel's two parts of head_dim (rows past the group
+    are zeros; one part, the second unused, when PART is the whole head), RoPE'd as the rotary
+    kernel would have stored them (after the q-norm when NORM)."""
     half = tl.arange(0, HALF)
     x1 = tl.load(q_rows + half[None, :], mask=h_valid[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(q_rows + HALF + half[None, :], mask=h_valid[:, None], other=0.0).to(tl.float32)
     dtype = q_rows.dtype.element_ty
     y1, y2 = rope_halves(x1, x2, cos, sin, norm_w, half, half < HALF, eps, HALF, NORM, dtype)
-    return y1.to(dtype), y2.to(dtype)
+    y1, y2 = y1.to(dtype), y2.to(dtype)
+    if PART == 2 * HALF:
+        y1 = tl.join(y1, y2).permute(0, 2, 1).reshape(BLOCK_H, 2 * HALF)
+    return y1, y2
 
 
 @triton.jit
-def _decode_split_kernel(
-    q,  # [B, H, D]
-    k_pool,  # [slots, Hkv, D]
-    v_pool,
-    page_table,  # [rows, pages] int32
-    rows,  # [B] int32
-    kv_lens,  # [B] int32
-    out,  # [B, H, D], written here when NUM_SPLITS == 1
-    part_out,  # [B, H, S, D] float32
-    part_lse,  # [B, H, S] float32 (log2 units)
-    scale,
-    stride_qb,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ob,
-    stride_oh,
-    stride_pt,
-    new_k,  # ROPE: this step's k [B, Hkv, D] before RoPE (q is too) and v, for the pool
-    new_v,
-    stride_nkb,
-    stride_nkh,
-    stride_nvb,
-    stride_nvh,
-    cos_sin,  # [max_position, D] float32: cos | sin
-    positions,  # [B]
-    out_loc,  # [B] the new token's pool slot
-    q_norm_w,  # per-head RMSNorm weights (Qwen3), used when NORM
-    k_norm_w,
-    eps,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,  # query heads per kv head, all handled by one program
-    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16 for tl.dot
-    NUM_SPLITS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    COMPUTE: tl.constexpr,  # dtype of the dot products' inputs (compute_dtype)
-    PRECISION: tl.constexpr,
-    ROPE: tl.constexpr,  # q, k are unrotated: rotate q here, and k and v into the pool
-    NORM: tl.constexpr,
-    PDL: tl.constexpr,
+def _store_new_kv(
+    k_new, v_new, k_dst, v_dst, cos, sin, norm_w, eps, HALF: tl.constexpr, NORM: tl.constexpr
 ):
-    wait_for_previous(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    kv_len = tl.load(kv_lens + b)
-    # each request splits its own length: the launch depends on the batch size only
-    chunk = _split_chunk(kv_len, NUM_SPLITS, BLOCK_N)
-    start = split * chunk
-    if start >= kv_len:  # past this request's end; the merge skips this split
-        return
-    end = tl.minimum(start + chunk, kv_len)
-    row = tl.load(rows + b)
+    """One kv head of the new token into its pool slot: k RoPE'd (after the k-norm when NORM),
+    v as it is; visible to every thread of the program afterwards."""
+    half = tl.arange(0, HALF)
+    rotate_heads(k_new, 0, k_dst, 0, cos, sin, half, half < HALF, norm_w, eps, 1, 1, HALF, NORM)
+    offs_d = tl.arange(0, 2 * HALF)
+    tl.store(v_dst + offs_d, tl.load(v_new + offs_d).to(v_dst.dtype.element_ty))
+    tl.debug_barrier()
 
-    offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
-    h_valid = tl.arange(0, BLOCK_H) < GROUP
-    # q, K and V are read in two parts of head_dim: fewer live registers (fp8 (128, 3): 158
-    # instead of 251 with Triton 3.6 for sm_90, three programs per SM instead of two). One
-    # part below 32 (tl.dot needs 16 columns): offs_b is then offs_a, and unused.
-    HALF: tl.constexpr = HEAD_DIM // 2
-    PART: tl.constexpr = HALF if HALF >= 16 else HEAD_DIM
-    offs_a = tl.arange(0, PART)
-    offs_b = HEAD_DIM - PART + offs_a
-    q_rows = q + b * stride_qb + offs_h[:, None] * stride_qh
-    if ROPE:
-        rope_row = cos_sin + tl.load(positions + b).to(tl.int64) * HEAD_DIM
-        half = tl.arange(0, HALF)
-        cos = tl.load(rope_row + half)[None, :]
-        sin = tl.load(rope_row + HALF + half)[None, :]
-        qa, qb = _rope_q(q_rows, h_valid, cos, sin, q_norm_w, eps, HALF, NORM)
-        if PART == HEAD_DIM:
-            qa = tl.join(qa, qb).permute(0, 2, 1).reshape(BLOCK_H, HEAD_DIM)
-        if start + chunk >= kv_len:  # the split that reads the new token writes it first
-            slot = tl.load(out_loc + b).to(tl.int64)
-            rotate_heads(
-                new_k + b * stride_nkb + kvh * stride_nkh, stride_nkh,
-                k_pool + slot * stride_kt + kvh * stride_kh, stride_kh,
-                cos, sin, half, half < HALF, k_norm_w, eps, 1, 1, HALF, NORM,
-            )  # fmt: skip
-            offs_d = tl.arange(0, HEAD_DIM)
-            v_new = tl.load(new_v + b * stride_nvb + kvh * stride_nvh + offs_d)
-            v_dst = v_pool + slot * stride_vt + kvh * stride_vh + offs_d
-            tl.store(v_dst, v_new.to(v_pool.dtype.element_ty))
-            tl.debug_barrier()  # the stores are visible to every thread of the program
-    else:
-        qa = tl.load(q_rows + offs_a[None, :], mask=h_valid[:, None], other=0.0)
-        qb = tl.load(q_rows + offs_b[None, :], mask=h_valid[:, None], other=0.0)
-    qa, qb = qa.to(COMPUTE), qb.to(COMPUTE)
-    qk_scale = scale * LOG2E  # scores in log2 units: exp2 below
+
+@triton.jit
+def _attend_blocks(
+    qa, qb, qk_scale, k_pool, v_pool, kvh, stride_t, stride_h, page_table, row, stride_pt, start, end, offs_a, offs_b, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(output [BLOCK_H, HEAD_DIM] unnormalised, running max, normaliser) of q attending to
+    positions start..end of one kv head (both pools of strides stride_t, stride_h). q, K and V are read in two parts of head_dim: fewer
+    live registers (fp8 (128, 3): 158 instead of 251 with Triton 3.6 for sm_90, three
+    programs per SM instead of two). One part below 32 columns (tl.dot needs 16)."""
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_a = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
@@ -193,7 +149,7 @@ def _decode_split_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)
-        k_rows = k_pool + slot[:, None] * stride_kt + kvh * stride_kh
+        k_rows = k_pool + slot[:, None] * stride_t + kvh * stride_h
         ka = tl.load(k_rows + offs_a[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
         s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
         if PART < HEAD_DIM:
@@ -205,7 +161,7 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         pc = p.to(COMPUTE)
-        v_rows = v_pool + slot[:, None] * stride_vt + kvh * stride_vh
+        v_rows = v_pool + slot[:, None] * stride_t + kvh * stride_h
         va = tl.load(v_rows + offs_a[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
         acc_a = acc_a * alpha[:, None] + tl.dot(pc, va, input_precision=PRECISION)
         if PART < HEAD_DIM:
@@ -216,11 +172,69 @@ def _decode_split_kernel(
     acc = acc_a
     if PART < HEAD_DIM:
         acc = tl.join(acc_a, acc_b).permute(0, 2, 1).reshape(BLOCK_H, HEAD_DIM)
-    offs_d = tl.arange(0, HEAD_DIM)
+    return acc, m_i, l_i
 
+
+@triton.jit
+def _decode_split_kernel(
+    q, k_pool, v_pool,  # [B, H, D]; K and V pools [slots, Hkv, D] of the same strides
+    page_table, rows, kv_lens,  # [rows, pages] int32; [B] int32 page-table row and KV length
+    out, part_out, part_lse,  # [B, H, D] contiguous (one split); float32 [B, H, S, D], [B, H, S]
+    scale, stride_qb, stride_qh, stride_pool_t, stride_pool_h, stride_pt,
+    # ROPE: this step's k and v [B, Hkv, D] (q's and k's before RoPE), of the same strides; the
+    # rotary table [max_position, D] float32 (cos | sin); positions, the new token's pool slots
+    # [B]; Qwen3's per-head RMSNorm weights and eps (when NORM)
+    new_k, new_v, stride_nb, stride_nh, cos_sin, positions, out_loc, q_norm_w, k_norm_w, eps,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head, all handled by one program
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16 for tl.dot
+    NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COMPUTE: tl.constexpr,  # dtype of the dot products' inputs (compute_dtype)
+    PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,  # q, k are unrotated: rotate q here, and k and v into the pool
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous(PDL)
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_len = tl.load(kv_lens + b)
+    # each request splits its own length: the launch depends on the batch size only
+    chunk = _split_chunk(kv_len, NUM_SPLITS, BLOCK_N)
+    start = split * chunk
+    if start >= kv_len:  # past this request's end; the merge skips this split
+        return
+    offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
+    h_valid = tl.arange(0, BLOCK_H) < GROUP
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PART: tl.constexpr = HALF if HALF >= 16 else HEAD_DIM  # _attend_blocks' parts of a head
+    offs_a = tl.arange(0, PART)
+    offs_b = HEAD_DIM - PART + offs_a  # offs_a (and unused) with one part
+    q_rows = q + b * stride_qb + offs_h[:, None] * stride_qh
+    if ROPE:
+        cos, sin = _rope_row(cos_sin, positions, b, HALF)
+        qa, qb = _rope_q(q_rows, h_valid, cos, sin, q_norm_w, eps, BLOCK_H, HALF, PART, NORM)
+        if start + chunk >= kv_len:  # the split that reads the new token writes it first
+            src = b * stride_nb + kvh * stride_nh
+            dst = tl.load(out_loc + b).to(tl.int64) * stride_pool_t + kvh * stride_pool_h
+            _store_new_kv(
+                new_k + src, new_v + src, k_pool + dst, v_pool + dst, cos, sin, k_norm_w, eps,
+                HALF, NORM,
+            )  # fmt: skip
+    else:
+        qa = tl.load(q_rows + offs_a[None, :], mask=h_valid[:, None], other=0.0)
+        qb = tl.load(q_rows + offs_b[None, :], mask=h_valid[:, None], other=0.0)
+    # scores in log2 units (exp2 inside)
+    acc, m_i, l_i = _attend_blocks(
+        qa.to(COMPUTE), qb.to(COMPUTE), scale * LOG2E, k_pool, v_pool, kvh, stride_pool_t,
+        stride_pool_h, page_table, tl.load(rows + b), stride_pt, start,
+        tl.minimum(start + chunk, kv_len), offs_a, offs_b, BLOCK_H, BLOCK_N, PAGE_SIZE,
+        HEAD_DIM, PART, COMPUTE, PRECISION,
+    )  # fmt: skip
+    offs_d = tl.arange(0, HEAD_DIM)
     res = acc / l_i[:, None]
     if NUM_SPLITS == 1:  # nothing to merge
-        dst = out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+        dst = out + (b * NUM_HEADS + offs_h[:, None]) * HEAD_DIM + offs_d[None, :]
         tl.store(dst, res.to(out.dtype.element_ty), mask=h_valid[:, None])
     else:
         base = (b * NUM_HEADS + offs_h) * NUM_SPLITS + split  # [BLOCK_H]
@@ -339,15 +353,14 @@ def decode_splits(batch_size: int, num_kv_heads: int, sm_count: int) -> int:
 def _rope_args(rope: DecodeRope | None, q: torch.Tensor) -> tuple:
     """The decode kernel's RoPE arguments (placeholders without RoPE: never read)."""
     if rope is None:
-        return (q, q, 0, 0, 0, 0, q, q, q, q, q, 0.0)
+        return (q, q, 0, 0, q, q, q, q, q, 0.0)
     k, v = rope.k, rope.v
     assert k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2]
-    assert k.stride(2) == 1 and v.stride(2) == 1 and rope.cos_sin.is_contiguous()
+    assert k.stride() == v.stride() and k.stride(2) == 1 and rope.cos_sin.is_contiguous()
     assert rope.cos_sin.dtype == torch.float32 and rope.cos_sin.shape[1] == q.shape[2]
     q_w, k_w, eps = rope.qk_norm or (q, q, 0.0)
     return (
-        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.cos_sin, rope.positions,
-        rope.out_loc, q_w, k_w, eps,
+        k, v, k.stride(0), k.stride(1), rope.cos_sin, rope.positions, rope.out_loc, q_w, k_w, eps,
     )  # fmt: skip
 
 
@@ -367,11 +380,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """Graph-safe: the launches and allocations depend only on the shapes and num_splits.
     `tuning` and `num_warps` are knobs for benchmarks."""
-    bsz, heads, dim = q.shape
-    kv_heads = k_pool.shape[1]
-    check_head_dim(dim)
-    assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
-    assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
+    bsz, heads, dim, kv_heads = check_operands(q, k_pool, v_pool, page_table)
+    assert v_pool.stride() == k_pool.stride(), "one pair of pool strides for K and V"
     assert 1 <= num_splits <= 32, "the merge reads at most two 16-split tiles"
     block_n, num_stages, maxnreg = tuning or decode_tuning(k_pool, num_splits)
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
@@ -395,10 +405,6 @@ def decode_attention(
         q.stride(1),
         k_pool.stride(0),
         k_pool.stride(1),
-        v_pool.stride(0),
-        v_pool.stride(1),
-        out.stride(0),
-        out.stride(1),
         page_table.stride(0),
         *_rope_args(rope, q),
         NUM_HEADS=heads,
@@ -418,21 +424,33 @@ def decode_attention(
         num_stages=num_stages,
     )
     if num_splits > 1:
-        _decode_merge_kernel[(bsz, heads)](
-            part_out,
-            part_lse,
-            kv_lens,
-            out,
-            out.stride(0),
-            out.stride(1),
-            NUM_SPLITS=num_splits,
-            LOW=min(16, triton.next_power_of_2(num_splits)),
-            HEAD_DIM=dim,
-            BLOCK_N=block_n,
-            **launch,
-            num_warps=1 if dim <= 64 else 2,
-        )
+        _merge_splits(part_out, part_lse, kv_lens, out, block_n, launch)
     return out
+
+
+def _merge_splits(
+    part_out: torch.Tensor,  # [B, H, S, D] float32
+    part_lse: torch.Tensor,  # [B, H, S] float32
+    kv_lens: torch.Tensor,
+    out: torch.Tensor,  # [B, H, D]
+    block_n: int,  # the split kernel's, whose chunks the merge recomputes
+    launch: dict[str, bool],
+) -> None:
+    bsz, heads, num_splits, dim = part_out.shape
+    _decode_merge_kernel[(bsz, heads)](
+        part_out,
+        part_lse,
+        kv_lens,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=num_splits,
+        LOW=min(16, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=dim,
+        BLOCK_N=block_n,
+        **launch,
+        num_warps=1 if dim <= 64 else 2,
+    )
 
 
 @triton.jit
@@ -542,11 +560,7 @@ def extend_attention(
     tuning: tuple[int, int, int, int] | None = None,  # default: extend_tuning(q)
 ) -> torch.Tensor:
     """`tuning` (block_m, block_n, num_warps, num_stages) is a knob for benchmarks."""
-    tokens, heads, dim = q.shape
-    kv_heads = k_pool.shape[1]
-    check_head_dim(dim)
-    assert heads % kv_heads == 0 and q.stride(2) == 1 and k_pool.stride(2) == 1
-    assert v_pool.stride(2) == 1 and page_table.stride(1) == 1
+    tokens, heads, dim, kv_heads = check_operands(q, k_pool, v_pool, page_table)
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     fp32 = q.dtype == torch.float32
     block_m, block_n, num_warps, num_stages = tuning or extend_tuning(q)
