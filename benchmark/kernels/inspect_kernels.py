@@ -76,7 +76,7 @@ def compile_decode(
 
     q = torch.empty(1, heads, head_dim, dtype=torch.bfloat16)
     k_pool = torch.empty(1, kv_heads, head_dim, dtype=getattr(torch, KV_DTYPES[kv_dtype]))
-    block_n, num_stages, maxnreg = tuning or ta.decode_tuning(k_pool, num_splits)
+    block_n, num_stages, maxnreg = tuning or ta.decode_tuning(k_pool, num_splits, rope)
     group = heads // kv_heads
     constexprs = dict(
         NUM_HEADS=heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           " instructions, shared memory, K/V buffers (figures move between Triton versions)")  # fmt: skip
     for kv_dtype, splits, head_dim in itertools.product(kv_dtypes, args.num_splits, args.head_dim):
         pool = torch.empty(0, dtype=getattr(torch, KV_DTYPES[kv_dtype]))
-        default = decode_tuning(pool, splits)
+        default = decode_tuning(pool, splits, args.rope)
         for block_n, stages, regs in itertools.product(
             args.block_n or [default.block_n],
             args.num_stages or [default.num_stages],

@@ -217,6 +217,7 @@ def test_triton_metadata_rows_start_16_byte_aligned():
             backend = create_attention_backend("triton", CPU)
             backend.init_cuda_graph(7)
             if graph and n <= 7:
+                backend.prepare_for_capture(batch)  # the graph's buffers, refilled by a replay
                 backend.prepare_for_replay(batch)
             else:
                 backend.prepare(batch)

@@ -231,6 +231,29 @@ def test_store_kv(ops, shape, dtype, src_dtype):
         close(pools, ref)  # the interpreter truncates float32 -> bf16
 
 
+@on_device
+@pytest.mark.parametrize("batch", [1, 5, 1500])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_inputs_gather_ids_and_slots_like_the_reference(ops, batch, page_size):
+    """fused.decode_inputs against the torch path of a decode step (engine/step.py): the token
+    table's id at each (row, position) and `Context.kv_slots`, rows repeated and out of order."""
+    from types import SimpleNamespace
+
+    from minisgl.core import Context
+
+    gen = torch.Generator().manual_seed(batch + page_size)
+    num_rows, max_len = 7, 64
+    tokens = torch.randint(0, 50_000, (num_rows, max_len + 1), generator=gen, dtype=torch.int32)
+    pages = torch.randint(0, 4_000, (num_rows, max_len // page_size), generator=gen)
+    tokens, pages = tokens.to(DEVICE), pages.int().to(DEVICE)
+    rows = torch.randint(0, num_rows, (batch,), generator=gen).to(DEVICE)
+    positions = torch.randint(0, max_len, (batch,), generator=gen).to(DEVICE)
+    ids, slots = ops.decode_inputs(tokens, pages, rows, positions, page_size)
+    ctx = SimpleNamespace(page_table=pages, page_size=page_size)
+    assert torch.equal(ids, tokens[rows, positions])
+    assert torch.equal(slots, Context.kv_slots(ctx, rows, positions))  # type: ignore[arg-type]
+
+
 def test_env_flags(monkeypatch):
     monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS", raising=False)
     assert not env.disable_fused_ops()
@@ -346,7 +369,9 @@ def test_model_greedy_fused_equals_torch_path(ops, model_dirs, monkeypatch, arch
     monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS")
     real, used = kernel.fused_ops, []
 
-    def spy(x: torch.Tensor):
+    def spy(x: torch.Tensor, module: str = "fused"):
+        if module != "fused":  # the sampler's and others' kernels: as they would be chosen
+            return real(x, module)
         chosen = real(x) if CUDA else ops
         used.append(chosen is not None)
         return chosen

@@ -38,3 +38,41 @@ def test_skipped_rows_are_left_out(shape):
     assert torch.equal(part[kept], full[kept])
     assert not bool(part[~kept].any())
     assert torch.equal(full[0], logits[0].argmax())  # row 0 is greedy
+
+
+@on_device
+@pytest.mark.parametrize("shape", [(1, SHAPES[-1][1]), *SHAPES])
+def test_ids_written_into_the_table_where_they_are_picked(shape):
+    """`into`: the pick kernel also writes each row's id to table[rows, step] (the token table),
+    skipped rows' 0 included; nothing else in the table changes, and the ids are those of the
+    call without it. Batch 1 spreads the vocabulary over the most chunks."""
+    ops = kernel_module("sampling")
+    batch, vocab = shape
+    gen = torch.Generator().manual_seed(vocab + batch)
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(DEVICE)
+    temperature = torch.tensor([0.6, 0.0, 1.1] * batch)[:batch].to(DEVICE)
+    seed = torch.arange(batch, device=DEVICE) + 11
+    step = torch.arange(batch, device=DEVICE) * 3 + 2
+    skip = (torch.arange(batch, device=DEVICE) % 3 == 2).long()
+    table = torch.full((batch + 3, 3 * batch + 3), -7, dtype=torch.int32, device=DEVICE)
+    rows = torch.arange(batch, device=DEVICE).flip(0) + 2
+    want = ops.gumbel_argmax(logits, temperature, seed, step, skip)
+    got = ops.gumbel_argmax(logits, temperature, seed, step, skip, into=(table, rows))
+    assert torch.equal(got, want)
+    expected = torch.full_like(table, -7)
+    expected[rows, step] = want.to(torch.int32)
+    assert torch.equal(table, expected)
+
+
+def test_sample_into_writes_the_table_on_the_torch_path():
+    from minisgl.engine.sample import sample_at_temperature, sample_into
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 300, generator=gen) * 2
+    temperature, seed = torch.tensor([0.0, 0.5, 1.0, 2.0]), torch.arange(4) + 1
+    step, rows = torch.tensor([3, 4, 5, 6]), torch.tensor([1, 0, 3, 2])
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    got = sample_into(table, rows, logits, temperature, seed, step)
+    assert torch.equal(got, sample_at_temperature(logits, temperature, seed, step))
+    assert torch.equal(table[rows, step], got.to(torch.int32))
+    assert int((table != 0).sum()) <= 4

@@ -126,7 +126,8 @@ def rope_inside_vs_rotary_kernel(
     k_a, v_a = k_pool.clone(), v_pool.clone()
     q_a = q.clone()
     fused.rotary_store_kv(q_a, k, v, cos_sin, positions, k_a, v_a, out_loc, qk_norm)
-    out_a = ta.decode_attention(q_a, k_a, v_a, *args)
+    tiles = ta.decode_tuning(k_pool, num_splits, rope=True)  # the same chunks: bit for bit
+    out_a = ta.decode_attention(q_a, k_a, v_a, *args, tuning=tiles)
     k_b, v_b = k_pool.clone(), v_pool.clone()
     rope = DecodeRope(k, v, cos_sin, positions, out_loc, qk_norm)
     out_b = ta.decode_attention(q, k_b, v_b, *args, rope=rope)

@@ -44,7 +44,10 @@ class TritonAttnBackend(BaseAttnBackend):
 
         self.kernels = triton_attention
         self.sm_count: int | None = None
-        self.graph_buf: torch.Tensor | None = None  # [5, max_bs] int32 metadata of graphs
+        # [5, width] int32 metadata of the graphs whose batch pads to `width` columns: one
+        # contiguous buffer each, so that refilling one is a bare copy (into a column slice of
+        # a shared buffer it would be a copy kernel after the transfer)
+        self.graph_bufs: dict[int, torch.Tensor] | None = None
 
     def prepare(self, batch: Batch) -> None:
         host = self._host_metadata(batch)
@@ -52,18 +55,22 @@ class TritonAttnBackend(BaseAttnBackend):
         batch.attn_metadata = self._metadata(batch, dev[:, : batch.size])
 
     def init_cuda_graph(self, max_bs: int) -> None:
-        device = get_global_ctx().page_table.device
-        self.graph_buf = torch.zeros(5, -(-max_bs // 4) * 4, dtype=torch.int32, device=device)
+        self.graph_bufs = {}
 
     def prepare_for_capture(self, batch: Batch) -> None:
-        self.prepare_for_replay(batch)  # the buffers are the same either way
+        assert self.graph_bufs is not None, "init_cuda_graph() first"
+        device = get_global_ctx().page_table.device
+        width = -(-batch.size // 4) * 4
+        self.graph_bufs.setdefault(width, torch.zeros(5, width, dtype=torch.int32, device=device))
+        self.prepare_for_replay(batch)
 
     def prepare_for_replay(self, batch: Batch) -> None:
-        assert self.graph_buf is not None, "init_cuda_graph() first"
-        assert batch.is_decode and batch.size <= self.graph_buf.shape[1]
-        host = self._host_metadata(batch)  # copied whole: a column slice is not pinned memory
-        self.graph_buf[:, : host.shape[1]].copy_(host, non_blocking=True)
-        batch.attn_metadata = self._metadata(batch, self.graph_buf[:, : batch.size])
+        assert self.graph_bufs is not None, "init_cuda_graph() first"
+        assert batch.is_decode
+        host = self._host_metadata(batch)
+        buf = self.graph_bufs[host.shape[1]]  # KeyError: a size that was not captured
+        buf.copy_(host, non_blocking=True)
+        batch.attn_metadata = self._metadata(batch, buf[:, : batch.size])
 
     @staticmethod
     def _host_metadata(batch: Batch) -> torch.Tensor:

@@ -38,10 +38,15 @@ class GraphRunner:
             Req([0], 1, SamplingParams(seed=0), 2, table_idx=engine.dummy_row, extend_len=1)
             for _ in range(max_bs)
         ]
-        # The static StepInputs block every graph reads (its first batch-size columns), refilled
-        # before each replay; it starts as all padding, which is what the capture runs on.
-        host = StepInputs.pack(self.padding, [False] * max_bs, engine.dummy_row, engine.device)
-        self.block = host.to(engine.device)
+        # The static StepInputs block of each graph, refilled before each replay; it starts as
+        # all padding, which is what the capture runs on. One contiguous block per size: into
+        # a column slice of a shared one, the copy would be a copy kernel after the transfer.
+        self.blocks = {
+            bs: StepInputs.pack(
+                self.padding[:bs], [False] * bs, engine.dummy_row, engine.device
+            ).to(engine.device)
+            for bs in self.sizes
+        }
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, ForwardOutput | None, Batch]] = {
             bs: (None, None, Batch(self.padding[:bs], "decode")) for bs in self.sizes
         }
@@ -50,7 +55,7 @@ class GraphRunner:
 
     def _step(self, batch: Batch) -> ForwardOutput:
         """The captured work: the step over the first batch.size columns of the static block."""
-        inputs = StepInputs.unpack(self.block[:, : batch.size])
+        inputs = StepInputs.unpack(self.blocks[batch.size])
         return run_step(self.engine, batch, inputs, sample=True)
 
     @torch.inference_mode()
@@ -85,7 +90,7 @@ class GraphRunner:
         pad = padded - bs
         static.reqs, samples = batch.reqs + self.padding[:pad], samples + [False] * pad
         host = StepInputs.pack(static.reqs, samples, engine.dummy_row, engine.device, resample)
-        self.block[:, :padded].copy_(host, non_blocking=True)
+        self.blocks[padded].copy_(host, non_blocking=True)
         if graph is None:
             engine.attn_backend.prepare(static)
             out = self._step(static)

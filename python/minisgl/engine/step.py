@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minisgl import kernel
 from minisgl.core import Batch, Req
 from minisgl.engine.logprobs import PromptLogprobs
-from minisgl.engine.sample import MASK32, sample_at_temperature
+from minisgl.engine.sample import MASK32, sample_into
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -92,23 +93,31 @@ class ForwardOutput:
         return ForwardOutput(self.logits[index], self.kv_lens[index], inputs, sampled)
 
 
-def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch.Tensor:
+def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch.Tensor | None:
     """Set the batch's per-token input_ids (from the token table), positions and out_loc (KV
-    slots); return the flat index of each request's last token (its logits row)."""
+    slots); return the flat index of each request's last token (its logits row), or None in a
+    decode step, whose rows are those tokens (three small kernels fewer a step)."""
     extend = inputs.extend_lens
-    ends = extend.cumsum(0)  # one past each request's last token in the flat batch
     if batch.is_decode:
-        rows, positions = inputs.rows, inputs.cached_lens
+        rows, positions, last = inputs.rows, inputs.cached_lens, None
     else:
+        ends = extend.cumsum(0)  # one past each request's last token in the flat batch
+        last = ends - 1
         n = batch.num_tokens  # given, so that expanding needs no host sync
         rows = inputs.rows.repeat_interleave(extend, output_size=n)
         # per token: its flat index minus its position, constant within a request
         shift = (ends - extend - inputs.cached_lens).repeat_interleave(extend, output_size=n)
         positions = torch.arange(n, device=extend.device) - shift
-    batch.input_ids = engine.token_table[rows, positions]
+    ctx = engine.ctx
+    if batch.is_decode and (ops := kernel.fused_ops(rows)) is not None:
+        batch.input_ids, batch.out_loc = ops.decode_inputs(
+            engine.token_table, ctx.page_table, rows, positions, ctx.page_size
+        )
+    else:  # the reference
+        batch.input_ids = engine.token_table[rows, positions]
+        batch.out_loc = ctx.kv_slots(rows, positions)
     batch.positions = positions
-    batch.out_loc = engine.ctx.kv_slots(rows, positions)
-    return ends - 1
+    return last
 
 
 def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> ForwardOutput:
@@ -119,14 +128,15 @@ def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> 
     engine.ctx.batch = batch
     try:
         hidden = engine.decoder(batch)(batch.input_ids, batch.positions)  # normed, every token
-        logits = engine.model.compute_logits(hidden[logits_indices])
+        last = hidden if logits_indices is None else hidden[logits_indices]
+        logits = engine.model.compute_logits(last)
     finally:
         engine.ctx.batch = None
     kv_lens = inputs.cached_lens + inputs.extend_lens
     sampled = None
     if sample:
-        sampled = sample_at_temperature(
-            logits, inputs.temperatures, inputs.seeds, kv_lens, skip=inputs.skips
-        )
-        engine.token_table[inputs.write_rows, kv_lens] = sampled.to(torch.int32)
+        sampled = sample_into(
+            engine.token_table, inputs.write_rows,
+            logits, inputs.temperatures, inputs.seeds, kv_lens, skip=inputs.skips,
+        )  # fmt: skip
     return ForwardOutput(logits, kv_lens, inputs, sampled, hidden)

@@ -31,8 +31,7 @@ class DecodeRope(NamedTuple):
 
 def fused_ops(x: torch.Tensor, module: str = "fused") -> ModuleType | None:
     """The Triton module `kernel/<module>.py` (the fused ops; "logprobs": log-probability rows;
-    "adjust": logit_bias, min_tokens and the penalties)
-    when `x` is on CUDA, triton imports and MINISGL_DISABLE_FUSED_OPS is unset; None means: run
+    "adjust": logit_bias, min_tokens and the penalties; "sampling": the Gumbel-max sampler) when `x` is on CUDA, triton imports and MINISGL_DISABLE_FUSED_OPS is unset; None means: run
     the torch reference."""
     if not x.is_cuda or env.disable_fused_ops():
         return None

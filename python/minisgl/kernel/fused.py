@@ -1,11 +1,13 @@
 """Triton kernels for the memory-bound ops between the GEMMs: RMSNorm (+ residual add), rotary
 embedding (optionally with Qwen3's q/k norm and the KV-cache store in the same pass: the one
-kernel between the QKV GEMM and attention), SiLU-and-mul and the KV-cache store. Math in
-float32, results cast to the output's dtype. Launches depend only on shapes (no host sync, no
+kernel between the QKV GEMM and attention), SiLU-and-mul, the KV-cache store, and a decode
+step's input ids and KV slots gathered from the token and page tables. Math in float32, results
+cast to the output's dtype. Launches depend only on shapes (no host sync, no
 data-dependent allocation), so they can be captured in CUDA graphs.
 
 The torch references, which are also the CPU path, live next to their callers:
-`layers/norm.py`, `layers/rotary.py`, `layers/activation.py`, `kvcache/pool.py`; the layers reach
+`layers/norm.py`, `layers/rotary.py`, `layers/activation.py`, `kvcache/pool.py`,
+`engine/step.py`; the layers reach
 this module through `minisgl.kernel.fused_ops`. Imported only on CUDA, so `import triton` stays
 off the CPU path."""
 
@@ -449,3 +451,50 @@ def store_kv(
         **launch,
         num_warps=_num_warps(block_h * block_d),
     )
+
+
+@triton.jit
+def _decode_inputs_kernel(
+    token_table,  # [rows, positions] token ids
+    page_table,  # [rows, pages] page ids
+    rows,  # [B]
+    positions,  # [B]
+    input_ids,  # [B] out, token_table's dtype
+    out_loc,  # [B] int64 out: the KV-pool slot
+    batch,
+    stride_tokens,
+    stride_pages,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < batch
+    row = tl.load(rows + offs, mask=mask, other=0).to(tl.int64)
+    pos = tl.load(positions + offs, mask=mask, other=0).to(tl.int64)
+    token = tl.load(token_table + row * stride_tokens + pos, mask=mask)
+    page = tl.load(page_table + row * stride_pages + pos // PAGE_SIZE, mask=mask).to(tl.int64)
+    tl.store(input_ids + offs, token, mask=mask)
+    tl.store(out_loc + offs, page * PAGE_SIZE + pos % PAGE_SIZE, mask=mask)
+
+
+def decode_inputs(
+    token_table: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's (input_ids, out_loc) in one launch: token_table[rows, positions] and
+    the KV slot of each (row, position), page_table[rows, positions // page_size] * page_size
+    + positions % page_size (`Context.kv_slots`), which take seven small torch kernels."""
+    assert token_table.stride(1) == 1 and page_table.stride(1) == 1
+    batch = rows.shape[0]
+    input_ids = torch.empty(batch, dtype=token_table.dtype, device=rows.device)
+    out_loc = torch.empty(batch, dtype=torch.int64, device=rows.device)
+    block = min(1024, triton.next_power_of_2(max(batch, 1)))
+    _decode_inputs_kernel[(triton.cdiv(batch, block),)](
+        token_table, page_table, rows, positions, input_ids, out_loc, batch,
+        token_table.stride(0), page_table.stride(0),
+        PAGE_SIZE=page_size, BLOCK=block, num_warps=max(1, min(4, block // 32)),
+    )  # fmt: skip
+    return input_ids, out_loc

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import DecodeRope, pdl
-from minisgl.kernel.fused import rope_halves, rotate_heads
+from minisgl.kernel.fused import rope_halves
 from minisgl.kernel.pdl import wait_for_previous
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -119,55 +119,115 @@ def _rope_q(
 
 
 @triton.jit
-def _store_new_kv(
-    k_new, v_new, k_dst, v_dst, cos, sin, norm_w, eps, HALF: tl.constexpr, NORM: tl.constexpr
-):
+def _new_kv(
+    k_new, v_new, k_dst, v_dst, cos, sin, norm_w, eps, HALF: tl.constexpr, PART: tl.constexpr,
+    NORM: tl.constexpr,
+):  # fmt: skip
     """One kv head of the new token into its pool slot: k RoPE'd (after the k-norm when NORM),
-    v as it is; visible to every thread of the program afterwards."""
+    v as it is; visible to every thread of the program afterwards. Returns both as the pool
+    holds them, in the parts of _attend_blocks' tiles: (k part a, k part b, v a, v b) [1, PART]
+    (with one part, b repeats a)."""
     half = tl.arange(0, HALF)
-    rotate_heads(k_new, 0, k_dst, 0, cos, sin, half, half < HALF, norm_w, eps, 1, 1, HALF, NORM)
-    offs_d = tl.arange(0, 2 * HALF)
-    tl.store(v_dst + offs_d, tl.load(v_new + offs_d).to(v_dst.dtype.element_ty))
+    x1 = tl.load(k_new + half[None, :]).to(tl.float32)
+    x2 = tl.load(k_new + HALF + half[None, :]).to(tl.float32)
+    dtype = k_new.dtype.element_ty
+    y1, y2 = rope_halves(x1, x2, cos, sin, norm_w, half, half < HALF, eps, HALF, NORM, dtype)
+    pool = k_dst.dtype.element_ty
+    y1, y2 = y1.to(pool), y2.to(pool)
+    v1 = tl.load(v_new + half[None, :]).to(pool)
+    v2 = tl.load(v_new + HALF + half[None, :]).to(pool)
+    tl.store(k_dst + half[None, :], y1)
+    tl.store(k_dst + HALF + half[None, :], y2)
+    tl.store(v_dst + half[None, :], v1)
+    tl.store(v_dst + HALF + half[None, :], v2)
     tl.debug_barrier()
+    if PART == 2 * HALF:  # one part: the whole head
+        y1 = tl.join(y1, y2).permute(0, 2, 1).reshape(1, 2 * HALF)
+        v1 = tl.join(v1, v2).permute(0, 2, 1).reshape(1, 2 * HALF)
+        y2, v2 = y1, v1
+    return y1, y2, v1, v2
+
+
+@triton.jit
+def _load_parts(rows, offs_a, offs_b, valid, HEAD_DIM: tl.constexpr, PART: tl.constexpr):
+    """Parts a and b [BLOCK_N, PART] of a block's K or V rows, in the pool's dtype (with one
+    part, b repeats a)."""
+    a = tl.load(rows + offs_a[None, :], mask=valid[:, None], other=0.0)
+    b = a
+    if PART < HEAD_DIM:
+        b = tl.load(rows + offs_b[None, :], mask=valid[:, None], other=0.0)
+    return a, b
+
+
+@triton.jit
+def _scores(
+    qa, qb, k_rows, ka, kb, offs_a, offs_b, valid, qk_scale, LOAD: tl.constexpr,
+    PART: tl.constexpr, HEAD_DIM: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """A block's scores [BLOCK_H, BLOCK_N] in log2 units, -inf where not valid, from its K
+    parts ka, kb or, when LOAD, from its rows k_rows [BLOCK_N, 1], each part read just before
+    its dot (reading both first takes the fp8 tile from 168 to 194 registers, Triton 3.9)."""
+    if LOAD:
+        ka = tl.load(k_rows + offs_a[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(qa, tl.trans(ka.to(COMPUTE)), input_precision=PRECISION)
+    if PART < HEAD_DIM:
+        if LOAD:
+            kb = tl.load(k_rows + offs_b[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(qb, tl.trans(kb.to(COMPUTE)), s, input_precision=PRECISION)
+    s *= qk_scale
+    return tl.where(valid[None, :], s, float("-inf"))  # every block has a valid position
+
+
+@triton.jit
+def _softmax(s, m_i):
+    """Flash attention's rescaling by one block's scores: (new max, exp2 weights, factor for
+    what was accumulated before)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    return m_new, tl.exp2(s - m_new[:, None]), tl.exp2(m_i - m_new)
+
+
+@triton.jit
+def _accumulate(
+    p, alpha, v_rows, va, vb, offs_a, offs_b, valid, l_i, acc_a, acc_b, LOAD: tl.constexpr,
+    PART: tl.constexpr, HEAD_DIM: tl.constexpr, COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The normaliser and output parts after one block of weights p, from its V parts va, vb
+    or, when LOAD, its rows v_rows read part by part (as `_scores` reads K)."""
+    pc = p.to(COMPUTE)
+    if LOAD:
+        va = tl.load(v_rows + offs_a[None, :], mask=valid[:, None], other=0.0)
+    acc_a = acc_a * alpha[:, None] + tl.dot(pc, va.to(COMPUTE), input_precision=PRECISION)
+    if PART < HEAD_DIM:
+        if LOAD:
+            vb = tl.load(v_rows + offs_b[None, :], mask=valid[:, None], other=0.0)
+        acc_b = acc_b * alpha[:, None] + tl.dot(pc, vb.to(COMPUTE), input_precision=PRECISION)
+    return l_i * alpha + tl.sum(p, axis=1), acc_a, acc_b
 
 
 @triton.jit
 def _attend_blocks(
-    qa, qb, qk_scale, k_pool, v_pool, kvh, stride_t, stride_h, page_table, row, stride_pt, start, end, offs_a, offs_b, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr,
-    COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
+    qa, qb, qk_scale, k_pool, v_pool, kvh, stride_t, stride_h, page_table, row, stride_pt, start,
+    end, offs_a, offs_b, m_i, l_i, acc_a, acc_b, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, COMPUTE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(output [BLOCK_H, HEAD_DIM] unnormalised, running max, normaliser) of q attending to
-    positions start..end of one kv head (both pools of strides stride_t, stride_h). q, K and V are read in two parts of head_dim: fewer
-    live registers (fp8 (128, 3): 158 instead of 251 with Triton 3.6 for sm_90, three
-    programs per SM instead of two). One part below 32 columns (tl.dot needs 16)."""
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_a = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
+    positions start..end of one kv head (both pools of strides stride_t, stride_h), from the
+    running state (m_i, l_i, acc_a, acc_b) of the blocks before. q, K and V are read in two
+    parts of head_dim: fewer live registers (fp8 (128, 3): 158 instead of 251 with Triton 3.6
+    for sm_90, three programs per SM instead of two). One part below 32 columns (tl.dot needs
+    16)."""
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)
         k_rows = k_pool + slot[:, None] * stride_t + kvh * stride_h
-        ka = tl.load(k_rows + offs_a[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
-        s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
-        if PART < HEAD_DIM:
-            kb = tl.load(k_rows + offs_b[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
-            s = tl.dot(qb, tl.trans(kb), s, input_precision=PRECISION)
-        s *= qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))  # every block has a valid position
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        pc = p.to(COMPUTE)
+        s = _scores(qa, qb, k_rows, qa, qb, offs_a, offs_b, valid, qk_scale, True, PART,
+                    HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
+        m_new, p, alpha = _softmax(s, m_i)
         v_rows = v_pool + slot[:, None] * stride_t + kvh * stride_h
-        va = tl.load(v_rows + offs_a[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
-        acc_a = acc_a * alpha[:, None] + tl.dot(pc, va, input_precision=PRECISION)
-        if PART < HEAD_DIM:
-            vb = tl.load(v_rows + offs_b[None, :], mask=valid[:, None], other=0.0).to(COMPUTE)
-            acc_b = acc_b * alpha[:, None] + tl.dot(pc, vb, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i, acc_a, acc_b = _accumulate(p, alpha, v_rows, qa, qb, offs_a, offs_b, valid, l_i,
+                                        acc_a, acc_b, True, PART, HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
         m_i = m_new
     acc = acc_a
     if PART < HEAD_DIM:
@@ -196,7 +256,10 @@ def _decode_split_kernel(
     NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_previous(PDL)
+    # Before the PDL wait, reads of what no kernel of the step writes (the metadata, copied in
+    # before the step): they overlap the kernel before. With ROPE (one request a step) also the
+    # first block (the new token's K/V, stored below, is patched into it), so its page-table
+    # and K/V loads overlap the QKV GEMV.
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b)
     # each request splits its own length: the launch depends on the batch size only
@@ -204,6 +267,10 @@ def _decode_split_kernel(
     start = split * chunk
     if start >= kv_len:  # past this request's end; the merge skips this split
         return
+    end = tl.minimum(start + chunk, kv_len)
+    row = tl.load(rows + b)
+    if not ROPE:
+        wait_for_previous(PDL)
     offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
     h_valid = tl.arange(0, BLOCK_H) < GROUP
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -211,25 +278,46 @@ def _decode_split_kernel(
     offs_a = tl.arange(0, PART)
     offs_b = HEAD_DIM - PART + offs_a  # offs_a (and unused) with one part
     q_rows = q + b * stride_qb + offs_h[:, None] * stride_qh
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
+    qk_scale = scale * LOG2E  # scores in log2 units (exp2 inside)
     if ROPE:
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)[:, None]
+        ka, kb = _load_parts(k_pool + slot * stride_pool_t + kvh * stride_pool_h, offs_a, offs_b,
+                             valid, HEAD_DIM, PART)  # fmt: skip
+        va, vb = _load_parts(v_pool + slot * stride_pool_t + kvh * stride_pool_h, offs_a, offs_b,
+                             valid, HEAD_DIM, PART)  # fmt: skip
         cos, sin = _rope_row(cos_sin, positions, b, HALF)
+        wait_for_previous(PDL)
         qa, qb = _rope_q(q_rows, h_valid, cos, sin, q_norm_w, eps, BLOCK_H, HALF, PART, NORM)
         if start + chunk >= kv_len:  # the split that reads the new token writes it first
             src = b * stride_nb + kvh * stride_nh
             dst = tl.load(out_loc + b).to(tl.int64) * stride_pool_t + kvh * stride_pool_h
-            _store_new_kv(
+            nka, nkb, nva, nvb = _new_kv(
                 new_k + src, new_v + src, k_pool + dst, v_pool + dst, cos, sin, k_norm_w, eps,
-                HALF, NORM,
+                HALF, PART, NORM,
             )  # fmt: skip
+            new = (pos == kv_len - 1)[:, None]  # in this block or, if not, read after the store
+            ka, kb = tl.where(new, nka, ka), tl.where(new, nkb, kb)
+            va, vb = tl.where(new, nva, va), tl.where(new, nvb, vb)
+        qa, qb = qa.to(COMPUTE), qb.to(COMPUTE)
+        s = _scores(qa, qb, k_pool, ka, kb, offs_a, offs_b, valid, qk_scale, False, PART,
+                    HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
+        m_i, p, alpha = _softmax(s, m_i)
+        l_i, acc_a, acc_b = _accumulate(p, alpha, v_pool, va, vb, offs_a, offs_b, valid, l_i,
+                                        acc_a, acc_b, False, PART, HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
+        start += BLOCK_N
     else:
-        qa = tl.load(q_rows + offs_a[None, :], mask=h_valid[:, None], other=0.0)
-        qb = tl.load(q_rows + offs_b[None, :], mask=h_valid[:, None], other=0.0)
-    # scores in log2 units (exp2 inside)
+        qa = tl.load(q_rows + offs_a[None, :], mask=h_valid[:, None], other=0.0).to(COMPUTE)
+        qb = tl.load(q_rows + offs_b[None, :], mask=h_valid[:, None], other=0.0).to(COMPUTE)
     acc, m_i, l_i = _attend_blocks(
-        qa.to(COMPUTE), qb.to(COMPUTE), scale * LOG2E, k_pool, v_pool, kvh, stride_pool_t,
-        stride_pool_h, page_table, tl.load(rows + b), stride_pt, start,
-        tl.minimum(start + chunk, kv_len), offs_a, offs_b, BLOCK_H, BLOCK_N, PAGE_SIZE,
-        HEAD_DIM, PART, COMPUTE, PRECISION,
+        qa, qb, qk_scale, k_pool, v_pool, kvh, stride_pool_t, stride_pool_h, page_table, row,
+        stride_pt, start, end, offs_a, offs_b, m_i, l_i, acc_a, acc_b, BLOCK_H, BLOCK_N,
+        PAGE_SIZE, HEAD_DIM, PART, COMPUTE, PRECISION,
     )  # fmt: skip
     offs_d = tl.arange(0, HEAD_DIM)
     res = acc / l_i[:, None]
@@ -260,11 +348,11 @@ def _decode_merge_kernel(
     loads one LOW-row tile. At batch 1 on an H100 (1,000 positions in 32 splits, 16 of which
     ran) the kernel pair took 7.3 us against 8.3 with one 32-row tile, and one stream decoded
     2.2 % faster (session 23, docs/benchmarks.md)."""
-    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    kv_len = tl.load(kv_lens + b)
+    kv_len = tl.load(kv_lens + b)  # before the wait: no kernel of the step writes it
     used = tl.cdiv(kv_len, _split_chunk(kv_len, NUM_SPLITS, BLOCK_N))  # splits that ran
+    wait_for_previous(PDL)
     base = (b * tl.num_programs(1) + h) * NUM_SPLITS
     m, acc, total = _merge_tile(part_out, part_lse, base, 0, used, LOW, HEAD_DIM)
     if NUM_SPLITS > LOW:
@@ -314,7 +402,7 @@ class DecodeTuning(NamedTuple):
     maxnreg: int | None = None  # registers per thread, capped for occupancy (None: no cap)
 
 
-def decode_tuning(k_pool: torch.Tensor, num_splits: int) -> DecodeTuning:
+def decode_tuning(k_pool: torch.Tensor, num_splits: int, rope: bool = False) -> DecodeTuning:
     """The decode kernel's tiles, H100 (`benchmark/kernels/decode_attention_bench.py`, CUDA
     graph replays). 256 requests x 300-1800 tokens, one split: an fp8 pool takes 223 us at
     (128, 3) against 236 at (128, 5) and 228 at (64, 5) (session 24: the head_dim halves give
@@ -324,7 +412,11 @@ def decode_tuning(k_pool: torch.Tensor, num_splits: int) -> DecodeTuning:
     With splits (small batches) the chunks are short and 64 keeps them apart: one stream
     decodes 1-3 % faster at (64, 2). 5 stages help there only with 1-2 programs per SM (one
     request of 32,000 positions: 54.9 against 57.3 us) and cost with more (4 requests of
-    8,000: 58.9 against 53.3 us; 16 of 300-1,800: 40.2 against 37.5)."""
+    8,000: 58.9 against 53.3 us; 16 of 300-1,800: 40.2 against 37.5). With RoPE inside (one
+    request) the first block is held in registers across the PDL wait: an fp8 block of 128
+    spills there (Triton 3.6: 255 registers, 191 spill instructions), one of 64 does not (193)."""
+    if k_pool.dtype.itemsize == 1 and rope:
+        return DecodeTuning(64, 3)
     if k_pool.dtype.itemsize == 1:
         return DecodeTuning(128, 3)
     return DecodeTuning(128, 2) if num_splits == 1 else DecodeTuning(64, 2)
@@ -383,7 +475,7 @@ def decode_attention(
     bsz, heads, dim, kv_heads = check_operands(q, k_pool, v_pool, page_table)
     assert v_pool.stride() == k_pool.stride(), "one pair of pool strides for K and V"
     assert 1 <= num_splits <= 32, "the merge reads at most two 16-split tiles"
-    block_n, num_stages, maxnreg = tuning or decode_tuning(k_pool, num_splits)
+    block_n, num_stages, maxnreg = tuning or decode_tuning(k_pool, num_splits, rope is not None)
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
     part_out = part_lse = out  # unused when there is a single split
     if num_splits > 1:
