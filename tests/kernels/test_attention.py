@@ -253,7 +253,7 @@ def test_attention_benchmark_smoke(script, argv, num_rows):
 
 def test_decode_kernel_compiles_for_hopper_and_its_tiles_fit_three_programs_per_sm():
     """The decode kernel compiles for sm_90 at small head dims and with RoPE inside (the
-    interpreter does not check tl.dot's shapes). decode_tuning's fp8 tile relies on the kernel's head_dim halves keeping it at <= 168
+    interpreter does not check tl.dot's shapes), and with RoPE inside it does not spill. decode_tuning's fp8 tile relies on the kernel's head_dim halves keeping it at <= 168
     registers a thread, so three programs of 4 warps share an SM (Triton 3.6: 158 registers,
     no spill; whole rows took 199-251: two programs, 229-246 against 223 us on an H100; Triton
     3.9 caps it at 168 with 2 spill instructions). The bf16 tiles must not spill. Compiled for
@@ -275,8 +275,11 @@ def test_decode_kernel_compiles_for_hopper_and_its_tiles_fit_three_programs_per_
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         return res.stdout
 
-    # one part of head_dim below 32 (tl.dot's 16 columns), RoPE inside as one request runs it
-    compile_for_hopper("--num-splits", "32", "--head-dim", "16,64", "--rope")
+    # one part of head_dim below 32 (tl.dot's 16 columns), RoPE inside as one request runs it;
+    # there the first KV block is held in registers across the PDL wait, without spilling
+    rope = compile_for_hopper("--num-splits", "32", "--head-dim", "16,64,128", "--rope")
+    rope_lines = [line for line in rope.splitlines() if "decode_tuning's" in line]
+    assert len(rope_lines) == 6 and all("0 spills" in line for line in rope_lines), rope
     stdout = compile_for_hopper("--num-splits", "1")
     fp8, bf16 = (line for line in stdout.splitlines() if "decode_tuning's" in line)
     registers = int(re.search(r"(\d+) registers", fp8).group(1))  # type: ignore[union-attr]

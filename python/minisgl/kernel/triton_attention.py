@@ -236,6 +236,49 @@ def _attend_blocks(
 
 
 @triton.jit
+def _rope_first_block(
+    q_rows, h_valid, qk_scale, k_pool, v_pool, stride_t, stride_h, kvh, page_table, row,
+    stride_pt, start, end, kv_len, offs_a, offs_b, new_k, new_v, cos_sin, position, out_loc,
+    q_norm_w, k_norm_w, eps, owns_new, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """With RoPE inside: the split's first block is read before the PDL wait (its page-table
+    and K/V loads overlap the QKV GEMV that writes q and the new k, v), then q is rotated and,
+    in the split that owns the new token, that token stored and patched into the block (a
+    later block reads it from the pool). Returns (q parts, running max, normaliser, output
+    parts) after the block."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)[:, None]
+    k_rows = k_pool + slot * stride_t + kvh * stride_h
+    ka, kb = _load_parts(k_rows, offs_a, offs_b, valid, HEAD_DIM, PART)
+    v_rows = v_pool + slot * stride_t + kvh * stride_h
+    va, vb = _load_parts(v_rows, offs_a, offs_b, valid, HEAD_DIM, PART)
+    cos, sin = _rope_row(cos_sin, position, 0, HALF)
+    wait_for_previous(PDL)
+    qa, qb = _rope_q(q_rows, h_valid, cos, sin, q_norm_w, eps, BLOCK_H, HALF, PART, NORM)
+    if owns_new:  # the split that reads the new token writes it first
+        dst = tl.load(out_loc).to(tl.int64) * stride_t + kvh * stride_h
+        nka, nkb, nva, nvb = _new_kv(
+            new_k, new_v, k_pool + dst, v_pool + dst, cos, sin, k_norm_w, eps, HALF, PART, NORM
+        )
+        new = (pos == kv_len - 1)[:, None]
+        ka, kb = tl.where(new, nka, ka), tl.where(new, nkb, kb)
+        va, vb = tl.where(new, nva, va), tl.where(new, nvb, vb)
+    qa, qb = qa.to(COMPUTE), qb.to(COMPUTE)
+    s = _scores(qa, qb, k_pool, ka, kb, offs_a, offs_b, valid, qk_scale, False, PART, HEAD_DIM,
+                COMPUTE, PRECISION)  # fmt: skip
+    m_i, p, alpha = _softmax(s, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32))
+    zeros = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
+    l_i, acc_a, acc_b = _accumulate(p, alpha, v_pool, va, vb, offs_a, offs_b, valid,
+                                    tl.zeros([BLOCK_H], dtype=tl.float32), zeros, zeros, False,
+                                    PART, HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
+    return qa, qb, m_i, l_i, acc_a, acc_b
+
+
+@triton.jit
 def _decode_split_kernel(
     q, k_pool, v_pool,  # [B, H, D]; K and V pools [slots, Hkv, D] of the same strides
     page_table, rows, kv_lens,  # [rows, pages] int32; [B] int32 page-table row and KV length
@@ -257,9 +300,7 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     # Before the PDL wait, reads of what no kernel of the step writes (the metadata, copied in
-    # before the step): they overlap the kernel before. With ROPE (one request a step) also the
-    # first block (the new token's K/V, stored below, is patched into it), so its page-table
-    # and K/V loads overlap the QKV GEMV.
+    # before the step): they overlap the kernel before. With ROPE also the first KV block.
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b)
     # each request splits its own length: the launch depends on the batch size only
@@ -278,42 +319,24 @@ def _decode_split_kernel(
     offs_a = tl.arange(0, PART)
     offs_b = HEAD_DIM - PART + offs_a  # offs_a (and unused) with one part
     q_rows = q + b * stride_qb + offs_h[:, None] * stride_qh
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_a = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
     qk_scale = scale * LOG2E  # scores in log2 units (exp2 inside)
     if ROPE:
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)[:, None]
-        ka, kb = _load_parts(k_pool + slot * stride_pool_t + kvh * stride_pool_h, offs_a, offs_b,
-                             valid, HEAD_DIM, PART)  # fmt: skip
-        va, vb = _load_parts(v_pool + slot * stride_pool_t + kvh * stride_pool_h, offs_a, offs_b,
-                             valid, HEAD_DIM, PART)  # fmt: skip
-        cos, sin = _rope_row(cos_sin, positions, b, HALF)
-        wait_for_previous(PDL)
-        qa, qb = _rope_q(q_rows, h_valid, cos, sin, q_norm_w, eps, BLOCK_H, HALF, PART, NORM)
-        if start + chunk >= kv_len:  # the split that reads the new token writes it first
-            src = b * stride_nb + kvh * stride_nh
-            dst = tl.load(out_loc + b).to(tl.int64) * stride_pool_t + kvh * stride_pool_h
-            nka, nkb, nva, nvb = _new_kv(
-                new_k + src, new_v + src, k_pool + dst, v_pool + dst, cos, sin, k_norm_w, eps,
-                HALF, PART, NORM,
-            )  # fmt: skip
-            new = (pos == kv_len - 1)[:, None]  # in this block or, if not, read after the store
-            ka, kb = tl.where(new, nka, ka), tl.where(new, nkb, kb)
-            va, vb = tl.where(new, nva, va), tl.where(new, nvb, vb)
-        qa, qb = qa.to(COMPUTE), qb.to(COMPUTE)
-        s = _scores(qa, qb, k_pool, ka, kb, offs_a, offs_b, valid, qk_scale, False, PART,
-                    HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
-        m_i, p, alpha = _softmax(s, m_i)
-        l_i, acc_a, acc_b = _accumulate(p, alpha, v_pool, va, vb, offs_a, offs_b, valid, l_i,
-                                        acc_a, acc_b, False, PART, HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
+        qa, qb, m_i, l_i, acc_a, acc_b = _rope_first_block(
+            q_rows, h_valid, qk_scale, k_pool, v_pool, stride_pool_t, stride_pool_h, kvh,
+            page_table, row, stride_pt, start, end, kv_len, offs_a, offs_b,
+            new_k + b * stride_nb + kvh * stride_nh, new_v + b * stride_nb + kvh * stride_nh,
+            cos_sin, positions + b, out_loc + b, q_norm_w, k_norm_w, eps,
+            start + chunk >= kv_len, BLOCK_H, BLOCK_N, PAGE_SIZE, HEAD_DIM, PART, COMPUTE,
+            PRECISION, NORM, PDL,
+        )  # fmt: skip
         start += BLOCK_N
     else:
         qa = tl.load(q_rows + offs_a[None, :], mask=h_valid[:, None], other=0.0).to(COMPUTE)
         qb = tl.load(q_rows + offs_b[None, :], mask=h_valid[:, None], other=0.0).to(COMPUTE)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc_a = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_H, PART], dtype=tl.float32)
     acc, m_i, l_i = _attend_blocks(
         qa, qb, qk_scale, k_pool, v_pool, kvh, stride_pool_t, stride_pool_h, page_table, row,
         stride_pt, start, end, offs_a, offs_b, m_i, l_i, acc_a, acc_b, BLOCK_H, BLOCK_N,
