@@ -1,0 +1,138 @@
+"""Where a decode step's time goes: the GPU's idle gaps and each kernel's share per step.
+
+Runs the offline engine (dummy weights) on `--requests` requests under torch's profiler with
+CPU and CUDA activity, then prints, over the middle half of the run (steady decode): the GPU's
+busy fraction (the union of kernel and copy intervals, so kernels that overlap under PDL count
+once), its idle gaps (largest first, with the kernels around each and the host's CUDA calls in
+it), and every kernel's count per step and mean duration (which includes a PDL kernel's wait).
+`--trace` also writes the Chrome trace (open in Perfetto). Session 25 found with it that one
+stream's step spent ~80 us in small dependent kernels around the model (docs/benchmarks.md).
+
+    python benchmark/offline/timeline.py --config benchmark/qwen3-0.6b             # one stream
+    python benchmark/offline/timeline.py --config benchmark/qwen3-0.6b --requests 64 --trace t.json
+    python benchmark/offline/timeline.py --tiny --device cpu                       # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+
+Event = dict[str, Any]  # a Chrome-trace "X" event: name, cat, ts (us), dur (us), args
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+class Gap(NamedTuple):
+    start: float  # us, trace clock
+    length: float
+    before: str  # the device op that ended last
+    after: str  # the device op that starts the work again
+
+
+def idle_gaps(device_ops: list[Event]) -> tuple[float, float, list[Gap]]:
+    """(busy us, span us, gaps) of device ops sorted by start: busy is the union of their
+    intervals, a gap any stretch with none running."""
+    if not device_ops:
+        return 0.0, 0.0, []
+    first = device_ops[0]
+    busy, end, last, gaps = 0.0, first["ts"], first, []
+    for op in device_ops:
+        start, stop = op["ts"], op["ts"] + op["dur"]
+        if start > end:
+            gaps.append(Gap(end, start - end, last["name"], op["name"]))
+        busy += max(0.0, stop - max(start, end))
+        if stop >= end:
+            end, last = stop, op
+    return busy, end - first["ts"], gaps
+
+
+def per_kernel(device_ops: list[Event], steps: int) -> list[tuple[str, float, float]]:
+    """(name, launches per step, mean us) of each device op, the most total time first."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for op in device_ops:
+        entry = totals[op["name"]]
+        entry[0] += 1
+        entry[1] += op["dur"]
+    rows = [(name, n / max(steps, 1), us / n) for name, (n, us) in totals.items()]
+    return sorted(rows, key=lambda row: -row[1] * row[2])
+
+
+def report(events: list[Event], tokens_per_request: int, top: int = 12) -> None:
+    ops = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
+    if not ops:
+        print("no device activity (a CPU run): nothing to report")
+        return
+    steady = ops[len(ops) // 4 : 3 * len(ops) // 4]  # the middle half: steady decode
+    busy, span, gaps = idle_gaps(steady)
+    steps = round(tokens_per_request * len(steady) / len(ops))
+    print(
+        f"steady window {span:,.0f} us, ~{steps} steps: GPU busy {busy:,.0f} us ({busy / span:.1%})"
+    )
+    print(f"{len(gaps)} gaps, {sum(g.length for g in gaps):,.0f} us in all; the largest:")
+    host = [e for e in events if e.get("cat") == "cuda_runtime"]
+    for gap in sorted(gaps, key=lambda g: -g.length)[:top]:
+        calls = [h["name"] for h in host if gap.start <= h["ts"] <= gap.start + gap.length]
+        print(f"  {gap.length:8.1f} us after {gap.before[:40]} before {gap.after[:40]}"
+              f"  host: {' '.join(calls[:6]) or '-'}")  # fmt: skip
+    print(f"{'per step':>9} {'mean us':>8}  device op")
+    for name, per_step, mean in per_kernel(steady, steps)[: 2 * top]:
+        print(f"{per_step:9.2f} {mean:8.2f}  {name[:90]}")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default="benchmark/qwen3-0.6b", help="model directory")
+    p.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 (smoke runs)")
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cuda or cpu")
+    p.add_argument("--requests", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=400, help="output tokens per request")
+    p.add_argument("--attn", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--trace", default=None, help="also write the Chrome trace here")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+    from bench import tiny_model_dir
+    from torch.profiler import ProfilerActivity, profile
+
+    from minisgl import LLM, SamplingParams
+
+    model = tiny_model_dir() if args.tiny else args.config
+    llm = LLM(model, dummy_weights=True, device=args.device, attn=args.attn,
+              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.tokens)
+    prompts = [[1000 + 7 * i + j for j in range(100)] for i in range(args.requests)]
+    llm.generate([[t + 5000 for t in p] for p in prompts], params, use_tqdm=False)  # warm-up
+    cuda = llm.engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        seconds = time.perf_counter() - start
+    llm.shutdown()
+    total = args.requests * args.tokens
+    print(f"{total} tokens in {seconds * 1e3:.1f} ms = {total / seconds:,.1f} tok/s (profiled)")
+    path = args.trace or os.path.join(tempfile.mkdtemp(prefix="minisgl_trace_"), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    report(events, args.tokens)
+
+
+if __name__ == "__main__":
+    main()
