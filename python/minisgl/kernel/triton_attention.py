@@ -570,33 +570,14 @@ def _merge_splits(
 
 @triton.jit
 def _extend_kernel(
-    q,  # [T, H, D] tokens of all requests, back to back
-    k_pool,  # [slots, Hkv, D]
-    v_pool,
-    out,  # [T, H, D]
-    page_table,
-    rows,  # [B] int32
-    q_starts,  # [B] int32 first token of each request in q
-    cached_lens,  # [B] int32
-    extend_lens,  # [B] int32
-    scale,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_pt,
-    GROUP: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    COMPUTE: tl.constexpr,
+    q, k_pool, v_pool, out,  # q, out [T, H, D]: tokens of all requests, back to back; pools
+    page_table, rows, q_starts, cached_lens, extend_lens,  # rows .. extend_lens: [B] int32
+    scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+    stride_oh, stride_pt,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" keeps float32 exact; tf32 otherwise unused for 16-bit
-):
+):  # fmt: skip
     mb = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -637,20 +618,9 @@ def _extend_kernel(
         # every query row sees position 0 in the first block, so the max is finite from there on
         s = tl.where(allowed, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(
-            s,
-            m_i,
-            l_i,
-            acc,
-            v_pool,
-            slot,
-            kvh,
-            n_valid,
-            offs_d,
-            stride_vt,
-            stride_vh,
-            COMPUTE,
+            s, m_i, l_i, acc, v_pool, slot, kvh, n_valid, offs_d, stride_vt, stride_vh, COMPUTE,
             PRECISION,
-        )
+        )  # fmt: skip
 
     res = acc / l_i[:, None]
     tl.store(
