@@ -247,7 +247,7 @@ def test_decode_inputs_gather_ids_and_slots_like_the_reference(ops, batch, page_
     pages = torch.randint(0, 4_000, (num_rows, max_len // page_size), generator=gen)
     tokens, pages = tokens.to(DEVICE), pages.int().to(DEVICE)
     rows = torch.randint(0, num_rows, (batch,), generator=gen).to(DEVICE)
-    positions = torch.randint(0, max_len, (batch,), generator=gen).to(DEVICE)
+    positions = torch.randint(0, max_len, (batch, 2), generator=gen).to(DEVICE)[:, 0]  # strided
     ids, slots = ops.decode_inputs(tokens, pages, rows, positions, page_size)
     ctx = SimpleNamespace(page_table=pages, page_size=page_size)
     assert torch.equal(ids, tokens[rows, positions])

@@ -488,6 +488,8 @@ def decode_inputs(
     the KV slot of each (row, position), page_table[rows, positions // page_size] * page_size
     + positions % page_size (`Context.kv_slots`), which take seven small torch kernels."""
     assert token_table.stride(1) == 1 and page_table.stride(1) == 1
+    assert rows.dim() == 1 and positions.shape == rows.shape, (rows.shape, positions.shape)
+    rows, positions = rows.contiguous(), positions.contiguous()  # no copy for a block's rows
     batch = rows.shape[0]
     input_ids = torch.empty(batch, dtype=token_table.dtype, device=rows.device)
     out_loc = torch.empty(batch, dtype=torch.int64, device=rows.device)
