@@ -54,7 +54,7 @@ class GraphRunner:
             self._capture()
 
     def _step(self, batch: Batch) -> ForwardOutput:
-        """The captured work: the step over the first batch.size columns of the static block."""
+        """The captured work: the step over this batch size's static block."""
         inputs = StepInputs.unpack(self.blocks[batch.size])
         return run_step(self.engine, batch, inputs, sample=True)
 
