@@ -292,3 +292,25 @@ def test_stop_strings_cut_as_the_server_does(chat_model):
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out == free
     llm.scheduler.check_no_leak()
+
+
+def test_grammar_end_wins_over_min_tokens(chat_model):
+    """A grammar that is complete allows only its end, which min_tokens holds back: the grammar
+    wins and the request stops (found by the server fuzz as a 500, "token 0 does not match the
+    grammar"). Seeded sampling, so each seed is one case."""
+    path, _ = chat_model
+    llm = LLM(path, page_size=4, num_pages=128)
+    try:
+        for seed in range(4):
+            params = SamplingParams(
+                regex="[0-9]", min_tokens=3, max_tokens=6, temperature=0.8, seed=seed
+            )
+            (out,) = llm.generate(["0000"], params, use_tqdm=False)
+            assert out["finish_reason"] == "stop" and "error" not in out, out
+            assert len(out["text"]) == 1 and out["text"].isdigit(), out
+            # without the conflict min_tokens still holds: a longer pattern runs past it
+            params = SamplingParams(regex="[0-9]{8}", min_tokens=3, max_tokens=12, seed=seed)
+            (out,) = llm.generate(["0000"], params, use_tqdm=False)
+            assert out["finish_reason"] == "stop" and len(out["text"]) == 8, out
+    finally:
+        llm.shutdown()

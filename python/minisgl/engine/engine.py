@@ -31,6 +31,7 @@ from minisgl.engine.sample import (
     any_adjusted,
     any_filter,
     apply_token_bitmask,
+    grammar_over_min_tokens,
     greedy,
     sample,
     sample_at_temperature,
@@ -308,8 +309,10 @@ class Engine:
         # raw: read before the mask and the adjustments change the logits in place
         logprobs = SampledLogprobs.start(batch, out.logits, mask is not None or adjusted)
         if next_ids is None or mask is not None or adjusted or filtered:
+            grammar_only = None
             if mask is not None:
                 apply_token_bitmask(out.logits, mask)
+                grammar_only = out.logits.clone() if adjusted else None
             if adjusted:
                 penalized = [
                     (r.table_idx, r.cached_len + r.extend_len)
@@ -320,6 +323,8 @@ class Engine:
                 adjust_logits(
                     out.logits, self.adjustments, rows, kv_lens, self.token_table, penalized
                 )
+            if grammar_only is not None:
+                grammar_over_min_tokens(out.logits, grammar_only)
             next_ids = self._sample(reqs, out, filtered)
             self.token_table[out.inputs.write_rows, out.kv_lens] = next_ids.to(torch.int32)
         if logprobs is not None:

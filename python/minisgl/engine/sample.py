@@ -178,6 +178,16 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> None:
     logits.copy_(scratch)
 
 
+def grammar_over_min_tokens(logits: torch.Tensor, grammar_only: torch.Tensor) -> None:
+    """In place: rows the adjustments left without a finite logit go back to `grammar_only`
+    (the logits after the grammar's mask alone). That happens when the grammar allows only its
+    end (the text is complete) while min_tokens still holds the stop ids back: the grammar
+    wins and the request stops there, instead of sampling a token the grammar refuses. No
+    host sync."""
+    dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+    torch.where(dead, grammar_only, logits, out=logits)
+
+
 def any_adjusted(reqs: list[Req]) -> bool:
     """Whether some request adjusts its logits (penalties, logit_bias, min_tokens)."""
     return any(r.params.adjusts_logits for r in reqs)
