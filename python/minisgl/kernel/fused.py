@@ -454,6 +454,14 @@ def store_kv(
 
 
 @triton.jit
+def kv_slots(page_table, row, pos, mask, stride_pt, PAGE_SIZE: tl.constexpr):
+    """int64 pool slots of positions `pos` of page-table row `row` (masked lanes read page 0):
+    `Context.kv_slots` inside a kernel (here and the attention kernels)."""
+    page = tl.load(page_table + row * stride_pt + pos // PAGE_SIZE, mask=mask, other=0)
+    return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+
+
+@triton.jit
 def _decode_inputs_kernel(
     token_table,  # [rows, positions] token ids
     page_table,  # [rows, pages] page ids
@@ -472,9 +480,10 @@ def _decode_inputs_kernel(
     row = tl.load(rows + offs, mask=mask, other=0).to(tl.int64)
     pos = tl.load(positions + offs, mask=mask, other=0).to(tl.int64)
     token = tl.load(token_table + row * stride_tokens + pos, mask=mask)
-    page = tl.load(page_table + row * stride_pages + pos // PAGE_SIZE, mask=mask).to(tl.int64)
     tl.store(input_ids + offs, token, mask=mask)
-    tl.store(out_loc + offs, page * PAGE_SIZE + pos % PAGE_SIZE, mask=mask)
+    tl.store(
+        out_loc + offs, kv_slots(page_table, row, pos, mask, stride_pages, PAGE_SIZE), mask=mask
+    )
 
 
 def decode_inputs(

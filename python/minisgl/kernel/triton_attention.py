@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel import DecodeRope, pdl
-from minisgl.kernel.fused import rope_halves
+from minisgl.kernel.fused import kv_slots, rope_halves
 from minisgl.kernel.pdl import wait_for_previous
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -48,47 +48,9 @@ def check_operands(
 
 
 @triton.jit
-def _kv_slots(page_table, row, pos, mask, stride_pt, PAGE_SIZE: tl.constexpr):
-    """int64 pool slots of positions `pos` (masked lanes read page 0)."""
-    page = tl.load(page_table + row * stride_pt + pos // PAGE_SIZE, mask=mask, other=0)
-    return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-
-
-@triton.jit
 def _split_chunk(kv_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """KV positions per split of one request: whole blocks, so a short request uses few splits."""
     return tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _online_softmax_step(
-    s,
-    m_i,
-    l_i,
-    acc,
-    v_pool,
-    slot,
-    kvh,
-    valid,
-    offs_d,
-    stride_vt,
-    stride_vh,
-    COMPUTE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Fold one block of scores s [rows, BLOCK_N] (log2 units, -inf where masked) and its values
-    into the running max m_i, normaliser l_i and output acc (flash attention's update). Values
-    are read in the COMPUTE dtype."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # callers guarantee a finite entry per row
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    vb = tl.load(
-        v_pool + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    ).to(COMPUTE)
-    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), vb, input_precision=PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
 @triton.jit
@@ -220,7 +182,7 @@ def _attend_blocks(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)
+        slot = kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)
         k_rows = k_pool + slot[:, None] * stride_t + kvh * stride_h
         s = _scores(qa, qb, k_rows, qa, qb, offs_a, offs_b, valid, qk_scale, True, PART,
                     HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
@@ -251,7 +213,7 @@ def _rope_first_block(
     HALF: tl.constexpr = HEAD_DIM // 2
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < end
-    slot = _kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)[:, None]
+    slot = kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)[:, None]
     k_rows = k_pool + slot * stride_t + kvh * stride_h
     ka, kb = _load_parts(k_rows, offs_a, offs_b, valid, HEAD_DIM, PART)
     v_rows = v_pool + slot * stride_t + kvh * stride_h
@@ -607,7 +569,7 @@ def _extend_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_valid = pos < kv_end
-        slot = _kv_slots(page_table, row, pos, n_valid, stride_pt, PAGE_SIZE)
+        slot = kv_slots(page_table, row, pos, n_valid, stride_pt, PAGE_SIZE)
         kb = tl.load(
             k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=n_valid[:, None],
@@ -617,10 +579,11 @@ def _extend_kernel(
         allowed = (pos[None, :] <= q_pos[:, None]) & n_valid[None, :]
         # every query row sees position 0 in the first block, so the max is finite from there on
         s = tl.where(allowed, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(
-            s, m_i, l_i, acc, v_pool, slot, kvh, n_valid, offs_d, stride_vt, stride_vh, COMPUTE,
-            PRECISION,
-        )  # fmt: skip
+        m_new, p, alpha = _softmax(s, m_i)
+        v_rows = v_pool + slot[:, None] * stride_vt + kvh * stride_vh
+        l_i, acc, _ = _accumulate(p, alpha, v_rows, qb, qb, offs_d, offs_d, n_valid, l_i, acc,
+                                  acc, True, HEAD_DIM, HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
+        m_i = m_new
 
     res = acc / l_i[:, None]
     tl.store(
