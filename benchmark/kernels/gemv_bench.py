@@ -46,10 +46,13 @@ def model_shapes(config_dir: str) -> dict[str, tuple[int, int, bool, int]]:
     }
 
 
-def candidates(rows: int, k: int, m: int, silu: bool, smoke: bool = False) -> list:
+def candidates(
+    rows: int, k: int, m: int, silu: bool, smoke: bool = False, fma_stages: tuple = (1,)
+) -> list:
     """Configs worth timing for a weight [rows, K] at M rows: the heuristic's; FMA tiles of
     2048, 4096 and 8192 accumulators (8 warps for the largest) with K split as the heuristic
-    would and unsplit; tensor-core tiles likewise."""
+    would and unsplit, at each of `fma_stages` where K takes several tiles; tensor-core tiles
+    likewise."""
     from minisgl.kernel.gemv import GemvConfig, block_m, heuristic, split_for
 
     bm, tiles, sms = block_m(m), 2 if silu else 1, 132
@@ -65,7 +68,8 @@ def candidates(rows: int, k: int, m: int, silu: bool, smoke: bool = False) -> li
         for product, warps in ((2048, 4), (4096, 4), (8192, 8)):
             block_n = product // (bm * block_k * tiles)
             if block_k <= k and 1 <= block_n <= 64:
-                out += splits(GemvConfig(block_n, block_k, num_warps=warps))
+                for stages in fma_stages if block_k < k else (1,):
+                    out += splits(GemvConfig(block_n, block_k, num_warps=warps, num_stages=stages))
     for block_n, block_k in ((16, 128), (16, 256), (32, 128), (32, 256), (64, 128)):
         out += splits(GemvConfig(block_n, block_k, num_stages=3, dot=True))
     return list(dict.fromkeys(out))  # unique, in order
@@ -120,7 +124,7 @@ def bench_case(
     base = time_us(baseline, len(ws), cuda)
     now = time_us(lambda i: op(x, ws[i]), len(ws), cuda)
     results = []
-    for cfg in candidates(rows, k, m, silu, args.smoke):
+    for cfg in candidates(rows, k, m, silu, args.smoke, args.fma_stages):
         err = (op(x, w0, config=cfg).float() - ref).abs().max().item()
         if err > 3e-2 * scale:
             print(f"  WRONG {cfg}: max error {err:.3g}")
@@ -146,7 +150,11 @@ def main() -> None:
     p.add_argument("--m", help="rows of x (batch sizes), at most 8; default 1,2,4,8 (smoke: 1,3)")
     p.add_argument("--all", action="store_true", help="print every candidate, not the top 3")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    p.add_argument(
+        "--fma-stages", default="1", help="num_stages for the FMA candidates (e.g. 1,2,3)"
+    )
     args = p.parse_args()
+    args.fma_stages = tuple(int(v) for v in args.fma_stages.split(","))
     if args.smoke:  # before anything imports triton
         os.environ["TRITON_INTERPRET"] = "1"
     import torch

@@ -38,6 +38,10 @@ def test_skipped_rows_are_left_out(shape):
     assert torch.equal(part[kept], full[kept])
     assert not bool(part[~kept].any())
     assert torch.equal(full[0], logits[0].argmax())  # row 0 is greedy
+    # temperatures read at their stride, as a step's block carries them (no copy first)
+    strided = torch.zeros(batch, 2, device=DEVICE)
+    strided[:, 0] = temperature
+    assert torch.equal(ops.gumbel_argmax(logits, strided[:, 0], seed, step), full)
 
 
 @on_device
@@ -76,3 +80,25 @@ def test_sample_into_writes_the_table_on_the_torch_path():
     assert torch.equal(got, sample_at_temperature(logits, temperature, seed, step))
     assert torch.equal(table[rows, step], got.to(torch.int32))
     assert int((table != 0).sum()) <= 4
+
+
+def test_step_inputs_round_trip():
+    """StepInputs.pack / unpack: every row as packed, kv_lens = cached + extend, temperatures
+    exact float32 views of the int64 block (greedy 0), no copies on unpack."""
+    from minisgl.core import Req, SamplingParams
+    from minisgl.engine.step import StepInputs
+
+    reqs = [
+        Req([1, 2, 3], 7, SamplingParams(temperature=0.7, seed=2**40 + 5), 8, table_idx=3),
+        Req([4], 2, SamplingParams(temperature=0.0), 3, table_idx=5),
+    ]
+    reqs[0].cached_len, reqs[0].extend_len = 10, 1
+    reqs[1].cached_len, reqs[1].extend_len = 0, 4
+    block = StepInputs.pack(reqs, [True, False], dummy_row=9, device=torch.device("cpu"))
+    inputs = StepInputs.unpack(block)
+    assert inputs.rows.tolist() == [3, 5] and inputs.write_rows.tolist() == [3, 9]
+    assert inputs.kv_lens.tolist() == [11, 4] and inputs.skips.tolist() == [0, 1]
+    assert inputs.temperatures.dtype == torch.float32
+    assert inputs.temperatures.tolist() == [torch.tensor(0.7).item(), 0.0]
+    assert inputs.seeds.tolist() == [5, reqs[1].seed & 0xFFFFFFFF]
+    assert inputs.temperatures.data_ptr() == block[-1].data_ptr()  # a view, not a copy

@@ -21,15 +21,18 @@ if TYPE_CHECKING:
 @dataclass
 class StepInputs:
     """A step's per-request inputs on the device: one int64 block (`pack`; one non-blocking copy),
-    one row per field in this order; `unpack` names the rows of a block on the device."""
+    one row per field in this order; `unpack` names the rows of a block on the device as views,
+    so a CUDA graph's step starts with no conversion kernels."""
 
     rows: torch.Tensor  # page-table (and token-table) row
     cached_lens: torch.Tensor  # tokens whose KV is in the pool
     extend_lens: torch.Tensor  # tokens this step computes
+    kv_lens: torch.Tensor  # cached + extend: the sampled id's position
     write_rows: torch.Tensor  # row the sampled id goes to: own row, or the dummy row if unsampled
     seeds: torch.Tensor  # low 32 bits of the sampling seed (all the sampling hash reads)
     skips: torch.Tensor  # 1: a CUDA graph's sampling passes the row (unsampled, or resampled)
-    temperatures: torch.Tensor  # float32, 0 = greedy (carried as the bits of a float64)
+    # float32, 0 = greedy: the low half of each int64 (a strided view, no conversion kernel)
+    temperatures: torch.Tensor
 
     @staticmethod
     def pack(
@@ -39,7 +42,7 @@ class StepInputs:
         device: torch.device,
         resample: bool = False,
     ) -> torch.Tensor:
-        """The host block [7, len(reqs)]; pinned for a CUDA device, since a copy from pageable
+        """The host block [8, len(reqs)]; pinned for a CUDA device, since a copy from pageable
         memory would wait for all queued device work. `resample`: the step samples every row
         again after the forward (adjusted, masked or filtered logits)."""
         host = torch.tensor(
@@ -47,6 +50,7 @@ class StepInputs:
                 [r.table_idx for r in reqs],
                 [r.cached_len for r in reqs],
                 [r.extend_len for r in reqs],
+                [r.cached_len + r.extend_len for r in reqs],
                 [r.table_idx if s else dummy_row for r, s in zip(reqs, samples)],
                 [r.seed & MASK32 for r in reqs],
                 [int(resample or not s) for s in samples],
@@ -56,7 +60,7 @@ class StepInputs:
             pin_memory=device.type == "cuda",
         )
         temps = [0.0 if r.params.is_greedy else r.params.temperature for r in reqs]
-        host[-1].view(torch.float64).copy_(torch.tensor(temps, dtype=torch.float64))
+        _low_halves(host[-1]).copy_(torch.tensor(temps, dtype=torch.float32))
         return host
 
     def pick(self, index: slice | torch.Tensor) -> StepInputs:
@@ -64,9 +68,13 @@ class StepInputs:
 
     @staticmethod
     def unpack(block: torch.Tensor) -> StepInputs:
-        rows, cached, extend, write_rows, seeds, skips, temperature_bits = block.unbind(0)
-        temperatures = temperature_bits.view(torch.float64).float()
-        return StepInputs(rows, cached, extend, write_rows, seeds, skips, temperatures)
+        *ints, temperature_bits = block.unbind(0)
+        return StepInputs(*ints, _low_halves(temperature_bits))
+
+
+def _low_halves(row: torch.Tensor) -> torch.Tensor:
+    """The float32 view of each int64's low 32 bits (little-endian: the first half)."""
+    return row.view(torch.float32)[0::2]
 
 
 @dataclass
@@ -132,7 +140,7 @@ def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> 
         logits = engine.model.compute_logits(last)
     finally:
         engine.ctx.batch = None
-    kv_lens = inputs.cached_lens + inputs.extend_lens
+    kv_lens = inputs.kv_lens
     sampled = None
     if sample:
         sampled = sample_into(

@@ -206,7 +206,7 @@ def _gemv_kernel(
         w_rows = pid_n * BLOCK_N + pairs // BLOCK_M
         acc = tl.zeros((BLOCK_N * BLOCK_M, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
-    x_ptrs = x + x_rows[:, None] * stride_xm + offs_k[None, :]
+    x_offs = x_rows[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w + w_rows.to(tl.int64)[:, None] * K + offs_k[None, :]
     x_mask = (x_rows < M)[:, None]  # rows masks: constant along K, loads stay vectorised
     w_mask = (w_rows < N)[:, None]
@@ -215,14 +215,14 @@ def _gemv_kernel(
     k_mask = _k_mask(offs_k, K, 0, EVEN_K, BLOCK_K)
     wt, ut = _load_w(w_ptrs, w_mask & k_mask, UP_OFFSET, SILU)
     wait_for_previous(PDL)
-    xt = tl.load(x_ptrs, mask=x_mask & k_mask, other=0.0)
+    xt = tl.load(x + x_offs, mask=x_mask & k_mask, other=0.0)
     acc, acc_up = _accumulate(acc, acc_up, xt, wt, ut, SILU, DOT, PRECISION, UPCAST)
     for k in range(BLOCK_K, K_SPLIT, BLOCK_K):
-        x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        x_offs += BLOCK_K
         k_mask = _k_mask(offs_k, K, k, EVEN_K, BLOCK_K)
         wt, ut = _load_w(w_ptrs, w_mask & k_mask, UP_OFFSET, SILU)  # the DRAM stream first
-        xt = tl.load(x_ptrs, mask=x_mask & k_mask, other=0.0)
+        xt = tl.load(x + x_offs, mask=x_mask & k_mask, other=0.0)
         acc, acc_up = _accumulate(acc, acc_up, xt, wt, ut, SILU, DOT, PRECISION, UPCAST)
     if DOT:
         out_m = tl.broadcast_to(offs_m[:, None], (BLOCK_M, BLOCK_N))

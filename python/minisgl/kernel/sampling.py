@@ -26,7 +26,7 @@ def _hash32(x):
 @triton.jit
 def _gumbel_argmax_kernel(
     logits,  # [B, V] any float dtype (read as float32)
-    temperature,  # [B] float32, 0 = greedy
+    temperature,  # [B] float32 at stride_t, 0 = greedy
     seed,  # [B] int64
     step,  # [B] int64
     skip,  # [B] int64: nonzero = leave the row out (HAS_SKIP)
@@ -35,6 +35,7 @@ def _gumbel_argmax_kernel(
     vocab_size,
     chunk_size,  # a multiple of BLOCK
     stride_b,
+    stride_t,
     HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
@@ -45,7 +46,7 @@ def _gumbel_argmax_kernel(
     blocks = tl.cdiv(chunk_size, BLOCK)
     if HAS_SKIP:  # a skipped row reads nothing: its chunks report (-inf, 0)
         blocks = tl.where(tl.load(skip + b) != 0, 0, blocks)
-    temp = tl.load(temperature + b)
+    temp = tl.load(temperature + b * stride_t)
     greedy = temp == 0.0
     safe_temp = tl.where(greedy, 1.0, temp)
     s = tl.load(seed + b).to(tl.int64)
@@ -124,8 +125,9 @@ def gumbel_argmax(
     chunks = triton.cdiv(vocab, chunk_size)
     best_val = torch.empty(batch, chunks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(batch, chunks, dtype=torch.int64, device=logits.device)
-    # the per-request arguments are often strided views of one [B, 3] tensor
-    temperature, seed, step = temperature.contiguous(), seed.contiguous(), step.contiguous()
+    # the per-request arguments are often strided views of one [B, 3] tensor; the temperatures
+    # are read at their stride (a step's are the low halves of an int64 row: no copy kernel)
+    seed, step = seed.contiguous(), step.contiguous()
     launch = pdl.options(logits.device)
     _gumbel_argmax_kernel[(batch, chunks)](
         logits,
@@ -138,6 +140,7 @@ def gumbel_argmax(
         vocab,
         chunk_size,
         logits.stride(0),
+        temperature.stride(0),
         HAS_SKIP=skip is not None,
         BLOCK=block,
         **launch,
