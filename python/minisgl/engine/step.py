@@ -68,8 +68,9 @@ class StepInputs:
 
     @staticmethod
     def unpack(block: torch.Tensor) -> StepInputs:
-        *ints, temperature_bits = block.unbind(0)
-        return StepInputs(*ints, _low_halves(temperature_bits))
+        rows, cached, extend, kv_lens, write_rows, seeds, skips, temperature_bits = block.unbind(0)
+        temperatures = _low_halves(temperature_bits)
+        return StepInputs(rows, cached, extend, kv_lens, write_rows, seeds, skips, temperatures)
 
 
 def _low_halves(row: torch.Tensor) -> torch.Tensor:
