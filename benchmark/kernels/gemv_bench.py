@@ -70,8 +70,9 @@ def candidates(
             if block_k <= k and 1 <= block_n <= 64:
                 for stages in fma_stages if block_k < k else (1,):
                     out += splits(GemvConfig(block_n, block_k, num_warps=warps, num_stages=stages))
-    for block_n, block_k in ((16, 128), (16, 256), (32, 128), (32, 256), (64, 128)):
-        out += splits(GemvConfig(block_n, block_k, num_stages=3, dot=True))
+    for block_n, block_k in ((16, 128), (16, 256), (32, 128), (32, 256), (64, 64), (64, 128)):
+        if block_k <= max(16, k):
+            out += splits(GemvConfig(block_n, block_k, num_stages=3, dot=True))
     return list(dict.fromkeys(out))  # unique, in order
 
 
@@ -147,7 +148,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default=os.path.join(ROOT, "benchmark", "qwen3-0.6b"))
     p.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
-    p.add_argument("--m", help="rows of x (batch sizes), at most 8; default 1,2,4,8 (smoke: 1,3)")
+    p.add_argument("--m", help="rows of x (batch sizes), at most 64; default 1,2,4,8 (smoke: 1,3)")
     p.add_argument("--all", action="store_true", help="print every candidate, not the top 3")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     p.add_argument(
@@ -160,7 +161,7 @@ def main() -> None:
     import torch
     from bench import GPU_PEAKS
 
-    from minisgl.kernel import GEMV_MAX_M
+    from minisgl.kernel import GEMV_KERNEL_MAX_M
     from minisgl.kernel.gemv import block_m
 
     cuda = not args.smoke
@@ -171,8 +172,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"
     peak = next((bw for name, (bw, _) in GPU_PEAKS.items() if name in gpu), None)
     ms = [int(v) for v in (args.m or ("1,3" if args.smoke else "1,2,4,8")).split(",")]
-    if any(not 1 <= m <= GEMV_MAX_M for m in ms):
-        sys.exit(f"--m {args.m}: each M must be in 1..{GEMV_MAX_M}")
+    if any(not 1 <= m <= GEMV_KERNEL_MAX_M for m in ms):
+        sys.exit(f"--m {args.m}: each M must be in 1..{GEMV_KERNEL_MAX_M}")
     all_shapes = (
         {"tiny": (40, 48, False, 1), "tiny_silu": (48, 40, True, 1)}
         if args.smoke

@@ -31,6 +31,19 @@ def disable_gemv() -> bool:
     return _flag("MINISGL_DISABLE_GEMV")
 
 
+def gemv_max_m() -> int | None:
+    """MINISGL_GEMV_MAX_M: decode batches of up to this many rows take the GEMV kernels
+    (`kernel.gemv_max_m`: default 8, at most 64); unset: the default. For measuring the
+    tensor-core GEMV against cuBLAS at larger batches."""
+    name = "MINISGL_GEMV_MAX_M"
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name}={value!r}: expected a whole number of rows >= 1")
+    return int(value)
+
+
 def disable_decode_rope() -> bool:
     """MINISGL_DISABLE_DECODE_ROPE: apply RoPE and store the new K/V with the rotary kernel
     before decode attention (`kernel/fused.py`), instead of inside the Triton decode kernel."""

@@ -94,6 +94,19 @@ def test_gemv_interpreted(gemv, dtype, config):
         check(gemv.gemv_silu_and_mul(x, w, b, config=cfg), reference(x, w, b, silu=True))
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs the model's")
+@pytest.mark.parametrize("config", ["heuristic", "dot_split"])
+def test_gemv_interpreted_up_to_64_rows(gemv, config):
+    """Batches beyond GEMV_MAX_M (MINISGL_GEMV_MAX_M lets the layers send them): tensor-core
+    tiles of 16, 64 (33 rows: padded) and 64 rows of x."""
+    cfg = cpu_configs(gemv)[config]
+    for m in (9, 16, 33, 64):
+        x, w, b = problem(m, 37, 72, torch.float32, seed=m, bias=True)
+        check(gemv.gemv(x, w, b, config=cfg), reference(x, w, b))
+        x, w, b = problem(m, 38, 72, torch.float16, seed=10 + m)
+        check(gemv.gemv_silu_and_mul(x, w, b, config=cfg), reference(x, w, b, silu=True))
+
+
 @pytest.mark.skipif(CUDA, reason="interpreter shapes")
 def test_gemv_shapes_and_strides(gemv):
     x, w, b = problem(6, 24, 40, torch.float32, seed=3, bias=True)
@@ -111,7 +124,7 @@ def test_gemv_shapes_and_strides(gemv):
 def test_gemv_refuses_bad_input(gemv):
     x, w, _ = problem(2, 8, 16, torch.float32, seed=4)
     cases = [
-        (lambda: gemv.gemv(torch.randn(9, 16), w), "more than GEMV_MAX_M = 8"),
+        (lambda: gemv.gemv(torch.randn(65, 16), w), "more than GEMV_KERNEL_MAX_M = 64"),
         (lambda: gemv.gemv(x, torch.randn(8, 12)), r"x \(2, 16\) vs weight \(8, 12\)"),
         (lambda: gemv.gemv(x.half(), w), "must share one of"),
         (lambda: gemv.gemv(x, w.t().contiguous().t()), "contiguous"),
@@ -169,6 +182,25 @@ def test_eligibility_rule(monkeypatch):
         env.disable_gemv()
 
 
+def test_gemv_max_m(monkeypatch):
+    """MINISGL_GEMV_MAX_M moves the rows bound (default GEMV_MAX_M) up to GEMV_KERNEL_MAX_M;
+    anything else is refused with the variable's name."""
+    for flag in ("MINISGL_DISABLE_GEMV", "MINISGL_DISABLE_FUSED_OPS", "MINISGL_GEMV_MAX_M"):
+        monkeypatch.delenv(flag, raising=False)
+    w = torch.zeros(5, 16)
+    assert kernel.gemv_max_m() == kernel.GEMV_MAX_M == 8
+    monkeypatch.setenv("MINISGL_GEMV_MAX_M", "32")
+    assert kernel.gemv_max_m() == 32
+    assert kernel.gemv_eligible(torch.zeros(32, 16), w)
+    assert not kernel.gemv_eligible(torch.zeros(33, 16), w)
+    monkeypatch.setenv("MINISGL_GEMV_MAX_M", "64")
+    assert kernel.gemv_eligible(torch.zeros(4, 16, 16), w)
+    for bad, message in [("65", "at most 64 rows"), ("0", "whole number"), ("8.5", "whole")]:
+        monkeypatch.setenv("MINISGL_GEMV_MAX_M", bad)
+        with pytest.raises(ValueError, match=f"MINISGL_GEMV_MAX_M=.*{message}"):
+            kernel.gemv_eligible(torch.zeros(1, 16), w)
+
+
 def layers(dtype: torch.dtype):
     """A biased column linear, a row-parallel linear, an MLP and an LM head, seeded."""
     torch.manual_seed(0)
@@ -209,23 +241,28 @@ def spy_gemv(monkeypatch, gemv, on_any_device: bool) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("flag", [None, "MINISGL_DISABLE_GEMV", "MINISGL_DISABLE_FUSED_OPS"])
+@pytest.mark.parametrize(
+    "flag", [None, "MINISGL_DISABLE_GEMV", "MINISGL_DISABLE_FUSED_OPS", "MINISGL_GEMV_MAX_M"]
+)
 def test_layers_dispatch(gemv, monkeypatch, flag):
     """M <= 8: every layer (and the MLP's fused gate_up + SiLU) takes the GEMV and matches
-    F.linear; M = 9 or a flag: F.linear, bit for bit."""
-    monkeypatch.delenv("MINISGL_DISABLE_GEMV", raising=False)
-    monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS", raising=False)
+    F.linear; M = 9 or a flag: F.linear, bit for bit; with MINISGL_GEMV_MAX_M=16, M = 9 and 16
+    take the GEMV and M = 17 F.linear."""
+    for name in ("MINISGL_DISABLE_GEMV", "MINISGL_DISABLE_FUSED_OPS", "MINISGL_GEMV_MAX_M"):
+        monkeypatch.delenv(name, raising=False)
     if flag:
-        monkeypatch.setenv(flag, "1")
+        monkeypatch.setenv(flag, "16" if flag == "MINISGL_GEMV_MAX_M" else "1")
     calls = spy_gemv(monkeypatch, gemv, on_any_device=not CUDA)
     mods = layers(torch.float32)
     gen = torch.Generator().manual_seed(1)
-    for m in (1, 3, 9):  # FMA, tensor-core dot, F.linear
+    sizes = (1, 3, 9, 16, 17) if flag == "MINISGL_GEMV_MAX_M" else (1, 3, 9)
+    for m in sizes:  # FMA, tensor-core dot, F.linear
         x = torch.randn(m, 24, generator=gen).to(DEVICE)
         calls.clear()
         with torch.inference_mode():
             outs = [mod(x) for mod in mods]
-        fallback = m > kernel.GEMV_MAX_M or flag is not None
+        disabled = flag is not None and flag != "MINISGL_GEMV_MAX_M"
+        fallback = m > kernel.gemv_max_m() or disabled
         for out, ref in zip(outs, references(mods, x)):
             if fallback and not CUDA:  # CUDA's SiLU-and-mul is a Triton kernel: not bit-exact
                 assert torch.equal(out, ref)
@@ -250,7 +287,7 @@ QWEN3_SHAPES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", QWEN3_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}{'_silu' * s[2]}")
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16, 33, 64])
 def test_gemv_qwen3_shapes_on_gpu(gemv, shape, m, dtype):
     rows, k, silu = shape
     x, w, b = problem(m, rows, k, dtype, seed=m, bias=rows == 4096)  # qkv bias as Qwen2 has

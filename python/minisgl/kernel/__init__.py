@@ -39,20 +39,34 @@ def fused_ops(x: torch.Tensor, module: str = "fused") -> ModuleType | None:
 
 
 # Decode batches up to this many rows make a linear layer a pure weight read: kernel/gemv.py
-# streams the weight faster than cuBLAS there. Also the largest M gemv.py accepts.
+# streams the weight faster than cuBLAS there. MINISGL_GEMV_MAX_M moves the bound up to
+# GEMV_KERNEL_MAX_M, the most rows gemv.py takes (tensor-core tiles of up to 64 rows).
 GEMV_MAX_M = 8
+GEMV_KERNEL_MAX_M = 64
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def gemv_max_m() -> int:
+    """The most rows of x that take the GEMV: MINISGL_GEMV_MAX_M, else GEMV_MAX_M."""
+    rows = env.gemv_max_m()
+    if rows is None:
+        return GEMV_MAX_M
+    if rows > GEMV_KERNEL_MAX_M:
+        raise ValueError(
+            f"MINISGL_GEMV_MAX_M={rows}: the GEMV kernels take at most {GEMV_KERNEL_MAX_M} rows"
+        )
+    return rows
+
+
 def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The device-independent half of `gemv_ops`: x [..., K] has at most GEMV_MAX_M rows, weight
-    is a contiguous [N, K] of x's dtype (a supported one) on x's device, and neither
+    """The device-independent half of `gemv_ops`: x [..., K] has at most `gemv_max_m()` rows,
+    weight is a contiguous [N, K] of x's dtype (a supported one) on x's device, and neither
     MINISGL_DISABLE_GEMV nor MINISGL_DISABLE_FUSED_OPS is set. Anything else (bad shapes too)
     goes to F.linear."""
     k = x.shape[-1]
     return (
         0 < k
-        and x.numel() <= GEMV_MAX_M * k
+        and x.numel() <= gemv_max_m() * k
         and weight.dim() == 2
         and weight.shape[1] == k
         and weight.device == x.device

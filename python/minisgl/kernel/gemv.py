@@ -1,4 +1,5 @@
-"""GEMV for small decode batches: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M <= GEMV_MAX_M,
+"""GEMV for small decode batches: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M up to
+GEMV_KERNEL_MAX_M (the layers use it up to `kernel.gemv_max_m()` rows, 8 by default),
 W row-major as nn.Linear keeps it, float32 accumulation, one rounding to x's dtype.
 
 At such M a linear layer is a pure weight read (cuBLAS's batch-1 GEMMs reach under half of the
@@ -35,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel import GEMV_DTYPES, GEMV_MAX_M, pdl
+from minisgl.kernel import GEMV_DTYPES, GEMV_KERNEL_MAX_M, pdl
 from minisgl.kernel.pdl import wait_for_previous
 
 
@@ -291,14 +292,18 @@ def heuristic(rows: int, k: int, bm: int, num_sms: int, silu: bool = False) -> G
     """An untuned config for a weight of `rows` x `k` at M tile `bm`. FMA up to bm 2 with 4096
     accumulators a program (about 80 registers a thread at 4 warps, so several programs share
     an SM and keep their loads in flight); tensor cores beyond, where the FMA path would load
-    each W row bm times."""
+    each W row bm times, with shorter K tiles and more W rows a program from 16 rows of x (each
+    program reads all of x's rows from L2: more W rows a program, fewer such reads)."""
     tiles = 2 if silu else 1
+    pow2_k = max(16, triton.next_power_of_2(k))
     if bm <= 2:
         block_k = min(512, triton.next_power_of_2(k))
         block_n = max(1, min(64, 4096 // (bm * block_k * tiles)))
         cfg = GemvConfig(block_n, block_k)
+    elif bm <= 8:
+        cfg = GemvConfig(16, min(256, pow2_k), num_stages=3, dot=True)
     else:
-        cfg = GemvConfig(16, min(256, max(16, triton.next_power_of_2(k))), num_stages=3, dot=True)
+        cfg = GemvConfig(32, min(128, pow2_k), num_stages=3, dot=True)
     programs = triton.cdiv(rows // tiles, cfg.block_n)
     return replace(cfg, split_k=split_for(programs, k, cfg.block_k, num_sms))
 
@@ -332,7 +337,9 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         f"{what}: bias {None if bias is None else tuple(bias.shape)} for {rows} rows"
     )
     m = x.shape[:-1].numel()
-    assert m <= GEMV_MAX_M, f"{what}: {m} rows of x, more than GEMV_MAX_M = {GEMV_MAX_M}"
+    assert m <= GEMV_KERNEL_MAX_M, (
+        f"{what}: {m} rows of x, more than GEMV_KERNEL_MAX_M = {GEMV_KERNEL_MAX_M}"
+    )
 
 
 def _launch(
