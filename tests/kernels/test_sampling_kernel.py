@@ -102,3 +102,42 @@ def test_step_inputs_round_trip():
     assert inputs.temperatures.tolist() == [torch.tensor(0.7).item(), 0.0]
     assert inputs.seeds.tolist() == [5, reqs[1].seed & 0xFFFFFFFF]
     assert inputs.temperatures.data_ptr() == block[-1].data_ptr()  # a view, not a copy
+
+
+@on_device
+def test_kernel_draws_the_torch_paths_ids(monkeypatch):
+    """The kernel's noise is the torch path's counter hash bit for bit (on uint32 there: seeds
+    and steps whose products overflow 32 bits check its unsigned shifts), so both draw the same
+    ids; greedy rows and a row of tied logits keep the first id."""
+    from minisgl.engine.sample import sample_at_temperature
+
+    ops = kernel_module("sampling")
+    vocab = SHAPES[-1][1]
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(7, vocab, generator=gen) * 3).to(DEVICE)
+    logits[6] = 1.0  # greedy over a tie: id 0
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.9, 1.0, 0.0], device=DEVICE)
+    seed = torch.tensor([2**40 + 3, 2**31 + 7, 5, 2**32 - 1, 123456789, 0, 1], device=DEVICE)
+    step = torch.tensor([0, 1, 2**31, 77, 3_000_000_000, 12, 5], device=DEVICE)
+    got = ops.gumbel_argmax(logits, temperature, seed, step)
+    monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
+    want = sample_at_temperature(logits, temperature, seed, step)
+    assert torch.equal(got, want), (got, want)
+    assert got[6].item() == 0
+
+
+@pytest.mark.skipif(CUDA, reason="the smoke run is the CPU one")
+def test_benchmark_smoke():
+    """benchmark/kernels/sampling_bench.py --smoke runs interpreted and matches the torch path."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, os.path.join(root, "benchmark", "kernels", "sampling_bench.py")]
+    env_vars = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
+    proc = subprocess.run(
+        cmd + ["--smoke"], capture_output=True, text=True, timeout=120, env=env_vars
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("torch path's: 100%") == 2, proc.stdout
