@@ -342,6 +342,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-overlap", action="store_true", help="MINISGL_DISABLE_OVERLAP_SCHEDULING")
     p.add_argument("--no-fused", action="store_true", help="MINISGL_DISABLE_FUSED_OPS")
     p.add_argument("--no-gemv", action="store_true", help="MINISGL_DISABLE_GEMV")
+    p.add_argument(
+        "--gemv-max-m", type=int, help="MINISGL_GEMV_MAX_M: batches up to N rows take the GEMV"
+    )
     p.add_argument("--no-pdl", action="store_true", help="MINISGL_DISABLE_PDL")
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="a step's tokens")
@@ -406,7 +409,10 @@ def parse_args() -> argparse.Namespace:
         default=",".join(FEATURE_GROUPS),
         help="which FEATURES the --features-frac requests use (comma-separated, an ablation)",
     )
-    return p.parse_args()
+    args = p.parse_args()
+    if args.gemv_max_m is not None and not 1 <= args.gemv_max_m <= 64:
+        p.error(f"--gemv-max-m {args.gemv_max_m}: the GEMV kernels take 1 to 64 rows")
+    return args
 
 
 def main() -> None:
@@ -419,6 +425,8 @@ def main() -> None:
         os.environ["MINISGL_DISABLE_GEMV"] = "1"
     if args.no_pdl:
         os.environ["MINISGL_DISABLE_PDL"] = "1"
+    if args.gemv_max_m is not None:
+        os.environ["MINISGL_GEMV_MAX_M"] = str(args.gemv_max_m)
     import torch
 
     from minisgl import LLM, SamplingParams
@@ -540,6 +548,7 @@ def main() -> None:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "fused": not args.no_fused,
         "gemv": not args.no_gemv,
+        "gemv_max_m": args.gemv_max_m,
         "pdl": not args.no_pdl,
         "grammar_frac": args.grammar_frac,
         "features_frac": args.features_frac,

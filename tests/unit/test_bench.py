@@ -74,6 +74,7 @@ def test_cpu_smoke_run(tmp_path):
     assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny", 1, None)
     assert result["mixed_steps"] is True and result["max_num_batched_tokens"] == 8192
     assert result["prefill_graphs"] is True
+    assert result["gemv_max_m"] is None  # --gemv-max-m not given: the default bound
 
 
 def test_cpu_smoke_run_speculative(tmp_path):
@@ -167,3 +168,15 @@ def test_first_token_bench_on_cpu(tmp_path):
         (40, False),
     ]
     assert all(x["first_token_ms"] > 0 and x["eight_tokens_ms"] > 0 for x in lines)
+
+
+def test_gemv_max_m_out_of_range_is_refused():
+    """--gemv-max-m outside the GEMV's 1..64 rows: a usage error naming the flag, before any
+    model loads."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmark", "offline", "bench.py")]
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    for bad in ("0", "65"):
+        proc = subprocess.run(
+            [*cmd, "--tiny", "--gemv-max-m", bad], capture_output=True, text=True, env=env
+        )
+        assert proc.returncode == 2 and f"--gemv-max-m {bad}:" in proc.stderr, proc.stderr
