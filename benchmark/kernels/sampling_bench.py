@@ -13,36 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "python"))
-
-
-def time_us(fn, copies: int, cuda: bool) -> float:
-    """Mean time of fn(i) over the copies i: a replayed CUDA graph, or a loop on CPU."""
-    import torch
-
-    for i in range(copies):  # compile, warm up
-        fn(i)
-    if not cuda:
-        start = time.perf_counter()
-        for i in range(copies):
-            fn(i)
-        return (time.perf_counter() - start) / copies * 1e6
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 10
-    begin.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) * 1e3 / (reps * copies)
+from gemv_bench import time_us  # noqa: E402  (this directory: a graph of calls, replayed)
 
 
 def bench(batch: int, vocab: int, cuda: bool) -> str:
