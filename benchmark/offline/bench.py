@@ -306,22 +306,8 @@ def commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
-def parse_args() -> argparse.Namespace:
-    here = os.path.dirname(os.path.abspath(__file__))
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--model",
-        "--config",
-        dest="model",
-        default=os.path.join(here, "..", "qwen3-0.6b"),
-        help="model directory; with dummy weights a directory with only config.json will do "
-        "(benchmark/qwen3-0.6b, qwen3-8b, qwen3-30b-a3b)",
-    )
-    p.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 (smoke test)")
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--single", action="store_true", help="one request: decode tok/s")
+def engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options and the ablation switches."""
     p.add_argument("--device", default="auto")
     p.add_argument("--attn", default="auto")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
@@ -356,24 +342,10 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="small prefill and mixed steps run eagerly instead of as decode-graph rows",
     )
-    p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
-    p.add_argument(
-        "--host-profile",
-        action="store_true",
-        help="print the host functions taking the most time (cProfile of the timed runs)",
-    )
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="time the workload this many times in one process; tok/s is the median run",
-    )
-    p.add_argument(
-        "--json",
-        help="append the result as one JSON line to this file (with the date, commit, command"
-        " and --note; with --profile the GPU's kernel time)",
-    )
-    p.add_argument("--note", help="a remark stored in the --json line (e.g. what was compared)")
+
+
+def spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding, as the server's flags."""
     p.add_argument(
         "--speculative-algorithm",
         choices=["ngram", "standalone", "random", "oracle"],
@@ -392,6 +364,44 @@ def parse_args() -> argparse.Namespace:
         " (0 or 1: at every step, none overlapped)",
     )
     p.add_argument("--speculative-draft-model-path", help="standalone's draft model")
+
+
+def parse_args() -> argparse.Namespace:
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--model",
+        "--config",
+        dest="model",
+        default=os.path.join(here, "..", "qwen3-0.6b"),
+        help="model directory; with dummy weights a directory with only config.json will do "
+        "(benchmark/qwen3-0.6b, qwen3-8b, qwen3-30b-a3b)",
+    )
+    p.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 (smoke test)")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--single", action="store_true", help="one request: decode tok/s")
+    engine_args(p)
+    p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="print the host functions taking the most time (cProfile of the timed runs)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="time the workload this many times in one process; tok/s is the median run",
+    )
+    p.add_argument(
+        "--json",
+        help="append the result as one JSON line to this file (with the date, commit, command"
+        " and --note; with --profile the GPU's kernel time)",
+    )
+    p.add_argument("--note", help="a remark stored in the --json line (e.g. what was compared)")
+    spec_args(p)
     p.add_argument(
         "--grammar-frac",
         type=float,
@@ -415,26 +425,27 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    if args.no_overlap:
-        os.environ["MINISGL_DISABLE_OVERLAP_SCHEDULING"] = "1"
-    if args.no_fused:
-        os.environ["MINISGL_DISABLE_FUSED_OPS"] = "1"
-    if args.no_gemv:
-        os.environ["MINISGL_DISABLE_GEMV"] = "1"
-    if args.no_pdl:
-        os.environ["MINISGL_DISABLE_PDL"] = "1"
+ENV_SWITCHES = {
+    "no_overlap": "MINISGL_DISABLE_OVERLAP_SCHEDULING",
+    "no_fused": "MINISGL_DISABLE_FUSED_OPS",
+    "no_gemv": "MINISGL_DISABLE_GEMV",
+    "no_pdl": "MINISGL_DISABLE_PDL",
+}
+
+
+def set_env(args: argparse.Namespace) -> None:
+    """The ablation switches that are environment flags, before minisgl imports."""
+    for attr, name in ENV_SWITCHES.items():
+        if getattr(args, attr):
+            os.environ[name] = "1"
     if args.gemv_max_m is not None:
         os.environ["MINISGL_GEMV_MAX_M"] = str(args.gemv_max_m)
-    import torch
 
-    from minisgl import LLM, SamplingParams
 
-    if args.dp > 1 and args.profile:
-        raise SystemExit("--profile with --dp > 1: the kernels run in the replicas' processes")
-    model = tiny_model_dir() if args.tiny else args.model
-    llm = LLM(
+def make_llm(args: argparse.Namespace, model: str) -> Any:
+    from minisgl import LLM
+
+    return LLM(
         model,
         dummy_weights=True,
         device=args.device,
@@ -450,8 +461,14 @@ def main() -> None:
         disable_prefill_graphs=args.disable_prefill_graphs,
         **spec_options(args, model),
     )
+
+
+def make_requests(llm: Any, args: argparse.Namespace) -> tuple[list, list[int], list]:
+    """The workload's prompts, output lengths and sampling parameters; warms the engine up."""
+    from minisgl import SamplingParams
+
     if args.single:
-        prompts, max_tokens = workload(1, 128, args.max_output_len)
+        prompts, _ = workload(1, 128, args.max_output_len)
         max_tokens = [args.max_output_len]
     else:
         prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
@@ -479,6 +496,13 @@ def main() -> None:
         for i in range(24)
     ]
     llm.generate(warm_prompts, warm_params, use_tqdm=False)
+    return prompts, max_tokens, params
+
+
+def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) -> dict[str, Any]:
+    """Runs the workload --repeat times under the asked profilers: the runs' seconds, the last
+    run's outputs, the prefix-cache hits, the kernel time (--profile) and speculation's fields."""
+    import torch
 
     profiler = None
     if args.profile and torch.cuda.is_available():
@@ -501,10 +525,10 @@ def main() -> None:
         outputs = llm.generate(run_prompts, params, use_tqdm=False)
         sync()
         runs.append(time.perf_counter() - start)
-    seconds = statistics.median(runs)
     if host_profiler is not None:
         host_profiler.disable()
         pstats.Stats(host_profiler).sort_stats("tottime").print_stats(30)
+    kernel_s = None
     if profiler is not None:
         profiler.__exit__(None, None, None)
         kernels = profiler.key_averages()
@@ -512,7 +536,43 @@ def main() -> None:
         # summed kernel times: two kernels that overlap under PDL both count
         kernel_s = sum(k.self_device_time_total for k in kernels) / 1e6
         print(f"GPU kernel time {kernel_s:.3f} s of {sum(runs):.3f} s ({kernel_s / sum(runs):.0%})")
+    cached = llm.num_cached_tokens - cached_before
+    return dict(runs=runs, outputs=outputs, cached=cached, kernel_s=kernel_s, spec=spec_fields())
 
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The --json line's record of how the engine ran."""
+    return {
+        "attn": args.attn,
+        # speculation: the steps between proposals overlap (a back-off of 0 or 1 leaves none)
+        "overlap": not args.no_overlap
+        and (args.speculative_algorithm is None or args.speculative_max_backoff > 1),
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "mixed_steps": not args.disable_mixed_steps,
+        "prefill_graphs": not args.disable_prefill_graphs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "fused": not args.no_fused,
+        "gemv": not args.no_gemv,
+        "gemv_max_m": args.gemv_max_m,
+        "pdl": not args.no_pdl,
+        "grammar_frac": args.grammar_frac,
+        "features_frac": args.features_frac,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    set_env(args)
+    import torch
+
+    if args.dp > 1 and args.profile:
+        raise SystemExit("--profile with --dp > 1: the kernels run in the replicas' processes")
+    llm = make_llm(args, tiny_model_dir() if args.tiny else args.model)
+    prompts, max_tokens, params = make_requests(llm, args)
+    timed = timed_runs(llm, args, prompts, params)
+    runs, outputs = timed["runs"], timed["outputs"]
+    seconds = statistics.median(runs)
     total = sum(len(o["token_ids"]) for o in outputs)
     # a constrained request may end early, when its random text happens to close the JSON
     assert total == sum(max_tokens) or args.grammar_frac > 0, (total, sum(max_tokens))
@@ -534,30 +594,16 @@ def main() -> None:
         "output_tokens": total,
         "seconds": round(seconds, 3),
         "runs_s": [round(t, 3) for t in runs],
-        "prefix_cached_tokens": llm.num_cached_tokens - cached_before,
+        "prefix_cached_tokens": timed["cached"],
         "tok_s": round(tok_s, 1),
-        "attn": args.attn,
         "moe_backend": moe.backend if moe is not None else None,
-        # speculation: the steps between proposals overlap (a back-off of 0 or 1 leaves none)
-        "overlap": not args.no_overlap
-        and (args.speculative_algorithm is None or args.speculative_max_backoff > 1),
-        "cuda_graph_max_bs": args.cuda_graph_max_bs,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "mixed_steps": not args.disable_mixed_steps,
-        "prefill_graphs": not args.disable_prefill_graphs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "fused": not args.no_fused,
-        "gemv": not args.no_gemv,
-        "gemv_max_m": args.gemv_max_m,
-        "pdl": not args.no_pdl,
-        "grammar_frac": args.grammar_frac,
-        "features_frac": args.features_frac,
+        **settings(args),
         "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),
-        **spec_fields(),
+        **timed["spec"],
     }
-    if profiler is not None:  # the summed kernel time over the timed runs' wall time
-        result["gpu_kernel_s"] = round(kernel_s, 3)
-        result["gpu_busy"] = round(kernel_s / sum(runs), 3)
+    if timed["kernel_s"] is not None:  # the summed kernel time over the timed runs' wall time
+        result["gpu_kernel_s"] = round(timed["kernel_s"], 3)
+        result["gpu_busy"] = round(timed["kernel_s"] / sum(runs), 3)
     if engine is not None and not args.single:
         result.update(roofline(engine, gpu, prompts, max_tokens, tok_s))
     line = f"{gpu}: {total} tokens in {seconds:.2f} s = {tok_s:,.1f} tok/s" + (
