@@ -66,6 +66,8 @@ def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     k = x.shape[-1]
     return (
         0 < k
+        # the constant bound first: prefill-sized x never reads the environment
+        and x.numel() <= GEMV_KERNEL_MAX_M * k
         and x.numel() <= gemv_max_m() * k
         and weight.dim() == 2
         and weight.shape[1] == k
