@@ -7,6 +7,7 @@ matrix FLOPs (4 x head_dim per query-key pair that is not masked) against the de
 
     python benchmark/kernels/extend_attention_bench.py                  # 16 prompts of 512
     python benchmark/kernels/extend_attention_bench.py --batch 1 --extend-len 2000
+    python benchmark/kernels/extend_attention_bench.py --decode-rows 128   # a mixed step
     python benchmark/kernels/extend_attention_bench.py --block-m 64,128 --block-n 32,64 \\
         --num-warps 4,8 --num-stages 2,3
     python benchmark/kernels/extend_attention_bench.py --smoke          # CPU interpreter"""
@@ -26,6 +27,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--extend-len", type=int, default=512, help="new tokens per request")
     p.add_argument("--cached-len", type=int, default=0, help="cached positions per request")
+    p.add_argument(
+        "--decode-rows", type=int, default=0, help="one-token rows after the prompts (mixed step)"
+    )
+    p.add_argument("--decode-cached", type=int, default=600, help="their cached positions")
     add_common_args(p, "bf16")
     p.add_argument("--block-m", type=ints, default=None, help="default: extend_tuning's")
     p.add_argument("--block-n", type=ints, default=None, help="default: extend_tuning's")
@@ -34,8 +39,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.batch, args.extend_len, args.cached_len, args.heads, args.kv_heads = 2, 20, 9, 4, 2
+        args.decode_rows, args.decode_cached = min(args.decode_rows, 3), 30
         args.head_dim, args.page_size, args.reps = 16, 4, 1
     return args
+
+
+def lens(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(cached, new tokens) of each request: the prompts, then the decode rows."""
+    prompts = [(args.cached_len, args.extend_len)] * args.batch
+    return prompts + [(args.decode_cached, 1)] * args.decode_rows
 
 
 def build(args: argparse.Namespace, device):
@@ -44,11 +56,11 @@ def build(args: argparse.Namespace, device):
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    total = args.cached_len + args.extend_len
-    pages = math.ceil(total / args.page_size)
-    order = torch.randperm(pages * args.batch, generator=gen).to(torch.int32)
-    table = order.view(args.batch, pages).contiguous()
-    slots = pages * args.batch * args.page_size
+    reqs = lens(args)
+    pages = max(math.ceil((c + e) / args.page_size) for c, e in reqs)
+    order = torch.randperm(pages * len(reqs), generator=gen).to(torch.int32)
+    table = order.view(len(reqs), pages).contiguous()
+    slots = pages * len(reqs) * args.page_size
     dtype = getattr(torch, KV_DTYPES[args.kv_dtype])
     q_dtype = torch.float16 if args.smoke else torch.bfloat16
     if args.smoke and dtype == torch.bfloat16:  # the interpreter has no bfloat16 loads
@@ -56,11 +68,11 @@ def build(args: argparse.Namespace, device):
     k, v = (
         torch.randn(slots, args.kv_heads, args.head_dim, generator=gen).to(dtype) for _ in range(2)
     )
-    q = torch.randn(args.batch * args.extend_len, args.heads, args.head_dim, generator=gen)
-    rows = torch.arange(args.batch, dtype=torch.int32)
-    starts = rows * args.extend_len
-    cached = torch.full((args.batch,), args.cached_len, dtype=torch.int32)
-    extend = torch.full((args.batch,), args.extend_len, dtype=torch.int32)
+    extend = torch.tensor([e for _, e in reqs], dtype=torch.int32)
+    q = torch.randn(int(extend.sum()), args.heads, args.head_dim, generator=gen)
+    rows = torch.arange(len(reqs), dtype=torch.int32)
+    starts = (extend.cumsum(0) - extend).to(torch.int32)
+    cached = torch.tensor([c for c, _ in reqs], dtype=torch.int32)
     tensors = (q.to(q_dtype), k, v, table, rows, starts, cached, extend)
     return tuple(t.to(device) for t in tensors)
 
@@ -71,16 +83,15 @@ def reference(q, k_pool, v_pool, table, args: argparse.Namespace, scale: float):
 
     outs = []
     group = args.heads // args.kv_heads
-    total = args.cached_len + args.extend_len
-    pos = torch.arange(total, device=q.device)
-    allowed = (
-        pos[None, :] <= (args.cached_len + torch.arange(args.extend_len, device=q.device))[:, None]
-    )
-    for i in range(args.batch):
+    start = 0
+    for i, (cached, new) in enumerate(lens(args)):
+        pos = torch.arange(cached + new, device=q.device)
+        allowed = pos[None, :] <= (cached + torch.arange(new, device=q.device))[:, None]
         slot = table[i, pos // args.page_size].long() * args.page_size + pos % args.page_size
         k = k_pool[slot].float().repeat_interleave(group, dim=1)  # [n, H, D]
         v = v_pool[slot].float().repeat_interleave(group, dim=1)
-        qi = q[i * args.extend_len : (i + 1) * args.extend_len].float()
+        qi = q[start : start + new].float()
+        start += new
         s = torch.einsum("thd,nhd->htn", qi, k) * scale
         s = s.masked_fill(~allowed[None], float("-inf"))
         outs.append(torch.einsum("htn,nhd->thd", torch.softmax(s, dim=-1), v))
@@ -100,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     q, k_pool, v_pool, table, rows, starts, cached, extend = build(args, device)
     scale = args.head_dim**-0.5
     ref = reference(q, k_pool, v_pool, table, args, scale)
-    n, c = args.extend_len, args.cached_len
-    flops = 4 * args.head_dim * args.heads * args.batch * (n * c + n * (n + 1) / 2)
+    pairs = sum(n * c + n * (n + 1) / 2 for c, n in lens(args))  # unmasked query-key pairs
+    flops = 4 * args.head_dim * args.heads * pairs
     default = ta.extend_tuning(q)
-    print(f"batch {args.batch} x {n} new tokens after {c} cached, {args.kv_dtype} KV;"
+    max_new = max(n for _, n in lens(args))
+    print(f"batch {args.batch} x {args.extend_len} new tokens after {args.cached_len} cached,"
+          f" {args.decode_rows} decode rows after {args.decode_cached}, {args.kv_dtype} KV;"
           f" {flops / 1e9:.1f} GFLOP; default (block_m, block_n, warps, stages) {default}")  # fmt: skip
     configs = itertools.product(
         *(given or [d] for given, d in zip((args.block_m, args.block_n, args.num_warps, args.num_stages), default))
@@ -112,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def step(tuning=tuning) -> torch.Tensor:
             return ta.extend_attention(
-                q, k_pool, v_pool, table, rows, starts, cached, extend, n, args.page_size, scale,
+                q, k_pool, v_pool, table, rows, starts, cached, extend, max_new, args.page_size,
+                scale,
                 tuning=tuning,
             )  # fmt: skip
 

@@ -48,7 +48,7 @@ def compare(
     name, case, page_size, head_dim, dtype, heads="gqa4", sliding_window=None, kv_dtype=None
 ):
     lens, decode = CASES[case]
-    h, hk = HEADS[heads]
+    h, hk = HEADS[heads] if isinstance(heads, str) else heads
     batch, q, k, v = make_problem(
         lens, page_size, head_dim, dtype, decode, DEVICE, h, hk, kv_dtype=kv_dtype
     )
@@ -73,6 +73,14 @@ def test_backend_matches_torch(name, case, page_size, heads, head_dim, dtype):
     if name == "fi" and head_dim != 128:
         pytest.skip("fi runs at head_dim 128 only: each head_dim is another JIT build")
     compare(name, case, page_size, head_dim, dtype, heads)
+
+
+@pytest.mark.parametrize("heads", [(14, 2), (32, 2), (4, 4)])
+@pytest.mark.parametrize("case", ["extend", "mixed"])
+def test_triton_extend_any_group(case, heads):
+    """The extend kernel at GQA groups 7 (Qwen2.5-0.5B's 14 / 2 heads) and 16, and without
+    GQA."""
+    compare("triton", case, 16, 128, torch.bfloat16, heads)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

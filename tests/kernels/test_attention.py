@@ -232,7 +232,11 @@ def test_triton_metadata_rows_start_16_byte_aligned():
     "script, argv, num_rows",
     [
         ("decode_attention_bench.py", ["--block-n", "16"], 2),  # bf16 and fp8 pools
-        ("extend_attention_bench.py", ["--block-m", "16,32", "--block-n", "16"], 2),  # two tiles
+        (
+            "extend_attention_bench.py",
+            ["--block-m", "16,32", "--block-n", "16", "--decode-rows", "2"],
+            2,
+        ),
     ],
 )
 def test_attention_benchmark_smoke(script, argv, num_rows):

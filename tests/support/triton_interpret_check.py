@@ -45,12 +45,14 @@ def check(what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         failures.append(f"{what}: max abs diff {diff} > {TOL}")
 
 
-def compare(what: str, lens, page_size: int, decode: bool, kv_dtype=None, head_dim=32) -> None:
+def compare(
+    what: str, lens, page_size: int, decode: bool, kv_dtype=None, head_dim=32, heads=(4, 2)
+) -> None:
     b, q, k, v = make_problem(
-        lens, page_size, head_dim, torch.float32, decode, CPU, 4, 2, kv_dtype=kv_dtype
+        lens, page_size, head_dim, torch.float32, decode, CPU, *heads, kv_dtype=kv_dtype
     )
     check(
-        f"{what} page {page_size} kv {kv_dtype or 'float32'} head_dim {head_dim}",
+        f"{what} page {page_size} kv {kv_dtype or 'float32'} head_dim {head_dim} heads {heads}",
         run_backend("triton", b, q, k, v),
         run_backend("torch", b, q, k, v),
     )
@@ -63,6 +65,9 @@ for page_size in (1, 16):
     compare("decode, 1 request (8 splits)", DECODE[-1:], page_size, True)
     compare("extend with prefixes", EXTEND, page_size, False)
 compare("decode, 5 requests (2 splits), one part of head_dim", DECODE, 16, True, head_dim=16)
+# the extend kernel at other GQA groups: 3 (not a power of two), 8, and 1 (no GQA)
+for heads in ((6, 2), (8, 1), (2, 2)):
+    compare("extend with prefixes", EXTEND, 16, False, heads=heads)
 # an fp8 pool: both backends widen the same stored values
 for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
     compare("decode, 5 requests (2 splits)", DECODE, 16, True, fp8)
