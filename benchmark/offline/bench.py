@@ -390,6 +390,12 @@ def parse_args() -> argparse.Namespace:
         help="print the host functions taking the most time (cProfile of the timed runs)",
     )
     p.add_argument(
+        "--log-compiles",
+        action="store_true",
+        help="print each Triton kernel variant compiled (or loaded from its disk cache) during"
+        " the timed runs: a variant first met there stalls the run",
+    )
+    p.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -499,6 +505,24 @@ def make_requests(llm: Any, args: argparse.Namespace) -> tuple[list, list[int], 
     return prompts, max_tokens, params
 
 
+def log_compiles() -> list[str]:
+    """A list that Triton's post-compile hook fills with "seconds: kernel[specialization]"
+    (Triton 3.4 or later; an empty list elsewhere), from now on, in this process."""
+    compiled: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        return compiled
+    start = time.perf_counter()
+
+    def hook(*, repr: str, **_: Any) -> bool:
+        compiled.append(f"{time.perf_counter() - start:7.2f} s: {repr[:300]}")
+        return False
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return compiled
+
+
 def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) -> dict[str, Any]:
     """Runs the workload --repeat times under the asked profilers: the runs' seconds, the last
     run's outputs, the prefix-cache hits, the kernel time (--profile) and speculation's fields."""
@@ -518,6 +542,7 @@ def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) 
     # cache (which would skip their prefill)
     run_prompts_each = [shifted(prompts, r) for r in range(max(1, args.repeat))]
     spec_fields = speculate(llm, args, run_prompts_each, params)
+    compiled = log_compiles() if args.log_compiles else None
     runs, cached_before = [], llm.num_cached_tokens
     for run_prompts in run_prompts_each:
         sync()
@@ -525,6 +550,9 @@ def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) 
         outputs = llm.generate(run_prompts, params, use_tqdm=False)
         sync()
         runs.append(time.perf_counter() - start)
+    if compiled is not None:
+        print(f"{len(compiled)} Triton kernel variants compiled or loaded during the timed runs")
+        print("\n".join(compiled))
     if host_profiler is not None:
         host_profiler.disable()
         pstats.Stats(host_profiler).sort_stats("tottime").print_stats(30)

@@ -10,6 +10,7 @@ stream's step spent ~80 us in small dependent kernels around the model (docs/ben
 
     python benchmark/offline/timeline.py --config benchmark/qwen3-0.6b             # one stream
     python benchmark/offline/timeline.py --config benchmark/qwen3-0.6b --requests 64 --trace t.json
+    python benchmark/offline/timeline.py --requests 256 --prompt-len 800 --tokens 200  # long KV
     python benchmark/offline/timeline.py --tiny --device cpu                       # smoke run
 """
 
@@ -95,6 +96,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (cuda when present), cuda or cpu")
     p.add_argument("--requests", type=int, default=1)
     p.add_argument("--tokens", type=int, default=400, help="output tokens per request")
+    p.add_argument("--prompt-len", type=int, default=100, help="prompt tokens per request")
     p.add_argument("--attn", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--trace", default=None, help="also write the Chrome trace here")
@@ -113,7 +115,7 @@ def main() -> None:
     llm = LLM(model, dummy_weights=True, device=args.device, attn=args.attn,
               kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.tokens)
-    prompts = [[1000 + 7 * i + j for j in range(100)] for i in range(args.requests)]
+    prompts = [[1000 + 7 * i + j for j in range(args.prompt_len)] for i in range(args.requests)]
     llm.generate([[t + 5000 for t in p] for p in prompts], params, use_tqdm=False)  # warm-up
     cuda = llm.engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else lambda: None
