@@ -126,6 +126,23 @@ def test_kernel_draws_the_torch_paths_ids(monkeypatch):
     assert got[6].item() == 0
 
 
+@on_device
+def test_kernel_noise_is_the_gumbel_noise_to_float_rounding():
+    """The kernel's noise comes from approximate base-2 logs (lg2.approx on a GPU, whose absolute
+    error near 1 is why -log2(u) has a series there): within 2e-6 of -ln(-ln(u)), about half a
+    float32 ulp of a score near 16, for every uniform the hash gives (on CUDA all 2**23;
+    interpreted: those nearest 1, around the series' switch at 15/16, and a spread)."""
+    ops = kernel_module("sampling")
+    m = torch.arange(2**23)
+    if not CUDA:
+        switch = 15 * 2**19
+        m = torch.cat([m[-2048:], m[switch - 1024 : switch + 1024], m[:: 2**12]])
+    u = (m.double() + 0.5) * 2.0**-23
+    got = ops.gumbel_noise(u.float().to(DEVICE)).double().cpu()
+    err = (got - -torch.log(-torch.log(u))).abs()
+    assert err.max().item() < 2e-6, (err.max().item(), u[err.argmax()].item())
+
+
 @pytest.mark.skipif(CUDA, reason="the smoke run is the CPU one")
 def test_benchmark_smoke():
     """benchmark/kernels/sampling_bench.py --smoke runs interpreted and matches the torch path."""

@@ -6,21 +6,99 @@ Imported only for CUDA tensors, so `import triton` stays off the CPU path."""
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from minisgl.kernel import pdl
 from minisgl.kernel.pdl import wait_for_previous
 
 _MASK32 = tl.constexpr(0xFFFFFFFF)
+_LOG2E = tl.constexpr(1.4426950408889634)
+# 1 - u below which log2(u) comes from its series, not lg2.approx, whose absolute error (~2**-22
+# near 1) would be a large relative one in -log2(u) ~ 1 - u: the largest noise, the winners'
+_SERIES_BELOW = tl.constexpr(0.0625)
+_SERIES_TERMS = tl.constexpr(5)  # relative error < 2e-7 below 1/16
 
 
 @triton.jit
 def _hash32(x):
+    """`engine/sample.py: _hash32` on uint32 values: the same bits (the reference masks every
+    product to 32 bits) without 64-bit multiplies."""
     for _ in tl.static_range(3):
-        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+        x = ((x >> 16) ^ x) * 0x45D9F3B
     return (x >> 16) ^ x
+
+
+@triton.jit
+def _uniform(row_mix, token_key):
+    """`uniform_noise`'s u, bit for bit, from row_mix = r ^ (r >> 16) for the row key r and
+    token_key = token id * 0x85EBCA6B (uint32): _hash32(r ^ token_key), its first xor-shift
+    split over the xor (a shift distributes over it)."""
+    x = (row_mix ^ token_key ^ (token_key >> 16)) * 0x45D9F3B
+    for _ in tl.static_range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B
+    # bits >> 9 for bits = (x >> 16) ^ x, as a float's mantissa in [1, 2), less 1 - 2**-24:
+    # ((bits >> 9) + 0.5) * 2**-23 exactly, without an int-to-float conversion
+    mantissa = ((x >> 25) ^ (x >> 9) | 0x3F800000).to(tl.float32, bitcast=True)
+    return mantissa - 0.99999994039535522
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    # lg2.approx: one MUFU instruction (libdevice's log2f is a ~20-instruction polynomial);
+    # the interpreter has no approximate log
+    if FAST:
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
+
+
+@triton.jit
+def _log2_exponential(u, FAST: tl.constexpr):
+    """log2(-log2(u)): the Gumbel noise -ln(-ln(u)) is -ln(2) * (this + log2(ln 2)), so
+    argmax(logits / (T ln 2) - this) is the torch path's draw."""
+    t = 1.0 - u  # exact where it is used (u >= 0.5)
+    # log2(1 - t) = -t / ln 2 * (1 + t/2 + t^2/3 + ...)
+    series = -_LOG2E / _SERIES_TERMS
+    for k in tl.static_range(_SERIES_TERMS - 1, 0, -1):
+        series = series * t - _LOG2E / k
+    log2_u = tl.where(t < _SERIES_BELOW, series * t, _log2(u, FAST))
+    return _log2(tl.abs(log2_u), FAST)  # |.|: a MUFU operand modifier, -x costs an add
+
+
+@triton.jit
+def _chunk_best(
+    row, vocab_size, chunk_start, blocks, scale, row_key,
+    NOISE: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """(best score, its token id) of a chunk: each lane keeps its own best over the blocks (a
+    strict > keeps its first block), so the loop has no reduction; ties keep the smallest id,
+    like torch.argmax (a chunk of -inf, or of no blocks, reports its first id)."""
+    lanes = tl.arange(0, BLOCK)
+    row_mix = row_key ^ (row_key >> 16)
+    # token id * 0x85EBCA6B (mod 2**32), carried: one add a token and block
+    token_key = (chunk_start + lanes).to(tl.uint32) * 0x85EBCA6B
+    lane_val = tl.full((BLOCK,), -float("inf"), tl.float32)
+    lane_block = tl.zeros((BLOCK,), dtype=tl.int32)
+    for block in range(blocks):
+        offs = chunk_start + block * BLOCK + lanes
+        # -inf past the vocabulary never beats a lane's -inf start
+        score = tl.load(row + offs, mask=offs < vocab_size, other=-float("inf")).to(tl.float32)
+        if NOISE:
+            u = _uniform(row_mix, token_key)
+            token_key += BLOCK * 0x85EBCA6B & 0xFFFFFFFF
+            score = score * scale - _log2_exponential(u, FAST)
+        better = score > lane_val
+        lane_block = tl.where(better, block, lane_block)
+        lane_val = tl.where(better, score, lane_val)
+    best_val = tl.max(lane_val, axis=0)
+    ids = chunk_start + lane_block * BLOCK + lanes
+    best_idx = tl.min(tl.where(lane_val == best_val, ids, vocab_size), axis=0)
+    return best_val, best_idx
 
 
 @triton.jit
@@ -30,7 +108,7 @@ def _gumbel_argmax_kernel(
     seed,  # [B] int64
     step,  # [B] int64
     skip,  # [B] int64: nonzero = leave the row out (HAS_SKIP)
-    out_val,  # [B, C] float32: best score of each vocab chunk
+    out_val,  # [B, C] float32: best score of each vocab chunk (log2 units, within a row)
     out_idx,  # [B, C] int64: its token id
     vocab_size,
     chunk_size,  # a multiple of BLOCK
@@ -38,6 +116,7 @@ def _gumbel_argmax_kernel(
     stride_t,
     HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
+    FAST: tl.constexpr,  # approximate logs (compiled, not interpreted)
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -47,31 +126,22 @@ def _gumbel_argmax_kernel(
     if HAS_SKIP:  # a skipped row reads nothing: its chunks report (-inf, 0)
         blocks = tl.where(tl.load(skip + b) != 0, 0, blocks)
     temp = tl.load(temperature + b * stride_t)
-    greedy = temp == 0.0
-    safe_temp = tl.where(greedy, 1.0, temp)
-    s = tl.load(seed + b).to(tl.int64)
-    st = tl.load(step + b).to(tl.int64)
-    row_key = _hash32((_hash32(s & _MASK32) ^ (st * 0x9E3779B1 & _MASK32)) & _MASK32)
-    best_val = -float("inf")
-    best_idx = tl.zeros((), dtype=tl.int64)
+    s = tl.load(seed + b).to(tl.int64) & _MASK32
+    st = tl.load(step + b).to(tl.int64) * 0x9E3779B1 & _MASK32
+    row_key = _hash32(_hash32(s.to(tl.uint32)) ^ st.to(tl.uint32))
+    row = logits + b * stride_b
     chunk_start = c * chunk_size
-    for block in range(blocks):
-        start = chunk_start + block * BLOCK
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < vocab_size
-        x = tl.load(logits + b * stride_b + offs, mask=valid, other=-float("inf")).to(tl.float32)
-        bits = _hash32((row_key ^ (offs.to(tl.int64) * 0x85EBCA6B & _MASK32)) & _MASK32)
-        u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
-        gumbel = -tl.log(-tl.log(u))
-        score = tl.where(greedy, x, x / safe_temp + gumbel)
-        score = tl.where(valid, score, -float("inf"))
-        block_max = tl.max(score, axis=0)
-        block_idx = tl.argmax(score, axis=0, tie_break_left=True)
-        better = block_max > best_val  # strict: ties keep the first index, like torch.argmax
-        best_idx = tl.where(better, start + block_idx.to(tl.int64), best_idx)
-        best_val = tl.where(better, block_max, best_val)
+    if temp == 0.0:  # greedy: the logits alone, no noise to compute
+        best_val, best_idx = _chunk_best(
+            row, vocab_size, chunk_start, blocks, 1.0, row_key, False, BLOCK, FAST
+        )
+    else:  # a multiply, not a divide, in the loop
+        scale = _LOG2E / temp
+        best_val, best_idx = _chunk_best(
+            row, vocab_size, chunk_start, blocks, scale, row_key, True, BLOCK, FAST
+        )
     tl.store(out_val + b * tl.num_programs(1) + c, best_val)
-    tl.store(out_idx + b * tl.num_programs(1) + c, best_idx)
+    tl.store(out_idx + b * tl.num_programs(1) + c, best_idx.to(tl.int64))
 
 
 @triton.jit
@@ -98,6 +168,29 @@ def _pick_kernel(
     if STORE:
         row, col = tl.load(table_rows + b), tl.load(cols + b)
         tl.store(table + row * stride_table + col, token.to(table.dtype.element_ty))
+
+
+@triton.jit
+def _noise_kernel(u, out, n, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(u + offs, mask=offs < n, other=0.5)
+    tl.store(out + offs, _log2_exponential(x, FAST), mask=offs < n)
+
+
+def _fast_logs() -> bool:
+    """Approximate logs where compiled: the interpreter has none."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
+    """-ln(-ln(u)) as `gumbel_argmax` computes it for float32 uniforms u in (0, 1) (from
+    approximate base-2 logs on a GPU): tests hold it to the exact noise."""
+    u = u.contiguous()
+    log2_e = torch.empty_like(u)
+    _noise_kernel[(triton.cdiv(u.numel(), 1024),)](
+        u, log2_e, u.numel(), BLOCK=1024, FAST=_fast_logs(), num_warps=4
+    )
+    return -math.log(2) * (log2_e + math.log2(math.log(2)))
 
 
 def gumbel_argmax(
@@ -143,6 +236,7 @@ def gumbel_argmax(
         temperature.stride(0),
         HAS_SKIP=skip is not None,
         BLOCK=block,
+        FAST=_fast_logs(),
         **launch,
         num_warps=4,
     )
