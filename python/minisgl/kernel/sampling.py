@@ -101,7 +101,10 @@ def _chunk_best(
     return best_val, best_idx
 
 
-@triton.jit
+# Arguments that vary with the batch are not specialised (Triton compiles a variant per value
+# pattern: 1, a multiple of 16, other): a variant first met mid-run stalls it (session 27 saw
+# nine compiled during a fresh machine's first timed run, bench.py --log-compiles).
+@triton.jit(do_not_specialize=["stride_t"])
 def _gumbel_argmax_kernel(
     logits,  # [B, V] any float dtype (read as float32)
     temperature,  # [B] float32 at stride_t, 0 = greedy
@@ -144,7 +147,7 @@ def _gumbel_argmax_kernel(
     tl.store(out_idx + b * tl.num_programs(1) + c, best_idx.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])
 def _pick_kernel(
     vals,  # [B, C] float32: each chunk's best score
     idxs,  # [B, C] int64: its token id
@@ -252,7 +255,7 @@ def gumbel_argmax(
         step,
         chunks,
         table.stride(0),
-        BLOCK_C=triton.next_power_of_2(chunks),
+        BLOCK_C=triton.next_power_of_2(triton.cdiv(vocab, block)),  # every batch's chunks
         STORE=into is not None,
         **launch,
         num_warps=1,
