@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-stages", type=ints, default=None, help="default: decode_tuning's")
     p.add_argument("--num-splits", type=ints, default=None, help="default: decode_splits'")
     p.add_argument(
+        "--order",
+        default="lpt",
+        help="programs' request order, comma-separated: lpt (longest first, as the engine) or"
+        " none (the batch's)",
+    )
+    p.add_argument(
         "--maxnreg",
         type=ints,
         default=None,
@@ -151,17 +157,21 @@ def bench_dtype(args: argparse.Namespace, kv_dtype: str, device, peak: float | N
         args.num_warps,
         args.num_stages or [default.num_stages],
         args.maxnreg or [default.maxnreg or 0],
+        args.order.split(","),
     )
-    for splits, block_n, warps, stages, regs in configs:
+    longest_first = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+    for splits, block_n, warps, stages, regs, order in configs:
         tuning = ta.DecodeTuning(block_n, stages, regs or None)
+        perm = longest_first.to(device) if order == "lpt" else None
 
-        def step(splits=splits, tuning=tuning, warps=warps) -> torch.Tensor:
+        def step(splits=splits, tuning=tuning, warps=warps, perm=perm) -> torch.Tensor:
             return ta.decode_attention(
                 q, k_pool, v_pool, table, rows, kv_lens, splits, args.page_size, scale,
-                tuning=tuning, num_warps=warps,
+                tuning=tuning, num_warps=warps, order=perm,
             )  # fmt: skip
 
         label = f"splits {splits:2d} block_n {block_n:4d} warps {warps} stages {stages} regs {regs}"
+        label += f" order {order}"
         report(label, step, ref, args.reps, device.type == "cuda", nbytes / 1e12, "TB/s", peak)
 
 

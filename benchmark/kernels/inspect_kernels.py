@@ -82,11 +82,11 @@ def compile_decode(
         NUM_HEADS=heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         NUM_SPLITS=num_splits, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
         COMPUTE=ta.compute_dtype(q, k_pool), PRECISION="tf32", PDL=arch >= 90,
-        ROPE=rope, NORM=rope,
+        ROPE=rope, NORM=rope, HAS_ORDER=not rope,  # the engine orders a batch, not one request
     )  # fmt: skip
     kv = TRITON_TYPES[kv_dtype]
     pointers = dict(q="*bf16", k_pool=f"*{kv}", v_pool=f"*{kv}", out="*bf16", part_out="*fp32")
-    pointers.update(part_lse="*fp32", page_table="*i32", rows="*i32", kv_lens="*i32")
+    pointers.update(part_lse="*fp32", page_table="*i32", rows="*i32", kv_lens="*i32", order="*i32")
     pointers.update(new_k="*bf16", new_v="*bf16", cos_sin="*fp32", positions="*i64")
     pointers.update(out_loc="*i64", q_norm_w="*bf16", k_norm_w="*bf16")
     fn = ta._decode_split_kernel

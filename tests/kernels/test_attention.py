@@ -222,9 +222,10 @@ def test_triton_metadata_rows_start_16_byte_aligned():
             else:
                 backend.prepare(batch)
             md = batch.attn_metadata
-            fields = (md.rows, md.cached_lens, md.extend_lens, md.kv_lens, md.q_starts)
+            fields = (md.rows, md.cached_lens, md.extend_lens, md.kv_lens, md.q_starts, md.order)
             assert all(t.data_ptr() % 16 == 0 and t.shape == (n,) for t in fields), (n, graph)
             assert md.kv_lens.tolist() == [6 + i for i in range(n)]
+            assert md.order.tolist() == list(reversed(range(n)))  # the longest request first
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU one")

@@ -25,6 +25,7 @@ interp._patch_lang_tensor = _patch_index
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from minisgl.attention import create_attention_backend  # noqa: E402
 from minisgl.core import Batch, get_global_ctx  # noqa: E402
+from minisgl.kernel import triton_attention as ta  # noqa: E402
 from support.attn import (  # noqa: E402
     attend,
     make_problem,
@@ -110,6 +111,20 @@ wide.sm_count = 64  # 4 * 64 programs over 4 requests x 2 kv heads: 32 splits ea
 wide.prepare(b3)
 assert b3.attn_metadata.num_splits == 32, b3.attn_metadata.num_splits
 check("decode, 32 splits", attend(wide, b3, q3, k3, v3), run_backend("torch", b3, q3, k3, v3))
+
+# the programs' request order (longest first in the engine) changes no bit of the output
+b4, q4, k4, v4 = make_problem(DECODE, 16, 32, torch.float32, True, CPU, 4, 2)
+run_backend("torch", b4, q4, k4, v4)  # stores the new tokens' K/V into the pool
+ctx = get_global_ctx()
+args = (q4, ctx.kv_cache.k_flat(0), ctx.kv_cache.v_flat(0), ctx.page_table)
+rows4 = torch.tensor([r.table_idx for r in b4.reqs], dtype=torch.int32)
+lens4 = torch.tensor([r.cached_len + 1 for r in b4.reqs], dtype=torch.int32)
+outs = [
+    ta.decode_attention(*args, rows4, lens4, 2, 16, 0.5, order=order)
+    for order in (None, torch.argsort(lens4, descending=True).to(torch.int32))
+]
+if not torch.equal(*outs):
+    failures.append("decode: the programs' order changed the output")
 
 
 def check_decode_rope(dtype, kv_dtype, norm: bool, lens: list[int], head_dim: int = 32) -> None:

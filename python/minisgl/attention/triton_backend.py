@@ -22,6 +22,7 @@ class TritonAttnMetadata(AttnMetadata):
     extend_lens: torch.Tensor  # [B] int32 tokens this forward computes
     kv_lens: torch.Tensor  # [B] int32 cached + extend
     q_starts: torch.Tensor  # [B] int32 first token of each request in the flat q
+    order: torch.Tensor  # [B] int32 the requests by KV length, longest first (decode's programs)
     max_extend_len: int  # prefill only: sizes the extend grid
     num_splits: int  # decode only: KV chunks per request, from the batch size alone
 
@@ -44,7 +45,7 @@ class TritonAttnBackend(BaseAttnBackend):
 
         self.kernels = triton_attention
         self.sm_count: int | None = None
-        # [5, width] int32 metadata of the graphs whose batch pads to `width` columns: one
+        # [6, width] int32 metadata of the graphs whose batch pads to `width` columns: one
         # contiguous buffer each, so that refilling one is a bare copy (into a column slice of
         # a shared buffer it would be a copy kernel after the transfer)
         self.graph_bufs: dict[int, torch.Tensor] | None = None
@@ -61,7 +62,7 @@ class TritonAttnBackend(BaseAttnBackend):
         assert self.graph_bufs is not None, "init_cuda_graph() first"
         device = get_global_ctx().page_table.device
         width = -(-batch.size // 4) * 4
-        self.graph_bufs.setdefault(width, torch.zeros(5, width, dtype=torch.int32, device=device))
+        self.graph_bufs.setdefault(width, torch.zeros(6, width, dtype=torch.int32, device=device))
         self.prepare_for_replay(batch)
 
     def prepare_for_replay(self, batch: Batch) -> None:
@@ -80,13 +81,15 @@ class TritonAttnBackend(BaseAttnBackend):
         kv_lens = [c + e for c, e in zip(cached, extend)]
         q_starts = [0, *accumulate(extend)][:-1]
         rows = [r.table_idx for r in reqs]
+        # decode starts the longest requests' programs first: the last to start are short ones
+        order = sorted(range(len(reqs)), key=kv_lens.__getitem__, reverse=True)
         # Rows padded to a multiple of 4 values, so each row's device copy starts 16-byte
         # aligned whatever the batch size: Triton compiles a kernel variant per pointer
         # alignment, and a new one compiling mid-run stalls it for a second or more.
         pad = [0] * (-len(reqs) % 4)
         # pinned: a copy from pageable memory would wait for all queued device work
         return torch.tensor(
-            [rows + pad, cached + pad, extend + pad, kv_lens + pad, q_starts + pad],
+            [rows + pad, cached + pad, extend + pad, kv_lens + pad, q_starts + pad, order + pad],
             dtype=torch.int32,
             pin_memory=torch.cuda.is_available(),
         )
@@ -98,9 +101,11 @@ class TritonAttnBackend(BaseAttnBackend):
                 self.sm_count = self.kernels.num_sms(dev.device)
             kv_heads = get_global_ctx().kv_cache.num_kv_heads
             splits = self.kernels.decode_splits(batch.size, kv_heads, self.sm_count)
-        rows, cached, extend, kv_lens, q_starts = dev
+        rows, cached, extend, kv_lens, q_starts, order = dev
         max_extend = max(r.extend_len for r in batch.reqs)
-        return TritonAttnMetadata(rows, cached, extend, kv_lens, q_starts, max_extend, splits)
+        return TritonAttnMetadata(
+            rows, cached, extend, kv_lens, q_starts, order, max_extend, splits
+        )
 
     def fuses_rope(self, batch: Batch) -> bool:
         """One request only. Rows of one request (verification, prompts as rows) read the K/V
@@ -128,7 +133,7 @@ class TritonAttnBackend(BaseAttnBackend):
     ) -> torch.Tensor:
         md, ctx, operands = self._operands(q, layer_id, batch)
         return self.kernels.decode_attention(
-            *operands, md.kv_lens, md.num_splits, ctx.page_size, scale, rope=rope
+            *operands, md.kv_lens, md.num_splits, ctx.page_size, scale, rope=rope, order=md.order
         )
 
     @staticmethod

@@ -244,6 +244,7 @@ def _rope_first_block(
 def _decode_split_kernel(
     q, k_pool, v_pool,  # [B, H, D]; K and V pools [slots, Hkv, D] of the same strides
     page_table, rows, kv_lens,  # [rows, pages] int32; [B] int32 page-table row and KV length
+    order,  # [B] int32: the request of each program row, longest first (HAS_ORDER)
     out, part_out, part_lse,  # [B, H, D] contiguous (one split); float32 [B, H, S, D], [B, H, S]
     scale, stride_qb, stride_qh, stride_pool_t, stride_pool_h, stride_pt,
     # ROPE: this step's k and v [B, Hkv, D] (q's and k's before RoPE), of the same strides; the
@@ -259,11 +260,17 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     ROPE: tl.constexpr,  # q, k are unrotated: rotate q here, and k and v into the pool
     NORM: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     # Before the PDL wait, reads of what no kernel of the step writes (the metadata, copied in
     # before the step): they overlap the kernel before. With ROPE also the first KV block.
-    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # The kv heads vary fastest over the grid: a request's heads run side by side (they read
+    # adjacent bytes of its pages), and with `order` the longest requests start first, so the
+    # last programs to start are short ones instead of a long tail.
+    kvh, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if HAS_ORDER:
+        b = tl.load(order + b)
     kv_len = tl.load(kv_lens + b)
     # each request splits its own length: the launch depends on the batch size only
     chunk = _split_chunk(kv_len, NUM_SPLITS, BLOCK_N)
@@ -454,6 +461,7 @@ def decode_attention(
     tuning: DecodeTuning | None = None,  # default: decode_tuning(k_pool, num_splits)
     num_warps: int = 4,
     rope: DecodeRope | None = None,  # q (and rope.k) before RoPE: rotated and stored here
+    order: torch.Tensor | None = None,  # [B] int32 permutation: requests longest first
 ) -> torch.Tensor:
     """Graph-safe: the launches and allocations depend only on the shapes and num_splits.
     `tuning` and `num_warps` are knobs for benchmarks."""
@@ -467,13 +475,14 @@ def decode_attention(
         part_out = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
     launch = pdl.options(q.device)
-    _decode_split_kernel[(bsz, kv_heads, num_splits)](
+    _decode_split_kernel[(kv_heads, bsz, num_splits)](
         q,
         k_pool,
         v_pool,
         page_table,
         rows,
         kv_lens,
+        kv_lens if order is None else order,  # unread without HAS_ORDER
         out,
         part_out,
         part_lse,
@@ -495,6 +504,7 @@ def decode_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         ROPE=rope is not None,
         NORM=rope is not None and rope.qk_norm is not None,
+        HAS_ORDER=order is not None,
         **launch,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
         num_warps=num_warps,
