@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+# after PYTHONPATH, so an A/B can run another tree's package (PYTHONPATH=tree/python)
+sys.path.append(os.path.join(ROOT, "python"))
 
 KV_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 

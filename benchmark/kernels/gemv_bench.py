@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+# after PYTHONPATH, so an A/B can run another tree's package (PYTHONPATH=tree/python)
+sys.path.append(os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
 
 

@@ -20,7 +20,8 @@ import sys
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+# after PYTHONPATH, so an A/B can run another tree's package (PYTHONPATH=tree/python)
+sys.path.append(os.path.join(ROOT, "python"))
 
 from decode_attention_bench import KV_DTYPES  # noqa: E402  (this directory: the bench's names)
 

@@ -15,7 +15,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+# after PYTHONPATH, so an A/B can run another tree's package (PYTHONPATH=tree/python)
+sys.path.append(os.path.join(ROOT, "python"))
 from gemv_bench import time_us  # noqa: E402  (this directory: a graph of calls, replayed)
 
 

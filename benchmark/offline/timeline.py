@@ -26,7 +26,8 @@ from collections import defaultdict
 from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+# after PYTHONPATH, so an A/B can run another tree's package (PYTHONPATH=tree/python)
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 Event = dict[str, Any]  # a Chrome-trace "X" event: name, cat, ts (us), dur (us), args
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
