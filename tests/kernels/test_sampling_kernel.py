@@ -95,13 +95,21 @@ def test_step_inputs_round_trip():
     reqs[0].cached_len, reqs[0].extend_len = 10, 1
     reqs[1].cached_len, reqs[1].extend_len = 0, 4
     block = StepInputs.pack(reqs, [True, False], dummy_row=9, device=torch.device("cpu"))
-    inputs = StepInputs.unpack(block)
+    inputs = StepInputs.unpack(block, 2)
     assert inputs.rows.tolist() == [3, 5] and inputs.write_rows.tolist() == [3, 9]
     assert inputs.kv_lens.tolist() == [11, 4] and inputs.skips.tolist() == [0, 1]
     assert inputs.temperatures.dtype == torch.float32
     assert inputs.temperatures.tolist() == [torch.tensor(0.7).item(), 0.0]
     assert inputs.seeds.tolist() == [5, reqs[1].seed & 0xFFFFFFFF]
     assert inputs.temperatures.data_ptr() == block[-1].data_ptr()  # a view, not a copy
+    # an odd batch: the block is padded to an even width, so every row starts 16-byte aligned
+    # (Triton compiles a variant per pointer alignment: an odd batch met mid-run would stall)
+    odd = StepInputs.pack(reqs + reqs[:1], [True] * 3, dummy_row=9, device=torch.device("cpu"))
+    inputs = StepInputs.unpack(odd, 3)
+    assert odd.shape == (8, 4) and inputs.rows.tolist() == [3, 5, 3]
+    assert inputs.temperatures.tolist() == [torch.tensor(0.7).item(), 0.0, torch.tensor(0.7).item()]
+    assert all(getattr(inputs, f).data_ptr() % 16 == 0 for f in ("kv_lens", "seeds", "skips"))
+    assert inputs.temperatures.data_ptr() % 16 == 0
 
 
 @on_device

@@ -261,7 +261,7 @@ class Engine:
             if self.prefill_as_rows and (rows := prefill_rows(batch, self.graphs.max_bs)):
                 return self._replay_rows(batch, rows, samples, resample)
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
-        inputs = StepInputs.unpack(host.to(self.device, non_blocking=True))
+        inputs = StepInputs.unpack(host.to(self.device, non_blocking=True), batch.size)
         self.attn_backend.prepare(batch)
         out = run_step(self, batch, inputs, sample=False)
         if not batch.is_decode and out.hidden is not None:

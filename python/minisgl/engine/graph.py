@@ -55,7 +55,7 @@ class GraphRunner:
 
     def _step(self, batch: Batch) -> ForwardOutput:
         """The captured work: the step over this batch size's static block."""
-        inputs = StepInputs.unpack(self.blocks[batch.size])
+        inputs = StepInputs.unpack(self.blocks[batch.size], batch.size)
         return run_step(self.engine, batch, inputs, sample=True)
 
     @torch.inference_mode()

@@ -42,33 +42,39 @@ class StepInputs:
         device: torch.device,
         resample: bool = False,
     ) -> torch.Tensor:
-        """The host block [8, len(reqs)]; pinned for a CUDA device, since a copy from pageable
-        memory would wait for all queued device work. `resample`: the step samples every row
-        again after the forward (adjusted, masked or filtered logits)."""
+        """The host block [8, len(reqs) rounded up to even]; pinned for a CUDA device, since a
+        copy from pageable memory would wait for all queued device work. `resample`: the step
+        samples every row again after the forward (adjusted, masked or filtered logits).
+        An even width starts every row 16-byte aligned: Triton compiles a kernel variant per
+        pointer alignment, and a batch of odd size first met mid-run would stall it."""
+        pad = [0] * (len(reqs) % 2)
         host = torch.tensor(
             [
-                [r.table_idx for r in reqs],
-                [r.cached_len for r in reqs],
-                [r.extend_len for r in reqs],
-                [r.cached_len + r.extend_len for r in reqs],
-                [r.table_idx if s else dummy_row for r, s in zip(reqs, samples)],
-                [r.seed & MASK32 for r in reqs],
-                [int(resample or not s) for s in samples],
-                [0] * len(reqs),
+                [r.table_idx for r in reqs] + pad,
+                [r.cached_len for r in reqs] + pad,
+                [r.extend_len for r in reqs] + pad,
+                [r.cached_len + r.extend_len for r in reqs] + pad,
+                [r.table_idx if s else dummy_row for r, s in zip(reqs, samples)] + pad,
+                [r.seed & MASK32 for r in reqs] + pad,
+                [int(resample or not s) for s in samples] + pad,
+                [0] * (len(reqs) + len(pad)),
             ],
             dtype=torch.int64,
             pin_memory=device.type == "cuda",
         )
         temps = [0.0 if r.params.is_greedy else r.params.temperature for r in reqs]
-        _low_halves(host[-1]).copy_(torch.tensor(temps, dtype=torch.float32))
+        _low_halves(host[-1])[: len(reqs)].copy_(torch.tensor(temps, dtype=torch.float32))
         return host
 
     def pick(self, index: slice | torch.Tensor) -> StepInputs:
         return StepInputs(*(getattr(self, f.name)[index] for f in fields(self)))
 
     @staticmethod
-    def unpack(block: torch.Tensor) -> StepInputs:
-        rows, cached, extend, kv_lens, write_rows, seeds, skips, temperature_bits = block.unbind(0)
+    def unpack(block: torch.Tensor, size: int) -> StepInputs:
+        """Views of the first `size` columns of a `pack`ed block (on the device)."""
+        rows, cached, extend, kv_lens, write_rows, seeds, skips, temperature_bits = block[
+            :, :size
+        ].unbind(0)
         temperatures = _low_halves(temperature_bits)
         return StepInputs(rows, cached, extend, kv_lens, write_rows, seeds, skips, temperatures)
 
