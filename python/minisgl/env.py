@@ -18,6 +18,12 @@ def _flag(name: str) -> bool:
     raise ValueError(f"{name}={os.environ[name]!r}: expected 1/0, true/false, yes/no or on/off")
 
 
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1 (Triton's own flag): kernels run in Triton's CPU interpreter, which has
+    no approximate math, no PDL and multiplies bf16 dot tiles as raw bits."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def disable_fused_ops() -> bool:
     """MINISGL_DISABLE_FUSED_OPS: run the torch reference of RMSNorm, RoPE, SiLU-and-mul, the
     KV-cache store, sampling, log-probability rows and logit adjustments on CUDA too, instead of

@@ -29,13 +29,13 @@ captured in CUDA graphs. The layers reach this module through `minisgl.kernel.ge
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from minisgl import env
 from minisgl.kernel import GEMV_DTYPES, GEMV_KERNEL_MAX_M, pdl
 from minisgl.kernel.pdl import wait_for_previous
 
@@ -393,7 +393,7 @@ def _launch(
         # fp32 stays exact (the GPU would round its inputs to tf32); 16-bit inputs ignore it
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # the CPU interpreter multiplies bf16 dot tiles as raw bits (see kernel/moe.py)
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype == torch.bfloat16,
+        UPCAST=env.triton_interpret() and x.dtype == torch.bfloat16,
         **launch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -11,12 +11,11 @@ MoE backend runs (see `minisgl.kernel.resolve_moe_backend`)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from minisgl import env
 from minisgl.kernel.fused import silu_and_mul
 
 
@@ -125,7 +124,7 @@ def _gemm(
     sorted_ids, expert_ids, num_post_padded = routing
     _, n, k = w.shape
     grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = env.triton_interpret()
     _moe_gemm_kernel[grid](
         a,
         w,

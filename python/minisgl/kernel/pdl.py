@@ -15,7 +15,6 @@ the GPU reads no weights. MINISGL_DISABLE_PDL=1 turns it off (the ablation)."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -40,7 +39,7 @@ def _supported(index: int) -> bool:
 def enabled(device: torch.device) -> bool:
     """Launch with PDL on this device: CUDA sm_90+, not the interpreter, MINISGL_DISABLE_PDL
     unset (read at every launch, like the other flags: launches are captured once per graph)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or env.triton_interpret():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _supported(index) and not env.disable_pdl()

@@ -7,13 +7,13 @@ Imported only for CUDA tensors, so `import triton` stays off the CPU path."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from minisgl import env
 from minisgl.kernel import pdl
 from minisgl.kernel.pdl import wait_for_previous
 
@@ -182,7 +182,7 @@ def _noise_kernel(u, out, n, BLOCK: tl.constexpr, FAST: tl.constexpr):
 
 def _fast_logs() -> bool:
     """Approximate logs where compiled: the interpreter has none."""
-    return os.environ.get("TRITON_INTERPRET") != "1"
+    return not env.triton_interpret()
 
 
 def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
