@@ -523,9 +523,25 @@ def log_compiles() -> list[str]:
     return compiled
 
 
+def device_busy_s(kineto_events: Any) -> float:
+    """Seconds in which some kernel, copy or memset ran on the GPU: the union of their
+    intervals (timeline.py's arithmetic). The summed kernel time counts a PDL kernel's wait
+    while the kernel before it runs, so it can exceed the wall time; the union cannot."""
+    from timeline import idle_gaps  # this directory
+    from torch.autograd import DeviceType
+
+    ops = [
+        {"name": e.name(), "ts": e.start_ns() / 1e3, "dur": e.duration_ns() / 1e3}
+        for e in kineto_events
+        if e.device_type() == DeviceType.CUDA
+    ]
+    return idle_gaps(sorted(ops, key=lambda op: op["ts"]))[0] / 1e6
+
+
 def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) -> dict[str, Any]:
     """Runs the workload --repeat times under the asked profilers: the runs' seconds, the last
-    run's outputs, the prefix-cache hits, the kernel time (--profile) and speculation's fields."""
+    run's outputs, the prefix-cache hits, the kernel and busy times (--profile) and
+    speculation's fields."""
     import torch
 
     profiler = None
@@ -556,16 +572,21 @@ def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) 
     if host_profiler is not None:
         host_profiler.disable()
         pstats.Stats(host_profiler).sort_stats("tottime").print_stats(30)
-    kernel_s = None
+    kernel_s = busy_s = None
     if profiler is not None:
         profiler.__exit__(None, None, None)
         kernels = profiler.key_averages()
         print(kernels.table(sort_by="cuda_time_total", row_limit=20))
         # summed kernel times: two kernels that overlap under PDL both count
         kernel_s = sum(k.self_device_time_total for k in kernels) / 1e6
-        print(f"GPU kernel time {kernel_s:.3f} s of {sum(runs):.3f} s ({kernel_s / sum(runs):.0%})")
+        busy_s = device_busy_s(profiler.profiler.kineto_results.events())
+        print(f"GPU kernel time {kernel_s:.3f} s (summed) in {sum(runs):.3f} s; GPU busy "
+              f"{busy_s:.3f} s ({busy_s / sum(runs):.1%}: the union of kernel and copy intervals)")  # fmt: skip
     cached = llm.num_cached_tokens - cached_before
-    return dict(runs=runs, outputs=outputs, cached=cached, kernel_s=kernel_s, spec=spec_fields())
+    return dict(
+        runs=runs, outputs=outputs, cached=cached, kernel_s=kernel_s, busy_s=busy_s,
+        spec=spec_fields(),
+    )  # fmt: skip
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -632,6 +653,8 @@ def main() -> None:
     if timed["kernel_s"] is not None:  # the summed kernel time over the timed runs' wall time
         result["gpu_kernel_s"] = round(timed["kernel_s"], 3)
         result["gpu_busy"] = round(timed["kernel_s"] / sum(runs), 3)
+        # the union: the fraction of the wall time with nothing running on the GPU
+        result["gpu_idle"] = round(1 - timed["busy_s"] / sum(runs), 4)
     if engine is not None and not args.single:
         result.update(roofline(engine, gpu, prompts, max_tokens, tok_s))
     line = f"{gpu}: {total} tokens in {seconds:.2f} s = {tok_s:,.1f} tok/s" + (
