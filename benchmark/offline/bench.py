@@ -527,13 +527,12 @@ def device_busy_s(kineto_events: Any) -> float:
     """Seconds in which some kernel, copy or memset ran on the GPU: the union of their
     intervals (timeline.py's arithmetic). The summed kernel time counts a PDL kernel's wait
     while the kernel before it runs, so it can exceed the wall time; the union cannot."""
-    from timeline import idle_gaps  # this directory
-    from torch.autograd import DeviceType
+    from timeline import DEVICE_CATEGORIES, idle_gaps  # this directory
 
     ops = [
         {"name": e.name(), "ts": e.start_ns() / 1e3, "dur": e.duration_ns() / 1e3}
         for e in kineto_events
-        if e.device_type() == DeviceType.CUDA
+        if e.activity_type() in DEVICE_CATEGORIES  # not annotations, nor the host's ops
     ]
     return idle_gaps(sorted(ops, key=lambda op: op["ts"]))[0] / 1e6
 

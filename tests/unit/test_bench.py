@@ -21,17 +21,14 @@ def test_workload_is_the_published_one():
 class FakeKinetoEvent:
     """What device_busy_s reads of torch's `_KinetoEvent`."""
 
-    def __init__(self, device: str, start_us: float, dur_us: float) -> None:
-        from torch.autograd import DeviceType
-
-        self.device = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
-        self.start, self.dur = start_us, dur_us
+    def __init__(self, activity: str, start_us: float, dur_us: float) -> None:
+        self.activity, self.start, self.dur = activity, start_us, dur_us
 
     def name(self) -> str:
         return "op"
 
-    def device_type(self) -> object:
-        return self.device
+    def activity_type(self) -> str:
+        return self.activity
 
     def start_ns(self) -> int:
         return int(self.start * 1000)
@@ -41,16 +38,18 @@ class FakeKinetoEvent:
 
 
 def test_gpu_busy_is_the_union_of_device_intervals():
-    # two kernels overlapping under PDL count once; the host op and the 4 us gap not at all;
-    # the events come unsorted, as torch may list them
+    # two kernels overlapping under PDL count once; a copy counts; the host's ops, an
+    # annotation's GPU range and the 3 us gap do not; torch may list the events unsorted
     events = [
-        FakeKinetoEvent("cuda", 10, 5),
-        FakeKinetoEvent("cpu", 0, 100),
-        FakeKinetoEvent("cuda", 0, 4),
-        FakeKinetoEvent("cuda", 2, 4),
+        FakeKinetoEvent("kernel", 10, 5),
+        FakeKinetoEvent("cpu_op", 0, 100),
+        FakeKinetoEvent("gpu_user_annotation", 0, 100),
+        FakeKinetoEvent("kernel", 0, 4),
+        FakeKinetoEvent("kernel", 2, 4),
+        FakeKinetoEvent("gpu_memcpy", 6, 1),
     ]
-    assert abs(device_busy_s(events) - 11e-6) < 1e-12
-    assert device_busy_s([FakeKinetoEvent("cpu", 0, 5)]) == 0.0
+    assert abs(device_busy_s(events) - 12e-6) < 1e-12
+    assert device_busy_s([FakeKinetoEvent("cuda_runtime", 0, 5)]) == 0.0
 
 
 def test_roofline_of_qwen3_0_6b_on_h100():
