@@ -1,7 +1,8 @@
 """Compile the Triton paged decode kernel for a GPU architecture on any machine, GPU or not
 (Triton's bundled ptxas and cuobjdump), and report what decides its speed before a device run:
-registers per thread, spill instructions, shared memory, and how many shared-memory buffers the
-software pipeliner gave the K and V loads. One buffer means the next block's copy starts only
+registers per thread, spill instructions, shared memory, how many shared-memory buffers the
+software pipeliner gave the K and V loads, and the main loop's length in SASS instructions
+(`--mix`: its opcodes; session 28 found the fp8 kernel's V read as byte loads this way). One buffer means the next block's copy starts only
 after this block's compute: the load latency is hidden by other programs on the SM alone.
 Session 23 found this way that 2-4 stages give one buffer and 5 give two (docs/benchmarks.md).
 
@@ -12,6 +13,7 @@ Session 23 found this way that 2-4 stages give one buffer and 5 give two (docs/b
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import os
 import re
@@ -34,6 +36,7 @@ class KernelReport:
     spills: int  # local-memory loads and stores in the SASS
     shared_bytes: int
     kv_buffers: int  # shared-memory buffers of the K (and V) tile; 0: not pipelined
+    loop: list[str]  # opcodes of the main loop's body (one KV block), in order
 
 
 def ints(text: str) -> list[int]:
@@ -107,6 +110,20 @@ def compile_decode(
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def main_loop(sass: str) -> list[str]:
+    """Opcodes (no modifiers) of the longest loop in nvdisasm's output: the body between a
+    label and the last backward branch to it. Empty when the kernel has no loop."""
+    lines = sass.splitlines()
+    labels = {m[1]: n for n, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    best = (0, 0)
+    for n, line in enumerate(lines):
+        target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        if target and labels.get(target[1], n) < n and n - labels[target[1]] > best[1] - best[0]:
+            best = (labels[target[1]], n)
+    opcode = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+    return [m[1] for line in lines[best[0] : best[1] + 1] if (m := opcode.search(line))]
+
+
 def inspect(kernel, block_n: int) -> KernelReport:
     """Registers and spills from the cubin, shared memory from the metadata, K/V buffers from
     the TTGIR's shared-memory allocations of [buffers, block_n, a part of head_dim]."""
@@ -126,6 +143,7 @@ def inspect(kernel, block_n: int) -> KernelReport:
         spills=spills,
         shared_bytes=kernel.metadata.shared,
         kv_buffers=max(buffers, default=0),
+        loop=main_loop(sass.stdout.decode()),
     )
 
 
@@ -140,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     p.add_argument("--rope", action="store_true", help="RoPE inside the kernel (DecodeRope)")
     p.add_argument("--head-dim", type=ints, default=[128], help="Qwen3-0.6B's: 128")
+    p.add_argument("--mix", action="store_true", help="the main loop's opcodes, most common first")
     args = p.parse_args(argv)
     kv_dtypes = args.kv_dtype.split(",")
     if unknown := [d for d in kv_dtypes if d not in KV_DTYPES]:
@@ -179,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {kv_dtype:8s} head_dim {head_dim:3d} splits {splits:2d} {tuning}{mark}:"
                   f" {r.registers} registers,"
                   f" {r.spills} spills, {r.shared_bytes / 1024:.1f} KiB shared,"
-                  f" {r.kv_buffers} K/V buffers")  # fmt: skip
+                  f" {r.kv_buffers} K/V buffers, {len(r.loop)} instructions a block")  # fmt: skip
+            if args.mix:
+                mix = collections.Counter(r.loop).most_common()
+                print("    " + ", ".join(f"{op} {n}" for op, n in mix))
     return 0
 
 

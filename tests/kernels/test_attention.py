@@ -290,6 +290,10 @@ def test_decode_kernel_compiles_for_hopper_and_its_tiles_fit_three_programs_per_
     registers = int(re.search(r"(\d+) registers", fp8).group(1))  # type: ignore[union-attr]
     assert "fp8_e4m3" in fp8 and registers <= 168, stdout
     assert "bf16" in bf16 and "0 spills" in bf16, stdout
+    # the main loop is found: one KV block's body has hundreds of instructions (627 for bf16,
+    # 1,058 for fp8 with Triton 3.6)
+    blocks = [int(n) for n in re.findall(r"(\d+) instructions a block", stdout)]
+    assert len(blocks) == 2 and min(blocks) > 100, stdout
 
 
 def test_extend_tuning_follows_the_measurements(monkeypatch):
