@@ -523,20 +523,6 @@ def log_compiles() -> list[str]:
     return compiled
 
 
-def device_busy_s(kineto_events: Any) -> float:
-    """Seconds in which some kernel, copy or memset ran on the GPU: the union of their
-    intervals (timeline.py's arithmetic). The summed kernel time counts a PDL kernel's wait
-    while the kernel before it runs, so it can exceed the wall time; the union cannot."""
-    from timeline import DEVICE_CATEGORIES, idle_gaps  # this directory
-
-    ops = [
-        {"name": e.name(), "ts": e.start_ns() / 1e3, "dur": e.duration_ns() / 1e3}
-        for e in kineto_events
-        if e.activity_type() in DEVICE_CATEGORIES  # not annotations, nor the host's ops
-    ]
-    return idle_gaps(sorted(ops, key=lambda op: op["ts"]))[0] / 1e6
-
-
 def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) -> dict[str, Any]:
     """Runs the workload --repeat times under the asked profilers: the runs' seconds, the last
     run's outputs, the prefix-cache hits, the kernel and busy times (--profile) and
@@ -573,6 +559,8 @@ def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) 
         pstats.Stats(host_profiler).sort_stats("tottime").print_stats(30)
     kernel_s = busy_s = None
     if profiler is not None:
+        from timeline import device_busy_s, kernel_groups  # this directory
+
         profiler.__exit__(None, None, None)
         kernels = profiler.key_averages()
         print(kernels.table(sort_by="cuda_time_total", row_limit=20))
@@ -581,6 +569,8 @@ def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) 
         busy_s = device_busy_s(profiler.profiler.kineto_results.events())
         print(f"GPU kernel time {kernel_s:.3f} s (summed) in {sum(runs):.3f} s; GPU busy "
               f"{busy_s:.3f} s ({busy_s / sum(runs):.1%}: the union of kernel and copy intervals)")  # fmt: skip
+        groups = kernel_groups({k.key: k.self_device_time_total / 1e6 for k in kernels})
+        print("GPU time by kind: " + ", ".join(f"{kind} {t:.3f} s" for kind, t in groups))
     cached = llm.num_cached_tokens - cached_before
     return dict(
         runs=runs, outputs=outputs, cached=cached, kernel_s=kernel_s, busy_s=busy_s,

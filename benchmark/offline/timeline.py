@@ -57,6 +57,42 @@ def idle_gaps(device_ops: list[Event]) -> tuple[float, float, list[Gap]]:
     return busy, end - first["ts"], gaps
 
 
+def device_busy_s(kineto_events: Any) -> float:
+    """Seconds in which some kernel, copy or memset ran on the GPU: the union of their
+    intervals (`idle_gaps`). The summed kernel time counts a PDL kernel's wait
+    while the kernel before it runs, so it can exceed the wall time; the union cannot."""
+    ops = [
+        {"name": e.name(), "ts": e.start_ns() / 1e3, "dur": e.duration_ns() / 1e3}
+        for e in kineto_events
+        if e.activity_type() in DEVICE_CATEGORIES  # not annotations, nor the host's ops
+    ]
+    return idle_gaps(sorted(ops, key=lambda op: op["ts"]))[0] / 1e6
+
+
+# kernel-name fragments of each kind, first match wins (torch's, Triton's and cuBLAS's names)
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("decode attention", ("_decode_split", "_decode_merge", "BatchDecode")),
+    ("extend attention", ("_extend_kernel", "BatchPrefill")),
+    ("GEMV", ("_gemv_kernel", "_reduce_kernel")),
+    ("GEMM", ("nvjet", "gemm", "cutlass", "xmma")),
+    ("norm", ("rms_norm",)),
+    ("rotary + KV store", ("_rotary", "_store_kv")),
+    ("activation", ("silu",)),
+    ("sampling", ("gumbel", "_pick", "sampl", "argmax", "_adjust")),
+    ("copies", ("Memcpy", "Memset")),
+)
+
+
+def kernel_groups(seconds: dict[str, float]) -> list[tuple[str, float]]:
+    """GPU seconds by kind of kernel (KERNEL_KINDS, else "other"), the largest first, from
+    seconds per kernel name."""
+    totals: dict[str, float] = defaultdict(float)
+    for name, secs in seconds.items():
+        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+        totals[kind] += secs
+    return sorted(totals.items(), key=lambda item: -item[1])
+
+
 def per_kernel(device_ops: list[Event], steps: int) -> list[tuple[str, float, float]]:
     """(name, launches per step, mean us) of each device op, the most total time first."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])

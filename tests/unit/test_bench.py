@@ -9,47 +9,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
 
-from bench import GPU_PEAKS, TINY_QWEN3, device_busy_s, roofline_tok_s, workload  # noqa: E402
+from bench import GPU_PEAKS, TINY_QWEN3, roofline_tok_s, workload  # noqa: E402
 
 
 def test_workload_is_the_published_one():
     prompts, max_tokens = workload(256, 1024, 1024)
     assert sum(max_tokens) == 133_966
     assert all(100 <= len(p) <= 1024 for p in prompts)
-
-
-class FakeKinetoEvent:
-    """What device_busy_s reads of torch's `_KinetoEvent`."""
-
-    def __init__(self, activity: str, start_us: float, dur_us: float) -> None:
-        self.activity, self.start, self.dur = activity, start_us, dur_us
-
-    def name(self) -> str:
-        return "op"
-
-    def activity_type(self) -> str:
-        return self.activity
-
-    def start_ns(self) -> int:
-        return int(self.start * 1000)
-
-    def duration_ns(self) -> int:
-        return int(self.dur * 1000)
-
-
-def test_gpu_busy_is_the_union_of_device_intervals():
-    # two kernels overlapping under PDL count once; a copy counts; the host's ops, an
-    # annotation's GPU range and the 3 us gap do not; torch may list the events unsorted
-    events = [
-        FakeKinetoEvent("kernel", 10, 5),
-        FakeKinetoEvent("cpu_op", 0, 100),
-        FakeKinetoEvent("gpu_user_annotation", 0, 100),
-        FakeKinetoEvent("kernel", 0, 4),
-        FakeKinetoEvent("kernel", 2, 4),
-        FakeKinetoEvent("gpu_memcpy", 6, 1),
-    ]
-    assert abs(device_busy_s(events) - 12e-6) < 1e-12
-    assert device_busy_s([FakeKinetoEvent("cuda_runtime", 0, 5)]) == 0.0
 
 
 def test_roofline_of_qwen3_0_6b_on_h100():

@@ -1,5 +1,5 @@
-"""benchmark/offline/timeline.py: the idle-gap arithmetic on a made-up trace, and a CPU smoke
-run of the script on a tiny model."""
+"""benchmark/offline/timeline.py: the idle-gap arithmetic on a made-up trace, the busy time and
+kernel kinds that bench.py --profile prints, and a CPU smoke run of the script on a tiny model."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
 
-from timeline import idle_gaps, per_kernel  # noqa: E402
+from timeline import device_busy_s, idle_gaps, kernel_groups, per_kernel  # noqa: E402
 
 
 def op(name: str, ts: float, dur: float) -> dict:
@@ -28,6 +28,56 @@ def test_per_kernel_counts_launches_per_step_and_sorts_by_total_time():
     ops = [op("gemv", 0, 2), op("gemv", 3, 2), op("norm", 6, 1), op("gemv", 8, 2)]
     rows = per_kernel(ops, steps=2)
     assert rows == [("gemv", 1.5, 2.0), ("norm", 0.5, 1.0)]
+
+
+class FakeKinetoEvent:
+    """What device_busy_s reads of torch's `_KinetoEvent`."""
+
+    def __init__(self, activity: str, start_us: float, dur_us: float) -> None:
+        self.activity, self.start, self.dur = activity, start_us, dur_us
+
+    def name(self) -> str:
+        return "op"
+
+    def activity_type(self) -> str:
+        return self.activity
+
+    def start_ns(self) -> int:
+        return int(self.start * 1000)
+
+    def duration_ns(self) -> int:
+        return int(self.dur * 1000)
+
+
+def test_gpu_busy_is_the_union_of_device_intervals():
+    # two kernels overlapping under PDL count once; a copy counts; the host's ops, an
+    # annotation's GPU range and the 3 us gap do not; torch may list the events unsorted
+    events = [
+        FakeKinetoEvent("kernel", 10, 5),
+        FakeKinetoEvent("cpu_op", 0, 100),
+        FakeKinetoEvent("gpu_user_annotation", 0, 100),
+        FakeKinetoEvent("kernel", 0, 4),
+        FakeKinetoEvent("kernel", 2, 4),
+        FakeKinetoEvent("gpu_memcpy", 6, 1),
+    ]
+    assert abs(device_busy_s(events) - 12e-6) < 1e-12
+    assert device_busy_s([FakeKinetoEvent("cuda_runtime", 0, 5)]) == 0.0
+
+
+def test_kernel_groups_sum_by_kind():
+    seconds = {
+        "_decode_split_kernel": 4.0,
+        "_decode_merge_kernel": 0.5,
+        "nvjet_sm90_tst_64x32_64x16_4x2_h_bz_TNT": 0.25,
+        "_gemv_kernel": 0.125,
+        "_rms_norm_kernel": 0.125,
+        "Memcpy HtoD (Pinned -> Device)": 0.0625,
+        "void at::native::vectorized_elementwise_kernel<4>": 0.0625,
+    }
+    assert kernel_groups(seconds) == [
+        ("decode attention", 4.5), ("GEMM", 0.25), ("GEMV", 0.125), ("norm", 0.125),
+        ("copies", 0.0625), ("other", 0.0625),
+    ]  # fmt: skip
 
 
 def test_cpu_smoke_run():
