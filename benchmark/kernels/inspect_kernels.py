@@ -2,9 +2,10 @@
 (Triton's bundled ptxas and cuobjdump), and report what decides its speed before a device run:
 registers per thread, spill instructions, shared memory, how many shared-memory buffers the
 software pipeliner gave the K and V loads, and the main loop's length in SASS instructions
-(`--mix`: its opcodes; session 28 found the fp8 kernel's V read as byte loads this way). One buffer means the next block's copy starts only
-after this block's compute: the load latency is hidden by other programs on the SM alone.
-Session 23 found this way that 2-4 stages give one buffer and 5 give two (docs/benchmarks.md).
+(`--mix`: its opcodes). One buffer means the next block's copy starts only after this block's
+compute: the load latency is hidden by other programs on the SM alone. Session 23 found this
+way that 2-4 stages give one buffer and 5 give two; session 28, that the fp8 kernel reads its
+V tile as byte loads (docs/benchmarks.md).
 
     python benchmark/kernels/inspect_kernels.py                     # decode_tuning's tiles, sm_90
     python benchmark/kernels/inspect_kernels.py --kv-dtype fp8_e4m3 --block-n 64,128 \\
