@@ -64,9 +64,20 @@ def device_busy_s(kineto_events: Any) -> float:
     ops = [
         {"name": e.name(), "ts": e.start_ns() / 1e3, "dur": e.duration_ns() / 1e3}
         for e in kineto_events
-        if e.activity_type() in DEVICE_CATEGORIES  # not annotations, nor the host's ops
+        if device_work(e)
     ]
     return idle_gaps(sorted(ops, key=lambda op: op["ts"]))[0] / 1e6
+
+
+def device_work(kineto_event: Any) -> bool:
+    """Whether a `_KinetoEvent` is a kernel, copy or memset: not the host's ops, nor an
+    annotation's GPU range. torch 2.13 names the activity; torch 2.11 (the GPU machines' image)
+    only gives the device, which annotations share."""
+    if hasattr(kineto_event, "activity_type"):
+        return kineto_event.activity_type() in DEVICE_CATEGORIES
+    from torch.autograd import DeviceType
+
+    return kineto_event.device_type() == DeviceType.CUDA and not kineto_event.is_user_annotation()
 
 
 # kernel-name fragments of each kind, first match wins (torch's, Triton's and cuBLAS's names)

@@ -4,6 +4,7 @@ kernel kinds that bench.py --profile prints, and a CPU smoke run of the script o
 import os
 import subprocess
 import sys
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
@@ -62,6 +63,27 @@ def test_gpu_busy_is_the_union_of_device_intervals():
     ]
     assert abs(device_busy_s(events) - 12e-6) < 1e-12
     assert device_busy_s([FakeKinetoEvent("cuda_runtime", 0, 5)]) == 0.0
+    # torch 2.11's events give only the device (and whether they are annotations)
+    older = [OlderKinetoEvent(e.activity, e.start, e.dur) for e in events]
+    assert abs(device_busy_s(older) - 12e-6) < 1e-12
+
+
+class OlderKinetoEvent(FakeKinetoEvent):
+    """torch 2.11's `_KinetoEvent`: no activity_type, a device type instead."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "activity_type":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+    def device_type(self) -> Any:
+        from torch.autograd import DeviceType
+
+        host = self.activity in ("cpu_op", "cuda_runtime")
+        return DeviceType.CPU if host else DeviceType.CUDA
+
+    def is_user_annotation(self) -> bool:
+        return self.activity == "gpu_user_annotation"
 
 
 def test_kernel_groups_sum_by_kind():
