@@ -179,15 +179,22 @@ def _attend_blocks(
     parts of head_dim: fewer live registers (fp8 (128, 3): 158 instead of 251 with Triton 3.6
     for sm_90, three programs per SM instead of two). One part below 32 columns (tl.dot needs
     16)."""
+    # The pool slots of a block are read one block ahead: with the page-table load feeding the
+    # K/V addresses in the same iteration, Triton's pipeliner spends a stage on it and gives
+    # K and V one buffer below 5 stages (session 23); read ahead, n stages give n - 1 buffers
+    # (inspect_kernels.py, Triton 3.6 sm_90: fp8 (128, 3) two buffers, 72 KiB, 168 registers).
+    pos = start + tl.arange(0, BLOCK_N)
+    slot = kv_slots(page_table, row, pos, pos < end, stride_pt, PAGE_SIZE)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        slot = kv_slots(page_table, row, pos, valid, stride_pt, PAGE_SIZE)
-        k_rows = k_pool + slot[:, None] * stride_t + kvh * stride_h
+        rows_off = slot[:, None] * stride_t + kvh * stride_h
+        k_rows = k_pool + rows_off
+        slot = kv_slots(page_table, row, pos + BLOCK_N, pos + BLOCK_N < end, stride_pt, PAGE_SIZE)
         s = _scores(qa, qb, k_rows, qa, qb, offs_a, offs_b, valid, qk_scale, True, PART,
                     HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
         m_new, p, alpha = _softmax(s, m_i)
-        v_rows = v_pool + slot[:, None] * stride_t + kvh * stride_h
+        v_rows = v_pool + rows_off
         l_i, acc_a, acc_b = _accumulate(p, alpha, v_rows, qa, qb, offs_a, offs_b, valid, l_i,
                                         acc_a, acc_b, True, PART, HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
         m_i = m_new
@@ -406,12 +413,15 @@ def decode_tuning(k_pool: torch.Tensor, num_splits: int, rope: bool = False) -> 
     request of 32,000 positions: 54.9 against 57.3 us) and cost with more (4 requests of
     8,000: 58.9 against 53.3 us; 16 of 300-1,800: 40.2 against 37.5). With RoPE inside (one
     request) the first block is held in registers across the PDL wait: an fp8 block of 128
-    spills there (Triton 3.6: 255 registers, 191 spill instructions), one of 64 does not (193)."""
+    spills there (Triton 3.6: 255 registers, 191 spill instructions), one of 64 does not (193).
+    Session 29, with the slots read one block ahead (`_attend_blocks`): fp8 (64, 3) takes 209
+    us against 223 at (128, 3) before (230 at (128, 3) after), bf16 (64, 3) 367 against 371;
+    end to end, A B A B: fp8 +2.2 %, bf16 +0.7 %."""
     if k_pool.dtype.itemsize == 1 and rope:
         return DecodeTuning(64, 3)
     if k_pool.dtype.itemsize == 1:
-        return DecodeTuning(128, 3)
-    return DecodeTuning(128, 2) if num_splits == 1 else DecodeTuning(64, 2)
+        return DecodeTuning(64, 3)
+    return DecodeTuning(64, 3) if num_splits == 1 else DecodeTuning(64, 2)
 
 
 @functools.cache
@@ -576,12 +586,19 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # the block's last valid query sees up to this position (causal)
     kv_end = cached + tl.minimum((mb + 1) * BLOCK_M, extend)
+    # slots read one block ahead, as `_attend_blocks` does: (64, 64, 4, 3) gets three K/V
+    # buffers instead of two (Triton 3.6 sm_90: 193 registers, 112 KiB)
+    pos = tl.arange(0, BLOCK_N)
+    slot = kv_slots(page_table, row, pos, pos < kv_end, stride_pt, PAGE_SIZE)
     for n0 in range(0, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_valid = pos < kv_end
-        slot = kv_slots(page_table, row, pos, n_valid, stride_pt, PAGE_SIZE)
+        cur = slot
+        slot = kv_slots(
+            page_table, row, pos + BLOCK_N, pos + BLOCK_N < kv_end, stride_pt, PAGE_SIZE
+        )
         kb = tl.load(
-            k_pool + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            k_pool + cur[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=n_valid[:, None],
             other=0.0,
         ).to(COMPUTE)
@@ -590,7 +607,7 @@ def _extend_kernel(
         # every query row sees position 0 in the first block, so the max is finite from there on
         s = tl.where(allowed, s, float("-inf"))
         m_new, p, alpha = _softmax(s, m_i)
-        v_rows = v_pool + slot[:, None] * stride_vt + kvh * stride_vh
+        v_rows = v_pool + cur[:, None] * stride_vt + kvh * stride_vh
         l_i, acc, _ = _accumulate(p, alpha, v_rows, qb, qb, offs_d, offs_d, n_valid, l_i, acc,
                                   acc, True, HEAD_DIM, HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
         m_i = m_new
@@ -662,7 +679,9 @@ def extend_tuning(q: torch.Tensor) -> tuple[int, int, int, int]:
     for 16 prompts of 512 tokens, 92.5 for one of 2,000 and 439 for 4 x 1,024 after 3,072
     cached, against 187, 188 and 1,106 at (32, 32, 4, 2), which other GPUs keep (its three
     stages of 64 x 128 K and V tiles need Hopper's shared memory; not measured elsewhere, nor
-    for head_dim 256, whose tiles would be twice as large)."""
+    for head_dim 256, whose tiles would be twice as large). Reading the slots one block
+    ahead took those to 95.7, 217.8 (one prompt of 1,024 after 3,072) and 325 (14 prompts of
+    585 after 128 decode rows) against 99.4, 231.9 and 353 (session 29); 2 or 4 stages lose."""
     dim, fp32 = q.shape[-1], q.dtype == torch.float32
     if dim == 128 and not fp32 and q.is_cuda and hopper(q.device.index):
         return 64, 64, 4, 3
