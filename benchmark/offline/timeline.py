@@ -99,9 +99,25 @@ def kernel_groups(seconds: dict[str, float]) -> list[tuple[str, float]]:
     seconds per kernel name."""
     totals: dict[str, float] = defaultdict(float)
     for name, secs in seconds.items():
-        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
-        totals[kind] += secs
+        totals[kind_of(name)] += secs
     return sorted(totals.items(), key=lambda item: -item[1])
+
+
+def kind_of(kernel_name: str) -> str:
+    """The KERNEL_KINDS kind of a kernel name, else "other"."""
+    return next((k for k, parts in KERNEL_KINDS if any(p in kernel_name for p in parts)), "other")
+
+
+def gaps_by_next_kind(gaps: list[Gap]) -> list[tuple[str, int, float]]:
+    """(kind, gaps, us) of the idle time grouped by the kind of op that ends each gap, the most
+    first: a kernel launched without PDL (cuBLAS) waits for the one before to end, then for
+    its own launch, so its gaps name it."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for gap in gaps:
+        entry = totals[kind_of(gap.after)]
+        entry[0] += 1
+        entry[1] += gap.length
+    return sorted(((k, int(n), us) for k, (n, us) in totals.items()), key=lambda r: -r[2])
 
 
 def per_kernel(device_ops: list[Event], steps: int) -> list[tuple[str, float, float]]:
@@ -132,6 +148,8 @@ def report(events: list[Event], tokens_per_request: int, top: int = 12) -> None:
         calls = [h["name"] for h in host if gap.start <= h["ts"] <= gap.start + gap.length]
         print(f"  {gap.length:8.1f} us after {gap.before[:40]} before {gap.after[:40]}"
               f"  host: {' '.join(calls[:6]) or '-'}")  # fmt: skip
+    by_kind = gaps_by_next_kind(gaps)
+    print("idle before: " + ", ".join(f"{k} {us:,.0f} us ({n} gaps)" for k, n, us in by_kind))
     print(f"{'per step':>9} {'mean us':>8}  device op")
     for name, per_step, mean in per_kernel(steady, steps)[: 2 * top]:
         print(f"{per_step:9.2f} {mean:8.2f}  {name[:90]}")

@@ -9,7 +9,14 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
 
-from timeline import device_busy_s, idle_gaps, kernel_groups, per_kernel  # noqa: E402
+from timeline import (  # noqa: E402
+    Gap,
+    device_busy_s,
+    gaps_by_next_kind,
+    idle_gaps,
+    kernel_groups,
+    per_kernel,
+)
 
 
 def op(name: str, ts: float, dur: float) -> dict:
@@ -110,3 +117,13 @@ def test_cpu_smoke_run():
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "tok/s (profiled)" in res.stdout and "no device activity" in res.stdout
+
+
+def test_gaps_group_by_the_kind_of_op_after_them():
+    gaps = [
+        Gap(0, 2.0, "_rms_norm_kernel", "nvjet_sm90_tst_64x32"),
+        Gap(5, 1.5, "_decode_split_kernel", "nvjet_sm90_tst_128x64"),
+        Gap(9, 0.5, "nvjet_sm90_tst_64x32", "_rms_norm_kernel"),
+        Gap(12, 4.0, "_pick_kernel", "Memcpy HtoD (Pinned -> Device)"),
+    ]
+    assert gaps_by_next_kind(gaps) == [("copies", 1, 4.0), ("GEMM", 2, 3.5), ("norm", 1, 0.5)]
