@@ -182,7 +182,7 @@ def _attend_blocks(
     # The pool slots of a block are read one block ahead: with the page-table load feeding the
     # K/V addresses in the same iteration, Triton's pipeliner spends a stage on it and gives
     # K and V one buffer below 5 stages (session 23); read ahead, n stages give n - 1 buffers
-    # (inspect_kernels.py, Triton 3.6 sm_90: fp8 (128, 3) two buffers, 72 KiB, 168 registers).
+    # (inspect_kernels.py, Triton 3.6 sm_90: fp8 (64, 3) two buffers, 38 KiB, 122 registers).
     pos = start + tl.arange(0, BLOCK_N)
     slot = kv_slots(page_table, row, pos, pos < end, stride_pt, PAGE_SIZE)
     for n0 in range(start, end, BLOCK_N):
