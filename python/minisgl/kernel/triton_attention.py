@@ -679,9 +679,9 @@ def extend_tuning(q: torch.Tensor) -> tuple[int, int, int, int]:
     for 16 prompts of 512 tokens, 92.5 for one of 2,000 and 439 for 4 x 1,024 after 3,072
     cached, against 187, 188 and 1,106 at (32, 32, 4, 2), which other GPUs keep (its three
     stages of 64 x 128 K and V tiles need Hopper's shared memory; not measured elsewhere, nor
-    for head_dim 256, whose tiles would be twice as large). Reading the slots one block
-    ahead took those to 95.7, 217.8 (one prompt of 1,024 after 3,072) and 325 (14 prompts of
-    585 after 128 decode rows) against 99.4, 231.9 and 353 (session 29); 2 or 4 stages lose."""
+    for head_dim 256, whose tiles would be twice as large). Session 29, with the slots read
+    one block ahead: 16 x 512 95.7 us against 99.4 before, 2 x 1,024 after 3,072 cached 217.8
+    against 231.9, 14 x 585 after 128 decode rows 325 against 353; 2 or 4 stages lose."""
     dim, fp32 = q.shape[-1], q.dtype == torch.float32
     if dim == 128 and not fp32 and q.is_cuda and hopper(q.device.index):
         return 64, 64, 4, 3
