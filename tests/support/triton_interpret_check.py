@@ -60,7 +60,7 @@ def compare(
 
 
 DECODE = [(0, 1), (4, 1), (63, 1), (64, 1), (200, 1)]
-# (70, 100): query blocks whose KV starts with whole blocks before every query row
+# (70, 100): query blocks whose KV starts with whole blocks before every row (no causal mask)
 EXTEND = [(0, 37), (16, 16), (13, 20), (40, 1), (70, 100)]
 for page_size in (1, 16):
     compare("decode, 5 requests (2 splits)", DECODE, page_size, True)
