@@ -88,6 +88,7 @@ def compile_decode(
         NUM_SPLITS=num_splits, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_N=block_n,
         COMPUTE=ta.compute_dtype(q, k_pool), PRECISION="tf32", PDL=arch >= 90,
         ROPE=rope, NORM=rope, HAS_ORDER=not rope,  # the engine orders a batch, not one request
+        PAIRS=ta.e4m3_pairs(q, k_pool, rope), PTX=arch >= 89,
     )  # fmt: skip
     kv = TRITON_TYPES[kv_dtype]
     pointers = dict(q="*bf16", k_pool=f"*{kv}", v_pool=f"*{kv}", out="*bf16", part_out="*fp32")

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl import env
 from minisgl.kernel import DecodeRope, pdl
 from minisgl.kernel.fused import kv_slots, rope_halves
 from minisgl.kernel.pdl import wait_for_previous
@@ -167,18 +168,49 @@ def _accumulate(
 
 
 @triton.jit
+def _e4m3_pairs(x, PTX: tl.constexpr):
+    """float16 (even, odd) of int16 x, each holding two e4m3 values (low byte: the even
+    dim). With PTX one byte permute and two native paired conversions per two elements, in
+    x's own register layout: the dot's 16-bit tile comes from ldmatrix, where an 8-bit tile
+    widened after the dot operand's shared-memory read costs a byte load and packing a value
+    (Triton's `.to`; the interpreter's path)."""
+    if PTX:
+        even, odd = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; "
+            "mov.b32 {lo, hi}, t; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            constraints="=r,=r,r",
+            args=[x],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        even = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        odd = ((x >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return even, odd
+
+
+@triton.jit
+def _load_pairs(rows, valid, HALF: tl.constexpr, PTX: tl.constexpr):
+    """The even and odd dims [BLOCK_N, HALF] float16 of an e4m3 pool's rows [BLOCK_N, 1], read
+    as int16 pairs of dims."""
+    pairs = rows.to(tl.pointer_type(tl.int16)) + tl.arange(0, HALF)[None, :]
+    return _e4m3_pairs(tl.load(pairs, mask=valid[:, None], other=0), PTX)
+
+
+@triton.jit
 def _attend_blocks(
     qa, qb, qk_scale, k_pool, v_pool, kvh, stride_t, stride_h, page_table, row, stride_pt, start,
     end, offs_a, offs_b, m_i, l_i, acc_a, acc_b, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, COMPUTE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PAIRS: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """(output [BLOCK_H, HEAD_DIM] unnormalised, running max, normaliser) of q attending to
     positions start..end of one kv head (both pools of strides stride_t, stride_h), from the
     running state (m_i, l_i, acc_a, acc_b) of the blocks before. q, K and V are read in two
     parts of head_dim: fewer live registers (fp8 (128, 3): 158 instead of 251 with Triton 3.6
     for sm_90, three programs per SM instead of two). One part below 32 columns (tl.dot needs
-    16)."""
+    16). With PAIRS (an e4m3 pool) the parts are the even and odd dims (`_load_pairs`)."""
     # The pool slots of a block are read one block ahead: with the page-table load feeding the
     # K/V addresses in the same iteration, Triton's pipeliner spends a stage on it and gives
     # K and V one buffer below 5 stages (session 23); read ahead, n stages give n - 1 buffers
@@ -191,15 +223,24 @@ def _attend_blocks(
         rows_off = slot[:, None] * stride_t + kvh * stride_h
         k_rows = k_pool + rows_off
         slot = kv_slots(page_table, row, pos + BLOCK_N, pos + BLOCK_N < end, stride_pt, PAGE_SIZE)
-        s = _scores(qa, qb, k_rows, qa, qb, offs_a, offs_b, valid, qk_scale, True, PART,
+        ka, kb = qa, qb  # unread unless PAIRS
+        if PAIRS:
+            ka, kb = _load_pairs(k_rows, valid, PART, PTX)
+        s = _scores(qa, qb, k_rows, ka, kb, offs_a, offs_b, valid, qk_scale, not PAIRS, PART,
                     HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
         m_new, p, alpha = _softmax(s, m_i)
         v_rows = v_pool + rows_off
-        l_i, acc_a, acc_b = _accumulate(p, alpha, v_rows, qa, qb, offs_a, offs_b, valid, l_i,
-                                        acc_a, acc_b, True, PART, HEAD_DIM, COMPUTE, PRECISION)  # fmt: skip
+        va, vb = qa, qb
+        if PAIRS:
+            va, vb = _load_pairs(v_rows, valid, PART, PTX)
+        l_i, acc_a, acc_b = _accumulate(p, alpha, v_rows, va, vb, offs_a, offs_b, valid, l_i,
+                                        acc_a, acc_b, not PAIRS, PART, HEAD_DIM, COMPUTE,
+                                        PRECISION)  # fmt: skip
         m_i = m_new
     acc = acc_a
-    if PART < HEAD_DIM:
+    if PAIRS:  # even and odd dims interleave
+        acc = tl.join(acc_a, acc_b).reshape(BLOCK_H, HEAD_DIM)
+    elif PART < HEAD_DIM:
         acc = tl.join(acc_a, acc_b).permute(0, 2, 1).reshape(BLOCK_H, HEAD_DIM)
     return acc, m_i, l_i
 
@@ -268,6 +309,8 @@ def _decode_split_kernel(
     ROPE: tl.constexpr,  # q, k are unrotated: rotate q here, and k and v into the pool
     NORM: tl.constexpr,
     HAS_ORDER: tl.constexpr,
+    PAIRS: tl.constexpr,  # an e4m3 pool read as int16 pairs of dims (`_load_pairs`), no ROPE
+    PTX: tl.constexpr,  # ... widened in inline PTX (`_e4m3_pairs`)
     PDL: tl.constexpr,
 ):  # fmt: skip
     # Before the PDL wait, reads of what no kernel of the step writes (the metadata, copied in
@@ -294,6 +337,9 @@ def _decode_split_kernel(
     PART: tl.constexpr = HALF if HALF >= 16 else HEAD_DIM  # _attend_blocks' parts of a head
     offs_a = tl.arange(0, PART)
     offs_b = HEAD_DIM - PART + offs_a  # offs_a (and unused) with one part
+    if PAIRS:  # the parts are the even and odd dims
+        offs_a = 2 * tl.arange(0, PART)
+        offs_b = offs_a + 1
     q_rows = q + b * stride_qb + offs_h[:, None] * stride_qh
     qk_scale = scale * LOG2E  # scores in log2 units (exp2 inside)
     if ROPE:
@@ -316,7 +362,7 @@ def _decode_split_kernel(
     acc, m_i, l_i = _attend_blocks(
         qa, qb, qk_scale, k_pool, v_pool, kvh, stride_pool_t, stride_pool_h, page_table, row,
         stride_pt, start, end, offs_a, offs_b, m_i, l_i, acc_a, acc_b, BLOCK_H, BLOCK_N,
-        PAGE_SIZE, HEAD_DIM, PART, COMPUTE, PRECISION,
+        PAGE_SIZE, HEAD_DIM, PART, COMPUTE, PRECISION, PAIRS, PTX,
     )  # fmt: skip
     offs_d = tl.arange(0, HEAD_DIM)
     res = acc / l_i[:, None]
@@ -393,6 +439,14 @@ def compute_dtype(q: torch.Tensor, k_pool: torch.Tensor) -> tl.dtype:
     return tl.float16 if k_pool.dtype.itemsize == 1 or q.dtype == torch.float16 else tl.bfloat16
 
 
+def e4m3_pairs(q: torch.Tensor, k_pool: torch.Tensor, rope: bool) -> bool:
+    """Whether the decode kernel reads an e4m3 pool as int16 pairs of dims (`_load_pairs`):
+    for a 16-bit q (float16 compute), head_dim halves of >= 16 and no RoPE inside (whose first
+    block is read in halves)."""
+    halves = k_pool.shape[-1] % 2 == 0 and k_pool.shape[-1] // 2 >= 16
+    return k_pool.dtype == torch.float8_e4m3fn and q.dtype != torch.float32 and halves and not rope
+
+
 class DecodeTuning(NamedTuple):
     block_n: int  # KV positions per block
     # Triton 3.6 gives the K/V loads, which follow a page-table load, one shared-memory buffer
@@ -416,12 +470,20 @@ def decode_tuning(k_pool: torch.Tensor, num_splits: int, rope: bool = False) -> 
     spills there (Triton 3.6: 255 registers, 191 spill instructions), one of 64 does not (193).
     Session 29, with the slots read one block ahead (`_attend_blocks`): fp8 (64, 3) takes 209
     us against 223 at (128, 3) before (230 at (128, 3) after), bf16 (64, 3) 367 against 371;
-    end to end, A B A B: fp8 +2.2 %, bf16 +0.7 %."""
+    end to end, A B A B: fp8 +2.2 %, bf16 +0.7 %. Session 30, an e4m3 pool read as int16
+    pairs (`_load_pairs`, 96 registers): (64, 3) 200.5 us, (32, 3) with 2 warps 193.5 (2.85
+    TB/s) but 1-2 % slower end to end, so (64, 3) with 4 warps stays."""
     if k_pool.dtype.itemsize == 1 and rope:
         return DecodeTuning(64, 3)
     if k_pool.dtype.itemsize == 1:
         return DecodeTuning(64, 3)
     return DecodeTuning(64, 3) if num_splits == 1 else DecodeTuning(64, 2)
+
+
+@functools.cache
+def native_fp8(device_index: int | None) -> bool:
+    """Whether the CUDA device converts e4m3 pairs natively (sm_89+), once per device."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 @functools.cache
@@ -515,6 +577,8 @@ def decode_attention(
         ROPE=rope is not None,
         NORM=rope is not None and rope.qk_norm is not None,
         HAS_ORDER=order is not None,
+        PAIRS=e4m3_pairs(q, k_pool, rope is not None),
+        PTX=q.is_cuda and not env.triton_interpret() and native_fp8(q.device.index),
         **launch,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
         num_warps=num_warps,
