@@ -254,6 +254,32 @@ def test_decode_inputs_gather_ids_and_slots_like_the_reference(ops, batch, page_
     assert torch.equal(slots, Context.kv_slots(ctx, rows, positions))  # type: ignore[arg-type]
 
 
+@on_device
+@pytest.mark.parametrize("n_pages, n_tokens", [(0, 1), (3, 0), (16, 300), (300, 5)])
+def test_write_table_entries_like_indexing(ops, n_pages, n_tokens):
+    """fused.write_table_entries (the engine's queued TableWrites in one launch) against
+    indexed writes: the first n_pages entries into the page table, the rest into the token
+    table, every other entry of both tables untouched."""
+    gen = torch.Generator().manual_seed(n_pages * 1000 + n_tokens)
+    pages = torch.randint(0, 99, (9, 50), generator=gen, dtype=torch.int32)
+    tokens = torch.randint(0, 99, (9, 400), generator=gen, dtype=torch.int32)
+
+    def distinct(n: int, cols: int) -> torch.Tensor:  # n distinct (row, col) cells
+        flat = torch.randperm(9 * cols, generator=gen)[:n]
+        return torch.stack([flat // cols, flat % cols])
+
+    cells = torch.cat([distinct(n_pages, 50), distinct(n_tokens, 400)], dim=1)
+    values = torch.randint(1000, 2000, (1, n_pages + n_tokens), generator=gen)
+    entries = torch.cat([cells, values]).int()
+    ref_pages, ref_tokens = pages.clone(), tokens.clone()
+    rows, cols = entries[0].long(), entries[1].long()
+    ref_pages[rows[:n_pages], cols[:n_pages]] = entries[2, :n_pages]
+    ref_tokens[rows[n_pages:], cols[n_pages:]] = entries[2, n_pages:]
+    pages, tokens, entries = pages.to(DEVICE), tokens.to(DEVICE), entries.to(DEVICE)
+    ops.write_table_entries(pages, tokens, entries.contiguous(), n_pages)
+    assert torch.equal(pages.cpu(), ref_pages) and torch.equal(tokens.cpu(), ref_tokens)
+
+
 def test_env_flags(monkeypatch):
     monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS", raising=False)
     assert not env.disable_fused_ops()

@@ -37,6 +37,7 @@ from minisgl.engine.sample import (
     sample_at_temperature,
 )
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
+from minisgl.engine.tables import TableWrites
 from minisgl.engine.verify import Verification, flat_batch, prefill_rows
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
@@ -149,6 +150,7 @@ class Engine:
         )
         if self.compiled_decoder is not None:
             mark_kv_len_dynamic(self.attn_backend)
+        self.table_writes = TableWrites(self.page_table, self.token_table)
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
         self.graphs = self._build_graphs()
@@ -206,17 +208,17 @@ class Engine:
         return MHAKVCache(*shape, self.kv_dtype, self.device)
 
     def set_pages(self, table_idx: int, start_page: int, pages: list[int]) -> None:
-        """Record pages [start_page, start_page + len(pages)) of the request in row table_idx."""
+        """Record pages [start_page, start_page + len(pages)) of the request in row table_idx
+        (on the device at the next step's head, `TableWrites`)."""
         if pages:
-            src = to_device(pages, torch.int32, self.device)
-            self.page_table[table_idx, start_page : start_page + len(pages)] = src
+            self.table_writes.write_pages(table_idx, start_page, pages)
             self.ctx.page_table_version += 1
 
     def set_tokens(self, table_idx: int, tokens: list[int], start: int = 0) -> None:
-        """Copy token ids into a request's row of the token table from position `start`: a
-        newly admitted request's known tokens, or the proposals a step verifies."""
-        end = start + len(tokens)
-        self.token_table[table_idx, start:end] = to_device(tokens, torch.int32, self.device)
+        """Token ids into a request's row of the token table from position `start`: a newly
+        admitted request's known tokens, or the proposals a step verifies (on the device at
+        the next step's head)."""
+        self.table_writes.write_tokens(table_idx, start, tokens)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, samples: list[bool] | None = None) -> torch.Tensor:
@@ -227,6 +229,7 @@ class Engine:
     def forward_step(self, batch: Batch, samples: list[bool]) -> ForwardOutput:
         """Phase 1 of a step: queue the forward (and, in a CUDA graph, the sampling of every
         request whose `samples` flag is set). Nothing here waits for the device."""
+        self.table_writes.flush()
         reqs = batch.reqs
         adjusted, filtered = any_adjusted(reqs), any_filter(reqs, self.model_config.vocab_size)
         # the ids sample_step draws again after changing the logits: the graph skips them
@@ -291,6 +294,7 @@ class Engine:
         """Phase 2: sample what the forward did not (filters, grammar `mask`, adjusted logits,
         eager batches); the ids go into the token table (where the next step reads its inputs)
         and into pinned host memory. Nothing here waits for the device."""
+        self.table_writes.flush()  # token writes since the forward land before this step's ids
         if out.flat is not None:  # one row per position (verify.flat_batch)
             flat_ids, _ = self._sample_ids(out.flat, out, None)
             verification, next_ids = Verification.from_flat(batch, flat_ids)

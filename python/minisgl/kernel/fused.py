@@ -509,3 +509,34 @@ def decode_inputs(
         PAGE_SIZE=page_size, BLOCK=block, num_warps=max(1, min(4, block // 32)),
     )  # fmt: skip
     return input_ids, out_loc
+
+
+@triton.jit(do_not_specialize=["n", "n_pages"])
+def _write_entries_kernel(
+    page_table, token_table, entries, n, n_pages, stride_pages, stride_tokens, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    row = tl.load(entries + offs, mask=mask, other=0).to(tl.int64)
+    col = tl.load(entries + n + offs, mask=mask, other=0).to(tl.int64)
+    value = tl.load(entries + 2 * n + offs, mask=mask, other=0)
+    page = offs < n_pages
+    tl.store(page_table + row * stride_pages + col, value, mask=mask & page)
+    tl.store(token_table + row * stride_tokens + col, value, mask=mask & ~page)
+
+
+def write_table_entries(
+    page_table: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor, n_pages: int
+) -> None:
+    """entries [3, n] int32 (row, column, value): the first n_pages into the page table, the
+    rest into the token table, in one launch (the engine's queued `TableWrites`). n and
+    n_pages vary every step: not specialised on, so no new variant compiles mid-run."""
+    assert entries.dtype == page_table.dtype == token_table.dtype == torch.int32
+    assert entries.is_contiguous() and entries.shape[0] == 3
+    assert page_table.stride(1) == 1 and token_table.stride(1) == 1
+    n = entries.shape[1]
+    block = 256
+    _write_entries_kernel[(triton.cdiv(n, block),)](
+        page_table, token_table, entries, n, n_pages, page_table.stride(0),
+        token_table.stride(0), BLOCK=block, num_warps=4,
+    )  # fmt: skip
