@@ -559,16 +559,21 @@ def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) 
         pstats.Stats(host_profiler).sort_stats("tottime").print_stats(30)
     kernel_s = busy_s = None
     if profiler is not None:
-        from timeline import device_busy_s, kernel_groups  # this directory
+        from timeline import busy_by_slice, device_ops, idle_gaps, kernel_groups  # this directory
 
         profiler.__exit__(None, None, None)
         kernels = profiler.key_averages()
         print(kernels.table(sort_by="cuda_time_total", row_limit=20))
         # summed kernel times: two kernels that overlap under PDL both count
         kernel_s = sum(k.self_device_time_total for k in kernels) / 1e6
-        busy_s = device_busy_s(profiler.profiler.kineto_results.events())
+        ops = device_ops(profiler.profiler.kineto_results.events())
+        busy_us, span_us, _ = idle_gaps(ops)
+        busy_s = busy_us / 1e6
         print(f"GPU kernel time {kernel_s:.3f} s (summed) in {sum(runs):.3f} s; GPU busy "
-              f"{busy_s:.3f} s ({busy_s / sum(runs):.1%}: the union of kernel and copy intervals)")  # fmt: skip
+              f"{busy_s:.3f} s ({busy_s / sum(runs):.1%}: the union of kernel and copy intervals)"
+              f"; first kernel to last {span_us / 1e6:.3f} s")  # fmt: skip
+        slices = busy_by_slice(ops)
+        print("GPU busy by tenth of that span: " + ", ".join(f"{b:.0%} {k}" for b, k in slices))
         groups = kernel_groups({k.key: k.self_device_time_total / 1e6 for k in kernels})
         print("GPU time by kind: " + ", ".join(f"{kind} {t:.3f} s" for kind, t in groups))
     cached = llm.num_cached_tokens - cached_before

@@ -57,16 +57,50 @@ def idle_gaps(device_ops: list[Event]) -> tuple[float, float, list[Gap]]:
     return busy, end - first["ts"], gaps
 
 
-def device_busy_s(kineto_events: Any) -> float:
-    """Seconds in which some kernel, copy or memset ran on the GPU: the union of their
-    intervals (`idle_gaps`). The summed kernel time counts a PDL kernel's wait
-    while the kernel before it runs, so it can exceed the wall time; the union cannot."""
+def device_ops(kineto_events: Any) -> list[Event]:
+    """The kernels, copies and memsets of torch's `_KinetoEvent`s as trace events (name, ts and
+    dur in us), sorted by start."""
     ops = [
         {"name": e.name(), "ts": e.start_ns() / 1e3, "dur": e.duration_ns() / 1e3}
         for e in kineto_events
         if device_work(e)
     ]
-    return idle_gaps(sorted(ops, key=lambda op: op["ts"]))[0] / 1e6
+    return sorted(ops, key=lambda op: op["ts"])
+
+
+def device_busy_s(kineto_events: Any) -> float:
+    """Seconds in which some kernel, copy or memset ran on the GPU: the union of their
+    intervals (`idle_gaps`). The summed kernel time counts a PDL kernel's wait
+    while the kernel before it runs, so it can exceed the wall time; the union cannot."""
+    return idle_gaps(device_ops(kineto_events))[0] / 1e6
+
+
+def busy_by_slice(ops: list[Event], slices: int = 10) -> list[tuple[float, str]]:
+    """(busy fraction, the kind with the most GPU time) of each of `slices` equal stretches of
+    the ops' span (sorted by start): where in a run the idle time lies (the prefill phase,
+    steady decode, the tail of small batches)."""
+    if not ops:
+        return []
+    first, last = ops[0]["ts"], max(op["ts"] + op["dur"] for op in ops)
+    width = (last - first) / slices or 1.0
+    rows = []
+    for i in range(slices):
+        lo, hi = first + i * width, first + (i + 1) * width
+        inside = [
+            {
+                **op,
+                "ts": max(op["ts"], lo),
+                "dur": min(op["ts"] + op["dur"], hi) - max(op["ts"], lo),
+            }
+            for op in ops
+            if op["ts"] < hi and op["ts"] + op["dur"] > lo
+        ]
+        kinds: dict[str, float] = defaultdict(float)
+        for op in inside:
+            kinds[kind_of(op["name"])] += op["dur"]
+        busy = idle_gaps(inside)[0] if inside else 0.0
+        rows.append((busy / width, max(kinds, key=kinds.__getitem__) if kinds else "-"))
+    return rows
 
 
 def device_work(kineto_event: Any) -> bool:

@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
 
 from timeline import (  # noqa: E402
     Gap,
+    busy_by_slice,
     device_busy_s,
     gaps_by_next_kind,
     idle_gaps,
@@ -36,6 +37,22 @@ def test_per_kernel_counts_launches_per_step_and_sorts_by_total_time():
     ops = [op("gemv", 0, 2), op("gemv", 3, 2), op("norm", 6, 1), op("gemv", 8, 2)]
     rows = per_kernel(ops, steps=2)
     assert rows == [("gemv", 1.5, 2.0), ("norm", 0.5, 1.0)]
+
+
+def test_busy_by_slice_places_the_idle_time_in_the_run():
+    """Two slices of 10 us: the first busy 8 us (an extend kernel 0-6 and a 2 us norm 8-10),
+    the second 5 us, with a decode kernel crossing the boundary counted in both."""
+    ops = [
+        op("_extend_kernel", 0, 6),
+        op("_rms_norm_kernel", 8, 2),
+        op("_decode_split_kernel", 10, 3),
+        op("Memcpy HtoD", 18, 2),
+    ]
+    assert busy_by_slice(ops, slices=2) == [(0.8, "extend attention"), (0.5, "decode attention")]
+    ops[2] = op("_decode_split_kernel", 7, 6)  # 3 us in the first slice (over the norm), 3 after
+    ops.sort(key=lambda o: o["ts"])
+    assert busy_by_slice(ops, slices=2) == [(0.9, "extend attention"), (0.5, "decode attention")]
+    assert busy_by_slice([]) == []
 
 
 class FakeKinetoEvent:
