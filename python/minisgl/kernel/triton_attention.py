@@ -364,6 +364,17 @@ def _decode_split_kernel(
         stride_pt, start, end, offs_a, offs_b, m_i, l_i, acc_a, acc_b, BLOCK_H, BLOCK_N,
         PAGE_SIZE, HEAD_DIM, PART, COMPUTE, PRECISION, PAIRS, PTX,
     )  # fmt: skip
+    _store_split(acc, m_i, l_i, out, part_out, part_lse, b, split, offs_h, h_valid, NUM_HEADS,
+                 NUM_SPLITS, HEAD_DIM)  # fmt: skip
+
+
+@triton.jit
+def _store_split(
+    acc, m_i, l_i, out, part_out, part_lse, b, split, offs_h, h_valid, NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """A split's normalised output: into `out` when it is the only split, else with its
+    log-sum-exp into the partials the merge reads."""
     offs_d = tl.arange(0, HEAD_DIM)
     res = acc / l_i[:, None]
     if NUM_SPLITS == 1:  # nothing to merge
