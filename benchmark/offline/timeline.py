@@ -68,33 +68,25 @@ def device_ops(kineto_events: Any) -> list[Event]:
     return sorted(ops, key=lambda op: op["ts"])
 
 
-def device_busy_s(kineto_events: Any) -> float:
-    """Seconds in which some kernel, copy or memset ran on the GPU: the union of their
-    intervals (`idle_gaps`). The summed kernel time counts a PDL kernel's wait
-    while the kernel before it runs, so it can exceed the wall time; the union cannot."""
-    return idle_gaps(device_ops(kineto_events))[0] / 1e6
-
-
 def busy_by_slice(ops: list[Event], slices: int = 10) -> list[tuple[float, str]]:
     """(busy fraction, the kind with the most GPU time) of each of `slices` equal stretches of
     the ops' span (sorted by start): where in a run the idle time lies (the prefill phase,
-    steady decode, the tail of small batches)."""
+    steady decode, the tail of small batches). One pass: each op is cut at the slices' edges."""
     if not ops:
         return []
     first, last = ops[0]["ts"], max(op["ts"] + op["dur"] for op in ops)
     width = (last - first) / slices or 1.0
+    pieces: list[list[Event]] = [[] for _ in range(slices)]
+    for op in ops:
+        start, stop = op["ts"], op["ts"] + op["dur"]
+        for i in range(int((start - first) / width), min(slices, int((stop - first) / width) + 1)):
+            lo, hi = first + i * width, first + (i + 1) * width
+            if min(stop, hi) > max(start, lo):
+                pieces[i].append(
+                    {**op, "ts": max(start, lo), "dur": min(stop, hi) - max(start, lo)}
+                )
     rows = []
-    for i in range(slices):
-        lo, hi = first + i * width, first + (i + 1) * width
-        inside = [
-            {
-                **op,
-                "ts": max(op["ts"], lo),
-                "dur": min(op["ts"] + op["dur"], hi) - max(op["ts"], lo),
-            }
-            for op in ops
-            if op["ts"] < hi and op["ts"] + op["dur"] > lo
-        ]
+    for inside in pieces:
         kinds: dict[str, float] = defaultdict(float)
         for op in inside:
             kinds[kind_of(op["name"])] += op["dur"]

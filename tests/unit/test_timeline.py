@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
 from timeline import (  # noqa: E402
     Gap,
     busy_by_slice,
-    device_busy_s,
+    device_ops,
     gaps_by_next_kind,
     idle_gaps,
     kernel_groups,
@@ -56,7 +56,7 @@ def test_busy_by_slice_places_the_idle_time_in_the_run():
 
 
 class FakeKinetoEvent:
-    """What device_busy_s reads of torch's `_KinetoEvent`."""
+    """What device_ops reads of torch's `_KinetoEvent`."""
 
     def __init__(self, activity: str, start_us: float, dur_us: float) -> None:
         self.activity, self.start, self.dur = activity, start_us, dur_us
@@ -72,6 +72,11 @@ class FakeKinetoEvent:
 
     def duration_ns(self) -> int:
         return int(self.dur * 1000)
+
+
+def device_busy_s(kineto_events) -> float:
+    """bench.py --profile's GPU busy seconds."""
+    return idle_gaps(device_ops(kineto_events))[0] / 1e6
 
 
 def test_gpu_busy_is_the_union_of_device_intervals():

@@ -492,15 +492,19 @@ def decode_tuning(k_pool: torch.Tensor, num_splits: int, rope: bool = False) -> 
 
 
 @functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    """The CUDA device's compute capability, asked once per device."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def native_fp8(device_index: int | None) -> bool:
-    """Whether the CUDA device converts e4m3 pairs natively (sm_89+), once per device."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+    """Whether the CUDA device converts e4m3 pairs natively (sm_89+)."""
+    return _capability(device_index) >= (8, 9)
 
 
-@functools.cache
 def hopper(device_index: int | None) -> bool:
-    """Whether the CUDA device is a Hopper GPU (sm_90), once per device."""
-    return torch.cuda.get_device_capability(device_index)[0] == 9
+    """Whether the CUDA device is a Hopper GPU (sm_90)."""
+    return _capability(device_index)[0] == 9
 
 
 def num_sms(device: torch.device) -> int:
