@@ -157,23 +157,31 @@ def per_kernel(device_ops: list[Event], steps: int) -> list[tuple[str, float, fl
     return sorted(rows, key=lambda row: -row[1] * row[2])
 
 
-def report(events: list[Event], tokens_per_request: int, top: int = 12) -> None:
+def host_during(host: list[Event], gap: Gap, longest: int = 4) -> str:
+    """The host's longest ops and CUDA calls (us) that overlap a gap: what kept it from
+    launching the next device op."""
+    stop = gap.start + gap.length
+    inside = [h for h in host if h["ts"] < stop and h["ts"] + h.get("dur", 0) > gap.start]
+    inside.sort(key=lambda h: -h.get("dur", 0))
+    return " ".join(f"{h['name'][:32]}:{h.get('dur', 0):.0f}" for h in inside[:longest]) or "-"
+
+
+def report(
+    events: list[Event], tokens_per_request: int, window: tuple[float, float], top: int = 12
+) -> None:
     ops = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
     if not ops:
         print("no device activity (a CPU run): nothing to report")
         return
-    steady = ops[len(ops) // 4 : 3 * len(ops) // 4]  # the middle half: steady decode
+    steady = ops[int(window[0] * len(ops)) : int(window[1] * len(ops))]  # default: steady decode
     busy, span, gaps = idle_gaps(steady)
     steps = round(tokens_per_request * len(steady) / len(ops))
-    print(
-        f"steady window {span:,.0f} us, ~{steps} steps: GPU busy {busy:,.0f} us ({busy / span:.1%})"
-    )
+    print(f"window {span:,.0f} us, ~{steps} steps: GPU busy {busy:,.0f} us ({busy / span:.1%})")
     print(f"{len(gaps)} gaps, {sum(g.length for g in gaps):,.0f} us in all; the largest:")
-    host = [e for e in events if e.get("cat") == "cuda_runtime"]
+    host = [e for e in events if e.get("cat") in ("cuda_runtime", "cpu_op", "user_annotation")]
     for gap in sorted(gaps, key=lambda g: -g.length)[:top]:
-        calls = [h["name"] for h in host if gap.start <= h["ts"] <= gap.start + gap.length]
         print(f"  {gap.length:8.1f} us after {gap.before[:40]} before {gap.after[:40]}"
-              f"  host: {' '.join(calls[:6]) or '-'}")  # fmt: skip
+              f"  host: {host_during(host, gap)}")  # fmt: skip
     by_kind = gaps_by_next_kind(gaps)
     print("idle before: " + ", ".join(f"{k} {us:,.0f} us ({n} gaps)" for k, n, us in by_kind))
     print(f"{'per step':>9} {'mean us':>8}  device op")
@@ -192,6 +200,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attn", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--trace", default=None, help="also write the Chrome trace here")
+    p.add_argument(
+        "--window",
+        default="0.25:0.75",
+        help="the stretch of the run's device ops reported, as fractions (default: the middle"
+        " half, steady decode; 0:0.3 covers the prefill phase)",
+    )
     return p.parse_args()
 
 
@@ -225,7 +239,8 @@ def main() -> None:
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    report(events, args.tokens)
+    start_frac, end_frac = (float(x) for x in args.window.split(":"))
+    report(events, args.tokens, (start_frac, end_frac))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from timeline import (  # noqa: E402
     busy_by_slice,
     device_ops,
     gaps_by_next_kind,
+    host_during,
     idle_gaps,
     kernel_groups,
     per_kernel,
@@ -31,6 +32,14 @@ def test_busy_is_the_union_and_gaps_name_their_neighbours():
     assert (busy, span) == (10, 15)
     assert [(g.start, g.length, g.before, g.after) for g in gaps] == [(8, 5, "b", "d")]
     assert idle_gaps([]) == (0.0, 0.0, [])
+
+
+def test_host_during_names_the_longest_host_work_over_a_gap():
+    gap = Gap(10.0, 5.0, "a", "b")
+    host = [op("aten::tensor", 2, 9), op("cudaLaunchKernel", 14, 1), op("aten::index", 16, 3)]
+    host.append(op("cudaStreamSynchronize", 11, 30))
+    assert host_during(host, gap) == "cudaStreamSynchronize:30 aten::tensor:9 cudaLaunchKernel:1"
+    assert host_during([], gap) == "-"
 
 
 def test_per_kernel_counts_launches_per_step_and_sorts_by_total_time():
