@@ -17,13 +17,13 @@ def make() -> tuple[TableWrites, torch.Tensor, torch.Tensor]:
 
 def count_copies(monkeypatch) -> list[int]:
     sizes: list[int] = []
-    real = tables.to_device
+    real = tables.send
 
-    def counted(data, dtype, device):
-        sizes.append(len(data[0]))
-        return real(data, dtype, device)
+    def counted(host, device):
+        sizes.append(host.shape[1])
+        return real(host, device)
 
-    monkeypatch.setattr(tables, "to_device", counted)
+    monkeypatch.setattr(tables, "send", counted)
     return sizes
 
 
