@@ -173,6 +173,8 @@ def report(
     if not ops:
         print("no device activity (a CPU run): nothing to report")
         return
+    tenths = ", ".join(f"{busy:.0%}" for busy, _ in busy_by_slice(ops))
+    print(f"GPU busy by tenth of the run: {tenths}")
     steady = ops[int(window[0] * len(ops)) : int(window[1] * len(ops))]  # default: steady decode
     busy, span, gaps = idle_gaps(steady)
     steps = round(tokens_per_request * len(steady) / len(ops))
@@ -201,6 +203,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--trace", default=None, help="also write the Chrome trace here")
     p.add_argument(
+        "--bench",
+        action="store_true",
+        help="bench.py's workload (random lengths up to --prompt-len and --tokens) and warm-up",
+    )
+    p.add_argument(
         "--window",
         default="0.25:0.75",
         help="the stretch of the run's device ops reported, as fractions (default: the middle"
@@ -209,20 +216,36 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def workload_of(args: argparse.Namespace) -> tuple[list, list, list, list]:
+    """(prompts, params, warm-up prompts, warm-up params): --requests alike, or with --bench
+    bench.py's workload (lengths drawn up to --prompt-len and --tokens) and its warm-up."""
+    from bench import shifted, workload
+
+    from minisgl import SamplingParams
+
+    if not args.bench:
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.tokens)
+        prompts = [[1000 + 7 * i + j for j in range(args.prompt_len)] for i in range(args.requests)]
+        return prompts, [params] * len(prompts), shifted(prompts, 5000), [params] * len(prompts)
+    prompts, lengths = workload(args.requests, args.prompt_len, args.tokens)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in lengths]
+    warm = [SamplingParams(temperature=0.6, max_tokens=4 + i % 5) for i in range(24)]
+    return prompts, params, shifted(workload(24, 300, 100)[0], 5000), warm
+
+
 def main() -> None:
     args = parse_args()
     import torch
     from bench import tiny_model_dir
     from torch.profiler import ProfilerActivity, profile
 
-    from minisgl import LLM, SamplingParams
+    from minisgl import LLM
 
     model = tiny_model_dir() if args.tiny else args.config
     llm = LLM(model, dummy_weights=True, device=args.device, attn=args.attn,
               kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.tokens)
-    prompts = [[1000 + 7 * i + j for j in range(args.prompt_len)] for i in range(args.requests)]
-    llm.generate([[t + 5000 for t in p] for p in prompts], params, use_tqdm=False)  # warm-up
+    prompts, params, warm_prompts, warm_params = workload_of(args)
+    llm.generate(warm_prompts, warm_params, use_tqdm=False)
     cuda = llm.engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else lambda: None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -233,14 +256,14 @@ def main() -> None:
         sync()
         seconds = time.perf_counter() - start
     llm.shutdown()
-    total = args.requests * args.tokens
+    total = sum(p.max_tokens for p in params)
     print(f"{total} tokens in {seconds * 1e3:.1f} ms = {total / seconds:,.1f} tok/s (profiled)")
     path = args.trace or os.path.join(tempfile.mkdtemp(prefix="minisgl_trace_"), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     start_frac, end_frac = (float(x) for x in args.window.split(":"))
-    report(events, args.tokens, (start_frac, end_frac))
+    report(events, max(p.max_tokens for p in params), (start_frac, end_frac))
 
 
 if __name__ == "__main__":

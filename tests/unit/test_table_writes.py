@@ -59,3 +59,13 @@ def test_an_overlapping_write_sends_the_queue_first_so_the_later_wins(monkeypatc
     writes.flush()
     assert copies == [4, 3, 1]
     assert tokens[0, :4].tolist() == [1, 2, 30, 40] and pages[0, 0] == 9
+
+
+def test_entries_expand_each_write_to_rows_and_columns_pages_first():
+    pages, tokens = tables._Queue(), tables._Queue()
+    tokens.add(2, 5, [7, 8, 9])
+    pages.add(1, 0, [4])
+    tokens.add(0, 0, [6])
+    host = tables.entries([pages, tokens], pin=False)
+    assert host.dtype == torch.int32
+    assert host.tolist() == [[1, 2, 2, 2, 0], [0, 5, 6, 7, 0], [4, 7, 8, 9, 6]]
