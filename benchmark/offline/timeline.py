@@ -1,16 +1,19 @@
 """Where a decode step's time goes: the GPU's idle gaps and each kernel's share per step.
 
-Runs the offline engine (dummy weights) on `--requests` requests under torch's profiler with
-CPU and CUDA activity, then prints, over the middle half of the run (steady decode): the GPU's
+Runs the offline engine (dummy weights) on `--requests` requests (or, with `--bench`, bench.py's
+workload) under torch's profiler with CPU and CUDA activity, then prints the GPU's busy fraction
+by tenth of the run and, over `--window` (default the middle half, steady decode): the GPU's
 busy fraction (the union of kernel and copy intervals, so kernels that overlap under PDL count
-once), its idle gaps (largest first, with the kernels around each and the host's CUDA calls in
-it), and every kernel's count per step and mean duration (which includes a PDL kernel's wait).
+once), its idle gaps (largest first, with the kernels around each and the host's longest ops
+and CUDA calls over it), and every kernel's count per step and mean duration (which includes a PDL kernel's wait).
 `--trace` also writes the Chrome trace (open in Perfetto). Session 25 found with it that one
 stream's step spent ~80 us in small dependent kernels around the model (docs/benchmarks.md).
 
     python benchmark/offline/timeline.py --config benchmark/qwen3-0.6b             # one stream
     python benchmark/offline/timeline.py --config benchmark/qwen3-0.6b --requests 64 --trace t.json
     python benchmark/offline/timeline.py --requests 256 --prompt-len 800 --tokens 200  # long KV
+    python benchmark/offline/timeline.py --bench --requests 256 --prompt-len 1024 --tokens 300 \
+        --window 0:0.2                                                              # prefill phase
     python benchmark/offline/timeline.py --tiny --device cpu                       # smoke run
 """
 
