@@ -37,18 +37,16 @@ class _Queue:
         self.values.fromlist(values)  # a third of the time torch.tensor takes over a list
 
 
-_WRITE_FIELDS = ("rows", "starts", "lengths")
-
-
 def entries(writes: list[_Queue], pin: bool) -> torch.Tensor:
     """[3, n] int32 host tensor (row, column, value) of every queued entry, in the queues'
     order, pinned if `pin`. Rows and columns expand from one (row, start, length) per write in
     numpy, single-threaded: torch's CPU repeat_interleave ran across the intra-op threads and
     took 4-9 ms a call on an H100 host (session 31's timeline), the GPU idle meanwhile."""
-    rows, starts, lengths = (
-        np.array([x for q in writes for x in getattr(q, f)], dtype=np.int64) for f in _WRITE_FIELDS
-    )
+    rows = np.array([r for q in writes for r in q.rows], dtype=np.int64)
+    starts = np.array([s for q in writes for s in q.starts], dtype=np.int64)
+    lengths = np.array([n for q in writes for n in q.lengths], dtype=np.int64)
     values = np.frombuffer(sum((q.values for q in writes), array("i")), dtype=np.int32)
+    # pinned: a copy from pageable memory would wait for the work queued before it
     out = torch.empty((3, len(values)), dtype=torch.int32, pin_memory=pin)
     host = out.numpy()  # written in place: no copy into the pinned memory after
     host[0] = np.repeat(rows, lengths)
@@ -94,7 +92,6 @@ class TableWrites:
         n_pages = len(pages.values)
         pages.clear()
         tokens.clear()
-        # pinned: a copy from pageable memory would wait for the work queued before it
         sent = send(host, device)
         if (ops := kernel.fused_ops(sent)) is not None:
             ops.write_table_entries(self.page_table, self.token_table, sent, n_pages)
