@@ -4,6 +4,8 @@ needs CUDA carries `@pytest.mark.gpu` and nothing else: here it is skipped witho
 `pytest -m gpu` selects every GPU test."""
 
 import os
+import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,6 +25,17 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def minisgl_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Conversions (GGUF, packed layers) go to a cache of this session's, shared by its tests
+    and the servers they start, never to the user's ~/.cache/minisgl."""
+    cache = str(tmp_path_factory.mktemp("minisgl-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINISGL_CACHE_DIR", cache)
+        yield cache
+    shutil.rmtree(cache)  # the embedded model's conversion is 757 MB: pytest keeps temp dirs
 
 
 @pytest.fixture(scope="session")

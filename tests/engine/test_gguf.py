@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 
 import gguf
@@ -176,6 +177,30 @@ def test_conversion_is_cached_and_atomic(gguf_models, cache_dir, monkeypatch, ca
     with pytest.raises(KeyboardInterrupt):
         resolve_model_path(path)
     assert os.listdir(os.path.dirname(out)) == [os.path.basename(out)]  # nothing half-written
+
+
+def test_conversions_of_changed_or_deleted_files_are_removed(gguf_models, cache_dir, tmp_path):
+    """Each conversion is a float32 copy of the model: the cache keeps one per GGUF file that
+    still exists unchanged, not one per path and mtime ever seen (a reinstalled package, a
+    deleted virtual environment)."""
+    first = str(tmp_path / "a.gguf")
+    shutil.copy(gguf_models("qwen3")[0], first)
+    old = resolve_model_path(first)
+    foreign = os.path.join(os.path.dirname(old), "no-record")  # not attributable: kept
+    os.makedirs(foreign)
+    st = os.stat(first)
+    os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    changed = resolve_model_path(first)
+    assert changed != old and not os.path.exists(old) and os.path.isdir(foreign)
+    second, third = str(tmp_path / "b.gguf"), str(tmp_path / "c.gguf")
+    shutil.copy(first, second)
+    gone = resolve_model_path(second)
+    os.remove(second)
+    shutil.copy(first, third)
+    kept = resolve_model_path(third)
+    assert sorted(os.listdir(os.path.dirname(old))) == sorted(
+        os.path.basename(d) for d in (changed, kept, foreign)
+    ), f"{gone} should be gone"
 
 
 def test_unwritable_cache_is_a_clear_error(gguf_models, tmp_path, monkeypatch):

