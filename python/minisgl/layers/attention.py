@@ -1,16 +1,16 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from minisgl import kernel
 from minisgl.core import Batch, get_global_ctx
 from minisgl.kernel import DecodeRope
+from minisgl.layers.base import Module
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 
 
-class AttentionLayer(nn.Module):
+class AttentionLayer(Module):
     """One layer's paged attention: RoPE on the new tokens' q and k (after the per-head q/k
     RMSNorm when given: Qwen3), k and v written to the KV pool, then the context's backend
     attends q to the pool, the new tokens included. A backend whose decode kernel does the

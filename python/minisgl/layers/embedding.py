@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.layers.base import Module
 from minisgl.layers.linear import copy_checked, linear, narrow, set_weight_loader
 from minisgl.layers.quantized import QuantizedLinear
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         tp = get_tp_info()

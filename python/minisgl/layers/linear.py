@@ -13,6 +13,7 @@ from torch import nn
 
 from minisgl import kernel
 from minisgl.distributed import all_reduce, divide, get_tp_info
+from minisgl.layers.base import Module
 from minisgl.layers.quantized import QuantizedLinear
 
 # (param, loaded[, shard id]): copies this rank's part of a checkpoint tensor into param
@@ -58,7 +59,7 @@ def load_replicated(param: nn.Parameter, loaded: Any) -> None:
     copy_checked(param.data, torch.as_tensor(loaded[...]))
 
 
-class LinearBase(nn.Module):
+class LinearBase(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)

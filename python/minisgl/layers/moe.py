@@ -11,10 +11,11 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.base import Module
 from minisgl.layers.linear import ReplicatedLinear, copy_checked, narrow, set_weight_loader
 
 
-class FusedExperts(nn.Module):
+class FusedExperts(Module):
     """All experts' weights stacked: w13 [E, 2*I, H] (gate then up), w2 [E, H, I]."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -54,7 +55,7 @@ def moe_forward_torch(
     return out
 
 
-class MoELayer(nn.Module):
+class MoELayer(Module):
     def __init__(
         self,
         hidden_size: int,

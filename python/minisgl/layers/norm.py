@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl import kernel
+from minisgl.layers.base import Module
 from minisgl.layers.linear import load_replicated, set_weight_loader
 
 
@@ -17,7 +18,7 @@ def rms_norm_torch(
     return torch.mul(weight, F.rms_norm(x, x.shape[-1:], None, eps), out=out)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """RMSNorm with the residual add fused in: on CUDA the Triton kernels (kernel/fused.py),
     elsewhere the torch reference, with one in-place contract on every device (`forward`)."""
 

@@ -18,7 +18,8 @@ that dtype, so they are the GGUF's float16 scales rounded to it; the codes are e
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from minisgl.layers.base import Module
 
 INT4_GROUP = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0
 INT4_OFFSET = 8  # torch's int4 kernels subtract 8 from every code
@@ -29,7 +30,7 @@ def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
     return out_features % INT4_ROWS == 0 and in_features % group_size == 0 and group_size % 2 == 0
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(Module):
     """A linear layer without bias whose weight is stored quantized (the family's interface)."""
 
     in_features: int

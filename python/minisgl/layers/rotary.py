@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+
+from minisgl.layers.base import Module
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     cos_sin: torch.Tensor  # [max_position, head_dim]: cos in the first half, sin in the second
 
     def __init__(self, cfg: RopeConfig) -> None:

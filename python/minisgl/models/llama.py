@@ -10,6 +10,7 @@ from minisgl import kernel
 from minisgl.distributed import get_tp_info
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
+from minisgl.layers.base import Module
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.moe import MoELayer
@@ -18,7 +19,7 @@ from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
 
-class Attention(nn.Module):
+class Attention(Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
@@ -38,7 +39,7 @@ class Attention(nn.Module):
         return self.o_proj(self.attn(positions, q, k, v))
 
 
-class MLP(nn.Module):
+class MLP(Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
@@ -51,7 +52,7 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -79,7 +80,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -97,7 +98,7 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
