@@ -21,7 +21,6 @@ import torch
 
 from minisgl.layers.base import Module
 
-INT4_GROUP = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0
 INT4_OFFSET = 8  # torch's int4 kernels subtract 8 from every code
 INT4_ROWS = 16  # the CPU packing wants a multiple of 16 output rows
 
