@@ -180,3 +180,16 @@ def test_gemv_max_m_out_of_range_is_refused():
             [*cmd, "--tiny", "--gemv-max-m", bad], capture_output=True, text=True, env=env
         )
         assert proc.returncode == 2 and f"--gemv-max-m {bad}:" in proc.stderr, proc.stderr
+
+
+def test_gemm_first_call_bench_reads_the_layer_shapes_from_the_config():
+    sys.path.insert(0, os.path.join(ROOT, "benchmark", "kernels"))
+    from gemm_first_call_bench import linear_shapes
+
+    shapes = linear_shapes(os.path.join(ROOT, "benchmark", "qwen3-0.6b"))
+    assert shapes == {
+        "qkv": (4096, 1024),
+        "o": (1024, 2048),
+        "gate_up": (6144, 1024),
+        "down": (1024, 3072),
+    }
