@@ -1,5 +1,6 @@
 """The host time of F.linear at a model's shapes (default Qwen3-0.6B: qkv, o, gate_up, down) on
-its first call with a new number of rows M, against a second call with the same M. On CUDA,
+its first call with a new number of rows M, against a second call with the same M (and the LM
+head up to 512 rows, a step's sampled ones). On CUDA,
 cuBLAS picks a kernel per (M, N, K) and, with lazy module loading (CUDA's default), loads a kernel
 at its first use: on an H200 that first call took 3.2-4.5 ms of host time, the same M again
 0.02-0.1 ms (docs/benchmarks.md, session 33). An eager prefill step with a new token count can
@@ -8,7 +9,12 @@ meet such loads, with the GPU idle behind them once the launch queue has drained
     python benchmark/kernels/gemm_first_call_bench.py               # GPU
     CUDA_MODULE_LOADING=EAGER python benchmark/kernels/gemm_first_call_bench.py
     CUBLASLT_HEURISTICS_CACHE_CAPACITY=0 python ...  # the "again" column is the heuristic alone
+    python benchmark/kernels/gemm_first_call_bench.py --kernels 1  # the kernel of every M
     python benchmark/kernels/gemm_first_call_bench.py --device cpu --ms 4   # smoke run
+
+`--kernels STEP` instead names the kernels cuBLAS runs for every STEP-th M up to --max-rows
+(under torch's profiler), as ranges of M per kernel, and how many of those kernels a warm-up
+over every 8th, 16th, ... M would have loaded.
 
 Each call is timed on the host between two device synchronizations, so the figure is the host's
 own (the launch, cuBLAS's choice and any load), not the kernel's."""
@@ -20,9 +26,12 @@ import json
 import os
 import random
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+LM_HEAD_ROWS = 512  # the LM head sees a step's sampled rows: its requests, not its tokens
 
 
 def linear_shapes(config_dir: str) -> dict[str, tuple[int, int]]:
@@ -41,6 +50,7 @@ def linear_shapes(config_dir: str) -> dict[str, tuple[int, int]]:
         "o": (hidden, q),
         "gate_up": (2 * inter, hidden),
         "down": (hidden, inter),
+        "lm_head": (c["vocab_size"], hidden),
     }
 
 
@@ -56,12 +66,71 @@ def host_ms(x: torch.Tensor, weight: torch.Tensor, rows: int) -> float:
     return elapsed
 
 
+def kernels_by_rows(x: torch.Tensor, weight: torch.Tensor, rows: list[int]) -> dict[int, str]:
+    """The device kernels (on CPU: the operators) one F.linear runs at each row count."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
+    with profile(activities=activities) as prof:
+        for m in rows:
+            with record_function(f"rows={m}"):
+                F.linear(x[:m, : weight.shape[1]], weight)
+    found: dict[int, str] = {}
+
+    def launched(event: Any) -> list[str]:
+        names = [k.name for k in event.kernels if "memset" not in k.name.lower()]
+        if not x.is_cuda and event.name in ("aten::mm", "aten::addmm", "aten::bmm"):
+            names.append(event.name)  # the CPU smoke run: the operator
+        return names + [n for child in event.cpu_children for n in launched(child)]
+
+    for event in prof.events():
+        if event.name.startswith("rows="):
+            found[int(event.name[5:])] = " + ".join(launched(event)) or "?"
+    return found
+
+
+def rows_of(name: str, max_rows: int) -> int:
+    """The most rows a shape meets: the LM head only the sampled ones (at most a batch)."""
+    return min(max_rows, LM_HEAD_ROWS) if name == "lm_head" else max_rows
+
+
+def kernel_ranges(found: dict[int, str]) -> list[tuple[int, int, str]]:
+    """(first M, last M, kernels) of each run of consecutive row counts with the same kernels."""
+    ranges: list[tuple[int, int, str]] = []
+    for m in sorted(found):
+        if ranges and ranges[-1][2] == found[m]:
+            ranges[-1] = (ranges[-1][0], m, found[m])
+        else:
+            ranges.append((m, m, found[m]))
+    return ranges
+
+
+def grid_misses(found: dict[int, str], step: int) -> set[str]:
+    """The kernels that a warm-up at M = 1, step, 2 step, ... would not have met."""
+    met = {found[m] for m in found if m == 1 or m % step == 0}
+    return set(found.values()) - met
+
+
+def report_kernels(x: torch.Tensor, weights: dict[str, torch.Tensor], step: int) -> None:
+    for name, weight in weights.items():
+        top = rows_of(name, x.shape[0])
+        found = kernels_by_rows(x, weight, list(range(1, top + 1, step)))
+        kinds = set(found.values())
+        print(f"{name} {tuple(weight.shape)}: {len(kinds)} kernels over M = 1..{top}")
+        for first, last, kernels in kernel_ranges(found):
+            print(f"   M {first:5d}-{last:5d}  {kernels[:110]}")
+        for grid in (8, 16, 32, 64, 128):
+            if grid > step:
+                print(f"   a warm-up every {grid} rows misses {len(grid_misses(found, grid))}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="benchmark/qwen3-0.6b", help="model directory")
     p.add_argument("--device", default="cuda")
     p.add_argument("--ms", type=int, default=12, help="how many new row counts per shape")
     p.add_argument("--max-rows", type=int, default=8192, help="the largest row count drawn")
+    p.add_argument("--kernels", type=int, metavar="STEP", help="name the kernel of every STEP-th M")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     shapes = linear_shapes(args.config)
@@ -71,9 +140,13 @@ def main() -> None:
     width = max(k_ for _, k_ in shapes.values())
     x = torch.randn(args.max_rows, width, device=args.device, dtype=dtype)
     host_ms(x, weights["qkv"], 1)  # the context and cuBLAS's handle, outside the figures
+    if args.kernels:
+        report_kernels(x, weights, args.kernels)
+        return
     rng = random.Random(0)
     for name, weight in weights.items():
-        rows = [rng.randrange(300, args.max_rows) for _ in range(args.ms)]
+        top = rows_of(name, args.max_rows)
+        rows = [rng.randrange(min(300, top // 2), top) for _ in range(args.ms)]
         first = [host_ms(x, weight, m) for m in rows]
         again = [host_ms(x, weight, m) for m in rows]
         print(

@@ -192,4 +192,18 @@ def test_gemm_first_call_bench_reads_the_layer_shapes_from_the_config():
         "o": (1024, 2048),
         "gate_up": (6144, 1024),
         "down": (1024, 3072),
+        "lm_head": (151936, 1024),
     }
+
+
+def test_gemm_first_call_bench_names_each_row_counts_kernel_and_the_grids_misses():
+    sys.path.insert(0, os.path.join(ROOT, "benchmark", "kernels"))
+    import torch
+    from gemm_first_call_bench import grid_misses, kernel_ranges, kernels_by_rows
+
+    found = {1: "a", 2: "a", 3: "b", 4: "b", 5: "c", 6: "a"}
+    assert kernel_ranges(found) == [(1, 2, "a"), (3, 4, "b"), (5, 5, "c"), (6, 6, "a")]
+    assert grid_misses(found, 2) == {"c"} and grid_misses(found, 4) == {"c"}
+    assert grid_misses(found, 3) == {"c"}  # M = 1, 3 and 6 meet a and b
+    on_cpu = kernels_by_rows(torch.randn(8, 4), torch.randn(3, 4), [1, 5, 8])
+    assert set(on_cpu) == {1, 5, 8} and all("mm" in names for names in on_cpu.values())
