@@ -169,6 +169,59 @@ def host_during(host: list[Event], gap: Gap, longest: int = 4) -> str:
     return " ".join(f"{h['name'][:32]}:{h.get('dur', 0):.0f}" for h in inside[:longest]) or "-"
 
 
+class Step(NamedTuple):
+    ops: int  # device ops: a graph replay's and an eager step's differ
+    span: float  # us from the step's first device op to its last one's end
+    busy: float  # us of that span with a device op running
+    launch: float  # us from the host's launch of its first op to that of its last
+    lead: float  # us from the launch of its first op to its start: ~0, the GPU waited for it
+
+
+def steps_of(events: list[Event]) -> list[Step]:
+    """The run's steps (each ends with its device-to-host copy of the sampled tokens), their
+    device ops matched to the host's launch calls by the trace's correlation ids."""
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    ops = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
+    steps, current = [], []
+    for op in ops:
+        current.append(op)
+        if "DtoH" not in op["name"]:
+            continue
+        busy, span, _ = idle_gaps(current)
+        called = [
+            launches[c] for o in current if (c := o.get("args", {}).get("correlation")) in launches
+        ]
+        first = min((c["ts"] for c in called), default=current[0]["ts"])
+        last = max((c["ts"] for c in called), default=current[0]["ts"])
+        steps.append(Step(len(current), span, busy, last - first, current[0]["ts"] - first))
+        current = []
+    return steps
+
+
+def report_steps(steps: list[Step], behind_us: float = 100.0, kinds: int = 6) -> None:
+    """Steps grouped by their device-op count, the most time first: mean span, busy and host
+    launch time, and how many began with the host less than `behind_us` ahead (the GPU idle
+    until the host caught up: host-bound steps)."""
+    groups: dict[int, list[Step]] = defaultdict(list)
+    for step in steps:
+        groups[step.ops].append(step)
+    ranked = sorted(groups.items(), key=lambda g: -sum(s.span for s in g[1]))
+    print(f"{len(steps)} steps; by device ops a step (mean ms: span, busy, host launch):")
+    for ops, group in ranked[:kinds]:
+        n = len(group)
+        span, busy = sum(s.span for s in group) / n / 1e3, sum(s.busy for s in group) / n / 1e3
+        launch, behind = (
+            sum(s.launch for s in group) / n / 1e3,
+            sum(s.lead < behind_us for s in group),
+        )
+        print(f"  {ops:5d} ops x {n:4d}: {span:7.2f} {busy:7.2f} {launch:7.2f}"
+              f"   the host behind at the start of {behind}")  # fmt: skip
+
+
 def report(
     events: list[Event], tokens_per_request: int, window: tuple[float, float], top: int = 12
 ) -> None:
@@ -192,6 +245,11 @@ def report(
     print(f"{'per step':>9} {'mean us':>8}  device op")
     for name, per_step, mean in per_kernel(steady, steps)[: 2 * top]:
         print(f"{per_step:9.2f} {mean:8.2f}  {name[:90]}")
+    first, last = steady[0]["ts"], steady[-1]["ts"]
+    window_events = [
+        e for e in events if e.get("cat") not in DEVICE_CATEGORIES or first <= e["ts"] <= last
+    ]
+    report_steps(steps_of(window_events))
 
 
 def parse_args() -> argparse.Namespace:

@@ -158,3 +158,35 @@ def test_gaps_group_by_the_kind_of_op_after_them():
         Gap(12, 4.0, "_pick_kernel", "Memcpy HtoD (Pinned -> Device)"),
     ]
     assert gaps_by_next_kind(gaps) == [("copies", 1, 4.0), ("GEMM", 2, 3.5), ("norm", 1, 0.5)]
+
+
+def test_steps_end_at_their_copy_and_say_whether_the_host_was_ahead():
+    from timeline import Step, steps_of
+
+    def launched(event: dict, correlation: int, at: float) -> list[dict]:
+        event["args"] = {"correlation": correlation}
+        return [event, {"name": "cudaLaunchKernel", "cat": "cuda_runtime", "ts": at, "dur": 1,
+                        "args": {"correlation": correlation}}]  # fmt: skip
+
+    copy = {"name": "Memcpy DtoH (Device -> Pinned)", "cat": "gpu_memcpy"}
+    # step 1: launched 0-20 us, run 50-90 (the host 50 us ahead); step 2: its first op
+    # launched at 95 and run at 95 (the GPU waited), then 5 us idle inside it
+    events = launched(op("a", 50, 30), 1, 0) + launched(op("b", 80, 5), 2, 10)
+    events += launched({**copy, "ts": 85, "dur": 5}, 3, 20)
+    events += launched(op("c", 95, 10), 4, 95) + launched({**copy, "ts": 110, "dur": 2}, 5, 99)
+    events.append(op("d", 200, 1))  # a step not ended by its copy yet is left out
+    assert steps_of(events) == [Step(3, 40, 40, 20, 50), Step(2, 17, 12, 4, 0)]
+
+
+def test_step_report_groups_steps_by_their_op_count(capsys):
+    from timeline import Step, report_steps
+
+    eager = [Step(344, 24_000, 20_000, 23_000, lead) for lead in (0, 5_000)]
+    report_steps([Step(264, 5_000, 4_900, 1_400, 4_000)] * 3 + eager)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("5 steps")
+    assert (
+        lines[1].split()
+        == "344 ops x 2: 24.00 20.00 23.00 the host behind at the start of 1".split()
+    )
+    assert lines[2].split()[:3] == ["264", "ops", "x"] and lines[2].endswith("of 0")
