@@ -75,6 +75,6 @@ def test_a_broken_tree_stops_the_run_naming_the_variant(tmp_path):
     tree = tmp_path / "python" / "minisgl"
     tree.mkdir(parents=True)
     (tree / "__init__.py").write_text("raise ImportError('the broken tree')\n")
-    proc = run_ab("--variant", "here", "--variant", f"broken=tree:{tree.parent}", "--", *TINY)
+    proc = run_ab("--variant", f"broken=tree:{tree.parent}", "--variant", "here", "--", *TINY)
     assert proc.returncode != 0 and "broken: bench.py failed" in proc.stderr
     assert "the broken tree" in proc.stderr
