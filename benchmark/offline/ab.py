@@ -113,7 +113,7 @@ def run_once(
     with open(out) as f:
         line = json.loads(f.readline())
     prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in variant.env.items())
-    ran, kept = (shlex.join(["--json", path, "--note", note]) for path in (out, json_path or ""))
+    ran, kept = (shlex.join(["--json", where, "--note", note]) for where in (out, json_path or ""))
     line["command"] = prefix + line["command"].replace(ran, kept if json_path else "").rstrip()
     if variant.tree is not None:  # bench.py named this checkout's; a folder's is unknown
         line["commit"] = variant.commit
@@ -150,24 +150,31 @@ def main(argv: list[str]) -> None:
     args, bench_args = parse_args(argv)
     try:
         variants = [parse_variant(v) for v in args.variant]
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    with tempfile.TemporaryDirectory(prefix="minisgl_ab_") as workdir:
-        try:
+        labels = [v.label for v in variants]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"--variant: a label given twice in {labels}")
+        with tempfile.TemporaryDirectory(prefix="minisgl_ab_") as workdir:
             for v in variants:
                 resolve_tree(v, workdir)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
-        for i in range(1, args.rounds + 1):
-            for v in variants:
-                note = f"{args.note} {v.label} round {i}"
-                line = run_once(v, bench_args, note, workdir, args.json)
-                v.tok_s.append(line["tok_s"])
-                print(f"round {i} {v.label}: {line['tok_s']:,.1f} tok/s", flush=True)
-                if args.json:
-                    with open(args.json, "a") as f:
-                        f.write(json.dumps(line) + "\n")
+            run_rounds(variants, args, bench_args, workdir)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(str(e)) from None
     print("\n".join(summary(variants)))
+
+
+def run_rounds(
+    variants: list[Variant], args: argparse.Namespace, bench_args: list[str], workdir: str
+) -> None:
+    """--rounds rounds of every variant in order; each run's figure kept, its line appended."""
+    for i in range(1, args.rounds + 1):
+        for v in variants:
+            note = f"{args.note} {v.label} round {i}"
+            line = run_once(v, bench_args, note, workdir, args.json)
+            v.tok_s.append(line["tok_s"])
+            print(f"round {i} {v.label}: {line['tok_s']:,.1f} tok/s", flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":

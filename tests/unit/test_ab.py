@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
 
-from ab import Variant, parse_variant, summary  # noqa: E402
+from ab import Variant, main, parse_variant, summary  # noqa: E402
 
 TINY = ["--tiny", "--device", "cpu", "--num-seqs", "3", "--max-input-len", "110"]
 TINY += ["--max-output-len", "104"]
@@ -78,3 +78,8 @@ def test_a_broken_tree_stops_the_run_naming_the_variant(tmp_path):
     proc = run_ab("--variant", f"broken=tree:{tree.parent}", "--variant", "here", "--", *TINY)
     assert proc.returncode != 0 and "broken: bench.py failed" in proc.stderr
     assert "the broken tree" in proc.stderr
+
+
+def test_a_label_given_twice_is_refused_before_any_run():
+    with pytest.raises(SystemExit, match="a label given twice"):
+        main(["--variant", "a", "--variant", "a=env:X=1", "--", *TINY])
