@@ -1,10 +1,11 @@
-"""The host time of F.linear at a model's shapes (default Qwen3-0.6B: qkv, o, gate_up, down) on
-its first call with a new number of rows M, against a second call with the same M (and the LM
-head up to 512 rows, a step's sampled ones). On CUDA,
-cuBLAS picks a kernel per (M, N, K) and, with lazy module loading (CUDA's default), loads a kernel
-at its first use: on an H200 that first call took 3.2-4.5 ms of host time, the same M again
-0.02-0.1 ms (docs/benchmarks.md, session 33). An eager prefill step with a new token count can
-meet such loads, with the GPU idle behind them once the launch queue has drained.
+"""The host time of F.linear at a model's shapes (default Qwen3-0.6B: qkv, o, gate_up, down, and
+the LM head up to 512 rows, a step's sampled ones) on its first call with a new number of rows
+M, against a second call with the same M. On an H200 the first call took 3.2-4.5 ms of host
+time for most new M, the same M again 0.02-0.1 ms, and with cuBLASLt's heuristic cache off a
+repeat 0.27 ms (docs/benchmarks.md, session 33): the rest is most likely cuBLAS loading the
+kernel it picked (CUDA's lazy module loading; an inference, not confirmed). An eager step with
+a new token count can meet such costs, with the GPU idle behind them once the launch queue has
+drained.
 
     python benchmark/kernels/gemm_first_call_bench.py               # GPU
     CUDA_MODULE_LOADING=EAGER python benchmark/kernels/gemm_first_call_bench.py
