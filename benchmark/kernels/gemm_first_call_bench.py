@@ -11,11 +11,14 @@ drained.
     CUDA_MODULE_LOADING=EAGER python benchmark/kernels/gemm_first_call_bench.py
     CUBLASLT_HEURISTICS_CACHE_CAPACITY=0 python ...  # the "again" column is the heuristic alone
     python benchmark/kernels/gemm_first_call_bench.py --kernels 1  # the kernel of every M
+    python benchmark/kernels/gemm_first_call_bench.py --after-capture 184,200,248
     python benchmark/kernels/gemm_first_call_bench.py --device cpu --ms 4   # smoke run
 
 `--kernels STEP` instead names the kernels cuBLAS runs for every STEP-th M up to --max-rows
 (under torch's profiler), as ranges of M per kernel, and how many of those kernels a warm-up
-over every 8th, 16th, ... M would have loaded.
+over every 8th, 16th, ... M would have loaded. `--after-capture ROWS,...` first captures the
+LM head in CUDA graphs at those sizes as the engine does, then times its eager first calls at
+each size and one row less: whether the engine's capture spares the eager steps that cost.
 
 Each call is timed on the host between two device synchronizations, so the figure is the host's
 own (the launch, cuBLAS's choice and any load), not the kernel's."""
@@ -125,6 +128,32 @@ def report_kernels(x: torch.Tensor, weights: dict[str, torch.Tensor], step: int)
                 print(f"   a warm-up every {grid} rows misses {len(grid_misses(found, grid))}")
 
 
+def capture_like_the_engine(x: torch.Tensor, weight: torch.Tensor, rows: int) -> None:
+    """A CUDA graph of F.linear at `rows`, captured as engine/graph.py captures a decode step:
+    an eager run on a side stream first, then the capture."""
+    a = x[:rows, : weight.shape[1]]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        F.linear(a, weight)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        F.linear(a, weight)
+    torch.cuda.synchronize()
+
+
+def report_after_capture(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> None:
+    """The LM head's eager first calls at each captured size and one row less (the rows of a
+    mixed step), after graphs at those sizes: whether capture already did what a first call
+    costs (session 33's open doubt)."""
+    for rows in sizes:
+        capture_like_the_engine(x, weight, rows)
+    for rows in sizes:
+        at, below = host_ms(x, weight, rows), host_ms(x, weight, rows - 1)
+        print(f"lm_head after capture at {rows}: eager first call at {rows} {at:.2f} ms, "
+              f"at {rows - 1} {below:.2f} ms")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="benchmark/qwen3-0.6b", help="model directory")
@@ -132,7 +161,14 @@ def main() -> None:
     p.add_argument("--ms", type=int, default=12, help="how many new row counts per shape")
     p.add_argument("--max-rows", type=int, default=8192, help="the largest row count drawn")
     p.add_argument("--kernels", type=int, metavar="STEP", help="name the kernel of every STEP-th M")
+    p.add_argument(
+        "--after-capture",
+        metavar="ROWS,...",
+        help="CUDA only: capture the LM head at these sizes first, then time its eager calls",
+    )
     args = p.parse_args()
+    if args.after_capture and args.device == "cpu":
+        p.error("--after-capture needs CUDA graphs: --device cuda")
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     shapes = linear_shapes(args.config)
     weights = {
@@ -141,6 +177,10 @@ def main() -> None:
     width = max(k_ for _, k_ in shapes.values())
     x = torch.randn(args.max_rows, width, device=args.device, dtype=dtype)
     host_ms(x, weights["qkv"], 1)  # the context and cuBLAS's handle, outside the figures
+    if args.after_capture:
+        sizes = [int(v) for v in args.after_capture.split(",")]
+        report_after_capture(x, weights["lm_head"], sizes)
+        return
     if args.kernels:
         report_kernels(x, weights, args.kernels)
         return

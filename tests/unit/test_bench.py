@@ -207,3 +207,10 @@ def test_gemm_first_call_bench_names_each_row_counts_kernel_and_the_grids_misses
     assert grid_misses(found, 3) == {"c"}  # M = 1, 3 and 6 meet a and b
     on_cpu = kernels_by_rows(torch.randn(8, 4), torch.randn(3, 4), [1, 5, 8])
     assert set(on_cpu) == {1, 5, 8} and all("mm" in names for names in on_cpu.values())
+
+
+def test_gemm_first_call_bench_refuses_graph_capture_on_cpu():
+    script = os.path.join(ROOT, "benchmark", "kernels", "gemm_first_call_bench.py")
+    cmd = [sys.executable, script, "--device", "cpu", "--after-capture", "184"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--after-capture needs CUDA graphs" in proc.stderr
