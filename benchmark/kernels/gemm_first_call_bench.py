@@ -26,36 +26,25 @@ own (the launch, cuBLAS's choice and any load), not the kernel's."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
+import sys
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemv_bench import model_shapes  # noqa: E402
+
 LM_HEAD_ROWS = 512  # the LM head sees a step's sampled rows: its requests, not its tokens
 
 
 def linear_shapes(config_dir: str) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of one layer's dense projections, from a config.json."""
-    with open(os.path.join(config_dir, "config.json")) as f:
-        c = json.load(f)
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    q, kv, hidden = (
-        c["num_attention_heads"] * head_dim,
-        c["num_key_value_heads"] * head_dim,
-        c["hidden_size"],
-    )
-    inter = c["intermediate_size"]
-    return {
-        "qkv": (q + 2 * kv, hidden),
-        "o": (hidden, q),
-        "gate_up": (2 * inter, hidden),
-        "down": (hidden, inter),
-        "lm_head": (c["vocab_size"], hidden),
-    }
+    """(out_features, in_features) of one layer's dense projections and the LM head, from a
+    config.json (gemv_bench's shapes without their decode-step counts)."""
+    return {name: (n, k) for name, (n, k, _, _) in model_shapes(config_dir).items()}
 
 
 def host_ms(x: torch.Tensor, weight: torch.Tensor, rows: int) -> float:
