@@ -1,21 +1,82 @@
 """Shared fixtures. Tests are grouped by layer (unit/, kernels/, engine/, server/, gpu/);
 helpers live in support/ (tests/ is on sys.path through pytest's `pythonpath`). A test that
 needs CUDA carries `@pytest.mark.gpu` and nothing else: here it is skipped without a GPU, and
-`pytest -m gpu` selects every GPU test."""
+`pytest -m gpu` selects every GPU test.
+
+No orphans (issue 47): however pytest ends, the servers its tests started end too. Servers a
+test left running are killed after the session's teardown, at interpreter exit and on SIGTERM /
+SIGHUP (then every other process below pytest gets SIGTERM, and pytest dies of the signal as it
+would have); servers run with --exit-with-parent for a pytest killed outright
+(`support/server.py`)."""
 
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from support.models import save_model
+from support.server import alive, descendants, kill_tracked
 
 torch.set_num_threads(2)
 # The exact path: `--dtype auto` on a CPU with bf16 instructions would pick bfloat16 (and the
 # quantized GGUF layers); tests compare float32 with transformers. Server children inherit it.
 os.environ["MINISGL_CPU_FLOAT32"] = "1"
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_previous_handlers: dict[int, Any] = {}
+
+
+def _stop_on_signal(signum: int, frame: Any) -> None:
+    """Kill what the tests started, then end as the signal's previous handler would (by default
+    pytest dies of it: no test runs on)."""
+    signal.signal(signum, signal.SIG_IGN)  # a second one (an impatient CI) must not cut this short
+    others = descendants(os.getpid())  # before the servers die: their children get re-parented
+    kill_tracked()
+    for pid, _ in alive(others):  # e.g. a test's own `python -m minisgl` in no session of its own
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    signal.signal(signum, previous)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread (pytester, some runners)
+    for sig in STOP_SIGNALS:
+        previous = signal.getsignal(sig)
+        if previous in (signal.SIG_IGN, _stop_on_signal) or previous is None:
+            continue  # ignored on purpose (nohup), or set already; None: not set from Python
+        _previous_handlers[sig] = previous
+        signal.signal(sig, _stop_on_signal)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig, previous in _previous_handlers.items():
+            signal.signal(sig, previous)
+    _previous_handlers.clear()
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures stopped their servers
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if left := kill_tracked():
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"killed {len(left)} server(s) left running by the tests:")
+            for line in left:
+                reporter.write_line(f"  {line}", yellow=True)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -8,7 +8,7 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,6 +25,15 @@ MAX_LOGPROBS = 20  # top alternatives per token, as vLLM allows (OpenAI: 20 in c
 PLACEHOLDER = -1  # a sampled token id the host has not read yet (its step is in flight)
 # SamplingParams' fields that constrain the output (structured generation), one at most
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def check_token_ids(vocab: int, **fields: Iterable[int]) -> None:
+    """Every token id a request names must be in the vocabulary: checked where a request enters
+    (every endpoint and `LLM` pass here), so that no id can reach an index on the device."""
+    for name, ids in fields.items():
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} is not in the vocabulary [0, {vocab})")
 
 
 @dataclass
@@ -132,6 +141,10 @@ class SamplingParams:
         """Sample j of n: one request, seeded seed + j (kept within int64)."""
         seed = None if self.seed is None else (self.seed + j) % 2**63
         return dataclasses.replace(self, seed=seed, n=1)
+
+    def token_id_fields(self) -> dict[str, list[int]]:
+        """The token ids these parameters name, by field: each must be in the vocabulary."""
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias)}
 
     @property
     def constraint(self) -> tuple[str, str] | None:

@@ -61,6 +61,43 @@ def test_unseeded_sampling_seed_comes_from_rank_0(model_dirs):
         llm.shutdown()
 
 
+def test_tp2_admits_a_compiled_grammar_on_every_rank_at_once(tmp_path):
+    """Issue 52: each rank compiles a constrained request's grammar from its add; rank 0 admits
+    it once compiled there and tells the others (same step on every rank), while plain requests
+    run; a grammar that overruns --grammar-compile-timeout ends on rank 0 with an error and on
+    the follower as an abort. The ranks agree all along and afterwards."""
+    import re
+    import time
+
+    from transformers import AutoTokenizer
+
+    model = make_tiny_model(str(tmp_path / "m"))
+    llm = LLM(model, tp=2, grammar_compile_timeout=2, **ENGINE)
+    try:
+        sched = llm.scheduler
+        nested = '{"type":"array","items":' * 1100 + '{"type":"integer"}' + "}" * 1100
+        hog = sched.make_request(PROMPTS[0], SamplingParams(max_tokens=8, json_schema=nested))
+        small = sched.make_request(PROMPTS[1], SamplingParams(max_tokens=20, regex="[ab]{3}"))
+        plain = [sched.make_request(p, SamplingParams(max_tokens=10)) for p in PROMPTS]
+        for req in [hog, small, *plain]:
+            sched.add_request(req)
+        while sched.has_work:
+            sched.step()
+            if not sched.runnable:  # only grammars compiling: as the server's loop, no spin
+                time.sleep(0.01)
+        assert hog.finish_reason == "error"
+        assert hog.error == "grammar compilation took longer than 2 s"
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        text = tokenizer.decode(small.output_ids, skip_special_tokens=True)
+        assert small.finish_reason == "stop" and re.fullmatch("[ab]{3}", text), text
+        assert [r.finish_reason for r in plain] == ["length", "length"]
+        sched.check_no_leak()
+        again = llm.generate(PROMPTS, SamplingParams(max_tokens=10), use_tqdm=False)
+        assert [o["token_ids"] for o in again] == [r.output_ids for r in plain]
+    finally:
+        llm.shutdown()
+
+
 def _config_only(src: str, dst: str, **changes) -> str:
     os.makedirs(dst)
     with open(os.path.join(src, "config.json")) as f:

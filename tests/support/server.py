@@ -3,10 +3,16 @@ process of it is left behind.
 
 Children are found through /proc (parent pids), snapshotted once the server is healthy: an
 orphan is re-parented away from the server, so it could not be found by parent pid afterwards.
-A process is identified by (pid, start time), so a recycled pid is not taken for a survivor."""
+A process is identified by (pid, start time), so a recycled pid is not taken for a survivor.
+
+No orphans (issue 47): every server is tracked until it is seen stopped; `kill_tracked` (run by
+tests/conftest.py at the session's end, on SIGTERM / SIGHUP, and here at interpreter exit)
+kills whatever a test left running. Servers also get --exit-with-parent, for a pytest killed
+outright (SIGKILL, os._exit), where nothing of it runs."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -132,6 +138,57 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+# ---- no orphans ---------------------------------------------------------------------------
+# pid -> (a process started in a session of its own, what else is known to be below it, the
+# pid of the process that started it). Each pytest process (an xdist worker too) kills only its
+# own: a forked child inherits the dict and the atexit hook. A plain dict, no lock:
+# `kill_tracked` runs in a signal handler, which must not wait for a lock the interrupted code
+# holds.
+_TRACKED: dict[int, tuple[subprocess.Popen[bytes], Callable[[], list[Proc]], int]] = {}
+REAPER_GRACE_S = 3.0  # for the server's reaper (its own session) to clean up and leave
+
+
+def track(proc: subprocess.Popen[bytes], known: Callable[[], list[Proc]] = list) -> None:
+    """Have `kill_tracked` stop `proc`, started with start_new_session=True (its session, and
+    so its process group, are its pid), with all below it, unless `untrack`ed first."""
+    _TRACKED[proc.pid] = (proc, known, os.getpid())
+
+
+def untrack(proc: subprocess.Popen[bytes]) -> None:
+    _TRACKED.pop(proc.pid, None)
+
+
+def kill_tracked() -> list[str]:
+    """SIGKILL every tracked process's group (a server and its workers) at once, then, after
+    REAPER_GRACE_S at most, anything still alive below them (the reaper first removes the
+    server's temp directory: it has a session of its own and leaves when the server dies).
+    The command lines of the processes that were running."""
+    victims, below = [], []
+    tracked = list(_TRACKED.items())
+    ours = [(pid, proc, known) for pid, (proc, known, owner) in tracked if owner == os.getpid()]
+    for pid, proc, known in ours:
+        if proc.poll() is None:  # not reaped: the pid, and so the group id, is still ours
+            victims.append(cmdline(pid).strip() or str(pid))
+            below += descendants(pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        below += known()
+    deadline = time.monotonic() + REAPER_GRACE_S
+    while alive(below) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid, _ in alive(below):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid, proc, _ in ours:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1)  # no zombie, no "still running" warning
+        _TRACKED.pop(pid, None)
+    return victims
+
+
+atexit.register(kill_tracked)  # an ending interpreter (after pytest's own clean-up) kills the rest
+
+
 # ---- the server ---------------------------------------------------------------------------
 class Server:
     """One `python -m minisgl` process; output goes to a log file (a pipe could fill up)."""
@@ -143,14 +200,18 @@ class Server:
         log_path: str,
         extra_env: dict[str, str] | None = None,
         max_open_files: int | None = None,
+        exit_with_parent: bool = True,
     ) -> None:
         """`model` None: no --model flag (the embedded default model). `extra_env`: variables
-        added to the server's environment; `max_open_files`: its RLIMIT_NOFILE (soft and hard)."""
+        added to the server's environment; `max_open_files`: its RLIMIT_NOFILE (soft and hard);
+        `exit_with_parent` False: no --exit-with-parent (tests of the clean-up without it)."""
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "minisgl", "--port", str(self.port)]
+        # should this pytest be killed outright (no clean-up of its runs), the server goes too
+        cmd += ["--exit-with-parent"] if exit_with_parent else []
         cmd += ["--model", model] if model is not None else []
         extra_env = extra_env or {}
         env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), PYTHONUNBUFFERED="1")
@@ -168,6 +229,7 @@ class Server:
             preexec_fn=None if max_open_files is None else lambda: _limit_files(max_open_files),
         )
         self.children: list[Proc] = []
+        track(self.proc, lambda: self.children)  # until stop() or kill_all() has seen it end
         self.expect_code = 0  # what `run_server` expects at the end (a test may kill it)
         self.headers: dict[str, str] = {}  # what /stats needs when the server wants an API key
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
@@ -260,6 +322,7 @@ class Server:
             raise
         finally:
             self._log.close()
+        untrack(self.proc)  # its group is gone; assert_no_survivors kills the rest
         self.assert_no_survivors()
         return code
 
@@ -272,6 +335,7 @@ class Server:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait()
+        untrack(self.proc)
         self._log.close()
 
 

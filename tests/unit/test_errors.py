@@ -43,7 +43,7 @@ def test_prompt_longer_than_context(model_dirs):
 def test_bad_prompts(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], use_tqdm=False)
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="prompt: token id"):
         llm.generate([[1, 2, 100000]], use_tqdm=False)
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["hello"], use_tqdm=False)

@@ -4,6 +4,7 @@ scheduler rank 0 -> ranks > 0 with tensor parallelism (backend messages)."""
 
 from minisgl.message.backend import (
     AbortBackendMsg,
+    AdmitBackendMsg,
     BatchBackendMsg,
     ExitMsg,
     FlushCacheMsg,
@@ -29,6 +30,7 @@ from minisgl.message.tokenizer import AbortMsg, DoneMsg, TokenizeMsg
 __all__ = [
     "AbortBackendMsg",
     "AbortMsg",
+    "AdmitBackendMsg",
     "ApiFailMsg",
     "ApiQueryMsg",
     "ApiViewMsg",

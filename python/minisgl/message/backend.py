@@ -28,6 +28,15 @@ class AbortBackendMsg:
 
 @register
 @dataclass
+class AdmitBackendMsg:
+    """Scheduler rank 0 -> ranks > 0: the constrained request `uid` (added earlier, its grammar
+    compiling on every rank) joins the waiting queue now: its grammar has compiled on rank 0."""
+
+    uid: int
+
+
+@register
+@dataclass
 class FlushCacheMsg:
     """api server -> scheduler (rank 0, which passes it to the other TP ranks): empty the
     prefix cache, unless requests run (then `FlushCacheReply` says why not)."""

@@ -1,13 +1,21 @@
 """What the scheduler is asked to do: the token budgets of a step, the order of the waiting
-queue, the prefix cache and the JSON grammar's whitespace.
+queue, the prefix cache, the JSON grammar's whitespace and the grammar compile deadline.
 Every field is an option (utils/options.py), like EngineConfig's."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Literal
 
-from minisgl.utils.options import OptionError, check_options, int_range, option
+from minisgl.utils.options import OptionError, check_options, int_range, number, option
+
+
+def positive_seconds(value: str) -> float:
+    x = number(value, float, "seconds")
+    if not 0 < x < float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return x
 
 
 @dataclass
@@ -85,6 +93,13 @@ class SchedulerConfig:
         False,
         "JSON-constrained output (response_format, json_schema) may put any whitespace between"
         " elements; off: compact JSON, so a model cannot pad with whitespace up to max_tokens",
+    )
+    grammar_compile_timeout: float = option(
+        30.0,
+        "seconds a constrained request's grammar may take to compile (counted from its arrival,"
+        " or from its compile's start when it waited for a free compiler process); past it the"
+        " compile is stopped and the request ends with an error, while the others go on",
+        type=positive_seconds,
     )
 
     def __post_init__(self) -> None:

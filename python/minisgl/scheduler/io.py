@@ -33,6 +33,9 @@ from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.2
+# While the only work is grammars compiling, wait this long for a message between the steps
+# that look at them: no busy loop, and a compiled grammar's request is admitted within it
+GRAMMAR_POLL_S = 0.02
 
 
 class SchedulerServer:
@@ -51,7 +54,7 @@ class SchedulerServer:
         free, cached = cache.allocator.num_free, cache.prefix_cache.num_pages
         return SchedulerStats(
             running=len(s.admitted()),
-            waiting=len(s.waiting),
+            waiting=len(s.waiting) + len(self.scheduler.grammar.compiling),
             total_pages=cache.num_pages,
             free_pages=free,
             cached_pages=cached,
@@ -95,8 +98,7 @@ class SchedulerServer:
     def run(self) -> None:
         self.send.put(BatchDetokenizeMsg([], self.stats()))  # /stats is right before any request
         while True:
-            # block only when idle; otherwise drain what arrived and keep stepping
-            msg = self.recv.get() if not self.scheduler.has_work else self.recv.get_nowait()
+            msg = self._next_message()
             while msg is not None:
                 if not self.handle(msg):
                     return
@@ -122,6 +124,15 @@ class SchedulerServer:
                 stats, self.last_stats = self.stats(), now
             if out or stats is not None:
                 self.send.put(BatchDetokenizeMsg(out, stats))
+
+    def _next_message(self) -> Any:
+        """Block when idle; while only grammars compile, wait a little (GRAMMAR_POLL_S);
+        otherwise take what has arrived and keep stepping."""
+        if self.scheduler.runnable:
+            return self.recv.get_nowait()
+        if self.scheduler.has_work:
+            return self.recv.get(timeout=GRAMMAR_POLL_S)
+        return self.recv.get()
 
 
 def build_scheduler(

@@ -35,7 +35,6 @@ class BatchPlanner:
         engine: Engine,
         cache: KVCacheManager,
         config: SchedulerConfig,
-        solo: bool,
         eos_token_ids: Collection[int] = (),
     ) -> None:
         self.engine, self.cache, self.page_size = engine, cache, engine.page_size
@@ -44,16 +43,12 @@ class BatchPlanner:
         self.max_batched_tokens = config.max_num_batched_tokens
         self.mixed = not config.disable_mixed_steps
         self.preempts_by_priority = config.schedule_policy == "priority"
-        # a grammar that failed to compile is refused at admission by a single rank only: with
-        # TP, whether a compile is done yet differs between ranks, so they learn it at launch
-        self.refuse_failed_grammars = solo
         self.waiting = WaitingQueue(config.schedule_policy, config.priority_aging, cache)
         self.proposer = make_proposer(engine, config)  # speculative decoding (None: off)
         self.backoff = Backoff(config.speculative_max_backoff)
         self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
-        self.refused: list[tuple[Req, str]] = []  # left the queue: their grammar does not compile
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -123,8 +118,6 @@ class BatchPlanner:
             reqs.append(req)
             budget -= n
         while budget > 0 and self.prefilling is None and (new := self.waiting.first()):
-            if self._refuse_failed(new):
-                continue
             n = self._admit_chunk(new, budget, reserve)
             if n == 0:
                 break
@@ -132,16 +125,6 @@ class BatchPlanner:
             reqs.append(new)
             budget -= n
         return Batch(reqs, "prefill") if reqs else None
-
-    def _refuse_failed(self, req: Req) -> bool:
-        """Take a waiting request whose grammar failed to compile out of the queue, before any
-        work is spent on it."""
-        grammar = req.grammar if self.refuse_failed_grammars else None
-        failure = grammar.failure() if grammar is not None else None
-        if failure is not None:
-            self.waiting.remove(req)
-            self.refused.append((req, failure))
-        return failure is not None
 
     def _admit_chunk(self, req: Req, budget: int, reserve: int) -> int:
         """Admit the waiting `req` with its first chunk (up to `budget` tokens); how many tokens

@@ -2,12 +2,14 @@
 table and turns sampled tokens into results; what a step computes is the BatchPlanner's
 (planner.py), grammars are GrammarState's (grammar.py), TP replication is TPLeader's (tp.py).
 
-A step has explicit phases: plan the batch; queue its forward (`Engine.forward_step`); for a
-batch with a constrained request, read the step in flight (its tokens advance the matchers: no
-overlap for that step) and build the token mask while the device runs the forward; queue the
-sampling (`Engine.sample_step`). Overlap: `step` launches batch N+1 before it reads batch N's
-tokens; `_launch` advances the host state at once (a request that samples gets a PLACEHOLDER
-token, which the next step reads on the device) and `_process` fills it one step later."""
+A step has explicit phases: admit the constrained requests whose grammar has compiled (they
+wait for it outside the planner's queue; TP followers admit at rank 0's word); plan the batch;
+queue its forward (`Engine.forward_step`); for a batch with a constrained request, read the
+step in flight (its tokens advance the matchers: no overlap for that step) and build the token
+mask while the device runs the forward; queue the sampling (`Engine.sample_step`). Overlap:
+`step` launches batch N+1 before it reads batch N's tokens; `_launch` advances the host state
+at once (a request that samples gets a PLACEHOLDER token, which the next step reads on the
+device) and `_process` fills it one step later."""
 
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ from itertools import repeat
 from typing import Any
 
 from minisgl import env
-from minisgl.core import PLACEHOLDER, Batch, Req, SamplingParams
+from minisgl.core import PLACEHOLDER, Batch, Req, SamplingParams, check_token_ids
 from minisgl.distributed import get_tp_info
 from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
 from minisgl.engine.logprobs import Entry
 from minisgl.engine.sample import TokenMask
 from minisgl.kvcache import KVCacheManager
-from minisgl.message import AbortBackendMsg, BatchBackendMsg, FlushCacheMsg
+from minisgl.message import AbortBackendMsg, AdmitBackendMsg, BatchBackendMsg, FlushCacheMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.planner import BatchPlanner, reaches_length
@@ -83,11 +85,13 @@ class Scheduler:
         self.tokenizer = tokenizer  # for grammars
         self.cache = KVCacheManager(engine.num_pages, engine.page_size, config.cache)
         tp = get_tp_info()
-        self.planner = BatchPlanner(engine, self.cache, config, tp.size == 1, eos_token_ids)
+        self.planner = BatchPlanner(engine, self.cache, config, eos_token_ids)
         self.leader = TPLeader() if tp.size > 1 and tp.is_primary else None
+        self.follower = tp.size > 1 and not tp.is_primary  # admits what rank 0 admits
         rows, vocab = engine.config.max_running_requests, engine.model_config.vocab_size
         pin, any_whitespace = engine.device.type == "cuda", config.json_any_whitespace
-        self.grammar = GrammarState(vocab, rows, pin, any_whitespace)
+        timeout = config.grammar_compile_timeout
+        self.grammar = GrammarState(vocab, rows, pin, any_whitespace, timeout, not self.follower)
         self.requests: dict[int, Req] = {}
         self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
         # speculative decoding: a step that proposes waits for the step in flight (proposals
@@ -113,10 +117,7 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {len(input_ids)} tokens is longer than {where}: at most {limit - 1} allowed"
             )
-        if min(input_ids) < 0 or max(input_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        check_token_ids(vocab, prompt=input_ids, **params.token_id_fields())
         total = min(limit, len(input_ids) + params.max_tokens)
         req = Req(list(input_ids), len(input_ids), params, max_total_len=total)
         if uid is not None:
@@ -129,11 +130,32 @@ class Scheduler:
             self.leader.added(req)
         self.requests[req.uid] = req
         self.grammar.num_constrained += req.grammar is not None
+        req.queued_at = time.monotonic()
         if req.params.max_tokens == 0 and req.params.prompt_logprobs is None:
             self._finish(req, "length")  # (scoring a prompt runs its prefill, then ends)
+        elif req.grammar is not None:  # admitted once its grammar is compiled (`step`)
+            self.grammar.compiling.append(req)
         else:
-            req.queued_at = time.monotonic()
             self.planner.waiting.append(req)
+
+    def _admit(self, req: Req) -> None:
+        """A request whose grammar is compiled joins the planner's queue (every rank alike)."""
+        if self.leader is not None:
+            self.leader.admitted(req.uid)
+        self.grammar.compiling.remove(req)
+        self.planner.waiting.append(req)
+
+    def _admit_compiled(self) -> None:
+        """Rank 0, before the step's broadcast (so that the followers do the same at this step):
+        admit the requests whose grammar has compiled; end those whose compile failed or ran
+        past its deadline (the followers drop them as aborted). Never waits for a compile."""
+        ready, failed = self.grammar.poll()
+        for req in ready:
+            self._admit(req)
+        for req, error in failed:
+            if self.leader is not None:
+                self.leader.aborted(req.uid)
+            self._finish(req, "error", error=error)
 
     def abort(self, uid: int) -> None:
         if self.leader is not None:
@@ -170,6 +192,7 @@ class Scheduler:
     def flush_cache(self) -> str | None:
         """Empty the prefix cache (SGLang's /flush_cache); why not, while requests run."""
         busy = len(self.planner.admitted()) + len(self.planner.waiting)
+        busy += len(self.grammar.compiling)
         if self.has_work or self.cache.prefix_cache.locked_pages:
             return f"cache_busy: {busy} requests are running; flush the cache when idle"
         if self.leader is not None:
@@ -179,20 +202,25 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        return self.runnable or bool(self.grammar.compiling)
+
+    @property
+    def runnable(self) -> bool:
+        """Work for the next step other than waiting for grammars to compile (which only a
+        poll of them, not a busy loop, should wait for: scheduler/io.py)."""
         return bool(self.planner.busy or self.pending or self.in_flight)
 
     def step(self) -> list[TokenOutput]:
         """Launch one forward (if anything can run) and return the tokens that are ready: with
         overlap, those of the previous step, whose device work ran while this one was built."""
+        if self.grammar.compiling and not self.follower:
+            self._admit_compiled()
         if self.leader is not None:
             self.leader.send()
         if self.in_flight is not None and self.planner.wants_proposals():
             self.pending.extend(self._process(self.in_flight))
             self.in_flight = None
         batch = self.planner.schedule()
-        for req, error in self.planner.refused:
-            self._finish(req, "error", error=error)
-        self.planner.refused = []
         launched = self._launch(batch) if batch is not None else None
         if launched is not None and launched.empty:
             launched = None  # nothing to read back (prompt chunks; requests ended meanwhile)
@@ -209,11 +237,14 @@ class Scheduler:
         return outputs
 
     def follow(self) -> None:
-        """Ranks > 0: replay rank 0's adds and aborts and step with it, until it stops."""
+        """Ranks > 0: replay rank 0's adds, admissions and aborts and step with it, until it
+        stops."""
         while isinstance(msg := receive_step(), BatchBackendMsg):
             for change in msg.msgs:
                 if isinstance(change, AbortBackendMsg):
                     self.abort(change.uid)
+                elif isinstance(change, AdmitBackendMsg):
+                    self._admit(self.requests[change.uid])
                 elif isinstance(change, FlushCacheMsg):
                     self.cache.reset_cache()  # rank 0 checked that nothing runs
                 else:
@@ -240,14 +271,13 @@ class Scheduler:
                 if req.queue_time is None:
                     req.queue_time = now - req.queued_at
         mask: TokenMask | None = None
-        failed: list[tuple[Req, str]] = []  # requests whose grammar did not compile
         if self.grammar.applies(batch):
-            # the device runs the forward while the host waits for grammars still compiling
-            # and for the step in flight, whose tokens advance the matchers the mask comes from
+            # the device runs the forward while the host waits for the step in flight, whose
+            # tokens advance the matchers the mask comes from
             if self.in_flight is not None and self.grammar.applies(self.in_flight.batch):
                 self.pending.extend(self._process(self.in_flight))
                 self.in_flight = None
-            mask, failed = self.grammar.mask(batch.reqs, samples)
+            mask = self.grammar.mask(batch.reqs, samples)
         output = self.engine.sample_step(batch, forward, mask)
         slots = []
         for i, (req, sampled) in enumerate(zip(batch.reqs, samples)):
@@ -258,8 +288,6 @@ class Scheduler:
             slots.append(len(req.tokens) if sampled else -1)
             if sampled:
                 req.tokens.append(PLACEHOLDER)
-        for req, error in failed:  # its sampled token is dropped by _process
-            self._finish(req, "error", error=error)
         return InFlight(batch, slots, output)
 
     def _process(self, step: InFlight) -> list[TokenOutput]:
@@ -346,6 +374,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: str, report: bool = True, error: str | None = None) -> None:
         self.grammar.num_constrained -= req.grammar is not None and req.finish_reason is None
         req.finish_reason, req.error = reason, error  # type: ignore[assignment]
+        self.grammar.drop(req)
         self.planner.drop(req)
         while req.tokens and req.tokens[-1] == PLACEHOLDER:
             req.tokens.pop()  # tokens of steps launched past the end

@@ -1,10 +1,13 @@
 """Tensor parallelism: every rank runs a Scheduler over its own Engine shard. Scheduling is
 deterministic and sampled tokens are equal on every rank (the logits are all-gathered), so the
 ranks stay in step as long as they see the same requests: rank 0's `TPLeader` records each add
-(`UserMsg`, its seed in the params: one drawn at random must be the same on every rank) and
-abort (`AbortBackendMsg`) and cache flush (`FlushCacheMsg`, sent at once: an idle rank 0 does
-not step) and broadcasts them at the start of its next step as one
-`BatchBackendMsg` (`ExitMsg` to stop); the others replay them and step (`Scheduler.follow`)."""
+(`UserMsg`, its seed in the params: one drawn at random must be the same on every rank),
+admission of a constrained request whose grammar compiled on rank 0 (`AdmitBackendMsg`: every
+rank compiles the grammar from the add on, but whether it is done yet differs between ranks, so
+rank 0 decides; a grammar that fails there ends its request as an abort), abort
+(`AbortBackendMsg`) and cache flush (`FlushCacheMsg`, sent at once: an idle rank 0 does not
+step) and broadcasts them at the start of its next step as one `BatchBackendMsg` (`ExitMsg` to
+stop); the others replay them and step (`Scheduler.follow`)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from minisgl.core import Req
 from minisgl.distributed import broadcast_object
 from minisgl.message import (
     AbortBackendMsg,
+    AdmitBackendMsg,
     BatchBackendMsg,
     ExitMsg,
     FlushCacheMsg,
@@ -25,13 +29,15 @@ from minisgl.message import (
 
 class TPLeader:
     def __init__(self) -> None:
-        self.changes: list[
-            UserMsg | AbortBackendMsg | FlushCacheMsg
-        ] = []  # not yet seen by the other ranks
+        # not yet seen by the other ranks
+        self.changes: list[UserMsg | AdmitBackendMsg | AbortBackendMsg | FlushCacheMsg] = []
 
     def added(self, req: Req) -> None:
         params = replace(req.params, seed=req.seed)
         self.changes.append(UserMsg(req.uid, req.tokens[: req.prompt_len], params))
+
+    def admitted(self, uid: int) -> None:
+        self.changes.append(AdmitBackendMsg(uid))
 
     def aborted(self, uid: int) -> None:
         self.changes.append(AbortBackendMsg(uid))

@@ -5,9 +5,12 @@ never sends a request, nor one that sends its headers a byte at a time: each hol
 descriptor for ever, and once they run out every accept fails (logging an error each time) and
 /health stops answering. Here every connection must complete a request's headers within
 --timeout-keep-alive seconds of its opening (or of its previous response), and beyond
---max-connections open connections the one idle the longest is closed (a connection with a
-request in progress is never closed). When every connection is busy, uvicorn's
-`limit_concurrency` (set to one more than the limit) answers the requests beyond it 503."""
+--max-connections open connections the one that has waited the longest for its client is
+closed: idle, or still sending its request (its body within --timeout-body-read, which the
+`Gate` enforces). A connection whose request the app is serving is never closed. When every
+connection is busy, the `Gate` answers the requests beyond the limit 503 (/health excepted),
+and beyond FD_RESERVE / 2 more connections new ones are closed at once: a total cap, so that
+a flood cannot take every file descriptor."""
 
 from __future__ import annotations
 
@@ -53,8 +56,8 @@ def connection_budget(max_connections: int) -> tuple[int, int]:
 
 
 class ConnectionLimits:
-    """Shared by every connection of one server: those waiting for a request's headers, the one
-    idle the longest first."""
+    """Shared by every connection of one server: those waiting for their client (a request's
+    head, or its body), the one waiting the longest first."""
 
     def __init__(self, max_connections: int, head_timeout: float) -> None:
         self.max_connections, self.head_timeout = max_connections, head_timeout
@@ -72,19 +75,22 @@ class ConnectionLimits:
     def close(self, conn: Any) -> None:
         self.forget(conn)
         # Out of uvicorn's set now: it leaves it only at connection_lost, a loop turn later (with
-        # uvloop, after a whole burst of accepts), and until then limit_concurrency counts it.
+        # uvloop, after a whole burst of accepts), and until then make_room would count it.
         conn.connections.discard(conn)
         conn.transport.close()
 
     def make_room(self, new: Any) -> None:
-        """`new` was just opened: close the longest idle connections beyond the limit."""
+        """`new` was just opened: close the connections that have waited longest for their
+        clients beyond the limit. One still sending its request's body goes too, or a flood of
+        bodies that never end (slowloris) would hold every connection for --timeout-body-read
+        seconds, and the next flood for as long again."""
         excess = len(new.connections) - self.max_connections
         while excess > 0 and self.idle:
             conn = next(iter(self.idle))
             if conn is new:  # every other connection is busy
                 break
             del self.idle[conn]  # a busy one comes back when its response is complete
-            if conn.waiting_for_head:
+            if conn.waiting_for_head or conn.reading_body:
                 self.close(conn)
                 self.num_shed += 1
                 excess -= 1
@@ -92,6 +98,13 @@ class ConnectionLimits:
             self.close(new)
             self.num_shed += 1
         self._warn()
+
+    def close_waiting(self, connections: set[Any]) -> None:
+        """Close every connection of `connections` (uvicorn's set) that waits for its client:
+        the drain's end, where a request whose body has not come is not served."""
+        for conn in list(connections):
+            if conn.waiting_for_head or conn.reading_body:
+                self.close(conn)
 
     def _warn(self) -> None:
         now = time.monotonic()
@@ -156,6 +169,15 @@ class ConnectionLimits:
                 """No request in progress, and none has begun since the wait began."""
                 cycle = self.cycle
                 return cycle is self._awaited and (cycle is None or cycle.response_complete)
+
+            @property
+            def reading_body(self) -> bool:
+                """A request began since the wait began, and its body has not all come: the
+                app waits for the client (nothing of its response is sent yet)."""
+                cycle = self.cycle
+                if cycle is None or cycle is self._awaited:
+                    return False
+                return cycle.more_body and not cycle.response_started
 
             def _await_head(self) -> None:
                 if self._head_timer is not None:

@@ -9,6 +9,7 @@ directory even when this process is killed outright."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -29,7 +30,7 @@ from minisgl.message import ApiFailMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, option_error
 from minisgl.utils.options import OptionError
-from minisgl.utils.procs import Reaper, die_with_parent, set_title, wait_ready
+from minisgl.utils.procs import Reaper, die_with_parent, exit_with_parent, set_title, wait_ready
 
 if TYPE_CHECKING:
     from minisgl.server.connections import ConnectionLimits
@@ -416,6 +417,8 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
     signal.signal(signal.SIGTERM, _on_sigterm)
     launcher = Launcher(args)
     try:
+        if args.exit_with_parent:  # its SIGTERM then unwinds here, through launcher.stop()
+            exit_with_parent()
         try:
             launcher.start()
         except OptionError as e:  # found only now, e.g. a --model the hub cannot provide
@@ -451,6 +454,40 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
     return code
 
 
+class _CutShort(logging.Filter):
+    """uvicorn logs a request that the server's exit cancelled (the drain ran out, or a
+    failure's forced exit) as an application error, with a CancelledError traceback: no bug,
+    so one line instead. With no drain (--shutdown-timeout 0) it also says, as an error, that
+    it cancels 0 tasks: dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Cancel %s running task") and record.args == (0,):
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError) and str(record.msg).startswith("Exception in"):
+            record.msg, record.args = "a request was cut short: the server is stopping", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+FORCED_EXIT_WAIT_S = 1.0  # a forced exit's wait for the requests whose connections it closed
+
+
+async def _end_forced(server: Any, limits: ConnectionLimits) -> None:
+    """A failure's exit (`serve_http`: its requests got their errors already) skips uvicorn's
+    drain and the app's lifespan shutdown: the tasks left would be cancelled as the loop
+    closes, the lifespan's logging a CancelledError traceback. Close every connection (the
+    requests still there see their client gone and end), wait a moment for them, and end the
+    lifespan."""
+    for conn in list(server.server_state.connections):
+        limits.close(conn)
+    if server.server_state.tasks:
+        await asyncio.wait(set(server.server_state.tasks), timeout=FORCED_EXIT_WAIT_S)
+    with contextlib.suppress(asyncio.TimeoutError):  # a hung shutdown handler
+        await asyncio.wait_for(server.lifespan.shutdown(), FORCED_EXIT_WAIT_S)
+
+
 def make_server(
     config: Any,
     frontend: Frontend,
@@ -459,31 +496,44 @@ def make_server(
     on_shutdown: Callable[[], None] | None = None,
 ) -> Any:
     """uvicorn's server, whose drain (SIGTERM) ends the requests still running with the error
-    event (or a 503) just before `drain_s` (--shutdown-timeout) runs out, not a bare close.
-    `on_shutdown` is called as the drain begins."""
+    event (or a 503) just before `drain_s` (--shutdown-timeout) runs out, not a bare close,
+    and drops then those whose body has not come. `on_shutdown` is called as the drain begins.
+    Its exits log no traceback (see `_end_forced`, `_CutShort`)."""
     import uvicorn
+
+    errors = logging.getLogger("uvicorn.error")  # after uvicorn.Config set its logging up
+    if not any(isinstance(f, _CutShort) for f in errors.filters):
+        errors.addFilter(_CutShort())
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             limits.quiet_accept_errors(asyncio.get_running_loop())
             await super().startup(sockets)
 
+        def cut(self, reason: str) -> None:
+            """The drain's end: the requests still running end with `reason`, those whose
+            head or body has not come are dropped."""
+            frontend.fail(reason)
+            limits.close_waiting(self.server_state.connections)
+
         async def shutdown(self, sockets: Any = None) -> None:
             if on_shutdown is not None:
                 on_shutdown()
             reason = f"server shut down before the request finished ({drain_s:g} s drain)"
-            cut = None
+            timer = None
             if drain_s <= CUT_MARGIN_S:
-                frontend.fail(reason)  # uvicorn's 0.1 s pause before cutting lets the errors out
+                self.cut(reason)  # uvicorn's 0.1 s pause before cutting lets the errors out
             else:
-                cut = asyncio.get_running_loop().call_later(
-                    drain_s - CUT_MARGIN_S, frontend.fail, reason
+                timer = asyncio.get_running_loop().call_later(
+                    drain_s - CUT_MARGIN_S, self.cut, reason
                 )
             try:
                 await super().shutdown(sockets)
             finally:
-                if cut is not None:
-                    cut.cancel()
+                if timer is not None:
+                    timer.cancel()
+            if self.force_exit:
+                await _end_forced(self, limits)
 
     return Server(config)
 
@@ -528,7 +578,7 @@ def http_server(
         log_level=args.log_level,
         http=limits.protocol(),
         backlog=backlog,
-        limit_concurrency=max_connections + 1,  # requests beyond it: 503
+        # no limit_concurrency: its 503 refuses /health too; the Gate limits requests instead
         timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # float works
         timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
     )

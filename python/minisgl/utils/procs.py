@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -90,17 +91,63 @@ def title() -> str:
     return name if name.startswith(TITLE_PREFIX) else "main process"
 
 
-def die_with_parent() -> None:
-    """Linux: have the kernel kill this child when its parent dies, even by SIGKILL."""
+def _parent_death_signal(sig: int) -> bool:
+    """Linux: have the kernel send `sig` to this process when its parent dies, even by SIGKILL
+    (prctl PR_SET_PDEATHSIG); False where that is not available."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     import ctypes
 
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # a libc without prctl
+        return False
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this child when its parent dies, even by SIGKILL."""
+    if not _parent_death_signal(signal.SIGKILL):
+        return
     parent = mp.parent_process()
     if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
         os._exit(1)
+
+
+# The parent as early as this process can tell (when the launcher's modules load, before any
+# model work): one that dies before `exit_with_parent` runs is then still seen as gone. One that
+# dies earlier still, while the interpreter imports torch, cannot be told from the new parent.
+_FIRST_PARENT = os.getppid()
+PARENT_POLL_S = 0.5  # how often the portable watch looks for a new parent pid
+# The kernel's word that the parent died. Not SIGTERM itself: PR_SET_PDEATHSIG also fires when
+# only the *thread* that started this process ends, which a parent pid that did not change tells
+# apart; the watch then goes on.
+PARENT_GONE_SIGNAL = signal.SIGUSR1
+
+
+def exit_with_parent(kernel_signal: bool = True, interval: float = PARENT_POLL_S) -> None:
+    """--exit-with-parent: send this process SIGTERM (its usual stop, which stops every child)
+    once the process that started it is gone, however it died (SIGKILL, OOM, os._exit), so that
+    a killed test runner or supervisor leaves no server behind. A thread polls os.getppid()
+    every `interval` s (portable: an orphan gets a new parent); on Linux the kernel's signal
+    (`kernel_signal`, main thread only) wakes it at once. Call after the SIGTERM handler is set."""
+    parent, wake = _FIRST_PARENT, threading.Event()
+    if kernel_signal and threading.current_thread() is threading.main_thread():
+        # the handler only wakes the watch: logging from a signal handler could re-enter I/O
+        signal.signal(PARENT_GONE_SIGNAL, lambda signum, frame: wake.set())
+        _parent_death_signal(PARENT_GONE_SIGNAL)
+    watch = threading.Thread(
+        target=_watch_parent, args=(parent, wake, interval), name="parent-watch", daemon=True
+    )
+    watch.start()
+
+
+def _watch_parent(parent: int, wake: threading.Event, interval: float) -> None:
+    while os.getppid() == parent:  # checked once at once: it may have died before the prctl
+        wake.wait(interval)
+        wake.clear()
+    logger.warning("parent process %d is gone (--exit-with-parent): shutting down", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Reaper:

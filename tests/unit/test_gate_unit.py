@@ -1,0 +1,213 @@
+"""The gate's parts, driven directly (issue 52): strict decoding of request bodies, RFC 7235
+Authorization, the limit on requests in progress that /health is exempt from, the body-read
+timeout, a bounded uvicorn that sheds a body that never ends, and the exit log's filter."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from minisgl.server.gate import (
+    LONE_SURROGATE,
+    NOT_UTF8,
+    Gate,
+    credentials_refused,
+    invalid_text_path,
+)
+
+# (body, what invalid_text_path finds)
+BODIES: list[tuple[bytes, tuple[str | None, str] | None]] = [
+    (b'{"prompt": "a", "max_tokens": 4}', None),
+    ('{"prompt": "caf\u00e9 \U0001f600"}'.encode(), None),  # valid UTF-8
+    (b'{"prompt": "\\ud83d\\ude00"}', None),  # an escaped pair
+    (b'{"prompt": "\\\\ud800"}', None),  # an escaped backslash, then text
+    (b'{"prompt": "\\ud800"}', ("prompt", LONE_SURROGATE)),
+    (b'{"x\\ud800": 1}', ("x\\ud800", LONE_SURROGATE)),
+    (b'{"prompt": "a\xed\xa0\x80"}', ("prompt", NOT_UTF8)),  # a raw surrogate
+    (b'{"prompt": "\xed\xb0\x80\xed\xa0\x80"}', ("prompt", NOT_UTF8)),  # a raw reversed pair
+    (b'{"stop": ["x", "\xff"]}', ("stop[1]", NOT_UTF8)),
+    (b'{"messages": [{"role": "user", "content": "\xc3"}]}', ("messages[0].content", NOT_UTF8)),
+    (b'{"a": {"b\xfe": 1}}', ("a.b\\xfe", NOT_UTF8)),  # a field's name, as sent
+    (b'{"max_tokens": 4\xff}', (None, NOT_UTF8)),  # in no string: the body
+    (b"\xff\xfe{\x00}\x00", (None, NOT_UTF8)),  # UTF-16: JSON exchanged is UTF-8 (RFC 8259)
+    (b"not json \\ud800", None),  # left to FastAPI, which says it is not JSON
+]
+
+
+@pytest.mark.parametrize(("body", "found"), BODIES)
+def test_invalid_text_path(body: bytes, found: tuple[str | None, str] | None) -> None:
+    assert invalid_text_path(body) == found
+
+
+KEY = b"sk-1"
+
+
+@pytest.mark.parametrize(
+    ("values", "refused"),
+    [
+        ([b"Bearer sk-1"], None),
+        ([b"bearer sk-1"], None),
+        ([b"BEARER sk-1"], None),
+        ([b"Bearer   sk-1"], None),  # 1*SP
+        ([], "invalid or missing API key"),
+        ([b"sk-1"], "invalid or missing API key"),
+        ([b"Basic sk-1"], "invalid or missing API key"),
+        ([b"Bearer sk-12"], "invalid or missing API key"),
+        ([b"Bearersk-1"], "invalid or missing API key"),
+        ([b"Bearer sk-1", b"Bearer sk-1"], "2 Authorization headers"),
+        ([b"Bearer no", b"Bearer sk-1"], "2 Authorization headers"),  # not the last one's
+    ],
+)
+def test_credentials_refused(values: list[bytes], refused: str | None) -> None:
+    headers = [(b"host", b"t"), *((b"authorization", v) for v in values)]
+    why = credentials_refused(headers, KEY)
+    assert why == refused if refused is None else why is not None and why.startswith(refused)
+
+
+def gated(body_timeout: float | None = None, max_requests: int | None = None) -> Any:
+    """A FastAPI app under the gate: /slow waits until `app.state.release` (a threading.Event,
+    set from any thread) is set."""
+    from fastapi import FastAPI
+
+    from minisgl.message import SchedulerStats
+    from minisgl.server.metrics import Metrics
+
+    app = FastAPI()
+    app.state.release = threading.Event()
+
+    @app.get("/slow")
+    async def slow() -> dict[str, str]:
+        while not app.state.release.is_set():
+            await asyncio.sleep(0.01)
+        return {"ok": "slow"}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"ok": "health"}
+
+    frontend: Any = SimpleNamespace(metrics=Metrics(SchedulerStats, lambda: 0))
+    app.add_middleware(
+        Gate,
+        api_key=None,
+        max_body=1000,
+        frontend=frontend,
+        paths=frozenset({"/slow", "/health"}),
+        body_timeout=body_timeout,
+        max_requests=max_requests,
+    )
+    return app
+
+
+def test_requests_beyond_the_limit_get_503_but_health_is_answered() -> None:
+    app = gated(max_requests=2)
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            busy = [asyncio.create_task(client.get("/slow")) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            r = await client.get("/slow")
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "overloaded"
+            assert (await client.get("/health")).status_code == 200
+            app.state.release.set()
+            assert [(await t).status_code for t in busy] == [200, 200]
+            assert (await client.get("/slow")).status_code == 200
+
+    asyncio.run(run())
+
+
+def test_a_body_that_stalls_gets_408_with_connection_close() -> None:
+    app = gated(body_timeout=0.2)
+    sent: list[dict[str, Any]] = []
+    arrived = [{"type": "http.request", "body": b"{", "more_body": True}]
+
+    async def receive() -> dict[str, Any]:
+        if arrived:
+            return arrived.pop()
+        await asyncio.sleep(3600)  # the rest never comes
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+    scope = {"type": "http", "method": "GET", "path": "/slow", "headers": headers}
+    scope |= {"query_string": b"", "http_version": "1.1", "scheme": "http", "root_path": ""}
+    started = time.monotonic()
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert 0.2 <= time.monotonic() - started < 5
+    assert sent[0]["status"] == 408
+    assert (b"connection", b"close") in sent[0]["headers"]
+    assert b"--timeout-body-read" in sent[1]["body"]
+
+
+def test_a_body_that_never_ends_is_shed_for_a_new_connection() -> None:
+    """ConnectionLimits on uvicorn, limit 2, the gated app: a request in progress is never
+    closed, but one whose body stalls goes when a third connection comes, and /health on it
+    is answered (before: every connection busy, uvicorn's 503 for all)."""
+    import uvicorn
+
+    from minisgl.server.connections import ConnectionLimits
+    from support.server import free_port, wait_for
+
+    app = gated(body_timeout=60)
+    limits, port = ConnectionLimits(2, head_timeout=30.0), free_port()
+    config = uvicorn.Config(app, port=port, http=limits.protocol(), log_level="error")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 10, "uvicorn to start")
+    url = f"http://127.0.0.1:{port}"
+    out: list[httpx.Response] = []
+    busy = threading.Thread(target=lambda: out.append(httpx.get(f"{url}/slow", timeout=20)))
+    busy.start()
+    try:
+        wait_for(lambda: len(server.server_state.tasks) == 1, 5, "a busy request")
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 9\r\n\r\n{")
+        wait_for(lambda: len(server.server_state.tasks) == 2, 5, "the stalled body")
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # a third connection
+        stalled.settimeout(5)
+        assert stalled.recv(1) == b""  # shed, long before its body timeout
+        stalled.close()
+        app.state.release.set()
+        busy.join(10)
+        assert out and out[0].status_code == 200, out
+    finally:
+        app.state.release.set()
+        server.should_exit = True
+        thread.join(10)
+        busy.join(10)
+
+
+def test_a_request_cut_by_the_exit_logs_one_line() -> None:
+    from minisgl.server.launch import _CutShort
+
+    try:
+        raise asyncio.CancelledError()
+    except asyncio.CancelledError:
+        cancelled = sys.exc_info()
+    try:
+        raise ValueError("a bug")
+    except ValueError:
+        bug = sys.exc_info()
+    make = logging.getLogger("uvicorn.error").makeRecord
+    record = make(
+        "uvicorn.error", logging.ERROR, "f", 1, "Exception in ASGI application\n", (), cancelled
+    )
+    assert _CutShort().filter(record) and record.exc_info is None
+    assert record.levelno == logging.WARNING and "server is stopping" in record.getMessage()
+    record = make(
+        "uvicorn.error", logging.ERROR, "f", 1, "Exception in ASGI application\n", (), bug
+    )
+    assert _CutShort().filter(record) and record.exc_info == bug  # a real error keeps its trace
