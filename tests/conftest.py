@@ -9,6 +9,7 @@ SIGHUP (then every other process below pytest gets SIGTERM, and pytest dies of t
 would have); servers run with --exit-with-parent for a pytest killed outright
 (`support/server.py`)."""
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -79,7 +80,47 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                 reporter.write_line(f"  {line}", yellow=True)
 
 
+# The core's own subset (`pytest -m core`), which CI also runs on a copy of the package without
+# minisgl/ext (.ci/run): exactness against transformers for every architecture, TP on CPU, the
+# server's endpoints, streaming and errors, LLM, the shell, and the refusals of extensions'
+# features. Every test of these modules must pass with the core alone.
+CORE_MODULES = frozenset(
+    {
+        "unit/test_core_boundary.py",
+        "unit/test_kvcache.py",
+        "unit/test_scheduler.py",
+        "unit/test_message.py",
+        "unit/test_detokenize.py",
+        "engine/test_models.py",
+        "engine/test_tp.py",
+        "engine/test_llm.py",
+        "server/test_server.py",
+        "server/test_streaming.py",
+        "server/test_ext_structured_http.py",
+    }
+)
+
+
+EXT_PRESENT = importlib.util.find_spec("minisgl.ext") is not None
+
+
+def pytest_ignore_collect(collection_path: Any, config: Any) -> bool | None:
+    """Without minisgl/ext (the core alone) only the core's modules and the extensions' refusal
+    tests (test_ext_*.py, whose core tests carry the mark) are collected: the others may import
+    an extension."""
+    if EXT_PRESENT or collection_path.suffix != ".py":
+        return None
+    relative = os.path.relpath(str(collection_path), os.path.dirname(__file__))
+    if relative in CORE_MODULES or collection_path.name.startswith(("test_ext_", "conftest")):
+        return None
+    return True
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    tests_dir = os.path.dirname(__file__)
+    for item in items:
+        if os.path.relpath(str(item.path), tests_dir) in CORE_MODULES:
+            item.add_marker(pytest.mark.core)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

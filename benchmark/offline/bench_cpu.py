@@ -148,7 +148,7 @@ def main() -> None:
     import torch
 
     from minisgl import LLM
-    from minisgl.models.gguf import default_model
+    from minisgl.ext.cpu.gguf import default_model
 
     args.model = args.model or default_model()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))

@@ -14,11 +14,11 @@ def main() -> int:
         print(f"minisgl: {e}", file=sys.stderr)
         return 1
     if args.engine.model is None:
-        from minisgl.models.gguf import DefaultModelMissing, announce_default_model
+        from minisgl.models import default_model
 
         try:
-            args.engine.model = announce_default_model()
-        except DefaultModelMissing as e:
+            args.engine.model = default_model()
+        except ValueError as e:  # not installed, or no cpu extension to read it
             print(f"python -m minisgl: {e}", file=sys.stderr)
             return 2
     if args.shell:

@@ -24,6 +24,12 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def disable_extensions() -> bool:
+    """MINISGL_DISABLE_EXTENSIONS: run the core alone, as if `minisgl/ext` were not installed
+    (every extension point keeps its default; features of an extension are refused)."""
+    return _flag("MINISGL_DISABLE_EXTENSIONS")
+
+
 def disable_fused_ops() -> bool:
     """MINISGL_DISABLE_FUSED_OPS: run the torch reference of RMSNorm, RoPE, SiLU-and-mul, the
     KV-cache store, sampling, log-probability rows and logit adjustments on CUDA too, instead of

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.models.gguf import DefaultModelMissing, default_model
+from minisgl.ext.cpu.gguf import DefaultModelMissing, default_model
 from support.models import hf_greedy
 from support.server import run_server
 

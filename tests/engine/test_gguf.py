@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import minisgl.models.gguf as mg
+import minisgl.ext.cpu.gguf as mg
 from minisgl import LLM, SamplingParams
 from minisgl.models import resolve_model_path
 from support.gguf_files import QTYPES, llama_cpp_permute, llama_cpp_rope_freqs, write_gguf

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine.cpu import cpu_auto_dtype, resolve_quantization
-from minisgl.layers.quantized import Int4Linear, Int8Linear, Int8SplitLinear, QuantizedLinear
-from minisgl.models.gguf import DefaultModelMissing, default_model
-from minisgl.models.gguf_quant import Blocks, split_blocks
-from minisgl.models.quantize import from_blocks, int4_from_blocks, split_from_blocks
+from minisgl.ext.cpu.gguf import DefaultModelMissing, default_model
+from minisgl.ext.cpu.gguf_quant import Blocks, split_blocks
+from minisgl.ext.cpu.policy import cpu_auto_dtype, resolve_quantization
+from minisgl.ext.cpu.quantize import from_blocks, int4_from_blocks, split_from_blocks
+from minisgl.ext.cpu.quantized import Int4Linear, Int8Linear, Int8SplitLinear, QuantizedLinear
 from support.gguf_files import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -145,7 +145,7 @@ def test_auto_quantizes_only_a_gguf_on_cpu_in_16_bits(tmp_path):
 
 
 def test_cpu_dtype_auto_is_bf16_only_for_quantized_weights(tmp_path, monkeypatch):
-    from minisgl.engine.cpu import cpu_bf16_flag
+    from minisgl.ext.cpu.policy import cpu_bf16_flag
 
     (tmp_path / "gguf-blocks.st").touch()
     gguf_dir, plain = str(tmp_path), str(tmp_path / "plain")

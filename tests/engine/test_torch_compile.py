@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine.cpu import check_torch_compile
+from minisgl.ext.cpu.torch_compile import check_torch_compile
 from minisgl.utils.options import OptionError
 from support.models import hf_greedy
 
@@ -87,7 +87,7 @@ def test_flag():
 def test_needs_the_torch_attention_backend():
     from minisgl.attention import HybridAttnBackend
     from minisgl.attention.torch_backend import TorchAttnBackend
-    from minisgl.engine.cpu import mark_kv_len_dynamic
+    from minisgl.ext.cpu.torch_compile import mark_kv_len_dynamic
 
     with pytest.raises(OptionError, match="torch attention backend"):
         mark_kv_len_dynamic(HybridAttnBackend(TorchAttnBackend(), TorchAttnBackend()))

@@ -79,7 +79,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_summed_metrics_are_those_of_one_process_that_saw_everything() -> None:
     """Three processes' series (labels only some of them have included) summed equal one
     registry that observed all of it; each process's queued count adds up, the RSS is rank 0's."""
-    from minisgl.server.metrics import Metrics, summed_exposition
+    from minisgl.ext.serving.metrics import Metrics, summed_exposition
 
     parts = [Metrics(list, lambda k=k: k + 1, lambda k=k: 100 if k == 0 else 0) for k in range(3)]
     whole = Metrics(list, lambda: 6, lambda: 100)

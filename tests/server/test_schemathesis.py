@@ -40,13 +40,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.mark.skipif(shutil.which("schemathesis") is None, reason="schemathesis not installed")
-def test_schemathesis_finds_no_server_error_and_no_mismatch(server: Server, tmp_path) -> None:
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_schemathesis_finds_no_server_error_and_no_mismatch(
+    server: Server, tmp_path, seed: int
+) -> None:
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
     cmd = [
         sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run",
         f"{server.url}/openapi.json", "--checks", "all", "--max-examples",
-        str(EXAMPLES_PER_OPERATION), "--seed", "0", "--workers", "2", "--no-color",
+        str(EXAMPLES_PER_OPERATION), "--seed", str(seed), "--workers", "2", "--no-color",
         "--generation-database", "none", "--request-timeout", "60", "--max-time", "30",
         "--max-response-time", "60",  # a correctness run on a shared CPU, not a benchmark
     ]  # fmt: skip

@@ -78,8 +78,8 @@ def gated(body_timeout: float | None = None, max_requests: int | None = None) ->
     set from any thread) is set."""
     from fastapi import FastAPI
 
+    from minisgl.ext.serving.metrics import Metrics
     from minisgl.message import SchedulerStats
-    from minisgl.server.metrics import Metrics
 
     app = FastAPI()
     app.state.release = threading.Event()

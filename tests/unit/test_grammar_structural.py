@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from minisgl import SamplingParams
-from minisgl.parsers import (
+from minisgl.ext.structured.parsers import (
     OutputParser,
     ToolChoice,
     get_reasoning_parser,

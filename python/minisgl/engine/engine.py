@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Collection
 from dataclasses import replace
 
@@ -12,15 +13,6 @@ from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context, Req, set_global_ctx, to_device
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
-from minisgl.engine.cpu import (
-    announce,
-    check_torch_compile,
-    compile_decoder,
-    cpu_auto_dtype,
-    mark_kv_len_dynamic,
-    resolve_quantization,
-    set_cpu_threads,
-)
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.logprobs import Entry, PromptLogprobs, SampledLogprobs
 from minisgl.engine.sample import (
@@ -39,6 +31,7 @@ from minisgl.engine.sample import (
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
 from minisgl.engine.tables import TableWrites
 from minisgl.engine.verify import Verification, flat_batch, prefill_rows
+from minisgl.extension import extensions, require
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -50,7 +43,6 @@ from minisgl.models import (
 )
 from minisgl.models.hf import load_hf_config
 from minisgl.models.llama import LlamaForCausalLM
-from minisgl.models.quantize import count_quantized, quantize_gguf, quantize_int8
 from minisgl.models.weight import iter_checkpoint
 from minisgl.utils.device import device_type, resolve_device
 from minisgl.utils.options import OptionError
@@ -61,11 +53,19 @@ logger = logging.getLogger(__name__)
 def _resolve_dtype(config: EngineConfig, hf_config, device: torch.device, path: str) -> torch.dtype:
     if config.dtype != "auto":
         return getattr(torch, config.dtype)
-    if device.type == "cpu":
-        return cpu_auto_dtype(config.quantization, path, get_tp_info().size)
+    if device.type == "cpu":  # float32, the exact path, unless the cpu extension chooses
+        choose = extensions().cpu_dtype
+        return choose(config.quantization, path) if choose is not None else torch.float32
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
+
+
+def set_cpu_threads() -> None:
+    """Use every core this process may run on (its affinity mask, which containers and
+    `taskset` narrow), unless OMP_NUM_THREADS chose already (e.g. a --dp replica's share)."""
+    if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
 
 
 def _model_path(config: EngineConfig) -> str:
@@ -107,20 +107,16 @@ class Engine:
             self.model_config = replace(self.model_config, moe=replace(moe, backend=backend))
         self.dtype = _resolve_dtype(config, self.hf_config, self.device, self.model_path)
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
-        self.quantization = resolve_quantization(
-            config.quantization, self.device, self.dtype, self.model_path, get_tp_info().size
-        )
+        # what changes the model around its weights' loading (the cpu extension: --quantization)
+        make = extensions().model_transform
+        self.model_transform = make(self) if make is not None else None
+        self.quantization = "none" if self.model_transform is None else self.model_transform.name
         cfg = self.model_config
         check_tp_size(get_tp_info().size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
-        if config.enable_torch_compile:
-            check_torch_compile(self.device, get_tp_info().size, cfg.moe is not None)
         self.max_model_len = model_len(config, cfg)
 
         torch.manual_seed(config.seed)
         self.model = self._build_model()
-        self.compiled_decoder = None
-        if config.enable_torch_compile:
-            self.compiled_decoder = compile_decoder(self.model.model)
         self.kv_cache = self._build_kv_cache()
         # The pool's last page and the page table's last row are never handed out: padded
         # CUDA-graph entries and unsampled tokens write there instead of into a request's KV.
@@ -148,8 +144,7 @@ class Engine:
             num_qo_heads=cfg.num_heads // get_tp_info().size,
             kv_dtype=self.kv_dtype,
         )
-        if self.compiled_decoder is not None:
-            mark_kv_len_dynamic(self.attn_backend)
+        self.compiled_decoder = self._compiled_decoder()
         self.table_writes = TableWrites(self.page_table, self.token_table)
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
@@ -166,20 +161,24 @@ class Engine:
                 model = cls(self.model_config)
         finally:
             torch.set_default_dtype(old_dtype)
-        skip: set[str] = set()
-        if self.quantization == "gguf":  # first: the dense copies of its weights are not read
-            skip = quantize_gguf(model, self.model_path, self.dtype)
+        if self.device.type == "cpu" and get_tp_info().size == 1:
+            set_cpu_threads()
+        transform = self.model_transform
+        skip = transform.before_load(model) if transform is not None else set()
         if self.config.dummy_weights:
             init_dummy_weights(model, self.config.seed)
         else:
             load_weights(model, iter_checkpoint(self.model_path), skip)
-        if self.quantization == "int8":
-            quantize_int8(model, self.dtype)
-        if self.device.type == "cpu" and get_tp_info().size == 1:
-            set_cpu_threads()
-            layers, compiled = count_quantized(model), self.config.enable_torch_compile
-            announce(self.dtype, self.quantization, layers, compiled)
+        if transform is not None:
+            transform.after_load(model)
         return model.eval()
+
+    def _compiled_decoder(self) -> torch.nn.Module | None:
+        """The decoder of one-request decode steps under --enable-torch-compile: the cpu
+        extension's `decoder_transform` (EngineConfig refuses the flag without it); else None."""
+        if not self.config.enable_torch_compile:
+            return None
+        return require(extensions().decoder_transform, "--enable-torch-compile", "cpu")(self)
 
     def _build_kv_cache(self) -> MHAKVCache:
         cfg, tp = self.model_config, get_tp_info()

@@ -11,7 +11,6 @@ from torch import nn
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.layers.base import Module
 from minisgl.layers.linear import copy_checked, linear, narrow, set_weight_loader
-from minisgl.layers.quantized import QuantizedLinear
 
 
 class VocabParallelEmbedding(Module):
@@ -41,11 +40,6 @@ class VocabParallelEmbedding(Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the full vocabulary (gathered across ranks)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__(vocab_size, hidden_size)
-        self.quantized: QuantizedLinear | None = None  # models/quantize.py
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        q = self.quantized
-        logits = all_gather_last_dim(linear(hidden, self.weight) if q is None else q.matmul(hidden))
+        logits = all_gather_last_dim(linear(hidden, self.weight))
         return logits[..., : self.vocab_size]

@@ -14,7 +14,6 @@ from torch import nn
 from minisgl import kernel
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.layers.base import Module
-from minisgl.layers.quantized import QuantizedLinear
 
 # (param, loaded[, shard id]): copies this rank's part of a checkpoint tensor into param
 WeightLoader = Callable[..., None]
@@ -64,13 +63,10 @@ class LinearBase(Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        # set by models/quantize.py: the weight, quantized; it then replaces `weight`
-        self.quantized: QuantizedLinear | None = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T, through the quantized weight when there is one."""
-        if self.quantized is not None:  # the kernel straight: no module call per projection
-            return self.quantized.matmul(x)
+        """x W^T (a model transform may replace it and `forward` per module: the cpu
+        extension's quantized layers)."""
         return linear(x, self.weight)
 
     def set_loaders(self, weight_loader: WeightLoader, bias_loader: WeightLoader) -> None:
@@ -79,9 +75,6 @@ class LinearBase(Module):
             set_weight_loader(self.bias, bias_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            y = self.quantized.matmul(x)
-            return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)
 
 

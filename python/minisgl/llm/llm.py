@@ -17,18 +17,10 @@ from minisgl.core import Req, SamplingParams
 from minisgl.distributed import destroy_tp, get_tp_info, rendezvous_file
 from minisgl.engine import EngineConfig
 from minisgl.engine.engine import check_model
+from minisgl.extension import extensions, require
 from minisgl.llm.replicas import Replicas
-from minisgl.models import resolve_model_path
+from minisgl.models import default_model, resolve_model_path
 from minisgl.models.hf import load_tokenizer
-from minisgl.parsers import (
-    OutputParser,
-    ToolChoice,
-    get_reasoning_parser,
-    get_tool_parser,
-    parse_tools,
-    resolve_tool_choice,
-)
-from minisgl.parsers.output import ToolConstraint
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
 from minisgl.scheduler.scheduler import TokenOutput
@@ -131,10 +123,8 @@ class LLM:
         if not isinstance(dp, int) or dp < 1:
             raise ValueError(f"LLM(dp={dp!r}): the number of replicas must be an int >= 1")
         engine_options, sched_options = split_options(options, EngineConfig, SchedulerConfig)
-        if model is None:
-            from minisgl.models.gguf import announce_default_model
-
-            model = announce_default_model()
+        if model is None:  # the embedded GGUF (cpu extension), announced
+            model = default_model()
         if get_tp_info().size > 1:
             raise RuntimeError("another LLM with tp > 1 is running in this process: shut it down")
         config = EngineConfig(model=model, **engine_options)
@@ -225,83 +215,37 @@ class LLM:
         reasoning_parser: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """`generate` on chats. `tools`: OpenAI's function list, rendered by the chat template;
-        with parsers (vLLM's names, as the server's --tool-call-parser / --reasoning-parser),
-        each result (each of `outputs` when n > 1) also holds the parsed "content",
-        "reasoning_content" and "tool_calls" (OpenAI's shapes). `tool_choice` as OpenAI's
-        (default auto with tools): "required" or {"type": "function", "function": {"name":
-        ...}} forces calls by grammar (one when not `parallel_tool_calls`), which needs
-        `tool_call_parser`. With `reasoning_parser`, a sampling constraint (json_schema, regex,
-        ebnf) applies to the answer after the reasoning, as on the server."""
-        functions = parse_tools(tools) if tools else []
-        choice = resolve_tool_choice(tool_choice, functions)
-        parser = OutputParser(
-            get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
-            get_tool_parser(tool_call_parser, self._vocabulary()) if tool_call_parser else None,
+        """`generate` on chats; `chat_template_kwargs` go to the template. Tools and parsers are
+        the structured extension's (ValueError without it): `tools`, OpenAI's function list, is
+        rendered by the chat template; with parsers (vLLM's names, as the server's
+        --tool-call-parser / --reasoning-parser), each result (each of `outputs` when n > 1)
+        also holds the parsed "content", "reasoning_content" and "tool_calls" (OpenAI's
+        shapes). `tool_choice` as OpenAI's (default auto with tools): "required" or {"type":
+        "function", "function": {"name": ...}} forces calls by grammar (one when not
+        `parallel_tool_calls`), which needs `tool_call_parser`. With `reasoning_parser`, a
+        sampling constraint (json_schema, regex, ebnf) applies to the answer after the
+        reasoning, as on the server."""
+        params = per_prompt(sampling_params, len(conversations))
+        options: dict[str, Any] = dict(
+            tools=tools,
+            tool_choice=tool_choice,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         )
-        kwargs = dict(chat_template_kwargs or {})
-        if functions:
-            kwargs["tools"] = [f.to_openai_tool() for f in functions]
+        if asked := [name for name, value in options.items() if value not in (None, [], "")]:
+            features = require(extensions().chat_features, asked[0], "structured")
+            options.update(parallel_tool_calls=parallel_tool_calls, use_tqdm=use_tqdm)
+            options.update(chat_template_kwargs=chat_template_kwargs)
+            return features.offline_chat(self, conversations, list(params), **options)
+        _, prompts = self.chat_prompts(conversations, dict(chat_template_kwargs or {}))
+        return self.generate(prompts, params, use_tqdm)
+
+    def chat_prompts(
+        self, conversations: list[list[dict[str, Any]]], kwargs: dict[str, Any]
+    ) -> tuple[list[str], list[list[int]]]:
+        """The chats as the template renders them (`kwargs`: its arguments): texts, token ids."""
         texts = [self._render(c, kwargs) for c in conversations]
-        prompts = [self._chat_tokenizer().encode(t, add_special_tokens=False) for t in texts]
-        states = [self._reasoning_state(parser, t) for t in texts]
-        forced = (functions, choice, parallel_tool_calls) if functions else None
-        params = self._chat_params(sampling_params, len(prompts), parser, forced, states)
-        results = self.generate(prompts, params, use_tqdm)
-        if tool_call_parser is None and reasoning_parser is None:
-            return results
-        parsed_choice = choice if functions and choice.parses else None
-        for state, result in zip(states, results):
-            for r in result.get("outputs", [result]):
-                self._parse_into(r, parser, parsed_choice, bool(state), parallel_tool_calls)
-        return results
-
-    def _vocabulary(self) -> set[str] | None:
-        return set(self.tokenizer.get_vocab()) if self.tokenizer is not None else None
-
-    @staticmethod
-    def _reasoning_state(parser: OutputParser, prompt: str) -> bool | None:
-        """Where the prompt leaves the response (ReasoningParser.prompt_reasoning)."""
-        reasoning = parser.reasoning
-        if reasoning is None or reasoning.starts_in_reasoning:
-            return None
-        return reasoning.prompt_reasoning(prompt)
-
-    def _chat_params(
-        self,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        count: int,
-        parser: OutputParser,
-        forced: ToolConstraint | None,
-        states: list[bool | None],
-    ) -> list[SamplingParams]:
-        """Each chat's params with the grammar of forced calls, or its constraint moved after
-        the reasoning (OutputParser.constrain)."""
-        any_whitespace = self.sched_config.json_any_whitespace
-        return [
-            parser.constrain(params, forced, state, any_whitespace)
-            for params, state in zip(per_prompt(sampling_params, count), states)
-        ]
-
-    def _parse_into(
-        self,
-        result: dict[str, Any],
-        parser: OutputParser,
-        choice: ToolChoice | None,
-        in_reasoning: bool,
-        parallel: bool,
-    ) -> None:
-        tokenizer = self._chat_tokenizer()
-        # tags that are special tokens (Mistral's, Llama's) must survive the decode
-        keep = parser.tools is not None and bool(parser.tools.special_tokens)
-        text = tokenizer.decode(result["token_ids"], skip_special_tokens=not keep)
-        eos = tokenizer.eos_token
-        if keep and eos and text.endswith(eos):
-            text = text[: -len(eos)]
-        parsed = parser.parse(text, choice, in_reasoning)
-        calls = parsed.tool_calls if parallel else parsed.tool_calls[:1]
-        result["content"], result["reasoning_content"] = parsed.content, parsed.reasoning
-        result["tool_calls"] = [call.to_openai() for call in calls]
+        return texts, [self._chat_tokenizer().encode(t, add_special_tokens=False) for t in texts]
 
     def generate(
         self,

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from minisgl.extension import ExtensionMissing, extensions, require
 from minisgl.layers.linear import get_weight_loader
 from minisgl.utils.options import OptionError
 
@@ -30,22 +31,29 @@ _EXPERT_SHARD = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("
 
 
 def resolve_model_path(model: str, option: str = "model") -> str:
-    """A local directory as is; a .gguf file converted (cached) once into a directory;
-    otherwise a Hugging Face hub id, downloaded (cached) once. A model none of these provides
-    is an OptionError against `option`, in one line."""
+    """A local directory as is; a .gguf file through the cpu extension (converted, cached, once
+    into a directory); otherwise a Hugging Face hub id, downloaded (cached) once. A model none of
+    these provides is an OptionError against `option`, in one line."""
     if os.path.isdir(model):
         return model
-    if model.lower().endswith(".gguf"):
-        from minisgl.models.gguf import resolve_gguf
-
-        if not os.path.isfile(model):
-            raise ValueError(f"GGUF file {model!r} not found")
-        return resolve_gguf(model)
+    if model.lower().endswith(".gguf"):  # llama.cpp's single-file format
+        convert = extensions().gguf_model
+        if convert is None:
+            missing = ExtensionMissing(f"the GGUF model {model!r}", "cpu")
+            raise OptionError(option, str(missing))
+        return convert(model)
     if os.path.exists(model):
         raise ValueError(
             f"model path {model!r} is a file, expected a directory with config.json or a .gguf file"
         )
     return _download(model, option)
+
+
+def default_model() -> str:
+    """The model used when none is given (`LLM()`, `python -m minisgl`): the cpu extension's
+    embedded SmolLM2-135M-Instruct GGUF, announced on stderr."""
+    what = "no --model: the embedded default model (SmolLM2-135M-Instruct, a GGUF file)"
+    return require(extensions().default_model, what, "cpu")()
 
 
 def _download(model: str, option: str) -> str:
@@ -112,8 +120,8 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, Any]]:
 def load_weights(
     model: nn.Module, weights: Iterator[tuple[str, Any]], skip: Collection[str] = ()
 ) -> None:
-    """Copy the checkpoint into the model's parameters; those in `skip` (replaced by quantized
-    layers) are neither read nor required."""
+    """Copy the checkpoint into the model's parameters; those in `skip` (replaced by a model
+    transform, e.g. by quantized layers) are neither read nor required."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
     missing = {n for n in params if not (tied and n == "lm_head.weight") and n not in skip}

@@ -1,49 +1,37 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models,
-/generate (native, token ids), /tokenize and /detokenize (vLLM's), /health, /stats and /metrics
-(Prometheus)."""
+/generate (native, token ids), /tokenize and /detokenize (vLLM's), /health and /stats; the
+extensions add theirs (`routes`: the serving extension's /metrics and SGLang's endpoints)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, check_token_ids
+from minisgl.extension import ChatShaping, ExtensionMissing, extensions
 from minisgl.message import ApiViewMsg, TokenizeMsg, UserReply
-from minisgl.parsers import (
-    FunctionSchema,
-    OutputParser,
-    OutputStream,
-    StreamDelta,
-    ToolChoice,
-    ToolSpecError,
-    get_reasoning_parser,
-    get_tool_parser,
-    parse_tools,
-)
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
-from minisgl.server.limits import MAX_GRAMMAR_CHARS, check_limits
+from minisgl.server.gate import Gate
+from minisgl.server.limits import check_limits
 from minisgl.server.logprobs import CompletionLogprobs, chat_logprobs
-from minisgl.server.metrics import CONTENT_TYPE
 from minisgl.server.protocol import (
     COMPLETION_NOT_SUPPORTED,
     NOT_SUPPORTED,
+    TOOL_FIELDS,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -52,18 +40,25 @@ from minisgl.server.protocol import (
     OpenAIRequest,
     SamplingFields,
     TokenizeRequest,
+    UnknownFields,
+    chat_features,
     chat_max_tokens,
     chat_messages,
-    chat_tools,
     completion_sources,
     error_body,
     error_response,
     extra_fields,
     native_sampling_fields,
+    refused_field,
     sampling_params,
 )
-from minisgl.server.sglang_compat import add_sglang_routes, check_generate_extras
-from minisgl.tokenizer.server import encode_chat, load_chat_tokenizer, needed, render_chat
+from minisgl.tokenizer.server import (
+    check_prompt_size,
+    encode_chat,
+    load_chat_tokenizer,
+    needed,
+    prompt_chars,
+)
 from minisgl.utils.procs import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -74,132 +69,6 @@ CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never 
 # one request's batches of replies (Frontend.batches), and its first batch (already taken)
 Started = tuple[AsyncGenerator[list[UserReply], None], list[UserReply]]
 Tagged = list[tuple[int, UserReply]]  # replies of a response's choices, by choice index
-
-
-# a JSON \u escape of a UTF-16 surrogate: the one way a JSON body can carry text that is not
-# valid Unicode (raw surrogate bytes are invalid UTF-8, which the JSON parser refuses). A pair
-# (an emoji, as ASCII-only encoders write it) matches too: only the walk tells them apart. A
-# plain pattern: one with lookarounds to find lone ones takes ~25 ms per MB.
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _valid_text(text: str) -> bool:
-    try:
-        text.encode()  # in C: a lone surrogate fails
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
-def invalid_text_path(body: bytes) -> str | None:
-    """Where a JSON body holds text that is not valid Unicode, as a field path (e.g.
-    `messages[0].content`), or None. Only a body with a surrogate escape is parsed here (a pair,
-    or an escaped backslash before `ud800`, is a false alarm the walk clears); one that is not
-    JSON is left to FastAPI, which says so."""
-    if not SURROGATE_ESCAPE.search(body):
-        return None
-    try:
-        todo: list[tuple[str, Any]] = [("body", json.loads(body))]
-    except (ValueError, RecursionError):
-        return None
-    while todo:  # depth first, in document order, without recursion (the nesting is the client's)
-        path, value = todo.pop()
-        if isinstance(value, str) and not _valid_text(value):
-            return path
-        if isinstance(value, dict):
-            children = [(k if path == "body" else f"{path}.{k}", v) for k, v in value.items()]
-            for name, _ in children:
-                if not _valid_text(name):  # a field name, shown with its surrogate escaped
-                    return name.encode("utf-8", "backslashreplace").decode()
-        elif isinstance(value, list):
-            children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
-        else:
-            continue
-        todo.extend(reversed(children))
-    return None
-
-
-class Gate:
-    """What every HTTP request passes before FastAPI: the API key, the body size limit, text
-    that is not valid Unicode, and the count of responses by status. An exception the app did
-    not turn into a response becomes an OpenAI-shaped JSON 500 here, so that it is counted too.
-    Pure ASGI (not BaseHTTPMiddleware), so that an endpoint still sees its client disconnect;
-    the body is read whole here and replayed to the app."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        api_key: str | None,
-        max_body: int,
-        frontend: Frontend,
-        paths: frozenset[str],
-    ):
-        self.app, self.api_key, self.max_body = app, api_key, max_body
-        self.statuses = frontend.metrics.http
-        self.paths = paths  # the app's own; any other is counted as "other"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        path = scope["path"] if scope["path"] in self.paths else "other"
-        started = False
-
-        async def counted(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                self.statuses.labels(path, str(message["status"])).inc()
-            await send(message)
-
-        async def refuse(status: int, message: str, code: str, param: str | None = None) -> None:
-            await error_response(status, message, param, code)(scope, receive, counted)
-
-        headers = dict(scope["headers"])
-        if self.api_key and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                return await refuse(401, "invalid or missing API key", "invalid_api_key")
-        too_large = f"request body is larger than {self.max_body} bytes"
-        declared = headers.get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_body:
-            return await refuse(413, too_large, "body_too_large")
-        body = await self.read_body(receive)
-        if body is None:
-            return  # the client left before sending all of its body
-        if len(body) > self.max_body:  # no (or a false) Content-Length
-            return await refuse(413, too_large, "body_too_large")
-        if (where := invalid_text_path(body)) is not None:
-            message = f"{where}: text is not valid Unicode (a lone UTF-16 surrogate)"
-            return await refuse(400, message, "invalid_unicode", where)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: the client's disconnect
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        try:
-            await self.app(scope, replay, counted)
-        except Exception as e:
-            if started:  # too late for a status: the connection is cut (uvicorn logs it)
-                raise
-            logger.exception("%s %s failed", scope["method"], scope["path"])
-            message = f"internal server error ({type(e).__name__}); see the server log"
-            await refuse(500, message, "internal_error")
-
-    async def read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None if the client left first; reading stops past the limit."""
-        body, more = bytearray(), True
-        while more and len(body) <= self.max_body:
-            message = await receive()
-            if message["type"] != "http.request":
-                return None
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-        return bytes(body)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
@@ -320,109 +189,16 @@ async def merged(started: list[Started]) -> AsyncGenerator[Tagged, None]:
 
 
 @dataclass
-class ChatParsing:
-    """How a chat response's text becomes content, reasoning_content and tool_calls, and what
-    constrains it: `choice` None parses no tool calls; `in_reasoning`: the prompt opened the
-    reasoning (True), closed it (False: thinking off) or neither (None); `parallel` false keeps
-    the first call only (and a forced call is one call); `forced`: the request's functions when
-    its tool_choice (or legacy function_call: `choice_param`) forces calls;
-    `keep_special_tokens`: the tool format's tags are special tokens, so the response is
-    detokenized with them; `strip`: then the special tokens (EOS) removed from the end of a
-    stopped response. `legacy`: the request gave `functions`, so the reply has the legacy
-    shape (one `function_call`, finish_reason "function_call") as OpenAI's deprecated API."""
-
-    parser: OutputParser
-    choice: ToolChoice | None
-    in_reasoning: bool | None
-    parallel: bool = True
-    keep_special_tokens: bool = False
-    strip: tuple[str, ...] = ()
-    forced: list[FunctionSchema] = field(default_factory=list)
-    choice_param: str = "tool_choice"
-    legacy: bool = False
-
-    def constrain(self, params: SamplingParams, any_whitespace: bool) -> SamplingParams:
-        """A choice's params with the grammar of its forced calls, or with its output
-        constraint moved after the reasoning (OutputParser.constrain)."""
-        forced = None
-        if self.forced and self.choice is not None:
-            forced = (self.forced, self.choice, self.parallel)
-        try:
-            params = self.parser.constrain(params, forced, self.in_reasoning, any_whitespace)
-        except ValueError as e:
-            message = str(e).replace("tool_choice", self.choice_param, 1)
-            raise APIError(400, message, self.choice_param if forced else None) from None
-        grammar = params.structural_tag or ""
-        if forced and len(grammar) > MAX_GRAMMAR_CHARS:  # the tools' schemas, compiled
-            message = (
-                f"tools: the grammar of the forced calls has at most {MAX_GRAMMAR_CHARS} "
-                f"characters, got {len(grammar)} (its compilation would hold up other requests)"
-            )
-            raise APIError(400, message, "tools", "limit_exceeded")
-        return params
-
-    def stream(self) -> OutputStream:
-        return self.parser.stream(self.choice, self.in_reasoning)
-
-    def final_text(self, text: str, finish_reason: str | None) -> str:
-        if finish_reason == "stop":
-            for token in self.strip:
-                if token and text.endswith(token):
-                    return text[: -len(token)]
-        return text
-
-    def finish(self, finish_reason: str | None, called: bool) -> str | None:
-        if not called or finish_reason != "stop":
-            return finish_reason
-        return "function_call" if self.legacy else "tool_calls"
-
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """A whole response's message, and its finish_reason."""
-        parsed = self.parser.parse(
-            self.final_text(text, finish_reason), self.choice, self.in_reasoning
-        )
-        calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if self.parser.reasoning is not None:
-            message["reasoning_content"] = parsed.reasoning
-        if calls and self.legacy:
-            message["function_call"] = calls[0].to_openai()["function"]
-        elif calls:
-            message["tool_calls"] = [call.to_openai() for call in calls]
-        return message, self.finish(finish_reason, bool(calls))
-
-    def delta(
-        self, stream: OutputStream, text: str, finish_reason: str | None
-    ) -> tuple[dict[str, Any], str | None]:
-        """A stream chunk's delta for the next piece of text (the last piece: `finish_reason`
-        set, which flushes what the parsers held back), and its finish_reason."""
-        piece = stream.feed(self.final_text(text, finish_reason)) if text else StreamDelta()
-        if finish_reason is not None:
-            piece.extend(stream.finish())
-        delta: dict[str, Any] = {}
-        if piece.content:
-            delta["content"] = piece.content
-        if piece.reasoning:
-            delta["reasoning_content"] = piece.reasoning
-        calls = [c.to_openai() for c in piece.tool_calls if self.parallel or c.index == 0]
-        if calls and self.legacy:
-            delta["function_call"] = calls[0]["function"]
-        elif calls:
-            delta["tool_calls"] = calls
-        return delta, self.finish(finish_reason, stream.has_tool_calls)
-
-
-@dataclass
 class Shape:
     """What a response's choices look like: chat or text, with logprobs, after an echoed prompt
-    (completions), for n samples per prompt; a chat's text parsed by `parsing` (if set)."""
+    (completions), for n samples per prompt; a chat's text shaped by `shaping` (if set: the
+    structured extension's tool calls and reasoning)."""
 
     chat: bool
     logprobs: bool
     echo: list[str] | None
     n: int
-    parsing: ChatParsing | None = None
-    streams: dict[int, OutputStream] = field(default_factory=dict)  # per choice, streamed
+    shaping: ChatShaping | None = None
 
     def entries(self, r: UserReply) -> list[list[Any]]:
         """The reply's log-probability entries: an echoed prompt's first (the first reply)."""
@@ -444,12 +220,11 @@ class Shape:
             )
         logprobs = chat_logprobs(entries) if self.logprobs else None
         body: dict[str, Any]
-        if self.parsing is not None and delta:
-            stream = self.streams.setdefault(index, self.parsing.stream())
-            parsed, finish_reason = self.parsing.delta(stream, text, finish_reason)
-            body = {"delta": parsed}
-        elif self.parsing is not None:
-            message, finish_reason = self.parsing.message(text, finish_reason)
+        if self.shaping is not None and delta:
+            shaped, finish_reason = self.shaping.delta(index, text, finish_reason)
+            body = {"delta": shaped}
+        elif self.shaping is not None:
+            message, finish_reason = self.shaping.message(text, finish_reason)
             body = {"message": message}
         elif delta:
             body = {"delta": {"content": text} if text else {}}
@@ -471,8 +246,7 @@ class ApiServer:
             Any
         ] = []  # /tokenize's, loaded on first use (None: the model has none)
         self.tokenizer_lock = threading.Lock()
-        self.parser: OutputParser | None = None  # --tool-call-parser's and --reasoning-parser's
-        self.special_tokens: tuple[str, ...] = ()  # the tokenizer's, when the parser keeps some
+        self.unknown_fields = UnknownFields()
         self.health_check: asyncio.Future[str | None] | None = None  # /health?generate=1's
 
     def check_model(self, name: str | None) -> None:
@@ -492,7 +266,9 @@ class ApiServer:
         if self.frontend.dead:
             return APIError(503, message, code="server_unavailable")
         # a first reply's error is a refusal (bad prompt...); a later one is the server's fault
-        return APIError(400 if first else 500, message)
+        if not first:
+            return APIError(500, message)
+        return APIError(400, message, refused_field(message))
 
     def admit(self, num: int) -> None:
         """Refuse new work when the pipeline is dead or too many requests wait to start."""
@@ -532,11 +308,9 @@ class ApiServer:
         return started
 
     def check_fields(self, req: OpenAIRequest, not_supported: dict[str, str], path: str) -> None:
-        """Refuse what is not supported; warn once per request about fields ignored (vLLM's way)."""
+        """Refuse what is not supported; warn about fields ignored (vLLM's way), once per name."""
         self.check_model(req.model)
-        ignored = extra_fields(req, not_supported)
-        if ignored:
-            logger.warning("%s: ignoring unknown fields %s", path, ", ".join(map(repr, ignored)))
+        self.unknown_fields.seen(path, extra_fields(req, not_supported))
 
     def make_msgs(
         self,
@@ -599,76 +373,30 @@ class ApiServer:
         max_tokens = chat_max_tokens(req)
         limit = self.max_seq_len if max_tokens is None else max_tokens  # unset: up to the context
         chat = chat_messages(req.messages)
-        functions, choice = chat_tools(req)
-        kwargs = req.chat_template_kwargs
-        tools = [f.to_openai_tool() for f in functions] or None
-        render = lambda tok: render_chat(tok, chat, kwargs, True, tools)  # noqa: E731
-        parsing = await self.chat_parsing(req, functions, choice, render)
+        tools, shaping = await self.chat_shaping(req, chat)
         source: dict[str, Any] = dict(text=None, input_ids=None, chat=chat, tools=tools)
-        source["chat_template_kwargs"] = kwargs
-        if parsing is not None and parsing.keep_special_tokens:
+        source["chat_template_kwargs"] = req.chat_template_kwargs
+        if shaping is not None and shaping.keep_special_tokens:
             source["skip_special_tokens"] = False  # the tool format's tags are special tokens
         lp = dict(logprobs=req.logprobs_k())
         msgs = self.make_msgs(req, limit, max_tokens is not None, lp, **source)
-        if parsing is not None:  # forced calls; a constraint held off until the reasoning ends
-            any_whitespace = self.args.scheduler.json_any_whitespace
+        if shaping is not None:  # forced calls; a constraint held off until the reasoning ends
             for msg in msgs:
-                msg.params = parsing.constrain(msg.params, any_whitespace)
-        return await self.respond(req, msgs, chat=True, parsing=parsing)
+                msg.params = shaping.constrain(msg.params)
+        return await self.respond(req, msgs, chat=True, shaping=shaping)
 
-    async def output_parser(self) -> OutputParser:
-        """The server's parsers, made on first use (a tool format may look at the vocabulary)."""
-        if self.parser is None:
-            name, reasoning = self.args.tool_call_parser, self.args.reasoning_parser
-            tools = None
-            if name is not None:
-
-                def vocabulary(tok: Any) -> tuple[set[str], tuple[str, ...]]:
-                    return set(needed(tok).get_vocab()), tuple(tok.all_special_tokens)
-
-                vocab, self.special_tokens = await self.with_tokenizer(vocabulary, "model")
-                tools = get_tool_parser(name, vocab)
-            self.parser = OutputParser(
-                get_reasoning_parser(reasoning) if reasoning else None, tools
-            )
-        return self.parser
-
-    async def chat_parsing(
-        self,
-        req: ChatRequest,
-        functions: list[FunctionSchema],
-        choice: ToolChoice,
-        render: Callable[[Any], str],
-    ) -> ChatParsing | None:
-        """How the responses of `req` are parsed; None: returned as the raw text. `render`
-        renders the prompt, whose end may open the reasoning (a template that thinks by
-        default ends it with the start tag)."""
-        if functions and choice.parses and self.args.tool_call_parser is None:
-            param = "tools" if req.tools is not None else "functions"
-            message = (
-                f"{param}: this server was started without a tool call parser "
-                "(--tool-call-parser), so the model's calls cannot be returned; "
-                "give tool_choice 'none' to only show the tools to the model"
-            )
-            raise APIError(400, message, param)
-        parser = await self.output_parser()
-        tool_choice = choice if functions and choice.parses else None
-        if parser.reasoning is None and (parser.tools is None or tool_choice is None):
-            return None
-        in_reasoning = None
-        if parser.reasoning is not None and not parser.reasoning.starts_in_reasoning:
-            prompt = await self.with_tokenizer(render, "messages")
-            in_reasoning = parser.reasoning.prompt_reasoning(prompt)
-        keep = tool_choice is not None and parser.tools is not None and parser.tools.special_tokens
-        tags = set(parser.tools.special_tokens if parser.tools else ())
-        strip = tuple(t for t in self.special_tokens if t not in tags) if keep else ()
-        legacy = req.tools is None and req.functions is not None  # one call, the legacy reply
-        parallel = req.parallel_tool_calls is not False and not legacy
-        forced = functions if choice.mode in ("required", "named") else []
-        param = "function_call" if req.function_call is not None else "tool_choice"
-        return ChatParsing(
-            parser, tool_choice, in_reasoning, parallel, bool(keep), strip, forced, param, legacy
-        )
+    async def chat_shaping(
+        self, req: ChatRequest, chat: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]] | None, ChatShaping | None]:
+        """The tools the chat template shows the model, and how the responses are shaped (tool
+        calls, reasoning; None: the text as it is): the structured extension's. Without it a
+        request that asks for tools is refused."""
+        features = extensions().chat_features
+        if features is not None:
+            return await features.shape_chat(req, chat, self)
+        if asked := [name for name in TOOL_FIELDS if getattr(req, name) is not None]:
+            raise APIError(400, str(ExtensionMissing(asked[0], "structured")), asked[0])
+        return None, None
 
     async def respond(
         self,
@@ -676,10 +404,10 @@ class ApiServer:
         msgs: list[TokenizeMsg],
         chat: bool,
         echo: list[str] | None = None,
-        parsing: ChatParsing | None = None,
+        shaping: ChatShaping | None = None,
     ) -> Any:
-        """`echo`: per choice, the prompt text that comes before its completion; `parsing`:
-        how a chat's text is parsed (reasoning, tool calls)."""
+        """`echo`: per choice, the prompt text that comes before its completion; `shaping`:
+        how a chat's text is shaped (reasoning, tool calls)."""
         started = await self.start_choices(msgs)
         chunk = ".chunk" if req.stream else ""
         head = {
@@ -688,7 +416,7 @@ class ApiServer:
             "created": int(time.time()),
             "model": self.model_name,
         }
-        shape = Shape(chat, msgs[0].params.logprobs is not None, echo, req.n, parsing)
+        shape = Shape(chat, msgs[0].params.logprobs is not None, echo, req.n, shaping)
         if not req.stream:
             return await self.collect(started, head, shape)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -730,7 +458,7 @@ class ApiServer:
             yield sse({**head, "choices": opening})
         prompt, completion = [0] * n, [0] * n
         echo, legacy = list(shape.echo or [""] * n), [CompletionLogprobs() for _ in range(n)]
-        chunk, plain = Chunks(head, shape.chat), not shape.logprobs and shape.parsing is None
+        chunk, plain = Chunks(head, shape.chat), not shape.logprobs and shape.shaping is None
         async with aclosing(merged(started)) as batches:
             async for batch in batches:
                 events: list[str] = []  # one write for the batch
@@ -760,7 +488,7 @@ class ApiServer:
     async def generate(self, req: GenerateRequest) -> Any:
         """The native API: token ids in and out, one choice."""
         self.check_model(req.model)
-        check_generate_extras(req.model_extra or {})
+        check_extras(req.model_extra or {})
         fields, max_tokens = native_sampling_fields(req)
         source = dict(text=req.text, input_ids=req.input_ids, chat=None)
         msgs = self.make_msgs(fields, max_tokens, False, None, **source)  # SGLang's: to the context
@@ -829,30 +557,48 @@ class ApiServer:
             raise APIError(400, str(e), param) from None
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize, under the completions' size limit: a prompt that could not fit in
+        the context is refused before it is tokenized (a 15 MB one took 14 s and 1.4 GB)."""
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        limit = self.max_seq_len
         if req.messages is None:
-            text = req.prompt
-            ids = await self.with_tokenizer(lambda tok: needed(tok).encode(text), "prompt")
-        else:
-            chat, kwargs = chat_messages(req.messages), req.chat_template_kwargs
-            try:
-                tools = [f.to_openai_tool() for f in parse_tools(req.tools)] or None
-            except ToolSpecError as e:
-                raise APIError(400, str(e), e.param) from None
-            with_prompt = req.add_generation_prompt
-            encode = lambda tok: encode_chat(tok, chat, kwargs, with_prompt, tools)  # noqa: E731
-            ids = await self.with_tokenizer(encode, "messages")
+            text = req.prompt or ""
+
+            def encode(tok: Any) -> list[int]:
+                check_prompt_size(tok, len(text), limit)
+                return needed(tok).encode(text)
+
+            return self.tokens(await self.with_tokenizer(encode, "prompt"))
+        chat, kwargs = chat_messages(req.messages), req.chat_template_kwargs
+        check_limits(SamplingParams(), chat)
+        tools = None
+        if req.tools is not None:  # validated by the structured extension (a 400 without it)
+            tools = chat_features("tools", "tools").template_tools(req.tools)
+        msg = TokenizeMsg(-1, None, None, chat, SamplingParams(), tools=tools)
+        with_prompt = req.add_generation_prompt
+
+        def encode_messages(tok: Any) -> list[int]:
+            check_prompt_size(tok, prompt_chars(msg), limit)
+            return encode_chat(tok, chat, kwargs, with_prompt, tools)
+
+        return self.tokens(await self.with_tokenizer(encode_messages, "messages"))
+
+    def tokens(self, ids: list[int]) -> dict[str, Any]:
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_seq_len}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
+        if len(req.tokens) > self.max_seq_len:  # the one size limit: what a context holds
+            message = (
+                f"tokens: at most {self.max_seq_len} tokens (the context), got {len(req.tokens)}"
+            )
+            raise APIError(400, message, "tokens", "limit_exceeded")
 
         def decode(tok: Any) -> str:
             vocab = len(needed(tok))
-            if any(not 0 <= t < vocab for t in req.tokens):
-                raise ValueError(f"tokens must be in [0, {vocab})")
+            check_token_ids(vocab, tokens=req.tokens)
             return tok.decode(req.tokens)
 
         return {"prompt": await self.with_tokenizer(decode, "tokens")}
@@ -914,11 +660,6 @@ class ApiServer:
             out["api_servers"] = [{k: getattr(v, k) for k in keys} for v in views]
         return out
 
-    async def metrics(self) -> Response:
-        views = await self.views(metrics=True)
-        peers = [v.metrics for v in views if v.rank != self.frontend.api_rank]
-        return Response(self.frontend.metrics.render(peers), media_type=CONTENT_TYPE)
-
     async def models(self) -> dict[str, Any]:
         card = {
             "id": self.model_name,
@@ -938,9 +679,11 @@ ERROR_STATUSES = {
     400: "invalid request: the error names the field (FastAPI's 422 is answered 400, as OpenAI)",
     401: "missing or wrong API key (--api-key)",
     404: "the model named is not served here",
+    408: "the body did not arrive within --timeout-body-read",
     413: "body larger than --max-request-bytes",
     500: "internal error",
-    503: "overloaded (--max-queued-requests), shutting down, or a worker died or hung (the "
+    503: "overloaded (--max-queued-requests, or --max-connections requests in progress), "
+    "shutting down, or a worker died or hung (the "
     "watchdog); /health?generate=1: the one-token generation failed or took too long",
     504: "the request ran past --request-timeout",
 }
@@ -962,14 +705,25 @@ ERROR_SCHEMA: dict[str, Any] = {  # error_body's
 }
 
 
+def check_extras(extra: dict[str, Any]) -> None:
+    """/generate's undeclared fields: the `generate_extras` point's to judge (SGLang's), else
+    each one is a 400 naming it: never accepted and ignored."""
+    check = extensions().generate_extras
+    if check is not None:
+        check(extra)
+    elif extra:
+        name = next(iter(extra))
+        raise APIError(400, f"{name}: unknown field of /generate", name, "unknown_field")
+
+
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 
 
 def error_statuses(path: str, method: str) -> set[int]:
     """The error statuses an endpoint answers."""
-    statuses = {500} | ({400, 503} if path == "/health" else {401})  # 400: `generate`
+    statuses = {500} | ({400, 503} if path == "/health" else {401, 503})  # 400: `generate`
     if method == "post":
-        statuses |= {400, 413, 404}  # 404: "model" unknown
+        statuses |= {400, 408, 413, 404}  # 404: "model" unknown; 408: a body too slow
     if path == "/flush_cache":
         statuses |= {400, 503}  # cache_busy; the pipeline is gone
     if path == "/health_generate":
@@ -1034,14 +788,9 @@ def create_app(
     app.exception_handler(StarletteHTTPException)(http_error)
     document_errors(app)
     app.get("/health")(api.health)
-
-    @app.get("/health_generate")  # SGLang's name of /health?generate=1
-    async def health_generate() -> JSONResponse:
-        return await api.health(generate=True)
-
-    add_sglang_routes(app, frontend, args, info or {})
+    for add_routes in extensions().routes:  # e.g. the serving extension's /metrics
+        add_routes(app, api, info or {})
     app.get("/stats")(api.stats)
-    app.get("/metrics", response_class=PlainTextResponse)(api.metrics)  # documents text/plain
     app.get("/v1/models")(api.models)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
@@ -1065,5 +814,8 @@ def create_app(
         max_body=args.max_request_bytes,
         frontend=frontend,
         paths=frozenset(getattr(r, "path", "") for r in app.routes),
+        body_timeout=args.timeout_body_read,
+        # this API process's share of --max-connections: the requests it serves at once
+        max_requests=-(-args.max_connections // frontend.api_count),
     )
     return app

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from minisgl import env
 from minisgl.engine.config import EngineConfig
-from minisgl.parsers import REASONING_PARSERS, TOOL_PARSERS
+from minisgl.extension import ExtensionMissing, extensions
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.options import OptionError, int_range, number, option, split_options
 
@@ -112,13 +112,13 @@ class ServerArgs:
     tool_call_parser: str | None = option(
         None,
         "format of the model's tool calls, parsed into /v1/chat/completions' tool_calls "
-        "(unset: requests with tools are refused unless tool_choice is none)",
-        choices=sorted(TOOL_PARSERS),
+        "(unset: requests with tools are refused unless tool_choice is none); vLLM's names, "
+        "e.g. hermes (the structured extension's formats)",
     )
     reasoning_parser: str | None = option(
         None,
-        "format of the model's reasoning, returned as reasoning_content (unset: in content)",
-        choices=sorted(REASONING_PARSERS),
+        "format of the model's reasoning, returned as reasoning_content (unset: in content); "
+        "vLLM's names, e.g. qwen3 (the structured extension's formats)",
     )
     skip_server_warmup: bool = option(
         False,
@@ -155,6 +155,11 @@ class ServerArgs:
         "seconds SIGTERM waits for in-flight requests to finish before exiting",
         type=_seconds(allow_zero=True),
     )
+    exit_with_parent: bool = option(
+        False,
+        "stop (as on SIGTERM, with every child process) when the process that started the "
+        "server dies, however it dies: for test runners and supervisors that may be killed",
+    )
     gc_warning_threshold_secs: float = option(
         0.0,
         "log a warning for every garbage collection longer than this many seconds in any "
@@ -186,14 +191,21 @@ class ServerArgs:
     )
     max_connections: int = option(
         2048,
-        "open HTTP connections beyond which the longest idle one is closed; when all are busy, "
-        "requests beyond it get 503",
+        "open HTTP connections beyond which the one that has waited longest for its client "
+        "(idle, or still sending its request) is closed; when all are busy, requests beyond it "
+        "get 503 (never /health)",
         type=int_range(1),
     )
     timeout_keep_alive: float = option(
         5.0,
         "seconds a connection may take to send a request's headers, from its opening or from the "
         "end of its previous response, before it is closed",
+        type=_seconds(allow_zero=False),
+    )
+    timeout_body_read: float = option(
+        30.0,
+        "seconds a request's body may take to arrive in full, from the end of its headers; "
+        "past it the request gets 408 and its connection is closed",
         type=_seconds(allow_zero=False),
     )
     log_level: str = option(
@@ -205,6 +217,7 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         self._check_scale_out()
+        self._check_parsers()
         if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
             raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
         if self.api_server_count > 1 and self.shell:
@@ -219,6 +232,18 @@ class ServerArgs:
             raise OptionError(
                 "gc_threshold", f"takes one to three counts, got {len(self.gc_threshold)}"
             )
+
+    def _check_parsers(self) -> None:
+        """--tool-call-parser and --reasoning-parser name formats the core does not know: the
+        structured extension checks them, and without it they are refused."""
+        for name in ("tool_call_parser", "reasoning_parser"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            features = extensions().chat_features
+            if features is None:
+                raise OptionError(name, str(ExtensionMissing(repr(value), "structured")))
+            features.check_option(name, value)
 
     def _check_scale_out(self) -> None:
         if self.node_rank >= self.nnodes:

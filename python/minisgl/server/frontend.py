@@ -1,6 +1,7 @@
 """The api server's side of the pipeline: submit requests to the tokenizer workers and route
-the replies coming back from the detokenizer to one asyncio queue per request. It also keeps
-the request-level metrics (it sees every reply), fails every request when the pipeline dies, and
+the replies coming back from the detokenizer to one asyncio queue per request. It also shows
+every reply to its `metrics` (the `request_observer` point: counts nothing without the serving
+extension), fails every request when the pipeline dies, and
 runs the watchdog: while a request is unfinished, some message must come back from the pipeline
 at least every --watchdog-timeout seconds (the scheduler sends its stats every 0.2 s while it has
 work), or the pipeline is taken for hung. It keeps each --dp replica's stats apart, sends
@@ -17,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import multiprocessing as mp
 import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from minisgl.extension import RequestObserver, extensions
 from minisgl.message import (
     AbortMsg,
     ApiFailMsg,
@@ -38,7 +41,6 @@ from minisgl.message import (
     UserReply,
     encode,
 )
-from minisgl.server.metrics import Metrics, priority_label, total_stats, tree_rss_bytes
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 logger = logging.getLogger(__name__)
@@ -46,12 +48,32 @@ FLUSH_TIMEOUT_S = 10.0  # for every replica's answer to /flush_cache
 VIEW_TIMEOUT_S = 5.0  # for the other API processes' views (/stats, /metrics)
 
 
+def total_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
+    """The replicas' snapshots summed (one replica: its own)."""
+    if len(replicas) == 1:
+        return replicas[0]
+    names = [f.name for f in fields(SchedulerStats) if f.name != "dp_rank"]
+    return SchedulerStats(**{n: sum(getattr(r, n) for r in replicas) for n in names})
+
+
+def tree_rss_bytes() -> int:
+    """Resident memory of this process and its children (the server's workers); 0 off Linux."""
+    total = 0
+    for pid in [os.getpid(), *(p.pid for p in mp.active_children())]:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 @dataclass
 class _InFlight:
     queue: asyncio.Queue[UserReply] = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # None until the first token: the request is queued
-    priority: str = "0"  # its metrics label
+    priority: int = 0  # (its metrics label)
     finished: bool = False  # its last reply came (the handler may not have collected it yet)
 
 
@@ -87,7 +109,8 @@ class Frontend:
         self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(self.num_replicas)]
         # the server's RSS is rank 0's to count (its children include the other API processes)
         self.rss: Callable[[], int] = tree_rss_bytes if api_rank == 0 else lambda: 0
-        self.metrics = Metrics(lambda: self.replica_stats, lambda: self.num_queued, self.rss)
+        observer = extensions().request_observer
+        self.metrics = RequestObserver() if observer is None else observer(self)
         self._flushes: asyncio.Queue[FlushCacheReply] | None = None
         self._flush_lock: asyncio.Lock | None = None
         self.dead: str | None = None  # set when the pipeline can no longer answer
@@ -176,7 +199,7 @@ class Frontend:
     def view(self, seq: int = 0, metrics: bool = False) -> ApiViewMsg:
         """What this API process counts: requests in flight, not started yet (and with
         `metrics` the text of its metrics)."""
-        text = self.metrics.request_text() if metrics else ""
+        text = self.metrics.text() if metrics else ""
         return ApiViewMsg(
             self.api_rank, seq, os.getpid(), len(self.requests), self.num_queued, text, self.rss()
         )
@@ -200,22 +223,11 @@ class Frontend:
             del self._views[seq]
 
     def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
-        m, n = self.metrics, len(reply.token_ids)
-        if reply.queue_time is not None:
-            m.queue_time.labels(req.priority).observe(reply.queue_time)
-        if n:
-            if req.last_token is None:
-                m.ttft.labels(req.priority).observe(now - req.submitted)
-                m.prompt_tokens.inc(reply.prompt_tokens)
-            else:
-                m.itl.observe((now - req.last_token) / n, n)
+        self.metrics.reply(req.priority, req.submitted, req.last_token, reply, now)
+        if reply.token_ids:
             req.last_token = now
-            m.generation_tokens.inc(n)
         if reply.finished:
             req.finished = True
-            m.finished.labels(reply.finish_reason or "unknown").inc()
-            if reply.finish_reason in ("stop", "length"):
-                m.e2e.labels(req.priority).observe(now - req.submitted)
 
     def new_uid(self) -> int:
         return next(self.uids)
@@ -227,7 +239,7 @@ class Frontend:
         """Hand a request to its tokenizer worker; only then does it count as in flight (and
         against --max-queued-requests): a message that cannot be encoded takes nothing."""
         data = encode(msg)
-        req = self.requests[msg.uid] = _InFlight(priority=priority_label(msg.params.priority))
+        req = self.requests[msg.uid] = _InFlight(priority=msg.params.priority)
         try:
             await self._tokenizer(msg.uid).put_encoded(data)
         except BaseException:
@@ -237,7 +249,7 @@ class Frontend:
 
     async def abort(self, uid: int, reason: str = "abort") -> None:
         if self.requests.pop(uid, None) is not None:
-            self.metrics.finished.labels(reason).inc()
+            self.metrics.ended(reason)
             await self._tokenizer(uid).put(AbortMsg(uid))
 
     async def stream(

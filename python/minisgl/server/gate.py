@@ -142,12 +142,12 @@ class Gate:
         body_timeout: float | None = None,
         max_requests: int | None = None,
     ):
-        """`frontend`: its `metrics.http` counts the responses. `body_timeout`: the seconds a
+        """`frontend`: its `metrics` count the responses. `body_timeout`: the seconds a
         body may take to arrive (None: no limit). `max_requests`: requests the app serves at
         once beyond which others than /health get 503 (None: no limit)."""
         self.app, self.max_body = app, max_body
         self.api_key = None if api_key is None else api_key.encode()
-        self.statuses = frontend.metrics.http
+        self.observer = frontend.metrics
         self.paths = paths  # the app's own; any other is counted as "other"
         self.body_timeout, self.max_requests = body_timeout, max_requests
         # Requests passed to the app, /health included. Not those whose body is still coming:
@@ -165,7 +165,7 @@ class Gate:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                self.statuses.labels(path, str(message["status"])).inc()
+                self.observer.response(path, message["status"])
             await send(message)
 
         async def refuse(r: Refusal) -> None:

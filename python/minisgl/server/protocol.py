@@ -3,7 +3,7 @@ checks, and their translation into `SamplingParams`; errors in OpenAI's JSON sha
 
 from __future__ import annotations
 
-import json
+import logging
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -11,14 +11,9 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from minisgl.core import CONSTRAINT_KINDS, MAX_LOGPROBS, SamplingParams
-from minisgl.parsers import (
-    FunctionSchema,
-    ToolChoice,
-    ToolSpecError,
-    parse_tools,
-    resolve_tool_choice,
-)
+from minisgl.extension import ChatFeatures, ExtensionMissing, extensions, require
 
+logger = logging.getLogger(__name__)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what response_format {"type": "json_object"} means
 
 
@@ -57,7 +52,14 @@ def error_response(
 MAX_CHOICES = 1024  # prompts x n of one completion request (n alone: at most 64)
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A request body, or a part of one: JSON types are taken as they are, as OpenAI does (no
+    "yes" for true, no true for 1, no "0.5" for a number)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
@@ -67,7 +69,7 @@ Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 TokenId = Annotated[int, Strict(), Field(ge=-(2**63), lt=2**63)]
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Body):
     model_config = ConfigDict(populate_by_name=True)
     name: str | None = None
     description: str | None = None
@@ -75,14 +77,14 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     max_tokens: Int64 | None = None
@@ -148,7 +150,7 @@ class CompletionRequest(OpenAIRequest):
     logprobs: TopLogprobs = None  # the sampled tokens' logprobs, with this many alternatives
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Body):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -181,7 +183,7 @@ class ChatRequest(OpenAIRequest):
     chat_template_kwargs: TemplateKwargs = None
     logprobs: bool = False
     top_logprobs: TopLogprobs = None
-    # tool calling: checked by `chat_tools` (parse_tools names the offending field)
+    # tool calling: the structured extension's (ChatFeatures.shape_chat), refused without it
     tools: Any = None
     functions: Any = None  # legacy
     tool_choice: Any = None
@@ -195,7 +197,7 @@ class ChatRequest(OpenAIRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """vLLM's /tokenize: a completion prompt or chat messages."""
 
     model: str | None = None
@@ -206,14 +208,14 @@ class TokenizeRequest(BaseModel):
     tools: Any = None  # rendered as in a chat request
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[TokenId]
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(Body):
     # SGLang's other fields (sglang-router passes them on) are kept to be checked:
-    # `sglang_compat.check_generate_extras`
+    # `api_server.check_extras` (the generate_extras point)
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     data_parallel_rank: Int64 | None = None  # the --dp replica to run on (SGLang's)
@@ -355,36 +357,23 @@ CHAT_ROLES = {
 }
 
 
-def packable(value: Any, param: str) -> None:
-    """A 400 for what cannot travel in a message (msgpack): integers beyond 64 bits."""
-    try:
-        msgpack.packb(value)
-    except (OverflowError, TypeError, ValueError):
-        raise APIError(400, f"{param}: integers must fit in 64 bits", param) from None
+# the fields of a chat request that ask for tool calling
+TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
 
 
-def chat_tools(req: ChatRequest) -> tuple[list[FunctionSchema], ToolChoice]:
-    """The request's functions (`tools` or legacy `functions`) and its tool choice (`tool_choice`
-    or legacy `function_call`), validated: a 400 names the offending field. `required` and named
-    choices are enforced by a grammar (api_server's ChatParsing.constrain)."""
+def chat_features(what: str, param: str) -> ChatFeatures:
+    """The structured extension's tool calling and reasoning, or a 400 naming `param`: `what`
+    needs the extension."""
     try:
-        functions = parse_tools(req.tools, req.functions)
-        if req.tool_choice is not None and req.function_call is not None:
-            raise ToolSpecError("function_call", "give tool_choice or the legacy function_call")
-        if req.function_call is not None:
-            choice = resolve_tool_choice(req.function_call, functions, "function_call")
-        else:
-            choice = resolve_tool_choice(req.tool_choice, functions)
-    except ToolSpecError as e:
-        raise APIError(400, str(e), e.param) from None
-    for f in functions:  # the schemas travel to a tokenizer worker in a message (msgpack)
-        packable(f.parameters, "tools" if req.tools is not None else "functions")
-    return functions, choice
+        return require(extensions().chat_features, what, "structured")
+    except ExtensionMissing as e:
+        raise APIError(400, str(e), param) from None
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: OpenAI's developer role is the system's;
-    an assistant's `tool_calls` and a tool result's `tool_call_id` and `name` pass through."""
+    a tool result's `tool_call_id` and `name` pass through, an assistant's earlier `tool_calls`
+    as the structured extension shapes them."""
     chat = []
     for i, m in enumerate(messages):
         role = CHAT_ROLES.get(m.role)
@@ -403,37 +392,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if role != "assistant":
                 message = f"messages[{i}].tool_calls: only assistant messages make tool calls"
                 raise APIError(400, message, "messages")
-            entry["tool_calls"] = history_tool_calls(extra["tool_calls"], f"messages[{i}]")
+            features = chat_features(f"messages[{i}].tool_calls", "messages")
+            entry["tool_calls"] = features.history_calls(extra["tool_calls"], f"messages[{i}]")
         chat.append(entry)
     return chat
-
-
-def history_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant message's earlier calls, checked, with the arguments as an object: the
-    templates of Qwen, Llama and Mistral render `arguments | tojson` (as transformers documents
-    them), which would quote a JSON string again."""
-    if not isinstance(calls, list):
-        raise APIError(400, f"{where}.tool_calls must be a list", "messages")
-    result = []
-    for j, call in enumerate(calls):
-        param = f"{where}.tool_calls[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            message = f"{param}: must be {{'type': 'function', 'function': {{'name': ...}}}}"
-            raise APIError(400, message, "messages")
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except (ValueError, RecursionError):
-                message = f"{param}.function.arguments: not valid JSON"
-                raise APIError(400, message, "messages") from None
-        if not isinstance(arguments, dict):
-            raise APIError(400, f"{param}.function.arguments: must be an object", "messages")
-        packable(arguments, "messages")
-        entry = {**call, "type": "function", "function": {**function, "arguments": arguments}}
-        result.append(entry)
-    return result
 
 
 def chat_content(m: ChatMessage, i: int) -> str:
@@ -450,3 +412,57 @@ def chat_content(m: ChatMessage, i: int) -> str:
             raise APIError(400, "messages: a text content part needs a string 'text'", "messages")
         texts.append(part["text"])
     return "".join(texts)
+
+
+# the request fields an error found past the API server may name (the message's first word)
+REFUSABLE_FIELDS = frozenset(
+    {"prompt", "messages", "input_ids", "text", "tokens", *SamplingFields.model_fields}
+)
+
+
+def refused_field(message: str) -> str | None:
+    """The field a refusal from a worker names, by the convention that its message starts with
+    it ("stop_token_ids: token id 9 is not ..."), or None."""
+    first = message.split(" ", 1)[0]
+    return first[:-1] if first.endswith(":") and first[:-1] in REFUSABLE_FIELDS else None
+
+
+class UnknownFields:
+    """Warns about request fields this server ignores, once per name and then at 10, 100, ...
+    uses (a client may send thousands of distinct names: at most MAX_NAMES are remembered,
+    the rest counted together), so that no request can fill the log."""
+
+    MAX_NAMES = 256
+    SHOWN = 5  # names shown in one warning
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.others = 0  # uses of names beyond MAX_NAMES
+
+    def seen(self, path: str, names: list[str]) -> None:
+        new, again = [], []
+        for name in names:
+            if name not in self.counts and len(self.counts) >= self.MAX_NAMES:
+                self.others += 1
+                if _power_of_ten(self.others):
+                    again.append(f"{self.others} of other names")
+                continue
+            count = self.counts[name] = self.counts.get(name, 0) + 1
+            if count == 1:
+                new.append(name)
+            elif _power_of_ten(count):
+                again.append(f"{_shown(name)} {count} times")
+        if new:
+            shown = ", ".join(map(_shown, new[: self.SHOWN]))
+            more = f" and {len(new) - self.SHOWN} more" if len(new) > self.SHOWN else ""
+            logger.warning("%s: ignoring unknown fields %s%s", path, shown, more)
+        if again:
+            logger.warning("%s: unknown fields ignored so far: %s", path, ", ".join(again))
+
+
+def _power_of_ten(n: int) -> bool:
+    return n >= 10 and str(n).rstrip("0") == "1"
+
+
+def _shown(name: str) -> str:
+    return repr(name if len(name) <= 64 else name[:61] + "...")

@@ -22,10 +22,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from minisgl.parsers.base import partial_suffix  # text that may still become a stop string
-
 # Prompt tokens decoded in front of the output so the first output tokens are decoded in context.
 _PROMPT_CONTEXT = 5
+
+
+def partial_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper beginning of one of `tags`: text
+    that may still become a tag (here a stop string) and must be withheld until it is clearly
+    not one."""
+    best = 0
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:k]):
+                best = k
+                break
+    return best
 
 
 def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str] | None:

@@ -1,28 +1,33 @@
 """`--quantization`: give a model's projections (and LM head) weight-only quantized layers
-(`layers/quantized.py`).
+(`quantized.py`), as the cpu extension's `model_transform` (`CpuModelTransform`).
 
 - `gguf`, before the checkpoint loads: from a GGUF's own blocks (`gguf_quant.py`). A projection
   whose parts are all Q4_0 / Q4_1 becomes an `Int4Linear` with the file's codes (when its rows
   are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
   (Q8_0, or Q8_0 with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
   `Int8Linear` quantized per row from the exact float32 values where the rows do not fit the
-  packing); one with a float part stays dense. The quantized layers are cached next to the converted checkpoint
-  (`packed-...st`, per torch version and dtype), so later starts read them without packing,
-  and the dense copies of quantized weights are never read.
+  packing); one with a float part stays dense. The quantized layers are cached next to the
+  converted checkpoint (`packed-...st`, per torch version and dtype), so later starts read them
+  without packing, and the dense copies of quantized weights are never read.
 - `int8`, after loading: every projection an `Int8Linear`, quantized per row from the loaded
   weights.
-The embedding table stays dense (a lookup reads one row per token)."""
+The embedding table stays dense (a lookup reads one row per token). The core's layers know
+nothing of this: each projection gets a `quantized` member (None: dense) and, when quantized,
+instance attributes `forward` / `matmul` that compute through it (`_route_through`)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from minisgl.layers.embedding import ParallelLMHead
-from minisgl.layers.linear import LinearBase
-from minisgl.layers.quantized import (
+from minisgl.distributed import all_gather_last_dim, get_tp_info
+from minisgl.ext.cpu.gguf_quant import BLOCK, Blocks, load_blocks
+from minisgl.ext.cpu.policy import announce, resolve_quantization
+from minisgl.ext.cpu.quantized import (
     INT4_OFFSET,
     Int4Linear,
     Int8Linear,
@@ -30,9 +35,9 @@ from minisgl.layers.quantized import (
     QuantizedLinear,
     int4_fits,
 )
-from minisgl.models.gguf_quant import BLOCK, Blocks, load_blocks
+from minisgl.layers.embedding import ParallelLMHead
+from minisgl.layers.linear import LinearBase, RowParallelLinear
 
-MODES = ("auto", "none", "gguf", "int8")
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _CACHE_FORMAT = 2  # bump when the cached layers change
 _KINDS: tuple[type[QuantizedLinear], ...] = (Int4Linear, Int8Linear, Int8SplitLinear)
@@ -92,15 +97,43 @@ def _projections(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _attach(model: nn.Module, layers: dict[str, QuantizedLinear]) -> set[str]:
-    """Give each named module its quantized layer; -> the parameter names no longer used."""
+    """Give every projection its quantized layer (None where it stays dense); -> the parameter
+    names no longer used."""
     dropped = set()
     for name, module in _projections(model):
-        if name in layers:
-            module.quantized = layers[name]
-            if isinstance(module, LinearBase):  # the LM head's weight may be the embedding's
-                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-                dropped.add(f"{name}.weight")
+        layer = layers.get(name)
+        _route_through(module, layer)
+        # the dense weight goes (not the LM head's: it may be the embedding's too)
+        if layer is not None and isinstance(module, LinearBase):
+            module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+            dropped.add(f"{name}.weight")
     return dropped
+
+
+def _route_through(module: Any, layer: QuantizedLinear | None) -> None:
+    """`module.quantized = layer` and, for a layer, x W^T through it: the core's layers compute
+    with their dense weight, so instance attributes (which win over the class's methods)
+    replace `forward` (and `matmul`, which RowParallelLinear.forward calls). The kernel is
+    called straight: no module call per projection, which costs on a CPU decode step."""
+    module.quantized = layer
+    if layer is None:
+        return
+    if isinstance(module, ParallelLMHead):
+        vocab = module.vocab_size
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            return all_gather_last_dim(layer.matmul(hidden))[..., :vocab]
+
+        module.forward = logits  # type: ignore[method-assign]
+        return
+    module.matmul = layer.matmul  # RowParallelLinear.forward: all_reduce(matmul(x)) + bias
+    if not isinstance(module, RowParallelLinear):
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            y = layer.matmul(x)
+            return y if module.bias is None else y + module.bias
+
+        module.forward = forward
 
 
 def cache_file(model_dir: str, dtype: torch.dtype) -> str:
@@ -170,3 +203,35 @@ def quantize_int8(model: nn.Module, dtype: torch.dtype) -> None:
 
 def count_quantized(model: nn.Module) -> int:
     return sum(getattr(m, "quantized", None) is not None for _, m in _projections(model))
+
+
+@dataclass
+class CpuModelTransform:
+    """The `model_transform` of a cpu engine at TP 1 (a `minisgl.extension.ModelTransform`):
+    the `--quantization` mode's layers, then the start line."""
+
+    name: str  # the resolved --quantization: none / gguf / int8
+    model_dir: str
+    dtype: torch.dtype
+    compiled: bool  # --enable-torch-compile, for the start line
+
+    def before_load(self, model: nn.Module) -> set[str]:
+        if self.name == "gguf":  # first: the dense copies of its weights are not read
+            return quantize_gguf(model, self.model_dir, self.dtype)
+        return _attach(model, {})  # every projection dense
+
+    def after_load(self, model: nn.Module) -> None:
+        if self.name == "int8":
+            quantize_int8(model, self.dtype)
+        announce(self.dtype, self.name, count_quantized(model), self.compiled)
+
+
+def model_transform(engine: Any) -> CpuModelTransform | None:
+    """The `model_transform` point, for an engine being built (`engine.Engine`: device, dtype,
+    model path, config): on cpu at TP 1 the transform of its `--quantization`; elsewhere None
+    (the mode is none there: auto resolves to it and an explicit mode is refused)."""
+    tp, device, dtype, path = get_tp_info().size, engine.device, engine.dtype, engine.model_path
+    mode = resolve_quantization(engine.config.quantization, device, dtype, path, tp)
+    if device.type != "cpu" or tp != 1:
+        return None
+    return CpuModelTransform(mode, path, dtype, engine.config.enable_torch_compile)

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.core import SamplingParams
-from minisgl.parsers.base import IdFactory, ParsedOutput, StreamDelta, ToolStream
-from minisgl.parsers.reasoning import ReasoningParser, ReasoningStream
-from minisgl.parsers.registry import ToolParser
-from minisgl.parsers.schema import FunctionSchema, ToolChoice
+from minisgl.ext.structured.parsers.base import IdFactory, ParsedOutput, StreamDelta, ToolStream
+from minisgl.ext.structured.parsers.reasoning import ReasoningParser, ReasoningStream
+from minisgl.ext.structured.parsers.registry import ToolParser
+from minisgl.ext.structured.parsers.schema import FunctionSchema, ToolChoice
 
 # what a request's tools force: its functions, tool choice and parallel_tool_calls
 ToolConstraint = tuple[list[FunctionSchema], ToolChoice, bool]

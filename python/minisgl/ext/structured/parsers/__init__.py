@@ -2,8 +2,8 @@
 share them). A format is one module registering a `ToolParser` or `ReasoningParser` subclass
 under vLLM's name; it is imported here so that it registers."""
 
-from minisgl.parsers import deepseek_r1, hermes, llama3_json, mistral, qwen3  # noqa: F401 (register)
-from minisgl.parsers.base import (
+from minisgl.ext.structured.parsers import deepseek_r1, hermes, llama3_json, mistral, qwen3  # noqa: F401 (register)
+from minisgl.ext.structured.parsers.base import (
     IdFactory,
     ParsedOutput,
     StreamDelta,
@@ -13,16 +13,16 @@ from minisgl.parsers.base import (
     counter_ids,
     random_call_id,
 )
-from minisgl.parsers.output import OutputParser, OutputStream
-from minisgl.parsers.reasoning import ReasoningParser, ReasoningStream
-from minisgl.parsers.registry import (
+from minisgl.ext.structured.parsers.output import OutputParser, OutputStream
+from minisgl.ext.structured.parsers.reasoning import ReasoningParser, ReasoningStream
+from minisgl.ext.structured.parsers.registry import (
     REASONING_PARSERS,
     TOOL_PARSERS,
     ToolParser,
     get_reasoning_parser,
     get_tool_parser,
 )
-from minisgl.parsers.schema import (
+from minisgl.ext.structured.parsers.schema import (
     FunctionSchema,
     ToolChoice,
     ToolSpecError,

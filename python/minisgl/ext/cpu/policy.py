@@ -1,5 +1,6 @@
-"""Start-up choices that make CPU inference fast: the compute dtype (bf16 where the CPU has
-bf16 instructions), weight-only quantization (`--quantization`) and the thread count."""
+"""The cpu extension's start-up policy: the compute dtype (bf16 where the CPU has bf16
+instructions and the weights are quantized), the `--quantization` rule, and the start line. The
+core alone computes in float32 on CPU, its exact path."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ import sys
 import torch
 
 from minisgl import env
-from minisgl.attention.base import BaseAttnBackend
-from minisgl.attention.torch_backend import TorchAttnBackend
-from minisgl.models.gguf_quant import QUANTIZED_FILE
-from minisgl.utils.options import OptionError
+from minisgl.distributed import get_tp_info
+from minisgl.ext.cpu.gguf_quant import QUANTIZED_FILE
 
 # /proc/cpuinfo flags of x86 CPUs that compute bf16 dot products natively
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -48,6 +47,11 @@ def cpu_auto_dtype(quantization: str, model_dir: str, tp_size: int) -> torch.dty
     return torch.bfloat16
 
 
+def auto_dtype(quantization: str, model_dir: str) -> torch.dtype:
+    """The `cpu_dtype` point: `cpu_auto_dtype` at this process's TP size."""
+    return cpu_auto_dtype(quantization, model_dir, get_tp_info().size)
+
+
 def resolve_quantization(
     mode: str, device: torch.device, dtype: torch.dtype, model_dir: str, tp_size: int
 ) -> str:
@@ -74,47 +78,8 @@ def resolve_quantization(
     return mode
 
 
-def check_torch_compile(device: torch.device, tp_size: int, moe: bool) -> None:
-    """--enable-torch-compile runs where one graph can hold the decoder: OptionError else."""
-    why = None
-    if device.type != "cpu":
-        why = "it is for cpu (on cuda, decode steps replay CUDA graphs)"
-    elif tp_size != 1:
-        why = "it needs --tp 1 (the all-reduce would split the graph)"
-    elif moe:
-        why = "MoE models pick their experts on the host: nothing a graph can hold"
-    if why is not None:
-        raise OptionError("enable_torch_compile", f"--enable-torch-compile: {why}")
-
-
-def compile_decoder(decoder: torch.nn.Module) -> torch.nn.Module:
-    """The decoder for one-request decode steps, compiled at its first call (batches stay
-    eager: a second request never stalls the server with a compile). Only the KV length is
-    dynamic (the attention backend marks it: one graph for every step); dynamic=True would
-    make every weight's shape symbolic too: 85 s to compile on 2 cores instead of 30, and the
-    cached graph's thousands of shape guards cost 40 s to check at the next start (9 s now)."""
-    return torch.compile(decoder, fullgraph=True)  # type: ignore[return-value]
-
-
-def mark_kv_len_dynamic(backend: BaseAttnBackend) -> None:
-    """Have the attention backend mark the KV length dynamic for the compiled decoder; only
-    the torch backend runs on CPU (OptionError for another, e.g. --attn triton)."""
-    if not isinstance(backend, TorchAttnBackend):
-        raise OptionError(
-            "enable_torch_compile", "--enable-torch-compile: it needs the torch attention backend"
-        )
-    backend.dynamic_kv_len = True
-
-
-def set_cpu_threads() -> int:
-    """Use every core this process may run on (its affinity mask, which containers and
-    `taskset` narrow), unless OMP_NUM_THREADS chose already."""
-    if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
-    return torch.get_num_threads()
-
-
 def announce(dtype: torch.dtype, quantization: str, layers: int, compiled: bool) -> None:
+    """The start line on stderr: what this CPU engine computes with, and how fast it can."""
     flag = cpu_bf16_flag()
     why = f" ({flag})" if dtype == torch.bfloat16 and flag else ""
     quant = f", {layers} projections quantized ({quantization})" if layers else ""

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from minisgl.parsers.base import ToolStream
-from minisgl.parsers.registry import ToolParser, register_tool_parser
-from minisgl.parsers.schema import FunctionSchema
+from minisgl.ext.structured.parsers.base import ToolStream
+from minisgl.ext.structured.parsers.registry import ToolParser, register_tool_parser
+from minisgl.ext.structured.parsers.schema import FunctionSchema
 
 START, END = "<tool_call>", "</tool_call>"
 

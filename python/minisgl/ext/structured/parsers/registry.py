@@ -7,11 +7,11 @@ import json
 from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from minisgl.parsers.base import IdFactory, ParsedOutput, ToolStream, random_call_id
-from minisgl.parsers.schema import FunctionSchema, ToolChoice
+from minisgl.ext.structured.parsers.base import IdFactory, ParsedOutput, ToolStream, random_call_id
+from minisgl.ext.structured.parsers.schema import FunctionSchema, ToolChoice
 
 if TYPE_CHECKING:
-    from minisgl.parsers.reasoning import ReasoningParser
+    from minisgl.ext.structured.parsers.reasoning import ReasoningParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from minisgl.parsers.base import partial_suffix
-from minisgl.parsers.json_scan import WHITESPACE
+from minisgl.ext.structured.parsers.json_scan import WHITESPACE
+from minisgl.tokenizer.detokenize import partial_suffix
 
 
 class ReasoningStream:

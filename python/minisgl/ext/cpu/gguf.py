@@ -2,10 +2,11 @@
 
 A GGUF file is converted once into a Hugging Face-style directory (config.json, safetensors,
 tokenizer files) in a cache, so the engine, the tokenizer workers and `LLM` load it like any
-other checkpoint. Weights are dequantized to float32 by the `gguf` package (so the result is
-exact, at 4 bytes per parameter on disk); the codes and scales of quantized tensors are kept
-too (`gguf_quant.py`) for `--quantization gguf`; config, tokenizer and chat template come from
-`transformers`' GGUF readers."""
+other checkpoint: `resolve_gguf` fills the `gguf_model` point, which the core's
+`resolve_model_path` calls for a `.gguf` model. Weights are dequantized to float32 by the `gguf`
+package (so the result is exact, at 4 bytes per parameter on disk); the codes and scales of
+quantized tensors are kept too (`gguf_quant.py`) for `--quantization gguf`; config, tokenizer
+and chat template come from `transformers`' GGUF readers."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.models.gguf_quant import QUANTIZED_FILE, blocks_to_tensors, split_blocks
+from minisgl.ext.cpu.gguf_quant import QUANTIZED_FILE, blocks_to_tensors, split_blocks
 
 # GGUF general.architecture -> our model class
 ARCHITECTURES = {
@@ -100,6 +101,8 @@ def converted_dir(path: str) -> str:
 
 def resolve_gguf(path: str) -> str:
     """The converted directory of a GGUF file, converting it first if it is not cached."""
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path!r} not found")
     out = converted_dir(path)
     done = lambda: os.path.isfile(os.path.join(out, "config.json"))  # noqa: E731
     if done():

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.parsers.json_scan import WHITESPACE, CallObject, Scan
+from minisgl.ext.structured.parsers.json_scan import WHITESPACE, CallObject, Scan
+from minisgl.tokenizer.detokenize import partial_suffix  # the stop strings' withholding, too
 
 IdFactory = Callable[[], str]
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -103,18 +104,6 @@ class ParsedOutput:
     content: str | None
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-def partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is a proper beginning of one of `tags`: text
-    that may still become a tag and must be withheld until it is clearly not one."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:k]):
-                best = k
-                break
-    return best
 
 
 def find_first(text: str, start: int, tags: tuple[str, ...]) -> tuple[int, str] | None:

@@ -5,8 +5,8 @@ no tag and is all content."""
 
 from __future__ import annotations
 
-from minisgl.parsers.reasoning import ReasoningParser
-from minisgl.parsers.registry import register_reasoning_parser
+from minisgl.ext.structured.parsers.reasoning import ReasoningParser
+from minisgl.ext.structured.parsers.registry import register_reasoning_parser
 
 
 @register_reasoning_parser("qwen3")

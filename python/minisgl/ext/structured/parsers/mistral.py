@@ -15,10 +15,10 @@ import secrets
 import string
 from typing import Any
 
-from minisgl.parsers.base import IdFactory, ToolStream
-from minisgl.parsers.json_scan import JsonScanner, Scan
-from minisgl.parsers.registry import ToolParser, register_tool_parser
-from minisgl.parsers.schema import FunctionSchema
+from minisgl.ext.structured.parsers.base import IdFactory, ToolStream
+from minisgl.ext.structured.parsers.json_scan import JsonScanner, Scan
+from minisgl.ext.structured.parsers.registry import ToolParser, register_tool_parser
+from minisgl.ext.structured.parsers.schema import FunctionSchema
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _ALPHANUMERIC = string.ascii_letters + string.digits

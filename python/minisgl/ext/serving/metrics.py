@@ -5,17 +5,19 @@ replies arrive. Scheduler-level ones (running requests, KV pages, prefix-cache h
 are read at scrape time from the latest `SchedulerStats` snapshot, at most 0.2 s old: summed over
 the --dp replicas, and per replica in the `minisgl_replica_*` series (label `dp_rank`). With
 --api-server-count N, each API process counts its own requests; the one that answers /metrics
-adds up every process's series (`summed_exposition`)."""
+adds up every process's series (`summed_exposition`).
+
+`Metrics` is the Frontend's `request_observer` (the core calls its plain methods: `reply`,
+`ended`, `response`, `text`); `add_metrics_route` serves it as a `routes` point."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -23,7 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from minisgl.message import SchedulerStats
+from minisgl.extension import RequestObserver
+from minisgl.message import SchedulerStats, UserReply
+from minisgl.server.frontend import total_stats, tree_rss_bytes
+
+if TYPE_CHECKING:  # types only: the extension loads while the api server module may be loading
+    from minisgl.server.api_server import ApiServer
+    from minisgl.server.frontend import Frontend
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -35,26 +43,6 @@ def priority_label(priority: int) -> str:
     if priority < -PRIORITY_LABELS:
         return f"<-{PRIORITY_LABELS}"
     return f">{PRIORITY_LABELS}" if priority > PRIORITY_LABELS else str(priority)
-
-
-def total_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
-    """The replicas' snapshots summed (one replica: its own)."""
-    if len(replicas) == 1:
-        return replicas[0]
-    names = [f.name for f in fields(SchedulerStats) if f.name != "dp_rank"]
-    return SchedulerStats(**{n: sum(getattr(r, n) for r in replicas) for n in names})
-
-
-def tree_rss_bytes() -> int:
-    """Resident memory of this process and its children (the server's workers); 0 off Linux."""
-    total = 0
-    for pid in [os.getpid(), *(p.pid for p in mp.active_children())]:
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
 
 
 def _replica_families(
@@ -175,7 +163,7 @@ def summed_exposition(texts: list[str]) -> bytes:
     return generate_latest(registry)
 
 
-class Metrics:
+class Metrics(RequestObserver):
     def __init__(
         self,
         replicas: Callable[[], list[SchedulerStats]],
@@ -250,3 +238,54 @@ class Metrics:
         else:
             own = generate_latest(self.registry)
         return own + generate_latest(self.scheduler)
+
+    def reply(
+        self,
+        priority: int,
+        submitted: float,
+        last_token: float | None,
+        reply: UserReply,
+        now: float,
+    ) -> None:
+        label, n = priority_label(priority), len(reply.token_ids)
+        if reply.queue_time is not None:
+            self.queue_time.labels(label).observe(reply.queue_time)
+        if n:
+            if last_token is None:
+                self.ttft.labels(label).observe(now - submitted)
+                self.prompt_tokens.inc(reply.prompt_tokens)
+            else:
+                self.itl.observe((now - last_token) / n, n)
+            self.generation_tokens.inc(n)
+        if reply.finished:
+            self.finished.labels(reply.finish_reason or "unknown").inc()
+            if reply.finish_reason in ("stop", "length"):
+                self.e2e.labels(label).observe(now - submitted)
+
+    def ended(self, reason: str) -> None:
+        self.finished.labels(reason).inc()
+
+    def response(self, path: str, status: int) -> None:
+        self.http.labels(path, str(status)).inc()
+
+    def text(self) -> str:
+        return self.request_text()
+
+
+def frontend_metrics(frontend: Frontend) -> Metrics:
+    """The `request_observer` point: a Frontend's metrics, reading its replicas' snapshots."""
+    return Metrics(lambda: frontend.replica_stats, lambda: frontend.num_queued, frontend.rss)
+
+
+def add_metrics_route(app: FastAPI, api: ApiServer, info: dict[str, Any]) -> None:
+    """GET /metrics (a `routes` point): every API process's series summed, then the
+    scheduler's."""
+
+    async def metrics() -> Response:
+        views = await api.views(metrics=True)
+        peers = [v.metrics for v in views if v.rank != api.frontend.api_rank]
+        own = api.frontend.metrics
+        assert isinstance(own, Metrics)  # this extension's observer (registered with the route)
+        return Response(own.render(peers), media_type=CONTENT_TYPE)
+
+    app.get("/metrics", response_class=PlainTextResponse)(metrics)  # documents text/plain

@@ -5,8 +5,8 @@ response never closes it."""
 
 from __future__ import annotations
 
-from minisgl.parsers.reasoning import ReasoningParser
-from minisgl.parsers.registry import register_reasoning_parser
+from minisgl.ext.structured.parsers.reasoning import ReasoningParser
+from minisgl.ext.structured.parsers.registry import register_reasoning_parser
 
 
 @register_reasoning_parser("deepseek_r1")

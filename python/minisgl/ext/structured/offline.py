@@ -1,0 +1,85 @@
+"""`LLM.chat` with tools or parsers: the tools rendered by the chat template, forced calls
+constrained by grammar, and each result's text parsed into "content", "reasoning_content" and
+"tool_calls" (OpenAI's shapes), as the server returns them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minisgl.core import SamplingParams
+from minisgl.ext.structured.parsers import (
+    OutputParser,
+    ToolChoice,
+    get_reasoning_parser,
+    get_tool_parser,
+    parse_tools,
+    resolve_tool_choice,
+)
+
+
+def offline_chat(
+    llm: Any, chats: list[list[dict[str, Any]]], params: list[SamplingParams], **options: Any
+) -> list[dict[str, Any]]:
+    """`llm.chat` (an LLM) with its keywords, every one given in `options` (use_tqdm, tools,
+    tool_choice, parallel_tool_calls, tool_call_parser, reasoning_parser,
+    chat_template_kwargs); `params`: one per chat. `tool_choice` as OpenAI's (default auto with
+    tools): "required" or a named function forces calls by grammar (one when not
+    `parallel_tool_calls`), which needs `tool_call_parser`."""
+    tools, tool_choice = options["tools"], options["tool_choice"]
+    tool_call_parser, reasoning_parser = options["tool_call_parser"], options["reasoning_parser"]
+    parallel_tool_calls: bool = options["parallel_tool_calls"]
+    functions = parse_tools(tools) if tools else []
+    choice = resolve_tool_choice(tool_choice, functions)
+    vocabulary = set(llm.tokenizer.get_vocab()) if llm.tokenizer is not None else None
+    parser = OutputParser(
+        get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+        get_tool_parser(tool_call_parser, vocabulary) if tool_call_parser else None,
+    )
+    kwargs = dict(options["chat_template_kwargs"] or {})
+    if functions:
+        kwargs["tools"] = [f.to_openai_tool() for f in functions]
+    texts, prompts = llm.chat_prompts(chats, kwargs)
+    states = [reasoning_state(parser, t) for t in texts]
+    # each chat's params with the grammar of forced calls, or its constraint moved after the
+    # reasoning (OutputParser.constrain)
+    forced = (functions, choice, parallel_tool_calls) if functions else None
+    any_whitespace = llm.sched_config.json_any_whitespace
+    params = [parser.constrain(p, forced, s, any_whitespace) for p, s in zip(params, states)]
+    results = llm.generate(prompts, params, options["use_tqdm"])
+    if tool_call_parser is None and reasoning_parser is None:
+        return results
+    parsed_choice = choice if functions and choice.parses else None
+    for state, result in zip(states, results):
+        for r in result.get("outputs", [result]):
+            parse_into(llm, r, parser, parsed_choice, bool(state), parallel_tool_calls)
+    return results
+
+
+def reasoning_state(parser: OutputParser, prompt: str) -> bool | None:
+    """Where the prompt leaves the response (ReasoningParser.prompt_reasoning)."""
+    reasoning = parser.reasoning
+    if reasoning is None or reasoning.starts_in_reasoning:
+        return None
+    return reasoning.prompt_reasoning(prompt)
+
+
+def parse_into(
+    llm: Any,
+    result: dict[str, Any],
+    parser: OutputParser,
+    choice: ToolChoice | None,
+    in_reasoning: bool,
+    parallel: bool,
+) -> None:
+    """`result` (one sample of `llm.generate`) with its text parsed."""
+    tokenizer = llm.tokenizer
+    # tags that are special tokens (Mistral's, Llama's) must survive the decode
+    keep = parser.tools is not None and bool(parser.tools.special_tokens)
+    text = tokenizer.decode(result["token_ids"], skip_special_tokens=not keep)
+    eos = tokenizer.eos_token
+    if keep and eos and text.endswith(eos):
+        text = text[: -len(eos)]
+    parsed = parser.parse(text, choice, in_reasoning)
+    calls = parsed.tool_calls if parallel else parsed.tool_calls[:1]
+    result["content"], result["reasoning_content"] = parsed.content, parsed.reasoning
+    result["tool_calls"] = [call.to_openai() for call in calls]

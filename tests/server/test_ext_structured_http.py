@@ -1,0 +1,103 @@
+"""The server without the structured extension (issue 46): a tiny-model server started with
+MINISGL_DISABLE_EXTENSIONS=1 serves plain chats (streamed or not) and refuses with a 400 naming
+the field every chat request that asks for tool calling (tools, legacy functions, a
+tool_choice, earlier tool calls in the history; /tokenize's tools), saying that it needs the
+structured extension; --tool-call-parser and --reasoning-parser are refused at start, for the
+server and the shell."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from support.server import REPO, Server, make_tiny_model, run_server
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
+NEEDS = "needs the structured extension (minisgl/ext/structured)"
+ALONE = {"MINISGL_DISABLE_EXTENSIONS": "1"}
+CHAT = [{"role": "user", "content": "hello world"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+HISTORY = [
+    *CHAT,
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "42"},
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
+    log = str(tmp_path_factory.mktemp("logs") / "s.log")
+    with run_server(model, "--page-size", "4", log_path=log, extra_env=ALONE) as s:
+        yield s
+
+
+def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_plain_chat_is_served(server: Server, stream: bool) -> None:
+    body = {"messages": CHAT, "max_tokens": 3, "ignore_eos": True, "stream": stream}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        (choice,) = r.json()["choices"]
+        assert isinstance(choice["message"]["content"], str)
+        assert "reasoning_content" not in choice["message"]
+        assert choice["finish_reason"] == "length"
+    else:
+        assert r.text.endswith("data: [DONE]\n\n") and '"finish_reason": "length"' in r.text
+    r = post(server, "/tokenize", {"messages": CHAT})
+    assert r.status_code == 200 and r.json()["count"] > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "what"),
+    [
+        ({"tools": TOOLS}, "tools", "tools"),
+        ({"tools": TOOLS, "stream": True}, "tools", "tools"),
+        ({"tools": TOOLS, "tool_choice": "none"}, "tools", "tools"),
+        ({"functions": [TOOLS[0]["function"]]}, "functions", "functions"),
+        ({"tool_choice": "auto"}, "tool_choice", "tool_choice"),
+        ({"function_call": "none"}, "function_call", "function_call"),
+        ({"messages": HISTORY}, "messages", "messages[1].tool_calls"),
+    ],
+)
+def test_tool_calling_is_refused(
+    server: Server, extra: dict[str, Any], param: str, what: str
+) -> None:
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] == f"{what} {NEEDS}", error
+
+
+def test_tokenize_tools_are_refused(server: Server) -> None:
+    r = post(server, "/tokenize", {"messages": CHAT, "tools": TOOLS})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and error["message"] == f"tools {NEEDS}", error
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag", "value"),
+    [
+        (["--tool-call-parser", "hermes"], "--tool-call-parser", "hermes"),
+        (["--reasoning-parser", "qwen3"], "--reasoning-parser", "qwen3"),
+        (["--shell", "--reasoning-parser", "qwen3"], "--reasoning-parser", "qwen3"),
+    ],
+)
+def test_parser_flags_are_refused_at_start(flags: list[str], flag: str, value: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), **ALONE)
+    cmd = [sys.executable, "-m", "minisgl", *flags]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"argument {flag}: '{value}' {NEEDS}" in done.stderr, done.stderr

@@ -1,0 +1,124 @@
+"""The cpu extension (`minisgl/ext/cpu`) and the core without it (issue 46): with
+MINISGL_DISABLE_EXTENSIONS=1 a GGUF model, the embedded default model (a GGUF),
+`--quantization gguf|int8` and `--enable-torch-compile` are refused, offline and on the command
+line, saying that they need the cpu extension; a dense safetensors model loads and generates
+the same tokens as with the extension (transformers' greedy tokens, in float32)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from minisgl import LLM, SamplingParams, extension
+from minisgl.engine.config import EngineConfig
+from minisgl.extension import ExtensionMissing, Extensions
+from minisgl.models import default_model, resolve_model_path
+from minisgl.utils.options import OptionError
+from support.models import hf_greedy
+
+NEEDS = "needs the cpu extension (minisgl/ext/cpu)"
+
+
+@pytest.fixture
+def core_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as the core alone: the flag set and an empty registry (the extension's
+    modules, imported by other tests, have filled the process's own)."""
+    monkeypatch.setenv("MINISGL_DISABLE_EXTENSIONS", "1")
+    monkeypatch.setattr(extension, "_EXTENSIONS", Extensions())
+
+
+def test_the_extension_fills_its_points() -> None:
+    points = extension.extensions()
+    assert points.gguf_model is not None and points.default_model is not None
+    assert points.cpu_dtype is not None and points.model_transform is not None
+    assert points.decoder_transform is not None
+
+
+@pytest.mark.parametrize(
+    ("options", "name", "what"),
+    [
+        ({"quantization": "int8"}, "quantization", "--quantization int8"),
+        ({"quantization": "gguf"}, "quantization", "--quantization gguf"),
+        ({"enable_torch_compile": True}, "enable_torch_compile", "--enable-torch-compile"),
+    ],
+)
+def test_options_of_the_extension_are_refused(core_alone, options, name, what) -> None:
+    with pytest.raises(OptionError) as info:
+        EngineConfig(**options)
+    assert info.value.name == name
+    assert str(info.value) == f"{what} {NEEDS}"
+    EngineConfig(quantization="none")  # the core's own modes stay
+    EngineConfig(quantization="auto")
+
+
+def test_gguf_and_default_models_are_refused(core_alone, tmp_path) -> None:
+    path = str(tmp_path / "tiny.gguf")  # refused before it is looked at
+    with pytest.raises(OptionError) as info:
+        resolve_model_path(path, "speculative_draft_model_path")
+    assert info.value.name == "speculative_draft_model_path"
+    assert str(info.value) == f"the GGUF model {path!r} {NEEDS}"
+    with pytest.raises(ValueError, match=re.escape(f"tiny.gguf' {NEEDS}")):
+        LLM(path)
+    with pytest.raises(ExtensionMissing, match="^no --model: the embedded default model .* needs"):
+        default_model()
+    with pytest.raises(ExtensionMissing) as missing:
+        LLM()
+    assert missing.value.extension == "cpu"
+
+
+def cli(*flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MINISGL_DISABLE_EXTENSIONS="1")
+    argv = [sys.executable, "-m", "minisgl", "--device", "cpu", "--shell", *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ([], "python -m minisgl: no --model: the embedded default model"),
+        (
+            ["--model", "tiny.gguf"],
+            f"minisgl: argument --model: the GGUF model 'tiny.gguf' {NEEDS}",
+        ),
+        (
+            ["--model", ".", "--quantization", "int8"],
+            f"python -m minisgl: error: argument --quantization: --quantization int8 {NEEDS}",
+        ),
+        (
+            ["--model", ".", "--enable-torch-compile"],
+            "python -m minisgl: error: argument --enable-torch-compile: --enable-torch-compile "
+            + NEEDS,
+        ),
+    ],
+)
+def test_command_line_refusals(flags, says) -> None:
+    done = cli(*flags)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(says) and line.endswith(NEEDS), line
+
+
+def generate(path: str) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(path, page_size=4, num_pages=64)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    return llm, [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_dense_model_generates_as_with_the_extension(model_dirs, monkeypatch) -> None:
+    path, hf = model_dirs("llama")
+    with_ext, want = generate(path)
+    assert want == [hf_greedy(hf, [3, 1, 4, 1, 5, 9, 2, 6], 10), hf_greedy(hf, [2, 7, 1, 8], 10)]
+    assert with_ext.engine.model_transform is not None  # the extension took part
+    monkeypatch.setenv("MINISGL_DISABLE_EXTENSIONS", "1")
+    monkeypatch.setattr(extension, "_EXTENSIONS", Extensions())
+    alone, got = generate(path)
+    assert got == want
+    assert alone.engine.model_transform is None and alone.engine.quantization == "none"
+    assert not any(hasattr(m, "quantized") for m in alone.engine.model.modules())
+    alone.scheduler.check_no_leak()
