@@ -129,6 +129,16 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+@pytest.fixture
+def core_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as the core alone: the flag set and an empty extension registry (the
+    extensions' modules, imported by other tests, have filled the process's own)."""
+    from minisgl import extension
+
+    monkeypatch.setenv("MINISGL_DISABLE_EXTENSIONS", "1")
+    monkeypatch.setattr(extension, "_EXTENSIONS", extension.Extensions())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def minisgl_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Conversions (GGUF, packed layers) go to a cache of this session's, shared by its tests

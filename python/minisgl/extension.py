@@ -15,7 +15,7 @@ MINISGL_DISABLE_EXTENSIONS=1 runs the core alone with `minisgl/ext` present.
 | `default_model` | `models.weight.default_model` (`LLM()`, `python -m minisgl` without `--model`) | the model file to use, announced | `ext/cpu/gguf.py: announce_default_model` (SmolLM2 GGUF) |
 | `cpu_dtype` | `engine.engine._resolve_dtype` | what `--dtype auto` means on cpu | `ext/cpu/policy.py: auto_dtype` (bf16 for quantized weights) |
 | `model_transform` | `Engine.__init__`, `Engine._build_model` | changes the model before / after its weights load | `ext/cpu/quantize.py: CpuModelTransform` (`--quantization`) |
-| `decoder_transform` | `Engine.__init__` | the decoder of one-request decode steps | `ext/cpu/compile.py: compiled_decoder` (`--enable-torch-compile`) |
+| `decoder_transform` | `Engine.__init__` | the decoder of one-request decode steps | `ext/cpu/torch_compile.py` (`--enable-torch-compile`) |
 | `generate_extras` | `ApiServer.generate` | checks /generate's undeclared fields (none: each is a 400) | `ext/serving/sglang.py: check_generate_extras` (SGLang's at their defaults) |
 | `request_observer` | `Frontend.__init__` (its replies, aborts), `Gate` (its responses) | counts what the API process sees of its requests | `ext/serving/metrics.py: Metrics` (Prometheus, /metrics) |
 """

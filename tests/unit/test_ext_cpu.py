@@ -23,14 +23,6 @@ from support.models import hf_greedy
 NEEDS = "needs the cpu extension (minisgl/ext/cpu)"
 
 
-@pytest.fixture
-def core_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process as the core alone: the flag set and an empty registry (the extension's
-    modules, imported by other tests, have filled the process's own)."""
-    monkeypatch.setenv("MINISGL_DISABLE_EXTENSIONS", "1")
-    monkeypatch.setattr(extension, "_EXTENSIONS", Extensions())
-
-
 def test_the_extension_fills_its_points() -> None:
     points = extension.extensions()
     assert points.gguf_model is not None and points.default_model is not None

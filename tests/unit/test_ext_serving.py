@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from minisgl import extension
-from minisgl.extension import Extensions, RequestObserver
+from minisgl.extension import RequestObserver
 from minisgl.message import UserReply
 from minisgl.server.frontend import Frontend
 from support.server import Server, make_tiny_model, run_server
@@ -28,14 +28,6 @@ SGLANG_ONLY = [
     ("POST", "/flush_cache"),
     ("GET", "/health_generate"),
 ]
-
-
-@pytest.fixture
-def core_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process as the core alone: the flag set and an empty registry (the extension's
-    modules, imported by other tests, have filled the process's own)."""
-    monkeypatch.setenv("MINISGL_DISABLE_EXTENSIONS", "1")
-    monkeypatch.setattr(extension, "_EXTENSIONS", Extensions())
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from minisgl import LLM, SamplingParams, extension
-from minisgl.extension import ExtensionMissing, Extensions
+from minisgl.extension import ExtensionMissing
 from minisgl.server.args import ServerArgs
 from minisgl.shell import Printer, make_printers
 from minisgl.utils.options import OptionError
@@ -24,14 +24,6 @@ NEEDS = "needs the structured extension (minisgl/ext/structured)"
 CHAT = [{"role": "user", "content": "hello world"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-@pytest.fixture
-def core_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process as the core alone: the flag set and an empty registry (the extension's
-    modules, imported by other tests, have filled the process's own)."""
-    monkeypatch.setenv("MINISGL_DISABLE_EXTENSIONS", "1")
-    monkeypatch.setattr(extension, "_EXTENSIONS", Extensions())
 
 
 @pytest.fixture(scope="module")
