@@ -18,6 +18,8 @@ MINISGL_DISABLE_EXTENSIONS=1 runs the core alone with `minisgl/ext` present.
 | `decoder_transform` | `Engine.__init__` | the decoder of one-request decode steps | `ext/cpu/torch_compile.py` (`--enable-torch-compile`) |
 | `generate_extras` | `ApiServer.generate` | checks /generate's undeclared fields (none: each is a 400) | `ext/serving/sglang.py: check_generate_extras` (SGLang's at their defaults) |
 | `request_observer` | `Frontend.__init__` (its replies, aborts), `Gate` (its responses) | counts what the API process sees of its requests | `ext/serving/metrics.py: Metrics` (Prometheus, /metrics) |
+| `dispatcher` | `tokenizer.server.run_tokenizer` (`--dp` > 1), `LLM.__init__` | which data-parallel replica each request goes to | `ext/serving/dispatch.py: Dispatcher` (`--dp-dispatch prefix`: longest indexed prefix) |
+| `replicas` | `LLM.__init__` (`dp` > 1) | `LLM(dp=N)`'s N replica processes and their calls | `ext/serving/replicas.py: Replicas` |
 """
 
 from __future__ import annotations
@@ -158,6 +160,12 @@ class Extensions:
     generate_extras: Callable[[dict[str, Any]], None] | None = None
     # (the API process's Frontend) -> the observer of its requests (None: nothing counted)
     request_observer: Callable[[Any], RequestObserver] | None = None
+    # (replicas, page size, --dp-dispatch, --dp-load-threshold) -> the object that picks each
+    # request's replica (`choose`, `sent`, `replica_of`, `done`); None: --dp > 1 is refused
+    dispatcher: Callable[..., Any] | None = None
+    # (LLM class, model dir, tp, dp, options, dispatcher) -> `LLM(dp=N)`'s replica processes
+    # (`generate`, `call_all`, `shutdown`, `procs`); None: dp > 1 is refused
+    replicas: Callable[..., Any] | None = None
     # -- points --
     loaded: bool = False
 

@@ -290,3 +290,25 @@ def test_an_alias_s_error_names_the_alias(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--tp-size", "0"])
     assert "error: argument --tp-size: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_help_is_grouped_with_aliases_in_their_flag_s_entry(capsys):
+    from minisgl.server.args import _GROUP_OF, HELP_GROUPS
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line[:1].isalpha()][-len(HELP_GROUPS) :] == [
+        f"{title}:" for title in HELP_GROUPS
+    ]
+    entries = [line.split()[0].rstrip(",") for line in lines if line.startswith("  --")]
+    aliases = {
+        alias
+        for config in (EngineConfig, SchedulerConfig, ServerArgs)
+        for f in fields(config)
+        for alias in f.metadata.get("aliases", [])
+    }
+    assert aliases and not aliases & set(entries)  # each only beside its flag
+    assert "  --tp, --tensor-parallel-size, --tp-size TP" in lines
+    names = {f.name for c in (EngineConfig, SchedulerConfig, ServerArgs) for f in fields(c)}
+    assert {n for group in _GROUP_OF.values() for n in group} <= names  # no stale name

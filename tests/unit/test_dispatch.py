@@ -1,7 +1,7 @@
-"""The --dp dispatcher (server/dispatch.py): longest indexed prefix wins, new prefixes spread
+"""The --dp dispatcher (ext/serving/dispatch.py): longest indexed prefix wins, new prefixes spread
 over the replicas, uneven loads fall back to the least loaded, round robin ignores both."""
 
-from minisgl.server.dispatch import Dispatcher, block_hashes
+from minisgl.ext.serving.dispatch import Dispatcher, block_hashes
 
 PAGE = 4
 A = list(range(100, 116))  # four pages

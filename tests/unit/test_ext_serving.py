@@ -2,20 +2,25 @@
 core without it (issue 46): the extension fills its points; with MINISGL_DISABLE_EXTENSIONS=1 a
 real server answers SGLang's endpoints and /metrics 404 as it does any unknown route, refuses
 every undeclared /generate field with a 400 naming it, counts nothing, and still serves /stats
-and /generate. The core-alone tests carry the `core` mark (.ci/run runs them without ext/)."""
+and /generate; `--dp 2` and `LLM(dp=2)` are refused as needing the extension. The core-alone tests carry the `core` mark (.ci/run runs them without ext/)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from minisgl import extension
+from minisgl import LLM, extension
 from minisgl.extension import RequestObserver
 from minisgl.message import UserReply
 from minisgl.server.frontend import Frontend
+from minisgl.utils.options import OptionError
 from support.server import Server, make_tiny_model, run_server
 
 SGLANG_ONLY = [
@@ -47,6 +52,10 @@ def test_the_extension_fills_its_points() -> None:
     assert metrics.add_metrics_route in points.routes
     assert points.generate_extras is sglang.check_generate_extras
     assert points.request_observer is metrics.frontend_metrics
+    from minisgl.ext.serving import dispatch, replicas
+
+    assert points.dispatcher is dispatch.Dispatcher
+    assert points.replicas is replicas.Replicas
 
 
 @pytest.mark.core
@@ -89,3 +98,27 @@ def test_stats_stay_in_the_core(core_server: Server) -> None:
     assert "in_flight" in r.json()
     paths = httpx.get(f"{core_server.url}/openapi.json", timeout=30).json()["paths"]
     assert "/stats" in paths and "/metrics" not in paths and "/flush_cache" not in paths
+
+
+NEEDS_SERVING = "needs the serving extension"
+
+
+@pytest.mark.core
+def test_dp_is_refused_on_the_command_line_without_it(tmp_path: Any) -> None:
+    python = str(Path(__file__).resolve().parents[2] / "python")
+    env = dict(os.environ, MINISGL_DISABLE_EXTENSIONS="1", PYTHONPATH=python)
+    argv = [sys.executable, "-m", "minisgl", "--model", str(tmp_path), "--dp", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("python -m minisgl: error: argument --dp: --dp 2"), line
+    assert NEEDS_SERVING in line, line
+
+
+@pytest.mark.core
+def test_llm_dp_is_refused_without_it(core_alone: None, tmp_path: Any) -> None:
+    with pytest.raises(OptionError, match=NEEDS_SERVING) as refused:
+        LLM(str(tmp_path), dp=2, device="cpu")
+    assert refused.value.name == "dp" and isinstance(refused.value, ValueError)
+    assert extension.extensions().dispatcher is None and extension.extensions().replicas is None

@@ -4,6 +4,6 @@ is the one place they register: importing a package fills its points of
 without it). A new feature is a new package here plus one import line below."""
 
 # -- packages: one import per extension, for its registrations --
-import minisgl.ext.serving  # noqa: F401  (sglang routes, /metrics: routes, request_observer)
+import minisgl.ext.serving  # noqa: F401  (sglang routes, /metrics, --dp dispatch, LLM(dp=N))
 import minisgl.ext.structured  # noqa: F401  (tool calls and reasoning: chat_features)
 from minisgl.ext import cpu  # noqa: F401  (GGUF, quantized layers, torch.compile, cpu dtype)

@@ -17,16 +17,14 @@ from minisgl.core import Req, SamplingParams
 from minisgl.distributed import destroy_tp, get_tp_info, rendezvous_file
 from minisgl.engine import EngineConfig
 from minisgl.engine.engine import check_model
-from minisgl.extension import extensions, require
-from minisgl.llm.replicas import Replicas
+from minisgl.extension import ExtensionMissing, extensions, require
 from minisgl.models import default_model, resolve_model_path
 from minisgl.models.hf import load_tokenizer
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
 from minisgl.scheduler.scheduler import TokenOutput
-from minisgl.server.dispatch import Dispatcher
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
-from minisgl.utils.options import split_options
+from minisgl.utils.options import OptionError, split_options
 from minisgl.utils.procs import wait_ready
 
 Prompt = str | list[int]
@@ -131,13 +129,16 @@ class LLM:
         self.sched_config = SchedulerConfig(**sched_options)
         self.workers: list[Any] = []  # TP ranks 1..N-1
         self.tp_dir: str | None = None  # private directory of the ranks' rendezvous file
-        self.replicas: Replicas | None = None
-        # a bad policy or threshold fails here, before any process starts (also with dp = 1)
-        dispatcher = Dispatcher(dp, config.page_size, dp_dispatch, dp_load_threshold)
+        self.replicas: Any = None  # dp > 1: the serving extension's replica processes
+        exts = extensions()  # the serving extension's: a bad policy fails here, also with dp = 1
+        dispatch = (dp, config.page_size, dp_dispatch, dp_load_threshold)
+        dispatcher = None if exts.dispatcher is None else exts.dispatcher(*dispatch)
         if dp > 1:
+            if exts.replicas is None or dispatcher is None:
+                raise OptionError("dp", str(ExtensionMissing(f"LLM(dp={dp})", "serving")))
             path = resolve_model_path(model)  # download once, before the replicas
             self.tokenizer = load_tokenizer(path)
-            self.replicas = Replicas(LLM, path, tp, dp, options, dispatcher)
+            self.replicas = exts.replicas(LLM, path, tp, dp, options, dispatcher)
             atexit.register(self.shutdown)
             return
         if tp == 1:

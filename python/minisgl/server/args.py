@@ -218,6 +218,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self._check_scale_out()
         self._check_parsers()
+        if self.dp > 1 and extensions().dispatcher is None:  # ext/serving/dispatch.py
+            raise OptionError("dp", str(ExtensionMissing(f"--dp {self.dp}", "serving")))
         if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
             raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
         if self.api_server_count > 1 and self.shell:
@@ -289,14 +291,74 @@ def option_error(e: OptionError) -> str:
     return f"argument {_flag(e.name)}: {e}"
 
 
-def _add_flag(parser: argparse.ArgumentParser, f: Field[Any]) -> None:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Lists a flag's aliases in its own entry: `--tp, --tensor-parallel-size, --tp-size TP`."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        aliases = getattr(action, "aliases", [])
+        if not aliases:
+            return super()._format_action_invocation(action)
+        names = ", ".join([*action.option_strings, *aliases])
+        if action.nargs == 0:
+            return names
+        metavar = self._get_default_metavar_for_optional(action)
+        return f"{names} {self._format_args(action, metavar)}"
+
+
+# The --help group of each flag: by what a user wants to do. A flag not named here goes to its
+# config's group: EngineConfig's to engine, SchedulerConfig's to scheduler, ServerArgs' to server.
+_GROUPS = {
+    EngineConfig: "engine",
+    SchedulerConfig: "scheduler",
+    ServerArgs: "server",
+}
+_GROUP_OF = {
+    "model": [
+        "model",
+        "dtype",
+        "quantization",
+        "max_model_len",
+        "dummy_weights",
+        "seed",
+        "served_model_name",
+        "chat_template",
+    ],
+    "engine": [
+        "tp",
+        "dp",
+        "dp_dispatch",
+        "dp_load_threshold",
+        "nnodes",
+        "node_rank",
+        "dist_init_addr",
+        "dist_timeout",
+    ],
+    "scheduler": ["max_running_requests"],
+    "extensions": [
+        "tool_call_parser",
+        "reasoning_parser",
+        "speculative_algorithm",
+        "speculative_draft_model_path",
+        "speculative_num_draft_tokens",
+        "speculative_max_backoff",
+        "speculative_ngram_min_match_window_size",
+        "speculative_ngram_max_match_window_size",
+        "json_any_whitespace",
+        "grammar_compile_timeout",
+    ],
+}
+HELP_GROUPS = ("model", "engine", "scheduler", "server", "extensions")
+
+
+def _add_flag(parser: argparse._ActionsContainer, f: Field[Any]) -> None:
     kwargs = dict(f.metadata)
     aliases, switches = kwargs.pop("aliases", []), kwargs.pop("switches", {})
     if f.default is False:
         kwargs["action"] = "store_true"
-    parser.add_argument(_flag(f.name), dest=f.name, default=f.default, **kwargs)
-    for alias in aliases:  # a flag of its own, so that its errors name it
-        kwargs["help"] = f"same as {_flag(f.name)}"
+    action = parser.add_argument(_flag(f.name), dest=f.name, default=f.default, **kwargs)
+    action.aliases = aliases  # type: ignore[attr-defined]  # for _HelpFormatter
+    for alias in aliases:  # a flag of its own, so that its errors name it; --help: in the entry
+        kwargs["help"] = argparse.SUPPRESS
         parser.add_argument(alias, dest=f.name, default=argparse.SUPPRESS, **kwargs)
     for switch, value in switches.items():
         help = f"same as {_flag(f.name)} {value}"
@@ -307,14 +369,17 @@ def _add_flag(parser: argparse.ArgumentParser, f: Field[Any]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m minisgl",
+        usage="%(prog)s [--model MODEL] [--shell] [OPTIONS]",  # the groups below list them all
         description="minisgl: OpenAI-compatible LLM server (or --shell for a terminal chat).",
         allow_abbrev=False,  # a typo must not silently match another flag
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
-    for config in (EngineConfig, SchedulerConfig, ServerArgs):
+    groups = {title: parser.add_argument_group(title) for title in HELP_GROUPS}
+    group_of = {name: title for title, names in _GROUP_OF.items() for name in names}
+    for config, title in _GROUPS.items():
         for f in fields(config):
             if "help" in f.metadata:  # not ServerArgs.engine / .scheduler
-                _add_flag(parser, f)
+                _add_flag(groups[group_of.get(f.name, title)], f)
     return parser
 
 

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from minisgl.extension import extensions, require
 from minisgl.message import (
     AbortBackendMsg,
     AbortMsg,
@@ -26,7 +27,6 @@ from minisgl.message import (
     UserMsg,
     UserReply,
 )
-from minisgl.server.dispatch import Dispatcher
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, named_logprobs
 from minisgl.utils.options import OptionError
 from minisgl.utils.procs import freeze_startup_heap
@@ -201,7 +201,7 @@ class TokenizerWorker:
     tokenizers release the GIL) while the requests behind it go on; an abort of such a request
     drops it when its tokens are ready, so that the abort never overtakes its request.
     `to_sched`: the scheduler's queue, or with --dp > 1 a list of the replicas' queues; then
-    `dispatcher` picks one per request."""
+    `dispatcher` (the serving extension's `dispatcher` point) picks one per request."""
 
     def __init__(
         self,
@@ -209,7 +209,7 @@ class TokenizerWorker:
         to_sched: Any,
         to_detok: Any,
         to_api: Any,
-        dispatcher: Dispatcher | None = None,
+        dispatcher: Any = None,
     ) -> None:
         self.tokenizer, self.to_detok, self.to_api = tokenizer, to_detok, ToApi(to_api)
         self.to_scheds = to_sched if isinstance(to_sched, list) else [to_sched]
@@ -292,7 +292,10 @@ def run_tokenizer(
 ) -> None:
     """`sched_addrs`: one per --dp replica; `dispatch`: (page size, --dp-dispatch,
     --dp-load-threshold), used with more than one."""
-    dispatcher = Dispatcher(len(sched_addrs), *dispatch) if len(sched_addrs) > 1 else None
+    dispatcher = None
+    if len(sched_addrs) > 1:  # --dp > 1, which ServerArgs allows only with the extension
+        make = require(extensions().dispatcher, "--dp > 1", "serving")
+        dispatcher = make(len(sched_addrs), *dispatch)
     recv, worker = build_or_report(
         "tokenizer",
         ready,

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
-from minisgl.server.dispatch import Dispatcher
+from minisgl.ext.serving.dispatch import Dispatcher
 
 STOP_TIMEOUT_S = 30.0  # a replica's own shutdown (its TP ranks included) on a loaded machine
 
