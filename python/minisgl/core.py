@@ -31,8 +31,9 @@ def check_token_ids(vocab: int, **fields: Iterable[int]) -> None:
     """Every token id a request names must be in the vocabulary: checked where a request enters
     (every endpoint and `LLM` pass here), so that no id can reach an index on the device."""
     for name, ids in fields.items():
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= vocab):  # min/max in C: a prompt may be long
+            bad = next(t for t in ids if not 0 <= t < vocab)
             raise ValueError(f"{name}: token id {bad} is not in the vocabulary [0, {vocab})")
 
 
