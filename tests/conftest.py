@@ -91,12 +91,14 @@ CORE_MODULES = frozenset(
         "unit/test_scheduler.py",
         "unit/test_message.py",
         "unit/test_detokenize.py",
+        "unit/test_stop_matched.py",
         "engine/test_models.py",
         "engine/test_tp.py",
         "engine/test_llm.py",
         "server/test_server.py",
         "server/test_streaming.py",
         "server/test_ext_structured_http.py",
+        "server/test_ext_sampling_http.py",
     }
 )
 
@@ -118,9 +120,12 @@ def pytest_ignore_collect(collection_path: Any, config: Any) -> bool | None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     tests_dir = os.path.dirname(__file__)
+    alone = not EXT_PRESENT or os.environ.get("MINISGL_DISABLE_EXTENSIONS") == "1"
     for item in items:
         if os.path.relpath(str(item.path), tests_dir) in CORE_MODULES:
             item.add_marker(pytest.mark.core)
+        if alone and item.get_closest_marker("ext") is not None:
+            item.add_marker(pytest.mark.skip(reason="needs minisgl/ext (the core runs alone)"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

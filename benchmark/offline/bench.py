@@ -238,13 +238,14 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
     was made."""
     import random
 
-    from minisgl.scheduler.spec import NgramProposer, room
+    from minisgl.ext.spec.proposers import NgramProposer, room
 
     if args.speculative_algorithm is not None and args.dp > 1:
         raise SystemExit("--speculative-algorithm with --dp > 1: not measured by this script")
     if args.speculative_algorithm is None:
         return lambda: {"speculative": None}
-    planner = llm.scheduler.planner
+    sched = llm.scheduler
+    spec = sched.spec
     if args.speculative_algorithm == "random":
         rng, vocab = random.Random(0), llm.engine.model_config.vocab_size
 
@@ -252,12 +253,14 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
             def propose(self, req: Any) -> list[int]:
                 return [rng.randrange(vocab) for _ in range(room(req, self.num_draft))]
 
-        planner.proposer = RandomProposer(args.speculative_num_draft_tokens, 1, 1)
+        spec.proposer = RandomProposer(args.speculative_num_draft_tokens, 1, 1)
     if args.speculative_algorithm == "oracle":
-        planner.proposer, future = None, {}
+        future = {}
+        sched.spec = sched.planner.spec = sched.engine.speculator = None  # plain decoding
         for prompts in runs:
             for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
                 future[tuple(prompt)] = out["token_ids"]
+        sched.spec = sched.planner.spec = sched.engine.speculator = spec
         llm.reset_prefix_cache()  # the timed runs prefill their prompts again
         by_uid: dict[int, list[int]] = {}
 
@@ -268,14 +271,14 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
                 done = req.num_output
                 return by_uid[req.uid][done : done + room(req, self.num_draft)]
 
-        planner.proposer = OracleProposer(args.speculative_num_draft_tokens, 1, 1)
-    before = planner.num_draft_tokens, planner.num_accepted_tokens, planner.num_verified_rows
+        spec.proposer = OracleProposer(args.speculative_num_draft_tokens, 1, 1)
+    before = spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_verified_rows
 
     def fields() -> dict[str, Any]:
         drafted, accepted, rows = (
-            planner.num_draft_tokens - before[0],
-            planner.num_accepted_tokens - before[1],
-            planner.num_verified_rows - before[2],
+            spec.num_draft_tokens - before[0],
+            spec.num_accepted_tokens - before[1],
+            spec.num_verified_rows - before[2],
         )
         return {
             "speculative": args.speculative_algorithm,

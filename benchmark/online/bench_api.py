@@ -76,8 +76,12 @@ def run_api(tok_addr: str, api_addrs: list[str], rank: int, port: int, fd: int |
 
     args = ServerArgs()
     args.host, args.port, args.log_level = "127.0.0.1", port, "warning"
-    args.api_server_count = len(api_addrs)
-    frontend = Frontend([tok_addr], api_addrs[rank], api_rank=rank, api_addrs=api_addrs)
+    if len(api_addrs) == 1:
+        frontend = Frontend([tok_addr], api_addrs[0])
+    else:  # the processes' views of each other: the serving extension's
+        from minisgl.ext.serving.frontend import ServingFrontend
+
+        frontend = ServingFrontend([tok_addr], api_addrs[rank], api_rank=rank, api_addrs=api_addrs)
     server = http_server(args, {"max_seq_len": 1 << 20}, frontend)
     server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
 
@@ -143,10 +147,12 @@ def wait_ready(port: int, procs: list[subprocess.Popen], timeout: float = 60) ->
 
 def start_apis(me: list[str], port: int, count: int) -> list[subprocess.Popen]:
     """The API processes; with more than one, each gets its socket of the port as the
-    launcher opens them (`listen_sockets`: one per process, SO_REUSEPORT)."""
-    from minisgl.server.launch import listen_sockets
+    launcher opens them (`reuse_port_sockets`: one per process, SO_REUSEPORT)."""
+    socks = []
+    if count > 1:  # the serving extension's
+        from minisgl.ext.serving.scale import reuse_port_sockets
 
-    socks = listen_sockets("127.0.0.1", port, count) if count > 1 else []
+        socks = reuse_port_sockets("127.0.0.1", port, count)
     procs = []
     for k in range(count):
         cmd = [*me, "--role", "api", "--rank", str(k), "--port", str(port)]

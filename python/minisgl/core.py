@@ -5,26 +5,36 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from minisgl.extension import extensions, require
+
 if TYPE_CHECKING:
     from minisgl.attention.base import AttnMetadata, BaseAttnBackend
     from minisgl.kvcache.pool import MHAKVCache
     from minisgl.kvcache.prefix_cache import CacheHandle
-    from minisgl.scheduler.grammar import Constraint
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM allows (OpenAI: 20 in chat)
 PLACEHOLDER = -1  # a sampled token id the host has not read yet (its step is in flight)
 # SamplingParams' fields that constrain the output (structured generation), one at most
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# SamplingParams' fields that an extension implements: name -> (extension, default). Set to
+# anything else, a field needs its extension (`Extensions.sampling_params` checks it)
+EXTENSION_PARAMS: dict[str, tuple[str, Any]] = {
+    **{name: ("structured", None) for name in CONSTRAINT_KINDS},
+    **{name: ("sampling", 0.0) for name in ("frequency_penalty", "presence_penalty")},
+    "repetition_penalty": ("sampling", 1.0),
+    "logit_bias": ("sampling", {}),
+    "min_tokens": ("sampling", 0),
+    "logprobs": ("sampling", None),
+    "prompt_logprobs": ("sampling", None),
+}
 
 
 def check_token_ids(vocab: int, **fields: Iterable[int]) -> None:
@@ -39,11 +49,12 @@ def check_token_ids(vocab: int, **fields: Iterable[int]) -> None:
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings. temperature 0 means greedy. At most one of json_schema
-    (a dict or its JSON text), regex, ebnf and structural_tag (xgrammar's structural tag, a dict
-    or its JSON text: tool calls, constraints after the reasoning) constrains the output.
-    The logits of each step are adjusted, in this order, by logit_bias, the min_tokens mask,
-    repetition_penalty, then frequency_penalty and presence_penalty (docs/features.md)."""
+    """Per-request sampling settings. temperature 0 means greedy. The fields after `seed` up
+    to `stop` and `logprobs` / `prompt_logprobs` are the extensions' (EXTENSION_PARAMS):
+    ext/structured's grammars (at most one of json_schema, a dict or its JSON text, regex,
+    ebnf and structural_tag) and ext/sampling's logit adjustments (logit_bias, the min_tokens
+    mask, repetition_penalty, then frequency and presence penalties) and logprobs
+    (docs/features.md)."""
 
     temperature: float = 0.0
     top_k: int = -1  # -1 or 0: no top-k filter
@@ -68,23 +79,11 @@ class SamplingParams:
     # log-probabilities (the model's own: before temperature, penalties, bias and grammar masks)
     logprobs: int | None = None  # of each sampled token, with this many top alternatives (0-20)
     prompt_logprobs: int | None = None  # of each prompt token after the first, with top-k too
-    # scheduling order under --schedule-policy priority: lower values first (vLLM's direction)
+    # the serving extension's: the order under --schedule-policy priority, lower values first
+    # (vLLM's direction); not in EXTENSION_PARAMS, whose fields change how a request samples
     priority: int = 0
 
     def __post_init__(self) -> None:
-        try:  # JSON objects (HTTP) have string keys
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        except (TypeError, ValueError, AttributeError):
-            raise ValueError(
-                f"logit_bias must map token ids to numbers, got {self.logit_bias}"
-            ) from None
-        for name in ("json_schema", "structural_tag"):  # kept as text: it travels in messages
-            value = getattr(self, name)
-            if isinstance(value, dict):
-                try:
-                    setattr(self, name, json.dumps(value))  # key order is field order
-                except (TypeError, ValueError) as e:
-                    raise ValueError(f"{name} is not JSON: {e}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
@@ -106,73 +105,39 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ValueError(f"priority must be an integer, got {self.priority!r}")
-        if not -(2**31) <= self.priority < 2**31:
-            raise ValueError(f"priority must be in [-2**31, 2**31), got {self.priority}")
-        grammars = {name: getattr(self, name) for name in CONSTRAINT_KINDS}
-        given = [name for name, value in grammars.items() if value is not None]
-        if len(given) > 1:
-            kinds = ", ".join(CONSTRAINT_KINDS[:-1]) + " and " + CONSTRAINT_KINDS[-1]
-            raise ValueError(f"give at most one of {kinds}, got {given}")
-        if given and not isinstance(grammars[given[0]], str):
-            raise ValueError(f"{given[0]} must be a string")
-        self._validate_penalties()
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if type(self.priority) is not int or self.priority != 0:  # False, 0.0: not the default
+            require(extensions().sampling_params.get("priority"), "priority", "serving")(self)
+        self._check_extension_params()
 
-    def _validate_penalties(self) -> None:
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if any(not 0 <= t < 2**31 for t in self.logit_bias):  # the vocabulary: Scheduler
-            raise ValueError(f"logit_bias token ids must be in [0, 2**31), got {self.logit_bias}")
-        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
-            raise ValueError(f"logit_bias values must be in [-100, 100], got {self.logit_bias}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
+    def _check_extension_params(self) -> None:
+        """The extensions' fields that are set, each checked by its extension (once each);
+        ExtensionMissing (a ValueError naming the field) where it is not there."""
+        asked = self.extension_fields()
+        if not asked:
+            return
+        checks = extensions().sampling_params
+        for name in asked:
+            require(checks.get(name), name, EXTENSION_PARAMS[name][0])
+        for check in dict.fromkeys(checks[name] for name in asked):
+            check(self)
+
+    def extension_fields(self) -> list[str]:
+        """The extensions' fields that are set (not at their defaults)."""
+        return [name for name, (_, off) in EXTENSION_PARAMS.items() if getattr(self, name) != off]
 
     def for_sample(self, j: int) -> SamplingParams:
         """Sample j of n: one request, seeded seed + j (kept within int64)."""
         seed = None if self.seed is None else (self.seed + j) % 2**63
         return dataclasses.replace(self, seed=seed, n=1)
 
-    def token_id_fields(self) -> dict[str, list[int]]:
-        """The token ids these parameters name, by field: each must be in the vocabulary."""
-        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias)}
-
-    @property
-    def constraint(self) -> tuple[str, str] | None:
-        """(kind, text) of the output constraint (one of CONSTRAINT_KINDS), or None."""
-        for kind in CONSTRAINT_KINDS:
-            text = getattr(self, kind)
-            if text is not None:
-                return kind, text
-        return None
-
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
-    def uses_penalties(self) -> bool:
-        """Whether the request needs its token counts (repetition, frequency, presence)."""
-        return (
-            self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether anything (penalties, logit_bias, min_tokens) changes the model's logits."""
-        return self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
+    def sampling_temperature(self) -> float:
+        """The temperature a sampler uses: 0 (greedy) whenever `is_greedy`."""
+        return 0.0 if self.is_greedy else self.temperature
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -197,20 +162,12 @@ class Req:
     cache_handle: CacheHandle | None = None  # locked prefix-cache match while admitted
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    grammar: Constraint | None = None  # structured generation: what the output must match
     error: str | None = None  # why it ended when finish_reason is "error"
-    # prompt_logprobs: the next prompt position whose log-probability is not computed yet, and
-    # the entries computed so far (sent with the first output)
-    next_prompt_logprob: int = 1
-    prompt_logprobs: list[Sequence[Any]] = field(default_factory=list)  # engine.logprobs.Entry
-    arrival: int = 0  # the planner's count of requests queued before it (priority aging)
+    # the extensions' state of this request (a grammar, logprobs...), by StepFeature name
+    ext: dict[str, Any] = field(default_factory=dict)
     queued_at: float = 0.0  # time.monotonic() when it was queued
     queue_time: float | None = None  # seconds from queued to its first forward
-    # speculative decoding: this step's proposals (computed after its last token), and totals
-    drafts: list[int] = field(default_factory=list)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    spec_backoff: int = 0  # > 1: it proposes in every spec_backoff-th step only (planner.backoff)
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied to its first forward
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -220,10 +177,10 @@ class Req:
 
     @property
     def samples_plainly(self) -> bool:
-        """No grammar, logit adjustment or logprobs: its token at a position depends on the
-        logits there alone (what speculative decoding needs to verify proposals)."""
-        p = self.params
-        return self.grammar is None and not p.adjusts_logits and p.logprobs is None
+        """No extension acts on its steps (grammar, logit adjustment, logprobs): its token at
+        a position depends on the logits there alone (what speed paths that sample a step's
+        positions as graph rows, and speculative decoding, need)."""
+        return not self.ext and not self.params.extension_fields()
 
     @property
     def output_ids(self) -> list[int]:

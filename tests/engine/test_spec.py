@@ -10,8 +10,10 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req
+from minisgl.ext.spec.options import SpecOptions
+from minisgl.ext.spec.proposers import NgramProposer, latest_match, room
+from minisgl.ext.spec.speculator import Backoff, SpecState, accept
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.spec import Backoff, NgramProposer, accept, latest_match, room
 from minisgl.utils.options import OptionError
 
 
@@ -56,10 +58,11 @@ def generate(
 
 def use_graph_step(llm: LLM, max_bs: int) -> None:
     from minisgl.engine.graph import GraphRunner
-    from minisgl.scheduler.spec import DraftModelProposer, using_context
+    from minisgl.ext.spec.proposers import DraftModelProposer, using_context
 
     llm.engine.graphs = GraphRunner(llm.engine, max_bs, capture=False)
-    proposer = llm.scheduler.planner.proposer
+    assert llm.scheduler.spec is not None
+    proposer = llm.scheduler.spec.proposer
     if isinstance(proposer, DraftModelProposer):
         with using_context(proposer.engine.ctx):
             proposer.engine.graphs = GraphRunner(proposer.engine, max_bs, capture=False)
@@ -133,20 +136,20 @@ def test_backoff_doubles_to_its_cap_and_resets_on_a_gain() -> None:
     step 8 makes it propose at the next step again."""
     backoff = Backoff(max_steps=4)
     req = Req([5, 6, 7], 3, SamplingParams(max_tokens=50), max_total_len=60)
-    due = []
+    state, due = SpecState(), []
     for step in range(12):
-        if backoff.due(req, 3):
+        if backoff.due(req, state, 3):
             due.append(step)
-            backoff.result(req, gained=step == 8)
+            backoff.result(state, gained=step == 8)
         backoff.tick()
     assert due == [0, 2, 4, 8, 9, 10]  # after the gain: step 9, which gains nothing, then 10
     plain = Req([5], 1, SamplingParams(max_tokens=50, presence_penalty=0.5), max_total_len=60)
-    assert not backoff.due(plain, 3)  # penalties: it never proposes
+    assert not backoff.due(plain, SpecState(), 3)  # penalties: it never proposes
     for cap in (0, 1):  # proposing at every step
-        every = Backoff(max_steps=cap)
+        every, state = Backoff(max_steps=cap), SpecState()
         for _ in range(3):
-            assert every.due(req, 3)
-            every.result(req, gained=False)
+            assert every.due(req, state, 3)
+            every.result(state, gained=False)
             every.tick()
 
 
@@ -168,7 +171,8 @@ def test_proposals_that_never_pay_back_off_and_the_steps_between_overlap(
     llm = LLM(path, page_size=4, num_pages=64, speculative_algorithm="ngram",
               speculative_num_draft_tokens=3, speculative_max_backoff=backoff)  # fmt: skip
     scheduler = llm.scheduler
-    scheduler.planner.proposer = WrongProposer(3, 1, 1)
+    assert scheduler.spec is not None
+    scheduler.spec.proposer = WrongProposer(3, 1, 1)
     verifying, overlapped = [], []
     real_process = scheduler._process
 
@@ -262,11 +266,13 @@ def test_ngram_lookup_equals_the_reference_loop() -> None:
 
 def test_bad_speculative_options_name_the_flag() -> None:
     with pytest.raises(OptionError, match="speculative_algorithm"):
-        SchedulerConfig(speculative_algorithm="eagle")  # type: ignore[arg-type]
+        SpecOptions(speculative_algorithm="eagle")  # type: ignore[arg-type]
     with pytest.raises(OptionError, match="num_draft_tokens"):
-        SchedulerConfig(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
+        SchedulerConfig.from_options(
+            {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 0}
+        )
     with pytest.raises(OptionError, match="must not exceed") as error:
-        SchedulerConfig(
+        SpecOptions(
             speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=2
         )
     assert error.value.name == "speculative_ngram_min_match_window_size"
@@ -305,9 +311,9 @@ def test_standalone_refuses_a_draft_with_another_vocabulary(model_dirs, tmp_path
         LLM(path, speculative_algorithm="standalone", speculative_draft_model_path=other)
     assert error.value.name == "speculative_draft_model_path"
     with pytest.raises(OptionError, match="required"):
-        SchedulerConfig(speculative_algorithm="standalone")
+        SpecOptions(speculative_algorithm="standalone")
     with pytest.raises(OptionError, match="only with it"):
-        SchedulerConfig(speculative_draft_model_path=path)
+        SpecOptions(speculative_draft_model_path=path)
 
 
 def test_target_leaves_room_for_the_draft_pool(model_dirs) -> None:
@@ -315,14 +321,18 @@ def test_target_leaves_room_for_the_draft_pool(model_dirs) -> None:
     token, so the draft's pool (sized after it) fits: half each for the target as its own
     draft (the target took all of it before, and the draft's pool ran out of memory)."""
     from minisgl.engine import EngineConfig
-    from minisgl.scheduler.spec import kv_per_token, leave_room_for_draft
+    from minisgl.ext.spec.proposers import kv_per_token, leave_room_for_draft
+
+    def standalone(draft: str) -> SchedulerConfig:
+        options = {"speculative_algorithm": "standalone", "speculative_draft_model_path": draft}
+        return SchedulerConfig.from_options(options)
 
     path, _ = model_dirs("qwen3")
     draft, _ = model_dirs("llama")
     engine = EngineConfig(model=path, memory_ratio=0.9)
-    itself = SchedulerConfig(speculative_algorithm="standalone", speculative_draft_model_path=path)
+    itself = standalone(path)
     assert leave_room_for_draft(engine, itself).memory_ratio == pytest.approx(0.45)
-    other = SchedulerConfig(speculative_algorithm="standalone", speculative_draft_model_path=draft)
+    other = standalone(draft)
     share = kv_per_token(path) / (kv_per_token(path) + kv_per_token(draft))
     assert leave_room_for_draft(engine, other).memory_ratio == pytest.approx(0.9 * share)
     fixed = EngineConfig(model=path, num_pages=64)  # a fixed page count applies to both
@@ -333,9 +343,9 @@ def test_target_leaves_room_for_the_draft_pool(model_dirs) -> None:
 @pytest.mark.parametrize("algorithm", ["ngram", "standalone"])
 def test_verify_as_decode_rows_equals_plain_decoding(model_dirs, monkeypatch, algorithm):
     """With CUDA graphs a verify step (and a draft's short catch-up) runs as one decode row per
-    position (engine/verify.flat_batch) through the graph step: plain decoding's tokens still,
+    position (ext/spec/verify.flat_batch) through the graph step: plain decoding's tokens still,
     greedy and sampled (top-p too), with and without the graph step for the rows."""
-    from minisgl.engine import verify
+    from minisgl.ext.spec import verify
 
     path, _ = model_dirs("qwen3")
     spec: dict = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 3}
@@ -344,9 +354,6 @@ def test_verify_as_decode_rows_equals_plain_decoding(model_dirs, monkeypatch, al
     flattened = []
     real = verify.flat_batch
     monkeypatch.setattr(verify, "flat_batch", lambda b, m: flattened.append(r := real(b, m)) or r)
-    import minisgl.engine.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "flat_batch", verify.flat_batch)
     config = dict(page_size=4, num_pages=256, max_prefill_tokens=24)
     for temperature in (0.0, 0.8):
         plain = generate(path, monkeypatch, temperature=temperature, **config)

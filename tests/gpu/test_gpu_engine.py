@@ -309,15 +309,15 @@ def test_fused_rotary_kv_store_equals_torch_path(model_dirs, monkeypatch, arch, 
 def test_prefill_rows_equal_eager_prefill(model_dirs, monkeypatch, attn):
     """Small prefill and mixed steps replayed as decode-graph rows, one per position, give the
     eager extend's tokens (float32 triton: equal; fi in bf16: up to near ties), and ran."""
-    from minisgl.engine.engine import Engine
+    from minisgl.ext.perf import prefill_rows
 
-    replay_rows, rows = Engine._replay_rows, []
+    replay_rows, rows = prefill_rows.replay_rows, []
 
     def counted(engine, batch, flat, samples, resample):
         rows.append(flat.size)
         return replay_rows(engine, batch, flat, samples, resample)
 
-    monkeypatch.setattr(Engine, "_replay_rows", counted)
+    monkeypatch.setattr(prefill_rows, "replay_rows", counted)
     if attn == "triton":
         path, _ = model_dirs("qwen3")
         eager = generate(path, monkeypatch, attn=attn, dtype="float32", disable_prefill_graphs=True)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.ext.sampling.logprobs import Logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -91,7 +92,9 @@ def test_decode_step_with_every_feature_has_no_host_sync(model_dirs, attn):
             launched = scheduler._launch(batch)  # forward (graph replay), adjust, sample, copies
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        assert all(len(e[1]) == 5 for e in launched.output.logprobs() if e is not None)
+        launched.output.tokens()  # the copies (the logprobs' too) are done
+        entries = Logprobs().read(batch.reqs, launched.output.results["logprobs"]) or []
+        assert all(len(e[1]) == 5 for e in entries if e is not None)
         ready = scheduler.in_flight if scheduler.overlap else launched  # as step() does
         scheduler.in_flight = launched if scheduler.overlap else None
         if ready is not None:

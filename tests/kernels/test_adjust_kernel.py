@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from minisgl.engine.sample import AdjustTable, adjust_logits
+from minisgl.ext.sampling.adjust import AdjustTable, adjust_logits
 from support.triton_env import kernel_module, use_interpreter_on_cpu
 
 CUDA = torch.cuda.is_available()
@@ -37,7 +37,7 @@ def on_device(test):
 
 @pytest.fixture(scope="module")
 def ops():
-    return kernel_module("adjust")
+    return kernel_module("minisgl.ext.sampling.adjust_kernel")
 
 
 def _table(batch: int, vocab: int, longest: int, distinct: int, gen: torch.Generator):

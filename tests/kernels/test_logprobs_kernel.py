@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.engine.logprobs import LogprobRows
+from minisgl.ext.sampling.logprobs import LogprobRows
 from support.triton_env import kernel_module, use_interpreter_on_cpu
 
 CUDA = torch.cuda.is_available()
@@ -32,7 +32,7 @@ def on_device(test):
 
 @pytest.fixture(scope="module")
 def ops():
-    return kernel_module("logprobs")
+    return kernel_module("minisgl.ext.sampling.logprobs_kernel")
 
 
 def problem(batch: int, asked: int | None, vocab: int, dtype: torch.dtype, seed: int):

@@ -97,8 +97,8 @@ def test_api_processes_number_their_requests_apart_and_answer_each_other(tmp_pat
     """Rank k of 3 numbers its requests k, k + 3...; rank 0 gathers every process's view; a
     failure sent to rank 1 ends its requests, one sent to rank 0 goes to the launcher."""
     from minisgl.core import SamplingParams
+    from minisgl.ext.serving.frontend import ServingFrontend
     from minisgl.message import ApiFailMsg, TokenizeMsg
-    from minisgl.server.frontend import Frontend
     from minisgl.utils.zmq import ZmqAsyncPushQueue
 
     addrs = [f"ipc://{tmp_path}/api{k}" for k in range(3)]
@@ -106,7 +106,7 @@ def test_api_processes_number_their_requests_apart_and_answer_each_other(tmp_pat
 
     async def main() -> None:
         fronts = [
-            Frontend([f"ipc://{tmp_path}/tok"], addrs[k], 0, hung.append, None, k, addrs)
+            ServingFrontend([f"ipc://{tmp_path}/tok"], addrs[k], 0, hung.append, None, k, addrs)
             for k in range(3)
         ]
         for f in fronts:
@@ -135,11 +135,13 @@ def test_each_api_process_admits_its_share_of_the_queue_limit() -> None:
     """--max-queued-requests 5 over 2 API processes: each admits 3 waiting requests."""
     from types import SimpleNamespace
 
+    from minisgl.ext.serving.options import ServingOptions
     from minisgl.server.api_server import ApiServer
     from minisgl.server.args import ServerArgs
     from minisgl.server.protocol import APIError
 
-    args = ServerArgs(max_queued_requests=5, api_server_count=2)
+    options = ServingOptions(api_server_count=2)
+    args = ServerArgs(max_queued_requests=5, extras={"serving": options})
     frontend = SimpleNamespace(dead=None, num_queued=0, api_count=2)
     api = ApiServer(frontend, args, 64)  # type: ignore[arg-type]
     for queued in range(3):

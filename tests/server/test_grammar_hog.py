@@ -42,7 +42,7 @@ def complete(server: Server, **extra: Any) -> httpx.Response:
 
 
 def compilers(server: Server) -> list[tuple[int, int]]:
-    """The server's grammar compiler processes (scheduler/grammar.py run by its path)."""
+    """The server's grammar compiler processes (ext/structured/grammar.py run by its path)."""
     return [p for p in descendants(server.proc.pid) if "grammar.py" in cmdline(p[0])]
 
 

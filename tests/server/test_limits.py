@@ -257,6 +257,7 @@ def test_unexpected_exception_is_a_counted_json_500() -> None:
     from minisgl.ext.serving.metrics import Metrics
     from minisgl.message import SchedulerStats
     from minisgl.server.api_server import Gate
+    from minisgl.server.args import ServerArgs
 
     app = FastAPI()
 
@@ -267,7 +268,8 @@ def test_unexpected_exception_is_a_counted_json_500() -> None:
     frontend: Any = SimpleNamespace(metrics=Metrics(SchedulerStats, lambda: 0))
     paths = frozenset({"/boom"})
     # as create_app does: inside Starlette's outermost error middleware
-    app.add_middleware(Gate, api_key=None, max_body=1000, frontend=frontend, paths=paths)
+    args = ServerArgs(max_request_bytes=1000)
+    app.add_middleware(Gate, args=args, frontend=frontend, paths=paths)
 
     async def run() -> None:
         transport = httpx.ASGITransport(app, raise_app_exceptions=False)
@@ -411,7 +413,7 @@ def test_the_size_bound_never_refuses_a_prompt_that_fits() -> None:
 
 
 def test_grammar_compile_deadline_counts_from_arrival() -> None:
-    from minisgl.scheduler.grammar import TIMED_OUT, Constraint, GrammarError
+    from minisgl.ext.structured.grammar import TIMED_OUT, Constraint, GrammarError
 
     constraint = Constraint(Future())  # a compile that never ends
     assert constraint.failure() is None

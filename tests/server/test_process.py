@@ -283,7 +283,7 @@ def test_connection_limits_on_uvicorn() -> None:
     503."""
     import uvicorn
 
-    from minisgl.server.connections import ConnectionLimits
+    from minisgl.ext.serving.connections import ConnectionLimits
     from support.server import free_port
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -337,7 +337,7 @@ def test_connection_budget_fits_the_open_file_limit(files: int, expected: tuple[
     room for three backlogs of accepted sockets on top of the connections, or fewer of both."""
     if files > resource.getrlimit(resource.RLIMIT_NOFILE)[1]:
         pytest.skip(f"the hard open-file limit is below {files}")
-    code = "from minisgl.server.connections import connection_budget as b; print(b(2048))"
+    code = "from minisgl.ext.serving.connections import connection_budget as b; print(b(2048))"
     limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))  # noqa: E731
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
     out = subprocess.run(

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine.sample import TokenMask, apply_token_bitmask
-from minisgl.scheduler import grammar as grammar_mod
+from minisgl.ext.structured import grammar as grammar_mod
+from minisgl.ext.structured.grammar import TokenMask, apply_token_bitmask
+from minisgl.ext.structured.grammar_feature import constraint_of, grammar_state
 from support.server import Server, make_tiny_model, run_server
 
 # Bounded schemas: a random model would otherwise write one endless string. Strings are bounded
@@ -104,7 +105,7 @@ def workload(seed: int, long_prompts: bool) -> list[tuple[list[int], SamplingPar
 
 def run(llm: LLM, items: list[tuple[list[int], SamplingParams, Any]]) -> list[dict[str, Any]]:
     outs = llm.generate([p for p, _, _ in items], [sp for _, sp, _ in items], use_tqdm=False)
-    assert not llm.scheduler.has_work and llm.scheduler.grammar.num_constrained == 0
+    assert not llm.scheduler.has_work and grammar_state(llm.scheduler).num_constrained == 0
     llm.scheduler.check_no_leak()
     return outs
 
@@ -177,7 +178,7 @@ def offline(model_dir: str) -> Iterator[LLM]:
 def test_free_requests_never_touch_xgrammar(model_dir: str) -> None:
     llm = LLM(model_dir, page_size=4)
     run(llm, [([5, 6, 7], SamplingParams(max_tokens=8), None)] * 3)
-    assert llm.scheduler.grammar.compiler is None and llm.scheduler.grammar.bitmask is None
+    assert grammar_state(llm.scheduler).compiler is None and grammar_state(llm.scheduler).bitmask is None
     llm.shutdown()
 
 
@@ -216,14 +217,14 @@ def test_sampling_params_checks() -> None:
 def test_compiled_grammars_are_cached(offline: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(grammar_mod, "CACHE_SIZE", 2)
     sched = offline.scheduler
-    first = sched.make_request([5], SamplingParams(regex="[ab]{2}")).grammar
-    again = sched.make_request([6], SamplingParams(regex="[ab]{2}")).grammar
+    first = constraint_of(sched.make_request([5], SamplingParams(regex="[ab]{2}")))
+    again = constraint_of(sched.make_request([6], SamplingParams(regex="[ab]{2}")))
     assert first is not None and again is not None and first.future is again.future
     for r in ("x", "y"):  # two more grammars push "[ab]{2}" out of a cache of two
         sched.make_request([5], SamplingParams(regex=r))
-    later = sched.make_request([5], SamplingParams(regex="[ab]{2}")).grammar
+    later = constraint_of(sched.make_request([5], SamplingParams(regex="[ab]{2}")))
     assert later is not None and later.future is not first.future
-    assert len(sched.grammar.compiler.cache) == 2  # type: ignore[union-attr]
+    assert len(grammar_state(sched).compiler.cache) == 2  # type: ignore[union-attr]
 
 
 def test_model_without_tokenizer_refuses_grammars(model_dirs: Any) -> None:

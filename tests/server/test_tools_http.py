@@ -2,8 +2,10 @@
 --reasoning-parser qwen3` on the scripted tiny model (support/scripted.py), whose greedy answer
 thinks and then calls get_weather, and answers after the tool's result; through the official
 openai client, streamed and not; forced calls and response_format after free reasoning; and the
-refusals. Then a random tiny model behind the same flags: forced calls sampled at temperature
-0.8 always validate against their schemas."""
+refusals. Then a random tiny model without any parser flag (auto picks hermes and qwen3 from its
+template, and says so at start): forced calls sampled at temperature 0.8 always validate against
+their schemas, a named one is exactly one call whose arguments are the whole answer, and a
+forced call cut by max_tokens ends "length" without a call that looks complete."""
 
 from __future__ import annotations
 
@@ -323,8 +325,11 @@ def test_unknown_parser_at_start(flag: str, names: str) -> None:
 def random_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
     model = make_random_tool_model(str(tmp_path_factory.mktemp("random_tools")))
     log = str(tmp_path_factory.mktemp("logs") / "random.log")
-    parsers = ("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    with run_server(model, *parsers, "--served-model-name", "x", log_path=log) as s:
+    with run_server(model, "--served-model-name", "x", log_path=log) as s:  # parsers: auto
+        with open(log) as f:
+            said = f.read()
+        assert "--tool-call-parser auto: hermes (the chat template has '<tool_call>')" in said
+        assert "--reasoning-parser auto: qwen3 (the chat template has <think>)" in said
         yield OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
@@ -415,3 +420,45 @@ def test_response_format_with_thinking_off(random_client: OpenAI) -> None:
     for choice in r.choices:
         assert getattr(choice.message, "reasoning_content", None) is None
         jsonschema.validate(json.loads(choice.message.content or ""), FORECAST)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_call_is_one_schema_valid_call(random_client: OpenAI, stream: bool) -> None:
+    """Named, three seeds: exactly one call of that function, arguments valid against its
+    schema (no parser flag: the server writes the call around the arguments)."""
+    named = {"type": "function", "function": {"name": "get_forecast"}}
+    for seed in range(3):
+        r = random_client.chat.completions.create(
+            model="x",
+            messages=[{"role": "user", "content": "Plan my trip."}],
+            tools=RANDOM_TOOLS,  # type: ignore[arg-type]
+            tool_choice=named,  # type: ignore[arg-type]
+            temperature=0.8,
+            seed=seed,
+            max_tokens=600,
+            stream=stream,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+        (choice,) = collect_stream(r) if stream else [c.model_dump() for c in r.choices]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_forecast" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), FORECAST)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
+def test_cut_forced_call_is_not_complete(random_client: OpenAI, stream: bool, choice: Any) -> None:
+    """max_tokens too small for the forced call: finish_reason "length", and no call that
+    looks complete (none, or the arguments as far as they went: never a "{}" stand-in)."""
+    max_tokens = 22 if choice == "required" else 6  # a call begun, not finished (see the LLM's)
+    r = plan_trip(random_client, max_tokens=max_tokens, stream=stream, tool_choice=choice)
+    choices = collect_stream(r) if stream else [c.model_dump() for c in r.choices]
+    assert len(choices) == 3
+    for c in choices:
+        assert c["finish_reason"] == "length", c
+        for call in c["message"]["tool_calls"] or []:
+            with pytest.raises(ValueError):
+                json.loads(call["function"]["arguments"])

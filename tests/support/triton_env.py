@@ -27,8 +27,9 @@ def use_interpreter_on_cpu() -> bool:
 
 
 def kernel_module(name: str) -> ModuleType:
-    """minisgl.kernel.<name>, or a skip where triton is missing or cannot be interpreted."""
+    """minisgl.kernel.<name> (the module `name` when dotted: an extension's), or a skip where
+    triton is missing or cannot be interpreted."""
     pytest.importorskip("triton")
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported before TRITON_INTERPRET could be set")
-    return importlib.import_module(f"minisgl.kernel.{name}")
+    return importlib.import_module(name if "." in name else f"minisgl.kernel.{name}")

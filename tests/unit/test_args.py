@@ -32,7 +32,10 @@ def test_parser_defaults_match_dataclass():
     # One source of truth: every option field is a flag, its default the dataclass default.
     parsed = vars(build_parser().parse_args([]))
     options = {}
-    for config in (EngineConfig(), SchedulerConfig(), ServerArgs()):
+    extras = list(ServerArgs().extras.values())  # the extensions' option dataclasses
+    extras += SchedulerConfig().extras.values()  # and those for the schedulers (spec, perf)
+    assert extras  # the serving extension's, at least
+    for config in (EngineConfig(), SchedulerConfig(), ServerArgs(), *extras):
         options |= {f.name: getattr(config, f.name) for f in fields(config) if "help" in f.metadata}
     assert parsed == options
 
@@ -223,7 +226,14 @@ def test_scale_out_flags():
         ["--tp", "4", "--nnodes", "2", "--node-rank", "1"]
         + ["--dist-init-addr", "[::1]:29500", "--dist-timeout", "5"]
     )
-    assert (args.tp_per_node, args.node_rank, args.dist_timeout) == (2, 1, 5.0)
+    from minisgl.ext.serving.options import serving_options
+    from minisgl.ext.serving.scale import ServingLauncher
+
+    options = serving_options(args)
+    assert (options.nnodes, options.node_rank, options.dist_timeout) == (2, 1, 5.0)
+    launcher = ServingLauncher.__new__(ServingLauncher)  # its ranks per node, nothing started
+    launcher.args, launcher.options = args, options
+    assert launcher.ranks_here == 2
     args = parse_args(["--dp", "4", "--dp-dispatch", "round_robin", "--dp-load-threshold", "0"])
     assert (args.dp, args.dp_dispatch, args.dp_load_threshold) == (4, "round_robin", 0)
 
@@ -298,9 +308,13 @@ def test_help_is_grouped_with_aliases_in_their_flag_s_entry(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     lines = capsys.readouterr().out.splitlines()
-    assert [line for line in lines if line[:1].isalpha()][-len(HELP_GROUPS) :] == [
-        f"{title}:" for title in HELP_GROUPS
-    ]
+    titles = [line for line in lines if line[:1].isalpha()]
+    names = [*SchedulerConfig().extras, *ServerArgs().extras]  # the extensions' own groups
+    extensions = [f"{name} extension:" for name in names]  # after the core's
+    assert (
+        titles[-len(HELP_GROUPS) - len(extensions) :]
+        == [f"{title}:" for title in HELP_GROUPS] + extensions
+    )
     entries = [line.split()[0].rstrip(",") for line in lines if line.startswith("  --")]
     aliases = {
         alias

@@ -56,6 +56,56 @@ def test_the_extension_fills_its_points() -> None:
 
     assert points.dispatcher is dispatch.Dispatcher
     assert points.replicas is replicas.Replicas
+    from minisgl.ext.serving import http, options, status
+
+    assert points.options["serving"] is options.ServingOptions
+    assert points.gate is http.ServingGate and points.http_server is http.serving_http_server
+    assert status.add_health_probe in points.routes
+
+
+MOVED_FLAGS = [  # the serving extension's: its `options` point declares them (flag, value, parsed)
+    ("--max-connections", "8", 8),
+    ("--timeout-keep-alive", "2", 2.0),
+    ("--timeout-body-read", "2", 2.0),
+    ("--health-check-timeout", "2", 2.0),
+    ("--api-server-count", "2", 2),
+    ("--nnodes", "1", 1),
+    ("--node-rank", "0", 0),
+    ("--dist-init-addr", "h:1", "h:1"),
+    ("--dist-timeout", "5", 5.0),
+    ("--gc-threshold", "7", [7]),
+    ("--gc-warning-threshold-secs", "1", 1.0),
+]
+
+
+@pytest.mark.parametrize(("flag", "value", "parsed"), MOVED_FLAGS)
+def test_its_flags_reach_it_through_the_parsed_args(flag: str, value: str, parsed: Any) -> None:
+    from minisgl.ext.serving.options import ServingOptions, serving_options
+    from minisgl.server.args import parse_args
+
+    name = flag[2:].replace("-", "_")
+    assert getattr(serving_options(parse_args([flag, value])), name) == parsed
+    assert getattr(ServingOptions(), name) != parsed or flag in ("--nnodes", "--node-rank")
+
+
+@pytest.mark.core
+@pytest.mark.parametrize(("flag", "value", "parsed"), MOVED_FLAGS)
+def test_its_flags_are_unknown_without_it(
+    core_alone: None, flag: str, value: str, parsed: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from minisgl.server.args import build_parser, parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args([flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {flag} {value}" in err and "minisgl/ext" in err, err
+    entries = [
+        line.split()[0]
+        for line in build_parser().format_help().splitlines()
+        if line.startswith("  --")
+    ]
+    assert entries and flag not in entries  # --help has no entry for it
 
 
 @pytest.mark.core
@@ -101,6 +151,34 @@ def test_stats_stay_in_the_core(core_server: Server) -> None:
 
 
 NEEDS_SERVING = "needs the serving extension"
+
+
+@pytest.mark.core
+def test_health_generate_is_refused_without_it(core_server: Server) -> None:
+    assert httpx.get(f"{core_server.url}/health", timeout=30).json() == {"status": "ok"}
+    r = httpx.get(f"{core_server.url}/health?generate=1", timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "generate" and NEEDS_SERVING in error["message"], error
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_plain_server_serves_chat_without_it(core_server: Server, stream: bool) -> None:
+    """Without the gate and uvicorn of the serving extension: chat, streamed or not, and a
+    bad request's 400 naming the field."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True}
+    r = httpx.post(
+        f"{core_server.url}/v1/chat/completions", json=body | {"stream": stream}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    if stream:
+        assert r.text.endswith("data: [DONE]\n\n") and '"finish_reason": "length"' in r.text
+    else:
+        assert r.json()["choices"][0]["finish_reason"] == "length", r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+    bad = httpx.post(f"{core_server.url}/v1/chat/completions", json=body | {"top_p": 2}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p", bad.text
 
 
 @pytest.mark.core

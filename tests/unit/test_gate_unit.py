@@ -19,7 +19,6 @@ import pytest
 from minisgl.server.gate import (
     LONE_SURROGATE,
     NOT_UTF8,
-    Gate,
     credentials_refused,
     invalid_text_path,
 )
@@ -73,7 +72,7 @@ def test_credentials_refused(values: list[bytes], refused: str | None) -> None:
     assert why == refused if refused is None else why is not None and why.startswith(refused)
 
 
-def gated(body_timeout: float | None = None, max_requests: int | None = None) -> Any:
+def gated(body_timeout: float = 30.0, max_requests: int = 2048) -> Any:
     """A FastAPI app under the gate: /slow waits until `app.state.release` (a threading.Event,
     set from any thread) is set."""
     from fastapi import FastAPI
@@ -94,16 +93,15 @@ def gated(body_timeout: float | None = None, max_requests: int | None = None) ->
     async def health() -> dict[str, str]:
         return {"ok": "health"}
 
-    frontend: Any = SimpleNamespace(metrics=Metrics(SchedulerStats, lambda: 0))
-    app.add_middleware(
-        Gate,
-        api_key=None,
-        max_body=1000,
-        frontend=frontend,
-        paths=frozenset({"/slow", "/health"}),
-        body_timeout=body_timeout,
-        max_requests=max_requests,
-    )
+    from minisgl.ext.serving.http import ServingGate
+    from minisgl.ext.serving.options import ServingOptions
+    from minisgl.server.args import ServerArgs
+
+    frontend: Any = SimpleNamespace(metrics=Metrics(SchedulerStats, lambda: 0), api_count=1)
+    options = ServingOptions(timeout_body_read=body_timeout, max_connections=max_requests)
+    args = ServerArgs(max_request_bytes=1000, extras={"serving": options})
+    paths = frozenset({"/slow", "/health"})
+    app.add_middleware(ServingGate, args=args, frontend=frontend, paths=paths)
     return app
 
 
@@ -157,7 +155,7 @@ def test_a_body_that_never_ends_is_shed_for_a_new_connection() -> None:
     is answered (before: every connection busy, uvicorn's 503 for all)."""
     import uvicorn
 
-    from minisgl.server.connections import ConnectionLimits
+    from minisgl.ext.serving.connections import ConnectionLimits
     from support.server import free_port, wait_for
 
     app = gated(body_timeout=60)
@@ -191,7 +189,7 @@ def test_a_body_that_never_ends_is_shed_for_a_new_connection() -> None:
 
 
 def test_a_request_cut_by_the_exit_logs_one_line() -> None:
-    from minisgl.server.launch import _CutShort
+    from minisgl.ext.serving.http import _CutShort
 
     try:
         raise asyncio.CancelledError()

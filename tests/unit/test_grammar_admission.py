@@ -19,13 +19,13 @@ import torch
 import xgrammar as xgr
 
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine.sample import TokenMask
+from minisgl.ext.structured import grammar as grammar_mod
+from minisgl.ext.structured.grammar import CompileJob, GrammarError, GrammarState, TokenMask
+from minisgl.ext.structured.grammar_feature import grammar_state
 from minisgl.message import decode
 from minisgl.scheduler import Scheduler, SchedulerConfig, TokenOutput
-from minisgl.scheduler import grammar as grammar_mod
 from minisgl.scheduler import io as io_mod
 from minisgl.scheduler import tp as tp_mod
-from minisgl.scheduler.grammar import CompileJob, GrammarError, GrammarState
 from support.tokenizer import build_tiny_tokenizer
 
 VOCAB = 512  # the tiny tokenizer's xgrammar vocabulary (support/models.py)
@@ -82,7 +82,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace(vocab_size=VOCAB)
         self.config = SimpleNamespace(max_running_requests=8)
         self.device = torch.device("cpu")
-        self.prefill_graph_rows = 0
+        self.graphs = None
         self.compiled_decoder = None
         self.batches: list[list[int]] = []  # the uids of each forward
 
@@ -99,7 +99,8 @@ class FakeEngine:
         self.batches.append([r.uid for r in batch.reqs])
         return list(batch.reqs)
 
-    def sample_step(self, batch: Batch, reqs: list[Req], mask: TokenMask | None) -> Any:
+    def sample_step(self, batch: Batch, reqs: list[Req], prepared: dict | None) -> Any:
+        mask: TokenMask | None = (prepared or {}).get("grammar")
         tokens = [300 + r.uid % 100 for r in reqs]
         for row in mask.rows if mask is not None else []:
             words = mask.bitmask[row].to(torch.int64) & 0xFFFFFFFF
@@ -111,6 +112,7 @@ class FakeEngine:
             logprobs=lambda: None,
             verified=dict,
             prompt_logprobs=dict,
+            results={},
         )
 
 
@@ -124,20 +126,20 @@ def make(tokenizer: Any, monkeypatch: pytest.MonkeyPatch):
     def build(compiles: Compiles | None = None) -> Scheduler:
         config = SchedulerConfig(grammar_compile_timeout=3)
         sched = Scheduler(FakeEngine(), config, {tokenizer.eos_token_id}, tokenizer)  # type: ignore[arg-type]
-        sched.grammar.compiler = compiles or Compiles()  # type: ignore[assignment]
+        grammar_state(sched).compiler = compiles or Compiles()  # type: ignore[assignment]
         made.append(sched)
         return sched
 
     yield build
     for sched in made:
-        for req in sched.grammar.compiling:
-            if not req.grammar.future.done():  # type: ignore[union-attr]
-                req.grammar.future.set_exception(GrammarError("test over"))  # type: ignore[union-attr]
+        for req in grammar_state(sched).compiling:
+            if not req.ext["grammar"].future.done():  # type: ignore[union-attr]
+                req.ext["grammar"].future.set_exception(GrammarError("test over"))  # type: ignore[union-attr]
         run(sched)
         sched.check_no_leak()
         cache = sched.cache
         assert cache.allocator.num_free + cache.prefix_cache.num_pages == cache.num_pages
-        assert not sched.planner.admitted() and not sched.grammar.compiling
+        assert not sched.planner.admitted() and not grammar_state(sched).compiling
 
 
 def add(sched: Scheduler, first: int, **constraint: str) -> Req:
@@ -162,15 +164,15 @@ def text(tokenizer: Any, req: Req) -> str:
 def test_a_request_is_admitted_only_once_its_grammar_is_compiled(make, tokenizer, compiled):
     sched = make()
     constrained, plain = add(sched, 10, regex=REGEX), add(sched, 20)
-    future = sched.grammar.compiler.futures[("regex", REGEX)]
+    future = grammar_state(sched).compiler.futures[("regex", REGEX)]
     while sched.runnable:  # the plain request runs to its end meanwhile; no step waits
         sched.step()
     assert plain.finish_reason == "length" and len(plain.output_ids) == 6
-    assert sched.has_work and sched.grammar.compiling == [constrained]
+    assert sched.has_work and grammar_state(sched).compiling == [constrained]
     assert constrained not in sched.planner.waiting and constrained.table_idx < 0
     assert all(constrained.uid not in uids for uids in sched.engine.batches)
     sched.step()  # still compiling: a step changes nothing
-    assert sched.grammar.compiling == [constrained] and constrained.queue_time is None
+    assert grammar_state(sched).compiling == [constrained] and constrained.queue_time is None
     future.set_result(compiled)
     run(sched)
     assert constrained.finish_reason == "stop" and re.fullmatch(REGEX, text(tokenizer, constrained))
@@ -180,12 +182,12 @@ def test_a_request_is_admitted_only_once_its_grammar_is_compiled(make, tokenizer
 def test_ready_grammars_are_admitted_in_arrival_order(make, compiled):
     sched = make()
     first, slow, last = (add(sched, 10 * i, regex=f"a[0-9]b{'c' * i}") for i in range(1, 4))
-    futures = sched.grammar.compiler.futures
+    futures = grammar_state(sched).compiler.futures
     futures[("regex", last.params.regex)].set_result(compiled)
     futures[("regex", first.params.regex)].set_result(compiled)
     sched.step()
     assert sched.engine.batches == [[first.uid, last.uid]]
-    assert sched.grammar.compiling == [slow]
+    assert grammar_state(sched).compiling == [slow]
     futures[("regex", slow.params.regex)].set_result(compiled)
     run(sched)
     assert [r.finish_reason for r in (first, slow, last)] == ["stop"] * 3
@@ -195,20 +197,20 @@ def test_failed_and_overdue_grammars_end_with_an_error(make):
     sched = make()
     bad, overdue = add(sched, 10, regex="([a-"), add(sched, 20, regex="a+")
     queued = add(sched, 30, regex="b+")  # waits for a compiler process: its clock has not started
-    bad.grammar.future.set_exception(GrammarError("invalid regex: Unclosed '['"))  # type: ignore[union-attr]
-    overdue.grammar.future = CompileJob("regex", "a+", False, 3)  # type: ignore[union-attr]
-    overdue.grammar.future.started_at = time.monotonic() - 4  # type: ignore[union-attr]
-    overdue.grammar.deadline -= 4  # type: ignore[union-attr]
-    queued.grammar.future = CompileJob("regex", "b+", False, 3)  # type: ignore[union-attr]
-    queued.grammar.deadline -= 4  # type: ignore[union-attr]
+    bad.ext["grammar"].future.set_exception(GrammarError("invalid regex: Unclosed '['"))  # type: ignore[union-attr]
+    overdue.ext["grammar"].future = CompileJob("regex", "a+", False, 3)  # type: ignore[union-attr]
+    overdue.ext["grammar"].future.started_at = time.monotonic() - 4  # type: ignore[union-attr]
+    overdue.ext["grammar"].deadline -= 4  # type: ignore[union-attr]
+    queued.ext["grammar"].future = CompileJob("regex", "b+", False, 3)  # type: ignore[union-attr]
+    queued.ext["grammar"].deadline -= 4  # type: ignore[union-attr]
     outputs = {o.uid: o for o in sched.step()}
     assert outputs[bad.uid].finish_reason == "error" and bad.error == "invalid regex: Unclosed '['"
     assert outputs[overdue.uid].error == "grammar compilation took longer than 3 s"
-    assert queued.uid not in outputs and sched.grammar.compiling == [queued]
+    assert queued.uid not in outputs and grammar_state(sched).compiling == [queued]
     assert sched.engine.batches == [] and not sched.runnable
-    queued.grammar.future.started_at = time.monotonic() - 4  # type: ignore[union-attr]
+    queued.ext["grammar"].future.started_at = time.monotonic() - 4  # type: ignore[union-attr]
     assert [o.error for o in sched.step()] == ["grammar compilation took longer than 3 s"]
-    assert sched.grammar.num_constrained == 0 and not sched.has_work
+    assert grammar_state(sched).num_constrained == 0 and not sched.has_work
 
 
 def test_followers_admit_and_drop_at_rank_0s_word(make, monkeypatch, compiled):
@@ -239,7 +241,7 @@ def test_followers_admit_and_drop_at_rank_0s_word(make, monkeypatch, compiled):
     follower.follow()
     assert not queue and follower.engine.batches == lead.engine.batches
     assert [r.finish_reason for r in (ok, bad, plain)] == ["stop", "error", "length"]
-    assert not follower.requests and not follower.grammar.compiling
+    assert not follower.requests and not grammar_state(follower).compiling
 
 
 class Recv:
@@ -266,7 +268,7 @@ def test_server_loop_polls_while_only_grammars_compile(make, compiled) -> None:
     server._next_message()
     assert server.recv.calls == [("get", None), ("get", io_mod.GRAMMAR_POLL_S), "nowait"]
     assert 0.005 <= io_mod.GRAMMAR_POLL_S <= 0.05
-    sched.grammar.compiler.futures[("regex", REGEX)].set_result(compiled)
+    grammar_state(sched).compiler.futures[("regex", REGEX)].set_result(compiled)
     run(sched)
     assert req.finish_reason == "stop"
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from minisgl import SamplingParams
+from minisgl.ext.structured.grammar import GrammarError, GrammarState, grammar_key
 from minisgl.ext.structured.parsers import (
     OutputParser,
     ToolChoice,
@@ -19,7 +20,6 @@ from minisgl.ext.structured.parsers import (
     get_tool_parser,
     parse_tools,
 )
-from minisgl.scheduler.grammar import GrammarError, GrammarState, grammar_key
 from support.tokenizer import build_tiny_tokenizer
 
 VOCAB = 512  # the tiny models' (support/models.py)
@@ -105,7 +105,7 @@ def test_every_kind_after_reasoning(
     tokenizer: Any, kind: str, value: str, good: str, bad: str
 ) -> None:
     params = OutputParser(get_reasoning_parser("qwen3")).constrain(SamplingParams(**{kind: value}))
-    assert params.constraint is not None and params.constraint[0] == "structural_tag"
+    assert grammar_key(params) is not None and grammar_key(params)[0] == "structural_tag"  # type: ignore[index]
     assert accepts(tokenizer, params, THINKING + good)
     assert not accepts(tokenizer, params, THINKING + bad)
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.ext.structured.grammar import GrammarState
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.grammar import GrammarState
 from minisgl.server.args import parse_args
 from minisgl.server.protocol import CompletionRequest, grammar_fields
 from support.server import make_tiny_model

@@ -226,6 +226,43 @@ CASES = [
         "[TOOL_CALLS] not json at all",
     ),
     Case(
+        "qwen3_coder_call",  # Qwen3-Coder's XML; values by type (no schema here: JSON if it parses)
+        None,
+        "qwen3_coder",
+        "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>"
+        "\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+        "I'll check.",
+        None,
+        [("get_weather", '{"city": "Paris", "days": 3}')],
+    ),
+    Case(
+        "qwen3_coder_two_calls_multiline",
+        None,
+        "qwen3_coder",
+        "<tool_call>\n<function=write>\n<parameter=text>\nline 1\n<b>line 2</b>\n</parameter>\n"
+        "</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
+        None,
+        None,
+        [("write", '{"text": "line 1\\n<b>line 2</b>"}'), ("now", "{}")],
+    ),
+    Case(
+        "qwen3_coder_bare_function_and_text_after",
+        "qwen3",
+        "qwen3_coder",
+        "<think>\nx\n</think>\n\n<function=f>\n<parameter=o>\n"
+        '{"k": [1, true]}\n</parameter>\n</function>\nDone.',
+        "Done.",
+        "x",
+        [("f", '{"o": {"k": [1, true]}}')],
+    ),
+    Case(
+        "qwen3_coder_malformed_is_content",
+        None,
+        "qwen3_coder",
+        "<tool_call>\n<func=f>\n</tool_call>.<function=bad name>",
+        "<tool_call>\n<func=f>\n</tool_call>.<function=bad name>",
+    ),
+    Case(
         "deepseek_r1_no_opening_tag",
         "deepseek_r1",
         None,
@@ -335,8 +372,23 @@ def test_ids() -> None:
     }
 
 
+def test_qwen3_coder_values_follow_the_schema() -> None:
+    """A string property stays a string even when it reads as JSON; others are JSON."""
+    schema = {"type": "object", "properties": {"s": {"type": "string"}, "n": {"type": "number"}}}
+    tools = [tool("f", parameters=schema)]
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=s>\n42\n</parameter>\n<parameter=n>\n4.5\n"
+        "</parameter>\n<parameter=x>\nnot json\n</parameter>\n</function>\n</tool_call>"
+    )
+    parser = OutputParser(tools=get_tool_parser("qwen3_coder"))
+    (call,) = parser.parse(text, AUTO, functions=parse_tools(tools)).tool_calls
+    assert json.loads(call.arguments) == {"s": "42", "n": 4.5, "x": "not json"}
+    (untyped,) = parser.parse(text, AUTO).tool_calls
+    assert json.loads(untyped.arguments)["s"] == 42
+
+
 def test_registry() -> None:
-    assert {"hermes", "llama3_json", "mistral"} <= set(TOOL_PARSERS)
+    assert {"hermes", "llama3_json", "mistral", "qwen3_coder"} <= set(TOOL_PARSERS)
     assert {"qwen3", "deepseek_r1"} <= set(REASONING_PARSERS)
     with pytest.raises(ValueError, match="valid names: .*hermes.*llama3_json.*mistral"):
         get_tool_parser("hermez")
@@ -454,6 +506,11 @@ WRITTEN = {
     "llama3_json": lambda n, a: f'{{"name": "{n}", "parameters": {a}}}',
     "mistral": lambda n, a: f'[TOOL_CALLS][{{"name": "{n}", "arguments": {a}}}]',
     "mistral_v11": lambda n, a: f"[TOOL_CALLS]{n}[ARGS]{a}",
+    "qwen3_coder": lambda n, a: (
+        f"<tool_call>\n<function={n}>\n"
+        + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in json.loads(a).items())
+        + "</function>\n</tool_call>"
+    ),
 }
 
 
@@ -477,20 +534,79 @@ def test_grammar_enforces_schema(compiler: Any, fmt: str) -> None:
     parser = OutputParser(tools=get_tool_parser(fmt.removesuffix("_v11"), vocabulary))
     write = WRITTEN[fmt]
     required = parser.tool_call_grammar(FUNCTIONS, ToolChoice("required"))
-    named = parser.tool_call_grammar(FUNCTIONS, ToolChoice("named", "add"))
-    assert required is not None and named is not None
+    assert required is not None
     assert accepts(compiler, required, write("get_weather", GOOD_CITY))
     assert accepts(compiler, required, write("add", GOOD_ADD))
-    assert not accepts(compiler, required, write("get_weather", BAD_CITY))
+    if fmt != "qwen3_coder":  # XML: a 3 is a string
+        assert not accepts(compiler, required, write("get_weather", BAD_CITY))
     assert not accepts(compiler, required, write("add", BAD_ADD))
     assert not accepts(compiler, required, write("other", GOOD_CITY))
     assert not accepts(compiler, required, "Sure! " + write("add", GOOD_ADD))
-    assert accepts(compiler, named, write("add", GOOD_ADD))
-    assert not accepts(compiler, named, write("get_weather", GOOD_CITY))
+    # the turn ends after the calls: nothing but EOS follows them
+    assert not accepts(compiler, required, write("add", GOOD_ADD) + " Done.")
     assert parser.tool_call_grammar(FUNCTIONS, AUTO) is None
     # what the grammar lets through parses back into the call
-    (call,) = parser.parse(write("add", GOOD_ADD), AUTO).tool_calls
+    (call,) = parser.parse(write("add", GOOD_ADD), AUTO, functions=FUNCTIONS).tool_calls
     assert (call.name, json.loads(call.arguments)) == ("add", {"a": 1, "b": 2})
+
+
+@pytest.mark.parametrize("fmt", [None, *TOOL_PARSERS])
+def test_named_grammar_is_the_arguments(compiler: Any, fmt: str | None) -> None:
+    """A named tool_choice, with any format or none: the model writes the arguments only (no
+    wrapper), valid against the function's schema; the call is written around them."""
+    parser = OutputParser(tools=get_tool_parser(fmt) if fmt else None)
+    named = ToolChoice("named", "add")
+    grammar = parser.tool_call_grammar(FUNCTIONS, named)
+    assert accepts(compiler, grammar, GOOD_ADD)
+    assert not accepts(compiler, grammar, BAD_ADD)
+    assert not accepts(compiler, grammar, GOOD_CITY)
+    assert not accepts(compiler, grammar, WRITTEN["hermes"]("add", GOOD_ADD))
+    assert not accepts(compiler, grammar, GOOD_ADD + " Done.")
+    whole = parser.parse(GOOD_ADD, named, new_id=counter_ids())
+    assert whole.content is None
+    assert [(c.id, c.name, c.arguments) for c in whole.tool_calls] == [("call_0", "add", GOOD_ADD)]
+    for cut in range(len(GOOD_ADD) + 1):  # streamed in two pieces: the same call
+        stream = parser.stream(named, new_id=counter_ids())
+        first = stream.feed(GOOD_ADD[:cut])
+        first.extend(stream.feed(GOOD_ADD[cut:]))
+        last = stream.finish()
+        first.extend(last)
+        assert [c.to_openai() for c in first.tool_calls] == [
+            {
+                "index": 0,
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "add", "arguments": GOOD_ADD},
+            }
+        ]
+
+
+def test_cut_calls_stay_partial() -> None:
+    """A response cut by max_tokens (finish_reason "length") never gets a stand-in for the
+    arguments it did not write; one that stopped does ("{}": a call without arguments)."""
+    cases = [
+        ("hermes", '<tool_call>\n{"name": "now", "arguments": '),
+        ("mistral", "[TOOL_CALLS]now"),
+        ("qwen3_coder", "<tool_call>\n<function=now>\n<parameter=zone>\nUT"),
+    ]
+    for fmt, text in cases:
+        parser = OutputParser(tools=get_tool_parser(fmt))
+        (cut,) = parser.parse(text, AUTO, cut=True).tool_calls
+        assert cut.name == "now" and cut.arguments in ("", "{"), (fmt, cut)
+        with pytest.raises(ValueError):
+            json.loads(cut.arguments)
+        stream = parser.stream(AUTO)
+        pieces = stream.feed(text)
+        pieces.extend(stream.finish(cut=True))
+        assert "".join(c.arguments for c in pieces.tool_calls) == cut.arguments
+    (stopped,) = OutputParser(tools=get_tool_parser("mistral")).parse(cases[1][1], AUTO).tool_calls
+    assert stopped.arguments == "{}"
+    # named: cut inside the reasoning, no call; inside the arguments, the text as it is
+    thinking = OutputParser(get_reasoning_parser("qwen3"))
+    named = ToolChoice("named", "add")
+    assert thinking.parse("<think>\nLet me", named, cut=True).tool_calls == []
+    (partial,) = thinking.parse('<think>x</think>\n\n{"a": 1', named, cut=True).tool_calls
+    assert partial.arguments == '{"a": 1'
 
 
 def test_grammar_parallel_and_reasoning(compiler: Any) -> None:

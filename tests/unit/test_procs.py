@@ -114,9 +114,11 @@ def test_long_garbage_collections_are_logged_once_ready(threshold):
 
 
 def test_gc_warning_flag_is_checked():
+    from minisgl.ext.serving.options import serving_options
     from minisgl.server.args import parse_args
 
-    assert parse_args(["--gc-warning-threshold-secs", "0.05"]).gc_warning_threshold_secs == 0.05
+    parsed = serving_options(parse_args(["--gc-warning-threshold-secs", "0.05"]))
+    assert parsed.gc_warning_threshold_secs == 0.05
     with pytest.raises(SystemExit):
         parse_args(["--gc-warning-threshold-secs", "-1"])
 
@@ -156,11 +158,15 @@ def test_gc_thresholds_apply_once_ready(value, counts):
 
 
 def test_gc_threshold_flag_is_checked():
+    from minisgl.ext.serving.options import serving_options
     from minisgl.server.args import parse_args
 
-    assert parse_args([]).gc_threshold is None
-    assert parse_args(["--gc-threshold", "700", "10", "1000"]).gc_threshold == [700, 10, 1000]
-    assert parse_args(["--gc-threshold", "20000"]).gc_threshold == [20000]
+    def parsed(*argv: str) -> list[int] | None:
+        return serving_options(parse_args(list(argv))).gc_threshold
+
+    assert parsed() is None
+    assert parsed("--gc-threshold", "700", "10", "1000") == [700, 10, 1000]
+    assert parsed("--gc-threshold", "20000") == [20000]
     for bad in (["1", "2", "3", "4"], ["-1"], ["x"], []):
         with pytest.raises(SystemExit):
             parse_args(["--gc-threshold", *bad])
@@ -174,8 +180,8 @@ def test_gc_threshold_flag_is_checked():
 def test_server_gc_threshold_defaults_to_the_measured_one(monkeypatch, flag, environ, exported):
     """The server's processes get 700 10 1000 unless the flag or MINISGL_GC_THRESHOLD says
     otherwise; the flag wins over the variable."""
+    from minisgl.ext.serving.scale import export_gc_settings
     from minisgl.server.args import parse_args
-    from minisgl.server.launch import export_gc_settings
 
     if environ is None:
         monkeypatch.delenv("MINISGL_GC_THRESHOLD", raising=False)

@@ -2,13 +2,8 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req
-from minisgl.engine.sample import (
-    AdjustTable,
-    BatchSamplingArgs,
-    adjust_logits,
-    sample,
-    uniform_noise,
-)
+from minisgl.engine.sample import BatchSamplingArgs, sample, uniform_noise
+from minisgl.ext.sampling.adjust import AdjustTable, adjust_logits
 
 
 def args_for(params: list[SamplingParams], vocab: int, steps: list[int] | None = None):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.extension import extensions
 from minisgl.message import BatchBackendMsg, ExitMsg, decode
 from minisgl.scheduler import Scheduler, SchedulerConfig, TokenOutput
 from minisgl.scheduler import tp as tp_mod
@@ -27,7 +28,7 @@ def script(uid: int, pos: int) -> int:
 
 
 class FakeStep:
-    prompt = None  # no prompt log-probabilities
+    results: dict = {}  # nothing observed by step features (no logprobs)
 
     def __init__(self, engine: FakeEngine, index: int, tokens: list[int]) -> None:
         self.engine, self.index, self._tokens = engine, index, tokens
@@ -57,7 +58,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace(vocab_size=1000)
         self.config = SimpleNamespace(max_running_requests=max_running_requests)
         self.device = torch.device("cpu")
-        self.prefill_graph_rows = 0  # no CUDA graphs: no step is capped to fit them
+        self.graphs = None  # no CUDA graphs: no step is capped to fit them
         self.page_table: dict[int, list[int]] = {}
         self.token_table: dict[int, dict[int, int]] = {}
         self.batches: list[tuple[str, list[tuple[int, int]]]] = []  # (phase, [(uid, extend)])
@@ -172,12 +173,16 @@ def test_long_prompt_is_chunked_within_the_budget(make, overlap):
     assert out == {a.uid: (expected(a, 2), "length"), b.uid: (expected(b, 2), "length")}
 
 
+@pytest.mark.skipif(
+    "perf" not in extensions().scheduler_options, reason="the perf extension's budget"
+)
 def test_steps_fit_the_graph_rows_when_little_waits(make):
-    """With CUDA graphs of 8 rows, a step is capped to fit them (prefill rows) while the
-    prompts waiting fit in three such steps beside the decodes; a larger backlog, a prompt
-    longer than 16 tokens, or decodes that leave a single row keep the budget's chunks."""
+    """With CUDA graphs of 8 rows, a step is capped to fit them (ext/perf's prefill rows)
+    while the prompts waiting fit in three such steps beside the decodes; a larger backlog, a
+    prompt longer than 16 tokens, or decodes that leave a single row keep the budget's
+    chunks."""
     sched = make(False, max_prefill_tokens=64)
-    sched.engine.prefill_graph_rows = 8
+    sched.engine.graphs = SimpleNamespace(max_bs=8)
     a = add(sched, 12, 3)
     sched.step()
     assert sched.engine.batches[-1] == ("prefill", [(a.uid, 8)])  # 12 <= 16: capped to 8
@@ -202,7 +207,7 @@ def test_steps_fit_the_graph_rows_when_little_waits(make):
     sched.step()
     assert sched.engine.batches[-1] == ("mixed", [(r.uid, 1) for r in decoding] + [(f.uid, 10)])
     run(sched)
-    sched.engine.prefill_graph_rows = 0  # no graphs: one chunk
+    sched.engine.graphs = None  # no graphs: one chunk
     d = add(sched, 12, 1, first=500)
     sched.step()
     assert sched.engine.batches[-1] == ("prefill", [(d.uid, 12)])
@@ -360,6 +365,7 @@ def test_mixed_steps_keep_every_running_request_decoding(make, overlap):
     assert not any(p == "mixed" for p, _ in plain.engine.batches)
 
 
+@pytest.mark.ext  # the serving extension's policies
 def test_priority_policy_admits_lower_values_first(make):
     sched = make(max_running_requests=1, config={"schedule_policy": "priority"})
     first = add(sched, 4, 3)
@@ -372,6 +378,7 @@ def test_priority_policy_admits_lower_values_first(make):
     assert finished(high, mid, low) == [(expected(r, 2), "length") for r in (high, mid, low)]
 
 
+@pytest.mark.ext  # the serving extension's policies
 def test_priority_aging_bounds_how_often_a_request_is_overtaken(make):
     config = {"schedule_policy": "priority", "priority_aging": 2}
     sched = make(max_running_requests=1, config=config)
@@ -384,6 +391,7 @@ def test_priority_aging_bounds_how_often_a_request_is_overtaken(make):
     assert admissions(sched) == [first.uid, highs[0].uid, low.uid, *[h.uid for h in highs[1:]]]
 
 
+@pytest.mark.ext  # the serving extension's policies
 @pytest.mark.parametrize("mixed", [True, False])
 def test_higher_priority_preempts_a_lower_one_when_memory_is_short(make, mixed):
     config = {"schedule_policy": "priority", "disable_mixed_steps": not mixed}
@@ -405,6 +413,22 @@ def test_higher_priority_preempts_a_lower_one_when_memory_is_short(make, mixed):
     assert high2.num_preemptions == 0 and low2.output_ids == expected(low2, 2)
 
 
+@pytest.mark.ext  # the serving extension's policies
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_higher_priority_arrival_preempts_for_a_page_table_row(make, policy):
+    """No row is free: under priority the arrival preempts the running request ranked after
+    it (the queue's `victim_for`: no decode runs short of pages here); under fcfs it waits."""
+    sched = make(max_running_requests=1, config={"schedule_policy": policy})
+    low = add(sched, 4, 8, priority=5 if policy == "priority" else 0)
+    for _ in range(3):
+        sched.step()
+    high = add(sched, 4, 2, first=100)
+    run(sched)
+    assert (low.num_preemptions, high.num_preemptions) == (int(policy == "priority"), 0)
+    assert finished(low, high) == [(expected(low, 8), "length"), (expected(high, 2), "length")]
+
+
+@pytest.mark.ext  # the serving extension's policies
 def test_lpm_admits_the_longest_cached_prefix_first(make):
     sched = make(max_running_requests=1, config={"schedule_policy": "lpm"})
     shared = list(range(50, 62))  # 3 pages
@@ -421,6 +445,7 @@ def test_lpm_admits_the_longest_cached_prefix_first(make):
     assert hot.output_ids == expected(hot, 2) and cold.output_ids == expected(cold, 2)
 
 
+@pytest.mark.ext  # the serving extension's policies
 @pytest.mark.parametrize("overlap", [True, False])
 def test_followers_plan_priority_and_mixed_steps_alike(make, monkeypatch, overlap):
     """The order depends on nothing a follower does not replay (arrival is a count)."""

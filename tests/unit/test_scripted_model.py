@@ -115,7 +115,12 @@ def test_offline_chat_parses_reasoning_and_tool_calls(scripted: str) -> None:
     (second,) = llm.chat([AFTER_TOOL], params, use_tqdm=False, **parsers)
     assert second["content"] == "It is 21 degrees in Paris." and second["tool_calls"] == []
     assert second["reasoning_content"] == "The tool said 21 degrees."
-    (raw,) = llm.chat([CHAT], params, use_tqdm=False, tools=TOOLS)  # no parser: the raw text
+    # no parser given: auto, hermes from the template's <tool_call> (it has no <think>)
+    (auto,) = llm.chat([CHAT], params, use_tqdm=False, tools=TOOLS)
+    assert [c["function"] for c in auto["tool_calls"]] == [call["function"]]
+    assert auto["content"] == SCRIPT[: SCRIPT.index("\n\n<tool_call>")]
+    off = dict(tool_call_parser="none", reasoning_parser="none")
+    (raw,) = llm.chat([CHAT], params, use_tqdm=False, tools=TOOLS, **off)  # the raw text
     assert raw["text"] == SCRIPT and "tool_calls" not in raw
     with pytest.raises(ValueError, match="valid names: hermes"):
         llm.chat([CHAT], params, use_tqdm=False, tool_call_parser="nope")

@@ -150,7 +150,7 @@ def test_one_api_process_s_socket_refuses_until_uvicorn_listens():
     client is refused at once instead of waiting in a backlog nobody serves yet."""
     from minisgl.server.launch import listen_sockets
 
-    (sock,) = listen_sockets("127.0.0.1", 0, 1)
+    (sock,) = listen_sockets("127.0.0.1", 0)
     port = sock.getsockname()[1]
     try:
         with pytest.raises(ConnectionRefusedError):

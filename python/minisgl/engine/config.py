@@ -99,13 +99,6 @@ class EngineConfig:
         type=int_range(0),
         switches={"--enforce-eager": 0, "--disable-cuda-graph": 0},  # vLLM's, SGLang's
     )
-    disable_prefill_graphs: bool = option(
-        False,
-        "run every prefill step eagerly: by default a prefill or mixed step of at most "
-        "--cuda-graph-max-bs tokens (and no proposals, logprobs, grammar or logit "
-        "adjustments) replays the decode graphs with one row per position instead, saving "
-        "the eager step's ~300 launches (an idle H100's time to first token)",
-    )
     enable_torch_compile: bool = option(
         False,
         "cpu (cpu extension): compile one-request decode steps with torch.compile (fused C++ "

@@ -4,34 +4,26 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from minisgl.attention import create_attention_backend
-from minisgl.core import Batch, Context, Req, set_global_ctx, to_device
+from minisgl.core import Batch, Context, Req, set_global_ctx
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
 from minisgl.engine.graph import GraphRunner
-from minisgl.engine.logprobs import Entry, PromptLogprobs, SampledLogprobs
 from minisgl.engine.sample import (
-    AdjustTable,
     BatchSamplingArgs,
-    TokenMask,
-    adjust_logits,
-    any_adjusted,
     any_filter,
-    apply_token_bitmask,
-    grammar_over_min_tokens,
     greedy,
     sample,
     sample_at_temperature,
 )
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
 from minisgl.engine.tables import TableWrites
-from minisgl.engine.verify import Verification, flat_batch, prefill_rows
-from minisgl.extension import extensions, require
+from minisgl.extension import ForwardPath, Speculator, StepFeature, extensions, require
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -149,8 +141,11 @@ class Engine:
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
         self.graphs = self._build_graphs()
-        self.prefill_as_rows = not config.disable_prefill_graphs
-        self.adjustments = AdjustTable(rows, self.device)
+        # the scheduler's extensions: step features (processors and observers of the logits),
+        # speculative decoding (verification), speed paths for what the graphs cannot replay
+        self.features: list[StepFeature] = []
+        self.speculator: Speculator | None = None
+        self.forward_paths: list[ForwardPath] = []
 
     def _build_model(self) -> LlamaForCausalLM:
         cls = get_model_class(self.model_config.architecture)
@@ -215,7 +210,7 @@ class Engine:
 
     def set_tokens(self, table_idx: int, tokens: list[int], start: int = 0) -> None:
         """Token ids into a request's row of the token table from position `start`: a newly
-        admitted request's known tokens, or the proposals a step verifies (on the device at
+        admitted request's known tokens, or proposals to verify (on the device at
         the next step's head)."""
         self.table_writes.write_tokens(table_idx, start, tokens)
 
@@ -230,14 +225,22 @@ class Engine:
         request whose `samples` flag is set). Nothing here waits for the device."""
         self.table_writes.flush()
         reqs = batch.reqs
-        adjusted, filtered = any_adjusted(reqs), any_filter(reqs, self.model_config.vocab_size)
+        features = self._features(batch)
+        changes = any(f.changes_logits(r) for f in features for r in reqs if f.name in r.ext)
+        filtered = any_filter(reqs, self.model_config.vocab_size)
         # the ids sample_step draws again after changing the logits: the graph skips them
-        resample = adjusted or filtered or any(r.grammar is not None for r in reqs)
-        out = self._forward(batch, samples, resample)
-        out.adjusted, out.filtered = adjusted, filtered
+        resample = changes or filtered
+        out = self._forward(batch, samples, resample, features)
+        out.features, out.changes, out.filtered = features, changes, filtered
         if resample:
             out.sampled = None
         return out
+
+    def _features(self, batch: Batch) -> list[StepFeature]:
+        """The step features acting on some request of the batch (none: the usual case)."""
+        if not self.features or not any(r.ext for r in batch.reqs):
+            return []
+        return [f for f in self.features if any(f.name in r.ext for r in batch.reqs)]
 
     @property
     def needs_warm_up(self) -> bool:
@@ -252,87 +255,63 @@ class Engine:
             return self.compiled_decoder
         return self.model.model
 
-    def _forward(self, batch: Batch, samples: list[bool], resample: bool) -> ForwardOutput:
-        if self.graphs is not None:
-            if self.graphs.can_run(batch):
-                return self.graphs.replay(batch, samples, resample)
-            if (flat := flat_batch(batch, self.graphs.max_bs)) is not None:
-                out = self.graphs.replay(flat, [True] * flat.size, resample)
-                out.flat = flat
+    def _forward(
+        self, batch: Batch, samples: list[bool], resample: bool, features: list[StepFeature]
+    ) -> ForwardOutput:
+        """A decode batch replays its CUDA graph; another batch goes to the speed paths (the
+        extensions': a verify step or a small prefill as graph rows), else runs eagerly."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(batch, samples, resample)
+        for path in self.forward_paths:
+            if (out := path.forward(self, batch, samples, resample)) is not None:
                 return out
-            if self.prefill_as_rows and (rows := prefill_rows(batch, self.graphs.max_bs)):
-                return self._replay_rows(batch, rows, samples, resample)
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
         inputs = StepInputs.unpack(host.to(self.device, non_blocking=True), batch.size)
         self.attn_backend.prepare(batch)
         out = run_step(self, batch, inputs, sample=False)
         if not batch.is_decode and out.hidden is not None:
-            out.prompt_logprobs = PromptLogprobs.compute(self, batch, out.hidden)
+            for f in features:  # observers of the hidden states (prompt log-probabilities)
+                if (seen := f.observe_prompt(self, batch, out.hidden)) is not None:
+                    out.results[f.name] = seen
         return out
-
-    def _replay_rows(
-        self, batch: Batch, rows: Batch, samples: list[bool], resample: bool
-    ) -> ForwardOutput:
-        """`batch` replayed as `rows` (one per position, `prefill_rows`): each request's last
-        row samples for it (to its own token-table row, as the eager step would), the others
-        to the dummy row, so the prompt's tokens in the table stay. The outputs of the last
-        rows, one per request, as the eager step gives them."""
-        flags: list[bool] = []
-        lasts: list[int] = []
-        for req, samples_here in zip(batch.reqs, samples):
-            flags += [False] * (req.extend_len - 1) + [samples_here]
-            lasts.append(len(flags) - 1)
-        assert self.graphs is not None
-        out = self.graphs.replay(rows, flags, resample)
-        return out.pick(to_device(lasts, torch.int64, self.device))
 
     @torch.inference_mode()
     def sample_step(
-        self, batch: Batch, out: ForwardOutput, mask: TokenMask | None = None
+        self, batch: Batch, out: ForwardOutput, prepared: dict[str, Any] | None = None
     ) -> StepOutput:
-        """Phase 2: sample what the forward did not (filters, grammar `mask`, adjusted logits,
-        eager batches); the ids go into the token table (where the next step reads its inputs)
-        and into pinned host memory. Nothing here waits for the device."""
+        """Phase 2: sample what the forward did not (filters, logits the step features process
+        with their `prepared` host inputs, eager batches); the ids go into the token table
+        (where the next step reads its inputs) and into pinned host memory. Nothing here waits
+        for the device."""
         self.table_writes.flush()  # token writes since the forward land before this step's ids
-        if out.flat is not None:  # one row per position (verify.flat_batch)
-            flat_ids, _ = self._sample_ids(out.flat, out, None)
-            verification, next_ids = Verification.from_flat(batch, flat_ids)
-            return StepOutput.start_copy(next_ids, None, None, verification)
-        next_ids, logprobs = self._sample_ids(batch, out, mask)
-        # rows with proposals (speculative decoding) are extends: never in a decode batch
-        verification = None if batch.is_decode else Verification.start(self, batch, out)
-        return StepOutput.start_copy(next_ids, logprobs, out.prompt_logprobs, verification)
+        if out.regroup is not None:  # a speed path ran other rows: their ids -> the batch's
+            assert out.rows is not None
+            next_ids = out.regroup(self._sample_ids(out.rows, out, {}))
+        else:
+            next_ids = self._sample_ids(batch, out, prepared or {})
+            if self.speculator is not None and not batch.is_decode:  # verifying rows extend
+                self.speculator.verify(self, batch, out)
+        return StepOutput.start_copy(next_ids, out.results)
 
     def _sample_ids(
-        self, batch: Batch, out: ForwardOutput, mask: TokenMask | None
-    ) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        """The step's sampled ids (written into the token table) and logprobs being computed."""
-        next_ids, reqs = out.sampled, batch.reqs
-        adjusted, filtered = out.adjusted, out.filtered
-        # raw: read before the mask and the adjustments change the logits in place
-        logprobs = SampledLogprobs.start(batch, out.logits, mask is not None or adjusted)
-        if next_ids is None or mask is not None or adjusted or filtered:
-            grammar_only = None
-            if mask is not None:
-                apply_token_bitmask(out.logits, mask)
-                grammar_only = out.logits.clone() if adjusted else None
-            if adjusted:
-                penalized = [
-                    (r.table_idx, r.cached_len + r.extend_len)
-                    for r in reqs
-                    if r.params.uses_penalties
-                ]
-                rows, kv_lens = out.inputs.rows, out.kv_lens
-                adjust_logits(
-                    out.logits, self.adjustments, rows, kv_lens, self.token_table, penalized
-                )
-            if grammar_only is not None:
-                grammar_over_min_tokens(out.logits, grammar_only)
-            next_ids = self._sample(reqs, out, filtered)
+        self, batch: Batch, out: ForwardOutput, prepared: dict[str, Any]
+    ) -> torch.Tensor:
+        """The step's sampled ids (written into the token table): the observers read the raw
+        logits first, then the processors change them in stage order (eager sampling after);
+        the observers' results go into `out.results`."""
+        next_ids, features = out.sampled, out.features
+        observed = [(f, f.observe(self, batch, out.logits, out.changes)) for f in features]
+        if next_ids is None or out.changes or out.filtered:
+            masked = False
+            for f in sorted(features, key=lambda f: f.stage):
+                masked |= f.process(self, batch, out, prepared.get(f.name), masked)
+            next_ids = self._sample(batch.reqs, out, out.filtered)
             self.token_table[out.inputs.write_rows, out.kv_lens] = next_ids.to(torch.int32)
-        if logprobs is not None:
-            logprobs.finish(next_ids)
-        return next_ids, logprobs
+        for f, seen in observed:
+            if seen is not None:
+                seen.finish(next_ids)
+                out.results[f.name] = seen
+        return next_ids
 
     def _sample(self, reqs: list[Req], out: ForwardOutput, filtered: bool) -> torch.Tensor:
         """Eager sampling from `out.logits`: with the host-built filter arguments only when a
@@ -347,15 +326,6 @@ class Engine:
             return greedy(out.logits)
         inputs = out.inputs
         return sample_at_temperature(out.logits, inputs.temperatures, inputs.seeds, out.kv_lens)
-
-    def track_adjustments(self, req: Req, eos_token_ids: Collection[int]) -> None:
-        """A request was admitted to its page-table row: its logit adjustments go there."""
-        self.adjustments.write(req.table_idx, req, eos_token_ids)
-
-    @property
-    def prefill_graph_rows(self) -> int:
-        """How many tokens a prefill or mixed step may hold to replay the graphs (0: never)."""
-        return self.graphs.max_bs if self.graphs is not None and self.prefill_as_rows else 0
 
     def _build_graphs(self) -> GraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
@@ -381,67 +351,27 @@ class Engine:
 
 
 class StepOutput:
-    """Sampled token ids (and the log-probabilities asked for) on their way to the host: the
-    copies are queued behind the step's kernels and reading them waits only for those."""
+    """Sampled token ids (and what the step features observed: `results` by feature name) on
+    their way to the host: the copies are queued behind the step's kernels and reading them
+    waits only for those."""
 
     def __init__(
-        self,
-        host: torch.Tensor,
-        event: torch.cuda.Event | None,
-        logprobs: SampledLogprobs | None = None,
-        prompt_logprobs: PromptLogprobs | None = None,
-        verification: Verification | None = None,
+        self, host: torch.Tensor, event: torch.cuda.Event | None, results: dict[str, Any]
     ) -> None:
-        self.host, self.event = host, event
-        self.sampled_logprobs, self.prompt = logprobs, prompt_logprobs
-        self.verification = verification
+        self.host, self.event, self.results = host, event, results
 
     @staticmethod
-    def start_copy(
-        next_ids: torch.Tensor,
-        logprobs: SampledLogprobs | None = None,
-        prompt_logprobs: PromptLogprobs | None = None,
-        verification: Verification | None = None,
-    ) -> StepOutput:
+    def start_copy(next_ids: torch.Tensor, results: dict[str, Any]) -> StepOutput:
         if next_ids.device.type != "cuda":
-            return StepOutput(next_ids, None, logprobs, prompt_logprobs, verification)
+            return StepOutput(next_ids, None, results)
         host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
         host.copy_(next_ids, non_blocking=True)
-        verification = verification.to_host() if verification is not None else None
         event = torch.cuda.Event()
         event.record()
-        return StepOutput(host, event, logprobs, prompt_logprobs, verification)
+        return StepOutput(host, event, results)
 
     def tokens(self) -> list[int]:
+        """The sampled ids (waits for the copies, the results' too)."""
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
-
-    def logprobs(self) -> list[Entry | None] | None:
-        """Per batch row, the sampled token's entry when the request asked for logprobs; None
-        when no request of the step did."""
-        lp = self.sampled_logprobs
-        if lp is None or lp.result is None:
-            return None
-        self.tokens()  # waits for the copies
-        entries: list[Entry | None] = list(lp.result.entries(lp.ks))
-        if lp.index is None:  # every row asked
-            return entries
-        out: list[Entry | None] = [None] * len(self.host)
-        for row, entry in zip(lp.rows, entries):
-            out[row] = entry
-        return out
-
-    def verified(self) -> dict[int, list[int]]:
-        """Per batch row with proposals, the target's token at each of its positions."""
-        if self.verification is None:
-            return {}
-        self.tokens()
-        return self.verification.by_row()
-
-    def prompt_logprobs(self) -> dict[int, list[Entry]]:
-        """Per batch row that computed some, its prompt positions' entries."""
-        if self.prompt is None:
-            return {}
-        self.tokens()
-        return self.prompt.by_row()

@@ -11,6 +11,7 @@ host time per step is what bounds decode."""
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,3 +100,17 @@ class GraphRunner:
             graph.replay()
         assert out is not None
         return out.pick(slice(0, bs))
+
+
+def rows_per_position(batch: Batch) -> Batch:
+    """A prefill or verify step as a decode batch with one row per computed position (the
+    request at that position, a shallow copy), which the graphs can replay: row j attends to
+    the KV that the rows before it store in the same layer, so its logits are the extend's
+    (the extensions' speed paths: ext/spec, ext/perf)."""
+    rows = []
+    for req in batch.reqs:
+        for j in range(req.extend_len):
+            row = copy.copy(req)
+            row.cached_len, row.extend_len = req.cached_len + j, 1
+            rows.append(row)
+    return Batch(rows, "decode")

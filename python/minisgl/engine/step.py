@@ -4,18 +4,19 @@ the per-token inputs derived on the device, and `run_step`, which the eager path
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minisgl import kernel
 from minisgl.core import Batch, Req
-from minisgl.engine.logprobs import PromptLogprobs
 from minisgl.engine.sample import MASK32, sample_into
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
+    from minisgl.extension import StepFeature
 
 
 @dataclass
@@ -62,7 +63,7 @@ class StepInputs:
             dtype=torch.int64,
             pin_memory=device.type == "cuda",
         )
-        temps = [0.0 if r.params.is_greedy else r.params.temperature for r in reqs]
+        temps = [r.params.sampling_temperature for r in reqs]
         _low_halves(host[-1])[: len(reqs)].copy_(torch.tensor(temps, dtype=torch.float32))
         return host
 
@@ -88,17 +89,21 @@ def _low_halves(row: torch.Tensor) -> torch.Tensor:
 class ForwardOutput:
     """A queued forward, one row per request: logits of its last computed token, where its
     sampled id goes (token_table[write_rows, kv_lens]) and, when the step sampled, that id;
-    `hidden`: every computed token's final hidden state (prompt log-probabilities)."""
+    `hidden`: every computed token's final hidden state (speculative verification, the
+    step features' observers). A speed path that ran the batch as other `rows` (one per
+    position) gives their outputs and `regroup`, which maps their sampled ids to the batch's."""
 
     logits: torch.Tensor  # [B, V]
     kv_lens: torch.Tensor  # [B] cached + extend: the sampled id's position
     inputs: StepInputs  # [B] each: rows, write_rows, seeds, temperatures...
     sampled: torch.Tensor | None  # [B] or None
     hidden: torch.Tensor | None = None  # [num_tokens, hidden]
-    prompt_logprobs: PromptLogprobs | None = None
-    flat: Batch | None = None  # the rows are these, one per position (verify.flat_batch)
-    adjusted: bool = False  # some request adjusts its logits (penalties, bias, min_tokens)
+    rows: Batch | None = None  # the rows computed, when not the batch's own
+    regroup: Callable[[torch.Tensor], torch.Tensor] | None = None  # rows' ids -> the batch's
+    features: list[StepFeature] = field(default_factory=list)  # acting on some request
+    changes: bool = False  # some feature changes some request's logits (resampled eagerly)
     filtered: bool = False  # some request samples with top-k, top-p or min-p
+    results: dict[str, Any] = field(default_factory=dict)  # what the features observed
 
     def pick(self, index: slice | torch.Tensor) -> ForwardOutput:
         """The rows at `index` (a slice, or a device tensor of rows), without the hidden

@@ -4,6 +4,10 @@ is the one place they register: importing a package fills its points of
 without it). A new feature is a new package here plus one import line below."""
 
 # -- packages: one import per extension, for its registrations --
-import minisgl.ext.serving  # noqa: F401  (sglang routes, /metrics, --dp dispatch, LLM(dp=N))
-import minisgl.ext.structured  # noqa: F401  (tool calls and reasoning: chat_features)
+import minisgl.ext.agent  # noqa: F401  (/v1/responses, Anthropic /v1/messages)
+import minisgl.ext.perf  # noqa: F401  (prompts as CUDA-graph rows)
+import minisgl.ext.sampling  # noqa: F401  (penalties, logit_bias, min_tokens, logprobs)
+import minisgl.ext.serving  # noqa: F401  (sglang routes, /metrics, --dp, HTTP limits, API processes, nodes, watchdog)
+import minisgl.ext.spec  # noqa: F401  (speculative decoding: ngram, draft model)
+import minisgl.ext.structured  # noqa: F401  (tool calls, reasoning, grammars)
 from minisgl.ext import cpu  # noqa: F401  (GGUF, quantized layers, torch.compile, cpu dtype)

@@ -30,9 +30,9 @@ class DecodeRope(NamedTuple):
 
 
 def fused_ops(x: torch.Tensor, module: str = "fused") -> ModuleType | None:
-    """The Triton module `kernel/<module>.py` (the fused ops; "logprobs": log-probability rows;
-    "adjust": logit_bias, min_tokens and the penalties; "sampling": the Gumbel-max sampler) when `x` is on CUDA, triton imports and MINISGL_DISABLE_FUSED_OPS is unset; None means: run
-    the torch reference."""
+    """The Triton module `kernel/<module>.py` (the fused ops; "sampling": the Gumbel-max
+    sampler), or an extension's kernel module by its dotted name, when `x` is on CUDA, triton
+    imports and MINISGL_DISABLE_FUSED_OPS is unset; None means: run the torch reference."""
     if not x.is_cuda or env.disable_fused_ops():
         return None
     return _import(module)
@@ -99,10 +99,11 @@ def triton_available() -> bool:
 
 @functools.cache
 def _import(name: str) -> ModuleType | None:
-    """minisgl.kernel.<name>, or None without triton (the torch path is then the fallback)."""
+    """minisgl.kernel.<name> (or the module `name` when dotted), or None without triton (the
+    torch path is then the fallback)."""
     if not triton_available():
         return None
-    return importlib.import_module(f"minisgl.kernel.{name}")
+    return importlib.import_module(name if "." in name else f"minisgl.kernel.{name}")
 
 
 MOE_BACKENDS = ("auto", "torch", "triton")

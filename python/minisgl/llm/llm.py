@@ -8,7 +8,7 @@ import gc
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tqdm import tqdm
@@ -24,7 +24,7 @@ from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
 from minisgl.scheduler.scheduler import TokenOutput
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
-from minisgl.utils.options import OptionError, split_options
+from minisgl.utils.options import OptionError
 from minisgl.utils.procs import wait_ready
 
 Prompt = str | list[int]
@@ -120,13 +120,16 @@ class LLM:
     ) -> None:
         if not isinstance(dp, int) or dp < 1:
             raise ValueError(f"LLM(dp={dp!r}): the number of replicas must be an int >= 1")
-        engine_options, sched_options = split_options(options, EngineConfig, SchedulerConfig)
+        # the rest are SchedulerConfig's, the extensions' scheduler options among them
+        engine_names = {f.name for f in fields(EngineConfig)}
+        engine_options = {k: v for k, v in options.items() if k in engine_names}
+        sched_options = {k: v for k, v in options.items() if k not in engine_names}
         if model is None:  # the embedded GGUF (cpu extension), announced
             model = default_model()
         if get_tp_info().size > 1:
             raise RuntimeError("another LLM with tp > 1 is running in this process: shut it down")
         config = EngineConfig(model=model, **engine_options)
-        self.sched_config = SchedulerConfig(**sched_options)
+        self.sched_config = SchedulerConfig.from_options(sched_options)
         self.workers: list[Any] = []  # TP ranks 1..N-1
         self.tp_dir: str | None = None  # private directory of the ranks' rendezvous file
         self.replicas: Any = None  # dp > 1: the serving extension's replica processes
@@ -212,8 +215,8 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
-        tool_call_parser: str | None = None,
-        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = "auto",
+        reasoning_parser: str | None = "auto",
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         """`generate` on chats; `chat_template_kwargs` go to the template. Tools and parsers are
@@ -223,9 +226,10 @@ class LLM:
         also holds the parsed "content", "reasoning_content" and "tool_calls" (OpenAI's
         shapes). `tool_choice` as OpenAI's (default auto with tools): "required" or {"type":
         "function", "function": {"name": ...}} forces calls by grammar (one when not
-        `parallel_tool_calls`), which needs `tool_call_parser`. With `reasoning_parser`, a
-        sampling constraint (json_schema, regex, ebnf) applies to the answer after the
-        reasoning, as on the server."""
+        `parallel_tool_calls`; required needs a `tool_call_parser`). The parsers' "auto" (the
+        default) is the format the chat template shows, "none" none (without the extension
+        both mean none). With `reasoning_parser`, a sampling constraint (json_schema, regex,
+        ebnf) applies to the answer after the reasoning, as on the server."""
         params = per_prompt(sampling_params, len(conversations))
         options: dict[str, Any] = dict(
             tools=tools,
@@ -233,8 +237,16 @@ class LLM:
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
         )
-        if asked := [name for name, value in options.items() if value not in (None, [], "")]:
-            features = require(extensions().chat_features, asked[0], "structured")
+        # a parser's "auto" / "none" asks for nothing in particular (no extension: none)
+        asked = [
+            k
+            for k, v in options.items()
+            if v not in (None, [], "") and not (k.endswith("_parser") and v in ("auto", "none"))
+        ]
+        detect = "auto" in (tool_call_parser, reasoning_parser)
+        if asked or (detect and extensions().chat_features is not None):
+            what = asked[0] if asked else "tool_call_parser"
+            features = require(extensions().chat_features, what, "structured")
             options.update(parallel_tool_calls=parallel_tool_calls, use_tqdm=use_tqdm)
             options.update(chat_template_kwargs=chat_template_kwargs)
             return features.offline_chat(self, conversations, list(params), **options)
@@ -266,9 +278,9 @@ class LLM:
             for p, sp in zip(prompts, sampling_params)
         ]
         samples = [s for group in groups for s in group]
-        for s in samples:
-            if s.req.grammar is not None:
-                s.req.grammar.wait()  # raises GrammarError (a ValueError) for a bad grammar
+        for s in samples:  # what holds a request (a grammar compiling) raises its error now
+            for feature in self.scheduler.features_of(s.req):
+                feature.settle(s.req)
         for s in samples:
             self.scheduler.add_request(s.req)
         with _gc_paused():
@@ -320,9 +332,8 @@ class LLM:
             result["prompt_logprobs"] = logprob_dicts(sample.prompt_logprobs or [])
         if req.error is not None:
             result["error"] = req.error
-        if self.scheduler.planner.proposer is not None:  # speculative decoding's counts
-            result["num_draft_tokens"] = req.num_draft_tokens
-            result["num_accepted_tokens"] = req.num_accepted_tokens
+        if self.scheduler.spec is not None:  # speculative decoding's counts
+            result.update(self.scheduler.spec.result(req))
         return result
 
     @property

@@ -29,8 +29,9 @@ class AbortBackendMsg:
 @register
 @dataclass
 class AdmitBackendMsg:
-    """Scheduler rank 0 -> ranks > 0: the constrained request `uid` (added earlier, its grammar
-    compiling on every rank) joins the waiting queue now: its grammar has compiled on rank 0."""
+    """Scheduler rank 0 -> ranks > 0: the held request `uid` (added earlier, held by a step
+    feature on every rank: its grammar compiling) joins the waiting queue now: rank 0's
+    feature released it."""
 
     uid: int
 

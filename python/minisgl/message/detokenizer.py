@@ -26,6 +26,7 @@ class DetokenizeMsg:
     # token (SamplingParams.prompt_logprobs)
     prompt_logprobs: list[list[Any]] | None = None
     queue_time: float | None = None  # with the first token: seconds queued before its prefill
+    cached_tokens: int | None = None  # with the first token: prompt tokens from the prefix cache
 
 
 @register
@@ -58,9 +59,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefill_tokens: int = 0  # prompt tokens scheduled so far (re-prefills after preemption too)
     cached_tokens: int = 0  # of those, found in the prefix cache
-    draft_tokens: int = 0  # speculative decoding: tokens proposed so far
-    accepted_tokens: int = 0  # of those, accepted
-    verified_rows: int = 0  # request-steps that verified proposals
+    counts: dict[str, int] = field(default_factory=dict)  # the extensions' (speculation's)
     dp_rank: int = 0  # the replica (--dp) this snapshot is of
 
 

@@ -28,6 +28,8 @@ class UserReply:
     # once, with the first reply: the same per prompt token (the first one's logprob is None)
     prompt_logprobs: list[list[Any]] | None = None
     queue_time: float | None = None  # once: seconds in the scheduler's queue
+    matched: str | None = None  # the stop string that ended it (finish_reason "stop")
+    cached_tokens: int | None = None  # once: prompt tokens the prefix cache supplied
 
 
 @register

@@ -5,10 +5,19 @@ Every field is an option (utils/options.py), like EngineConfig's."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
-from minisgl.utils.options import OptionError, check_options, int_range, number, option
+from minisgl.extension import ExtensionMissing, check_extension_options, extensions
+from minisgl.utils.options import (
+    OptionError,
+    check_options,
+    int_range,
+    number,
+    option,
+    split_options,
+)
 
 
 def positive_seconds(value: str) -> float:
@@ -37,47 +46,17 @@ class SchedulerConfig:
         "steps compute either prompt chunks or decodes, never both (running streams then pause"
         " during prefills: the ablation of mixed steps)",
     )
-    schedule_policy: Literal["fcfs", "priority", "lpm"] = option(
+    schedule_policy: str = option(
         "fcfs",
-        "order of the waiting queue: fcfs (arrival), priority (the request's `priority`, lower"
-        " first; a higher-priority request may preempt a lower one), lpm (longest cached prefix"
-        " first, arrival order beyond 128 waiting)",
-        choices=["fcfs", "priority", "lpm"],
+        "order of the waiting queue: fcfs (arrival); the serving extension's priority (the"
+        " request's `priority`, lower first; a higher-priority request may preempt a lower one)"
+        " and lpm (longest cached prefix first, arrival order beyond 128 waiting)",
     )
     priority_aging: int = option(
         256,
         "priority policy: a request queued this many requests later ranks one priority level"
         " lower, so no request is overtaken forever (0: no aging)",
         type=int_range(0),
-    )
-    speculative_algorithm: Literal["ngram", "standalone"] | None = option(
-        None,
-        "speculative decoding: ngram proposes the continuation of the latest earlier match of"
-        " a request's last tokens in its prompt and output (prompt lookup); standalone, what a"
-        " smaller draft model decodes; verified in one forward; a step that verifies proposals"
-        " runs without overlap scheduling (unset: off)",
-        choices=["ngram", "standalone"],
-    )
-    speculative_draft_model_path: str | None = option(
-        None,
-        "standalone: the draft model (a directory, .gguf or hub id with the target's vocabulary)",
-    )
-    speculative_num_draft_tokens: int = option(
-        4, "tokens proposed per request and step (speculative decoding)", type=int_range(1, 16)
-    )
-    speculative_max_backoff: int = option(
-        16,
-        "speculative decoding: a request whose proposals gain nothing (none found, or none"
-        " accepted) proposes only every 2nd, 4th, ... step, at most every this many; steps in"
-        " which no request proposes overlap like plain decoding (0 or 1: propose at every step,"
-        " and no step overlaps)",
-        type=int_range(0, 1024),
-    )
-    speculative_ngram_min_match_window_size: int = option(
-        1, "ngram: the shortest suffix of a request's tokens looked up", type=int_range(1)
-    )
-    speculative_ngram_max_match_window_size: int = option(
-        4, "ngram: the longest suffix looked up (the longest match wins)", type=int_range(1)
     )
     cache: Literal["radix", "naive"] = option(
         "radix",
@@ -101,18 +80,33 @@ class SchedulerConfig:
         " compile is stopped and the request ends with an error, while the others go on",
         type=positive_seconds,
     )
+    # the extensions' options for the schedulers (`Extensions.scheduler_options`) by extension,
+    # each its dataclass: every scheduler process gets them (speculative decoding's...)
+    extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_options(self)
-        standalone = self.speculative_algorithm == "standalone"
-        if standalone != (self.speculative_draft_model_path is not None):
-            raise OptionError(
-                "speculative_draft_model_path",
-                "is required with --speculative-algorithm standalone, and only with it",
-            )
-        low = self.speculative_ngram_min_match_window_size
-        if low > self.speculative_ngram_max_match_window_size:
-            raise OptionError(
-                "speculative_ngram_min_match_window_size",
-                f"must not exceed --speculative-ngram-max-match-window-size, got {low}",
-            )
+        self._check_policy()
+        for name, options in extensions().scheduler_options.items():
+            self.extras.setdefault(name, options())  # the defaults of those not given
+
+    @staticmethod
+    def from_options(options: Mapping[str, Any]) -> SchedulerConfig:
+        """From option values (`LLM(...)`'s keywords): its fields and the extensions' scheduler
+        options, which go into `extras`. TypeError naming an unknown option; ExtensionMissing
+        for one of an extension missing here."""
+        own = extensions().scheduler_options
+        configs = (SchedulerConfig, *own.values())
+        known = {f.name for config in configs for f in fields(config)}
+        check_extension_options([name for name in options if name not in known])
+        mine, *theirs = split_options(options, *configs)
+        extras = {name: cls(**o) for (name, cls), o in zip(own.items(), theirs)}
+        return SchedulerConfig(**mine, extras=extras)
+
+    def _check_policy(self) -> None:
+        """fcfs is the core's order; the others are the extensions' (`admission_policies`)."""
+        name, names = self.schedule_policy, ["fcfs", *extensions().admission_policies]
+        if name not in names:
+            known = f"invalid schedule_policy {name!r}: expected one of {', '.join(names)}"
+            missing = ExtensionMissing(f"--schedule-policy {name}", "serving")
+            raise OptionError("schedule_policy", known if len(names) > 1 else str(missing))

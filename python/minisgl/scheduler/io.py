@@ -12,6 +12,7 @@ import torch
 
 from minisgl.distributed import Rendezvous, destroy_tp, init_tp, select_device
 from minisgl.engine import Engine, EngineConfig
+from minisgl.extension import extensions
 from minisgl.message import (
     AbortBackendMsg,
     BatchBackendMsg,
@@ -26,15 +27,14 @@ from minisgl.message import (
 from minisgl.models.hf import eos_token_ids, load_tokenizer
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.spec import leave_room_for_draft
 from minisgl.utils.device import device_type
 from minisgl.utils.procs import die_with_parent, freeze_startup_heap, set_title
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.2
-# While the only work is grammars compiling, wait this long for a message between the steps
-# that look at them: no busy loop, and a compiled grammar's request is admitted within it
+# While the only work is held requests (grammars compiling), wait this long for a message
+# between the steps that look at them: no busy loop, and a released request is admitted within it
 GRAMMAR_POLL_S = 0.02
 
 
@@ -54,7 +54,7 @@ class SchedulerServer:
         free, cached = cache.allocator.num_free, cache.prefix_cache.num_pages
         return SchedulerStats(
             running=len(s.admitted()),
-            waiting=len(s.waiting) + len(self.scheduler.grammar.compiling),
+            waiting=len(s.waiting) + len(self.scheduler.held),
             total_pages=cache.num_pages,
             free_pages=free,
             cached_pages=cached,
@@ -63,9 +63,7 @@ class SchedulerServer:
             num_preemptions=s.num_preemptions,
             prefill_tokens=s.num_prefill_tokens,
             cached_tokens=s.num_cached_tokens,
-            draft_tokens=s.num_draft_tokens,
-            accepted_tokens=s.num_accepted_tokens,
-            verified_rows=s.num_verified_rows,
+            counts=self.scheduler.spec.counts() if self.scheduler.spec is not None else {},
             dp_rank=self.dp_rank,
         )
 
@@ -114,6 +112,7 @@ class SchedulerServer:
                     None if o.logprob is None else [o.logprob],
                     o.prompt_logprobs,
                     o.queue_time,
+                    o.cached_tokens,
                 )
                 for o in outputs
             ]
@@ -126,7 +125,7 @@ class SchedulerServer:
                 self.send.put(BatchDetokenizeMsg(out, stats))
 
     def _next_message(self) -> Any:
-        """Block when idle; while only grammars compile, wait a little (GRAMMAR_POLL_S);
+        """Block when idle; while only held requests wait, a little (GRAMMAR_POLL_S);
         otherwise take what has arrived and keep stepping."""
         if self.scheduler.runnable:
             return self.recv.get_nowait()
@@ -157,7 +156,9 @@ def build_scheduler(
     if tp > 1:
         assert rendezvous is not None
         init_tp(rank, tp, rendezvous, kind)
-    engine = Engine(leave_room_for_draft(engine_config, sched_config))
+    for adjust in extensions().engine_config:  # e.g. the KV memory a draft model leaves
+        engine_config = adjust(engine_config, sched_config)
+    engine = Engine(engine_config)
     tokenizer = load_tokenizer(engine.model_path)
     eos = eos_token_ids(engine.model_path, engine.model_config.eos_token_ids, tokenizer)
     return Scheduler(engine, sched_config, eos, tokenizer)

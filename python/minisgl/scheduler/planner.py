@@ -3,15 +3,12 @@ chunks within a token budget), the pages they compute into, and preemption."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from itertools import chain
-
 from minisgl.core import Batch, Req
 from minisgl.engine import Engine
+from minisgl.extension import ForwardPath, Speculator, StepFeature
 from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.queue import WaitingQueue
-from minisgl.scheduler.spec import Backoff, make_proposer
+from minisgl.scheduler.queue import make_queue
 
 
 def reaches_length(req: Req, num_tokens: int) -> bool:
@@ -24,7 +21,7 @@ def decode_batch(reqs: list[Req]) -> Batch | None:
     """A step of running requests only: a decode, or an extend when some verify proposals."""
     if not reqs:
         return None
-    if any(r.drafts for r in reqs):
+    if any(r.extend_len > 1 for r in reqs):
         return Batch(reqs, "prefill", num_decodes=len(reqs))
     return Batch(reqs, "decode")
 
@@ -35,17 +32,15 @@ class BatchPlanner:
         engine: Engine,
         cache: KVCacheManager,
         config: SchedulerConfig,
-        eos_token_ids: Collection[int] = (),
     ) -> None:
         self.engine, self.cache, self.page_size = engine, cache, engine.page_size
-        self.eos_token_ids = eos_token_ids  # what min_tokens holds back
+        self.features: list[StepFeature] = []  # the scheduler's (admission hooks)
         self.max_prefill_tokens = config.max_prefill_tokens
         self.max_batched_tokens = config.max_num_batched_tokens
         self.mixed = not config.disable_mixed_steps
-        self.preempts_by_priority = config.schedule_policy == "priority"
-        self.waiting = WaitingQueue(config.schedule_policy, config.priority_aging, cache)
-        self.proposer = make_proposer(engine, config)  # speculative decoding (None: off)
-        self.backoff = Backoff(config.speculative_max_backoff)
+        self.waiting = make_queue(config, cache)  # its order and who gives way to whom
+        self.spec: Speculator | None = None  # the scheduler's speculative decoding
+        self.paths: list[ForwardPath] = []  # the engine's speed paths (their prompt budgets)
         self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
@@ -56,9 +51,6 @@ class BatchPlanner:
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens scheduled (for the prefix-cache hit rate)
         self.num_cached_tokens = 0  # of those, found in the prefix cache
-        self.num_draft_tokens = 0  # speculative decoding: proposals verified
-        self.num_accepted_tokens = 0  # of those, accepted
-        self.num_verified_rows = 0  # request-steps that verified proposals
 
     @property
     def busy(self) -> bool:
@@ -69,41 +61,25 @@ class BatchPlanner:
         row never waits behind a prompt), then prompt chunks in what is left of the step's
         token budget. Without them (--disable-mixed-steps): prompt chunks first, else decodes."""
         if not self.mixed or not self.running:
-            budget = self._graph_budget(self.max_prefill_tokens, [], 0)
+            budget = self._budget(self.max_prefill_tokens, [], 0)
             return self._schedule_prefill(budget) or self._schedule_decode()
         decode = self._schedule_decode()
         decodes = decode.reqs if decode is not None else []
         num_decode_tokens = sum(r.extend_len for r in decodes)  # proposals count too
         budget = min(self.max_prefill_tokens, self.max_batched_tokens - num_decode_tokens)
-        budget = self._graph_budget(budget, decodes, num_decode_tokens)
+        budget = self._budget(budget, decodes, num_decode_tokens)
         prefill = self._schedule_prefill(budget) if budget > 0 else None
         decodes = [r for r in decodes if r.table_idx >= 0]  # not preempted for a prompt
         if prefill is None:
             return decode_batch(decodes)
         return Batch(decodes + prefill.reqs, "prefill", num_decodes=len(decodes))
 
-    def _graph_budget(self, budget: int, decodes: list[Req], num_decode_tokens: int) -> int:
-        """The prompt budget of a step, capped so that the step fits the CUDA graphs' rows when
-        the prompts waiting fit in three such steps beside the decodes, none is longer than
-        twice the graphs' rows with its cached prefix (the rows' KV reads stay within the
-        engine's limit), and the step could replay them (engine `prefill_rows`: ~300 fewer
-        launches, ~10 ms less per step on an H100). A backlog, a long prompt's tail, or so
-        many decodes that few rows are left keep the large eager chunks."""
-        graph_rows = self.engine.prefill_graph_rows
-        rows = graph_rows - num_decode_tokens
-        if rows <= 0 or budget <= rows or (self.prefilling is None and not self.waiting):
-            return budget  # a decode-only step looks at no request here
-        if not all(r.samples_plainly and not r.drafts for r in decodes):
-            return budget
-        pending = [self.prefilling] if self.prefilling is not None else []
-        total = 0
-        for req in chain(pending, self.waiting):
-            total += req.remaining_len
-            if total > 3 * rows or len(req.tokens) > 2 * graph_rows:
-                return budget
-            if not req.samples_plainly:
-                return budget
-        return rows
+    def _budget(self, budget: int, decodes: list[Req], num_decode_tokens: int) -> int:
+        """The step's prompt budget as the engine's speed paths cap it (ext/perf: a small
+        step that fits the CUDA graphs' rows)."""
+        for path in self.paths:
+            budget = path.prefill_budget(self, budget, decodes, num_decode_tokens)
+        return budget
 
     def _schedule_prefill(self, budget: int) -> Batch | None:
         reserve = len(self.running)  # leave a page per decoding request for its next token
@@ -128,62 +104,36 @@ class BatchPlanner:
 
     def _admit_chunk(self, req: Req, budget: int, reserve: int) -> int:
         """Admit the waiting `req` with its first chunk (up to `budget` tokens); how many tokens
-        it computes (0: it stays waiting). Under the priority policy a request that does not
-        fit preempts running ones ranked after it until it does."""
-        while True:
-            n = 0
-            if self.free_rows:
-                self.admit(req)
-                n = self._fit(req, min(req.remaining_len, budget), reserve)
-                if n == 0:
-                    self.release(req)
-            if n > 0 or not self._preempt_for(req):
-                break
+        it computes (0: it stays waiting)."""
+        while (n := self._try_admit(req, budget, reserve)) == 0:
+            if not self._preempt_for(req):
+                return 0
             reserve = len(self.running)
-        if n > 0:
-            self.waiting.remove(req)
-            self.num_prefill_tokens += len(req.tokens)
-            self.num_cached_tokens += req.cached_len
+        self.waiting.remove(req)
+        self.num_prefill_tokens += len(req.tokens)
+        self.num_cached_tokens += req.cached_len
+        return n
+
+    def _try_admit(self, req: Req, budget: int, reserve: int) -> int:
+        """`admit` and `_fit` when a row is free; 0 (not admitted) when it does not fit."""
+        if not self.free_rows:
+            return 0
+        self.admit(req)
+        if (n := self._fit(req, min(req.remaining_len, budget), reserve)) == 0:
+            self.release(req)
         return n
 
     def _preempt_for(self, req: Req) -> bool:
-        """Priority policy: preempt the running request ranked last, if it ranks after `req`
-        (one this step was to decode too: `schedule` drops it from the step)."""
-        if not self.preempts_by_priority or not self.running:
-            return False
-        victim = max(self.running, key=self.waiting.rank)
-        if self.waiting.rank(victim) <= self.waiting.rank(req):
-            return False
-        self._preempt(victim)
-        return True
-
-    def _due(self) -> list[Req]:
-        """The running requests that propose in the next decode step (speculative decoding)."""
-        if self.proposer is None:
-            return []
-        return [r for r in self.running if self.backoff.due(r, self.proposer.num_draft)]
-
-    def wants_proposals(self) -> bool:
-        """Whether the next step proposes for some running request: it needs the tokens of
-        the step in flight first."""
-        return bool(self._due())
-
-    def _proposals(self) -> dict[int, list[int]]:
-        """uid -> proposals of the running requests due to propose; a due request that finds
-        none backs off."""
-        if self.proposer is None:
-            return {}
-        due = self._due()
-        self.backoff.tick()
-        proposals = self.proposer.propose_all(due) if due else {}
-        for req in due:
-            if req.uid not in proposals:
-                self.backoff.result(req, gained=False)
-        return proposals
+        """Preempt the running request that the queue's policy lets `req` preempt, if any
+        (fcfs: none; one this step was to decode too: `schedule` drops it from the step)."""
+        victim = self.waiting.victim_for(req, self.running)
+        if victim is not None:
+            self._preempt(victim)
+        return victim is not None
 
     def _schedule_decode(self) -> Batch | None:
         i, reqs = 0, []
-        proposals = self._proposals()
+        proposals = self.spec.propose(self.running) if self.spec is not None else {}
         while i < len(self.running):
             req = self.running[i]
             if reaches_length(req, len(req.tokens)):
@@ -193,7 +143,7 @@ class BatchPlanner:
                 reqs.append(req)
                 i += 1
                 continue
-            victim = self._decode_victim()
+            victim = self.waiting.decode_victim(self.running, self.prefilling)
             self._preempt(victim)  # if the victim is `req` itself, index i now holds the next one
             if victim in reqs:
                 reqs.remove(victim)
@@ -207,32 +157,26 @@ class BatchPlanner:
             drafts = []
         if not drafts and not self.grow(req, 1):
             return False
-        req.extend_len, req.drafts = 1 + len(drafts), drafts
+        req.extend_len = 1 + len(drafts)
         if drafts:
             self.engine.set_tokens(req.table_idx, drafts, start=len(req.tokens))
         return True
 
-    def _decode_victim(self) -> Req:
-        """Who gives up its pages when a decode finds none: the half-prefilled request, else
-        the newest running one (priority policy: of these, the one ranked last)."""
-        if self.preempts_by_priority:
-            candidates = self.running + ([self.prefilling] if self.prefilling else [])
-            return max(candidates, key=self.waiting.rank)
-        return self.prefilling or self.running[-1]
-
     def admit(self, req: Req) -> None:
         """Give the request a page-table row and lock its longest cached prefix. The last prompt
-        token is never matched: its logits are needed to sample (nor are prompt positions whose
-        log-probabilities are asked for and not computed yet)."""
+        token is never matched: its logits are needed to sample (nor is what a step feature
+        still computes from the prompt: prompt log-probabilities)."""
         req.table_idx = self.free_rows.pop()
         matched = len(req.tokens) - 1
-        if req.params.prompt_logprobs is not None:  # positions still to compute: no cache hit
-            matched = min(matched, req.next_prompt_logprob - 1)
+        for f in self.features:
+            if f.name in req.ext and (limit := f.prefix_limit(req)) is not None:
+                matched = min(matched, limit)
         handle, pages = self.cache.match_and_lock(req.tokens[:matched])
         req.cache_handle, req.pages, req.cached_len = handle, list(pages), handle.length
         self.engine.set_pages(req.table_idx, 0, req.pages)
         self.engine.set_tokens(req.table_idx, req.tokens)
-        self.engine.track_adjustments(req, self.eos_token_ids)
+        for f in self.features:  # every request: a row's previous state is theirs to clear
+            f.admitted(req)
 
     def _fit(self, req: Req, want: int, reserve: int) -> int:
         """Grow `req` for up to `want` more tokens within the free pages (minus `reserve`);
@@ -260,9 +204,6 @@ class BatchPlanner:
     def launched(self, req: Req, decode_row: bool, samples: bool) -> None:
         """The request's forward is queued: its KV covers the computed tokens, and a prompt
         whose last chunk this was decodes from now on."""
-        if req.params.prompt_logprobs is not None:  # this forward computes those positions
-            done = min(req.cached_len + req.extend_len + 1, req.prompt_len)
-            req.next_prompt_logprob = max(req.next_prompt_logprob, done)
         req.cached_len += req.extend_len
         req.extend_len = 0
         if not decode_row:
@@ -304,9 +245,9 @@ class BatchPlanner:
         assert req.cache_handle is not None, "an admitted request holds its prefix-cache lock"
         self.cache.release(req.tokens[: req.cached_len], req.pages, req.cache_handle)
         self.free_rows.append(req.table_idx)
-        if self.proposer is not None:
-            self.proposer.release(req)
-        req.table_idx, req.pages, req.cache_handle, req.drafts = -1, [], None, []
+        if self.spec is not None:
+            self.spec.release(req)
+        req.table_idx, req.pages, req.cache_handle = -1, [], None
         req.cached_len = req.extend_len = 0
         if req in self.running:
             self.running.remove(req)

@@ -1,65 +1,48 @@
-"""WaitingQueue: the requests waiting for admission, and which one goes next under
---schedule-policy. Every TP rank keeps the same queue and picks alike: the order depends on
-nothing but the requests and the prefix cache (arrival is a count, not a clock)."""
+"""WaitingQueue: the requests waiting for admission, first come first served, and who gives way
+when pages run out. Another --schedule-policy is a subclass from the `admission_policies`
+extension point (ext/serving/policy.py: priority, longest prefix match) that orders the queue
+otherwise and may let a waiting request preempt running ones. Every TP rank keeps the same
+queue and picks alike: a policy may look at nothing but the requests and the prefix cache."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
-from typing import Literal
 
 from minisgl.core import PLACEHOLDER, Req
+from minisgl.extension import extensions, require
 from minisgl.kvcache import KVCacheManager
-
-LPM_MAX_QUEUE = 128  # lpm ranks at most this many waiting requests (as SGLang): beyond, fcfs
-Policy = Literal["fcfs", "priority", "lpm"]
+from minisgl.scheduler.config import SchedulerConfig
 
 
-class WaitingQueue:
-    """`append` queues a new request (it gets the next arrival number), `appendleft` puts a
-    preempted one back (its arrival kept). `first` is the next to admit: the oldest (fcfs), the
-    best `rank` (priority), or the longest cached prefix (lpm, oldest first among equals)."""
-
-    def __init__(self, policy: Policy, aging: int, cache: KVCacheManager) -> None:
-        self.policy, self.aging, self.cache = policy, aging, cache
-        self.reqs: deque[Req] = deque()
-        self.num_queued = 0
-
-    def __len__(self) -> int:
-        return len(self.reqs)
-
-    def __iter__(self) -> Iterator[Req]:
-        return iter(self.reqs)
-
-    def __contains__(self, req: object) -> bool:
-        return req in self.reqs
-
-    def append(self, req: Req) -> None:
-        req.arrival, self.num_queued = self.num_queued, self.num_queued + 1
-        self.reqs.append(req)
-
-    def appendleft(self, req: Req) -> None:
-        self.reqs.appendleft(req)
-
-    def remove(self, req: Req) -> None:
-        self.reqs.remove(req)
-
-    def rank(self, req: Req) -> tuple[float, int]:
-        """Lower goes first: the priority, aged by arrival (a request queued `aging` requests
-        later counts one level lower: a fixed order, so no two requests preempt each other back
-        and forth, and a request is overtaken by a bounded number of later ones)."""
-        priority = req.params.priority
-        return (priority + req.arrival / self.aging if self.aging else priority, req.arrival)
+class WaitingQueue(deque[Req]):
+    """The waiting requests in order: `append` queues a new one, `appendleft` puts a preempted
+    one back in front."""
 
     def first(self) -> Req | None:
-        """The next to admit; None while it is one that this very step preempted (its last
-        token is still being computed): it is admitted next step, and no later one before it."""
-        if not self.reqs:
-            return None
-        if self.policy == "priority":
-            best = min(self.reqs, key=self.rank)
-        elif self.policy == "lpm" and len(self.reqs) <= LPM_MAX_QUEUE:
-            best = max(self.reqs, key=lambda r: (self.cache.cached_length(r.tokens), -r.arrival))
-        else:
-            best = self.reqs[0]
-        return best if best.tokens[-1] != PLACEHOLDER else None
+        """The next to admit: the oldest."""
+        return self.ready(self[0]) if self else None
+
+    @staticmethod
+    def ready(req: Req) -> Req | None:
+        """`req`, or None while it is one that this very step preempted (its last token is still
+        being computed): it is admitted next step, and no later one before it."""
+        return req if req.tokens[-1] != PLACEHOLDER else None
+
+    def victim_for(self, req: Req, running: list[Req]) -> Req | None:
+        """The running request that the waiting (or half-prefilled) `req`, which does not fit,
+        preempts; None: `req` waits (here always: no request overtakes a running one)."""
+        return None
+
+    def decode_victim(self, running: list[Req], prefilling: Req | None) -> Req:
+        """Who gives up its pages when a running request's decode finds none: the half-prefilled
+        request, else the newest running one (the least work to redo)."""
+        return prefilling or running[-1]
+
+
+def make_queue(config: SchedulerConfig, cache: KVCacheManager) -> WaitingQueue:
+    """The queue of --schedule-policy: fcfs is the core's, every other an extension's."""
+    if config.schedule_policy == "fcfs":
+        return WaitingQueue()
+    policies = extensions().admission_policies
+    what = f"--schedule-policy {config.schedule_policy}"
+    return require(policies.get(config.schedule_policy), what, "serving")(config, cache)

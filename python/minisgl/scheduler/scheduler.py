@@ -1,12 +1,14 @@
 """Scheduler: continuous batching over one Engine, one `step()` at a time. It keeps the request
 table and turns sampled tokens into results; what a step computes is the BatchPlanner's
-(planner.py), grammars are GrammarState's (grammar.py), TP replication is TPLeader's (tp.py).
+(planner.py), TP replication is TPLeader's (tp.py), the extensions' step features
+(`minisgl.extension.StepFeature`: logprobs, logit adjustments, grammars) attach to its hooks.
 
-A step has explicit phases: admit the constrained requests whose grammar has compiled (they
-wait for it outside the planner's queue; TP followers admit at rank 0's word); plan the batch;
-queue its forward (`Engine.forward_step`); for a batch with a constrained request, read the
-step in flight (its tokens advance the matchers: no overlap for that step) and build the token
-mask while the device runs the forward; queue the sampling (`Engine.sample_step`). Overlap:
+A step has explicit phases: admit the held requests that a feature releases (a grammar has
+compiled; TP followers admit at rank 0's word); plan the batch; queue its forward
+(`Engine.forward_step`); for a batch some feature processes, build the features' host inputs
+while the device runs the forward (a grammar's token mask, after reading the step in flight,
+whose tokens advance its matchers: no overlap for that step); queue the sampling
+(`Engine.sample_step`). Overlap:
 `step` launches batch N+1 before it reads batch N's tokens; `_launch` advances the host state
 at once (a request that samples gets a PLACEHOLDER token, which the next step reads on the
 device) and `_process` fills it one step later."""
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
 from minisgl import env
@@ -24,14 +26,11 @@ from minisgl.core import PLACEHOLDER, Batch, Req, SamplingParams, check_token_id
 from minisgl.distributed import get_tp_info
 from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
-from minisgl.engine.logprobs import Entry
-from minisgl.engine.sample import TokenMask
+from minisgl.extension import StepFeature, extensions
 from minisgl.kvcache import KVCacheManager
 from minisgl.message import AbortBackendMsg, AdmitBackendMsg, BatchBackendMsg, FlushCacheMsg
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.planner import BatchPlanner, reaches_length
-from minisgl.scheduler.spec import accept
 from minisgl.scheduler.tp import TPLeader, receive_step
 
 # the warm-up's prompt lengths: short and long, off and on multiples of 16 (Triton specializes
@@ -46,8 +45,10 @@ class TokenOutput:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None  # with finish_reason "error"
-    logprob: Entry | None = None  # the token's, when the request asked for logprobs
+    # the token's (log-probability, top ids, their log-probabilities), when asked for
+    logprob: Sequence[Any] | None = None
     queue_time: float | None = None  # with the first output: seconds queued before its prefill
+    cached_tokens: int | None = None  # with the first output: prompt tokens the cache supplied
     # with the first output: [token id, logprob | None, top ids, top logprobs] per prompt token
     prompt_logprobs: list[list[Any]] | None = None
 
@@ -60,15 +61,11 @@ class InFlight:
     batch: Batch
     slots: list[int]
     output: StepOutput
+    verifies: bool = False  # speculation: the next step starts where its accepted run ends
 
     @property
     def empty(self) -> bool:
-        return all(slot < 0 for slot in self.slots) and self.output.prompt is None
-
-    @property
-    def verifies(self) -> bool:
-        """Some request verifies proposals: the next step starts where its accepted run ends."""
-        return any(r.drafts for r in self.batch.reqs)
+        return all(slot < 0 for slot in self.slots) and not self.output.results
 
 
 class Scheduler:
@@ -82,21 +79,23 @@ class Scheduler:
         self.engine = engine
         self.config = config
         self.eos_token_ids = eos_token_ids
-        self.tokenizer = tokenizer  # for grammars
+        self.tokenizer = tokenizer  # for the extensions (grammars)
         self.cache = KVCacheManager(engine.num_pages, engine.page_size, config.cache)
         tp = get_tp_info()
-        self.planner = BatchPlanner(engine, self.cache, config, eos_token_ids)
+        self.planner = BatchPlanner(engine, self.cache, config)
         self.leader = TPLeader() if tp.size > 1 and tp.is_primary else None
         self.follower = tp.size > 1 and not tp.is_primary  # admits what rank 0 admits
-        rows, vocab = engine.config.max_running_requests, engine.model_config.vocab_size
-        pin, any_whitespace = engine.device.type == "cuda", config.json_any_whitespace
-        timeout = config.grammar_compile_timeout
-        self.grammar = GrammarState(vocab, rows, pin, any_whitespace, timeout, not self.follower)
+        self.held: list[Req] = []  # held by a feature before admission (grammars compiling)
+        exts = extensions()
+        self.features: list[StepFeature] = [f for m in exts.step_features if (f := m(self))]
+        engine.features = self.planner.features = self.features
+        # speculative decoding (None: off) and the engine's speed paths (both extensions')
+        self.spec = exts.proposer(self) if exts.proposer is not None else None
+        engine.speculator = self.planner.spec = self.spec
+        paths = [p for make in exts.forward_paths if (p := make(self)) is not None]
+        engine.forward_paths = self.planner.paths = paths
         self.requests: dict[int, Req] = {}
         self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
-        # speculative decoding: a step that proposes waits for the step in flight (proposals
-        # continue its tokens) and is read before the next (its accepted run sets where that
-        # one starts); the steps between overlap as plain decoding does (planner.backoff)
         self.overlap = not env.disable_overlap_scheduling()
         self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
 
@@ -117,45 +116,51 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {len(input_ids)} tokens is longer than {where}: at most {limit - 1} allowed"
             )
-        check_token_ids(vocab, prompt=input_ids, **params.token_id_fields())
+        check_token_ids(vocab, prompt=input_ids, stop_token_ids=params.stop_token_ids)
         total = min(limit, len(input_ids) + params.max_tokens)
         req = Req(list(input_ids), len(input_ids), params, max_total_len=total)
         if uid is not None:
             req.uid = uid
-        req.grammar = self.grammar.constraint(params, self.tokenizer, self.eos_token_ids)
+        for f in self.features:
+            f.request(req)
         return req
+
+    def features_of(self, req: Req) -> list[StepFeature]:
+        """The step features acting on `req` (those that set its `ext`)."""
+        return [f for f in self.features if f.name in req.ext] if req.ext else []
 
     def add_request(self, req: Req) -> None:
         if self.leader is not None:
             self.leader.added(req)
         self.requests[req.uid] = req
-        self.grammar.num_constrained += req.grammar is not None
         req.queued_at = time.monotonic()
-        if req.params.max_tokens == 0 and req.params.prompt_logprobs is None:
+        features = self.features_of(req)
+        if req.params.max_tokens == 0 and not any(f.scores_prompt(req) for f in features):
             self._finish(req, "length")  # (scoring a prompt runs its prefill, then ends)
-        elif req.grammar is not None:  # admitted once its grammar is compiled (`step`)
-            self.grammar.compiling.append(req)
+        elif any(f.holds(req) for f in features):  # admitted once released (`step`)
+            self.held.append(req)
         else:
             self.planner.waiting.append(req)
 
     def _admit(self, req: Req) -> None:
-        """A request whose grammar is compiled joins the planner's queue (every rank alike)."""
+        """A held request joins the planner's queue (every rank alike)."""
         if self.leader is not None:
             self.leader.admitted(req.uid)
-        self.grammar.compiling.remove(req)
+        self.held.remove(req)
         self.planner.waiting.append(req)
 
-    def _admit_compiled(self) -> None:
+    def _admit_held(self) -> None:
         """Rank 0, before the step's broadcast (so that the followers do the same at this step):
-        admit the requests whose grammar has compiled; end those whose compile failed or ran
-        past its deadline (the followers drop them as aborted). Never waits for a compile."""
-        ready, failed = self.grammar.poll()
-        for req in ready:
-            self._admit(req)
-        for req, error in failed:
-            if self.leader is not None:
-                self.leader.aborted(req.uid)
-            self._finish(req, "error", error=error)
+        admit the held requests that their features release; end those that fail (a grammar
+        that did not compile in time: the followers drop them as aborted). Never waits."""
+        for f in self.features:
+            ready, failed = f.poll([r for r in self.held if f.name in r.ext])
+            for req in ready:
+                self._admit(req)
+            for req, error in failed:
+                if self.leader is not None:
+                    self.leader.aborted(req.uid)
+                self._finish(req, "error", error=error)
 
     def abort(self, uid: int) -> None:
         if self.leader is not None:
@@ -188,11 +193,12 @@ class Scheduler:
             self.step()
         self.flush_cache()
         self.planner.reset_counters()
+        if self.spec is not None:
+            self.spec.reset_counts()
 
     def flush_cache(self) -> str | None:
         """Empty the prefix cache (SGLang's /flush_cache); why not, while requests run."""
-        busy = len(self.planner.admitted()) + len(self.planner.waiting)
-        busy += len(self.grammar.compiling)
+        busy = len(self.planner.admitted()) + len(self.planner.waiting) + len(self.held)
         if self.has_work or self.cache.prefix_cache.locked_pages:
             return f"cache_busy: {busy} requests are running; flush the cache when idle"
         if self.leader is not None:
@@ -202,22 +208,26 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return self.runnable or bool(self.grammar.compiling)
+        return self.runnable or bool(self.held)
 
     @property
     def runnable(self) -> bool:
-        """Work for the next step other than waiting for grammars to compile (which only a
+        """Work for the next step other than held requests (grammars compiling, which only a
         poll of them, not a busy loop, should wait for: scheduler/io.py)."""
         return bool(self.planner.busy or self.pending or self.in_flight)
 
     def step(self) -> list[TokenOutput]:
         """Launch one forward (if anything can run) and return the tokens that are ready: with
         overlap, those of the previous step, whose device work ran while this one was built."""
-        if self.grammar.compiling and not self.follower:
-            self._admit_compiled()
+        if self.held and not self.follower:
+            self._admit_held()
         if self.leader is not None:
             self.leader.send()
-        if self.in_flight is not None and self.planner.wants_proposals():
+        # speculation: a step that proposes waits for the step in flight (the proposals
+        # continue its tokens), one that verifies is read at once (its accepted run sets
+        # where the next starts); the steps between overlap as plain decoding does
+        spec = self.spec
+        if self.in_flight is not None and spec is not None and spec.wants(self.planner.running):
             self.pending.extend(self._process(self.in_flight))
             self.in_flight = None
         batch = self.planner.schedule()
@@ -262,108 +272,109 @@ class Scheduler:
         """Queue the batch on the device and advance the host state as if it had run: KV now
         covers the computed tokens, and each request that samples gets a placeholder token
         that `_process` fills in (the device already knows it: the next step reads it there)."""
-        # a request samples when the step computes its last known token (then its proposals)
-        samples = [r.cached_len + r.extend_len - len(r.drafts) == len(r.tokens) for r in batch.reqs]
+        # a request samples when the step computes its last known token (and, verifying,
+        # proposals past it)
+        ends = [r.cached_len + r.extend_len - len(r.tokens) for r in batch.reqs]
+        samples = [end >= 0 for end in ends]
         forward = self.engine.forward_step(batch, samples)
         if not batch.is_decode:
             now = time.monotonic()
             for req in batch.reqs[batch.num_decodes :]:
                 if req.queue_time is None:
                     req.queue_time = now - req.queued_at
-        mask: TokenMask | None = None
-        if self.grammar.applies(batch):
-            # the device runs the forward while the host waits for the step in flight, whose
-            # tokens advance the matchers the mask comes from
-            if self.in_flight is not None and self.grammar.applies(self.in_flight.batch):
-                self.pending.extend(self._process(self.in_flight))
-                self.in_flight = None
-            mask = self.grammar.mask(batch.reqs, samples)
-        output = self.engine.sample_step(batch, forward, mask)
+                    req.cached_tokens = req.cached_len  # before this forward: the cache's
+        prepared = self._prepare(batch, samples) if any(r.ext for r in batch.reqs) else {}
+        output = self.engine.sample_step(batch, forward, prepared or None)
         slots = []
         for i, (req, sampled) in enumerate(zip(batch.reqs, samples)):
             if req.finished:  # by the step in flight, processed above
                 slots.append(-1)
                 continue
+            for f in self.features_of(req):
+                f.launched(req)
             self.planner.launched(req, batch.is_decode or i < batch.num_decodes, sampled)
             slots.append(len(req.tokens) if sampled else -1)
             if sampled:
                 req.tokens.append(PLACEHOLDER)
-        return InFlight(batch, slots, output)
+        return InFlight(batch, slots, output, verifies=any(end > 0 for end in ends))
+
+    def _prepare(self, batch: Batch, samples: list[bool]) -> dict[str, Any]:
+        """The host inputs of the features' logits processors, built while the device runs the
+        forward; a feature that needs the step in flight's tokens (a grammar's matchers) has
+        it read first."""
+        features = [f for f in self.features if any(f.name in r.ext for r in batch.reqs)]
+        flight = self.in_flight
+        if flight is not None and any(
+            f.needs_tokens() and any(f.name in r.ext for r in flight.batch.reqs) for f in features
+        ):
+            self.pending.extend(self._process(flight))
+            self.in_flight = None
+        prepared = {f.name: f.prepare(batch, samples) for f in features}
+        return {name: value for name, value in prepared.items() if value is not None}
 
     def _process(self, step: InFlight) -> list[TokenOutput]:
         outputs = []
         out, reqs = step.output, step.batch.reqs
-        for i, entries in out.prompt_logprobs().items():  # prompt positions this step scored
-            reqs[i].prompt_logprobs += entries
-        logprobs = out.logprobs() or repeat(None)  # None: no request asked (the usual case)
-        verified = out.verified()  # rows with proposals: the target's token at each position
-        for i, (req, slot, token, logprob) in enumerate(
-            zip(reqs, step.slots, out.tokens(), logprobs)
-        ):
+        tokens = out.tokens()  # waits for the copies (the features' results' too)
+        values: dict[str, list[Any]] = {}  # per feature that has them, a value per batch row
+        for f in self.features:
+            if (result := out.results.get(f.name)) is not None:
+                if (per_row := f.read(reqs, result)) is not None:
+                    values[f.name] = per_row
+        verified = {}  # rows that verify proposals: the target's token at each position
+        if self.spec is not None and (result := out.results.get(self.spec.name)) is not None:
+            verified = self.spec.verified(result)
+        for i, (req, slot, token) in enumerate(zip(reqs, step.slots, tokens)):
             if slot < 0 or req.finished:
                 continue  # a prompt chunk that is not the last, or ended meanwhile
             if i in verified:
                 outputs += self._accept(req, slot, verified[i])
             else:
-                outputs.append(self._output(req, slot, token, logprob))
+                row = {name: v[i] for name, v in values.items()}
+                outputs.append(self._output(req, slot, token, row))
         return outputs
 
     def _accept(self, req: Req, slot: int, targets: list[int]) -> list[TokenOutput]:
         """A verified step: the accepted proposals and the target's next token, each output
         as if decoded alone (a stop or the length limit ends the run there). The KV of
         rejected proposals is dropped (cached_len) and overwritten by later tokens."""
-        drafts, req.drafts = req.drafts, []
-        new = accept(drafts, targets)
-        self.planner.backoff.result(req, gained=len(new) > 1)
-        req.num_draft_tokens += len(drafts)
-        req.num_accepted_tokens += len(new) - 1
-        self.planner.num_draft_tokens += len(drafts)
-        self.planner.num_accepted_tokens += len(new) - 1
-        self.planner.num_verified_rows += 1
-        req.cached_len -= len(drafts) - (len(new) - 1)
+        assert self.spec is not None
+        new = self.spec.accept(req, targets)
+        req.cached_len -= len(targets) - len(new)
         self.engine.set_tokens(req.table_idx, new[-1:], start=slot + len(new) - 1)
         del req.tokens[slot:]  # the placeholder
         outputs = []
         for token in new:
             req.tokens.append(PLACEHOLDER)
-            outputs.append(self._output(req, len(req.tokens) - 1, token, None))
+            outputs.append(self._output(req, len(req.tokens) - 1, token, {}))
             if req.finished:
                 break
         return outputs
 
-    def _output(self, req: Req, slot: int, token: int, logprob: Entry | None) -> TokenOutput:
-        """The request's token at `slot` is known: its output, and its end if it ends it."""
+    def _output(self, req: Req, slot: int, token: int, values: dict[str, Any]) -> TokenOutput:
+        """The request's token at `slot` is known: its output, and its end if it ends it
+        (`values`: the step features' values of its row)."""
         req.tokens[slot] = token
         reason = self._finish_reason(req, token, slot + 1)
         error = None
+        features = self.features_of(req)
         scored = req.params.max_tokens == 0  # a prompt scored: its sampled token is dropped
         if scored:
             reason = "length"
             del req.tokens[slot:]
-        elif req.grammar is not None:
-            if not req.grammar.accept(token):  # the mask allows only tokens it accepts
-                reason, error = "error", f"token {token} does not match the grammar"
-            elif reason is None and req.grammar.terminated:
-                reason = "stop"
-        output = TokenOutput(
-            req.uid, None if scored else token, reason is not None, reason, error, logprob
-        )
-        if slot == req.prompt_len:  # the first output: the prompt's entries go with it
-            output.prompt_logprobs = self._prompt_entries(req)
-            output.queue_time = req.queue_time
+        else:
+            for f in features:  # a grammar's matcher takes the token, or ends the request
+                reason, error = f.accept(req, token, reason)
+                if error is not None:
+                    break
+        output = TokenOutput(req.uid, None if scored else token, reason is not None, reason, error)
+        for f in features:
+            f.output(req, values.get(f.name), output)
+        if slot == req.prompt_len:  # the first output
+            output.queue_time, output.cached_tokens = req.queue_time, req.cached_tokens
         if reason is not None:
             self._finish(req, reason, report=False, error=error)
         return output
-
-    @staticmethod
-    def _prompt_entries(req: Req) -> list[list[Any]] | None:
-        if req.params.prompt_logprobs is None:
-            return None
-        first: list[Any] = [req.tokens[0], None, [], []]  # nothing predicts the first token
-        targets = req.tokens[1 : req.prompt_len]
-        entries = [[t, *e] for t, e in zip(targets, req.prompt_logprobs)]
-        req.prompt_logprobs = []
-        return [first, *entries]
 
     def _finish_reason(self, req: Req, token: int, num_tokens: int) -> str | None:
         eos = token in self.eos_token_ids and not req.params.ignore_eos
@@ -372,9 +383,12 @@ class Scheduler:
         return "length" if reaches_length(req, num_tokens) else None
 
     def _finish(self, req: Req, reason: str, report: bool = True, error: str | None = None) -> None:
-        self.grammar.num_constrained -= req.grammar is not None and req.finish_reason is None
+        if not req.finished:
+            for f in self.features_of(req):
+                f.finished(req)
         req.finish_reason, req.error = reason, error  # type: ignore[assignment]
-        self.grammar.drop(req)
+        if req in self.held:
+            self.held.remove(req)
         self.planner.drop(req)
         while req.tokens and req.tokens[-1] == PLACEHOLDER:
             req.tokens.pop()  # tokens of steps launched past the end
@@ -383,9 +397,10 @@ class Scheduler:
             self.pending.append(TokenOutput(req.uid, None, True, reason, error))
 
     def shutdown(self) -> None:
-        self.grammar.shutdown()
-        if self.planner.proposer is not None:
-            self.planner.proposer.shutdown()
+        for f in self.features:
+            f.shutdown()
+        if self.spec is not None:
+            self.spec.shutdown()
 
     def check_no_leak(self) -> None:
         """Every page is free, owned by the prefix cache, or owned by exactly one admitted request."""

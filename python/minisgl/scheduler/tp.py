@@ -2,9 +2,9 @@
 deterministic and sampled tokens are equal on every rank (the logits are all-gathered), so the
 ranks stay in step as long as they see the same requests: rank 0's `TPLeader` records each add
 (`UserMsg`, its seed in the params: one drawn at random must be the same on every rank),
-admission of a constrained request whose grammar compiled on rank 0 (`AdmitBackendMsg`: every
-rank compiles the grammar from the add on, but whether it is done yet differs between ranks, so
-rank 0 decides; a grammar that fails there ends its request as an abort), abort
+admission of a request a step feature held (`AdmitBackendMsg`: every rank compiles a grammar
+from the add on, but whether it is done yet differs between ranks, so rank 0 decides; a held
+request that fails there ends as an abort), abort
 (`AbortBackendMsg`) and cache flush (`FlushCacheMsg`, sent at once: an idle rank 0 does not
 step) and broadcasts them at the start of its next step as one `BatchBackendMsg` (`ExitMsg` to
 stop); the others replay them and step (`Scheduler.follow`)."""

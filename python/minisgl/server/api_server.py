@@ -39,6 +39,7 @@ from minisgl.server.protocol import (
     GenerateRequest,
     OpenAIRequest,
     SamplingFields,
+    StreamOptions,
     TokenizeRequest,
     UnknownFields,
     chat_features,
@@ -58,6 +59,7 @@ from minisgl.tokenizer.server import (
     load_chat_tokenizer,
     needed,
     prompt_chars,
+    render_chat,
 )
 from minisgl.utils.procs import freeze_startup_heap
 
@@ -121,8 +123,11 @@ class Chunks:
         self.prefix = sse({**head, "choices": []})[:-4]  # without ']}' and the blank line
         self.chat = chat
 
-    def __call__(self, choice: dict[str, Any]) -> str:
-        return f"{self.prefix}{json.dumps(choice, ensure_ascii=False)}]}}\n\n"
+    def __call__(self, choice: dict[str, Any], usage: dict[str, int] | None = None) -> str:
+        body = json.dumps(choice, ensure_ascii=False)
+        if usage is None:
+            return f"{self.prefix}{body}]}}\n\n"
+        return f'{self.prefix}{body}], "usage": {json.dumps(usage)}}}\n\n'
 
     def plain(self, index: int, text: str, finish_reason: str | None) -> str:
         """The chunk of a choice without logprobs or a parser (`Shape.choice`'s, encoded), as
@@ -140,6 +145,31 @@ class Chunks:
 def usage(prompt: int, completion: int) -> dict[str, int]:
     total = prompt + completion
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+
+
+class Counts:
+    """A response's token counts, per choice: its prompt's tokens, those of them the prefix cache
+    supplied (told with the first reply) and the tokens generated so far."""
+
+    def __init__(self, choices: int, n: int) -> None:
+        self.n = n  # samples per prompt: choice k * n + j is prompt k's j-th
+        self.prompt, self.completion, self.cached = [0] * choices, [0] * choices, [0] * choices
+
+    def add(self, i: int, r: UserReply) -> None:
+        self.prompt[i], self.completion[i] = r.prompt_tokens, r.completion_tokens
+        if r.cached_tokens is not None:
+            self.cached[i] = r.cached_tokens
+
+    def choice_usage(self, i: int) -> dict[str, int]:
+        """vLLM's continuous usage: choice i's prompt and its tokens so far."""
+        return usage(self.prompt[i], self.completion[i])
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's: each prompt counted once (its first sample's counts), every sample's
+        completion tokens."""
+        out: dict[str, Any] = usage(sum(self.prompt[:: self.n]), sum(self.completion))
+        out["prompt_tokens_details"] = {"cached_tokens": sum(self.cached[:: self.n])}
+        return out
 
 
 def text_choice(
@@ -186,6 +216,45 @@ async def merged(started: list[Started]) -> AsyncGenerator[Tagged, None]:
         await asyncio.gather(*tasks, return_exceptions=True)
         for s, _ in started:
             await s.aclose()
+
+
+class NativeMeta:
+    """SGLang's `meta_info` of a /generate request, as its replies come: counts, the prompt
+    tokens the prefix cache supplied, how it finished, and (once finished) its latency."""
+
+    def __init__(self, uid: int) -> None:
+        self.uid, self.start = uid, time.perf_counter()
+        self.cached, self.last_token = 0, -1  # -1: no token yet
+
+    def add(self, r: UserReply) -> None:
+        if r.cached_tokens is not None:
+            self.cached = r.cached_tokens
+        if r.token_ids:
+            self.last_token = r.token_ids[-1]
+
+    def finish(self, r: UserReply) -> dict[str, Any] | None:
+        """SGLang's finish_reason: its type, and what ended it (a stop string, else the stop
+        token: EOS or one of stop_token_ids)."""
+        if not r.finished:
+            return None
+        if r.finish_reason == "length":
+            return {"type": "length", "length": r.completion_tokens}
+        if r.finish_reason != "stop":
+            return {"type": "abort"}
+        matched = r.matched if r.matched is not None else self.last_token
+        return {"type": "stop"} | ({} if matched == -1 else {"matched": matched})
+
+    def info(self, r: UserReply) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": str(self.uid),
+            "finish_reason": self.finish(r),
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "cached_tokens": self.cached,
+        }
+        if r.finished:
+            out["e2e_latency"] = time.perf_counter() - self.start  # seconds, as SGLang's
+        return out
 
 
 @dataclass
@@ -247,7 +316,8 @@ class ApiServer:
         ] = []  # /tokenize's, loaded on first use (None: the model has none)
         self.tokenizer_lock = threading.Lock()
         self.unknown_fields = UnknownFields()
-        self.health_check: asyncio.Future[str | None] | None = None  # /health?generate=1's
+        # /health?generate=1's check: None, or why it failed (the serving extension's)
+        self.health_probe: Callable[[], Awaitable[str | None]] | None = None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served:
@@ -408,6 +478,10 @@ class ApiServer:
     ) -> Any:
         """`echo`: per choice, the prompt text that comes before its completion; `shaping`:
         how a chat's text is shaped (reasoning, tool calls)."""
+        options = req.stream_options
+        if options is not None and options.continuous_usage_stats and not options.include_usage:
+            message = "stream_options.continuous_usage_stats needs include_usage true"
+            raise APIError(400, message, "stream_options.continuous_usage_stats")
         started = await self.start_choices(msgs)
         chunk = ".chunk" if req.stream else ""
         head = {
@@ -419,8 +493,7 @@ class ApiServer:
         shape = Shape(chat, msgs[0].params.logprobs is not None, echo, req.n, shaping)
         if not req.stream:
             return await self.collect(started, head, shape)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = self.events(started, head, shape, include_usage)
+        events = self.events(started, head, shape, req.stream_options)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def collect(
@@ -428,9 +501,10 @@ class ApiServer:
     ) -> dict[str, Any]:
         """The whole response of all choices, once every one has finished."""
         n = len(started)
-        texts, prompt, completion = list(shape.echo or [""] * n), [0] * n, [0] * n
+        texts, counts = list(shape.echo or [""] * n), Counts(n, shape.n)
         entries: list[list[list[Any]]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
+        matched: dict[int, str] = {}  # the stop strings that ended choices
         async with aclosing(merged(started)) as batches:
             async for batch in batches:
                 for i, r in batch:
@@ -438,27 +512,45 @@ class ApiServer:
                         raise self.reply_error(r, first=False)
                     texts[i] += r.text_delta
                     entries[i] += shape.entries(r)
-                    prompt[i], completion[i] = r.prompt_tokens, r.completion_tokens
+                    counts.add(i, r)
                     reasons[i] = r.finish_reason if r.finished else None
+                    if r.matched is not None:
+                        matched[i] = r.matched
         choices = [
             shape.choice(i, text, reason, entries[i], CompletionLogprobs())
             for i, (text, reason) in enumerate(zip(texts, reasons))
         ]
-        prompt_tokens = sum(prompt) // shape.n  # each prompt counted once, not per sample
-        return {**head, "choices": choices, "usage": usage(prompt_tokens, sum(completion))}
+        for i, stop in matched.items():  # vLLM's stop_reason
+            choices[i]["stop_reason"] = stop
+        return {**head, "choices": choices, "usage": counts.usage()}
+
+    def opening(self, started: list[Started], head: dict[str, Any], n: int, usage_too: bool) -> str:
+        """A chat stream's first chunk: every choice's role; with continuous usage, the prompts'
+        tokens (each prompt once, nothing generated yet)."""
+        role = {"role": "assistant", "content": ""}
+        choices = [{"index": i, "delta": role, "finish_reason": None} for i in range(len(started))]
+        body = {**head, "choices": choices}
+        if usage_too:
+            body["usage"] = usage(sum(first[0].prompt_tokens for _, first in started[::n]), 0)
+        return sse(body)
 
     async def events(
-        self, started: list[Started], head: dict[str, Any], shape: Shape, include_usage: bool
+        self,
+        started: list[Started],
+        head: dict[str, Any],
+        shape: Shape,
+        options: StreamOptions | None,
     ) -> AsyncIterator[str]:
-        """Server-sent events of all choices: a chunk per reply carrying text or a finish."""
-        n = len(started)
+        """Server-sent events of all choices: a chunk per reply carrying text or a finish (and
+        with `continuous_usage_stats`, its choice's usage so far)."""
+        n, counts = len(started), Counts(len(started), shape.n)
+        include_usage = options is not None and options.include_usage
+        continuous = include_usage and options is not None and options.continuous_usage_stats
         if shape.chat:
-            role = {"role": "assistant", "content": ""}
-            opening = [{"index": i, "delta": role, "finish_reason": None} for i in range(n)]
-            yield sse({**head, "choices": opening})
-        prompt, completion = [0] * n, [0] * n
+            yield self.opening(started, head, shape.n, continuous)
         echo, legacy = list(shape.echo or [""] * n), [CompletionLogprobs() for _ in range(n)]
-        chunk, plain = Chunks(head, shape.chat), not shape.logprobs and shape.shaping is None
+        chunk = Chunks(head, shape.chat)
+        plain = not shape.logprobs and shape.shaping is None and not continuous
         async with aclosing(merged(started)) as batches:
             async for batch in batches:
                 events: list[str] = []  # one write for the batch
@@ -466,23 +558,22 @@ class ApiServer:
                     if r.error is not None:  # the client sees an error, not a truncated answer
                         yield "".join(events) + error_event(self.reply_error(r, first=False))
                         return
-                    prompt[i], completion[i] = r.prompt_tokens, r.completion_tokens
+                    counts.add(i, r)
                     fr = r.finish_reason if r.finished else None
                     text, echo[i] = echo[i] + r.text_delta, ""  # the prompt goes first, once
                     entries = shape.entries(r)
                     if not text and not r.token_ids and fr is None and not entries:
                         continue
-                    if plain:
+                    if plain and r.matched is None:
                         events.append(chunk.plain(i, text, fr))
-                    else:
-                        choice = shape.choice(i, text, fr, entries, legacy[i], delta=True)
-                        events.append(chunk(choice))
+                        continue
+                    choice = shape.choice(i, text, fr, entries, legacy[i], delta=True)
+                    if r.matched is not None:  # vLLM's stop_reason: the stop string
+                        choice["stop_reason"] = r.matched
+                    events.append(chunk(choice, counts.choice_usage(i) if continuous else None))
                 if events:
                     yield "".join(events)
-        tail = ""
-        if include_usage:
-            prompt_tokens = sum(prompt) // shape.n  # each prompt counted once
-            tail = sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(completion))})
+        tail = sse({**head, "choices": [], "usage": counts.usage()}) if include_usage else ""
         yield tail + "data: [DONE]\n\n"
 
     async def generate(self, req: GenerateRequest) -> Any:
@@ -497,9 +588,11 @@ class ApiServer:
                 message = f"data_parallel_rank must be in [0, {self.args.dp}) (--dp {self.args.dp})"
                 raise APIError(400, message, "data_parallel_rank")
             msgs[0].dp_rank = req.data_parallel_rank
+        meta = NativeMeta(msgs[0].uid)
         started = await self.start_choices(msgs)
         if req.stream:
-            return StreamingResponse(self.native_events(started), media_type="text/event-stream")
+            events = self.native_events(started, meta)
+            return StreamingResponse(events, media_type="text/event-stream")
         ids: list[int] = []
         text, last = "", started[0][1][-1]
         async with aclosing(merged(started)) as batches:
@@ -510,15 +603,17 @@ class ApiServer:
                     ids += r.token_ids
                     text += r.text_delta
                     last = r
+                    meta.add(r)
         return {
             "output_ids": ids,
             "text": text,
             "finish_reason": last.finish_reason,
             "prompt_tokens": last.prompt_tokens,
             "completion_tokens": last.completion_tokens,
+            "meta_info": meta.info(last),
         }
 
-    async def native_events(self, started: list[Started]) -> AsyncIterator[str]:
+    async def native_events(self, started: list[Started], meta: NativeMeta) -> AsyncIterator[str]:
         async with aclosing(merged(started)) as batches:
             async for batch in batches:
                 events: list[str] = []  # one write for the batch
@@ -526,11 +621,13 @@ class ApiServer:
                     if r.error is not None:
                         yield "".join(events) + error_event(self.reply_error(r, first=False))
                         return
+                    meta.add(r)
                     body = {
                         "token_ids": r.token_ids,
                         "text": r.text_delta,
                         "finished": r.finished,
                         "finish_reason": r.finish_reason,
+                        "meta_info": meta.info(r),
                     }
                     events.append(sse(body))
                 yield "".join(events)
@@ -562,13 +659,13 @@ class ApiServer:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
-        limit = self.max_seq_len
+        limit, special = self.max_seq_len, req.add_special_tokens
         if req.messages is None:
             text = req.prompt or ""
 
             def encode(tok: Any) -> list[int]:
                 check_prompt_size(tok, len(text), limit)
-                return needed(tok).encode(text)
+                return needed(tok).encode(text, add_special_tokens=special is not False)
 
             return self.tokens(await self.with_tokenizer(encode, "prompt"))
         chat, kwargs = chat_messages(req.messages), req.chat_template_kwargs
@@ -581,6 +678,9 @@ class ApiServer:
 
         def encode_messages(tok: Any) -> list[int]:
             check_prompt_size(tok, prompt_chars(msg), limit)
+            if special:  # the template's text, and the tokenizer's special tokens around it
+                text = render_chat(tok, chat, kwargs, with_prompt, tools)
+                return needed(tok).encode(text, add_special_tokens=True)
             return encode_chat(tok, chat, kwargs, with_prompt, tools)
 
         return self.tokens(await self.with_tokenizer(encode_messages, "messages"))
@@ -602,39 +702,6 @@ class ApiServer:
             return tok.decode(req.tokens)
 
         return {"prompt": await self.with_tokenizer(decode, "tokens")}
-
-    async def health(self, generate: bool = False) -> JSONResponse:
-        """200 while the pipeline is up; with `generate`, only once a one-token generation went
-        through every process within --health-check-timeout (SGLang's health_generate)."""
-        if self.frontend.dead:
-            return error_response(503, self.frontend.dead, code="server_unavailable")
-        if generate:
-            if self.health_check is None or self.health_check.done():  # probes share one
-                self.health_check = asyncio.ensure_future(self.generate_one_token())
-            error = await asyncio.shield(self.health_check)
-            if error is not None:
-                return error_response(503, error, code="server_unavailable")
-        return JSONResponse({"status": "ok"})
-
-    async def generate_one_token(self) -> str | None:
-        """One greedy token from token id 0 through the tokenizer, each --dp replica's
-        scheduler and the detokenizer (not counted against --max-queued-requests); None, or why
-        it failed."""
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        timeout = self.args.health_check_timeout
-
-        async def one(replica: int | None) -> str | None:
-            msg = TokenizeMsg(self.frontend.new_uid(), None, [0], None, params, dp_rank=replica)
-            where = "" if replica is None else f" (replica {replica})"
-            async with aclosing(self.frontend.stream(msg, timeout)) as replies:
-                async for r in replies:
-                    if r.error is not None:
-                        return f"health check generation failed{where}: {r.error}"
-            return None
-
-        replicas = [None] if self.args.dp == 1 else list(range(self.args.dp))
-        errors = await asyncio.gather(*(one(r) for r in replicas))
-        return next((e for e in errors if e is not None), None)
 
     async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
         """Every API process's counts (`Frontend.views`); 503 when one does not answer."""
@@ -660,6 +727,18 @@ class ApiServer:
             out["api_servers"] = [{k: getattr(v, k) for k in keys} for v in views]
         return out
 
+    async def health(self, generate: bool = False) -> JSONResponse:
+        """200 while the pipeline is up; with `generate` (SGLang's health_generate), only once
+        the serving extension's probe (`health_probe`) passed too: without it a 400."""
+        if self.frontend.dead:
+            return error_response(503, self.frontend.dead, code="server_unavailable")
+        if generate:
+            if self.health_probe is None:
+                raise APIError(400, str(ExtensionMissing("generate", "serving")), "generate")
+            if (error := await self.health_probe()) is not None:
+                return error_response(503, error, code="server_unavailable")
+        return JSONResponse({"status": "ok"})
+
     async def models(self) -> dict[str, Any]:
         card = {
             "id": self.model_name,
@@ -675,36 +754,6 @@ class ApiServer:
         return {"object": "list", "data": [card]}
 
 
-ERROR_STATUSES = {
-    400: "invalid request: the error names the field (FastAPI's 422 is answered 400, as OpenAI)",
-    401: "missing or wrong API key (--api-key)",
-    404: "the model named is not served here",
-    408: "the body did not arrive within --timeout-body-read",
-    413: "body larger than --max-request-bytes",
-    500: "internal error",
-    503: "overloaded (--max-queued-requests, or --max-connections requests in progress), "
-    "shutting down, or a worker died or hung (the "
-    "watchdog); /health?generate=1: the one-token generation failed or took too long",
-    504: "the request ran past --request-timeout",
-}
-ERROR_SCHEMA: dict[str, Any] = {  # error_body's
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-                "code": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-            },
-        }
-    },
-}
-
-
 def check_extras(extra: dict[str, Any]) -> None:
     """/generate's undeclared fields: the `generate_extras` point's to judge (SGLang's), else
     each one is a 400 naming it: never accepted and ignored."""
@@ -714,65 +763,6 @@ def check_extras(extra: dict[str, Any]) -> None:
     elif extra:
         name = next(iter(extra))
         raise APIError(400, f"{name}: unknown field of /generate", name, "unknown_field")
-
-
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
-
-
-def error_statuses(path: str, method: str) -> set[int]:
-    """The error statuses an endpoint answers."""
-    statuses = {500} | ({400, 503} if path == "/health" else {401, 503})  # 400: `generate`
-    if method == "post":
-        statuses |= {400, 408, 413, 404}  # 404: "model" unknown; 408: a body too slow
-    if path == "/flush_cache":
-        statuses |= {400, 503}  # cache_busy; the pipeline is gone
-    if path == "/health_generate":
-        statuses |= {503}
-    if path in GENERATION_PATHS:
-        statuses |= {503, 504}
-    return statuses
-
-
-STREAMING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
-# Before OpenAPI 3.2, a text/event-stream `schema` describes one event (its SSE fields), not the
-# stream; every event minisgl sends is one `data:` line of JSON (or `[DONE]`).
-SSE_EVENT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-    "required": ["data"],
-}
-
-
-def document_errors(app: FastAPI) -> None:
-    """Make the OpenAPI document say what the server answers: FastAPI documents a 422 for a
-    validation error (answered 400 here) and no other error."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = build()
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for name in ("HTTPValidationError", "ValidationError"):
-            components.pop(name, None)
-        components["ErrorResponse"] = ERROR_SCHEMA
-        ref = {"$ref": "#/components/schemas/ErrorResponse"}
-        for path, operations in schema.get("paths", {}).items():
-            for method, operation in operations.items():
-                responses = operation.setdefault("responses", {})
-                responses.pop("422", None)
-                if path in STREAMING_PATHS and "200" in responses:  # with "stream": true
-                    events = {"schema": SSE_EVENT_SCHEMA}
-                    responses["200"].setdefault("content", {})["text/event-stream"] = events
-                for status in sorted(error_statuses(path, method)):
-                    content = {"application/json": {"schema": ref}}
-                    responses[str(status)] = {
-                        "description": ERROR_STATUSES[status],
-                        "content": content,
-                    }
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(
@@ -786,7 +776,6 @@ def create_app(
     app.exception_handler(APIError)(api_error)
     app.exception_handler(RequestValidationError)(validation_error)
     app.exception_handler(StarletteHTTPException)(http_error)
-    document_errors(app)
     app.get("/health")(api.health)
     for add_routes in extensions().routes:  # e.g. the serving extension's /metrics
         add_routes(app, api, info or {})
@@ -808,14 +797,7 @@ def create_app(
     async def generate(req: GenerateRequest, request: Request) -> Any:
         return await unless_disconnected(request, api.generate(req))
 
-    app.add_middleware(
-        Gate,
-        api_key=args.api_key,
-        max_body=args.max_request_bytes,
-        frontend=frontend,
-        paths=frozenset(getattr(r, "path", "") for r in app.routes),
-        body_timeout=args.timeout_body_read,
-        # this API process's share of --max-connections: the requests it serves at once
-        max_requests=-(-args.max_connections // frontend.api_count),
-    )
+    paths = frozenset(getattr(r, "path", "") for r in app.routes)
+    gate = extensions().gate or Gate  # the serving extension's limits requests in progress
+    app.add_middleware(gate, args=args, frontend=frontend, paths=paths)
     return app

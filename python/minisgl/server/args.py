@@ -7,19 +7,18 @@ validators that raise ArgumentTypeError), e.g. `error: argument --port: must be 
 from __future__ import annotations
 
 import argparse
-import socket
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
 
 from minisgl import env
 from minisgl.engine.config import EngineConfig
-from minisgl.extension import ExtensionMissing, extensions
+from minisgl.extension import ExtensionMissing, check_extension_options, extensions
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.options import OptionError, int_range, number, option, split_options
 
 
-def _seconds(allow_zero: bool) -> Callable[[str], float]:
+def seconds(allow_zero: bool) -> Callable[[str], float]:
     def parse(value: str) -> float:
         x = number(value, float, "seconds")
         if not (x >= 0 if allow_zero else x > 0) or x == float("inf"):  # also rejects nan
@@ -31,23 +30,13 @@ def _seconds(allow_zero: bool) -> Callable[[str], float]:
     return parse
 
 
-def _host_port(value: str) -> str:
-    from minisgl.distributed import split_addr
-
-    try:
-        split_addr(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
-
-
 @dataclass
 class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tp: int = option(
         1,
-        "tensor-parallel size (GPUs), over all --nnodes",
+        "tensor-parallel size (GPUs), over all --nnodes (the serving extension's)",
         type=int_range(1),
         aliases=["--tensor-parallel-size", "--tp-size"],  # vLLM's, SGLang's
     )
@@ -70,38 +59,10 @@ class ServerArgs:
         "this, the least loaded replica gets the request whatever its prefix",
         type=int_range(0),
     )
-    nnodes: int = option(
-        1, "machines the --tp group spans (each runs --tp / --nnodes ranks)", type=int_range(1)
-    )
-    node_rank: int = option(
-        0,
-        "this machine's index among --nnodes: node 0 runs the API server and TP rank 0, the "
-        "others only their scheduler ranks (they exit when rank 0 does)",
-        type=int_range(0),
-    )
-    dist_init_addr: str | None = option(
-        None,
-        "HOST:PORT where the ranks of several --nnodes meet (node 0 listens there: a TCP store)",
-        type=_host_port,
-    )
-    dist_timeout: float = option(
-        60.0,
-        "seconds the ranks of several --nnodes wait to meet at --dist-init-addr (and any one "
-        "collective) before giving up with an error",
-        type=_seconds(allow_zero=False),
-    )
     host: str = option("127.0.0.1", "HTTP bind address")
     port: int = option(1919, "HTTP port", type=int_range(1, 65535))
     num_tokenizer: int = option(
         1, "tokenizer worker processes (requests are spread over them by id)", type=int_range(1)
-    )
-    api_server_count: int = option(
-        1,
-        "HTTP API processes sharing --port (vLLM's name): each takes its own connections and "
-        "streams their replies, so more of them deliver more streamed tokens per second where "
-        "one API process's CPU is the limit; --max-connections and --max-queued-requests are "
-        "split between them",
-        type=int_range(1),
     )
     served_model_name: str | None = option(
         None, "model id that /v1/models lists and requests may name (unset: the --model value)"
@@ -110,15 +71,17 @@ class ServerArgs:
         None, "chat template replacing the tokenizer's: a file's path, or the Jinja text itself"
     )
     tool_call_parser: str | None = option(
-        None,
-        "format of the model's tool calls, parsed into /v1/chat/completions' tool_calls "
-        "(unset: requests with tools are refused unless tool_choice is none); vLLM's names, "
-        "e.g. hermes (the structured extension's formats)",
+        "auto",
+        "format of the model's tool calls, parsed into /v1/chat/completions' tool_calls; auto: "
+        "the one the chat template shows (logged at start), none: off (then requests with "
+        "tools are refused unless tool_choice is none or names a function); vLLM's names, e.g. "
+        "hermes (the structured extension's formats)",
     )
     reasoning_parser: str | None = option(
-        None,
-        "format of the model's reasoning, returned as reasoning_content (unset: in content); "
-        "vLLM's names, e.g. qwen3 (the structured extension's formats)",
+        "auto",
+        "format of the model's reasoning, returned as reasoning_content; auto: from the chat "
+        "template's think tags (logged at start), none: off (in content); vLLM's names, e.g. "
+        "qwen3 (the structured extension's formats)",
     )
     skip_server_warmup: bool = option(
         False,
@@ -145,7 +108,7 @@ class ServerArgs:
     request_timeout: float | None = option(
         None,
         "seconds after which a request is aborted and answered 504 (unset: no limit)",
-        type=_seconds(allow_zero=False),
+        type=seconds(allow_zero=False),
     )
     max_request_bytes: int = option(
         16 * 2**20, "largest HTTP request body accepted (larger ones get 413)", type=int_range(1)
@@ -153,60 +116,12 @@ class ServerArgs:
     shutdown_timeout: float = option(
         30.0,
         "seconds SIGTERM waits for in-flight requests to finish before exiting",
-        type=_seconds(allow_zero=True),
+        type=seconds(allow_zero=True),
     )
     exit_with_parent: bool = option(
         False,
         "stop (as on SIGTERM, with every child process) when the process that started the "
         "server dies, however it dies: for test runners and supervisors that may be killed",
-    )
-    gc_warning_threshold_secs: float = option(
-        0.0,
-        "log a warning for every garbage collection longer than this many seconds in any "
-        "server process once it is ready (a collection stalls the streams that process "
-        "serves); 0: off",
-        type=_seconds(allow_zero=True),
-    )
-    gc_threshold: list[int] | None = option(
-        None,
-        "one to three integers for gc.set_threshold in every server process once it is ready: "
-        "allocations before a generation-0 collection, then collections of each generation "
-        "before one of the next; default: $MINISGL_GC_THRESHOLD, else 700 10 1000 (full "
-        "collections, which walk every live object and stall every stream a process serves, "
-        "a hundred times rarer than Python's 700 10 10: measured on an H100, docs/benchmarks.md)",
-        type=int_range(0),
-        nargs="+",
-        metavar="N",
-    )
-    watchdog_timeout: float = option(
-        300.0,
-        "seconds the pipeline may stay silent (no step, no reply) while requests are unfinished "
-        "before the server fails them, turns /health 503 and exits with code 1; 0: no watchdog",
-        type=_seconds(allow_zero=True),
-    )
-    health_check_timeout: float = option(
-        20.0,
-        "seconds /health?generate=1 waits for its one-token generation before answering 503",
-        type=_seconds(allow_zero=False),
-    )
-    max_connections: int = option(
-        2048,
-        "open HTTP connections beyond which the one that has waited longest for its client "
-        "(idle, or still sending its request) is closed; when all are busy, requests beyond it "
-        "get 503 (never /health)",
-        type=int_range(1),
-    )
-    timeout_keep_alive: float = option(
-        5.0,
-        "seconds a connection may take to send a request's headers, from its opening or from the "
-        "end of its previous response, before it is closed",
-        type=_seconds(allow_zero=False),
-    )
-    timeout_body_read: float = option(
-        30.0,
-        "seconds a request's body may take to arrive in full, from the end of its headers; "
-        "past it the request gets 408 and its connection is closed",
-        type=_seconds(allow_zero=False),
     )
     log_level: str = option(
         "info",
@@ -215,70 +130,51 @@ class ServerArgs:
         choices=["debug", "info", "warning", "error"],
     )
 
+    # the extensions' own options (`Extensions.options`), by extension: each its dataclass
+    extras: dict[str, Any] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
-        self._check_scale_out()
+        for name, options in extensions().options.items():  # defaults for those not given
+            self.extras.setdefault(name, options())
+            if (check := getattr(self.extras[name], "check", None)) is not None:
+                check(self)
         self._check_parsers()
         if self.dp > 1 and extensions().dispatcher is None:  # ext/serving/dispatch.py
             raise OptionError("dp", str(ExtensionMissing(f"--dp {self.dp}", "serving")))
         if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
             raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
-        if self.api_server_count > 1 and self.shell:
-            raise OptionError("api_server_count", "is for the HTTP server, not --shell")
-        if self.api_server_count > 1 and not hasattr(socket, "SO_REUSEPORT"):
-            raise OptionError("api_server_count", "> 1 needs SO_REUSEPORT (Linux, macOS)")
         if self.chat_template is not None:  # a mistyped path fails here, not as a template
             from minisgl.tokenizer.server import read_chat_template
 
             read_chat_template(self.chat_template)
-        if self.gc_threshold is not None and not 1 <= len(self.gc_threshold) <= 3:
-            raise OptionError(
-                "gc_threshold", f"takes one to three counts, got {len(self.gc_threshold)}"
-            )
 
     def _check_parsers(self) -> None:
         """--tool-call-parser and --reasoning-parser name formats the core does not know: the
-        structured extension checks them, and without it they are refused."""
+        structured extension checks them, and without it they are refused (`auto` then means
+        none: there is nothing to detect them with; `none` is None)."""
         for name in ("tool_call_parser", "reasoning_parser"):
             value = getattr(self, name)
-            if value is None:
-                continue
             features = extensions().chat_features
+            if value == "none" or (value == "auto" and features is None):
+                setattr(self, name, None)
+            if getattr(self, name) is None:
+                continue
             if features is None:
                 raise OptionError(name, str(ExtensionMissing(repr(value), "structured")))
             features.check_option(name, value)
-
-    def _check_scale_out(self) -> None:
-        if self.node_rank >= self.nnodes:
-            raise OptionError(
-                "node_rank", f"must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})"
-            )
-        if self.nnodes == 1:
-            return
-        if self.dist_init_addr is None:
-            raise OptionError(
-                "dist_init_addr", "is required with --nnodes > 1 (HOST:PORT of node 0)"
-            )
-        if self.tp % self.nnodes:
-            raise OptionError(
-                "tp", f"must be a multiple of --nnodes ({self.nnodes}), got {self.tp}"
-            )
-        if self.dp > 1:
-            raise OptionError(
-                "dp",
-                "--dp > 1 with --nnodes > 1 is not supported: run one "
-                "server per replica behind sglang-router",
-            )
-        if self.shell:
-            raise OptionError("shell", "is not supported with --nnodes > 1")
-
-    @property
-    def tp_per_node(self) -> int:
-        return self.tp // self.nnodes
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # Just the one line (argparse would print the whole usage block first); exit code 2.
+        if message.startswith("unrecognized arguments"):
+            try:  # a flag of an extension missing here: say which
+                check_extension_options(message.split(":", 1)[1].split(), flag=True)
+            except ExtensionMissing as e:
+                message = str(e)
+            else:
+                if not extensions().options:
+                    message += " (the extensions' flags need minisgl/ext, which is not loaded)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -328,23 +224,14 @@ _GROUP_OF = {
         "dp",
         "dp_dispatch",
         "dp_load_threshold",
-        "nnodes",
-        "node_rank",
-        "dist_init_addr",
-        "dist_timeout",
     ],
     "scheduler": ["max_running_requests"],
     "extensions": [
         "tool_call_parser",
         "reasoning_parser",
-        "speculative_algorithm",
-        "speculative_draft_model_path",
-        "speculative_num_draft_tokens",
-        "speculative_max_backoff",
-        "speculative_ngram_min_match_window_size",
-        "speculative_ngram_max_match_window_size",
         "json_any_whitespace",
         "grammar_compile_timeout",
+        "priority_aging",
     ],
 }
 HELP_GROUPS = ("model", "engine", "scheduler", "server", "extensions")
@@ -378,8 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     group_of = {name: title for title, names in _GROUP_OF.items() for name in names}
     for config, title in _GROUPS.items():
         for f in fields(config):
-            if "help" in f.metadata:  # not ServerArgs.engine / .scheduler
+            if "help" in f.metadata:  # not ServerArgs.engine / .scheduler / .extras
                 _add_flag(groups[group_of.get(f.name, title)], f)
+    exts = extensions()
+    for name, options in {**exts.scheduler_options, **exts.options}.items():  # their own groups
+        group = parser.add_argument_group(f"{name} extension")
+        for f in fields(options):
+            _add_flag(group, f)
     return parser
 
 
@@ -388,10 +280,16 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ValueError: options this machine cannot run (e.g. --moe-backend triton without CUDA)."""
     parser = build_parser()
     options = vars(parser.parse_args(argv))
-    engine, scheduler, server = split_options(options, EngineConfig, SchedulerConfig, ServerArgs)
+    extras, own_sched = extensions().options, extensions().scheduler_options.values()
+    sched_names = {f.name for config in (SchedulerConfig, *own_sched) for f in fields(config)}
+    scheduler = {k: options.pop(k) for k in list(options) if k in sched_names}
+    configs = (EngineConfig, ServerArgs, *extras.values())
+    engine, server, *own = split_options(options, *configs)
     if server["api_key"] is None:  # --api-key wins over the environment
         server["api_key"] = env.api_key()
     try:
-        return ServerArgs(EngineConfig(**engine), SchedulerConfig(**scheduler), **server)
+        server["extras"] = {name: cls(**o) for (name, cls), o in zip(extras.items(), own)}
+        sched = SchedulerConfig.from_options(scheduler)
+        return ServerArgs(EngineConfig(**engine), sched, **server)
     except OptionError as e:  # a check only the config makes, e.g. the --attn names
         parser.error(option_error(e))

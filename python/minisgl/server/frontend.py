@@ -1,17 +1,12 @@
 """The api server's side of the pipeline: submit requests to the tokenizer workers and route
 the replies coming back from the detokenizer to one asyncio queue per request. It also shows
 every reply to its `metrics` (the `request_observer` point: counts nothing without the serving
-extension), fails every request when the pipeline dies, and
-runs the watchdog: while a request is unfinished, some message must come back from the pipeline
-at least every --watchdog-timeout seconds (the scheduler sends its stats every 0.2 s while it has
-work), or the pipeline is taken for hung. It keeps each --dp replica's stats apart, sends
-/flush_cache to every replica's scheduler and, with --dp > 1, tells the tokenizer worker when a
-request ends (its dispatcher counts the replicas' loads).
-
-With --api-server-count N, each API process has a Frontend of its own (`api_rank` k): it numbers
-its requests k, k + N, k + 2N... (the pipeline routes their replies back by uid % N), asks the
-others for their views (`views`: /stats and /metrics add them up), and passes a failure on
-(`ApiFailMsg`: rank 0's launcher fails the server; the others fail their own requests)."""
+extension), fails every request when the pipeline dies, keeps each --dp replica's stats apart
+and, with --dp > 1, tells the tokenizer worker when a request ends (its dispatcher counts the
+replicas' loads). API process k of N numbers its requests k, k + N, k + 2N... (the pipeline
+routes their replies back by uid % N). The serving extension's Frontend
+(`ext/serving/frontend.py`) adds the watchdog, /flush_cache and the API processes' views of
+each other."""
 
 from __future__ import annotations
 
@@ -20,22 +15,18 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from minisgl.extension import RequestObserver, extensions
 from minisgl.message import (
     AbortMsg,
-    ApiFailMsg,
-    ApiQueryMsg,
     ApiViewMsg,
     BatchFrontendMsg,
     DoneMsg,
-    FlushCacheMsg,
-    FlushCacheReply,
     SchedulerStats,
     TokenizeMsg,
     UserReply,
@@ -44,16 +35,15 @@ from minisgl.message import (
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 logger = logging.getLogger(__name__)
-FLUSH_TIMEOUT_S = 10.0  # for every replica's answer to /flush_cache
-VIEW_TIMEOUT_S = 5.0  # for the other API processes' views (/stats, /metrics)
 
 
 def total_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
     """The replicas' snapshots summed (one replica: its own)."""
     if len(replicas) == 1:
         return replicas[0]
-    names = [f.name for f in fields(SchedulerStats) if f.name != "dp_rank"]
-    return SchedulerStats(**{n: sum(getattr(r, n) for r in replicas) for n in names})
+    names = [f.name for f in fields(SchedulerStats) if f.name not in ("dp_rank", "counts")]
+    counts = {k: sum(r.counts.get(k, 0) for r in replicas) for r0 in replicas for k in r0.counts}
+    return SchedulerStats(**{n: sum(getattr(r, n) for r in replicas) for n in names}, counts=counts)
 
 
 def tree_rss_bytes() -> int:
@@ -82,28 +72,15 @@ class Frontend:
         self,
         tokenizer_addrs: list[str],
         recv_addr: str,
-        watchdog_timeout: float = 0.0,
-        on_hang: Callable[[str], None] | None = None,
         scheduler_addrs: list[str] | None = None,
         api_rank: int = 0,
-        api_addrs: list[str] | None = None,
+        api_count: int = 1,
     ) -> None:
-        """`watchdog_timeout` 0: no watchdog; else `on_hang(reason)` is called (on a thread of
-        its own) once the pipeline has been silent that long with a request unfinished, or
-        when another API process reports a failure to rank 0.
-        `scheduler_addrs`: one per --dp replica (for /flush_cache; none: it is refused).
-        `api_addrs`: every API process's `recv_addr`, by rank (None: this one alone)."""
+        """`scheduler_addrs`: one per --dp replica; `api_rank` of `api_count` API processes."""
         self.to_tokenizers = [ZmqAsyncPushQueue(a, create=False) for a in tokenizer_addrs]
         self.recv = ZmqAsyncPullQueue(recv_addr, create=True)
         self.scheduler_addrs = scheduler_addrs or []
-        self.api_rank, self.api_count = api_rank, len(api_addrs or [recv_addr])
-        self.to_peers = {
-            rank: ZmqAsyncPushQueue(addr, create=False)
-            for rank, addr in enumerate(api_addrs or [])
-            if rank != api_rank
-        }
-        self._views: dict[int, asyncio.Queue[ApiViewMsg]] = {}  # by query number
-        self._view_seqs = itertools.count()
+        self.api_rank, self.api_count = api_rank, api_count
         self.requests: dict[int, _InFlight] = {}
         self.uids = itertools.count(api_rank, self.api_count)
         self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(self.num_replicas)]
@@ -111,10 +88,7 @@ class Frontend:
         self.rss: Callable[[], int] = tree_rss_bytes if api_rank == 0 else lambda: 0
         observer = extensions().request_observer
         self.metrics = RequestObserver() if observer is None else observer(self)
-        self._flushes: asyncio.Queue[FlushCacheReply] | None = None
-        self._flush_lock: asyncio.Lock | None = None
         self.dead: str | None = None  # set when the pipeline can no longer answer
-        self.watchdog_timeout, self.on_hang = watchdog_timeout, on_hang
         self.last_progress = time.monotonic()  # of the last message, or of the last idle tick
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
@@ -122,8 +96,6 @@ class Frontend:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._tasks.append(self._loop.create_task(self._dispatch()))
-        if self.watchdog_timeout > 0 and self.on_hang is not None:
-            self._tasks.append(self._loop.create_task(self._watchdog()))
 
     @property
     def num_replicas(self) -> int:
@@ -144,35 +116,13 @@ class Frontend:
         """Requests in flight whose last reply has not come: the pipeline owes them answers."""
         return sum(not r.finished for r in self.requests.values())
 
-    async def _watchdog(self) -> None:
-        while self.dead is None:
-            await asyncio.sleep(min(1.0, self.watchdog_timeout / 4))
-            if not self.num_unfinished:  # nothing owed: silence counts from now on
-                self.last_progress = time.monotonic()
-                continue
-            silent = time.monotonic() - self.last_progress
-            if silent > self.watchdog_timeout and self.dead is None:
-                reason = (
-                    f"watchdog: no progress for {silent:.0f} s (--watchdog-timeout "
-                    f"{self.watchdog_timeout:g}) with {self.num_unfinished} requests unfinished"
-                )
-                assert self.on_hang is not None
-                # on a thread: stopping the server waits, this loop must go on serving errors
-                threading.Thread(target=self.on_hang, args=(reason,), daemon=True).start()
-                return
-
     async def _dispatch(self) -> None:
         while True:
             batch = await self.recv.get()
             self.last_progress = time.monotonic()
-            if isinstance(batch, FlushCacheReply) and self._flushes is not None:
-                self._flushes.put_nowait(batch)
-                continue
-            if isinstance(batch, (ApiQueryMsg, ApiViewMsg, ApiFailMsg)):
-                await self._from_peer(batch)
-                continue
-            if not isinstance(batch, BatchFrontendMsg):  # decoded, but not for here
-                logger.error("api server: dropped an unexpected %s message", type(batch).__name__)
+            if not isinstance(batch, BatchFrontendMsg):
+                if not await self.received(batch):  # decoded, but not for here
+                    logger.error("api server: dropped an unexpected %s", type(batch).__name__)
                 continue
             stats = batch.stats
             if stats is not None and 0 <= stats.dp_rank < len(self.replica_stats):
@@ -184,17 +134,10 @@ class Frontend:
                     self._observe(req, reply, now)
                     req.queue.put_nowait(reply)
 
-    async def _from_peer(self, msg: ApiQueryMsg | ApiViewMsg | ApiFailMsg) -> None:
-        if isinstance(msg, ApiQueryMsg):
-            if msg.rank in self.to_peers:
-                await self.to_peers[msg.rank].put(self.view(msg.seq, msg.metrics))
-        elif isinstance(msg, ApiViewMsg):
-            if msg.seq in self._views:  # else: too late, the query timed out
-                self._views[msg.seq].put_nowait(msg)
-        elif self.api_rank == 0 and self.on_hang is not None:  # the launcher fails the server
-            threading.Thread(target=self.on_hang, args=(msg.reason,), daemon=True).start()
-        else:
-            self.fail(msg.reason)
+    async def received(self, msg: Any) -> bool:
+        """A message other than replies (the serving extension's: /flush_cache's answers, the
+        other API processes'); False: not one this Frontend expects."""
+        return False
 
     def view(self, seq: int = 0, metrics: bool = False) -> ApiViewMsg:
         """What this API process counts: requests in flight, not started yet (and with
@@ -205,22 +148,9 @@ class Frontend:
         )
 
     async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
-        """Every API process's view, by rank (this one's alone without --api-server-count);
-        TimeoutError when one does not answer in time."""
-        if not self.to_peers:
-            return [self.view(0, metrics)]
-        seq = next(self._view_seqs)
-        answers = self._views[seq] = asyncio.Queue()
-        try:
-            for queue in self.to_peers.values():
-                await queue.put(ApiQueryMsg(self.api_rank, seq, metrics))
-            views = [self.view(seq, metrics)]
-            deadline = time.monotonic() + VIEW_TIMEOUT_S
-            while len(views) < self.api_count:
-                views.append(await asyncio.wait_for(answers.get(), deadline - time.monotonic()))
-            return sorted(views, key=lambda v: v.rank)
-        finally:
-            del self._views[seq]
+        """Every API process's view, by rank: this one's (the serving extension's Frontend asks
+        the others too)."""
+        return [self.view(0, metrics)]
 
     def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
         self.metrics.reply(req.priority, req.submitted, req.last_token, reply, now)
@@ -296,32 +226,6 @@ class Frontend:
                     await asyncio.shield(self._tokenizer(msg.uid).put(DoneMsg(msg.uid)))
             else:
                 await asyncio.shield(self.abort(msg.uid, "timeout" if timed_out else "abort"))
-
-    async def flush_cache(self) -> list[str]:
-        """Empty every replica's prefix cache (each refuses while requests run); the errors."""
-        if not self.scheduler_addrs:
-            return ["this front end has no scheduler to flush"]
-        if self._flush_lock is None:
-            self._flush_lock, self._flushes = asyncio.Lock(), asyncio.Queue()
-        assert self._flushes is not None
-        async with self._flush_lock:  # one flush at a time: the replies are not tagged
-            while not self._flushes.empty():  # late answers of a flush that timed out
-                self._flushes.get_nowait()
-            for addr in self.scheduler_addrs:
-                queue = ZmqAsyncPushQueue(addr, create=False)
-                try:
-                    await queue.put(FlushCacheMsg(self.api_rank))
-                finally:
-                    queue.close()  # lingers until the message is out
-            errors: list[str] = []
-            for _ in self.scheduler_addrs:
-                try:
-                    reply = await asyncio.wait_for(self._flushes.get(), FLUSH_TIMEOUT_S)
-                except asyncio.TimeoutError:
-                    return errors + [f"no answer from the schedulers in {FLUSH_TIMEOUT_S:g} s"]
-                if reply.error is not None:
-                    errors.append(f"replica {reply.dp_rank}: {reply.error}")
-            return errors
 
     def fail(self, reason: str) -> None:
         """The pipeline is gone: end every request with an error; refuse new ones from now on."""

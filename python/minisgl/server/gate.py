@@ -1,29 +1,27 @@
-"""What every HTTP request passes before FastAPI (`Gate`): the limit on requests in progress
-(never for /health), the API key, the body's size, the time its body may take to arrive, and
+"""What every HTTP request passes before FastAPI (`Gate`): the API key, the body's size, and
 text that is not valid Unicode. Each refusal is an OpenAI-shaped JSON error, counted by status
-like every other response."""
+like every other response. The serving extension's gate (the `gate` point) adds the limit on
+requests in progress and on the time a body may take to arrive."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import re
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minisgl.server.protocol import error_response
+from minisgl.extension import extensions
+from minisgl.server.protocol import error_body
 
 if TYPE_CHECKING:
+    from minisgl.server.args import ServerArgs
     from minisgl.server.frontend import Frontend
 
 logger = logging.getLogger(__name__)
-
-# Probes answered even when every request slot is taken: an orchestrator that sees them fail
-# restarts a server that is only busy.
-HEALTH_PATHS = frozenset({"/health", "/health_generate"})
 
 # a JSON \u escape of a UTF-16 surrogate: the way a valid UTF-8 body can carry text that is not
 # valid Unicode. A pair (an emoji, as ASCII-only encoders write it) matches too: only the walk
@@ -106,7 +104,11 @@ def invalid_text_path(body: bytes) -> tuple[str | None, str] | None:
 
 def credentials_refused(headers: list[tuple[bytes, bytes]], key: bytes) -> str | None:
     """Why a request's credentials do not carry the API key, or None when they do. RFC 7235:
-    exactly one Authorization header, `auth-scheme 1*SP token`, the scheme in any case."""
+    exactly one Authorization header, `auth-scheme 1*SP token`, the scheme in any case; or the
+    key alone in one x-api-key header, as Anthropic's clients send it."""
+    x_api_key = [value for name, value in headers if name == b"x-api-key"]
+    if len(x_api_key) == 1 and hmac.compare_digest(x_api_key[0], key):
+        return None
     given = [value for name, value in headers if name == b"authorization"]  # names: lower case
     scheme, _, token = (given[0] if given else b"").partition(b" ")
     matches = hmac.compare_digest(token.lstrip(b" "), key)  # always made: constant time
@@ -117,15 +119,6 @@ def credentials_refused(headers: list[tuple[bytes, bytes]], key: bytes) -> str |
     return None
 
 
-def expects_body(scope: Scope) -> bool:
-    """Whether the request has a body to wait for: HTTP/1.1 says a request without
-    Content-Length or Transfer-Encoding has none, so its one receive returns at once."""
-    for name, value in scope["headers"]:
-        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
-            return True
-    return False
-
-
 class Gate:
     """What every HTTP request passes before FastAPI (see the module). An exception the app did
     not turn into a response becomes an OpenAI-shaped JSON 500 here, so that it is counted too.
@@ -133,27 +126,14 @@ class Gate:
     the body is read whole here and replayed to the app."""
 
     def __init__(
-        self,
-        app: ASGIApp,
-        api_key: str | None,
-        max_body: int,
-        frontend: Frontend,
-        paths: frozenset[str],
-        body_timeout: float | None = None,
-        max_requests: int | None = None,
-    ):
-        """`frontend`: its `metrics` count the responses. `body_timeout`: the seconds a
-        body may take to arrive (None: no limit). `max_requests`: requests the app serves at
-        once beyond which others than /health get 503 (None: no limit)."""
-        self.app, self.max_body = app, max_body
-        self.api_key = None if api_key is None else api_key.encode()
+        self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
+    ) -> None:
+        """`frontend`: its `metrics` count the responses; `paths`: the app's own (any other is
+        counted as "other")."""
+        self.app, self.max_body = app, args.max_request_bytes
+        self.api_key = None if args.api_key is None else args.api_key.encode()
         self.observer = frontend.metrics
-        self.paths = paths  # the app's own; any other is counted as "other"
-        self.body_timeout, self.max_requests = body_timeout, max_requests
-        # Requests passed to the app, /health included. Not those whose body is still coming:
-        # they cost nothing but a connection, which ConnectionLimits sheds when needed (one
-        # shed a moment ago still counted would refuse the request that took its place).
-        self.serving = 0
+        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -169,19 +149,20 @@ class Gate:
             await send(message)
 
         async def refuse(r: Refusal) -> None:
-            response = error_response(r.status, r.message, r.param, r.code, r.headers)
+            shape = extensions().error_bodies.get(scope["path"], error_body)  # another API's?
+            body = shape(r.status, r.message, r.param, r.code)
+            response = JSONResponse(body, r.status, headers=r.headers)
             await response(scope, receive, counted)
 
         if (refusal := self.check_head(scope)) is not None:
             return await refuse(refusal)
-        try:
-            body = await self.receive_body(scope, receive)
-        except asyncio.TimeoutError:
-            return await refuse(self.too_slow())
+        body = await self.receive_body(scope, receive)
+        if isinstance(body, Refusal):
+            return await refuse(body)
         if body is None:
             return  # the client left before sending all of its body
-        if (refusal := self.check_body(body) or self.over_limit(scope)) is not None:
-            return await refuse(refusal)  # the limit again: others came while this body did
+        if (refusal := self.check_body(scope, body)) is not None:
+            return await refuse(refusal)
         replayed = False
 
         async def replay() -> Message:
@@ -191,29 +172,21 @@ class Gate:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        self.serving += 1
         try:
-            await self.app(scope, replay, counted)
+            await self.serve(scope, replay, counted)
         except Exception as e:
             if started:  # too late for a status: the connection is cut (uvicorn logs it)
                 raise
             logger.exception("%s %s failed", scope["method"], scope["path"])
             message = f"internal server error ({type(e).__name__}); see the server log"
             await refuse(Refusal(500, message, "internal_error"))
-        finally:
-            self.serving -= 1
 
-    def over_limit(self, scope: Scope) -> Refusal | None:
-        limit = self.max_requests
-        if limit is not None and self.serving >= limit and scope["path"] not in HEALTH_PATHS:
-            message = f"server overloaded: {limit} requests in progress (the limit); retry later"
-            return Refusal(503, message, "overloaded", headers={"Retry-After": "1"})
-        return None
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app's answer to a request that passed (the serving extension counts them)."""
+        await self.app(scope, receive, send)
 
     def check_head(self, scope: Scope) -> Refusal | None:
-        """The refusals known from the request's head alone (no body read when overloaded)."""
-        if (refusal := self.over_limit(scope)) is not None:
-            return refusal
+        """The refusals known from the request's head alone (its body not read)."""
         if self.api_key is not None and scope["path"] != "/health":
             if (why := credentials_refused(scope["headers"], self.api_key)) is not None:
                 # RFC 7235: a 401 names the scheme it wants
@@ -223,7 +196,7 @@ class Gate:
             return self.too_large()
         return None
 
-    def check_body(self, body: bytes) -> Refusal | None:
+    def check_body(self, scope: Scope, body: bytes) -> Refusal | None:
         if len(body) > self.max_body:  # no (or a false) Content-Length
             return self.too_large()
         if (bad := invalid_text_path(body)) is not None:
@@ -235,19 +208,10 @@ class Gate:
     def too_large(self) -> Refusal:
         return Refusal(413, f"request body is larger than {self.max_body} bytes", "body_too_large")
 
-    def too_slow(self) -> Refusal:
-        """A body that did not arrive in time: its connection is closed after the answer, so
-        that it counts no longer (the rest of a body would otherwise still be read)."""
-        message = (
-            f"request body did not arrive within {self.body_timeout:g} s (--timeout-body-read)"
-        )
-        return Refusal(408, message, "request_timeout", headers={"Connection": "close"})
-
-    async def receive_body(self, scope: Scope, receive: Receive) -> bytes | None:
-        """`read_body` within the body timeout (asyncio.TimeoutError past it)."""
-        if self.body_timeout is None or not expects_body(scope):
-            return await self.read_body(receive)
-        return await asyncio.wait_for(self.read_body(receive), self.body_timeout)
+    async def receive_body(self, scope: Scope, receive: Receive) -> bytes | Refusal | None:
+        """The body (`read_body`), or the refusal of one that takes too long (the serving
+        extension's --timeout-body-read)."""
+        return await self.read_body(receive)
 
     async def read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None if the client left first; reading stops past the limit."""

@@ -3,13 +3,11 @@ each is ready, then run the front end (HTTP, or the shell: `__main__` chooses) i
 Any child that dies, or a pipeline that hangs (the watchdog, `Frontend`), takes the whole server
 down with exit code 1 (in-flight requests get an error first); on exit every child is stopped.
 SIGTERM drains in-flight requests for up to --shutdown-timeout seconds; those still running
-then end with an error. Children are titled `minisgl::NAME`; a `Reaper` removes the sockets'
+then end (with an error event, with the serving extension's `http_server`). Children are titled `minisgl::NAME`; a `Reaper` removes the sockets'
 directory even when this process is killed outright."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -26,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from minisgl.distributed import Rendezvous, rendezvous_file
 from minisgl.engine.config import EngineConfig
+from minisgl.extension import extensions
 from minisgl.message import ApiFailMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, option_error
@@ -33,7 +32,6 @@ from minisgl.utils.options import OptionError
 from minisgl.utils.procs import Reaper, die_with_parent, exit_with_parent, set_title, wait_ready
 
 if TYPE_CHECKING:
-    from minisgl.server.connections import ConnectionLimits
     from minisgl.server.frontend import Frontend
 
 logger = logging.getLogger("minisgl")
@@ -66,8 +64,6 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 DEATH_GRACE_S = 1.5  # after a failure: time for clients (on a loaded machine) to get their errors and see /health 503
-STOP_OTHER_NODES_S = 3.0  # rank 0's wait, on a clean stop, for the other nodes' ranks to stop
-CUT_MARGIN_S = 0.5  # the drain's requests still running end this long before it runs out
 
 
 Started = tuple[Any, Any]  # a child's end of its `ready` pipe (the parent's side), its process
@@ -92,30 +88,6 @@ def _follower_main(
     run_follower(config, sched_config, rank, tp, meet, ready, sharing, title)
 
 
-def _api_main(
-    args: ServerArgs, info: dict[str, Any], rank: int, addrs: Addresses, sock: Any, ready: Any
-) -> None:
-    """API process `rank` > 0 of --api-server-count: the app on the socket of the port that
-    rank 0 (the main process) opened for it; a failure it sees (its watchdog) goes to rank 0."""
-    from minisgl.server.frontend import Frontend
-
-    def report(reason: str) -> None:
-        _send(addrs.apis[0], ApiFailMsg(reason))
-
-    frontend = Frontend(
-        addrs.tokenizers,
-        addrs.apis[rank],
-        args.watchdog_timeout,
-        report,
-        addrs.schedulers,
-        api_rank=rank,
-        api_addrs=addrs.apis,
-    )
-    server = http_server(args, info, frontend)
-    ready.send(("ready", None))
-    server.run(sockets=[sock])  # uvicorn drains on SIGTERM / SIGINT, as rank 0 does
-
-
 def _send(addr: str, msg: Any) -> None:
     from minisgl.utils.zmq import ZmqPushQueue
 
@@ -124,53 +96,35 @@ def _send(addr: str, msg: Any) -> None:
     queue.close()  # lingers until the message is out
 
 
-def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """The HTTP port's sockets, bound before the model loads so that a taken port or a bad host
-    fails at once. One API process's socket listens only once uvicorn serves it: until then a
-    client is refused at once, as before the bind, rather than left waiting in a backlog.
-    Several (--api-server-count) get SO_REUSEPORT and listen now: the kernel spreads new
-    connections evenly over the listening ones (one socket that all accept from would let
-    whichever process wakes first take a whole burst). A plain bind first makes sure that no
-    other server holds the port: SO_REUSEPORT alone would share it with one of the same user."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-    def bound(reuse_port: bool) -> socket.socket:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            sock.close()
-            error = f"cannot listen on {host}:{port} (--host, --port): {e.strerror}"
-            raise RuntimeError(error) from None
-        return sock
-
-    if count == 1:
-        return [bound(reuse_port=False)]
-    bound(reuse_port=False).close()
-    socks = [bound(reuse_port=True) for _ in range(count)]
-    for sock in socks:  # all in the kernel's spread from now on, whichever process serves first
-        sock.listen()
-    return socks
+def listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """The HTTP port's socket, bound before the model loads so that a taken port or a bad host
+    fails at once. It listens only once uvicorn serves it: until then a client is refused at
+    once, as before the bind, rather than left waiting in a backlog."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on {host}:{port} (--host, --port): {e.strerror}"
+        ) from None
+    return [sock]
 
 
-def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
+def check_scale_out(args: ServerArgs, config: EngineConfig, nnodes: int = 1) -> None:
     """Clear errors, before any process starts, for a TP size or --max-model-len the model
-    cannot take, or GPUs this machine does not have (--dp x --tp / --nnodes)."""
+    cannot take, or GPUs this machine does not have (--dp x --tp / `nnodes`)."""
     from minisgl.engine.engine import check_model
     from minisgl.utils.device import device_type
 
-    gpus = args.dp * args.tp_per_node
+    gpus = args.dp * args.tp // nnodes
     if device_type(config.device) == "cuda":
         import torch
 
         found = torch.cuda.device_count()
         if gpus > found:
-            per = (
-                f"--tp {args.tp} / --nnodes {args.nnodes}" if args.nnodes > 1 else f"--tp {args.tp}"
-            )
+            per = f"--tp {args.tp} / --nnodes {nnodes}" if nnodes > 1 else f"--tp {args.tp}"
             raise ValueError(
                 f"--dp {args.dp} x {per} needs {gpus} GPUs on this machine, found {found}"
             )
@@ -193,15 +147,18 @@ def _child_main(name: str, log_level: str, target: Any, *args: Any) -> None:
 
 
 class Launcher:
+    """The server's processes on one machine: the --dp replicas' schedulers (and their TP
+    ranks), the detokenizer and the tokenizer workers, started, watched and stopped. The
+    serving extension's launcher (the `launcher` point) adds API processes and nodes."""
+
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        self.addrs = Addresses.make(args.num_tokenizer, args.dp, args.api_server_count)
+        self.addrs = Addresses.make(args.num_tokenizer, args.dp, self.api_server_count)
         logger.info("sockets in %s", self.addrs.root)
         self.reaper = Reaper(self.addrs.root)
         self.ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
-        self.api_procs: list[Any] = []  # of those, the API processes other than this one
-        self.listeners: list[socket.socket] = []  # the port's sockets (then only rank 0's)
+        self.listeners: list[socket.socket] = []  # the port's sockets (then only this one's)
         self.stopping = False
         self.draining = False  # SIGTERM: the API processes finish their requests, then exit
         self.failure: str | None = None  # why the server stops with code 1 (a child died, hung)
@@ -209,6 +166,15 @@ class Launcher:
         self.info: dict[str, Any] = {}  # what the scheduler reported once ready (max_seq_len)
         # called (from a thread of its own) with the reason of a failure; None: SIGTERM self
         self.on_failure: Callable[[str], None] | None = None
+
+    @property
+    def api_server_count(self) -> int:
+        return 1
+
+    @property
+    def ranks_here(self) -> int:
+        """The TP ranks of one replica that run on this machine."""
+        return self.args.tp
 
     def _spawn(self, name: str, target: Any, *target_args: Any) -> Started:
         """Start `target(*target_args, ready)` in a child titled `minisgl::NAME`; the parent's
@@ -229,60 +195,57 @@ class Launcher:
         return parent, proc
 
     def start(self) -> None:
+        if not self.args.shell:  # a taken port fails here, before a download
+            self.listeners = self.listen()
+        config = self.resolve_models()
+        check_scale_out(self.args, config)  # before any process starts
+        self.start_pipeline(config)
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def listen(self) -> list[socket.socket]:
+        return listen_sockets(self.args.host, self.args.port)
+
+    def resolve_models(self) -> EngineConfig:
+        """The engine config with its model (and the extensions', e.g. a draft model)
+        downloaded once, before any child starts."""
         from minisgl.models.weight import resolve_model_path
+
+        args = self.args
+        assert args.engine.model is not None  # __main__ resolves the default model
+        path = resolve_model_path(args.engine.model)
+        config = replace(args.engine, model=path)
+        if (features := extensions().chat_features) is not None:  # the parsers' `auto`
+            features.resolve_parsers(args, path)
+        extras = args.scheduler.extras  # the models an extension's options name (a draft)
+        for name, options in extras.items():
+            if (resolve := getattr(options, "resolve_models", None)) is not None:
+                extras[name] = resolve()
+        return config
+
+    def start_pipeline(self, config: EngineConfig) -> None:
+        """Every replica's ranks, the detokenizer and the tokenizer workers, until all are
+        ready (followers say hello first, then ready once built: rank 0 only after them)."""
         from minisgl.tokenizer.server import run_detokenizer, run_tokenizer
 
-        args, a = self.args, self.addrs
-        if args.node_rank == 0 and not args.shell:  # a taken port fails here, before a download
-            self.listeners = listen_sockets(args.host, args.port, args.api_server_count)
-        assert args.engine.model is not None  # __main__ resolves the default model
-        model_path = resolve_model_path(args.engine.model)  # download once, before the children
-        config = replace(args.engine, model=model_path)
-        if (draft := args.scheduler.speculative_draft_model_path) is not None:  # the same for it
-            path = resolve_model_path(draft, "speculative_draft_model_path")
-            args.scheduler = replace(args.scheduler, speculative_draft_model_path=path)
-        check_scale_out(args, config)  # before any process starts
-        per_node, first = args.tp_per_node, args.node_rank * args.tp_per_node
-        if args.node_rank > 0:  # scheduler ranks only: no front end on this node
-            followers = [self._follower(config, 0, k) for k in range(first, first + per_node)]
-            wait_ready(*_split(followers))  # hello
-            wait_ready(*_split(followers))  # built, in the group
-            return
+        args, a, model_path = self.args, self.addrs, config.model
         starters, followers = [], []
         for r in range(args.dp):
             starters.append(self._replica(config, r))
-            followers += [self._follower(config, r, k) for k in range(1, per_node)]
-        sched = a.schedulers
-        detok = (model_path, a.detokenizer, a.apis, sched)
+            followers += [self._follower(config, r, k) for k in range(1, self.ranks_here)]
+        detok = (model_path, a.detokenizer, a.apis, a.schedulers)
         starters.append(self._spawn("detokenizer", run_detokenizer, *detok))
         dispatch = (config.page_size, args.dp_dispatch, args.dp_load_threshold)
         for i, addr in enumerate(a.tokenizers):
-            tok = (model_path, args.chat_template, addr, sched, a.detokenizer, a.apis, dispatch)
-            starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok))
-        # followers say hello first, then ready once built (rank 0 is ready only after them)
+            tok = (model_path, args.chat_template, addr, a.schedulers, a.detokenizer, a.apis)
+            starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok, dispatch))
         for payload in wait_ready(*_split(starters + followers)):
             if payload:  # a replica's rank 0
                 self.info["num_pages"] = self.info.get("num_pages", 0) + payload["num_pages"]
                 self.info["max_seq_len"] = payload["max_seq_len"]
         wait_ready(*_split(followers))
-        if len(self.listeners) > 1:
-            apis = [
-                self._spawn(f"api_server_{k}", _api_main, args, self.info, k, a, self.listeners[k])
-                for k in range(1, args.api_server_count)
-            ]
-            self.api_procs = [proc for _, proc in apis]
-            wait_ready(*_split(apis))
-            for sock in self.listeners[1:]:  # each is its process's now: when that one closes
-                sock.close()  # it (drain) or dies, the kernel sends its connections elsewhere
-            del self.listeners[1:]
-        threading.Thread(target=self._watch, daemon=True).start()
 
     def _rendezvous(self, replica: int) -> Rendezvous:
-        args = self.args
-        if args.nnodes > 1:  # rank 0's node hosts the TCP store; GPU 0 is the node's first rank
-            shift = -args.node_rank * args.tp_per_node
-            return Rendezvous("", args.dist_init_addr, args.dist_timeout, shift)
-        return rendezvous_file(self.addrs.root, f"tp-rendezvous-{replica}", replica * args.tp)
+        return rendezvous_file(self.addrs.root, f"tp-rendezvous-{replica}", replica * self.args.tp)
 
     def _name(self, replica: int, rank: int) -> str:
         return f"scheduler_{rank}" if self.args.dp == 1 else f"dp{replica}_scheduler_{rank}"
@@ -303,6 +266,10 @@ class Launcher:
         entry = (config, args.scheduler, rank, args.tp, meet, args.dp, name)
         return self._spawn(name, _follower_main, *entry)
 
+    def expected_exit(self, proc: Any) -> bool:
+        """Whether `proc` ending is no failure (the serving extension's drained API processes)."""
+        return False
+
     def _watch(self) -> None:
         """Stop the server when any child dies, instead of hanging its clients."""
         from multiprocessing.connection import wait
@@ -314,8 +281,8 @@ class Launcher:
                 return
             dead = sentinels.pop(ready[0])
             dead.join(timeout=1)  # the exit code is known only once it is reaped
-            if self.draining and dead in self.api_procs:
-                continue  # it drained its requests (`stop` may have reaped it: no exit code)
+            if self.expected_exit(dead):
+                continue
             self.fail(f"{dead.name} process died (exit code {dead.exitcode})")
             return
 
@@ -335,51 +302,21 @@ class Launcher:
         else:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def follow(self) -> int:
-        """A node other than rank 0's: wait until a scheduler rank ends (rank 0 stopped them,
-        or is gone); 0 when every one ended cleanly."""
-        from multiprocessing.connection import wait
+    def run(self, front_end: Callable[[Launcher, Frontend], int]) -> int:
+        """`front_end` (`serve_http`, or the shell) on this process's Frontend; its exit code."""
+        from minisgl.server.frontend import Frontend
 
-        print(f"minisgl: node {self.args.node_rank} serving its TP ranks", flush=True)
-        wait([p.sentinel for p in self.procs])
-        for p in self.procs:
-            p.join(timeout=5)
-        if any(p.exitcode != 0 for p in self.procs):
-            self.failure = "; ".join(
-                f"{p.name} process ended with exit code {p.exitcode} (rank 0 gone?)"
-                for p in self.procs
-                if p.exitcode != 0
-            )
-        return 0
-
-    def _stop_other_nodes(self) -> None:
-        """With --nnodes > 1, rank 0 tells the other ranks to stop (its ExitMsg to them), so
-        that the other nodes exit 0; killed instead, it would leave them to find it gone."""
-        from minisgl.message import ExitMsg
-
-        rank0 = self.procs[0]
-        if not rank0.is_alive():
-            return
-        _send(self.addrs.schedulers[0], ExitMsg())
-        rank0.join(timeout=STOP_OTHER_NODES_S)
+        a = self.addrs
+        return front_end(self, Frontend(a.tokenizers, a.apis[0], a.schedulers))
 
     def drain(self) -> None:
-        """SIGTERM reached this process: the other API processes drain their requests too."""
+        """SIGTERM reached this process (its requests drain in uvicorn)."""
         self.draining = True
-        for proc in self.api_procs:
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM)
 
     def stop(self) -> None:
-        if self.draining and not self.failure:  # they got the same time as this process
-            deadline = time.monotonic() + self.args.shutdown_timeout + DEATH_GRACE_S
-            for proc in self.api_procs:
-                proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self.stopping = True
         for sock in self.listeners:
             sock.close()
-        if self.args.nnodes > 1 and self.args.node_rank == 0 and self.procs and not self.failure:
-            self._stop_other_nodes()
         for p in self.procs:  # they ignore SIGTERM (see _child_main) and hold nothing to save
             if p.is_alive():
                 p.kill()
@@ -390,32 +327,14 @@ class Launcher:
         self.reaper.stop()
 
 
-# The server's default: with Python's 700 10 10, the API process's full collections (20-37 ms
-# on an H100) each held back every stream of an all-at-once burst (docs/benchmarks.md, session 20).
-SERVER_GC_THRESHOLD = (700, 10, 1000)
-
-
-def export_gc_settings(args: ServerArgs) -> None:
-    """The collector's settings, for every server process to read once ready (spawned children
-    copy the environment): the flags, else what the caller's environment says, else the
-    server's default thresholds."""
-    if args.gc_warning_threshold_secs > 0:
-        os.environ["MINISGL_GC_WARNING_THRESHOLD_SECS"] = str(args.gc_warning_threshold_secs)
-    if args.gc_threshold is not None:
-        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, args.gc_threshold))
-    elif not os.environ.get("MINISGL_GC_THRESHOLD", "").strip():
-        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, SERVER_GC_THRESHOLD))
-
-
 def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], int]) -> int:
     """Start the children, run `front_end` (`serve_http`, or the shell) until it returns or
     SIGTERM, then stop the children; the exit code."""
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     hide_api_key()
-    export_gc_settings(args)
     # The default SIGTERM action would kill this process at once and orphan the children.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    launcher = Launcher(args)
+    launcher = (extensions().launcher or Launcher)(args)
     try:
         if args.exit_with_parent:  # its SIGTERM then unwinds here, through launcher.stop()
             exit_with_parent()
@@ -427,21 +346,7 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
         except (RuntimeError, ValueError) as e:
             print(f"minisgl: {e}", file=sys.stderr)
             return 1
-        if args.node_rank > 0:
-            code = launcher.follow()
-        else:
-            from minisgl.server.frontend import Frontend
-
-            addrs, timeout = launcher.addrs, args.watchdog_timeout
-            frontend = Frontend(
-                addrs.tokenizers,
-                addrs.apis[0],
-                timeout,
-                launcher.fail,
-                addrs.schedulers,
-                api_addrs=addrs.apis,
-            )
-            code = front_end(launcher, frontend)
+        code = launcher.run(front_end)
     except (Terminated, KeyboardInterrupt):  # a requested stop, or a failure (Launcher.fail)
         code = 0
     finally:
@@ -452,90 +357,6 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
         print(f"minisgl: {launcher.failure}", file=sys.stderr)
         return 1
     return code
-
-
-class _CutShort(logging.Filter):
-    """uvicorn logs a request that the server's exit cancelled (the drain ran out, or a
-    failure's forced exit) as an application error, with a CancelledError traceback: no bug,
-    so one line instead. With no drain (--shutdown-timeout 0) it also says, as an error, that
-    it cancels 0 tasks: dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith("Cancel %s running task") and record.args == (0,):
-            return False
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, asyncio.CancelledError) and str(record.msg).startswith("Exception in"):
-            record.msg, record.args = "a request was cut short: the server is stopping", ()
-            record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
-FORCED_EXIT_WAIT_S = 1.0  # a forced exit's wait for the requests whose connections it closed
-
-
-async def _end_forced(server: Any, limits: ConnectionLimits) -> None:
-    """A failure's exit (`serve_http`: its requests got their errors already) skips uvicorn's
-    drain and the app's lifespan shutdown: the tasks left would be cancelled as the loop
-    closes, the lifespan's logging a CancelledError traceback. Close every connection (the
-    requests still there see their client gone and end), wait a moment for them, and end the
-    lifespan."""
-    for conn in list(server.server_state.connections):
-        limits.close(conn)
-    if server.server_state.tasks:
-        await asyncio.wait(set(server.server_state.tasks), timeout=FORCED_EXIT_WAIT_S)
-    with contextlib.suppress(asyncio.TimeoutError):  # a hung shutdown handler
-        await asyncio.wait_for(server.lifespan.shutdown(), FORCED_EXIT_WAIT_S)
-
-
-def make_server(
-    config: Any,
-    frontend: Frontend,
-    limits: ConnectionLimits,
-    drain_s: float,
-    on_shutdown: Callable[[], None] | None = None,
-) -> Any:
-    """uvicorn's server, whose drain (SIGTERM) ends the requests still running with the error
-    event (or a 503) just before `drain_s` (--shutdown-timeout) runs out, not a bare close,
-    and drops then those whose body has not come. `on_shutdown` is called as the drain begins.
-    Its exits log no traceback (see `_end_forced`, `_CutShort`)."""
-    import uvicorn
-
-    errors = logging.getLogger("uvicorn.error")  # after uvicorn.Config set its logging up
-    if not any(isinstance(f, _CutShort) for f in errors.filters):
-        errors.addFilter(_CutShort())
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            limits.quiet_accept_errors(asyncio.get_running_loop())
-            await super().startup(sockets)
-
-        def cut(self, reason: str) -> None:
-            """The drain's end: the requests still running end with `reason`, those whose
-            head or body has not come are dropped."""
-            frontend.fail(reason)
-            limits.close_waiting(self.server_state.connections)
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            if on_shutdown is not None:
-                on_shutdown()
-            reason = f"server shut down before the request finished ({drain_s:g} s drain)"
-            timer = None
-            if drain_s <= CUT_MARGIN_S:
-                self.cut(reason)  # uvicorn's 0.1 s pause before cutting lets the errors out
-            else:
-                timer = asyncio.get_running_loop().call_later(
-                    drain_s - CUT_MARGIN_S, self.cut, reason
-                )
-            try:
-                await super().shutdown(sockets)
-            finally:
-                if timer is not None:
-                    timer.cancel()
-            if self.force_exit:
-                await _end_forced(self, limits)
-
-    return Server(config)
 
 
 def hide_api_key() -> None:
@@ -554,35 +375,43 @@ def hide_api_key() -> None:
         setproctitle.setproctitle(" ".join(argv))
 
 
+def plain_http_server(
+    args: ServerArgs, app: Any, frontend: Frontend, on_shutdown: Callable[[], None] | None = None
+) -> Any:
+    """uvicorn as it comes: SIGTERM stops taking connections, waits up to --shutdown-timeout
+    for the requests in progress, then cancels them. `on_shutdown` is called as it begins."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]  # float works
+    )
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
+            await super().shutdown(sockets)
+
+    return Server(config)
+
+
 def http_server(
     args: ServerArgs,
     info: dict[str, Any],
     frontend: Frontend,
     on_shutdown: Callable[[], None] | None = None,
 ) -> Any:
-    """The app under uvicorn, as one API process serves it (each of --api-server-count gets
-    its share of --max-connections)."""
-    import uvicorn
-
+    """The app under uvicorn, as one API process serves it (the `http_server` point's: the
+    serving extension bounds the connections and ends a drain's requests with an error)."""
     from minisgl.server.api_server import create_app
-    from minisgl.server.connections import ConnectionLimits, connection_budget
 
     app = create_app(frontend, args, info["max_seq_len"], info)
-    share = -(-args.max_connections // frontend.api_count)
-    max_connections, backlog = connection_budget(share)
-    limits = ConnectionLimits(max_connections, args.timeout_keep_alive)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        http=limits.protocol(),
-        backlog=backlog,
-        # no limit_concurrency: its 503 refuses /health too; the Gate limits requests instead
-        timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # float works
-        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
-    )
-    return make_server(config, frontend, limits, args.shutdown_timeout, on_shutdown)
+    make = extensions().http_server or plain_http_server
+    return make(args, app, frontend, on_shutdown)
 
 
 def serve_http(launcher: Launcher, frontend: Frontend) -> int:

@@ -61,6 +61,7 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 # Larger integers cannot travel in a message (msgpack) nor live in a tensor: refuse them here.
@@ -113,7 +114,7 @@ class SamplingFields(Body):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
     min_tokens: Int64 = 0
-    priority: Int64 = 0  # --schedule-policy priority: lower values first (vLLM's field)
+    priority: Int64 = 0  # the serving extension's --schedule-policy priority: lower first (vLLM's)
 
 
 # OpenAI fields minisgl cannot honour yet: a 400 naming the field unless given an "off" value
@@ -206,6 +207,9 @@ class TokenizeRequest(Body):
     add_generation_prompt: bool = True
     chat_template_kwargs: TemplateKwargs = None
     tools: Any = None  # rendered as in a chat request
+    # vLLM's: unset, as the server encodes a completion's prompt (the tokenizer's BOS...) or a
+    # chat (none: the template writes them)
+    add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(Body):
@@ -242,6 +246,9 @@ def grammar_fields(req: SamplingFields) -> dict[str, Any]:
     if len(given) > 1:
         names = " and ".join(given)
         raise APIError(400, f"give one output constraint, not {names}", next(iter(given)))
+    if given and "json_schema" not in extensions().sampling_params:  # named as the client did
+        name = next(iter(given))
+        raise APIError(400, str(ExtensionMissing(name, "structured")), name)
     if "response_format" in given:
         return {"json_schema": given.pop("response_format")}
     return given

@@ -409,7 +409,10 @@ class Detokenizer:
             st.completion_tokens,
             msg.error,
             queue_time=msg.queue_time,
+            cached_tokens=msg.cached_tokens,
         )
+        if reason == "stop" and st.detok is not None and st.detok.stopped:
+            reply.matched = st.detok.stop_reason
         if msg.logprobs is not None:
             entries = [[t, *e] for t, e in zip(msg.token_ids, msg.logprobs)]
             reply.logprobs = named_logprobs(self.tokenizer, entries)

@@ -6,20 +6,51 @@
 - `metrics.py`: Prometheus metrics (`GET /metrics`), counted as the API process sees its
   requests (the `request_observer` point) and read from the schedulers' snapshots;
 - `dispatch.py`: which --dp replica a request goes to (the `dispatcher` point: longest prefix);
-- `replicas.py`: `LLM(dp=N)`, one process per replica (the `replicas` point).
+- `replicas.py`: `LLM(dp=N)`, one process per replica (the `replicas` point);
+- `policy.py`: --schedule-policy priority (the request's `priority`, aged, preempting) and lpm
+  (the `admission_policies` and `sampling_params` points);
+- `tokenizer_info.py`: vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it);
+- `status.py`: /health?generate=1's probe; `openapi.py`: the error statuses in the OpenAPI
+  document;
+- `options.py`: its flags (the `options` point), e.g. --max-connections;
+- `http.py`, `connections.py`: the limits on requests in progress and on connections, the body
+  read timeout, and a drain that ends its requests with an error (the `gate` and `http_server`
+  points);
+- `scale.py`: --api-server-count's API processes, --nnodes' nodes and the collector's flags of
+  every server process (the `launcher` point).
 
 Importing this package fills its points of `minisgl.extension.Extensions`; without it those
-routes answer 404, /generate refuses every field it does not declare, and --dp > 1 and
-`LLM(dp=N > 1)` are refused."""
+routes answer 404, /health?generate=1 is a 400, /generate refuses every field it does not declare, and --dp > 1,
+`LLM(dp=N > 1)`, a request's `priority` and --schedule-policy priority / lpm are refused."""
 
 from __future__ import annotations
 
-from minisgl.ext.serving import dispatch, metrics, replicas, sglang
+from minisgl.ext.serving import (
+    dispatch,
+    http,
+    metrics,
+    openapi,
+    options,
+    policy,
+    replicas,
+    scale,
+    sglang,
+    status,
+    tokenizer_info,
+)
 from minisgl.extension import extensions
 
 _points = extensions()
-_points.routes += [sglang.add_sglang_routes, metrics.add_metrics_route]
+_points.routes += [sglang.add_sglang_routes, metrics.add_metrics_route, openapi.add_openapi_errors]
+_points.routes.append(status.add_health_probe)
+_points.routes.append(tokenizer_info.add_tokenizer_info_route)
 _points.generate_extras = sglang.check_generate_extras
 _points.request_observer = metrics.frontend_metrics
 _points.dispatcher = dispatch.Dispatcher
 _points.replicas = replicas.Replicas
+_points.options["serving"] = options.ServingOptions
+_points.gate = http.ServingGate
+_points.http_server = http.serving_http_server
+_points.launcher = scale.ServingLauncher
+_points.admission_policies.update(priority=policy.PriorityQueue, lpm=policy.LongestPrefixQueue)
+_points.sampling_params["priority"] = policy.check_priority

@@ -115,12 +115,18 @@ class _SchedulerCollector(Collector):
             "preemptions": ("requests preempted for lack of KV pages", s.num_preemptions),
             "prefill_tokens": ("prompt tokens scheduled (incl. re-prefills)", s.prefill_tokens),
             "prefix_cache_hit_tokens": ("of those, found in the prefix cache", s.cached_tokens),
-            "spec_draft_tokens": ("speculative decoding: tokens proposed", s.draft_tokens),
-            "spec_accepted_tokens": ("speculative decoding: of those, accepted", s.accepted_tokens),
+            "spec_draft_tokens": (
+                "speculative decoding: tokens proposed",
+                s.counts.get("spec_draft_tokens", 0),
+            ),
+            "spec_accepted_tokens": (
+                "speculative decoding: of those, accepted",
+                s.counts.get("spec_accepted_tokens", 0),
+            ),
             "spec_verified_rows": (
                 "speculative decoding: request-steps that verified proposals (accepted tokens"
                 " over these: the mean accepted length)",
-                s.verified_rows,
+                s.counts.get("spec_verified_rows", 0),
             ),
         }
         for name, (doc, value) in counters.items():

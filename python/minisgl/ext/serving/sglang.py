@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from minisgl.ext.serving.frontend import ServingFrontend
 from minisgl.server.args import ServerArgs
 from minisgl.server.protocol import APIError, error_response
 
@@ -121,6 +122,8 @@ def add_sglang_routes(app: FastAPI, api: ApiServer, info: dict) -> None:
         if frontend.requests:
             busy = f"cache_busy: {len(frontend.requests)} requests in flight; flush when idle"
             return error_response(400, busy, code="cache_busy")
+        if not isinstance(frontend, ServingFrontend):  # e.g. an app built without its launcher
+            return error_response(503, "this front end cannot flush", code="server_unavailable")
         errors = await frontend.flush_cache()
         if any(e.startswith("no answer") for e in errors):  # a scheduler is stuck
             return error_response(503, "; ".join(errors), code="server_unavailable")

@@ -3,9 +3,15 @@ module per format under vLLM's name) split a response into content, reasoning_co
 tool_calls; `server.py` validates a request's tools and shapes the API server's messages and
 stream deltas; `offline.py` does the same for `LLM.chat`, `shell.py` for the shell's display.
 Registered as the `chat_features` point: without this package the core refuses tools,
---tool-call-parser and --reasoning-parser."""
+--tool-call-parser and --reasoning-parser. Constrained decoding (xgrammar: json_schema, regex,
+ebnf, structural_tag; `grammar.py`, `grammar_feature.py`) is the `step_features` point's
+`GrammarFeature`, its fields checked through `sampling_params`."""
 
+from minisgl.core import CONSTRAINT_KINDS
 from minisgl.ext.structured.features import StructuredChat
+from minisgl.ext.structured.grammar_feature import GrammarFeature, check_constraint
 from minisgl.extension import extensions
 
 extensions().chat_features = StructuredChat()
+extensions().sampling_params.update(dict.fromkeys(CONSTRAINT_KINDS, check_constraint))
+extensions().step_features.append(GrammarFeature)

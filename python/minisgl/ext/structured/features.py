@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from minisgl.ext.structured.detect import AUTO, NONE
 from minisgl.ext.structured.parsers import REASONING_PARSERS, TOOL_PARSERS
 from minisgl.utils.options import OptionError
 
@@ -27,9 +28,22 @@ class StructuredChat:
     def check_option(self, name: str, value: str) -> None:
         # argparse's words for a value outside a flag's choices: the flag used to declare them
         known = FORMATS[name]
-        if value not in known:
-            names = ", ".join(sorted(known))
+        if value not in known and value not in (AUTO, NONE):
+            names = ", ".join([AUTO, NONE, *sorted(known)])
             raise OptionError(name, f"invalid choice: {value!r} (choose from {names})")
+
+    def resolve_parsers(self, args: Any, model_path: str) -> None:
+        from minisgl.ext.structured.detect import resolve
+        from minisgl.tokenizer.server import load_chat_tokenizer
+
+        tool, reasoning = args.tool_call_parser, args.reasoning_parser
+        tokenizer = None
+        if AUTO in (tool, reasoning):
+            tokenizer = load_chat_tokenizer(model_path, args.chat_template)
+        args.tool_call_parser, args.reasoning_parser = resolve(tool, reasoning, tokenizer)
+        if getattr(args, "shell_hide_reasoning", False) and args.reasoning_parser is None:
+            message = "needs --shell and --reasoning-parser (auto found no think tags in the "
+            raise OptionError("shell_hide_reasoning", message + "chat template)")
 
     def template_tools(self, tools: Any) -> list[dict[str, Any]] | None:
         from minisgl.ext.structured import server

@@ -1,12 +1,15 @@
 """`LLM.chat` with tools or parsers: the tools rendered by the chat template, forced calls
 constrained by grammar, and each result's text parsed into "content", "reasoning_content" and
-"tool_calls" (OpenAI's shapes), as the server returns them."""
+"tool_calls" (OpenAI's shapes), as the server returns them. The parsers' `auto` (the default)
+is the format each shows in the model's chat template (detect.py), picked once per LLM."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from minisgl.core import SamplingParams
+from minisgl.ext.structured.detect import AUTO, resolve
 from minisgl.ext.structured.parsers import (
     OutputParser,
     ToolChoice,
@@ -24,9 +27,12 @@ def offline_chat(
     tool_choice, parallel_tool_calls, tool_call_parser, reasoning_parser,
     chat_template_kwargs); `params`: one per chat. `tool_choice` as OpenAI's (default auto with
     tools): "required" or a named function forces calls by grammar (one when not
-    `parallel_tool_calls`), which needs `tool_call_parser`."""
+    `parallel_tool_calls`); "required" needs a `tool_call_parser` (the calls' format), a named
+    function none (the answer is its arguments). Parsers "auto": from the chat template."""
     tools, tool_choice = options["tools"], options["tool_choice"]
-    tool_call_parser, reasoning_parser = options["tool_call_parser"], options["reasoning_parser"]
+    tool_call_parser, reasoning_parser = parser_names(
+        llm, options["tool_call_parser"], options["reasoning_parser"]
+    )
     parallel_tool_calls: bool = options["parallel_tool_calls"]
     functions = parse_tools(tools) if tools else []
     choice = resolve_tool_choice(tool_choice, functions)
@@ -46,13 +52,29 @@ def offline_chat(
     any_whitespace = llm.sched_config.json_any_whitespace
     params = [parser.constrain(p, forced, s, any_whitespace) for p, s in zip(params, states)]
     results = llm.generate(prompts, params, options["use_tqdm"])
-    if tool_call_parser is None and reasoning_parser is None:
-        return results
     parsed_choice = choice if functions and choice.parses else None
+    named = parsed_choice is not None and parsed_choice.mode == "named"
+    if tool_call_parser is None and reasoning_parser is None and not named:
+        return results
     for state, result in zip(states, results):
         for r in result.get("outputs", [result]):
-            parse_into(llm, r, parser, parsed_choice, bool(state), parallel_tool_calls)
+            parse_into(llm, r, parser, parsed_choice, bool(state), parallel_tool_calls, functions)
     return results
+
+
+# each LLM's parsers for "auto", detected (and logged) on its first chat
+_DETECTED: weakref.WeakKeyDictionary[Any, tuple[str | None, ...]] = weakref.WeakKeyDictionary()
+
+
+def parser_names(llm: Any, tool: str | None, reasoning: str | None) -> tuple[str | None, ...]:
+    """The parser names for LLM.chat's options: `auto` from the chat template, `none` None."""
+    if AUTO in (tool, reasoning) and llm not in _DETECTED:
+        _DETECTED[llm] = resolve(AUTO, AUTO, llm.tokenizer)
+    detected = _DETECTED.get(llm, (None, None))
+    chosen = [
+        found if value == AUTO else value for value, found in zip((tool, reasoning), detected)
+    ]
+    return tuple(None if value == "none" else value for value in chosen)
 
 
 def reasoning_state(parser: OutputParser, prompt: str) -> bool | None:
@@ -70,16 +92,19 @@ def parse_into(
     choice: ToolChoice | None,
     in_reasoning: bool,
     parallel: bool,
+    functions: list[Any],
 ) -> None:
     """`result` (one sample of `llm.generate`) with its text parsed."""
     tokenizer = llm.tokenizer
     # tags that are special tokens (Mistral's, Llama's) must survive the decode
-    keep = parser.tools is not None and bool(parser.tools.special_tokens)
+    named = choice is not None and choice.mode == "named"
+    keep = parser.tools is not None and bool(parser.tools.special_tokens) and not named
     text = tokenizer.decode(result["token_ids"], skip_special_tokens=not keep)
     eos = tokenizer.eos_token
     if keep and eos and text.endswith(eos):
         text = text[: -len(eos)]
-    parsed = parser.parse(text, choice, in_reasoning)
+    cut = result.get("finish_reason") != "stop"
+    parsed = parser.parse(text, choice, in_reasoning, functions=functions, cut=cut)
     calls = parsed.tool_calls if parallel else parsed.tool_calls[:1]
     result["content"], result["reasoning_content"] = parsed.content, parsed.reasoning
     result["tool_calls"] = [call.to_openai() for call in calls]

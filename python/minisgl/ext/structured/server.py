@@ -14,7 +14,9 @@ from typing import Any
 import msgpack
 
 from minisgl.core import SamplingParams
+from minisgl.ext.structured.detect import AUTO, resolve
 from minisgl.ext.structured.parsers import (
+    TOOL_PARSERS,
     FunctionSchema,
     OutputParser,
     OutputStream,
@@ -37,7 +39,9 @@ class ChatParsing:
     constrains it: `choice` None parses no tool calls; `in_reasoning`: the prompt opened the
     reasoning (True), closed it (False: thinking off) or neither (None); `parallel` false keeps
     the first call only (and a forced call is one call); `forced`: the request's functions when
-    its tool_choice (or legacy function_call: `choice_param`) forces calls;
+    its tool_choice (or legacy function_call: `choice_param`) forces calls (a named one: the
+    response is the arguments, the call is written here); `functions`: the request's (a format
+    may read their schemas);
     `keep_special_tokens`: the tool format's tags are special tokens, so the response is
     detokenized with them; `strip`: then the special tokens (EOS) removed from the end of a
     stopped response. `legacy`: the request gave `functions`, so the reply has the legacy
@@ -54,6 +58,7 @@ class ChatParsing:
     choice_param: str = "tool_choice"
     legacy: bool = False
     any_whitespace: bool = False
+    functions: list[FunctionSchema] = field(default_factory=list)
     streams: dict[int, OutputStream] = field(default_factory=dict)  # per streamed choice
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
@@ -89,9 +94,11 @@ class ChatParsing:
         return "function_call" if self.legacy else "tool_calls"
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """A whole response's message, and its finish_reason."""
+        """A whole response's message, and its finish_reason. A call cut by max_tokens keeps
+        its arguments as they are (finish_reason "length")."""
+        text, cut = self.final_text(text, finish_reason), finish_reason != "stop"
         parsed = self.parser.parse(
-            self.final_text(text, finish_reason), self.choice, self.in_reasoning
+            text, self.choice, self.in_reasoning, functions=self.functions, cut=cut
         )
         calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
@@ -110,10 +117,11 @@ class ChatParsing:
         `finish_reason` set, which flushes what the parsers held back), and its finish_reason."""
         stream = self.streams.get(index)
         if stream is None:
-            stream = self.streams[index] = self.parser.stream(self.choice, self.in_reasoning)
+            stream = self.parser.stream(self.choice, self.in_reasoning, functions=self.functions)
+            self.streams[index] = stream
         piece = stream.feed(self.final_text(text, finish_reason)) if text else StreamDelta()
         if finish_reason is not None:
-            piece.extend(stream.finish())
+            piece.extend(stream.finish(cut=finish_reason != "stop"))
         delta: dict[str, Any] = {}
         if piece.content:
             delta["content"] = piece.content
@@ -198,9 +206,17 @@ _PARSERS: weakref.WeakKeyDictionary[Any, tuple[OutputParser, tuple[str, ...]]] =
 
 async def output_parser(api: Any) -> tuple[OutputParser, tuple[str, ...]]:
     """The server's parsers, made on first use (a tool format may look at the vocabulary), and
-    the tokenizer's special tokens when there is a tool format (None of them otherwise)."""
+    the tokenizer's special tokens when there is a tool format (None of them otherwise). An
+    `auto` left in the args (a server not started by the launcher, which resolves them) is
+    resolved here, from the API process's tokenizer."""
     if api not in _PARSERS:
-        name, reasoning = api.args.tool_call_parser, api.args.reasoning_parser
+        args = api.args
+        if AUTO in (args.tool_call_parser, args.reasoning_parser):
+            chosen = await api.with_tokenizer(
+                lambda tok: resolve(args.tool_call_parser, args.reasoning_parser, tok), "model"
+            )
+            args.tool_call_parser, args.reasoning_parser = chosen
+        name, reasoning = args.tool_call_parser, args.reasoning_parser
         tools, special_tokens = None, ()
         if name is not None:
 
@@ -236,39 +252,39 @@ async def chat_parsing(
     """How the responses of `req` are parsed; None: returned as the raw text. `render`
     renders the prompt, whose end may open the reasoning (a template that thinks by
     default ends it with the start tag)."""
-    if functions and choice.parses and api.args.tool_call_parser is None:
-        param = "tools" if req.tools is not None else "functions"
-        message = (
-            f"{param}: this server was started without a tool call parser "
-            "(--tool-call-parser), so the model's calls cannot be returned; "
-            "give tool_choice 'none' to only show the tools to the model"
-        )
-        raise APIError(400, message, param)
     parser, special_tokens = await output_parser(api)
     tool_choice = choice if functions and choice.parses else None
-    if parser.reasoning is None and (parser.tools is None or tool_choice is None):
+    named = tool_choice is not None and tool_choice.mode == "named"
+    if tool_choice is not None and not named and parser.tools is None:
+        param = "tools" if req.tools is not None else "functions"
+        message = (
+            f"{param}: this server has no tool call parser (--tool-call-parser none, or auto "
+            "and no tool call format was recognised in the model's chat template), so the "
+            "model's calls cannot be returned; start it with --tool-call-parser NAME (one of "
+            f"{', '.join(sorted(TOOL_PARSERS))}), name the function in tool_choice, or give "
+            "tool_choice 'none' to only show the tools to the model"
+        )
+        raise APIError(400, message, param)
+    if parser.reasoning is None and tool_choice is None:
         return None
     in_reasoning = None
     if parser.reasoning is not None and not parser.reasoning.starts_in_reasoning:
         prompt = await api.with_tokenizer(render, "messages")
         in_reasoning = parser.reasoning.prompt_reasoning(prompt)
-    keep = tool_choice is not None and parser.tools is not None and parser.tools.special_tokens
-    tags = set(parser.tools.special_tokens if parser.tools else ())
+    tags = parser.tools.special_tokens if parser.tools is not None and not named else ()
+    keep = tool_choice is not None and bool(tags)  # the format's tags must survive the decode
     strip = tuple(t for t in special_tokens if t not in tags) if keep else ()
     legacy = req.tools is None and req.functions is not None  # one call, the legacy reply
-    parallel = req.parallel_tool_calls is not False and not legacy
-    forced = functions if choice.mode in ("required", "named") else []
-    param = "function_call" if req.function_call is not None else "tool_choice"
-    any_whitespace = api.args.scheduler.json_any_whitespace
     return ChatParsing(
         parser,
         tool_choice,
         in_reasoning,
-        parallel,
-        bool(keep),
-        strip,
-        forced,
-        param,
-        legacy,
-        any_whitespace,
+        parallel=req.parallel_tool_calls is not False and not legacy,
+        keep_special_tokens=keep,
+        strip=strip,
+        forced=functions if choice.mode in ("required", "named") else [],
+        choice_param="function_call" if req.function_call is not None else "tool_choice",
+        legacy=legacy,
+        any_whitespace=api.args.scheduler.json_any_whitespace,
+        functions=functions,
     )

@@ -2,7 +2,14 @@
 share them). A format is one module registering a `ToolParser` or `ReasoningParser` subclass
 under vLLM's name; it is imported here so that it registers."""
 
-from minisgl.ext.structured.parsers import deepseek_r1, hermes, llama3_json, mistral, qwen3  # noqa: F401 (register)
+from minisgl.ext.structured.parsers import (  # noqa: F401 (register)
+    deepseek_r1,
+    hermes,
+    llama3_json,
+    mistral,
+    qwen3,
+    qwen3_coder,
+)
 from minisgl.ext.structured.parsers.base import (
     IdFactory,
     ParsedOutput,

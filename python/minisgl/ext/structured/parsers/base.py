@@ -115,13 +115,15 @@ def find_first(text: str, start: int, tags: tuple[str, ...]) -> tuple[int, str] 
 class ToolStream:
     """One response's tool-call parser, fed text deltas as the detokenizer produces them.
 
-    Outside calls the stream is in the content state: `openers` start a format's call region
-    (`open_region`); text that could still become an opener, and whitespace that could precede
-    one, is withheld. Whitespace next to a call (before its opener, after its end) frames it and
-    is not content. A call is committed (id and name sent) once its name is read; before that,
-    a malformed region is reverted: its text is content and scanning resumes after its opener.
-    After the commit, malformed text ends the call (its arguments as far as they went) and is
-    content. At the end, withheld text is released and an open call ends as it stands."""
+        Outside calls the stream is in the content state: `openers` start a format's call region
+        (`open_region`); text that could still become an opener, and whitespace that could precede
+        one, is withheld. Whitespace next to a call (before its opener, after its end) frames it and
+        is not content. A call is committed (id and name sent) once its name is read; before that,
+        a malformed region is reverted: its text is content and scanning resumes after its opener.
+        After the commit, malformed text ends the call (its arguments as far as they went) and is
+        content. At the end, withheld text is released and an open call ends as it stands: cut
+    (`finish(cut=True)`: the response ran out of tokens) its arguments stay as far as they went,
+    never completed by the parser."""
 
     openers: tuple[str, ...] = ()
 
@@ -130,6 +132,10 @@ class ToolStream:
         self.text = ""
         self.pos = 0  # first character not consumed
         self.final = False
+        self.cut = False  # the response ended before the model did (max_tokens): see finish
+        # the request's functions' parameter schemas by name (a format whose arguments are not
+        # JSON reads them by these)
+        self.schemas: dict[str, dict[str, Any]] = {}
         self.state: Callable[[], bool] = self.content_state
         self.after_call = False  # whitespace right after a call is dropped
         self.region_start = self.region_skip = 0  # revert: content to `skip`, rescan from there
@@ -146,8 +152,10 @@ class ToolStream:
         self._run()
         return self._take()
 
-    def finish(self) -> StreamDelta:
-        self.final = True
+    def finish(self, cut: bool = False) -> StreamDelta:
+        """The end of the text; `cut`: the response was cut (finish_reason other than "stop"),
+        so an open call is not complete and keeps its arguments as they are."""
+        self.final, self.cut = True, cut
         self._run()
         self.end_call()
         return self._take()
@@ -242,8 +250,9 @@ class ToolStream:
             self.out.add_arguments(len(self.ids) - 1, new)
 
     def end_call(self) -> None:
-        """The current call is over: a call without any argument text gets "{}"."""
-        if self.committed and not self.arguments[-1]:
+        """The current call is over: a complete call without any argument text gets "{}"; one
+        cut by the end of the response keeps what it has (a stand-in would look complete)."""
+        if self.committed and not self.arguments[-1] and not (self.final and self.cut):
             self.send_arguments("{}")
         self.call, self.committed = None, False
         self.region_start = self.region_skip = self.pos
@@ -285,6 +294,17 @@ class ToolStream:
         if result == Scan.ERROR or self.final:
             return self.fail()
         return False
+
+    def closing_tag(self, tag: str) -> bool:
+        """After a call: `tag` (optional: a missing one leaves what follows as content)."""
+        if not self.skip_whitespace() and not self.final:
+            return False
+        found = self.literal(tag)
+        if found is None:
+            return False
+        if found:
+            self.pos += len(tag)
+        return self.to_content(after_call=True)
 
     def fail(self) -> bool:
         """Malformed or truncated text in a region."""

@@ -26,17 +26,10 @@ class HermesStream(ToolStream):
         self.state = self.call_body
 
     def call_body(self) -> bool:
-        return self.call_state(after=self.closing_tag)
+        return self.call_state(after=self.end_tag)
 
-    def closing_tag(self) -> bool:
-        if not self.skip_whitespace() and not self.final:
-            return False
-        found = self.literal(END)
-        if found is None:
-            return False
-        if found:
-            self.pos += len(END)
-        return self.to_content(after_call=True)  # a missing end tag: what follows is content
+    def end_tag(self) -> bool:
+        return self.closing_tag(END)
 
 
 @register_tool_parser("hermes")

@@ -1,6 +1,7 @@
 """A chat response parsed whole or streamed: reasoning first (if a reasoning parser is set),
 then tool calls in what the reasoning leaves as content (if a tool parser is set and the
-request's tool_choice parses); and the grammars (xgrammar structural tags) that enforce
+request's tool_choice parses: the format's calls, or the one call a named choice forces, whose
+arguments are all the answer); and the grammars (xgrammar structural tags) that enforce
 `tool_choice` required / named and that hold an output constraint off until the reasoning ends."""
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.core import SamplingParams
-from minisgl.ext.structured.parsers.base import IdFactory, ParsedOutput, StreamDelta, ToolStream
+from minisgl.ext.structured.grammar import grammar_key
+from minisgl.ext.structured.parsers.base import (
+    IdFactory,
+    ParsedOutput,
+    StreamDelta,
+    ToolStream,
+    random_call_id,
+)
+from minisgl.ext.structured.parsers.forced import ForcedArguments, named_format
 from minisgl.ext.structured.parsers.reasoning import ReasoningParser, ReasoningStream
 from minisgl.ext.structured.parsers.registry import ToolParser
 from minisgl.ext.structured.parsers.schema import FunctionSchema, ToolChoice
@@ -29,10 +38,11 @@ class OutputStream:
     def feed(self, delta: str) -> StreamDelta:
         return self._step(delta, final=False)
 
-    def finish(self) -> StreamDelta:
-        return self._step("", final=True)
+    def finish(self, cut: bool = False) -> StreamDelta:
+        """`cut`: the response was cut (not "stop"): an open call stays as it is."""
+        return self._step("", final=True, cut=cut)
 
-    def _step(self, delta: str, final: bool) -> StreamDelta:
+    def _step(self, delta: str, final: bool, cut: bool = False) -> StreamDelta:
         reasoning, content = "", delta
         if self.reasoning is not None:
             step = self.reasoning.finish() if final else self.reasoning.feed(delta)
@@ -41,7 +51,7 @@ class OutputStream:
             return StreamDelta(content=content, reasoning=reasoning)
         out = self.tools.feed(content) if content else StreamDelta()
         if final:
-            out.extend(self.tools.finish())
+            out.extend(self.tools.finish(cut))
         out.reasoning = reasoning
         return out
 
@@ -63,12 +73,18 @@ class OutputParser:
         choice: ToolChoice | None = None,
         in_reasoning: bool | None = False,
         new_id: IdFactory | None = None,
+        functions: list[FunctionSchema] | None = None,
     ) -> OutputStream:
         """A parser for one response: `choice` the request's (None: no tools, no tool parsing),
-        `in_reasoning` whether its prompt opened the reasoning (`prompt_opens_reasoning`)."""
+        `in_reasoning` whether its prompt opened the reasoning (`prompt_opens_reasoning`),
+        `functions` the request's (a format may read their schemas)."""
         reasoning = self.reasoning.stream(in_reasoning) if self.reasoning else None
-        parse_tools = self.tools is not None and choice is not None and choice.parses
-        tools = self.tools.stream(new_id) if parse_tools and self.tools else None
+        tools: ToolStream | None = None
+        if choice is not None and choice.mode == "named" and choice.name is not None:
+            ids = new_id or (self.tools.new_id if self.tools else random_call_id)
+            tools = ForcedArguments(ids, choice.name)
+        elif self.tools is not None and choice is not None and choice.parses:
+            tools = self.tools.stream(new_id, functions)
         return OutputStream(reasoning, tools)
 
     def parse(
@@ -77,9 +93,12 @@ class OutputParser:
         choice: ToolChoice | None = None,
         in_reasoning: bool | None = False,
         new_id: IdFactory | None = None,
+        functions: list[FunctionSchema] | None = None,
+        cut: bool = False,
     ) -> ParsedOutput:
-        stream = self.stream(choice, in_reasoning, new_id)
-        first, last = stream.feed(text), stream.finish()
+        """A whole response; `cut`: it ended before the model did (OutputStream.finish)."""
+        stream = self.stream(choice, in_reasoning, new_id, functions)
+        first, last = stream.feed(text), stream.finish(cut)
         content = first.content + last.content
         reasoning = first.reasoning + last.reasoning
         calls = stream.tools.tool_calls if stream.tools else []
@@ -98,17 +117,18 @@ class OutputParser:
         """The xgrammar structural tag (JSON text, for `compile_structural_tag`) that makes the
         response call the chosen functions with arguments valid against their schemas, after
         the reasoning if there is a reasoning parser (`in_reasoning`: `prompt_reasoning`'s);
-        None when `choice` does not constrain."""
+        None when `choice` does not constrain. A named choice: the arguments alone (any
+        model); required: the format's calls, then the end of the turn."""
+        if choice.mode == "named":
+            return self._after_reasoning(named_format(functions, choice.name), in_reasoning)
+        if choice.mode != "required":
+            return None
         if self.tools is None:
-            if choice.mode in ("required", "named"):
-                raise ValueError(
-                    f"tool_choice: {choice.mode} calls cannot be enforced without a tool call "
-                    "parser (the format of the calls)"
-                )
-            return None
-        calls = self.tools.structural_tag(functions, choice, parallel)
-        if calls is None:
-            return None
+            raise ValueError(
+                "tool_choice: required calls cannot be enforced without a tool call parser "
+                "(the format of the calls)"
+            )
+        calls = self.tools.structural_tag(functions, parallel)
         return self._after_reasoning(calls, in_reasoning)
 
     def answer_grammar(
@@ -157,7 +177,7 @@ class OutputParser:
         forces (tool_choice required / named), or the output constraint `params` already has,
         moved after the reasoning. ValueError (naming tool_choice) for a forced call beside
         another output constraint."""
-        given = params.constraint
+        given = grammar_key(params)
         if tools is not None:
             grammar = self.tool_call_grammar(*tools, in_reasoning=in_reasoning)
             if grammar is not None:

@@ -8,7 +8,8 @@ from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from minisgl.ext.structured.parsers.base import IdFactory, ParsedOutput, ToolStream, random_call_id
-from minisgl.ext.structured.parsers.schema import FunctionSchema, ToolChoice
+from minisgl.ext.structured.parsers.forced import arguments_format
+from minisgl.ext.structured.parsers.schema import FunctionSchema
 
 if TYPE_CHECKING:
     from minisgl.ext.structured.parsers.reasoning import ReasoningParser
@@ -54,39 +55,40 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
 
 
 class ToolParser:
-    """A tool-call format: parses whole responses and streams, and says how a call in this
-    format is constrained (xgrammar structural tags) for `tool_choice` required / named."""
+    """A tool-call format: parses whole responses and streams, and says how calls in this
+    format are constrained (xgrammar structural tags) for `tool_choice` required. (A named
+    choice needs no format: `forced.py`.)"""
 
     name: ClassVar[str]
     stream_class: ClassVar[type[ToolStream]]
     # tags that are special tokens: the response must be detokenized with them kept
     special_tokens: ClassVar[tuple[str, ...]] = ()
     new_id: IdFactory = staticmethod(random_call_id)
+    arguments_format = staticmethod(arguments_format)
 
     def __init__(self, vocabulary: Container[str] | None = None) -> None:
         self.vocabulary = vocabulary
 
-    def stream(self, new_id: IdFactory | None = None) -> ToolStream:
-        """A parser for one streamed response."""
-        return self.stream_class(new_id or self.new_id)
+    def stream(
+        self, new_id: IdFactory | None = None, functions: list[FunctionSchema] | None = None
+    ) -> ToolStream:
+        """A parser for one streamed response; `functions`: the request's (their schemas)."""
+        stream = self.stream_class(new_id or self.new_id)
+        stream.schemas = {f.name: f.parameters for f in functions or []}
+        return stream
 
-    def parse(self, text: str, new_id: IdFactory | None = None) -> ParsedOutput:
+    def parse(self, text: str, new_id: IdFactory | None = None, cut: bool = False) -> ParsedOutput:
         stream = self.stream(new_id)
-        content = stream.feed(text).content + stream.finish().content
+        content = stream.feed(text).content + stream.finish(cut).content
         return ParsedOutput(content or None, tool_calls=stream.tool_calls)
 
-    def structural_tag(
-        self, functions: list[FunctionSchema], choice: ToolChoice, parallel: bool = True
-    ) -> dict[str, Any] | None:
-        """The structural-tag format (xgrammar) the response must follow for `choice`: one or
-        more calls (one when not `parallel`) of the allowed functions, arguments valid against
-        their schemas; None when the choice does not constrain (none, auto)."""
-        if choice.mode not in ("required", "named"):
-            return None
-        chosen = [f for f in functions if choice.mode == "required" or f.name == choice.name]
-        if not chosen:
+    def structural_tag(self, functions: list[FunctionSchema], parallel: bool) -> dict[str, Any]:
+        """The structural-tag format (xgrammar) of a response that `tool_choice` required
+        forces: one or more calls (one when not `parallel`) of the functions, arguments valid
+        against their schemas, and nothing after them (the turn ends: EOS, and only there)."""
+        if not functions:
             raise ValueError("tool_choice: no function to call")
-        return self.calls_format([self.call_format(f) for f in chosen], parallel)
+        return self.calls_format([self.call_format(f) for f in functions], parallel)
 
     def call_format(self, function: FunctionSchema) -> dict[str, Any]:
         """The structural-tag format of one call of `function`."""
@@ -99,13 +101,6 @@ class ToolParser:
     @staticmethod
     def json_string(text: str) -> str:
         return json.dumps(text, ensure_ascii=False)
-
-    @staticmethod
-    def arguments_format(function: FunctionSchema) -> dict[str, Any]:
-        # one whitespace character at most between JSON elements: a sampled model cannot
-        # wander into endless whitespace inside the arguments
-        schema = function.parameters
-        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
 
     @staticmethod
     def separated(tags: list[dict[str, Any]], separator: str, parallel: bool) -> dict[str, Any]:

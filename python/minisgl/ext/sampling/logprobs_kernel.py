@@ -6,7 +6,7 @@ exp(x - max) and its own top k (k rounds of max-and-mask in registers), so the l
 once and no [M, V] float32 copy, log-softmax or sort is made. Stage 2, one program per row,
 merges the chunks: the logsumexp from the (max, sum) pairs, the top k among the chunks'
 candidates, and the target's logit read directly. The torch reference is
-`minisgl.engine.logprobs.LogprobRows.of`.
+`minisgl.ext.sampling.logprobs.LogprobRows.of`.
 
 Ties: equal values come out in ascending id order (each round takes the leftmost maximum, and
 the candidates are laid out chunk by chunk); torch's topk leaves their order unspecified, so

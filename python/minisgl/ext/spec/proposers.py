@@ -1,15 +1,6 @@
-"""Speculative decoding, the scheduler's side: which tokens a request proposes for the next step
-(`NgramProposer`, prompt lookup) and which of them the target model accepts (`accept`).
-
-A request with K proposals computes 1 + K tokens in one forward (its last token and the
-proposals, an extend over its paged KV); the engine samples the target's token at each of those
-positions exactly as a plain decode step would sample it there (the same logits, the same
-per-(seed, position) noise, so greedy is the argmax and sampling draws the same token), and a
-proposal is accepted while it equals the target's token. The output is token for token what
-decoding without speculation gives, for greedy and seeded sampling alike; a deterministic
-proposal d is accepted with the target's probability p(d), as in rejection sampling against a
-one-hot draft. Requests whose logits are adjusted (penalties, logit_bias, min_tokens), masked
-(grammars) or that ask for logprobs decode without proposals."""
+"""Speculative decoding's proposers: which tokens a running request proposes for the next step.
+`NgramProposer` (prompt lookup) searches the request's own tokens; `DraftModelProposer` runs a
+smaller model with the target's vocabulary as an Engine of its own."""
 
 from __future__ import annotations
 
@@ -20,6 +11,8 @@ from dataclasses import dataclass, field
 
 from minisgl.core import Batch, Context, Req, get_global_ctx, set_global_ctx
 from minisgl.engine import Engine, EngineConfig
+from minisgl.ext.spec.options import DRAFT_OPTION, spec_options
+from minisgl.ext.spec.verify import VerifyRows
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.models import ModelConfig, resolve_model_path
 from minisgl.models.hf import load_hf_config
@@ -36,34 +29,6 @@ def room(req: Req, num_draft: int) -> int:
         return 0
     left = req.params.max_tokens - req.num_output - 1
     return max(0, min(num_draft, left, req.max_total_len - len(req.tokens) - 1))
-
-
-class Backoff:
-    """Adaptive speculation: a request whose proposals gained nothing (none found, or none
-    accepted) proposes only every 2nd, then 4th, 8th, ... decode step, up to every
-    `max_steps`-th, and at every step again once one is accepted. A step has to wait for the
-    step in flight before it can propose (the proposals continue its tokens), so only steps in
-    which nobody proposes keep overlap scheduling: this bounds what proposals that never pay
-    cost. The steps are counted on one clock, so requests that back off alike propose in the
-    same steps and a batch keeps the steps between overlapped."""
-
-    def __init__(self, max_steps: int) -> None:
-        self.max_steps = max_steps
-        self.clock = 0  # decode steps planned so far
-
-    def due(self, req: Req, num_draft: int) -> bool:
-        """Whether the request proposes in the next decode step."""
-        every = req.spec_backoff
-        return (every <= 1 or self.clock % every == 0) and room(req, num_draft) > 0
-
-    def tick(self) -> None:
-        """A decode step was planned."""
-        self.clock += 1
-
-    def result(self, req: Req, gained: bool) -> None:
-        """A step it proposed in (or was due to and found nothing): whether a proposal was
-        accepted."""
-        req.spec_backoff = 0 if gained else min(max(2, 2 * req.spec_backoff), self.max_steps)
 
 
 class NgramProposer:
@@ -124,15 +89,6 @@ def latest_match(text: str, n: int, start: int = 0) -> int | None:
     return None if pos < 0 else pos + n
 
 
-def accept(drafts: list[int], targets: list[int]) -> list[int]:
-    """The tokens a verified step adds: the proposals up to the first the target disagrees
-    with, then the target's own token there (targets[j]: the target's token after drafts[:j])."""
-    n = 0
-    while n < len(drafts) and drafts[n] == targets[n]:
-        n += 1
-    return drafts[:n] + [targets[n]]
-
-
 @contextmanager
 def using_context(ctx: Context) -> Iterator[None]:
     """Run another engine's forward: the layers find its KV pool and backend globally."""
@@ -167,7 +123,7 @@ class DraftModelProposer:
         # a fixed pool size applies to both; else the draft sizes its pool from the memory the
         # target left it (leave_room_for_draft)
         pages = None if target.config.num_pages is None else target.num_pages
-        path = resolve_model_path(path, "speculative_draft_model_path")
+        path = resolve_model_path(path, DRAFT_OPTION)
         config = dataclasses.replace(target.config, model=path, num_pages=pages)
         previous = get_global_ctx()
         try:
@@ -177,7 +133,9 @@ class DraftModelProposer:
         vocab, want = self.engine.model_config.vocab_size, target.model_config.vocab_size
         if vocab != want:
             message = f"the draft model's vocabulary has {vocab} tokens, the target's {want}"
-            raise OptionError("speculative_draft_model_path", message)
+            raise OptionError(DRAFT_OPTION, message)
+        # a catch-up of running requests replays the graphs as one row per position
+        self.engine.forward_paths = [VerifyRows()]
         self.allocator = PageAllocator(self.engine.num_pages)
         self.states: dict[int, DraftState] = {}
 
@@ -189,7 +147,7 @@ class DraftModelProposer:
         starts = {s.uid: len(s.tokens) for s in shadows}
         with using_context(self.engine.ctx):
             # catch up with each request's new tokens (running requests: with CUDA graphs a
-            # short catch-up runs as decode rows, Engine.forward_step)
+            # short catch-up runs as decode rows, VerifyRows)
             batch = Batch(shadows, "prefill", num_decodes=len(shadows))
             while batch.reqs:
                 out = self.engine.forward_step(batch, [True] * batch.size)
@@ -244,9 +202,6 @@ class DraftModelProposer:
             self.engine.shutdown()
 
 
-Proposer = NgramProposer | DraftModelProposer
-
-
 def kv_per_token(model: str, option: str = "model") -> int:
     """A model's KV elements per token (layers x KV heads x head dim), from its config; `option`
     names the model's flag in an error."""
@@ -259,21 +214,10 @@ def leave_room_for_draft(config: EngineConfig, sched: SchedulerConfig) -> Engine
     memory, by the two models' KV bytes per token, so that the draft's pool (sized later from
     what is left) holds about as many tokens; without this the target takes it all and the
     draft's pool does not fit."""
-    path = sched.speculative_draft_model_path
-    if sched.speculative_algorithm != "standalone" or config.num_pages:
+    options = spec_options(sched)
+    path = options.speculative_draft_model_path
+    if options.speculative_algorithm != "standalone" or config.num_pages:
         return config
     assert path is not None and config.model is not None  # SchedulerConfig, LLM and CLI set them
-    target, draft = kv_per_token(config.model), kv_per_token(path, "speculative_draft_model_path")
+    target, draft = kv_per_token(config.model), kv_per_token(path, DRAFT_OPTION)
     return dataclasses.replace(config, memory_ratio=config.memory_ratio * target / (target + draft))
-
-
-def make_proposer(engine: Engine, config: SchedulerConfig) -> Proposer | None:
-    """--speculative-algorithm's proposer for the target `engine` (None: off)."""
-    k = config.speculative_num_draft_tokens
-    if config.speculative_algorithm == "ngram":
-        low = config.speculative_ngram_min_match_window_size
-        return NgramProposer(k, low, config.speculative_ngram_max_match_window_size)
-    if config.speculative_algorithm == "standalone":
-        assert config.speculative_draft_model_path is not None  # SchedulerConfig checks it
-        return DraftModelProposer(engine, k, config.speculative_draft_model_path)
-    return None

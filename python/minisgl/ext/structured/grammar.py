@@ -9,8 +9,8 @@ keeps xgrammar busy for 1-3 minutes) holds up its own request only, and is stopp
 --grammar-compile-timeout seconds by killing its process. Each step that samples a constrained
 request fills that request's row of a token bitmask on the host (xgrammar, several threads) and
 the engine applies it to the logits on the device (xgrammar's kernel) before sampling, outside
-any CUDA graph. Requests without a grammar touch none of this. `GrammarState` is all the
-scheduler sees of it.
+any CUDA graph. Requests without a grammar touch none of this. `GrammarState` is the
+scheduler's side (`grammar_feature.py` attaches it to the scheduler's steps).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_any
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +35,7 @@ import torch
 if TYPE_CHECKING:  # only names: a compiler process runs this file without importing minisgl
     import xgrammar
 
-    from minisgl.core import Batch, Req, SamplingParams
-    from minisgl.engine.sample import TokenMask
+    from minisgl.core import Req, SamplingParams
 
 CACHE_SIZE = 256  # compiled grammars kept (failures too: the same bad schema fails at once)
 COMPILE_TIMEOUT_S = 30.0  # --grammar-compile-timeout's default
@@ -49,6 +49,7 @@ WAIT_POLL_S = 0.05  # Constraint.wait's poll (its deadline moves once the compil
 # A TP follower's compile budget: rank 0 decides (its deadline), and a grammar it admitted must
 # not fail on a follower, whose compile started with rank 0's but may run slower (shared CPUs)
 FOLLOWER_BUDGET = (2.0, 10.0)  # (factor, extra seconds) of --grammar-compile-timeout
+GRAMMAR = "grammar"  # a constrained request's key in Req.ext (its Constraint)
 
 
 def timed_out(seconds: float) -> str:
@@ -63,8 +64,43 @@ class GrammarError(ValueError):
 
 
 def grammar_key(params: SamplingParams) -> tuple[str, str] | None:
-    """(kind, text) of the request's constraint, or None."""
-    return params.constraint
+    """(kind, text) of the request's constraint (one of CONSTRAINT_KINDS), or None."""
+    from minisgl.core import CONSTRAINT_KINDS
+
+    for kind in CONSTRAINT_KINDS:
+        text = getattr(params, kind)
+        if text is not None:
+            return kind, text
+    return None
+
+
+@dataclass
+class TokenMask:
+    """The tokens allowed in some rows of a batch's logits. `bitmask`: int32 [B, ceil(V / 32)]
+    in host memory (xgrammar's layout), bit 1 = allowed; `rows`: the rows it applies to."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> None:
+    """Set to -inf, in the mask's rows of `logits`, the tokens whose bit is 0."""
+    import xgrammar as xgr
+
+    from minisgl.core import to_device
+
+    bitmask, rows = mask.bitmask, mask.rows
+    bitmask = bitmask.to(logits.device, non_blocking=True)  # pinned by the scheduler on CUDA
+    if logits.is_cuda:  # rows as a device tensor: xgrammar would copy a list from pageable memory
+        indices = to_device(rows, torch.int32, logits.device)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)  # type: ignore[arg-type]
+        return
+    if logits.dtype == torch.float32:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        return
+    scratch = logits.float()  # xgrammar's CPU kernel takes float32 only
+    xgr.apply_token_bitmask_inplace(scratch, bitmask, indices=rows)
+    logits.copy_(scratch)
 
 
 def _clean(error: Exception) -> str:
@@ -432,7 +468,8 @@ class GrammarState:
     """The scheduler's side of structured generation: the compiler and the token bitmask, each
     built on first use (a server whose clients never ask for a grammar never loads xgrammar),
     the constrained requests whose grammar is not ready yet (`compiling`, in arrival order:
-    outside the planner's queue, which they join once it is), and the count of constrained
+    outside the planner's queue, which they join once it is; the scheduler's `held` when
+    attached to one), and the count of constrained
     requests (0 skips every grammar check). The bitmask (host memory) is reused: a step with
     constraints waits for the previous one with constraints, so its copy is done by then.
     `any_whitespace`: GrammarCompiler's; `timeout`: a request's compile deadline (seconds);
@@ -480,31 +517,22 @@ class GrammarState:
         deadline. They stay in `compiling` until admitted or finished."""
         ready, failed = [], []
         for req in self.compiling:
-            assert req.grammar is not None
-            failure = req.grammar.failure()
+            grammar: Constraint = req.ext[GRAMMAR]
+            failure = grammar.failure()
             if failure is not None:
                 failed.append((req, failure))
-            elif req.grammar.future.done():
+            elif grammar.future.done():
                 ready.append(req)
         return ready, failed
-
-    def drop(self, req: Req) -> None:
-        if req.grammar is not None and req in self.compiling:
-            self.compiling.remove(req)
-
-    def applies(self, batch: Batch) -> bool:
-        return self.num_constrained > 0 and any(r.grammar is not None for r in batch.reqs)
 
     def mask(self, reqs: list[Req], samples: list[bool]) -> TokenMask | None:
         """The token bitmask of the requests that sample under a grammar. Their grammars are
         compiled (rank 0 admits a request only then), except that a TP follower may wait here
         for its own compile of a grammar rank 0 admitted (started at the same time)."""
-        from minisgl.engine.sample import TokenMask
-
         matchers, rows = [], []
         for i, (req, sampled) in enumerate(zip(reqs, samples)):
-            if sampled and req.grammar is not None and not req.finished:
-                matchers.append(req.grammar.wait(bounded=False))
+            if sampled and GRAMMAR in req.ext and not req.finished:
+                matchers.append(req.ext[GRAMMAR].wait(bounded=False))
                 rows.append(i)
         if not rows:
             return None

@@ -1,28 +1,39 @@
 """Speculative decoding, the engine's side: the target model's token at every position of the
-rows that carry proposals, sampled as a plain decode step would sample it there (same logits,
+rows that verify proposals, sampled as a plain decode step would sample it there (same logits,
 same temperature and filters, same per-(seed, position) noise). The scheduler compares them
-with the proposals (scheduler/spec.py). All on the device; the tokens go to the host with the
-step's sampled ids."""
+with the proposals (`speculator.accept`). All on the device; the tokens go to the host with the
+step's sampled ids. A verifying row is a running request (a decode row of the batch) that
+computes more than one token: its last known token and its proposals."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from minisgl.core import Batch, Req, to_device
+from minisgl.engine.graph import rows_per_position
 from minisgl.engine.sample import BatchSamplingArgs, any_filter, sample, sample_at_temperature
+from minisgl.extension import ForwardPath
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
     from minisgl.engine.step import ForwardOutput
 
+RESULT = "spec"  # the verification's key in a step's results (Speculator.name)
+
+
+def verifying_rows(batch: Batch) -> list[int]:
+    """The batch rows that verify: decode rows (running requests) computing several tokens."""
+    if batch.is_decode:
+        return []
+    return [i for i in range(batch.num_decodes) if batch.reqs[i].extend_len > 1]
+
 
 @dataclass
 class Verification:
-    """For the batch rows `rows` with proposals: `counts[i]` tokens each (the last known token
+    """For the batch rows `rows` that verify: `counts[i]` tokens each (the last known token
     and the proposals), whose target tokens `targets` holds flat, in row order."""
 
     rows: list[int]
@@ -31,23 +42,23 @@ class Verification:
 
     @staticmethod
     def start(engine: Engine, batch: Batch, out: ForwardOutput) -> Verification | None:
-        rows = [i for i, r in enumerate(batch.reqs) if r.drafts]
+        rows = verifying_rows(batch)
         if not rows or out.hidden is None:
             return None
         flat: list[int] = []
         steps: list[int] = []
         reqs: list[Req] = []
         counts: list[int] = []
-        offset = 0
+        offsets = [0]
         for req in batch.reqs:
-            if req.drafts:
-                n = req.extend_len
-                flat += range(offset, offset + n)
-                reqs += [req] * n
-                # the logits at position cached_len + j sample the token at index + 1
-                steps += range(req.cached_len + 1, req.cached_len + 1 + n)
-                counts.append(n)
-            offset += req.extend_len
+            offsets.append(offsets[-1] + req.extend_len)
+        for i in rows:
+            req, n = batch.reqs[i], batch.reqs[i].extend_len
+            flat += range(offsets[i], offsets[i] + n)
+            reqs += [req] * n
+            # the logits at position cached_len + j sample the token at index + 1
+            steps += range(req.cached_len + 1, req.cached_len + 1 + n)
+            counts.append(n)
         device = out.hidden.device
         logits = engine.model.compute_logits(out.hidden[to_device(flat, torch.int64, device)])
         vocab = engine.model_config.vocab_size
@@ -55,7 +66,7 @@ class Verification:
             args = BatchSamplingArgs.from_reqs(reqs, vocab, device, steps)
             targets = sample(logits, args)
         else:
-            temps = [0.0 if r.params.is_greedy else r.params.temperature for r in reqs]
+            temps = [r.params.sampling_temperature for r in reqs]
             temps_t = to_device(temps, torch.float32, device)
             ints = to_device([[r.seed for r in reqs], steps], torch.int64, device)
             targets = sample_at_temperature(logits, temps_t, ints[0], ints[1])
@@ -64,19 +75,19 @@ class Verification:
     @staticmethod
     def from_flat(batch: Batch, ids: torch.Tensor) -> tuple[Verification | None, torch.Tensor]:
         """`ids`: a token per position of `flat_batch(batch)`. The verification of the rows
-        with proposals, and each row's token at its last position (its plain sample)."""
+        that verify, and each row's token at its last position (its plain sample)."""
         lasts: list[int] = []
-        rows: list[int] = []
         picked: list[int] = []
         counts: list[int] = []
+        rows = verifying_rows(batch)
         offset = 0
-        for i, req in enumerate(batch.reqs):
-            if req.drafts:
-                rows.append(i)
-                counts.append(req.extend_len)
-                picked += range(offset, offset + req.extend_len)
+        for req in batch.reqs:
             offset += req.extend_len
             lasts.append(offset - 1)
+        for i in rows:
+            n = batch.reqs[i].extend_len
+            counts.append(n)
+            picked += range(lasts[i] + 1 - n, lasts[i] + 1)
         gathered = ids[to_device(lasts + picked, torch.int64, ids.device)]  # one copy in
         last, targets = gathered[: len(lasts)], gathered[len(lasts) :]
         return (Verification(rows, counts, targets) if rows else None), last
@@ -114,42 +125,22 @@ def flat_batch(batch: Batch, max_rows: int) -> Batch | None:
     return rows_per_position(batch)
 
 
-def prefill_rows(batch: Batch, max_rows: int) -> Batch | None:
-    """A small prefill or mixed step (at most `max_rows` tokens, no proposals) as a decode batch
-    with one row per position, which CUDA graphs replay instead of an eager extend whose ~300
-    kernel launches cost the host 12-25 ms (an idle H100 server's time to first token). Only
-    each request's last row samples; the others write to the dummy row (`Engine._replay_rows`).
-    Row j attends to the KV that rows before it store in the same layer, so each row's logits
-    are the extend's at that position. None for requests that need every position's hidden
-    state or logits afterwards (proposals, prompt logprobs) or sample otherwise than plainly."""
-    if batch.is_decode or batch.num_tokens > max_rows:
-        return None
-    if not all(r.samples_plainly and not r.drafts for r in batch.reqs):
-        return None
-    # each row reads its whole prefix: a prompt's rows read ~n^2/2 positions where an extend
-    # reads n, so long prefixes (a long prompt's last chunk, a long cached history) go eager
-    if sum(prefix_reads(r) for r in batch.reqs if r.extend_len > 1) > ROWS_KV_READS:
-        return None
-    return rows_per_position(batch)
+class VerifyRows(ForwardPath):
+    """The engine's path for `flat_batch` steps: the decode graphs replay them, every row
+    sampling; `regroup` gives each request its last row's id and queues the verification."""
 
+    def forward(
+        self, engine: Engine, batch: Batch, samples: list[bool], resample: bool
+    ) -> ForwardOutput | None:
+        if engine.graphs is None or (flat := flat_batch(batch, engine.graphs.max_bs)) is None:
+            return None
+        out = engine.graphs.replay(flat, [True] * flat.size, resample)
 
-# How many KV positions the rows of a step's prompts may read together: a 512-token prompt's
-# second 256-token chunk reads 98k. Measured on an H100 (Qwen3-0.6B): a 250-token prompt takes
-# 4.5 ms as rows and ~15 ms as an eager extend; 512 tokens, two steps of rows, 9.3 ms.
-ROWS_KV_READS = 128 * 1024
+        def regroup(ids: torch.Tensor) -> torch.Tensor:
+            verification, last = Verification.from_flat(batch, ids)
+            if verification is not None:
+                out.results[RESULT] = verification.to_host()
+            return last
 
-
-def prefix_reads(req: Req) -> int:
-    """KV positions the rows of `req` read: cached_len + 1, cached_len + 2, ... each."""
-    n = req.extend_len
-    return n * req.cached_len + n * (n + 1) // 2
-
-
-def rows_per_position(batch: Batch) -> Batch:
-    rows = []
-    for req in batch.reqs:
-        for j in range(req.extend_len):
-            row = copy.copy(req)
-            row.cached_len, row.extend_len, row.drafts = req.cached_len + j, 1, []
-            rows.append(row)
-    return Batch(rows, "decode")
+        out.rows, out.regroup = flat, regroup
+        return out

@@ -3,17 +3,20 @@
 They are the model's own distribution: the log-softmax of the raw logits, before temperature,
 penalties, logit_bias and grammar masks (vLLM's default, `raw_logprobs`), so a token's
 log-probability does not depend on how it was sampled. All on the device, no host sync; the
-results travel to the host with the step's sampled ids."""
+results travel to the host with the step's sampled ids. Two step features: `Logprobs`
+(SamplingParams.logprobs, an observer of a step's raw logits) and `PromptLogprobs`'s
+`PromptScoring` (prompt_logprobs, an observer of a prefill's hidden states)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minisgl import kernel
-from minisgl.core import Batch, to_device
+from minisgl.core import Batch, Req, to_device
+from minisgl.extension import StepFeature
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -37,9 +40,9 @@ class LogprobRows:
     ) -> LogprobRows:
         """log p = logit - logsumexp(logits) for the rows `rows` of logits (all when None; an
         index, so the caller copies nothing) and their targets [M]. On CUDA one read of the
-        logits (`kernel/logprobs.py`); this torch code is its reference: the top-k found on the
+        logits (`logprobs_kernel.py`); this torch code is its reference: the top-k found on the
         logits themselves (the same order), so no [M, V] log-softmax is written."""
-        ops = kernel.fused_ops(logits, "logprobs")
+        ops = kernel.fused_ops(logits, "minisgl.ext.sampling.logprobs_kernel")
         if ops is not None and k <= ops.MAX_K:
             return LogprobRows(*ops.logprob_rows(logits, targets, k, rows))
         if rows is not None:
@@ -133,8 +136,12 @@ class PromptLogprobs:
         offset = 0
         for i, req in enumerate(batch.reqs):
             c, k = req.cached_len, req.params.prompt_logprobs
+            state = req.ext.get(PromptScoring.name)
+            if state is None:
+                offset += req.extend_len
+                continue
             # the logits at position t - 1 give the log-probability of token t
-            first = max(c + 1, req.next_prompt_logprob)
+            first = max(c + 1, state.next)
             end = min(c + req.extend_len + 1, req.prompt_len)
             if k is not None and first < end:
                 spans.append((i, first, end - first))
@@ -160,3 +167,85 @@ class PromptLogprobs:
             out[row] = entries[start : start + count]
             start += count
         return out
+
+
+class Logprobs(StepFeature):
+    """SamplingParams.logprobs: read from each step's raw logits before any processor."""
+
+    name = "logprobs"
+
+    def request(self, req: Req) -> None:
+        if req.params.logprobs is not None:
+            req.ext[self.name] = True
+
+    def observe(
+        self, engine: Any, batch: Batch, logits: torch.Tensor, changes: bool
+    ) -> SampledLogprobs | None:
+        return SampledLogprobs.start(batch, logits, changes)
+
+    def read(self, reqs: list[Req], result: SampledLogprobs) -> list[Entry | None] | None:
+        """Per batch row, the sampled token's entry when the request asked for logprobs."""
+        if result.result is None:
+            return None
+        entries: list[Entry | None] = list(result.result.entries(result.ks))
+        if result.index is None:  # every row asked
+            return entries
+        out: list[Entry | None] = [None] * len(reqs)
+        for row, entry in zip(result.rows, entries):
+            out[row] = entry
+        return out
+
+    def output(self, req: Req, value: Entry | None, output: Any) -> None:
+        output.logprob = value
+
+
+@dataclass
+class PromptState:
+    """A request's prompt_logprobs: the next prompt position whose log-probability is not
+    computed yet, the entries computed so far, and whether they went out (with its first
+    output)."""
+
+    next: int = 1
+    entries: list[Entry] = field(default_factory=list)
+    sent: bool = False
+
+
+class PromptScoring(StepFeature):
+    """SamplingParams.prompt_logprobs: computed from the hidden states of the eager prefill
+    steps (each position once: chunks and re-prefills after a preemption skip what is known,
+    and the prefix cache never supplies a position still to compute); sent with the first
+    output, as [token id, logprob | None, top ids, top logprobs] per prompt token."""
+
+    name = "prompt_logprobs"
+
+    def request(self, req: Req) -> None:
+        if req.params.prompt_logprobs is not None:
+            req.ext[self.name] = PromptState()
+
+    def scores_prompt(self, req: Req) -> bool:
+        return True
+
+    def prefix_limit(self, req: Req) -> int:
+        return req.ext[self.name].next - 1
+
+    def launched(self, req: Req) -> None:
+        state = req.ext[self.name]
+        state.next = max(state.next, min(req.cached_len + req.extend_len + 1, req.prompt_len))
+
+    def observe_prompt(self, engine: Any, batch: Batch, hidden: torch.Tensor) -> Any:
+        return PromptLogprobs.compute(engine, batch, hidden)
+
+    def read(self, reqs: list[Req], result: PromptLogprobs) -> None:
+        for i, entries in result.by_row().items():  # prompt positions this step scored
+            reqs[i].ext[self.name].entries += entries
+        return None
+
+    def output(self, req: Req, value: Any, output: Any) -> None:
+        state = req.ext[self.name]
+        if state.sent:
+            return
+        state.sent = True
+        first: list[Any] = [req.tokens[0], None, [], []]  # nothing predicts the first token
+        targets = req.tokens[1 : req.prompt_len]
+        output.prompt_logprobs = [first, *([t, *e] for t, e in zip(targets, state.entries))]
+        state.entries = []

@@ -1,6 +1,6 @@
 """Logit adjustments in one launch: logit_bias, min_tokens' stop-id suppression and the
 repetition / frequency / presence penalties, per row of a batch, as the torch reference
-`minisgl.engine.sample.adjust_logits` applies them (same values: float32 exactly, the bias and
+`minisgl.ext.sampling.adjust.adjust_logits` applies them (same values: float32 exactly, the bias and
 stop adds rounded to the logits' dtype in between as the reference's in-place adds are).
 
 For a token id X of a row, in this order: x += bias(X); x += -inf if X is a stop id held back

@@ -1,0 +1,176 @@
+"""The LoRA delta of a batch whose tokens use different adapters, in two Triton launches (the
+torch reference: `layers.lora_reference`, same math, float32 accumulation):
+
+- shrink: inter[t] = x[t] A_s^T for each token t of slot s (inter: [T, parts * rank], float32,
+  as partial sums over a few ranges of K when there are few token tiles: a decode step);
+- expand: y[t, cols of part j] += inter[t, rank block j] B_s[cols]^T, in place.
+
+One kernel serves prefill segments (SGMV) and decode rows (BGMV): program (s, m, n) covers
+slot s, a tile of BLOCK_M consecutive tokens and a tile of outputs. It reads the tile's slot
+indices and ends at once when none is s; otherwise it computes the tile with the other slots'
+rows masked out. A prefill's tokens come in runs of one request (one slot), so most tiles hold
+one slot; a decode tile holds at most BLOCK_M rows, and each slot among them reads its weights
+once. Every (token, output) is written by the one program of the token's slot: no races, no
+sort, no host sync, shapes fixed by (T, slots): the launches can be captured in CUDA graphs
+with the slot indices as graph input. Slot 0 (no adapter) launches nothing.
+
+Imported only for CUDA tensors (`kernel.fused_ops`) and by the interpreter tests."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, EXACT: tl.constexpr):
+    """a @ b with float32 accumulation: IEEE float32 for float32 models (no TF32), else in
+    the 16-bit dtype of b."""
+    if EXACT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _shrink_kernel(
+    x,  # [T, K]
+    slots,  # [T] int
+    a,  # [S + 1, R, K]
+    inter,  # [SPLIT, T, R] float32: partial sums over SPLIT ranges of K
+    T,
+    K,
+    R,
+    K_SPLIT,  # the K range of one split, a multiple of BLOCK_K
+    stride_xt,
+    stride_as,
+    stride_ar,
+    stride_is,
+    stride_it,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    s = tl.program_id(0) + 1
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    hit = tl.load(slots + rows, mask=rows < T, other=0) == s
+    if tl.max(hit.to(tl.int32), axis=0) == 0:
+        return
+    split = tl.program_id(2) % SPLIT
+    cols = (tl.program_id(2) // SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_row = a + s.to(tl.int64) * stride_as + cols[None, :].to(tl.int64) * stride_ar
+    x_row = x + rows[:, None].to(tl.int64) * stride_xt
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(split * K_SPLIT, tl.minimum(K, (split + 1) * K_SPLIT), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_row + ks[None, :], mask=hit[:, None] & (ks[None, :] < K), other=0.0)
+        at = tl.load(a_row + ks[:, None], mask=(cols[None, :] < R) & (ks[:, None] < K), other=0.0)
+        acc += _dot(xt, at, EXACT)
+    out = inter + split * stride_is + rows[:, None].to(tl.int64) * stride_it + cols[None, :]
+    tl.store(out, acc, mask=hit[:, None] & (cols[None, :] < R))
+
+
+@triton.jit
+def _expand_kernel(
+    inter,  # [SPLIT, T, parts * RANK] float32: partial sums to add
+    slots,  # [T] int
+    b,  # [S + 1, N, RANK]
+    y,  # [T, N], updated in place
+    offsets,  # [parts + 1] int32: where each part's output rows start, then N
+    T,
+    RANK,
+    stride_is,
+    stride_it,
+    stride_bs,
+    stride_bn,
+    stride_yt,
+    SPLIT: tl.constexpr,
+    TILES: tl.constexpr,  # output tiles per part (of the largest part)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    s = tl.program_id(0) + 1
+    part = tl.program_id(2) // TILES
+    start = tl.load(offsets + part) + (tl.program_id(2) % TILES) * BLOCK_N
+    end = tl.load(offsets + part + 1)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    hit = tl.load(slots + rows, mask=rows < T, other=0) == s
+    if (start >= end) | (tl.max(hit.to(tl.int32), axis=0) == 0):
+        return
+    cols = start + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_R)
+    row_ok, col_ok, rank_ok = hit[:, None], cols[None, :] < end, ranks < RANK
+    it_ptr = inter + rows[:, None].to(tl.int64) * stride_it + part * RANK + ranks[None, :]
+    it = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in range(SPLIT):
+        it += tl.load(it_ptr + split * stride_is, mask=row_ok & rank_ok[None, :], other=0.0)
+    b_ptr = b + s.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn
+    bt = tl.load(b_ptr + ranks[:, None], mask=col_ok & rank_ok[:, None], other=0.0)
+    acc = _dot(it, bt, EXACT)
+    y_ptr = y + rows[:, None].to(tl.int64) * stride_yt + cols[None, :]
+    base = tl.load(y_ptr, mask=row_ok & col_ok, other=0.0)
+    tl.store(y_ptr, (base.to(tl.float32) + acc).to(base.dtype), mask=row_ok & col_ok)
+
+
+def _block_m(tokens: int) -> int:
+    return 16 if tokens <= 16 else 32 if tokens <= 256 else 64
+
+
+_BLOCK_K = 128
+_PROGRAMS = 256  # split the shrink's K until about this many programs run per slot
+_MAX_SPLIT = 8  # the expand adds the partial sums: each of its programs reads them all
+
+
+def _split_k(k: int, tiles: int) -> tuple[int, int]:
+    """(splits, K per split) of the shrink: a decode step has one or two token tiles and a
+    few rank tiles, so without splitting K a handful of programs would each loop over all of
+    K (latency-bound); a prefill has tiles enough."""
+    split = max(1, min(triton.cdiv(k, 2 * _BLOCK_K), _PROGRAMS // tiles, _MAX_SPLIT))
+    per = triton.cdiv(triton.cdiv(k, split), _BLOCK_K) * _BLOCK_K
+    return triton.cdiv(k, per), per
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    bounds: list[int],
+) -> torch.Tensor:
+    """y [T, N] += each token's LoRA delta, in place -> y. x [T, K]; slots [T] (0: none);
+    a [S + 1, parts * rank, K]; b [S + 1, N, rank]; offsets = bounds (the parts' first output
+    rows, then N) on the device."""
+    tokens, k = x.shape
+    slots_n, r_total = a.shape[0] - 1, a.shape[1]
+    rank, parts = b.shape[2], len(bounds) - 1
+    if tokens == 0 or slots_n == 0:
+        return y
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    assert y.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
+    exact = y.dtype == torch.float32
+    bm = _block_m(tokens)
+    bn = min(64, max(16, triton.next_power_of_2(r_total)))
+    m_tiles, n_tiles = triton.cdiv(tokens, bm), triton.cdiv(r_total, bn)
+    split, per = _split_k(k, m_tiles * n_tiles)
+    inter = torch.empty((split, tokens, r_total), dtype=torch.float32, device=x.device)
+    _shrink_kernel[(slots_n, m_tiles, n_tiles * split)](
+        x, slots, a, inter, tokens, k, r_total, per,
+        x.stride(0), a.stride(0), a.stride(1), inter.stride(0), inter.stride(1),
+        SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, EXACT=exact,
+    )  # fmt: skip
+    widest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+    bn = 64
+    tiles = triton.cdiv(widest, bn)
+    _expand_kernel[(slots_n, m_tiles, parts * tiles)](
+        inter, slots, b, y, offsets, tokens, rank,
+        inter.stride(0), inter.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        SPLIT=split, TILES=tiles, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)), EXACT=exact,
+    )  # fmt: skip
+    return y

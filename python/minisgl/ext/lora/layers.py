@@ -1,0 +1,141 @@
+"""The LoRA computation of a projection and the model transform that installs it.
+
+For each token t with slot s = slots[t] (0: no adapter, unchanged):
+    y[t] = base(x)[t] + (x[t] A_s^T) B_s^T        (scaling folded into B, `weights.py`)
+a merged projection (qkv: three parts, gate_up: two) in one call, part j's output rows reading
+rank block j of x A_s^T. `lora_reference` is the torch reference (float32 math; the CPU path);
+`add_lora` is the entry point the Triton kernel (`kernel.py`) replaces on CUDA.
+
+The contract with the core (what the integration must provide; nothing is wired yet):
+- the engine builds its model through `LoraModelTransform` (a `ModelTransform`: the
+  `model_transform` point), which wraps the transform it would otherwise use (`inner`, e.g. the
+  cpu extension's) and installs the LoRA path on every dense projection after the weights load;
+- before each forward (and each CUDA-graph replay) the engine's step writes the slot of every
+  token of the step, in the order of the model's input ids, into the first num_tokens entries of
+  `LoraModelTransform.token_slots`: a [max_num_tokens] int32 tensor on the model's device,
+  allocated once, so it is a CUDA-graph input like the input ids; padded entries hold 0. A
+  request's slot comes from `LoraManager.acquire` (`manager.py`) at admission, released when it
+  ends;
+- the prefix cache keys its entries by adapter (KV computed under one adapter is not another's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from minisgl import kernel
+from minisgl.ext.lora.weights import LoraStack, ProjectionLora
+from minisgl.extension import ModelTransform
+from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.linear import RowParallelLinear
+from minisgl.models.llama import MLP
+
+KERNEL = "minisgl.ext.lora.kernel"
+
+
+def lora_reference(
+    y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, proj: ProjectionLora
+) -> torch.Tensor:
+    """y [T, out] + each token's LoRA delta, x [T, in], slots [T]; float32 math. Every slot is
+    computed over all rows and kept where it is the token's (no host sync: CUDA-graph safe);
+    on the CPU only the slots present are computed."""
+    delta = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    xf, rank, bounds = x.float(), proj.rank, proj.bounds
+    present = range(1, proj.a.shape[0]) if slots.is_cuda else sorted(set(slots.tolist()) - {0})
+    for s in present:
+        inter = xf @ proj.a[s].float().T  # [T, parts * rank]
+        parts = [
+            inter[:, j * rank : (j + 1) * rank] @ proj.b[s, lo:hi].float().T
+            for j, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
+        ]
+        delta += torch.where((slots == s)[:, None], torch.cat(parts, dim=1), 0.0)
+    return y + delta.to(y.dtype)
+
+
+def add_lora(
+    y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, proj: ProjectionLora
+) -> torch.Tensor:
+    """y + the LoRA delta of each token's slot: the Triton kernel on CUDA (in place), else the
+    torch reference."""
+    if x.shape[0] != slots.shape[0]:
+        raise ValueError(f"LoRA: {x.shape[0]} tokens but {slots.shape[0]} slot indices")
+    if (ops := kernel.fused_ops(x, KERNEL)) is not None:
+        return ops.lora_add(y, x, slots, proj.a, proj.b, proj.offsets, proj.bounds)
+    return lora_reference(y, x, slots, proj)
+
+
+class LoraModelTransform:
+    """A `ModelTransform` that gives every dense projection of the model (q/k/v, o, gate/up,
+    down of its decoder layers) `max_loras` adapter slots of rank up to `max_rank`, reading
+    each token's slot from `token_slots` (see the module docstring)."""
+
+    def __init__(
+        self,
+        max_loras: int,
+        max_rank: int,
+        max_num_tokens: int,
+        device: torch.device,
+        inner: ModelTransform | None = None,
+    ) -> None:
+        self.name = inner.name if inner is not None else "none"  # Engine.quantization
+        self.inner = inner
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.token_slots = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        self.stack: LoraStack | None = None
+
+    def before_load(self, model: nn.Module) -> set[str]:
+        return self.inner.before_load(model) if self.inner is not None else set()
+
+    def after_load(self, model: nn.Module) -> None:
+        if self.inner is not None:
+            self.inner.after_load(model)
+        self.stack = LoraStack(model, self.max_loras, self.max_rank)
+        install(model, self.stack, self.slots)
+
+    def slots(self, num_tokens: int) -> torch.Tensor:
+        """The slots of a forward's `num_tokens` tokens (a view of `token_slots`)."""
+        if num_tokens > self.token_slots.shape[0]:
+            raise ValueError(
+                f"LoRA: a forward of {num_tokens} tokens, over the {self.token_slots.shape[0]} "
+                "slot indices the transform was built for (max_num_tokens)"
+            )
+        return self.token_slots[:num_tokens]
+
+
+def install(model: nn.Module, stack: LoraStack, slots: Callable[[int], torch.Tensor]) -> None:
+    """Route every projection of `stack` through `add_lora`. The layers compute with their own
+    methods, so instance attributes (which win over the class's) wrap what computes x W^T now
+    (the class's method, or a transform's that came before): `forward` of column-parallel
+    layers (bias included), `matmul` of row-parallel ones (the partial sum, before the
+    all-reduce, so the A shards' partial deltas add up with it)."""
+    for proj in stack.projections.values():
+        module = proj.module
+        attr = "matmul" if isinstance(module, RowParallelLinear) else "forward"
+        setattr(module, attr, _with_lora(getattr(module, attr), proj, slots))
+    for mlp in model.modules():
+        if isinstance(mlp, MLP):  # the dense MLPs (not MoE layers): their gate_up has a LoRA
+            mlp.forward = _unfused_mlp(mlp)  # type: ignore[method-assign,assignment]
+
+
+def _with_lora(
+    base: Callable[[torch.Tensor], torch.Tensor],
+    proj: ProjectionLora,
+    slots: Callable[[int], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return add_lora(base(x), x, slots(x.shape[0]), proj)
+
+    return forward
+
+
+def _unfused_mlp(mlp: MLP) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP through gate_up_proj's forward: the core's decode GEMV computes SiLU-and-mul in
+    its epilogue, which would skip the LoRA of gate/up."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))
+
+    return forward

@@ -1,0 +1,13 @@
+"""Speed paths that have a plain equivalent in the core: `prefill_rows.py` replays a small
+prefill or mixed step in the decode CUDA graphs, one row per position, instead of the eager
+step (the `forward_paths` point, with the prompt budget that makes steps fit it), switched off
+by --disable-prefill-graphs (`options.py`, the `scheduler_options` point). Without this package
+every prefill runs eagerly, and the flag is refused naming it."""
+
+from minisgl.ext.perf.options import PerfOptions
+from minisgl.ext.perf.prefill_rows import make_prefill_rows
+from minisgl.extension import extensions
+
+_points = extensions()
+_points.scheduler_options["perf"] = PerfOptions
+_points.forward_paths.append(make_prefill_rows)

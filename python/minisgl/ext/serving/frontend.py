@@ -1,0 +1,140 @@
+"""The serving extension's Frontend (made by its launcher, `scale.py`): the core's, plus
+
+- the watchdog: while a request is unfinished, some message must come back from the pipeline
+  at least every --watchdog-timeout seconds (the scheduler sends its stats every 0.2 s while it
+  has work), or the pipeline is taken for hung and `on_hang(reason)` is called;
+- /flush_cache: every --dp replica's scheduler empties its prefix cache;
+- with --api-server-count N, the API processes' views of each other (`views`: /stats and
+  /metrics add them up) and a failure passed on (`ApiFailMsg`: rank 0's launcher fails the
+  server; the others fail their own requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from minisgl.message import ApiFailMsg, ApiQueryMsg, ApiViewMsg, FlushCacheMsg, FlushCacheReply
+from minisgl.server.frontend import Frontend
+from minisgl.utils.zmq import ZmqAsyncPushQueue
+
+FLUSH_TIMEOUT_S = 10.0  # for every replica's answer to /flush_cache
+VIEW_TIMEOUT_S = 5.0  # for the other API processes' views (/stats, /metrics)
+
+
+class ServingFrontend(Frontend):
+    def __init__(
+        self,
+        tokenizer_addrs: list[str],
+        recv_addr: str,
+        watchdog_timeout: float = 0.0,
+        on_hang: Callable[[str], None] | None = None,
+        scheduler_addrs: list[str] | None = None,
+        api_rank: int = 0,
+        api_addrs: list[str] | None = None,
+    ) -> None:
+        """`watchdog_timeout` 0: no watchdog; else `on_hang(reason)` is called (on a thread of
+        its own) once the pipeline has been silent that long with a request unfinished, or
+        when another API process reports a failure to rank 0.
+        `scheduler_addrs`: one per --dp replica (for /flush_cache; none: it is refused).
+        `api_addrs`: every API process's `recv_addr`, by rank (None: this one alone)."""
+        count = len(api_addrs or [recv_addr])
+        super().__init__(tokenizer_addrs, recv_addr, scheduler_addrs, api_rank, count)
+        self.to_peers = {
+            rank: ZmqAsyncPushQueue(addr, create=False)
+            for rank, addr in enumerate(api_addrs or [])
+            if rank != api_rank
+        }
+        self._views: dict[int, asyncio.Queue[ApiViewMsg]] = {}  # by query number
+        self._view_seqs = itertools.count()
+        self._flushes: asyncio.Queue[FlushCacheReply] | None = None
+        self._flush_lock: asyncio.Lock | None = None
+        self.watchdog_timeout, self.on_hang = watchdog_timeout, on_hang
+
+    def start(self) -> None:
+        super().start()
+        if self.watchdog_timeout > 0 and self.on_hang is not None:
+            assert self._loop is not None
+            self._tasks.append(self._loop.create_task(self._watchdog()))
+
+    async def _watchdog(self) -> None:
+        while self.dead is None:
+            await asyncio.sleep(min(1.0, self.watchdog_timeout / 4))
+            if not self.num_unfinished:  # nothing owed: silence counts from now on
+                self.last_progress = time.monotonic()
+                continue
+            silent = time.monotonic() - self.last_progress
+            if silent > self.watchdog_timeout and self.dead is None:
+                reason = (
+                    f"watchdog: no progress for {silent:.0f} s (--watchdog-timeout "
+                    f"{self.watchdog_timeout:g}) with {self.num_unfinished} requests unfinished"
+                )
+                assert self.on_hang is not None
+                # on a thread: stopping the server waits, this loop must go on serving errors
+                threading.Thread(target=self.on_hang, args=(reason,), daemon=True).start()
+                return
+
+    async def received(self, msg: Any) -> bool:
+        if isinstance(msg, FlushCacheReply) and self._flushes is not None:
+            self._flushes.put_nowait(msg)
+        elif isinstance(msg, ApiQueryMsg):
+            if msg.rank in self.to_peers:
+                await self.to_peers[msg.rank].put(self.view(msg.seq, msg.metrics))
+        elif isinstance(msg, ApiViewMsg):
+            if msg.seq in self._views:  # else: too late, the query timed out
+                self._views[msg.seq].put_nowait(msg)
+        elif isinstance(msg, ApiFailMsg):
+            if self.api_rank == 0 and self.on_hang is not None:  # the launcher fails the server
+                threading.Thread(target=self.on_hang, args=(msg.reason,), daemon=True).start()
+            else:
+                self.fail(msg.reason)
+        else:
+            return False
+        return True
+
+    async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
+        """Every API process's view, by rank (this one's alone without --api-server-count);
+        TimeoutError when one does not answer in time."""
+        if not self.to_peers:
+            return [self.view(0, metrics)]
+        seq = next(self._view_seqs)
+        answers = self._views[seq] = asyncio.Queue()
+        try:
+            for queue in self.to_peers.values():
+                await queue.put(ApiQueryMsg(self.api_rank, seq, metrics))
+            views = [self.view(seq, metrics)]
+            deadline = time.monotonic() + VIEW_TIMEOUT_S
+            while len(views) < self.api_count:
+                views.append(await asyncio.wait_for(answers.get(), deadline - time.monotonic()))
+            return sorted(views, key=lambda v: v.rank)
+        finally:
+            del self._views[seq]
+
+    async def flush_cache(self) -> list[str]:
+        """Empty every replica's prefix cache (each refuses while requests run); the errors."""
+        if not self.scheduler_addrs:
+            return ["this front end has no scheduler to flush"]
+        if self._flush_lock is None:
+            self._flush_lock, self._flushes = asyncio.Lock(), asyncio.Queue()
+        assert self._flushes is not None
+        async with self._flush_lock:  # one flush at a time: the replies are not tagged
+            while not self._flushes.empty():  # late answers of a flush that timed out
+                self._flushes.get_nowait()
+            for addr in self.scheduler_addrs:
+                queue = ZmqAsyncPushQueue(addr, create=False)
+                try:
+                    await queue.put(FlushCacheMsg(self.api_rank))
+                finally:
+                    queue.close()  # lingers until the message is out
+            errors: list[str] = []
+            for _ in self.scheduler_addrs:
+                try:
+                    reply = await asyncio.wait_for(self._flushes.get(), FLUSH_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    return errors + [f"no answer from the schedulers in {FLUSH_TIMEOUT_S:g} s"]
+                if reply.error is not None:
+                    errors.append(f"replica {reply.dp_rank}: {reply.error}")
+            return errors

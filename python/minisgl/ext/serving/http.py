@@ -1,0 +1,205 @@
+"""An API process's HTTP serving under load and at its stop (the `gate` and `http_server`
+points):
+
+- `ServingGate`: the core's Gate plus the limit on requests in progress (this process's share of
+  --max-connections; beyond it 503, never for /health) and --timeout-body-read (408);
+- `serving_http_server`: uvicorn bounded by `ConnectionLimits` (--max-connections,
+  --timeout-keep-alive), whose drain (SIGTERM, --shutdown-timeout) ends the requests still
+  running with an error event just before it runs out, and whose exits log no traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from minisgl.ext.serving.connections import ConnectionLimits, connection_budget
+from minisgl.ext.serving.options import serving_options
+from minisgl.server.gate import Gate, Refusal
+
+if TYPE_CHECKING:
+    from minisgl.server.args import ServerArgs
+    from minisgl.server.frontend import Frontend
+
+# Probes answered even when every request slot is taken: an orchestrator that sees them fail
+# restarts a server that is only busy.
+HEALTH_PATHS = frozenset({"/health", "/health_generate"})
+CUT_MARGIN_S = 0.5  # the drain's requests still running end this long before it runs out
+FORCED_EXIT_WAIT_S = 1.0  # a forced exit's wait for the requests whose connections it closed
+
+
+def expects_body(scope: Scope) -> bool:
+    """Whether the request has a body to wait for: HTTP/1.1 says a request without
+    Content-Length or Transfer-Encoding has none, so its one receive returns at once."""
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return True
+    return False
+
+
+class ServingGate(Gate):
+    """The Gate, with this API process's share of --max-connections as the requests it serves
+    at once (others than /health beyond it get 503) and --timeout-body-read (408)."""
+
+    def __init__(
+        self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
+    ) -> None:
+        super().__init__(app, args, frontend, paths)
+        options = serving_options(args)
+        self.body_timeout = options.timeout_body_read
+        self.max_requests = -(-options.max_connections // frontend.api_count)
+        # Requests passed to the app, /health included. Not those whose body is still coming:
+        # they cost nothing but a connection, which ConnectionLimits sheds when needed (one
+        # shed a moment ago still counted would refuse the request that took its place).
+        self.serving = 0
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.serving += 1
+        try:
+            await super().serve(scope, receive, send)
+        finally:
+            self.serving -= 1
+
+    def over_limit(self, scope: Scope) -> Refusal | None:
+        limit = self.max_requests
+        if self.serving >= limit and scope["path"] not in HEALTH_PATHS:
+            message = f"server overloaded: {limit} requests in progress (the limit); retry later"
+            return Refusal(503, message, "overloaded", headers={"Retry-After": "1"})
+        return None
+
+    def check_head(self, scope: Scope) -> Refusal | None:
+        """Overloaded: refused before anything else (no body read)."""
+        return self.over_limit(scope) or super().check_head(scope)
+
+    def check_body(self, scope: Scope, body: bytes) -> Refusal | None:
+        # the limit again: others came while this body did
+        return super().check_body(scope, body) or self.over_limit(scope)
+
+    async def receive_body(self, scope: Scope, receive: Receive) -> bytes | Refusal | None:
+        if not expects_body(scope):
+            return await self.read_body(receive)
+        try:
+            return await asyncio.wait_for(self.read_body(receive), self.body_timeout)
+        except asyncio.TimeoutError:
+            return self.too_slow()
+
+    def too_slow(self) -> Refusal:
+        """A body that did not arrive in time: its connection is closed after the answer, so
+        that it counts no longer (the rest of a body would otherwise still be read)."""
+        message = (
+            f"request body did not arrive within {self.body_timeout:g} s (--timeout-body-read)"
+        )
+        return Refusal(408, message, "request_timeout", headers={"Connection": "close"})
+
+
+class _CutShort(logging.Filter):
+    """uvicorn logs a request that the server's exit cancelled (the drain ran out, or a
+    failure's forced exit) as an application error, with a CancelledError traceback: no bug,
+    so one line instead. With no drain (--shutdown-timeout 0) it also says, as an error, that
+    it cancels 0 tasks: dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Cancel %s running task") and record.args == (0,):
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError) and str(record.msg).startswith("Exception in"):
+            record.msg, record.args = "a request was cut short: the server is stopping", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+async def _end_forced(server: Any, limits: ConnectionLimits) -> None:
+    """A failure's exit (`serve_http`: its requests got their errors already) skips uvicorn's
+    drain and the app's lifespan shutdown: the tasks left would be cancelled as the loop
+    closes, the lifespan's logging a CancelledError traceback. Close every connection (the
+    requests still there see their client gone and end), wait a moment for them, and end the
+    lifespan."""
+    for conn in list(server.server_state.connections):
+        limits.close(conn)
+    if server.server_state.tasks:
+        await asyncio.wait(set(server.server_state.tasks), timeout=FORCED_EXIT_WAIT_S)
+    with contextlib.suppress(asyncio.TimeoutError):  # a hung shutdown handler
+        await asyncio.wait_for(server.lifespan.shutdown(), FORCED_EXIT_WAIT_S)
+
+
+def make_server(
+    config: Any,
+    frontend: Frontend,
+    limits: ConnectionLimits,
+    drain_s: float,
+    on_shutdown: Callable[[], None] | None = None,
+) -> Any:
+    """uvicorn's server, whose drain (SIGTERM) ends the requests still running with the error
+    event (or a 503) just before `drain_s` (--shutdown-timeout) runs out, not a bare close,
+    and drops then those whose body has not come. `on_shutdown` is called as the drain begins.
+    Its exits log no traceback (see `_end_forced`, `_CutShort`)."""
+    import uvicorn
+
+    errors = logging.getLogger("uvicorn.error")  # after uvicorn.Config set its logging up
+    if not any(isinstance(f, _CutShort) for f in errors.filters):
+        errors.addFilter(_CutShort())
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            limits.quiet_accept_errors(asyncio.get_running_loop())
+            await super().startup(sockets)
+
+        def cut(self, reason: str) -> None:
+            """The drain's end: the requests still running end with `reason`, those whose
+            head or body has not come are dropped."""
+            frontend.fail(reason)
+            limits.close_waiting(self.server_state.connections)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
+            reason = f"server shut down before the request finished ({drain_s:g} s drain)"
+            timer = None
+            if drain_s <= CUT_MARGIN_S:
+                self.cut(reason)  # uvicorn's 0.1 s pause before cutting lets the errors out
+            else:
+                timer = asyncio.get_running_loop().call_later(
+                    drain_s - CUT_MARGIN_S, self.cut, reason
+                )
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            if self.force_exit:
+                await _end_forced(self, limits)
+
+    return Server(config)
+
+
+def serving_http_server(
+    args: ServerArgs,
+    app: Any,
+    frontend: Frontend,
+    on_shutdown: Callable[[], None] | None = None,
+) -> Any:
+    """The app under bounded uvicorn, as one API process serves it (each of
+    --api-server-count gets its share of --max-connections)."""
+    import uvicorn
+
+    options = serving_options(args)
+    share = -(-options.max_connections // frontend.api_count)
+    max_connections, backlog = connection_budget(share)
+    limits = ConnectionLimits(max_connections, options.timeout_keep_alive)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=limits.protocol(),
+        backlog=backlog,
+        # no limit_concurrency: its 503 refuses /health too; the gate limits requests instead
+        timeout_keep_alive=options.timeout_keep_alive,  # type: ignore[arg-type]  # float works
+        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
+    )
+    return make_server(config, frontend, limits, args.shutdown_timeout, on_shutdown)

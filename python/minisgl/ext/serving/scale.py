@@ -1,0 +1,215 @@
+"""The server's processes beyond one API process on one machine (the `launcher` point):
+`ServingLauncher` adds --api-server-count's API processes (each with its own SO_REUSEPORT
+socket of the port; SIGTERM drains them all), the nodes of --nnodes (the TP ranks meet at
+--dist-init-addr; a node other than 0 runs only its ranks and exits when rank 0 does), and the
+collector's settings of every server process (--gc-threshold, --gc-warning-threshold-secs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from minisgl.distributed import Rendezvous
+from minisgl.engine.config import EngineConfig
+from minisgl.ext.serving.frontend import ServingFrontend
+from minisgl.ext.serving.options import serving_options
+from minisgl.message import ApiFailMsg, ExitMsg
+from minisgl.server.launch import (
+    DEATH_GRACE_S,
+    Addresses,
+    Launcher,
+    _send,
+    _split,
+    check_scale_out,
+    http_server,
+)
+from minisgl.utils.procs import wait_ready
+
+if TYPE_CHECKING:
+    from minisgl.server.args import ServerArgs
+
+STOP_OTHER_NODES_S = 3.0  # rank 0's wait, on a clean stop, for the other nodes' ranks to stop
+# The server's default: with Python's 700 10 10, the API process's full collections (20-37 ms
+# on an H100) each held back every stream of an all-at-once burst (docs/benchmarks.md, session 20).
+SERVER_GC_THRESHOLD = (700, 10, 1000)
+
+
+def export_gc_settings(args: ServerArgs) -> None:
+    """The collector's settings, for every server process to read once ready (spawned children
+    copy the environment): the flags, else what the caller's environment says, else the
+    server's default thresholds."""
+    options = serving_options(args)
+    if options.gc_warning_threshold_secs > 0:
+        os.environ["MINISGL_GC_WARNING_THRESHOLD_SECS"] = str(options.gc_warning_threshold_secs)
+    if options.gc_threshold is not None:
+        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, options.gc_threshold))
+    elif not os.environ.get("MINISGL_GC_THRESHOLD", "").strip():
+        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, SERVER_GC_THRESHOLD))
+
+
+def reuse_port_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` sockets of the HTTP port with SO_REUSEPORT, listening now: the kernel spreads new
+    connections evenly over the listening ones (one socket that all accept from would let
+    whichever process wakes first take a whole burst). A plain bind first makes sure that no
+    other server holds the port: SO_REUSEPORT alone would share it with one of the same user."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    def bound(reuse_port: bool) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            error = f"cannot listen on {host}:{port} (--host, --port): {e.strerror}"
+            raise RuntimeError(error) from None
+        return sock
+
+    bound(reuse_port=False).close()
+    socks = [bound(reuse_port=True) for _ in range(count)]
+    for sock in socks:  # all in the kernel's spread from now on, whichever process serves first
+        sock.listen()
+    return socks
+
+
+def _api_main(
+    args: ServerArgs, info: dict[str, Any], rank: int, addrs: Addresses, sock: Any, ready: Any
+) -> None:
+    """API process `rank` > 0 of --api-server-count: the app on the socket of the port that
+    rank 0 (the main process) opened for it; a failure it sees (its watchdog) goes to rank 0."""
+
+    def report(reason: str) -> None:
+        _send(addrs.apis[0], ApiFailMsg(reason))
+
+    frontend = ServingFrontend(
+        addrs.tokenizers,
+        addrs.apis[rank],
+        serving_options(args).watchdog_timeout,
+        report,
+        addrs.schedulers,
+        api_rank=rank,
+        api_addrs=addrs.apis,
+    )
+    server = http_server(args, info, frontend)
+    ready.send(("ready", None))
+    server.run(sockets=[sock])  # uvicorn drains on SIGTERM / SIGINT, as rank 0 does
+
+
+class ServingLauncher(Launcher):
+    """The Launcher with --api-server-count's API processes and --nnodes' nodes."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.options = serving_options(args)
+        export_gc_settings(args)  # before any child starts: they read it once ready
+        super().__init__(args)
+        self.api_procs: list[Any] = []  # the API processes other than this one
+
+    @property
+    def api_server_count(self) -> int:
+        return self.options.api_server_count
+
+    @property
+    def ranks_here(self) -> int:
+        return self.args.tp // self.options.nnodes
+
+    def start(self) -> None:
+        if self.options.node_rank == 0:
+            return super().start()
+        # scheduler ranks only: no front end on this node
+        config = self.resolve_models()
+        check_scale_out(self.args, config, self.options.nnodes)
+        first = self.options.node_rank * self.ranks_here
+        followers = [self._follower(config, 0, k) for k in range(first, first + self.ranks_here)]
+        wait_ready(*_split(followers))  # hello
+        wait_ready(*_split(followers))  # built, in the group
+
+    def listen(self) -> list[socket.socket]:
+        if self.api_server_count == 1:
+            return super().listen()
+        return reuse_port_sockets(self.args.host, self.args.port, self.api_server_count)
+
+    def start_pipeline(self, config: EngineConfig) -> None:
+        super().start_pipeline(config)
+        if len(self.listeners) > 1:
+            args, a = self.args, self.addrs
+            apis = [
+                self._spawn(f"api_server_{k}", _api_main, args, self.info, k, a, self.listeners[k])
+                for k in range(1, self.api_server_count)
+            ]
+            self.api_procs = [proc for _, proc in apis]
+            wait_ready(*_split(apis))
+            for sock in self.listeners[1:]:  # each is its process's now: when that one closes
+                sock.close()  # it (drain) or dies, the kernel sends its connections elsewhere
+            del self.listeners[1:]
+
+    def _rendezvous(self, replica: int) -> Rendezvous:
+        options = self.options
+        if options.nnodes == 1:
+            return super()._rendezvous(replica)
+        # rank 0's node hosts the TCP store; GPU 0 is the node's first rank
+        shift = -options.node_rank * self.ranks_here
+        return Rendezvous("", options.dist_init_addr, options.dist_timeout, shift)
+
+    def expected_exit(self, proc: Any) -> bool:
+        # it drained its requests (`stop` may have reaped it: no exit code)
+        return self.draining and proc in self.api_procs
+
+    def run(self, front_end: Any) -> int:
+        """`front_end` on the serving extension's Frontend (the watchdog, the other API
+        processes' views); on a node other than 0, `follow`."""
+        if self.options.node_rank > 0:
+            return self.follow()
+        a, timeout = self.addrs, self.options.watchdog_timeout
+        frontend = ServingFrontend(
+            a.tokenizers, a.apis[0], timeout, self.fail, a.schedulers, api_addrs=a.apis
+        )
+        return front_end(self, frontend)
+
+    def follow(self) -> int:
+        """A node other than rank 0's: wait until a scheduler rank ends (rank 0 stopped them,
+        or is gone); 0 when every one ended cleanly."""
+        from multiprocessing.connection import wait
+
+        print(f"minisgl: node {self.options.node_rank} serving its TP ranks", flush=True)
+        wait([p.sentinel for p in self.procs])
+        for p in self.procs:
+            p.join(timeout=5)
+        if any(p.exitcode != 0 for p in self.procs):
+            self.failure = "; ".join(
+                f"{p.name} process ended with exit code {p.exitcode} (rank 0 gone?)"
+                for p in self.procs
+                if p.exitcode != 0
+            )
+        return 0
+
+    def _stop_other_nodes(self) -> None:
+        """With --nnodes > 1, rank 0 tells the other ranks to stop (its ExitMsg to them), so
+        that the other nodes exit 0; killed instead, it would leave them to find it gone."""
+        rank0 = self.procs[0]
+        if not rank0.is_alive():
+            return
+        _send(self.addrs.schedulers[0], ExitMsg())
+        rank0.join(timeout=STOP_OTHER_NODES_S)
+
+    def drain(self) -> None:
+        """SIGTERM reached this process: the other API processes drain their requests too."""
+        super().drain()
+        for proc in self.api_procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.draining and not self.failure:  # they got the same time as this process
+            deadline = time.monotonic() + self.args.shutdown_timeout + DEATH_GRACE_S
+            for proc in self.api_procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        options = self.options
+        if options.nnodes > 1 and options.node_rank == 0 and self.procs and not self.failure:
+            self.stopping = True  # rank 0's exit is no failure
+            self._stop_other_nodes()
+        super().stop()
