@@ -238,12 +238,12 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
     was made."""
     import random
 
-    from minisgl.ext.spec.proposers import NgramProposer, room
-
     if args.speculative_algorithm is not None and args.dp > 1:
         raise SystemExit("--speculative-algorithm with --dp > 1: not measured by this script")
-    if args.speculative_algorithm is None:
+    if args.speculative_algorithm is None:  # (an A/B against an older tree: no ext/ there)
         return lambda: {"speculative": None}
+    from minisgl.ext.spec.proposers import NgramProposer, room
+
     sched = llm.scheduler
     spec = sched.spec
     if args.speculative_algorithm == "random":

@@ -21,6 +21,10 @@ def main() -> int:
         except ValueError as e:  # not installed, or no cpu extension to read it
             print(f"python -m minisgl: {e}", file=sys.stderr)
             return 2
+        from minisgl.extension import extensions
+
+        # a short id in /v1/models, not a path inside site-packages (the path is accepted too)
+        args.served_model_name = args.served_model_name or extensions().default_model_name
     if args.shell:
         from minisgl.shell import run_shell
 

@@ -232,7 +232,7 @@ class Context:
     """Per-process global state the model's layers read during a forward."""
 
     page_size: int
-    page_table: torch.Tensor  # [max_running_requests, max_pages_per_req] int32 page ids
+    page_table: torch.Tensor  # [max_running_requests + 1 (the dummy row), pages per req] int32
     kv_cache: MHAKVCache
     attn_backend: BaseAttnBackend
     batch: Batch | None = None

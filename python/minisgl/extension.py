@@ -13,6 +13,7 @@ MINISGL_DISABLE_EXTENSIONS=1 runs the core alone with `minisgl/ext` present.
 | `chat_features` | `ApiServer.chat_complete` / `.tokenize`, `server.protocol.chat_messages`, `ServerArgs`, `Launcher.resolve_models`, `LLM.chat`, `shell.make_printers` | tool calls and reasoning: checks the parser flags, picks the `auto` ones from the chat template, validates tools, constrains forced calls, splits each message / stream delta into content, reasoning_content and tool_calls | `ext/structured/features.py: StructuredChat` |
 | `gguf_model` | `models.weight.resolve_model_path` | a `.gguf` file → a checkpoint directory (converted once, cached) | `ext/cpu/gguf.py: resolve_gguf` |
 | `default_model` | `models.weight.default_model` (`LLM()`, `python -m minisgl` without `--model`) | the model file to use, announced | `ext/cpu/gguf.py: announce_default_model` (SmolLM2 GGUF) |
+| `default_model_name` | `python -m minisgl` without `--model` nor `--served-model-name` | the served model id of the default model | `ext/cpu/gguf.py: DEFAULT_NAME` (`SmolLM2-135M-Instruct`) |
 | `cpu_dtype` | `engine.engine._resolve_dtype` | what `--dtype auto` means on cpu | `ext/cpu/policy.py: auto_dtype` (bf16 for quantized weights) |
 | `model_transform` | `Engine.__init__`, `Engine._build_model` | changes the model before / after its weights load | `ext/cpu/quantize.py: CpuModelTransform` (`--quantization`) |
 | `decoder_transform` | `Engine.__init__` | the decoder of one-request decode steps | `ext/cpu/torch_compile.py` (`--enable-torch-compile`) |
@@ -22,15 +23,15 @@ MINISGL_DISABLE_EXTENSIONS=1 runs the core alone with `minisgl/ext` present.
 | `replicas` | `LLM.__init__` (`dp` > 1) | `LLM(dp=N)`'s N replica processes and their calls | `ext/serving/replicas.py: Replicas` |
 | `error_bodies` | `server.gate.Gate` (its refusals: 401, 413, 400...) | the error body on an API's paths, for clients that expect another shape than OpenAI's | `ext/agent/messages.py: error_body` (Anthropic's on /v1/messages) |
 | `sampling_params` | `SamplingParams.validate` | checks and normalizes the SamplingParams fields an extension implements (core.EXTENSION_PARAMS); a field set without its extension is refused | `ext/sampling/params.py: check_sampling` (logit_bias's string keys -> ids) |
-| `step_features` | `Scheduler.__init__` (its hooks: `make_request`, `add_request`, `step`, `_launch`, `_process`, `_finish`; `Engine.forward_step` / `sample_step`; `BatchPlanner.admit`) | a feature of the steps (`StepFeature`): per-request state in `Req.ext`, requests held before admission, logits processors, observers of raw logits and hidden states, token acceptance | `ext/sampling/adjust.py: LogitAdjust` (logit_bias, min_tokens, penalties), `ext/sampling/logprobs.py: Logprobs`, `ext/structured/grammar.py: GrammarFeature` |
+| `step_features` | `Scheduler.__init__` (its hooks: `make_request`, `add_request`, `step`, `_launch`, `_process`, `_finish`; `Engine.forward_step` / `sample_step`; `BatchPlanner.admit`) | a feature of the steps (`StepFeature`): per-request state in `Req.ext`, requests held before admission, logits processors, observers of raw logits and hidden states, token acceptance | `ext/sampling/adjust.py: LogitAdjust` (logit_bias, min_tokens, penalties), `ext/sampling/logprobs.py: Logprobs`, `ext/structured/grammar_feature.py: GrammarFeature` |
 | `options` | `server.args.build_parser`, `ServerArgs` | an extension's own flags: a dataclass of `option(...)` fields, listed in --help under the extension, parsed into `ServerArgs.extras[name]` | `ext/serving/options.py: ServingOptions` (--max-connections, --watchdog-timeout...) |
 | `gate` | `server.api_server.create_app` | the ASGI middleware every HTTP request passes (a `server.gate.Gate`) | `ext/serving/http.py: ServingGate` (requests in progress 503, --timeout-body-read 408) |
 | `launcher` | `server.launch.launch_server` | the server's processes: a `server.launch.Launcher` subclass | `ext/serving/scale.py: ServingLauncher` (--api-server-count, --nnodes, the gc flags) |
 | `http_server` | `server.launch.http_server` | the uvicorn server of an API process | `ext/serving/http.py: serving_http_server` (--max-connections, drain that ends requests with an error) |
 | `scheduler_options` | `server.args.build_parser`, `parse_args`, `LLM.__init__` | an extension's options that configure the schedulers: as `options`, but parsed into `SchedulerConfig.extras[name]` (every scheduler process gets them) and keywords of `LLM(...)` | `ext/spec/options.py: SpecOptions` (--speculative-algorithm...) |
-| `engine_config` | `scheduler.io.build_scheduler` | the EngineConfig a scheduler builds its engine with | `ext/spec/draft.py: leave_room_for_draft` (the target's share of the KV memory) |
-| `proposer` | `Scheduler.__init__` (its hooks: `step`, `_process`; `BatchPlanner._schedule_decode` / `release`; `Engine.sample_step`) | speculative decoding (`Speculator`): proposals for the next decode step, their verification, the tokens accepted | `ext/spec/speculator.py: NgramSpeculator` |
-| `forward_paths` | `Scheduler.__init__` (its hooks: `Engine._forward`, `BatchPlanner.schedule`) | speed paths (`ForwardPath`) for the batches the decode graphs cannot replay as they are, and the prompt budget that fits them | `ext/spec/rows.py: VerifyRows` (a verify step as graph rows), `ext/perf/prefill_rows.py: PrefillRows` |
+| `engine_config` | `scheduler.io.build_scheduler` | the EngineConfig a scheduler builds its engine with | `ext/spec/proposers.py: leave_room_for_draft` (the target's share of the KV memory) |
+| `proposer` | `Scheduler.__init__` (its hooks: `step`, `_process`; `BatchPlanner._schedule_decode` / `release`; `Engine.sample_step`) | speculative decoding (`Speculator`): proposals for the next decode step, their verification, the tokens accepted | `ext/spec/speculator.py: make_speculation` (`Speculation`) |
+| `forward_paths` | `Scheduler.__init__` (its hooks: `Engine._forward`, `BatchPlanner.schedule`) | speed paths (`ForwardPath`) for the batches the decode graphs cannot replay as they are, and the prompt budget that fits them | `ext/spec/verify.py: VerifyRows` (a verify step as graph rows), `ext/perf/prefill_rows.py: PrefillRows` |
 | `admission_policies` | `scheduler.queue.make_queue` (`BatchPlanner`), `SchedulerConfig` | a --schedule-policy: the waiting queue's order and which running request a waiting one may preempt | `ext/serving/policy.py: PriorityQueue` (`--schedule-policy priority`, the request's `priority`) |
 """
 
@@ -348,6 +349,8 @@ class Extensions:
     gguf_model: Callable[[str], str] | None = None
     # () -> the model file used when none is given, announced (None: --model is needed)
     default_model: Callable[[], str] | None = None
+    # the short id the server gives default_model's model (/v1/models; None: its path)
+    default_model_name: str | None = None
     # (--quantization, model dir) -> what --dtype auto means on cpu (None: float32)
     cpu_dtype: Callable[[str, str], torch.dtype] | None = None
     # (engine being built) -> the transform of its model around the weights' loading, or None
@@ -401,8 +404,8 @@ class Extensions:
     proposer: Callable[[Any], Speculator | None] | None = None
     # (scheduler) -> a speed path of its engine's forward and planner, or None (off)
     forward_paths: list[Callable[[Any], ForwardPath | None]] = field(default_factory=list)
-    # -- points --
-    loaded: bool = False
+    # -- points -- (new points go above this line)
+    loaded: bool = False  # bookkeeping, not a point: minisgl.ext was imported (extensions())
 
 
 _EXTENSIONS = Extensions()

@@ -73,13 +73,18 @@ def test_server_without_model_answers(tmp_path_factory: pytest.TempPathFactory) 
     log = str(tmp_path_factory.mktemp("logs") / "default.log")
     with run_server(None, "--max-model-len", "512", log_path=log) as server:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        # a short id, not the GGUF's path inside site-packages (which is still accepted)
+        assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
         reply = client.chat.completions.create(
-            model=client.models.list().data[0].id,
+            model="SmolLM2-135M-Instruct",
             messages=[{"role": "user", "content": QUESTION}],
             temperature=0,
             max_tokens=MAX_NEW,
         )
         assert "Paris" in reply.choices[0].message.content
+        assert reply.model == "SmolLM2-135M-Instruct"
+        path = client.completions.create(model=str(DEFAULT), prompt="Paris", max_tokens=1)
+        assert path.model == "SmolLM2-135M-Instruct"
         assert "using the embedded SmolLM2" in server.log()
         # structured generation on a real model: a JSON object that validates
         schema = {

@@ -88,7 +88,7 @@ ADJUSTED = dict(frequency_penalty=0.7, repetition_penalty=1.3, logit_bias={5: 4.
 
 
 @pytest.mark.parametrize("overlap", ["0", "1"])
-@pytest.mark.parametrize("adjusted", [False, True])
+@pytest.mark.parametrize("adjusted", [False, pytest.param(True, marks=pytest.mark.ext)])
 def test_graph_decode_step_run_eagerly_equals_plain_path(
     model_dirs, monkeypatch, overlap, adjusted
 ):
@@ -208,13 +208,24 @@ def test_stop_strings_cut_as_the_server_does(chat_model):
         assert out["text"] == cut and out["finish_reason"] == "stop"
         assert ids[: len(out["token_ids"])] == out["token_ids"]  # ends on the completing token
         assert stop in llm.tokenizer.decode(out["token_ids"])
-    # min_tokens past the stop string: the detokenizer (the server's) decides where it ends
+    llm.scheduler.check_no_leak()
+
+
+@pytest.mark.ext  # min_tokens: the sampling extension
+def test_min_tokens_past_a_stop_string(chat_model):
+    """min_tokens past the stop string: the detokenizer (the server's) decides where it ends."""
+    path, _ = chat_model
+    llm = LLM(path, page_size=4, num_pages=128)
+    free = llm.generate(["hello world"], SamplingParams(max_tokens=12), use_tqdm=False)[0]
+    ids, text = free["token_ids"], free["text"]
+    stop = text[len(text) // 2 :][:2]
     params = SamplingParams(max_tokens=12, stop=[stop], min_tokens=len(ids))
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    out = llm.generate(["hello world"], params, use_tqdm=False)[0]
     assert out == free
     llm.scheduler.check_no_leak()
 
 
+@pytest.mark.ext  # grammars and min_tokens: the structured and sampling extensions
 def test_grammar_end_wins_over_min_tokens(chat_model):
     """A grammar that is complete allows only its end, which min_tokens holds back: the grammar
     wins and the request stops (found by the server fuzz as a 500, "token 0 does not match the

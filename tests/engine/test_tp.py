@@ -61,6 +61,7 @@ def test_unseeded_sampling_seed_comes_from_rank_0(model_dirs):
         llm.shutdown()
 
 
+@pytest.mark.ext  # grammars: the structured extension
 def test_tp2_admits_a_compiled_grammar_on_every_rank_at_once(tmp_path):
     """Issue 52: each rank compiles a constrained request's grammar from its add; rank 0 admits
     it once compiled there and tells the others (same step on every rank), while plain requests

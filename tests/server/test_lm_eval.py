@@ -1,7 +1,9 @@
 """A real evaluation client: EleutherAI's lm-evaluation-harness scores a small local
-multiple-choice task twice on the same tiny checkpoint — through a minisgl server
-(`local-completions`: batched token-id prompts, `echo` + `logprobs`, `max_tokens` 1) and with
-transformers in-process (`hf`, float32 on the CPU) — and every choice's loglikelihood agrees."""
+multiple-choice task on the same tiny checkpoint — through a minisgl server
+(`local-completions`: batched token-id prompts, `echo` + `logprobs`, `max_tokens` 1; once with
+the tokenizer's files, once with `tokenizer_backend=remote`: /tokenizer_info, /tokenize and
+/detokenize) and with transformers in-process (`hf`, float32 on the CPU) — and every choice's
+loglikelihood agrees."""
 
 from __future__ import annotations
 
@@ -83,14 +85,15 @@ def loglikelihoods(
 
 
 def served_loglikelihoods(
-    model_dir: str, url: str, directory: Path
+    model_dir: str, url: str, directory: Path, remote: bool = False
 ) -> tuple[dict[tuple[int, int], float], list[dict[str, Any]]]:
-    """`loglikelihoods` through the server, and the request bodies lm-eval sent."""
+    """`loglikelihoods` through the server, and the request bodies lm-eval sent; `remote`: with
+    the server's tokenizer (/tokenizer_info, /tokenize, /detokenize), no tokenizer files."""
     client = LocalCompletionsAPI(
         model=model_dir,
         base_url=f"{url}/v1/completions",
-        tokenizer=model_dir,
-        tokenizer_backend="huggingface",
+        tokenizer=None if remote else model_dir,
+        tokenizer_backend="remote" if remote else "huggingface",
         tokenized_requests=True,
         batch_size=BATCH_SIZE,
     )
@@ -115,6 +118,7 @@ def test_lm_eval_through_the_server_matches_transformers(tmp_path: Path) -> None
         with run_server(model_dir, log_path=log) as server:
             expected = expected_later.result()
             served, payloads = served_loglikelihoods(model_dir, server.url, tmp_path)
+            remote, _ = served_loglikelihoods(model_dir, server.url, tmp_path, remote=True)
 
     assert len(expected) == sum(len(choices) for _, choices in QUESTIONS)
     # what lm-eval sends for loglikelihoods: batches of token-id prompts, scored with echo
@@ -127,3 +131,7 @@ def test_lm_eval_through_the_server_matches_transformers(tmp_path: Path) -> None
     assert served.keys() == expected.keys()
     worst = max(abs(served[k] - expected[k]) for k in expected)
     assert worst <= TOLERANCE, {k: (served[k], expected[k]) for k in expected}
+    # lm-eval's remote tokenizer: the same scores, with no tokenizer files nor hub on its side
+    assert remote.keys() == expected.keys()
+    worst = max(abs(remote[k] - expected[k]) for k in expected)
+    assert worst <= TOLERANCE, {k: (remote[k], expected[k]) for k in expected}

@@ -178,7 +178,10 @@ def offline(model_dir: str) -> Iterator[LLM]:
 def test_free_requests_never_touch_xgrammar(model_dir: str) -> None:
     llm = LLM(model_dir, page_size=4)
     run(llm, [([5, 6, 7], SamplingParams(max_tokens=8), None)] * 3)
-    assert grammar_state(llm.scheduler).compiler is None and grammar_state(llm.scheduler).bitmask is None
+    assert (
+        grammar_state(llm.scheduler).compiler is None
+        and grammar_state(llm.scheduler).bitmask is None
+    )
     llm.shutdown()
 
 

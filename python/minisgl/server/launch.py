@@ -1,10 +1,11 @@
 """`python -m minisgl`: start the scheduler, detokenizer and tokenizer processes, wait until
 each is ready, then run the front end (HTTP, or the shell: `__main__` chooses) in this process.
-Any child that dies, or a pipeline that hangs (the watchdog, `Frontend`), takes the whole server
-down with exit code 1 (in-flight requests get an error first); on exit every child is stopped.
-SIGTERM drains in-flight requests for up to --shutdown-timeout seconds; those still running
-then end (with an error event, with the serving extension's `http_server`). Children are titled `minisgl::NAME`; a `Reaper` removes the sockets'
-directory even when this process is killed outright."""
+Any child that dies, or a pipeline that hangs (the serving extension's watchdog,
+`ext/serving/frontend.py`), takes the whole server down with exit code 1 (in-flight requests
+get an error first); on exit every child is stopped. SIGTERM drains in-flight requests for up
+to --shutdown-timeout seconds; those still running then end (with an error event, with the
+serving extension's `http_server`). Children are titled `minisgl::NAME`; a `Reaper` removes
+the sockets' directory even when this process is killed outright."""
 
 from __future__ import annotations
 

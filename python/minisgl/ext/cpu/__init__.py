@@ -21,6 +21,7 @@ from minisgl.extension import extensions
 _points = extensions()
 _points.gguf_model = gguf.resolve_gguf
 _points.default_model = gguf.announce_default_model
+_points.default_model_name = gguf.DEFAULT_NAME
 _points.cpu_dtype = policy.auto_dtype
 _points.model_transform = quantize.model_transform
 _points.decoder_transform = torch_compile.compiled_decoder

