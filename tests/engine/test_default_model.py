@@ -109,6 +109,21 @@ def test_server_without_model_answers(tmp_path_factory: pytest.TempPathFactory) 
         answer = json.loads(reply.choices[0].message.content)
         jsonschema.validate(answer, schema)
         assert "Paris" in answer["capital"], answer
+        # the agent APIs on a real model (issue 50): the Responses API and Anthropic's Messages
+        response = client.responses.create(
+            model="SmolLM2-135M-Instruct", input=QUESTION, temperature=0, max_output_tokens=24
+        )
+        assert "Paris" in response.output_text, response
+        import anthropic
+
+        claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+        message = claude.messages.create(
+            model="SmolLM2-135M-Instruct",
+            max_tokens=24,
+            messages=[{"role": "user", "content": QUESTION}],
+            extra_body={"temperature": 0},  # (this SDK's create() no longer takes it)
+        )
+        assert message.content[0].type == "text" and "Paris" in message.content[0].text, message
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.server import Server, make_tiny_model, run_server
+from support.server import Server, tiny_server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 ALONE = {"MINISGL_DISABLE_EXTENSIONS": "1"}
@@ -23,9 +23,7 @@ SCHEMA = {"type": "object"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
-    log = str(tmp_path_factory.mktemp("logs") / "s.log")
-    with run_server(model, "--page-size", "4", log_path=log, extra_env=ALONE) as s:
+    with tiny_server(tmp_path_factory, "--page-size", "4", extra_env=ALONE) as s:
         yield s
 
 

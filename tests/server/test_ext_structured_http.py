@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.server import REPO, Server, make_tiny_model, run_server
+from support.server import REPO, Server, tiny_server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 NEEDS = "needs the structured extension (minisgl/ext/structured)"
@@ -33,9 +33,7 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
-    log = str(tmp_path_factory.mktemp("logs") / "s.log")
-    with run_server(model, "--page-size", "4", log_path=log, extra_env=ALONE) as s:
+    with tiny_server(tmp_path_factory, "--page-size", "4", extra_env=ALONE) as s:
         yield s
 
 

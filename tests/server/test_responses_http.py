@@ -30,7 +30,7 @@ from minisgl.ext.agent.responses import (
 from minisgl.ext.agent.responses_output import ResponseOutput
 from minisgl.server.protocol import APIError, ChatRequest
 from support.scripted import build_scripted_model
-from support.server import Server, make_tiny_model, run_server
+from support.server import Server, run_server, tiny_server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 
@@ -69,9 +69,7 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
-    log = str(tmp_path_factory.mktemp("logs") / "tiny.log")
-    with run_server(model, "--page-size", "4", "--served-model-name", "tiny", log_path=log) as s:
+    with tiny_server(tmp_path_factory, "--page-size", "4", "--served-model-name", "tiny") as s:
         yield s
 
 

@@ -364,3 +364,13 @@ def run_server(
     assert code == expected, (
         f"server exited with code {code} on signal {stop_signal}:\n{server.log()}"
     )
+
+
+@contextlib.contextmanager
+def tiny_server(factory: Any, *args: str, **options: Any) -> Iterator[Server]:
+    """`run_server` on a new tiny random model (`factory`: pytest's tmp_path_factory), its log
+    in a temporary folder: the usual module-scoped server of a test file."""
+    model = make_tiny_model(str(factory.mktemp("models") / "tiny"))
+    log = str(factory.mktemp("logs") / "server.log")
+    with run_server(model, *args, log_path=log, **options) as server:
+        yield server

@@ -86,8 +86,8 @@ class ServerArgs:
     skip_server_warmup: bool = option(
         False,
         "serve without the warm-up (on a GPU each scheduler first runs a few short synthetic "
-        "requests, so that Triton compiles its kernels before the first real request; CPU "
-        "servers never warm up)",
+        "requests, so that Triton compiles its kernels before the first real request; on CPU "
+        "only --enable-torch-compile warms up, to compile the decoder)",
     )
     shell: bool = option(False, "interactive terminal chat instead of a server")
     shell_hide_reasoning: bool = option(
