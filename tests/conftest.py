@@ -14,14 +14,14 @@ import os
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from support.models import save_model
-from support.server import alive, descendants, kill_tracked
+from support.server import Server, SharedServers, alive, descendants, kill_tracked
 
 torch.set_num_threads(2)
 # The exact path: `--dtype auto` on a CPU with bf16 instructions would pick bfloat16 (and the
@@ -103,6 +103,23 @@ CORE_MODULES = frozenset(
 )
 
 
+# The edit-test loop's subset (`pytest -q tests/unit -m quick`, about a minute on 2 cores, README):
+# tests/unit without its modules that start servers, processes or real models.
+QUICK_LEFT_OUT = frozenset(
+    {
+        "unit/test_ab.py",
+        "unit/test_bench.py",
+        "unit/test_bench_cpu.py",
+        "unit/test_errors.py",
+        "unit/test_ext_cpu.py",
+        "unit/test_ext_serving.py",
+        "unit/test_procs.py",
+        "unit/test_start_errors.py",
+        "unit/test_timeline.py",
+    }
+)
+
+
 EXT_PRESENT = importlib.util.find_spec("minisgl.ext") is not None
 
 
@@ -122,8 +139,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     tests_dir = os.path.dirname(__file__)
     alone = not EXT_PRESENT or os.environ.get("MINISGL_DISABLE_EXTENSIONS") == "1"
     for item in items:
-        if os.path.relpath(str(item.path), tests_dir) in CORE_MODULES:
+        relative = os.path.relpath(str(item.path), tests_dir)
+        if relative in CORE_MODULES:
             item.add_marker(pytest.mark.core)
+        if relative.startswith("unit" + os.sep) and relative not in QUICK_LEFT_OUT:
+            item.add_marker(pytest.mark.quick)
         if alone and item.get_closest_marker("ext") is not None:
             item.add_marker(pytest.mark.skip(reason="needs minisgl/ext (the core runs alone)"))
     if torch.cuda.is_available():
@@ -153,6 +173,16 @@ def minisgl_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         mp.setenv("MINISGL_CACHE_DIR", cache)
         yield cache
     shutil.rmtree(cache)  # the embedded model's conversion is 757 MB: pytest keeps temp dirs
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
+    """`shared_server(*args, extra_env=...)`: the session's tiny server started with these
+    arguments, one for every module that asks for the same (support/server.py's SharedServers:
+    only for tests that leave it running and undisturbed), stopped and checked at the end."""
+    servers = SharedServers(tmp_path_factory)
+    yield servers.get
+    servers.stop_all()
 
 
 @pytest.fixture(scope="session")

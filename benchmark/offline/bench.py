@@ -174,7 +174,7 @@ def constrain(llm: Any, frac: float, tp: int) -> Any:
     if frac == 0.0:
         return lambda i: {}
     if llm.tokenizer is None:
-        if tp > 1 or llm.replicas is not None:
+        if tp > 1 or getattr(llm, "replicas", None) is not None:  # (dp: the serving extension's)
             raise SystemExit("--grammar-frac with --tp or --dp > 1 needs a model with a tokenizer")
         llm.scheduler.tokenizer = synthetic_vocab(llm.engine.model_config.vocab_size)
     return lambda i: {"json_schema": BENCH_SCHEMA} if chosen(i, frac) else {}

@@ -1,5 +1,4 @@
-"""`python -m minisgl`: the OpenAI-compatible server, or with --shell a terminal chat, over the
-same processes (server/launch.py)."""
+"""`python -m minisgl`: the OpenAI-compatible server, or with --shell a terminal chat."""
 
 import sys
 

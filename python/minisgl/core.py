@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from minisgl.kvcache.prefix_cache import CacheHandle
 
 
-MAX_LOGPROBS = 20  # top alternatives per token, as vLLM allows (OpenAI: 20 in chat)
 PLACEHOLDER = -1  # a sampled token id the host has not read yet (its step is in flight)
 # SamplingParams' fields that constrain the output (structured generation), one at most
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
@@ -34,12 +33,12 @@ EXTENSION_PARAMS: dict[str, tuple[str, Any]] = {
     "min_tokens": ("sampling", 0),
     "logprobs": ("sampling", None),
     "prompt_logprobs": ("sampling", None),
+    "lora_name": ("lora", None),
 }
 
 
 def check_token_ids(vocab: int, **fields: Iterable[int]) -> None:
-    """Every token id a request names must be in the vocabulary: checked where a request enters
-    (every endpoint and `LLM` pass here), so that no id can reach an index on the device."""
+    """Every token id a request names is in the vocabulary (no bad id reaches the device)."""
     for name, ids in fields.items():
         ids = list(ids)
         if ids and (min(ids) < 0 or max(ids) >= vocab):  # min/max in C: a prompt may be long
@@ -49,12 +48,8 @@ def check_token_ids(vocab: int, **fields: Iterable[int]) -> None:
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings. temperature 0 means greedy. The fields after `seed` up
-    to `stop` and `logprobs` / `prompt_logprobs` are the extensions' (EXTENSION_PARAMS):
-    ext/structured's grammars (at most one of json_schema, a dict or its JSON text, regex,
-    ebnf and structural_tag) and ext/sampling's logit adjustments (logit_bias, the min_tokens
-    mask, repetition_penalty, then frequency and presence penalties) and logprobs
-    (docs/features.md)."""
+    """Per-request sampling settings; temperature 0 means greedy. The fields in
+    EXTENSION_PARAMS, and priority, are the extensions' (docs/features.md)."""
 
     temperature: float = 0.0
     top_k: int = -1  # -1 or 0: no top-k filter
@@ -79,6 +74,7 @@ class SamplingParams:
     # log-probabilities (the model's own: before temperature, penalties, bias and grammar masks)
     logprobs: int | None = None  # of each sampled token, with this many top alternatives (0-20)
     prompt_logprobs: int | None = None  # of each prompt token after the first, with top-k too
+    lora_name: str | None = None  # the lora extension's: the LoRA adapter it runs with
     # the serving extension's: the order under --schedule-policy priority, lower values first
     # (vLLM's direction); not in EXTENSION_PARAMS, whose fields change how a request samples
     priority: int = 0
@@ -107,14 +103,7 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if type(self.priority) is not int or self.priority != 0:  # False, 0.0: not the default
             require(extensions().sampling_params.get("priority"), "priority", "serving")(self)
-        self._check_extension_params()
-
-    def _check_extension_params(self) -> None:
-        """The extensions' fields that are set, each checked by its extension (once each);
-        ExtensionMissing (a ValueError naming the field) where it is not there."""
-        asked = self.extension_fields()
-        if not asked:
-            return
+        asked = self.extension_fields()  # each checked by its extension (once each)
         checks = extensions().sampling_params
         for name in asked:
             require(checks.get(name), name, EXTENSION_PARAMS[name][0])
@@ -135,8 +124,7 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
-    def sampling_temperature(self) -> float:
-        """The temperature a sampler uses: 0 (greedy) whenever `is_greedy`."""
+    def sampling_temperature(self) -> float:  # the temperature rule, written once
         return 0.0 if self.is_greedy else self.temperature
 
 
@@ -177,9 +165,8 @@ class Req:
 
     @property
     def samples_plainly(self) -> bool:
-        """No extension acts on its steps (grammar, logit adjustment, logprobs): its token at
-        a position depends on the logits there alone (what speed paths that sample a step's
-        positions as graph rows, and speculative decoding, need)."""
+        """No extension acts on its steps: its token at a position depends on the logits there
+        alone (what graph-row speed paths and speculative decoding need)."""
         return not self.ext and not self.params.extension_fields()
 
     @property
@@ -202,9 +189,9 @@ class Req:
 
 @dataclass
 class Batch:
-    """One forward: the requests and how many tokens each computes. The model sees only the
-    tensors (input_ids, positions, out_loc) and the backend's attention metadata. A mixed step
-    is a prefill whose first `num_decodes` requests are running ones computing one token."""
+    """One forward: the requests and how many tokens each computes; the model sees only the
+    tensors and the attention metadata. A mixed step is a prefill whose first `num_decodes`
+    requests are running ones."""
 
     reqs: list[Req]
     phase: Literal["prefill", "decode"]
@@ -212,6 +199,7 @@ class Batch:
     input_ids: torch.Tensor | None = None  # [num_tokens]
     positions: torch.Tensor | None = None  # [num_tokens]
     out_loc: torch.Tensor | None = None  # [num_tokens] KV slot each new token is written to
+    rows: torch.Tensor | None = None  # [num_tokens] page-table row of each token (the step's)
     attn_metadata: AttnMetadata | None = None  # the attention backend's, set by its prepare()
 
     @property
@@ -245,9 +233,8 @@ class Context:
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Copy small host data to the device without blocking the host. The staging memory is
-    pinned: a copy from pageable memory would wait for all queued device work, which is the
-    very work overlap scheduling runs alongside."""
+    """Copy small host data to the device without blocking the host (pinned: a copy from
+    pageable memory would wait for all queued device work, which overlap runs beside)."""
     host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 

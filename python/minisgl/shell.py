@@ -1,6 +1,6 @@
-"""`python -m minisgl --shell`: chat with the model in the terminal, streaming its answer.
-/reset forgets the conversation; /exit or Ctrl-D leaves. With --reasoning-parser the structured
-extension prints the answers (ext/structured/shell.py: the thinking dimmed or hidden)."""
+"""`python -m minisgl --shell`: chat with the model in the terminal, its answer streamed.
+/reset forgets the conversation; /exit or Ctrl-D leaves; Ctrl-C stops an answer. With
+--reasoning-parser the structured extension prints the answers (the thinking dimmed or hidden)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,9 @@ from minisgl.server.frontend import Frontend
 if TYPE_CHECKING:
     from minisgl.server.launch import Launcher
 
-HELP = "Type a message. /reset clears the history, /exit (or Ctrl-D) quits."
-
 
 class Printer:
-    """One answer's printing, fed its text as it streams; `answer` collects what goes into the
-    history (the structured extension's printer, with --reasoning-parser, shows the thinking
-    apart and leaves it out of the answer)."""
+    """One answer's printing, fed its text as it streams; `answer`: what the history keeps."""
 
     def __init__(self) -> None:
         self.answer: list[str] = []
@@ -57,7 +53,7 @@ async def _chat(frontend: Frontend, max_tokens: int, printers: Printers) -> int:
     frontend.start()
     session: PromptSession = PromptSession()
     history: list[dict[str, str]] = []
-    print(HELP, flush=True)
+    print("Type a message. /reset clears the history, /exit (or Ctrl-D) quits.", flush=True)
     while True:
         try:
             line = (await session.prompt_async("> ")).strip()
@@ -77,7 +73,7 @@ async def _chat(frontend: Frontend, max_tokens: int, printers: Printers) -> int:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         msg = TokenizeMsg(frontend.new_uid(), None, None, list(history), params)
         printer = printers(history)
-        # Ctrl-C stops the answer (leaving the stream aborts the request), not the shell.
+        # Ctrl-C cancels the answer (leaving the stream aborts the request), not the shell
         task = asyncio.ensure_future(_print_answer(frontend, msg, printer))
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, task.cancel)
@@ -93,8 +89,7 @@ async def _chat(frontend: Frontend, max_tokens: int, printers: Printers) -> int:
 
 
 def make_printers(launcher: Launcher) -> Printers:
-    """Each answer's printer: its text as it comes, or with --reasoning-parser the structured
-    extension's (the thinking dimmed, or hidden with --shell-hide-reasoning)."""
+    """Each answer's printer: its text as it comes, or --reasoning-parser's (the extension's)."""
     if launcher.args.reasoning_parser is None:
         return lambda history: Printer()
     features = require(extensions().chat_features, "--reasoning-parser", "structured")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Iterator
 
 import jsonschema
 import pytest
@@ -36,15 +34,13 @@ CHATS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A cache of this module's own (inherited by the servers it starts), filled once."""
+def converted() -> str:
+    """The conversion, once, into the session's cache (tests/conftest.py's minisgl_cache,
+    inherited by the servers started here, removed at the end): test_quantized's dequantized
+    SmolLM2 reuses it (issue 47: one conversion a session, not one a module)."""
     from minisgl.models import resolve_model_path
 
-    cache = str(tmp_path_factory.mktemp("cache"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MINISGL_CACHE_DIR", cache)
-        yield resolve_model_path(DEFAULT)
-    shutil.rmtree(cache)  # 540 MB: pytest would keep it with its last runs' temp dirs
+    return resolve_model_path(DEFAULT)
 
 
 def test_greedy_equals_transformers_on_the_same_gguf(capsys: pytest.CaptureFixture) -> None:

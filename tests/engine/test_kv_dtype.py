@@ -28,13 +28,13 @@ def prefill_and_decode_logits(path: str, **kwargs) -> tuple[torch.Tensor, torch.
         sched.planner.admit(req)
         assert sched.planner.grow(req, req.remaining_len)
         req.extend_len = req.remaining_len
-    prefill = engine.forward(Batch(reqs, "prefill"))
+    prefill = engine.forward(Batch(reqs, "prefill")).logits.float()
     for req, tok in zip(reqs, prefill.argmax(-1).tolist()):
         req.cached_len, req.extend_len = len(req.tokens), 1
         req.tokens.append(tok)
         engine.set_tokens(req.table_idx, req.tokens)
         assert sched.planner.grow(req, 1)
-    decode = engine.forward(Batch(reqs, "decode"))
+    decode = engine.forward(Batch(reqs, "decode")).logits.float()
     for req in reqs:
         req.cached_len = len(req.tokens)
         sched.planner.release(req)

@@ -132,7 +132,7 @@ def test_graph_decode_step_run_eagerly_equals_plain_path(
 def test_graph_step_equals_eager_step(model_dirs, size):
     """One decode step of greedy and temperature requests through the step that CUDA graphs
     capture (run eagerly, sampling inside the step; 5 requests are padded to the graph size 8)
-    and through the plain path (sampling in sample_step): the same logits (bitwise when the
+    and through the plain path (sampling in Engine.sample): the same logits (bitwise when the
     graph holds the same number of rows), the same ids, written to the same token-table slots
     (the unsampled request's to the dummy row)."""
     from minisgl.core import Batch
@@ -159,10 +159,10 @@ def test_graph_step_equals_eager_step(model_dirs, size):
         engine.graphs = graphs
         engine.token_table[rows, slots] = -1
         batch = Batch(reqs, "decode")
-        out = engine.forward_step(batch, samples)
+        out = engine.forward(batch, samples)
         assert (out.sampled is None) == (graphs is None)
         logits = out.logits.clone()
-        tokens = engine.sample_step(batch, out).tokens()
+        tokens = engine.sample(batch, out).tokens()
         results.append((logits, tokens, engine.token_table[rows, slots].tolist()))
     (graph_logits, graph_tokens, graph_written), (logits, tokens, written) = results
     tolerance = 0 if size == 4 else 1e-5  # a padded batch may round its GEMMs differently

@@ -1,8 +1,9 @@
-"""Multi-LoRA (ext/lora), CPU float32: minisgl's model with the LoRA transform equals
-transformers + PEFT's merged model for each adapter, alone and with the base model and both
-adapters mixed in one batch; the TP shards of each projection's LoRA add up to the unsharded
-result. The transform is installed by hand here (the engine does not build it yet) and the
-test writes the per-token slot indices the engine's step will write."""
+"""Multi-LoRA (ext/lora), CPU float32, through `LLM`: greedy output per request equals
+transformers + PEFT's merged model for the base model and two adapters mixed in one batch, for
+the five architectures (qwen3_moe: adapters on attention and its dense MLP, not the experts);
+the prefix cache shares no KV between the base model and an adapter; slots shared by more
+adapters than fit; TP=2; the offline errors. The TP shards of each projection's LoRA add up to the
+unsharded result."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import Batch, set_global_ctx
 from minisgl.distributed import DistributedInfo, set_tp_info
-from minisgl.ext.lora.layers import LoraModelTransform, install
+from minisgl.ext.lora import LoRARequest
+from minisgl.ext.lora.layers import install
 from minisgl.ext.lora.manager import LoraManager
 from minisgl.ext.lora.options import LoraOptions
 from minisgl.ext.lora.weights import LoraStack, part_bounds
@@ -24,6 +25,7 @@ from support.models import hf_greedy
 
 MAX_NEW = 10
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 7, 8, 100, 200, 3, 9], [11, 40, 2, 2, 90, 17, 5, 8]]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral"]
 # a1: every projection, r 8, alpha 16; a2: some, rslora, per-module rank and alpha (PEFT's
 # rank_pattern / alpha_pattern)
 ADAPTERS = {
@@ -37,106 +39,155 @@ ADAPTERS = {
         alpha_pattern={"down_proj": 3},
     ),
 }
+# qwen3_moe: attention only (adapters on the experts are refused; PEFT saves an MLP target of
+# this model as expert parameters)
+MOE = {
+    "a1": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "a2": dict(target_modules=["q_proj", "v_proj", "o_proj"], alpha_pattern={"o_proj": 3}),
+}
 
 
 @pytest.fixture(scope="module")
-def served(model_dirs, tmp_path_factory):
-    """arch -> (its LLM with the LoRA transform, transform, manager, {name: merged HF model})."""
+def adapters(model_dirs, tmp_path_factory):
+    """arch -> ({name: adapter dir}, {name: merged HF model, "base": the HF model})."""
     cache = {}
 
     def get(arch: str):
         if arch not in cache:
-            path, hf = model_dirs(arch)
-            refs, modules = {"base": hf}, []
+            _, hf = model_dirs(arch)
+            dirs, refs = {}, {"base": hf}
             for i, (name, lora) in enumerate(ADAPTERS.items()):
-                where = str(tmp_path_factory.mktemp(f"{arch}-{name}"))
-                refs[name] = save_adapter(arch, where, seed=i + 1, **lora)
-                modules.append(f"{name}={where}")
-            # no prefix sharing: the prefix cache is not keyed by adapter yet
-            llm = LLM(path, page_size=4, num_pages=128, cache="naive")
-            transform = LoraModelTransform(2, 16, 256, torch.device("cpu"))
-            transform.after_load(llm.engine.model)
-            assert transform.stack is not None
-            options = LoraOptions(True, tuple(modules), max_loras=2, max_lora_rank=16)
-            manager = LoraManager(options, llm.engine.model_config, transform.stack)
-            cache[arch] = (llm, transform, manager, refs)
-        set_global_ctx(cache[arch][0].engine.ctx)  # the engine built last set its own
+                if arch == "qwen3_moe":
+                    lora = {**lora, **MOE[name]}
+                dirs[name] = str(tmp_path_factory.mktemp(f"{arch}-{name}"))
+                refs[name] = save_adapter(arch, dirs[name], seed=i + 1, **lora)
+            cache[arch] = (dirs, refs)
         return cache[arch]
 
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_greedy_equals_peft_merged(served, arch):
-    llm, transform, manager, refs = served(arch)
-    outputs = {}
-    for name, ref in refs.items():
-        slot = 0 if name == "base" else manager.acquire(name)
-        transform.token_slots.fill_(slot)  # every token of every step on this adapter
-        try:
-            outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
-        finally:
-            transform.token_slots.zero_()
-            if name != "base":
-                manager.release(name)
-        outputs[name] = [o["token_ids"] for o in outs]
-        assert outputs[name] == [hf_greedy(ref, p, MAX_NEW) for p in PROMPTS], name
-    for name in ADAPTERS:  # the adapters change the answers (or this test could not fail)
-        assert outputs[name] != outputs["base"]
+def _llm(model_dirs, arch: str, dirs: dict[str, str], **options) -> LLM:
+    """a1 served from the start; a2 comes with its first LoRARequest."""
+    path, _ = model_dirs(arch)
+    lora = dict(max_loras=2, max_lora_rank=16, lora_modules=[f"a1={dirs['a1']}"])
+    return LLM(path, page_size=4, num_pages=128, enable_lora=True, **{**lora, **options})
 
 
-def _prefill(llm, prompts):
-    sched = llm.scheduler
-    reqs = [sched.make_request(p, SamplingParams(max_tokens=4)) for p in prompts]
-    for req in reqs:  # admitted by hand: one prefill forward of the whole batch
-        sched.planner.admit(req)
-        assert sched.planner.grow(req, req.remaining_len)
-        req.extend_len = req.remaining_len
-    return reqs
+def _run(llm: LLM, names: list[str], prompts: list[list[int]], dirs: dict[str, str]):
+    requests = [
+        None if n == "base" else LoRARequest(n, i + 1, dirs[n]) for i, n in enumerate(names)
+    ]
+    params = SamplingParams(max_tokens=MAX_NEW)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+    return [o["token_ids"] for o in outs]
 
 
-def _set_slots(transform, slots, lengths):
-    per_token = [s for s, n in zip(slots, lengths) for _ in range(n)]
-    transform.token_slots.zero_()
-    transform.token_slots[: len(per_token)] = torch.tensor(per_token, dtype=torch.int32)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_one_batch_mixes_base_and_adapters(served, arch):
-    """Prefill then decode of base, a1, a2, a1 in one batch: each request's logits are those of
-    its own model (the slot of each token picks its adapter)."""
-    llm, transform, manager, refs = served(arch)
-    engine, sched = llm.engine, llm.scheduler
-    names = ["base", "a1", "a2", "a1"]
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]]
-    slots = [0 if n == "base" else manager.acquire(n) for n in names]
-    reqs = _prefill(llm, prompts)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_batch_equals_peft_merged(model_dirs, adapters, arch):
+    """Base, a1 and a2 in one batch (the same prompt under all three, with the radix cache
+    on): each request's greedy tokens are those of its own merged model."""
+    dirs, refs = adapters(arch)
+    llm = _llm(model_dirs, arch, dirs)
     try:
-        _set_slots(transform, slots, [r.extend_len for r in reqs])
-        logits = engine.forward(Batch(reqs, "prefill"))
-        with torch.no_grad():
-            for i, (name, p) in enumerate(zip(names, prompts)):
-                ref = refs[name](torch.tensor([p])).logits[0, -1]
-                torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=0)
-        for req, tok in zip(reqs, logits.argmax(-1).tolist()):
-            req.cached_len, req.extend_len = len(req.tokens), 1
-            req.tokens.append(tok)
-            engine.set_tokens(req.table_idx, req.tokens)
-            assert sched.planner.grow(req, 1)
-        _set_slots(transform, slots, [1] * len(reqs))
-        logits = engine.forward(Batch(reqs, "decode"))
-        with torch.no_grad():
-            for i, (name, req) in enumerate(zip(names, reqs)):
-                ref = refs[name](torch.tensor([req.tokens])).logits[0, -1]
-                torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=0)
+        names = ["base", "a1", "a2", "a1", "a2", "base"]
+        prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[2]]
+        got = _run(llm, names, prompts, dirs)
+        for name, prompt, tokens in zip(names, prompts, got):
+            assert tokens == hf_greedy(refs[name], prompt, MAX_NEW), name
+        assert got[0] != got[1] and got[0] != got[2] and got[1] != got[2]  # it can fail
+        llm.scheduler.check_no_leak()
     finally:
-        transform.token_slots.zero_()
-        for req in reqs:
-            req.cached_len = len(req.tokens)
-            sched.planner.release(req)
-        for name in names[1:]:
-            manager.release(name)
-    sched.check_no_leak()
+        llm.shutdown()
+
+
+def test_tp2_mixed_batch_equals_peft_merged(model_dirs, adapters):
+    """TP=2 (gloo on CPU): each rank's shard of every adapter, one slot taken in turns (rank 0
+    pins when it admits, the follower at rank 0's word), same tokens as PEFT's merged models."""
+    dirs, refs = adapters("llama")
+    path, _ = model_dirs("llama")
+    modules = [f"{name}={where}" for name, where in dirs.items()]
+    llm = LLM(path, tp=2, page_size=4, num_pages=128, enable_lora=True, lora_modules=modules)
+    try:
+        names = ["base", "a1", "a2", "a1", "a2"]
+        prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+        got = _run(llm, names, prompts, dirs)
+        for name, prompt, tokens in zip(names, prompts, got):
+            assert tokens == hf_greedy(refs[name], prompt, MAX_NEW), name
+        with pytest.raises(ValueError, match="served from the start"):
+            llm.generate([PROMPTS[0]], lora_request=LoRARequest("new", 9, dirs["a1"]))
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_cache_keyed_by_adapter(model_dirs, adapters):
+    """The same prompt through the base model, then a1, then a1 again: a1's first run finds
+    nothing of the base model's KV in the prefix cache (its own answer), its second run finds
+    its own."""
+    dirs, refs = adapters("llama")
+    llm = _llm(model_dirs, "llama", dirs)
+    try:
+        prompt = PROMPTS[0] * 2  # four full pages of 4 tokens to share
+        base = _run(llm, ["base"], [prompt], dirs)[0]
+        before = llm.num_cached_tokens
+        first = _run(llm, ["a1"], [prompt], dirs)[0]
+        assert llm.num_cached_tokens == before  # nothing shared with the base model
+        assert first == hf_greedy(refs["a1"], prompt, MAX_NEW) != base
+        again = _run(llm, ["a1"], [prompt], dirs)[0]
+        assert llm.num_cached_tokens > before and again == first  # shared within a1
+        assert _run(llm, ["base"], [prompt], dirs)[0] == base
+        llm.scheduler.check_no_leak()
+    finally:
+        llm.shutdown()
+
+
+def test_more_adapters_than_slots(model_dirs, adapters):
+    """max_loras=1: the requests of a1 and a2 take turns in the one slot (a request waits for
+    it while the other adapter's run), each still exact."""
+    dirs, refs = adapters("qwen3")
+    llm = _llm(model_dirs, "qwen3", dirs, max_loras=1)
+    try:
+        names = ["a1", "a2", "base", "a1", "a2"]
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[2], PROMPTS[0]]
+        got = _run(llm, names, prompts, dirs)
+        for name, prompt, tokens in zip(names, prompts, got):
+            assert tokens == hf_greedy(refs[name], prompt, MAX_NEW), name
+        manager = next(f for f in llm.scheduler.features if f.name == "lora").manager
+        assert not any(manager.slots.pins.values())  # every pin released
+        llm.scheduler.check_no_leak()
+    finally:
+        llm.shutdown()
+
+
+def test_offline_errors(model_dirs, adapters, tmp_path):
+    dirs, _ = adapters("llama")
+    path, _ = model_dirs("llama")
+    llm = _llm(model_dirs, "llama", dirs, max_lora_rank=8)
+    try:
+        with pytest.raises(ValueError, match="'nope': not served, and no lora_path"):
+            llm.generate([PROMPTS[0]], lora_request=LoRARequest("nope", 1), use_tqdm=False)
+        with pytest.raises(ValueError, match="already served from"):
+            llm.generate([PROMPTS[0]], lora_request=LoRARequest("a1", 1, dirs["a2"]))
+        big = str(tmp_path / "big")
+        save_adapter("llama", big, seed=3, r=16)
+        with pytest.raises(ValueError, match="rank 16 is over max_lora_rank 8"):
+            llm.generate([PROMPTS[0]], lora_request=LoRARequest("big", 1, big))
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'big'"):  # nothing kept
+            llm.generate([PROMPTS[0]], SamplingParams(lora_name="big"), use_tqdm=False)
+        with pytest.raises(ValueError, match="2 lora_request for 1 prompts"):
+            llm.generate([PROMPTS[0]], lora_request=[None, None])
+        assert _run(llm, ["base"], [PROMPTS[1]], dirs)  # still serving
+        llm.scheduler.check_no_leak()
+    finally:
+        llm.shutdown()
+    plain = LLM(path, page_size=4, num_pages=64)
+    try:
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            plain.generate([PROMPTS[0]], lora_request=LoRARequest("a1", 1, dirs["a1"]))
+        with pytest.raises(ValueError, match="needs --enable-lora"):
+            plain.generate([PROMPTS[0]], SamplingParams(lora_name="a1"), use_tqdm=False)
+    finally:
+        plain.shutdown()
 
 
 def _rank_model(path: str, rank: int, size: int, adapters: list[str]):

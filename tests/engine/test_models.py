@@ -87,7 +87,7 @@ def test_logits_match_transformers(model_dirs, arch):
         sched.planner.admit(req)
         assert sched.planner.grow(req, req.remaining_len)
         req.extend_len = req.remaining_len
-    logits = engine.forward(Batch(reqs, "prefill"))
+    logits = engine.forward(Batch(reqs, "prefill")).logits.float()
     with torch.no_grad():
         for i, p in enumerate(prompts):
             ref = hf(torch.tensor([p])).logits[0, -1]
@@ -99,7 +99,7 @@ def test_logits_match_transformers(model_dirs, arch):
         req.tokens.append(tok)
         engine.set_tokens(req.table_idx, req.tokens)
         assert sched.planner.grow(req, 1)
-    logits = engine.forward(Batch(reqs, "decode"))
+    logits = engine.forward(Batch(reqs, "decode")).logits.float()
     with torch.no_grad():
         for i, req in enumerate(reqs):
             ref = hf(torch.tensor([req.tokens])).logits[0, -1]

@@ -1,5 +1,5 @@
 """The fused Gumbel-max sampler (kernel/sampling.py) with skipped rows: a CUDA graph's sampling
-passes the rows its step samples again (engine `forward_step`'s resample), giving 0 there and
+passes the rows its step samples again (`Engine.forward`'s resample), giving 0 there and
 the same ids elsewhere. On CUDA at Qwen3's vocabulary, otherwise under the Triton interpreter."""
 
 from __future__ import annotations

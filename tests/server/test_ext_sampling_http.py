@@ -7,13 +7,13 @@ priority), saying which extension it needs, and serves the same request without 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from support.server import Server, tiny_server
+from support.server import Server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 ALONE = {"MINISGL_DISABLE_EXTENSIONS": "1"}
@@ -22,9 +22,8 @@ SCHEMA = {"type": "object"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with tiny_server(tmp_path_factory, "--page-size", "4", extra_env=ALONE) as s:
-        yield s
+def server(shared_server: Callable[..., Server]) -> Server:
+    return shared_server("--page-size", "4", extra_env=ALONE)  # test_ext_structured_http's too
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -81,3 +80,14 @@ def test_generate_refuses_them_too(server: Server) -> None:
     r = post(server, "/generate", body | {"priority": 1})  # SGLang's place for it
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
     assert "priority needs the serving extension" in r.text
+
+
+def test_invalid_text_is_a_400_without_the_serving_extension(server: Server) -> None:
+    """The serving extension names the field of an unpaired surrogate; the core alone still
+    answers a 400 (the text cannot travel to the tokenizer), and the server serves on."""
+    raw = '{"prompt": "a \\ud800 b", "max_tokens": 2}'
+    headers = {"content-type": "application/json"}
+    r = httpx.post(f"{server.url}/v1/completions", content=raw, headers=headers, timeout=120)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_unicode", r.text
+    assert post(server, "/v1/completions", {"prompt": "a b", "max_tokens": 2}).status_code == 200

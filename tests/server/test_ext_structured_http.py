@@ -1,22 +1,24 @@
 """The server without the structured extension (issue 46): a tiny-model server started with
 MINISGL_DISABLE_EXTENSIONS=1 serves plain chats (streamed or not) and refuses with a 400 naming
 the field every chat request that asks for tool calling (tools, legacy functions, a
-tool_choice, earlier tool calls in the history; /tokenize's tools), saying that it needs the
-structured extension; --tool-call-parser and --reasoning-parser are refused at start, for the
-server and the shell."""
+tool_choice, earlier tool calls in the history; /tokenize's tools, with the serving extension's
+/tokenize), saying that it needs the structured extension; --tool-call-parser and
+--reasoning-parser are refused at start, for the server and the shell."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from support.server import REPO, Server, tiny_server
+from support.server import REPO, Server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 NEEDS = "needs the structured extension (minisgl/ext/structured)"
@@ -32,9 +34,8 @@ HISTORY = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with tiny_server(tmp_path_factory, "--page-size", "4", extra_env=ALONE) as s:
-        yield s
+def server(shared_server: Callable[..., Server]) -> Server:
+    return shared_server("--page-size", "4", extra_env=ALONE)  # test_ext_sampling_http's too
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -53,8 +54,6 @@ def test_plain_chat_is_served(server: Server, stream: bool) -> None:
         assert choice["finish_reason"] == "length"
     else:
         assert r.text.endswith("data: [DONE]\n\n") and '"finish_reason": "length"' in r.text
-    r = post(server, "/tokenize", {"messages": CHAT})
-    assert r.status_code == 200 and r.json()["count"] > 0
 
 
 @pytest.mark.parametrize(
@@ -78,11 +77,21 @@ def test_tool_calling_is_refused(
     assert error["param"] == param and error["message"] == f"{what} {NEEDS}", error
 
 
-def test_tokenize_tools_are_refused(server: Server) -> None:
-    r = post(server, "/tokenize", {"messages": CHAT, "tools": TOOLS})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "tools" and error["message"] == f"tools {NEEDS}", error
+@pytest.mark.ext
+def test_tokenize_tools_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The serving extension's /tokenize (a plain chat is served: test_openai_surface) without
+    the structured extension: its route, called with a registry that lacks chat_features."""
+    from minisgl.ext.serving.tokenize import TokenizeRequest, tokenize
+    from minisgl.extension import extensions
+    from minisgl.server.protocol import APIError
+
+    monkeypatch.setattr(extensions(), "chat_features", None)
+    api: Any = SimpleNamespace(check_model=lambda name: None, max_seq_len=64)
+    req = TokenizeRequest.model_validate({"messages": CHAT, "tools": TOOLS})
+    with pytest.raises(APIError) as refused:
+        asyncio.run(tokenize(api, req))
+    error = refused.value
+    assert (error.status, error.param, error.message) == (400, "tools", f"tools {NEEDS}")
 
 
 @pytest.mark.parametrize(

@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
 from minisgl import LLM, SamplingParams
-from support.server import Server, make_tiny_model, run_server
+from support.server import TINY_SERVER, Server, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -32,10 +32,8 @@ def vocab(model_dir: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = str(tmp_path_factory.mktemp("logs") / "server.log")
-    with run_server(model_dir, "--page-size", "4", log_path=log) as s:
-        yield s
+def server(shared_server: Callable[..., Server]) -> Server:
+    return shared_server(*TINY_SERVER)  # the same random weights as model_dir's (seed 0)
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:

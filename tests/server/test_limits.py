@@ -120,12 +120,8 @@ def test_invalid_text_in_every_field_is_a_400_and_takes_no_slot(server: Server) 
 
 
 def test_limits_before_any_work(server: Server) -> None:
-    from minisgl.server.limits import (
-        MAX_GRAMMAR_CHARS,
-        MAX_MESSAGES,
-        MAX_STOP_CHARS,
-        MAX_STOP_STRINGS,
-    )
+    from minisgl.ext.serving.fields import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS
+    from minisgl.ext.structured.fields import MAX_GRAMMAR_CHARS
 
     base = {"prompt": "hello", "max_tokens": 2}
     chat = {"messages": [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)}
@@ -367,12 +363,12 @@ class GatedTokenizer:
 
 def test_long_prompt_is_tokenized_off_the_loop() -> None:
     from minisgl.core import SamplingParams
+    from minisgl.ext.serving.worker import BACKGROUND_CHARS, ServingTokenizerWorker
     from minisgl.message import AbortMsg, TokenizeMsg, UserMsg
-    from minisgl.tokenizer.server import BACKGROUND_CHARS, TokenizerWorker
 
     tokenizer = GatedTokenizer()
     sched, detok, api = SentList(), SentList(), SentList()
-    worker = TokenizerWorker(tokenizer, sched, detok, api)
+    worker = ServingTokenizerWorker(tokenizer, [sched], detok, [api])
     long = "a" * (BACKGROUND_CHARS + 1)
 
     def msg(uid: int, text: str) -> TokenizeMsg:
@@ -398,7 +394,7 @@ def test_long_prompt_is_tokenized_off_the_loop() -> None:
 
 def test_the_size_bound_never_refuses_a_prompt_that_fits() -> None:
     """A prompt of max_seq_len tokens, each the longest in the vocabulary, passes the check."""
-    from minisgl.tokenizer.server import check_prompt_size, max_token_chars
+    from minisgl.ext.serving.worker import check_prompt_size, max_token_chars
     from support.tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()

@@ -516,10 +516,10 @@ class FlakyTokenizer:
 
 def test_detokenizer_failure_ends_only_that_request() -> None:
     from minisgl.message import AbortBackendMsg, DetokenizeMsg, DetokInitMsg
-    from minisgl.tokenizer.server import Detokenizer
+    from minisgl.tokenizer.detokenize import Detokenizer
 
     to_sched = SentList()
-    worker = Detokenizer(FlakyTokenizer(), SentList(), to_sched)  # type: ignore[arg-type]
+    worker = Detokenizer(FlakyTokenizer(), SentList(), [to_sched])  # type: ignore[arg-type]
     for uid in (1, 2):
         assert worker.init(DetokInitMsg(uid, 3, [0, 1, 2])) == []
     ok = worker.guarded(DetokenizeMsg(1, [3], False, None))

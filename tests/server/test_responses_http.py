@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -30,7 +30,7 @@ from minisgl.ext.agent.responses import (
 from minisgl.ext.agent.responses_output import ResponseOutput
 from minisgl.server.protocol import APIError, ChatRequest
 from support.scripted import build_scripted_model
-from support.server import Server, run_server, tiny_server
+from support.server import TINY_SERVER, Server, run_server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 
@@ -68,9 +68,8 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with tiny_server(tmp_path_factory, "--page-size", "4", "--served-model-name", "tiny") as s:
-        yield s
+def tiny(shared_server: Callable[..., Server]) -> Server:
+    return shared_server(*TINY_SERVER)
 
 
 def client_of(server: Server) -> OpenAI:

@@ -4,7 +4,7 @@ holding back stop strings, and a 400 naming the field for a bad value."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -13,7 +13,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.models.hf import load_tokenizer
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
-from support.server import Server, make_tiny_model, run_server
+from support.server import TINY_SERVER, Server, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -25,10 +25,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = str(tmp_path_factory.mktemp("logs") / "server.log")
-    with run_server(model_dir, "--page-size", "4", log_path=log) as s:
-        yield s
+def server(shared_server: Callable[..., Server]) -> Server:
+    return shared_server(*TINY_SERVER)
 
 
 def complete(server: Server, **fields: Any) -> httpx.Response:

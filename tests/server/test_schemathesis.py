@@ -40,7 +40,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.mark.skipif(shutil.which("schemathesis") is None, reason="schemathesis not installed")
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# One seed (issue 47: the suite in 10 minutes): --max-time makes each run 30 s whatever the seed,
+# and one run reaches every operation in both the coverage and the fuzzing phase.
+@pytest.mark.parametrize("seed", [0])
 def test_schemathesis_finds_no_server_error_and_no_mismatch(
     server: Server, tmp_path, seed: int
 ) -> None:

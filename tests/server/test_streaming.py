@@ -21,7 +21,6 @@ from minisgl.message import BatchFrontendMsg, TokenizeMsg, UserReply
 from minisgl.server.api_server import Chunks, Shape, create_app
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
-from minisgl.server.logprobs import CompletionLogprobs
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 from support.server import REPO
 
@@ -103,12 +102,12 @@ def test_replies_that_came_together_are_written_together(tmp_path: Any, n: int) 
     reason=st.sampled_from([None, "stop", "length", "abort", 'a "quoted" \\ reason']),
 )
 def test_plain_chunks_equal_the_encoded_choice(chat: bool, index: int, text: str, reason) -> None:
-    """`Chunks.plain` (the streamed chunk of a choice without logprobs or a parser, formatted
+    """`Chunks.plain` (the streamed chunk of a choice no extension shapes, formatted
     directly) is byte for byte the event `Shape.choice`'s dict gives through `json.dumps`: any
     text (quotes, backslashes, control characters, non-ASCII, lone surrogates)."""
     head = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
-    chunks, shape = Chunks(head, chat), Shape(chat=chat, logprobs=False, echo=None, n=1)
-    choice = shape.choice(index, text, reason, [], CompletionLogprobs(), delta=True)
+    chunks, shape = Chunks(head, chat), Shape(chat=chat, n=1)
+    choice = shape.choice(index, text, reason, delta=True)
     assert chunks.plain(index, text, reason) == chunks(choice)
     assert json.loads(chunks.plain(index, text, reason)[len("data: ") :])["choices"] == [choice]
 

@@ -366,6 +366,51 @@ def run_server(
     )
 
 
+# the plain tiny server that test modules share (`shared_server(*TINY_SERVER)`, tests/conftest.py)
+TINY_SERVER = ("--page-size", "4", "--served-model-name", "tiny")
+
+
+class SharedServers:
+    """Tiny servers shared by every test module of the session that asks for the same arguments
+    (issue 47: a start costs seconds of imports in five processes): started at first use, stopped
+    at the session's end with `run_server`'s checks (exit code 0, no process left behind).
+    Only for modules whose tests neither stop, kill nor drain the server nor depend on what other
+    modules sent it (a log read from an offset, not from the start)."""
+
+    def __init__(self, factory: Any) -> None:
+        self.factory = factory  # pytest's tmp_path_factory
+        self.servers: dict[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], Server] = {}
+
+    def get(self, *args: str, extra_env: dict[str, str] | None = None) -> Server:
+        key = (args, tuple(sorted((extra_env or {}).items())))
+        if key not in self.servers:
+            model = make_tiny_model(str(self.factory.mktemp("models") / "tiny"))
+            log = str(self.factory.mktemp("logs") / "shared.log")
+            server = Server(model, *args, log_path=log, extra_env=extra_env)
+            try:
+                server.wait_ready()
+            except BaseException:
+                server.kill_all()  # as run_server does: nothing of a failed start stays
+                raise
+            self.servers[key] = server
+        return self.servers[key]
+
+    def stop_all(self) -> None:
+        """Stop every server (all of them, whatever one of them does); AssertionError naming
+        those that did not exit with 0 or left a process behind."""
+        failures = []
+        for server in self.servers.values():
+            try:
+                code = server.stop()
+            except AssertionError as e:
+                failures.append(str(e))
+                continue
+            if code != 0:
+                failures.append(f"shared server exited with code {code}:\n{server.log()}")
+        self.servers.clear()
+        assert not failures, "\n".join(failures)
+
+
 @contextlib.contextmanager
 def tiny_server(factory: Any, *args: str, **options: Any) -> Iterator[Server]:
     """`run_server` on a new tiny random model (`factory`: pytest's tmp_path_factory), its log

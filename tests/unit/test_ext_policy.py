@@ -35,7 +35,8 @@ def fake_cache(prefixes: dict[int, int] | None = None) -> Any:
 
 
 def queue(policy: str, aging: int = 0, cache: Any = None, *reqs: Req) -> WaitingQueue:
-    config = SchedulerConfig(schedule_policy=policy, priority_aging=aging)
+    aging_option = {"priority_aging": aging} if policy != "fcfs" else {}  # the serving ext's
+    config = SchedulerConfig.from_options({"schedule_policy": policy, **aging_option})
     q = make_queue(config, cache or fake_cache())
     for req in reqs:
         q.append(req)
@@ -80,7 +81,8 @@ def test_the_flags_reach_the_scheduler_config() -> None:
     from minisgl.server.args import parse_args
 
     args = parse_args(["--schedule-policy", "priority", "--priority-aging", "3"])
-    assert (args.scheduler.schedule_policy, args.scheduler.priority_aging) == ("priority", 3)
+    assert args.scheduler.schedule_policy == "priority"
+    assert args.scheduler.extras["serving"].priority_aging == 3
 
 
 def test_priority_orders_by_aged_rank_and_preempts_only_later_ranks() -> None:

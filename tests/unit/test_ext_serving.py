@@ -45,17 +45,20 @@ def core_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_the_extension_fills_its_points() -> None:
-    from minisgl.ext.serving import metrics, sglang
+    from minisgl.ext.serving import fields, metrics, sglang
 
     points = extension.extensions()
     assert sglang.add_sglang_routes in points.routes
     assert metrics.add_metrics_route in points.routes
-    assert points.generate_extras is sglang.check_generate_extras
+    assert isinstance(points.unknown_fields, fields.UnknownFields)  # SGLang's on /generate
     assert points.request_observer is metrics.frontend_metrics
-    from minisgl.ext.serving import dispatch, replicas
+    from minisgl.ext.serving import llm_dp, replicas, scale, worker
 
-    assert points.dispatcher is dispatch.Dispatcher
-    assert points.replicas is replicas.Replicas
+    assert points.replicas is replicas.replicated_llm and points.replicas() is llm_dp.ReplicatedLLM
+    assert points.launcher is scale.ServingLauncher  # its tokenizer workers pick the --dp replica
+    made = worker.tokenizer_worker(16, "prefix", 8)([], [1, 2], None, [])  # two replicas
+    assert isinstance(made, worker.ServingTokenizerWorker) and made.dispatcher is not None
+    made.background.shutdown()
     from minisgl.ext.serving import http, options, status
 
     assert points.options["serving"] is options.ServingOptions
@@ -199,4 +202,4 @@ def test_llm_dp_is_refused_without_it(core_alone: None, tmp_path: Any) -> None:
     with pytest.raises(OptionError, match=NEEDS_SERVING) as refused:
         LLM(str(tmp_path), dp=2, device="cpu")
     assert refused.value.name == "dp" and isinstance(refused.value, ValueError)
-    assert extension.extensions().dispatcher is None and extension.extensions().replicas is None
+    assert extension.extensions().replicas is None

@@ -16,12 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from minisgl.server.gate import (
-    LONE_SURROGATE,
-    NOT_UTF8,
-    credentials_refused,
-    invalid_text_path,
-)
+from minisgl.ext.serving.text import LONE_SURROGATE, NOT_UTF8, invalid_text_path
+from minisgl.server.gate import credentials_refused
 
 # (body, what invalid_text_path finds)
 BODIES: list[tuple[bytes, tuple[str | None, str] | None]] = [

@@ -95,11 +95,11 @@ class FakeEngine:
     def track_adjustments(self, req: Req, eos_token_ids: object) -> None:
         pass
 
-    def forward_step(self, batch: Batch, samples: list[bool]) -> list[Req]:
+    def forward(self, batch: Batch, samples: list[bool]) -> list[Req]:
         self.batches.append([r.uid for r in batch.reqs])
         return list(batch.reqs)
 
-    def sample_step(self, batch: Batch, reqs: list[Req], prepared: dict | None) -> Any:
+    def sample(self, batch: Batch, reqs: list[Req], prepared: dict | None) -> Any:
         mask: TokenMask | None = (prepared or {}).get("grammar")
         tokens = [300 + r.uid % 100 for r in reqs]
         for row in mask.rows if mask is not None else []:
@@ -124,7 +124,7 @@ def make(tokenizer: Any, monkeypatch: pytest.MonkeyPatch):
     made: list[Scheduler] = []
 
     def build(compiles: Compiles | None = None) -> Scheduler:
-        config = SchedulerConfig(grammar_compile_timeout=3)
+        config = SchedulerConfig.from_options({"grammar_compile_timeout": 3})
         sched = Scheduler(FakeEngine(), config, {tokenizer.eos_token_id}, tokenizer)  # type: ignore[arg-type]
         grammar_state(sched).compiler = compiles or Compiles()  # type: ignore[assignment]
         made.append(sched)
@@ -312,9 +312,10 @@ def test_a_compile_over_its_budget_is_killed_and_the_others_go_on(tokenizer, mon
 def test_the_flag() -> None:
     from minisgl.server.args import parse_args
 
-    assert SchedulerConfig().grammar_compile_timeout == grammar_mod.COMPILE_TIMEOUT_S == 30
+    timeout = SchedulerConfig().extras["structured"].grammar_compile_timeout
+    assert timeout == grammar_mod.COMPILE_TIMEOUT_S == 30
     args = parse_args(["--model", "m", "--grammar-compile-timeout", "2.5"])
-    assert args.scheduler.grammar_compile_timeout == 2.5
+    assert args.scheduler.extras["structured"].grammar_compile_timeout == 2.5
     for bad in ("0", "-1", "nan", "inf", "soon"):
         with pytest.raises(SystemExit):
             parse_args(["--model", "m", "--grammar-compile-timeout", bad])

@@ -1,5 +1,5 @@
 """JSON-constrained output is compact by default (a model cannot pad with whitespace until
-max_tokens); `--json-any-whitespace` (SchedulerConfig.json_any_whitespace) lets whitespace
+max_tokens); `--json-any-whitespace` (SchedulerConfig.extras["structured"]) lets whitespace
 between JSON elements through. Checked on the compiled grammars themselves, on the
 `response_format: json_object` path, on the flag, and end to end with the offline LLM."""
 
@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.ext.structured.fields import ConstraintFields
 from minisgl.ext.structured.grammar import GrammarState
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import parse_args
-from minisgl.server.protocol import CompletionRequest, grammar_fields
 from support.server import make_tiny_model
 from support.tokenizer import build_tiny_tokenizer
 
@@ -52,10 +52,8 @@ def token_of(tokenizer, text: str) -> int:
 @pytest.mark.parametrize("any_whitespace", [False, True])
 def test_whitespace_between_json_elements(tokenizer, any_whitespace: bool) -> None:
     # what the server makes of response_format {"type": "json_object"}: the same JSON path
-    request = CompletionRequest.model_validate(
-        {"prompt": "x", "response_format": {"type": "json_object"}}
-    )
-    json_object = SamplingParams(**grammar_fields(request))
+    fields = ConstraintFields.model_validate({"response_format": {"type": "json_object"}})
+    json_object = SamplingParams(**fields.params(None))
     assert json_object.json_schema == OBJECT
     for schema, accepted, space in REFUSED_WHEN_COMPACT:
         m = matcher(tokenizer, any_whitespace, SamplingParams(json_schema=schema))
@@ -68,9 +66,10 @@ def test_whitespace_between_json_elements(tokenizer, any_whitespace: bool) -> No
 
 
 def test_the_flag() -> None:
-    assert SchedulerConfig().json_any_whitespace is False
-    assert parse_args(["--model", "m"]).scheduler.json_any_whitespace is False
-    assert parse_args(["--model", "m", "--json-any-whitespace"]).scheduler.json_any_whitespace
+    assert SchedulerConfig().extras["structured"].json_any_whitespace is False
+    assert parse_args(["--model", "m"]).scheduler.extras["structured"].json_any_whitespace is False
+    args = parse_args(["--model", "m", "--json-any-whitespace"])
+    assert args.scheduler.extras["structured"].json_any_whitespace
     with pytest.raises(SystemExit):  # a flag, not an option with a value
         parse_args(["--model", "m", "--json-any-whitespace", "yes"])
 

@@ -5,6 +5,7 @@ import threading
 import msgpack
 import pytest
 
+from minisgl import message as msg_base
 from minisgl.core import SamplingParams
 from minisgl.message import (
     AbortBackendMsg,
@@ -21,7 +22,6 @@ from minisgl.message import (
     encode,
     register,
 )
-from minisgl.message import base as msg_base
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue, ZmqPullQueue, ZmqPushQueue
 
 PARAMS = SamplingParams(
@@ -129,7 +129,7 @@ def test_unknown_type_name_is_value_error():
 
     register(Ghost)
     data = encode(Ghost(1))
-    del msg_base._BY_NAME["Ghost"]
+    del msg_base._TYPES["Ghost"]
     with pytest.raises(ValueError, match="Ghost"):
         decode(data)
 

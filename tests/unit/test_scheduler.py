@@ -73,7 +73,7 @@ class FakeEngine:
         assert start == 0, "no proposals here"
         self.token_table[row] = dict(enumerate(tokens))
 
-    def forward_step(self, batch: Batch, samples: list[bool]) -> list[tuple[int, int] | None]:
+    def forward(self, batch: Batch, samples: list[bool]) -> list[tuple[int, int] | None]:
         rows = [r.table_idx for r in batch.reqs]
         assert len(set(rows)) == len(rows) and min(rows) >= 0
         for req in batch.reqs:
@@ -94,7 +94,7 @@ class FakeEngine:
     def track_adjustments(self, req: Req, eos_token_ids: object) -> None:
         pass
 
-    def sample_step(self, batch: Batch, forward: list, mask: object = None) -> FakeStep:
+    def sample(self, batch: Batch, forward: list, mask: object = None) -> FakeStep:
         assert mask is None
         tokens = []
         for req, end in zip(batch.reqs, forward):
@@ -119,7 +119,9 @@ def make(monkeypatch):
         **engine: int,
     ) -> Scheduler:
         monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
-        options = SchedulerConfig(max_prefill_tokens=max_prefill_tokens, **(config or {}))
+        options = SchedulerConfig.from_options(
+            {"max_prefill_tokens": max_prefill_tokens, **(config or {})}
+        )
         made.append(Scheduler(FakeEngine(**engine), options, {EOS}))
         return made[-1]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from minisgl.message import DetokenizeMsg, DetokInitMsg, UserReply
 from minisgl.server.gate import credentials_refused
-from minisgl.tokenizer.server import Detokenizer
+from minisgl.tokenizer.detokenize import Detokenizer
 from support.tokenizer import build_tiny_tokenizer
 
 
@@ -25,7 +25,7 @@ def replies(stop: list[str], finish_reason: str) -> list[UserReply]:
     with `finish_reason` unless a stop string ended it first)."""
     tokenizer = build_tiny_tokenizer()
     ids = tokenizer.encode("hello world, hello", add_special_tokens=False)
-    worker = Detokenizer(tokenizer, Sent(), Sent())  # type: ignore[arg-type]
+    worker = Detokenizer(tokenizer, Sent(), [Sent()])  # type: ignore[arg-type]
     worker.init(DetokInitMsg(1, 1, [0], stop=stop))
     out = []
     for i, token in enumerate(ids):

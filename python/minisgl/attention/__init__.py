@@ -1,11 +1,5 @@
-"""Attention backends: `create_attention_backend("auto" | NAME | "PREFILL,DECODE", ...)`.
-
-- `fi`: flashinfer (paged prefill over the cached prefix, paged decode, CUDA-graph decode)
-- `triton`: the Triton kernels of `minisgl.kernel.triton_attention`
-- `torch`: the reference (padded gather + masked SDPA), any device
-`auto`: triton on CUDA (measured faster than fi on the H100: docs/benchmarks.md, session 11);
-for sliding-window models, which triton does not support, fi when flashinfer imports and the
-model and KV dtypes are 16-bit, else torch; torch on CPU."""
+"""Attention backends (`fi`: flashinfer, `triton`, `torch`: the reference, any device), made by
+`create_attention_backend("auto" | NAME | "PREFILL,DECODE", ...)`."""
 
 from __future__ import annotations
 
@@ -48,10 +42,13 @@ def auto_backend(
     sliding_window: int | None,
     kv_dtype: torch.dtype | None = None,
 ) -> str:
+    """--attn auto: triton on CUDA, torch elsewhere; for a sliding window fi or torch."""
+    # triton: measured faster than fi on the H100 (docs/benchmarks.md, session 11); it has no
+    # sliding windows: fi then, when flashinfer imports and the dtypes are 16-bit
     if device.type != "cuda":
         return "torch"
     if sliding_window is None:
-        return "triton"  # the faster one on the H100 in throughput and in a single stream
+        return "triton"
     fi_dtypes = dtype != torch.float32 and (kv_dtype is None or kv_dtype.itemsize == 2)
     return "fi" if fi_dtypes and flashinfer_available() else "torch"
 
@@ -67,28 +64,21 @@ def create_attention_backend(
     prefill, decode = parse_attn(name) if isinstance(name, str) else name
     if prefill == "auto":
         prefill = decode = auto_backend(device, dtype, sliding_window, kv_dtype)
-    if "fi" in (prefill, decode) and kv_dtype is not None and kv_dtype.itemsize != 2:
-        raise ValueError(
-            f"the fi (flashinfer) attention backend needs a 16-bit KV cache, got {kv_dtype}: "
-            "use --attn triton (or auto) with --kv-cache-dtype fp8"
-        )
 
     def make(one: str) -> BaseAttnBackend:
         if one == "fi":
             from minisgl.attention.fi_backend import FlashInferAttnBackend
 
-            if num_qo_heads is None:
-                raise ValueError("the fi attention backend needs num_qo_heads")
-            return FlashInferAttnBackend(device, num_qo_heads, dtype, sliding_window)
+            return FlashInferAttnBackend(device, num_qo_heads, dtype, sliding_window, kv_dtype)
         if one == "triton":
             from minisgl.attention.triton_backend import TritonAttnBackend
 
             return TritonAttnBackend(sliding_window)
         return TorchAttnBackend(sliding_window)
 
-    if prefill == decode:
-        return make(prefill)
-    return HybridAttnBackend(make(prefill), make(decode))
+    # fi made first: its refusals (dtypes, CUDA) name the fix whatever the other backend is
+    made = {one: make(one) for one in sorted({prefill, decode}, key=lambda one: one != "fi")}
+    return made[prefill] if prefill == decode else HybridAttnBackend(made[prefill], made[decode])
 
 
 __all__ = [

@@ -12,8 +12,7 @@ M = TypeVar("M", bound="AttnMetadata")
 
 
 class AttnMetadata:
-    """Base of each backend's per-batch metadata, which its `prepare` puts in
-    `batch.attn_metadata` and its `forward` reads back through `of`."""
+    """A backend's per-batch metadata: `prepare` sets `batch.attn_metadata`, `of` reads it."""
 
     @classmethod
     def of(cls: type[M], batch: Batch) -> M:
@@ -23,18 +22,16 @@ class AttnMetadata:
 
 
 class BaseAttnBackend(ABC):
-    """Paged attention over the context's KV pool. `prepare` runs once per batch and stores its
-    metadata in `batch.attn_metadata`. Per layer, the attention layer first writes the new
-    tokens' K/V into the pool at `batch.out_loc` (`store_kv`, or the fused RoPE + store kernel,
-    which writes the same slots), then `forward` attends q to the pool, new tokens included:
-    it only reads the pool.
+    """Paged attention over the context's KV pool: `prepare` once per batch (its metadata in
+    `batch.attn_metadata`), then per layer `store_kv` and `forward` (q against the pool)."""
 
-    CUDA graphs (decode only): `init_cuda_graph(max_bs)` once, then per captured batch size
-    `prepare_for_capture(batch)` (outside the capture) before capturing the forward, and
-    `prepare_for_replay(batch)` before each replay. Both put the metadata in buffers that live
-    as long as the backend, so a replay reads the new batch; the forward launches nothing whose
-    shape depends on KV lengths and never syncs with the host. The engine pads a batch to a
-    captured size itself (dummy requests: cached_len 0, extend_len 1)."""
+    # The new tokens' K/V are in the pool before `forward` (`store_kv`, or the fused RoPE +
+    # store kernel): it attends q to the pool, new tokens included.
+    # CUDA graphs (decode only): `init_cuda_graph(max_bs)` once; per captured batch size
+    # `prepare_for_capture(batch)` before capturing, `prepare_for_replay(batch)` before each
+    # replay. Both fill buffers that live as long as the backend; the captured forward never
+    # syncs with the host nor launches anything shaped by KV lengths. The engine pads a batch
+    # to a captured size with dummy requests (cached_len 0, extend_len 1).
 
     name: str
 
@@ -42,8 +39,7 @@ class BaseAttnBackend(ABC):
     def prepare(self, batch: Batch) -> None: ...
 
     def store_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> None:
-        """Write the new tokens' k, v [num_tokens, num_kv_heads, head_dim] into the pool at
-        `batch.out_loc` (cast to the pool's dtype). Every backend reads the pool's layout."""
+        """Write the new tokens' k, v [num_tokens, kv_heads, head_dim] into the pool."""
         assert batch.out_loc is not None
         get_global_ctx().kv_cache.store(layer_id, batch.out_loc, k, v)
 
@@ -57,8 +53,7 @@ class BaseAttnBackend(ABC):
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
     def fuses_rope(self, batch: Batch) -> bool:
-        """Whether `forward_rope` serves this batch: RoPE and the K/V store inside the
-        attention kernel, instead of the rotary kernel before it."""
+        """Whether `forward_rope` serves this batch (RoPE and the K/V store in the kernel)."""
         return False
 
     def forward_rope(
@@ -68,13 +63,10 @@ class BaseAttnBackend(ABC):
         raise NotImplementedError(f"the {self.name} attention backend does not apply RoPE")
 
     def init_cuda_graph(self, max_bs: int) -> None:
-        """Allocate the buffers for decode graphs of up to max_bs requests."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph support")
 
     def prepare_for_capture(self, batch: Batch) -> None:
-        """Like prepare() for a decode batch, with the metadata in the graph buffers."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph support")
 
     def prepare_for_replay(self, batch: Batch) -> None:
-        """Refill the graph buffers for a decode batch of a captured size."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA-graph support")

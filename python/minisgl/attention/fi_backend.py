@@ -1,11 +1,9 @@
-"""FlashInfer attention: paged prefill (FA2, causal, the new tokens against the cached prefix and
-themselves) and paged decode. Each batch is planned once in `prepare` and every layer runs that
-plan. Decode CUDA graphs use one graph-mode decode wrapper per captured batch size; its metadata
-buffers are shared and re-planned before each replay, unless the batch holds the same pages as
-the last plan (single stream: 15 steps of 16), when only the last pages' fill changes.
+"""FlashInfer attention: paged prefill (FA2, causal) and paged decode, each batch planned once
+in `prepare` for every layer; the pool's `k_cache` / `v_cache` are its NHD layout (no copy)."""
 
-The KV pool's per-layer `k_cache` / `v_cache` ([pages, page_size, kv_heads, head_dim]) is
-flashinfer's NHD paged layout, so no copy is needed. flashinfer is imported only here."""
+# Decode CUDA graphs: one graph-mode wrapper per captured batch size over shared buffers,
+# re-planned before each replay unless the batch holds the same pages as the last plan (single
+# stream: 15 steps of 16), when only the last pages' fill changes.
 
 from __future__ import annotations
 
@@ -46,15 +44,23 @@ class FlashInferAttnBackend(BaseAttnBackend):
     def __init__(
         self,
         device: torch.device,
-        num_qo_heads: int,
+        num_qo_heads: int | None,
         dtype: torch.dtype | None = None,
         sliding_window: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         if dtype == torch.float32:
             raise ValueError(
                 "the fi (flashinfer) attention backend does not support float32: "
                 "use --attn triton or torch, or a 16-bit --dtype"
             )
+        if kv_dtype is not None and kv_dtype.itemsize != 2:
+            raise ValueError(
+                f"the fi (flashinfer) attention backend needs a 16-bit KV cache, got {kv_dtype}: "
+                "use --attn triton (or auto) with --kv-cache-dtype fp8"
+            )
+        if num_qo_heads is None:
+            raise ValueError("the fi attention backend needs num_qo_heads")
         if device.type != "cuda":
             raise ValueError(f"the fi (flashinfer) attention backend needs CUDA, got {device}")
         try:
@@ -97,10 +103,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         if not math.isclose(scale, md.sm_scale, rel_tol=1e-6):
             raise ValueError(f"fi backend planned softmax scale {md.sm_scale}, layer gave {scale}")
         kv_cache = get_global_ctx().kv_cache
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        paged_kv = (kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id))
-        return md.wrapper.run(q, paged_kv)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        return md.wrapper.run(q, (kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)))
 
     # -- CUDA graphs -----------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:
@@ -152,8 +156,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
 
     @staticmethod
     def _page_counts(batch: Batch) -> tuple[list[int], list[int]]:
-        """(pages, tokens in the last page) of each request's KV, which includes this
-        forward's tokens (stored before the run)."""
+        """(pages, tokens in the last page) of each request's KV, this forward's included."""
         page_size = get_global_ctx().page_size
         kv_lens = [r.cached_len + r.extend_len for r in batch.reqs]
         num_pages = [-(-n // page_size) for n in kv_lens]
@@ -162,8 +165,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
     def _kv_pages(
         self, batch: Batch, num_pages: list[int], last: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kv page indptr on the host, flat page ids on the device, last page lengths on the
-        host, pinned) of the batch's KV, from its `_page_counts`."""
+        """(kv page indptr, flat page ids on the device, last page lengths) of `_page_counts`."""
         ctx = get_global_ctx()
         indptr = [0, *accumulate(num_pages)]
         rows = [r.table_idx for r in batch.reqs]
@@ -174,8 +176,6 @@ class FlashInferAttnBackend(BaseAttnBackend):
 
     def _plan_common(self) -> dict:
         kv_cache = get_global_ctx().kv_cache
-        if kv_cache.dtype == torch.float32:
-            raise ValueError("the fi (flashinfer) attention backend does not support float32")
         return dict(
             num_qo_heads=self.num_qo_heads,
             num_kv_heads=kv_cache.num_kv_heads,

@@ -1,5 +1,4 @@
-"""Reference attention in plain torch: gather each request's KV from the pages into a padded
-[batch, max_len] layout and run masked SDPA. Correct everywhere, fast nowhere."""
+"""Reference attention in plain torch: each request's KV gathered, padded, masked SDPA."""
 
 from __future__ import annotations
 
@@ -86,9 +85,9 @@ class TorchAttnBackend(BaseAttnBackend):
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, Hk, L, D] of the pool's rows at `slots` [B, L], in `dtype` (an fp8 pool is widened,
-    as the kernels do), converted while contiguous (a strided conversion costs more than the
-    attention). index_select along dim 0: half the CPU time of advanced indexing at decode
-    sizes, and several times faster than along another dim (K and V at once)."""
+    """[B, Hk, L, D] of the pool's rows at `slots` [B, L], in `dtype` (an fp8 pool widened)."""
+    # Converted while contiguous: a strided conversion costs more than the attention.
+    # index_select along dim 0: half the CPU time of advanced indexing at decode sizes, and
+    # several times faster than along another dim (K and V at once).
     rows = pool.index_select(0, slots.reshape(-1)).to(dtype)
     return rows.view(*slots.shape, *pool.shape[1:]).transpose(1, 2)

@@ -1,6 +1,5 @@
-"""Paged attention with the Triton kernels of `minisgl.kernel.triton_attention`: a split-KV
-decode kernel (CUDA-graph safe) and a causal extend (prefill) kernel, both reading KV through
-the page table."""
+"""Paged attention with `minisgl.kernel.triton_attention`: split-KV decode (CUDA-graph safe) and
+causal extend (prefill), both reading KV through the page table."""
 
 from __future__ import annotations
 
@@ -108,9 +107,9 @@ class TritonAttnBackend(BaseAttnBackend):
         )
 
     def fuses_rope(self, batch: Batch) -> bool:
-        """One request only. Rows of one request (verification, prompts as rows) read the K/V
-        that other programs of the same launch would store, and at 256 requests the rotary
-        kernel is measured faster (H100, session 24: -0.5 % bf16, -2 % fp8 tok/s fused)."""
+        # One request only: rows of one request (verification, prompts as rows) would read the
+        # K/V that other programs of the same launch store, and at 256 requests the rotary
+        # kernel is measured faster (H100, session 24: -0.5 % bf16, -2 % fp8 tok/s fused).
         return batch.is_decode and batch.size == 1 and not env.disable_decode_rope()
 
     def forward_rope(

@@ -1,5 +1,5 @@
 """What the engine runs. Every field is an option (utils/options.py): a keyword of `LLM(...)`
-and a flag of `python -m minisgl`, its help text and checks beside it."""
+and a flag of `python -m minisgl` (docs/features.md has the details)."""
 
 from __future__ import annotations
 
@@ -40,25 +40,21 @@ class EngineConfig:
     device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
     dtype: str = option(
         "auto",
-        "auto: the model's dtype on cuda (bfloat16 for a float32 checkpoint); on cpu bfloat16 "
-        "when the weights are quantized (--quantization) and the CPU has avx512_bf16 or "
-        "amx_bf16 (cpu extension), else float32; half and float are float16 and float32 "
-        "(vLLM's names)",
+        "auto: the model's dtype on cuda (bfloat16 for float32); on cpu float32, or bfloat16 "
+        "for quantized weights on a bf16 CPU (cpu extension); half, float: vLLM's names",
         choices=DTYPES,
     )
     quantization: str = option(
         "auto",
         "weight-only quantized linear layers (cpu extension; CPU, 16-bit dtype, TP 1): gguf "
-        "keeps a GGUF's Q4_0/Q4_1 codes as int4 and makes Q8_0 per-row int8; int8 quantizes every "
-        "projection per row; none computes with the dequantized weights (the exact path); "
-        "auto: gguf for a quantized GGUF on cpu in bfloat16, else none",
+        "(a GGUF's Q4 codes as int4, Q8_0 as int8), int8 (every projection per row), none "
+        "(dequantized: the exact path); auto: gguf for a quantized GGUF in bfloat16, else none",
         choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = option(
         "auto",
-        "KV cache storage type; auto: the model's dtype. fp8 halves the KV bytes (twice "
-        "the tokens fit, faster long-context decode) at some accuracy; needs --attn triton or "
-        "torch (auto picks triton on cuda); fp8 is fp8_e4m3 (vLLM's name)",
+        "KV cache storage type (auto: the model's dtype); fp8 (fp8_e4m3) halves the KV bytes at "
+        "some accuracy, with --attn triton or torch",
         choices=list(KV_CACHE_DTYPES),
     )
     page_size: int = option(16, "tokens per KV page", type=int_range(1))
@@ -78,8 +74,7 @@ class EngineConfig:
     )
     memory_ratio: float = option(
         0.9,
-        "fraction of the GPU memory free after loading the weights, less 1 GiB for "
-        "activations, that the KV cache takes",
+        "fraction of the GPU memory free after loading the weights (less 1 GiB) for the KV cache",
         type=ratio,
     )
     cpu_kv_cache_mb: int = option(512, "KV cache size on cpu, in MiB", type=int_range(1))
@@ -89,8 +84,7 @@ class EngineConfig:
     )
     moe_backend: str = option(
         "auto",
-        "experts of MoE models: triton (fused kernel, CUDA), torch (reference loop) or "
-        "auto (triton on CUDA when it imports)",
+        "experts of MoE models: triton (fused, CUDA), torch (reference) or auto (triton on CUDA)",
         choices=MOE_BACKENDS,
     )
     cuda_graph_max_bs: int = option(
@@ -101,10 +95,8 @@ class EngineConfig:
     )
     enable_torch_compile: bool = option(
         False,
-        "cpu (cpu extension): compile one-request decode steps with torch.compile (fused C++ "
-        "kernels instead of ~60 eager ops a layer: decode ~1.2x on the embedded model) at the "
-        "cost of a compile at the first decode step (2 cores: ~30 s, ~10 s from inductor's cache); "
-        "batches stay eager; on cuda decode steps replay CUDA graphs instead",
+        "cpu (cpu extension): compile one-request decode steps with torch.compile (decode "
+        "~1.2x, a compile of ~30 s at the first); batches stay eager",
     )
     dummy_weights: bool = option(False, "random weights (benchmarks, tests)")
     seed: int = option(
@@ -123,12 +115,7 @@ class EngineConfig:
         except ValueError as e:
             raise OptionError("attn", str(e)) from None
         self.attn = prefill if prefill == decode else f"{prefill},{decode}"
-        self._check_extensions()
-
-    def _check_extensions(self) -> None:
-        """Options that only the cpu extension computes are refused without it, before anything
-        loads (on the command line, an error naming the flag)."""
-        exts = extensions()
+        exts = extensions()  # the cpu extension's options are refused without it
         if self.quantization not in ("auto", "none") and exts.model_transform is None:
             missing = ExtensionMissing(f"--quantization {self.quantization}", "cpu")
             raise OptionError("quantization", str(missing))

@@ -54,8 +54,7 @@ def _resolve_dtype(config: EngineConfig, hf_config, device: torch.device, path: 
 
 
 def set_cpu_threads() -> None:
-    """Use every core this process may run on (its affinity mask, which containers and
-    `taskset` narrow), unless OMP_NUM_THREADS chose already (e.g. a --dp replica's share)."""
+    """Use every core of this process's affinity mask, unless OMP_NUM_THREADS chose already."""
     if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
         torch.set_num_threads(len(os.sched_getaffinity(0)))
 
@@ -67,17 +66,15 @@ def _model_path(config: EngineConfig) -> str:
 
 
 def check_model(config: EngineConfig, size: int = 1, gpus: int | None = None) -> None:
-    """Fail before any rank starts when the model or the machine cannot take TP `size`
-    (`gpus`: those this machine needs, when not `size`: --dp, --nnodes), or --max-model-len
-    is above the model's context."""
+    """Fail before any rank starts when the model or the machine (`gpus` it needs) cannot take
+    TP `size`, or --max-model-len is above the model's context."""
     cfg = ModelConfig.from_hf(load_hf_config(_model_path(config)))
     check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config.device), gpus)
     model_len(config, cfg)
 
 
 def model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    """--max-model-len, or the model's context when unset. Above the context it is refused, not
-    cut: the rotary table ends there, and positions past it were never trained."""
+    """--max-model-len, or the model's context (above it: refused; never trained there)."""
     context = cfg.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > context:
         message = f"{config.max_model_len} is above the model's context of {context} tokens"
@@ -103,8 +100,8 @@ class Engine:
         make = extensions().model_transform
         self.model_transform = make(self) if make is not None else None
         self.quantization = "none" if self.model_transform is None else self.model_transform.name
-        cfg = self.model_config
-        check_tp_size(get_tp_info().size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
+        cfg, tp_size = self.model_config, get_tp_info().size
+        check_tp_size(tp_size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
         self.max_model_len = model_len(config, cfg)
 
         torch.manual_seed(config.seed)
@@ -129,14 +126,13 @@ class Engine:
             (rows, self.max_seq_len + 1), dtype=torch.int32, device=self.device
         )
         self.attn_backend = create_attention_backend(
-            config.attn_backends,
-            self.device,
-            cfg.sliding_window,
-            dtype=self.dtype,
-            num_qo_heads=cfg.num_heads // get_tp_info().size,
-            kv_dtype=self.kv_dtype,
-        )
-        self.compiled_decoder = self._compiled_decoder()
+            config.attn_backends, self.device, cfg.sliding_window, dtype=self.dtype,
+            num_qo_heads=cfg.num_heads // tp_size, kv_dtype=self.kv_dtype,
+        )  # fmt: skip
+        self.compiled_decoder = None  # one-request decode steps under --enable-torch-compile
+        if config.enable_torch_compile:  # (EngineConfig refuses it without the cpu extension)
+            compile = require(extensions().decoder_transform, "--enable-torch-compile", "cpu")
+            self.compiled_decoder = compile(self)
         self.table_writes = TableWrites(self.page_table, self.token_table)
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
@@ -168,28 +164,17 @@ class Engine:
             transform.after_load(model)
         return model.eval()
 
-    def _compiled_decoder(self) -> torch.nn.Module | None:
-        """The decoder of one-request decode steps under --enable-torch-compile: the cpu
-        extension's `decoder_transform` (EngineConfig refuses the flag without it); else None."""
-        if not self.config.enable_torch_compile:
-            return None
-        return require(extensions().decoder_transform, "--enable-torch-compile", "cpu")(self)
-
     def _build_kv_cache(self) -> MHAKVCache:
-        cfg, tp = self.model_config, get_tp_info()
-        kv_heads = max(1, cfg.num_kv_heads // tp.size)
-        page_size = self.config.page_size
+        cfg, page_size, num_pages = self.model_config, self.config.page_size, self.config.num_pages
+        kv_heads = max(1, cfg.num_kv_heads // get_tp_info().size)
         per_page = MHAKVCache.bytes_per_page(
             cfg.num_layers, page_size, kv_heads, cfg.head_dim, self.kv_dtype
         )
-        num_pages = self.config.num_pages
         if num_pages is None:
-            if self.device.type == "cuda":
+            budget = self.config.cpu_kv_cache_mb << 20
+            if self.device.type == "cuda":  # 1 GiB kept for activations
                 free, _ = torch.cuda.mem_get_info(self.device)
-                # keep 1 GiB for activations
                 budget = int(free * self.config.memory_ratio) - (1 << 30)
-            else:
-                budget = self.config.cpu_kv_cache_mb << 20
             # never more than every running request at full length needs
             wanted = self.config.max_running_requests * -(-self.max_model_len // page_size)
             # every rank schedules alike, so every rank's pool must be as large
@@ -202,67 +187,52 @@ class Engine:
         return MHAKVCache(*shape, self.kv_dtype, self.device)
 
     def set_pages(self, table_idx: int, start_page: int, pages: list[int]) -> None:
-        """Record pages [start_page, start_page + len(pages)) of the request in row table_idx
-        (on the device at the next step's head, `TableWrites`)."""
+        """Pages [start_page, ...) of row table_idx (on the device at the next step's head)."""
         if pages:
             self.table_writes.write_pages(table_idx, start_page, pages)
             self.ctx.page_table_version += 1
 
     def set_tokens(self, table_idx: int, tokens: list[int], start: int = 0) -> None:
-        """Token ids into a request's row of the token table from position `start`: a newly
-        admitted request's known tokens, or proposals to verify (on the device at
-        the next step's head)."""
+        """Token ids into row table_idx from position `start` (at the next step's head)."""
         self.table_writes.write_tokens(table_idx, start, tokens)
 
-    @torch.inference_mode()
-    def forward(self, batch: Batch, samples: list[bool] | None = None) -> torch.Tensor:
-        """Run the model; logits [B, vocab] (float32) of each request's last computed token."""
-        return self.forward_step(batch, samples or [False] * batch.size).logits.float()
+    @property
+    def needs_warm_up(self) -> bool:
+        """Kernels compile at first use: on CUDA, or under --enable-torch-compile."""
+        return self.device.type == "cuda" or self.compiled_decoder is not None
+
+    def decoder(self, batch: Batch) -> torch.nn.Module:
+        """The compiled decoder for a one-request decode step, else the model's own."""
+        if self.compiled_decoder is not None and batch.is_decode and batch.size == 1:
+            return self.compiled_decoder
+        return self.model.model
 
     @torch.inference_mode()
-    def forward_step(self, batch: Batch, samples: list[bool]) -> ForwardOutput:
-        """Phase 1 of a step: queue the forward (and, in a CUDA graph, the sampling of every
-        request whose `samples` flag is set). Nothing here waits for the device."""
+    def forward(self, batch: Batch, samples: list[bool] | None = None) -> ForwardOutput:
+        """Step phase 1, queue the forward: a decode batch replays its CUDA graph (which samples
+        the rows whose `samples` flag is set), another tries the extensions' speed paths, else
+        it runs eagerly. Nothing here waits for the device."""
+        samples = samples or [False] * batch.size
         self.table_writes.flush()
         reqs = batch.reqs
-        features = self._features(batch)
+        features = []  # those acting on some request of the batch (none: the usual case)
+        if self.features and any(r.ext for r in reqs):
+            features = [f for f in self.features if any(f.name in r.ext for r in reqs)]
         changes = any(f.changes_logits(r) for f in features for r in reqs if f.name in r.ext)
         filtered = any_filter(reqs, self.model_config.vocab_size)
-        # the ids sample_step draws again after changing the logits: the graph skips them
-        resample = changes or filtered
-        out = self._forward(batch, samples, resample, features)
+        resample = changes or filtered  # `sample` draws these ids again: the graph skips them
+        out = self._run(batch, samples, resample, features)
         out.features, out.changes, out.filtered = features, changes, filtered
         if resample:
             out.sampled = None
         return out
 
-    def _features(self, batch: Batch) -> list[StepFeature]:
-        """The step features acting on some request of the batch (none: the usual case)."""
-        if not self.features or not any(r.ext for r in batch.reqs):
-            return []
-        return [f for f in self.features if any(f.name in r.ext for r in batch.reqs)]
-
-    @property
-    def needs_warm_up(self) -> bool:
-        """Kernels compile at first use: Triton's and FlashInfer's on CUDA, the decoder's
-        graph under --enable-torch-compile (eager CPU has nothing to compile)."""
-        return self.device.type == "cuda" or self.compiled_decoder is not None
-
-    def decoder(self, batch: Batch) -> torch.nn.Module:
-        """The decoder that runs `batch`: the compiled one for a one-request decode step
-        (--enable-torch-compile), else the model's own."""
-        if self.compiled_decoder is not None and batch.is_decode and batch.size == 1:
-            return self.compiled_decoder
-        return self.model.model
-
-    def _forward(
+    def _run(
         self, batch: Batch, samples: list[bool], resample: bool, features: list[StepFeature]
     ) -> ForwardOutput:
-        """A decode batch replays its CUDA graph; another batch goes to the speed paths (the
-        extensions': a verify step or a small prefill as graph rows), else runs eagerly."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch, samples, resample)
-        for path in self.forward_paths:
+        for path in self.forward_paths:  # a verify step or a small prefill as graph rows
             if (out := path.forward(self, batch, samples, resample)) is not None:
                 return out
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
@@ -276,36 +246,34 @@ class Engine:
         return out
 
     @torch.inference_mode()
-    def sample_step(
+    def sample(
         self, batch: Batch, out: ForwardOutput, prepared: dict[str, Any] | None = None
     ) -> StepOutput:
-        """Phase 2: sample what the forward did not (filters, logits the step features process
-        with their `prepared` host inputs, eager batches); the ids go into the token table
-        (where the next step reads its inputs) and into pinned host memory. Nothing here waits
-        for the device."""
+        """Step phase 2: sample what the forward did not (filters, processed logits, eager
+        batches) into the token table and pinned host memory. Nothing here waits for the
+        device."""
         self.table_writes.flush()  # token writes since the forward land before this step's ids
         if out.regroup is not None:  # a speed path ran other rows: their ids -> the batch's
             assert out.rows is not None
-            next_ids = out.regroup(self._sample_ids(out.rows, out, {}))
+            next_ids = out.regroup(self._sample_rows(out.rows, out, {}))
         else:
-            next_ids = self._sample_ids(batch, out, prepared or {})
+            next_ids = self._sample_rows(batch, out, prepared or {})
             if self.speculator is not None and not batch.is_decode:  # verifying rows extend
                 self.speculator.verify(self, batch, out)
         return StepOutput.start_copy(next_ids, out.results)
 
-    def _sample_ids(
+    def _sample_rows(
         self, batch: Batch, out: ForwardOutput, prepared: dict[str, Any]
     ) -> torch.Tensor:
-        """The step's sampled ids (written into the token table): the observers read the raw
-        logits first, then the processors change them in stage order (eager sampling after);
-        the observers' results go into `out.results`."""
+        """Observers read the raw logits, processors change them in stage order, then the rows
+        the graph did not sample are drawn into the token table."""
         next_ids, features = out.sampled, out.features
         observed = [(f, f.observe(self, batch, out.logits, out.changes)) for f in features]
-        if next_ids is None or out.changes or out.filtered:
+        if next_ids is None:  # (always None when some feature changes logits or filters)
             masked = False
             for f in sorted(features, key=lambda f: f.stage):
                 masked |= f.process(self, batch, out, prepared.get(f.name), masked)
-            next_ids = self._sample(batch.reqs, out, out.filtered)
+            next_ids = self._draw(batch.reqs, out)
             self.token_table[out.inputs.write_rows, out.kv_lens] = next_ids.to(torch.int32)
         for f, seen in observed:
             if seen is not None:
@@ -313,15 +281,13 @@ class Engine:
                 out.results[f.name] = seen
         return next_ids
 
-    def _sample(self, reqs: list[Req], out: ForwardOutput, filtered: bool) -> torch.Tensor:
-        """Eager sampling from `out.logits`: with the host-built filter arguments only when a
-        request uses top-k, top-p or min-p; else from the step's own inputs on the device."""
-        if filtered:  # each row's step: the position it samples (as the graph's kv_lens)
+    def _draw(self, reqs: list[Req], out: ForwardOutput) -> torch.Tensor:
+        """Eager sampling: host-built filter arguments only when some request uses top-k, top-p
+        or min-p; else the step's own inputs on the device."""
+        if out.filtered:  # each row's step: the position it samples (as the graph's kv_lens)
             steps = [r.cached_len + r.extend_len for r in reqs]
-            args = BatchSamplingArgs.from_reqs(
-                reqs, self.model_config.vocab_size, self.device, steps
-            )
-            return sample(out.logits, args)
+            vocab = self.model_config.vocab_size
+            return sample(out.logits, BatchSamplingArgs.from_reqs(reqs, vocab, self.device, steps))
         if all(r.params.is_greedy for r in reqs):
             return greedy(out.logits)
         inputs = out.inputs
@@ -339,9 +305,7 @@ class Engine:
         try:
             self.attn_backend.init_cuda_graph(max_bs)
         except NotImplementedError:
-            logger.warning(
-                "attention backend %s has no CUDA-graph support: graphs off", self.config.attn
-            )
+            logger.warning("attention backend %s has no CUDA graphs: graphs off", self.config.attn)
             return None
         return GraphRunner(self, max_bs)
 
@@ -351,9 +315,8 @@ class Engine:
 
 
 class StepOutput:
-    """Sampled token ids (and what the step features observed: `results` by feature name) on
-    their way to the host: the copies are queued behind the step's kernels and reading them
-    waits only for those."""
+    """Sampled ids (and the features' `results`) on their way to the host: the copies are
+    queued behind the step's kernels and reading them waits only for those."""
 
     def __init__(
         self, host: torch.Tensor, event: torch.cuda.Event | None, results: dict[str, Any]

@@ -1,13 +1,8 @@
-"""CUDA graphs for decode: one graph per batch size in a ladder up to `cuda_graph_max_bs`,
-captured once at start; a decode batch is padded to the next captured size with dummy
-requests that read and write only the engine's dummy row and page.
-
-A graph holds the whole step (`engine/step.py: run_step`), not only the model: it gathers the
-input ids and KV slots from the token and page tables, runs the model, samples (temperature /
-greedy; top-k, top-p, min-p and grammar masks resample eagerly from its logits) and writes the
-sampled ids back into the token table. The host's part of a step is then one small copy into
-the static input block, the attention backend's metadata and the replay: with a small batch,
-host time per step is what bounds decode."""
+"""CUDA graphs for decode: one per batch size in a ladder up to `cuda_graph_max_bs`, captured
+at start; a batch is padded to the next size with dummy requests of the dummy row and page.
+A graph holds the whole step (`run_step`: gather inputs from the tables, model, sampling, ids
+back into the token table), so the host's part is one small copy, the attention metadata and
+the replay: with a small batch, host time per step is what bounds decode."""
 
 from __future__ import annotations
 
@@ -39,9 +34,8 @@ class GraphRunner:
             Req([0], 1, SamplingParams(seed=0), 2, table_idx=engine.dummy_row, extend_len=1)
             for _ in range(max_bs)
         ]
-        # The static StepInputs block of each graph, refilled before each replay; it starts as
-        # all padding, which is what the capture runs on. One contiguous block per size: into
-        # a column slice of a shared one, the copy would be a copy kernel after the transfer.
+        # The static StepInputs block of each graph (all padding at capture), refilled before
+        # each replay; one per size: into a slice of a shared one, the copy adds a kernel.
         self.blocks = {
             bs: StepInputs.pack(
                 self.padding[:bs], [False] * bs, engine.dummy_row, engine.device
@@ -82,9 +76,8 @@ class GraphRunner:
         return batch.is_decode and batch.size <= self.max_bs
 
     def replay(self, batch: Batch, samples: list[bool], resample: bool = False) -> ForwardOutput:
-        """Run a decode batch; the ids sampled for the requests whose `samples` flag is set
-        land in the token table after their last token (the others' in the dummy row).
-        `resample`: the caller samples every row again, so the graph's sampling skips them."""
+        """Run a decode batch; sampled ids land in the token table (unsampled: the dummy row).
+        `resample`: the caller samples every row again, so the graph skips them."""
         bs, engine = batch.size, self.engine
         padded = next(size for size in self.sizes if size >= bs)
         graph, out, static = self.graphs[padded]
@@ -103,10 +96,8 @@ class GraphRunner:
 
 
 def rows_per_position(batch: Batch) -> Batch:
-    """A prefill or verify step as a decode batch with one row per computed position (the
-    request at that position, a shallow copy), which the graphs can replay: row j attends to
-    the KV that the rows before it store in the same layer, so its logits are the extend's
-    (the extensions' speed paths: ext/spec, ext/perf)."""
+    """An extend as a decode batch of one row per computed position, which the graphs replay:
+    row j attends to the KV the rows before it store (ext/spec's and ext/perf's speed paths)."""
     rows = []
     for req in batch.reqs:
         for j in range(req.extend_len):

@@ -1,8 +1,6 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
-
-Randomness comes from a counter-based hash of (seed, step, token id) instead of a stateful
-generator, so a seeded request samples the same tokens whatever batch it lands in, on any
-device, and the whole batch is sampled with tensor ops and no host sync."""
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds. The
+randomness is a hash of (seed, step, token id), not a stateful generator: a seeded request
+samples alike in any batch, on any device, with no host sync."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ class BatchSamplingArgs:
     def from_reqs(
         reqs: list[Req], vocab_size: int, device: torch.device, steps: list[int] | None = None
     ) -> BatchSamplingArgs:
-        """One row per request; `steps`: the position each row samples at (default: after the
-        request's tokens; a request repeated over positions when verifying proposals)."""
+        """One row per request; `steps`: the position each samples at (default: its end)."""
         params = [r.params for r in reqs]
         steps = [len(r.tokens) for r in reqs] if steps is None else steps
         temps = [p.sampling_temperature for p in params]
@@ -71,8 +68,7 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1) determined by (seed, step, token id) alone (23 random
-    bits each, so 1.0 is never reached)."""
+    """[B, V] float32 uniforms in (0, 1) from (seed, step, token id) alone (23 random bits)."""
     token = torch.arange(vocab_size, device=seed.device)
     row = _hash32((_hash32(seed & MASK32) ^ (step * 0x9E3779B1 & MASK32)) & MASK32)
     bits = _hash32((row[:, None] ^ (token[None, :] * 0x85EBCA6B & MASK32)) & MASK32)
@@ -80,9 +76,8 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> to
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> argmax ids [B]. On CUDA in the model's dtype (a float32 copy adds
-    nothing); on CPU in float32, where a bf16 argmax over a 49k vocabulary is 3x slower than
-    the copy and a float32 argmax together (the same ids: widening is exact)."""
+    """logits [B, V] -> argmax ids [B]; on CPU in float32 (a bf16 argmax there is 3x slower
+    than widening, which is exact, and a float32 argmax together)."""
     return (logits.float() if logits.device.type == "cpu" else logits).argmax(dim=-1)
 
 
@@ -102,10 +97,9 @@ def sample_at_temperature(
     filters: BatchSamplingArgs | None = None,
     skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Greedy in the rows whose temperature is 0, a Gumbel-max draw at the row's temperature
-    elsewhere, after top-k / top-p / min-p when `filters` is given. No host sync; without
-    filters it is what CUDA graphs capture. `skip` [B]: rows whose id nobody reads (the fused
-    kernel leaves them out and gives 0; elsewhere they are sampled all the same)."""
+    """Greedy where the temperature is 0, else a Gumbel-max draw at it, after top-k / top-p /
+    min-p when `filters` is given; no host sync. `skip` [B]: rows whose id nobody reads (the
+    fused kernel gives 0 there)."""
     if filters is None and (ops := kernel.fused_ops(logits, "sampling")) is not None:
         return ops.gumbel_argmax(logits, temperature, seed, step, skip)
     temp = torch.where(temperature > 0, temperature, 1.0)
@@ -128,8 +122,7 @@ def sample_into(
     skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sample_at_temperature` without filters, each id also written to table[rows, step] (the
-    token table: a sampled id's position is its step). The fused kernel writes it where it
-    picks the id, two small kernels fewer in every CUDA-graph step."""
+    fused kernel writes it where it picks the id: two kernels fewer a graph step)."""
     if (ops := kernel.fused_ops(logits, "sampling")) is not None:
         return ops.gumbel_argmax(logits, temperature, seed, step, skip, into=(table, rows))
     sampled = sample_at_temperature(logits, temperature, seed, step, skip=skip)

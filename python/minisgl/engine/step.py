@@ -1,6 +1,6 @@
 """One forward step, written once: its per-request inputs (`StepInputs`, one small host block),
 the per-token inputs derived on the device, and `run_step`, which the eager path calls and
-`GraphRunner` captures in CUDA graphs."""
+the CUDA graphs capture."""
 
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepInputs:
-    """A step's per-request inputs on the device: one int64 block (`pack`; one non-blocking copy),
-    one row per field in this order; `unpack` names the rows of a block on the device as views,
-    so a CUDA graph's step starts with no conversion kernels."""
+    """A step's per-request inputs on the device: one int64 block (`pack`), a row per field in
+    this order; `unpack` views its rows, so a graph's step starts with no conversion kernels."""
 
     rows: torch.Tensor  # page-table (and token-table) row
     cached_lens: torch.Tensor  # tokens whose KV is in the pool
@@ -43,11 +42,9 @@ class StepInputs:
         device: torch.device,
         resample: bool = False,
     ) -> torch.Tensor:
-        """The host block [8, len(reqs) rounded up to even]; pinned for a CUDA device, since a
-        copy from pageable memory would wait for all queued device work. `resample`: the step
-        samples every row again after the forward (adjusted, masked or filtered logits).
-        An even width starts every row 16-byte aligned: Triton compiles a kernel variant per
-        pointer alignment, and a batch of odd size first met mid-run would stall it."""
+        """The host block [8, len(reqs) rounded up to even] (pinned on CUDA; `resample`: every
+        row is sampled again after the forward). An even width starts every row 16-byte
+        aligned: Triton compiles a variant per alignment, which would stall a run mid-way."""
         pad = [0] * (len(reqs) % 2)
         host = torch.tensor(
             [
@@ -87,11 +84,9 @@ def _low_halves(row: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ForwardOutput:
-    """A queued forward, one row per request: logits of its last computed token, where its
-    sampled id goes (token_table[write_rows, kv_lens]) and, when the step sampled, that id;
-    `hidden`: every computed token's final hidden state (speculative verification, the
-    step features' observers). A speed path that ran the batch as other `rows` (one per
-    position) gives their outputs and `regroup`, which maps their sampled ids to the batch's."""
+    """A queued forward, one row per request: its last token's logits, where its sampled id
+    goes (token_table[write_rows, kv_lens]), the id if the step sampled; `hidden`: every
+    computed token's hidden state. A speed path that ran other `rows` gives `regroup`."""
 
     logits: torch.Tensor  # [B, V]
     kv_lens: torch.Tensor  # [B] cached + extend: the sampled id's position
@@ -106,17 +101,15 @@ class ForwardOutput:
     results: dict[str, Any] = field(default_factory=dict)  # what the features observed
 
     def pick(self, index: slice | torch.Tensor) -> ForwardOutput:
-        """The rows at `index` (a slice, or a device tensor of rows), without the hidden
-        states: the real requests of a padded graph batch, or each request's last row."""
+        """The rows at `index` (a slice or a device tensor), without the hidden states."""
         sampled = None if self.sampled is None else self.sampled[index]
         inputs = self.inputs.pick(index)
         return ForwardOutput(self.logits[index], self.kv_lens[index], inputs, sampled)
 
 
 def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch.Tensor | None:
-    """Set the batch's per-token input_ids (from the token table), positions and out_loc (KV
-    slots); return the flat index of each request's last token (its logits row), or None in a
-    decode step, whose rows are those tokens (three small kernels fewer a step)."""
+    """Set the batch's per-token input_ids (from the token table), positions and out_loc;
+    return each request's last token's flat index, or None in a decode step (every token)."""
     extend = inputs.extend_lens
     if batch.is_decode:
         rows, positions, last = inputs.rows, inputs.cached_lens, None
@@ -136,14 +129,13 @@ def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch
     else:  # the reference
         batch.input_ids = engine.token_table[rows, positions]
         batch.out_loc = ctx.kv_slots(rows, positions)
-    batch.positions = positions
+    batch.positions, batch.rows = positions, rows
     return last
 
 
 def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> ForwardOutput:
-    """Gather the inputs, run the model on each request's last token and, if `sample`, draw its
-    next id at its temperature (step = the id's position) into the token table. No host sync,
-    no shape from device values: CUDA graphs capture it as it is. Prepare the backend first."""
+    """Gather the inputs, run the model and, if `sample`, draw each request's next id into the
+    token table. No host sync, no shape from device values: CUDA graphs capture it as it is."""
     logits_indices = fill_token_inputs(engine, batch, inputs)
     engine.ctx.batch = batch
     try:

@@ -13,8 +13,7 @@ from minisgl import kernel
 
 @dataclass
 class _Queue:
-    """One table's queued writes (a row, a first column, values each), and the column spans
-    queued per row."""
+    """One table's queued writes (row, first column, values) and the spans queued per row."""
 
     rows: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
@@ -38,10 +37,8 @@ class _Queue:
 
 
 def entries(writes: list[_Queue], pin: bool) -> torch.Tensor:
-    """[3, n] int32 host tensor (row, column, value) of every queued entry, in the queues'
-    order, pinned if `pin`. Rows and columns expand from one (row, start, length) per write in
-    numpy, single-threaded: torch's CPU repeat_interleave ran across the intra-op threads and
-    took 4-9 ms a call on an H100 host (session 31's timeline), the GPU idle meanwhile."""
+    """[3, n] int32 host tensor (row, column, value) of every queued entry, pinned if `pin`.
+    Expanded in numpy: torch's CPU repeat_interleave took 4-9 ms a call on an H100 host."""
     rows = np.array([r for q in writes for r in q.rows], dtype=np.int64)
     starts = np.array([s for q in writes for s in q.starts], dtype=np.int64)
     lengths = np.array([n for q in writes for n in q.lengths], dtype=np.int64)
@@ -58,12 +55,9 @@ def entries(writes: list[_Queue], pin: bool) -> torch.Tensor:
 
 
 class TableWrites:
-    """Writes to the page table (a request's pages) and the token table (its known tokens,
-    proposals), held on the host until `flush`, which the engine calls at the head of each
-    step: one host-to-device copy and one kernel for all of them. Written one by one, a decode
-    step of 256 requests paid about 16 pages a step (one request in 16 crosses a page), each
-    a host-to-device and a device-to-device copy with idle gaps between (session 30's
-    timeline). A write that overlaps one still queued sends the queue first: the later wins."""
+    """Writes to the page table and the token table, held on the host until `flush` at the head
+    of each step: one copy and one kernel for all (one by one, each paid two copies with idle
+    gaps). A write that overlaps one still queued sends the queue first: the later wins."""
 
     def __init__(self, page_table: torch.Tensor, token_table: torch.Tensor) -> None:
         assert page_table.dtype == token_table.dtype == torch.int32

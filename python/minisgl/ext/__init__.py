@@ -10,4 +10,7 @@ import minisgl.ext.sampling  # noqa: F401  (penalties, logit_bias, min_tokens, l
 import minisgl.ext.serving  # noqa: F401  (sglang routes, /metrics, --dp, HTTP limits, API processes, nodes, watchdog)
 import minisgl.ext.spec  # noqa: F401  (speculative decoding: ngram, draft model)
 import minisgl.ext.structured  # noqa: F401  (tool calls, reasoning, grammars)
-from minisgl.ext import cpu  # noqa: F401  (GGUF, quantized layers, torch.compile, cpu dtype)
+
+# cpu: GGUF, quantized layers, torch.compile, cpu dtype; lora: LoRA adapters (after cpu: its
+# model transform wraps cpu's)
+from minisgl.ext import cpu, lora  # noqa: F401

@@ -3,15 +3,9 @@
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.manager import KVCacheManager
 from minisgl.kvcache.pool import MHAKVCache
-from minisgl.kvcache.prefix_cache import (
-    BasePrefixCache,
-    CacheHandle,
-    NaivePrefixCache,
-    RadixPrefixCache,
-)
+from minisgl.kvcache.prefix_cache import CacheHandle, NaivePrefixCache, RadixPrefixCache
 
 __all__ = [
-    "BasePrefixCache",
     "CacheHandle",
     "KVCacheManager",
     "MHAKVCache",

@@ -27,15 +27,14 @@ class PageAllocator:
         return list(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
+        """n page ids, or None (nothing changed) when fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
             return None
-        if n == 0:
-            return []
-        pages = self._free[-n:]
-        del self._free[-n:]
-        pages.reverse()
+        rest = len(self._free) - n
+        pages = self._free[rest:][::-1]
+        del self._free[rest:]
         self._is_free[pages] = False
         return pages
 

@@ -21,19 +21,12 @@ class MHAKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.num_layers = num_layers
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
+        shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
         # Zeroed, not empty: stale NaNs in never-written slots could leak through masked kernels.
-        self.buffer = torch.zeros(
-            (2, num_layers, num_pages, page_size, num_kv_heads, head_dim),
-            dtype=dtype,
-            device=self.device,
-        )
+        self.buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         # each layer's [slots, kv_heads, head_dim] views, made once: every layer reads and
         # writes its pool each step (indexing + view per call cost ~5 us on a CPU decode)
         flat = self.buffer.view(2, num_layers, -1, num_kv_heads, head_dim)

@@ -11,10 +11,8 @@ from minisgl.layers.rotary import RotaryEmbedding
 
 
 class AttentionLayer(Module):
-    """One layer's paged attention: RoPE on the new tokens' q and k (after the per-head q/k
-    RMSNorm when given: Qwen3), k and v written to the KV pool, then the context's backend
-    attends q to the pool, the new tokens included. A backend whose decode kernel does the
-    RoPE and the store itself (`fuses_rope`: triton) gets q, k, v as they are instead."""
+    """One layer's paged attention: (per-head q/k RMSNorm: Qwen3,) RoPE on the new tokens, their
+    k and v into the KV pool, then the context's backend attends q to the pool."""
 
     def __init__(
         self,
@@ -41,15 +39,12 @@ class AttentionLayer(Module):
         v: torch.Tensor,
         batch: Batch,
     ) -> torch.Tensor:
-        """(q/k norm,) RoPE and the K/V write of q, k, v [T, heads, head_dim] -> the rotated q.
-        With the fused ops one kernel does it all (q rotated in place, k and v straight into
-        the pool at `batch.out_loc`); otherwise the torch references, then the backend's
-        `store_kv`."""
-        ctx, cos_sin, norms = get_global_ctx(), self.rotary[0].cos_sin, self.qk_norm
-        if (ops := kernel.fused_ops(q)) is not None:
+        """(q/k norm,) RoPE and the K/V write of q, k, v [T, heads, head_dim] -> the rotated q."""
+        ctx, norms = get_global_ctx(), self.qk_norm
+        if (ops := kernel.fused_ops(q)) is not None:  # one kernel; q rotated in place
             assert batch.out_loc is not None
             k_pool, v_pool = ctx.kv_cache.k_flat(self.layer_id), ctx.kv_cache.v_flat(self.layer_id)
-            out_loc, qk_norm = batch.out_loc, self.qk_norm_args()
+            cos_sin, out_loc, qk_norm = self.rotary[0].cos_sin, batch.out_loc, self.qk_norm_args()
             ops.rotary_store_kv(q, k, v, cos_sin, positions, k_pool, v_pool, out_loc, qk_norm)
             return q
         if norms is not None:
@@ -64,10 +59,10 @@ class AttentionLayer(Module):
         """q [T, heads * head_dim], k and v [T, kv_heads * head_dim] (views of the QKV
         projection's output, which the fused path rotates in place) -> [T, heads * head_dim]."""
         ctx = get_global_ctx()
-        batch = ctx.batch
+        batch, backend = ctx.batch, ctx.attn_backend
         assert batch is not None
         q, k, v = (x.view(x.shape[0], -1, self.head_dim) for x in (q, k, v))
-        backend = ctx.attn_backend
+        # a backend whose decode kernel does RoPE and the store itself (triton) gets q, k, v
         if kernel.fused_ops(q) is not None and backend.fuses_rope(batch):
             assert batch.out_loc is not None
             cos_sin, qk_norm = self.rotary[0].cos_sin, self.qk_norm_args()

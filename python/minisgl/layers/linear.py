@@ -1,6 +1,7 @@
-"""Tensor-parallel linear layers. Each parameter carries a `weight_loader` that copies this
-rank's shard out of a checkpoint tensor (or a lazy safetensors slice, so no rank reads more
-than its shard)."""
+"""Tensor-parallel linear layers; each parameter's `weight_loader` copies this rank's shard."""
+
+# A loader reads a checkpoint tensor or a lazy safetensors slice: no rank reads more than its
+# shard.
 
 from __future__ import annotations
 
@@ -37,20 +38,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def narrow(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
     """Slice `loaded` (a tensor or a safetensors slice) along `dim` without reading the rest."""
-    index = [slice(None)] * len(_shape(loaded))
-    index[dim] = slice(start, start + length)
-    return torch.as_tensor(loaded[tuple(index)])
+    return torch.as_tensor(loaded[(slice(None),) * dim + (slice(start, start + length),)])
 
 
-def _shape(loaded: Any) -> tuple[int, ...]:
-    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
-
-
-def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(
-            f"shape mismatch loading {name}: expected {tuple(dst.shape)}, got {tuple(src.shape)}"
-        )
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
     dst.copy_(src)
 
 
@@ -65,8 +58,7 @@ class LinearBase(Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T (a model transform may replace it and `forward` per module: the cpu
-        extension's quantized layers)."""
+        """x W^T (the cpu extension's quantized layers replace it and `forward`)."""
         return linear(x, self.weight)
 
     def set_loaders(self, weight_loader: WeightLoader, bias_loader: WeightLoader) -> None:
@@ -94,8 +86,7 @@ class MergedColumnParallelLinear(LinearBase):
         self.set_loaders(self.load_shard, self.load_shard)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
-        size = self.local_sizes[shard_id]
-        offset = sum(self.local_sizes[:shard_id])
+        size, offset = self.local_sizes[shard_id], sum(self.local_sizes[:shard_id])
         src = narrow(loaded, 0, get_tp_info().rank * size, size)
         copy_checked(param.data.narrow(0, offset, size), src)
 

@@ -3,6 +3,7 @@ split across TP ranks (so every rank holds every expert's slice, and one all-red
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +14,16 @@ from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.base import Module
 from minisgl.layers.linear import ReplicatedLinear, copy_checked, narrow, set_weight_loader
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # layer ids using experts; the rest use the dense MLP
+    backend: str = "torch"  # expert kernel: torch | triton; the engine sets it (--moe-backend)
 
 
 class FusedExperts(Module):
@@ -56,25 +67,16 @@ def moe_forward_torch(
 
 
 class MoELayer(Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        num_experts: int,
-        top_k: int,
-        intermediate_size: int,
-        norm_topk: bool,
-        backend: str = "torch",  # torch | triton (minisgl.kernel.moe.fused_moe)
-    ) -> None:
+    def __init__(self, hidden_size: int, cfg: MoEConfig) -> None:
         super().__init__()
-        self.top_k = top_k
-        self.norm_topk = norm_topk
+        self.top_k, self.norm_topk = cfg.top_k, cfg.norm_topk_prob
         self.run_experts = moe_forward_torch
-        if backend == "triton":
+        if cfg.backend == "triton":
             from minisgl.kernel.moe import fused_moe  # imports triton: only when chosen
 
             self.run_experts = fused_moe
-        self.gate = ReplicatedLinear(hidden_size, num_experts)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+        self.gate = ReplicatedLinear(hidden_size, cfg.num_experts)
+        self.experts = FusedExperts(cfg.num_experts, hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -82,5 +84,4 @@ class MoELayer(Module):
         if self.norm_topk:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
         w13, w2 = self.experts.w13, self.experts.w2
-        out = self.run_experts(x, w13, w2, topk_weights.to(x.dtype), topk_ids)
-        return all_reduce(out)
+        return all_reduce(self.run_experts(x, w13, w2, topk_weights.to(x.dtype), topk_ids))

@@ -12,15 +12,14 @@ from minisgl.layers.linear import load_replicated, set_weight_loader
 def rms_norm_torch(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Reference RMSNorm over the last dim, in float32 like transformers (weight * the normed
-    x rounded to x's dtype); the CPU path. F.rms_norm is that formula bit for bit, its float32
-    math inside one call from Python."""
+    """Reference RMSNorm over the last dim, in float32 like transformers; the CPU path."""
+    # weight * the normed x rounded to x's dtype; F.rms_norm is that formula bit for bit, its
+    # float32 math inside one call from Python.
     return torch.mul(weight, F.rms_norm(x, x.shape[-1:], None, eps), out=out)
 
 
 class RMSNorm(Module):
-    """RMSNorm with the residual add fused in: on CUDA the Triton kernels (kernel/fused.py),
-    elsewhere the torch reference, with one in-place contract on every device (`forward`)."""
+    """RMSNorm with the residual add fused in: kernel/fused.py on CUDA, else the reference."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -37,9 +36,9 @@ class RMSNorm(Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (normed, new residual). Without a residual, x is only read and is the new residual.
-        With one, x and residual are consumed: residual's buffer receives x + residual and x's
-        the normed sum, and both are returned; callers must not reuse what they passed in."""
+        """-> (normed, new residual); a given residual and x are consumed (reused in place)."""
+        # Without a residual, x is only read and is the new residual. With one, residual's
+        # buffer receives x + residual and x's the normed sum: callers must not reuse them.
         if residual is None:
             return self.norm(x), x
         if (ops := kernel.fused_ops(x)) is not None:

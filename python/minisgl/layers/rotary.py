@@ -19,28 +19,25 @@ class RopeConfig:
 
 
 def inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    """The rotation frequencies, with HF's linear or llama3 (Llama 3.1) scaling."""
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-    inv_freq = 1.0 / (cfg.base**exponents)
-    kind = cfg.scaling.get("rope_type", cfg.scaling.get("type", "default"))
+    freqs = 1.0 / (cfg.base**exponents)
+    s = cfg.scaling
+    kind = s.get("rope_type", s.get("type", "default"))
     if kind == "default":
-        return inv_freq
+        return freqs
     if kind == "linear":
-        return inv_freq / cfg.scaling["factor"]
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, cfg.scaling)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend
-    between."""
+        return freqs / s["factor"]
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > old_len / low, freqs / factor, freqs)
     smooth = (old_len / wavelen - low) / (high - low)
     blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(is_medium, blended, scaled)
 
 
@@ -62,15 +59,14 @@ class RotaryEmbedding(Module):
         self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor] | None = None
 
     def new_forward(self) -> None:
-        """Forget the rows (the model calls it first): a static buffer (a CUDA graph's) may hold
-        new positions under the same tensor, and a graph must capture the lookup."""
+        """Forget the rows (each forward first): a CUDA graph's static buffer holds new
+        positions under the same tensor, and a graph must capture the lookup."""
         self._rows = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> rotated copies: the torch path. With the fused ops the
-        attention layer runs kernel/fused.py's rotary_store_kv on `cos_sin` instead."""
+        """q [T, Hq, D], k [T, Hk, D] -> rotated copies (the fused ops rotate in the kernel)."""
         if self._table is None or self._table.device != self.cos_sin.device:  # module moved
             self._table = rope_table(self.cos_sin)
         last = self._rows
@@ -83,25 +79,22 @@ class RotaryEmbedding(Module):
 
 
 def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """[T, Hq + Hk, D]: q and k as one view when each row's k heads directly follow its q heads
-    in the same storage (the QKV projection's output without q/k norm), else None."""
+    """q and k as one [T, Hq + Hk, D] view when k directly follows q in one storage (the QKV
+    projection's output without q/k norm), else None."""
     d = q.shape[2]
-    if torch.compiler.is_compiling():  # no storage pointers in a graph; it fuses both anyway
-        return None
-    if q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1):
-        return None
-    if q.shape[0] > 1 and q.stride(0) != k.stride(0):  # one row: its stride is arbitrary
-        return None
-    if k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr():
-        return None
-    if k.storage_offset() != q.storage_offset() + q.shape[1] * d:
-        return None
-    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], d), q.stride())
+    adjacent = (
+        not torch.compiler.is_compiling()  # no storage pointers in a graph; it fuses both anyway
+        and q.stride()[1:] == (d, 1) == k.stride()[1:]
+        and (q.shape[0] <= 1 or q.stride(0) == k.stride(0))  # one row: its stride is arbitrary
+        and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+        and k.storage_offset() == q.storage_offset() + q.shape[1] * d
+    )
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], d), q.stride()) if adjacent else None
 
 
 def rope_table(cos_sin: torch.Tensor) -> torch.Tensor:
-    """[max_position, 2, head_dim]: (cos, cos) and (-sin, sin) per position, so that a rotation
-    is x * cos + roll(x) * sin, four ops (transformers' q * cos + rotate_half(q) * sin)."""
+    """[max_position, 2, head_dim]: (cos, cos) and (-sin, sin) per position."""
+    # a rotation is then x * cos + roll(x) * sin, four ops (transformers' rotate_half form)
     cos, sin = cos_sin.chunk(2, dim=-1)
     return torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
 
@@ -120,7 +113,7 @@ def rope_torch(
 
 
 def rotate(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by `table_rows` [T, 2, 1, D]: first half x1 cos - x2 sin, second
-    x2 cos + x1 sin, bit for bit the two-halves form; the halves swap in one flip."""
+    """x [T, H, D] rotated by `table_rows` [T, 2, 1, D], bit for bit the two-halves form."""
+    # first half x1 cos - x2 sin, second x2 cos + x1 sin; the halves swap in one flip
     swapped = x.view(*x.shape[:-1], 2, -1).flip(-2).view(x.shape)
     return x * rows[:, 0] + swapped * rows[:, 1]

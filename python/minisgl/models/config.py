@@ -5,17 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.layers.moe import MoEConfig
 from minisgl.layers.rotary import RopeConfig
 
-
-@dataclass(frozen=True)
-class MoEConfig:
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    norm_topk_prob: bool
-    sparse_layers: tuple[int, ...]  # layer ids using experts; the rest use the dense MLP
-    backend: str = "torch"  # expert kernel: torch | triton; the engine sets it (--moe-backend)
+ARCHITECTURES = (  # HF `architectures` names: each is models/llama.py's decoder (register.py)
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 
 @dataclass(frozen=True)
@@ -40,20 +39,16 @@ class ModelConfig:
 
     @staticmethod
     def from_hf(hf: Any) -> ModelConfig:
-        from minisgl.models.register import get_model_class
-
-        archs = getattr(hf, "architectures", None) or []
-        if not archs:
-            raise ValueError("model config has no 'architectures' entry")
-        arch = archs[0]
-        get_model_class(arch)  # fails early with the list of supported architectures
+        arch = (getattr(hf, "architectures", None) or [""])[0]
+        if arch not in ARCHITECTURES:
+            supported = ", ".join(ARCHITECTURES)
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {supported}")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         max_pos = getattr(hf, "max_position_embeddings", 4096)
         rope = RopeConfig(head_dim=head_dim, max_position=max_pos, **_rope_args(hf))
         window = getattr(hf, "sliding_window", None)
         if arch.startswith("Qwen") and not getattr(hf, "use_sliding_window", False):
             window = None
-        eos = getattr(hf, "eos_token_id", None)
         return ModelConfig(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -71,16 +66,13 @@ class ModelConfig:
             qk_norm=arch.startswith("Qwen3"),
             sliding_window=window,
             moe=_moe_config(hf) if arch == "Qwen3MoeForCausalLM" else None,
-            eos_token_ids=_as_tuple(eos),
+            eos_token_ids=token_ids(getattr(hf, "eos_token_id", None)),
         )
 
 
 def _rope_args(hf: Any) -> dict[str, Any]:
-    params = getattr(hf, "rope_parameters", None)  # transformers >= 5
-    if params is None:
-        params = dict(getattr(hf, "rope_scaling", None) or {})
-        params["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
-    params = dict(params)
+    # transformers >= 5: rope_parameters (rope_theta inside); before: rope_scaling, rope_theta
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     base = params.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
     return {"base": float(base), "scaling": params}
 
@@ -98,7 +90,8 @@ def _moe_config(hf: Any) -> MoEConfig:
     )
 
 
-def _as_tuple(value: Any) -> tuple[int, ...]:
+def token_ids(value: Any) -> tuple[int, ...]:
+    """A config's token id field (None, one id or a list) as a tuple."""
     if value is None:
         return ()
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)

@@ -7,6 +7,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from minisgl.models.config import token_ids
+
 
 def load_hf_config(model_path: str) -> Any:  # transformers.PretrainedConfig
     from transformers import AutoConfig
@@ -32,9 +34,7 @@ def eos_token_ids(model_path: str, config_ids: Iterable[int], tokenizer: Any | N
     try:
         from transformers import GenerationConfig
 
-        gen = GenerationConfig.from_pretrained(model_path)
-        eos = gen.eos_token_id
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        ids.update(token_ids(GenerationConfig.from_pretrained(model_path).eos_token_id))
     except OSError:
         pass  # no generation_config.json
     if tokenizer is not None and tokenizer.eos_token_id is not None:

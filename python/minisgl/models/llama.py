@@ -58,16 +58,8 @@ class DecoderLayer(Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        moe = cfg.moe
-        if moe is not None and layer_id in moe.sparse_layers:
-            self.mlp: nn.Module = MoELayer(
-                cfg.hidden_size,
-                moe.num_experts,
-                moe.top_k,
-                moe.intermediate_size,
-                moe.norm_topk_prob,
-                moe.backend,
-            )
+        if cfg.moe is not None and layer_id in cfg.moe.sparse_layers:
+            self.mlp: nn.Module = MoELayer(cfg.hidden_size, cfg.moe)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 

@@ -1,23 +1,14 @@
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # every supported architecture is a LlamaForCausalLM
-    from minisgl.models.llama import LlamaForCausalLM
-
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
+from minisgl.models.config import ARCHITECTURES
+from minisgl.models.llama import LlamaForCausalLM
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
-    if architecture not in _ARCHITECTURES:
-        supported = ", ".join(sorted(_ARCHITECTURES))
+    """Every supported architecture (`ARCHITECTURES`) is the Llama decoder as its ModelConfig
+    specialises it: QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3), routed experts in some
+    layers (Qwen3-MoE), a sliding window (Mistral: the attention backend's)."""
+    if architecture not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {supported}")
-    module = importlib.import_module(f"minisgl.models.{_ARCHITECTURES[architecture]}")
-    return getattr(module, architecture)
+    return LlamaForCausalLM

@@ -39,8 +39,7 @@ def resolve_model_path(model: str, option: str = "model") -> str:
     if model.lower().endswith(".gguf"):  # llama.cpp's single-file format
         convert = extensions().gguf_model
         if convert is None:
-            missing = ExtensionMissing(f"the GGUF model {model!r}", "cpu")
-            raise OptionError(option, str(missing))
+            raise OptionError(option, str(ExtensionMissing(f"the GGUF model {model!r}", "cpu")))
         return convert(model)
     if os.path.exists(model):
         raise ValueError(
@@ -57,24 +56,18 @@ def default_model() -> str:
 
 
 def _download(model: str, option: str) -> str:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
+    from huggingface_hub import errors, snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
     try:
         return snapshot_download(model, allow_patterns=patterns)
-    except HFValidationError:
+    except errors.HFValidationError:
         why = "is neither a directory nor a Hugging Face repo id (NAME or ORG/NAME)"
-    except GatedRepoError:
+    except errors.GatedRepoError:
         why = "is a gated Hugging Face repository: accept its terms on the hub, then set HF_TOKEN"
-    except RepositoryNotFoundError:
+    except errors.RepositoryNotFoundError:
         why = "is neither a directory nor a Hugging Face repository (a private one needs HF_TOKEN)"
-    except LocalEntryNotFoundError as e:  # no network (or HF_HUB_OFFLINE) and nothing cached
+    except errors.LocalEntryNotFoundError as e:  # no network (or HF_HUB_OFFLINE) and nothing cached
         detail = str(e).splitlines()[0].removeprefix("Got: ") if str(e) else "offline"
         why = "is not a directory, and the Hugging Face hub is unreachable with no copy cached"
         why += f" ({detail})"

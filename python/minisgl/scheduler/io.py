@@ -6,7 +6,9 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,15 +28,15 @@ from minisgl.message import (
 )
 from minisgl.models.hf import eos_token_ids, load_tokenizer
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.scheduler import Scheduler, TokenOutput
 from minisgl.utils.device import device_type
 from minisgl.utils.procs import die_with_parent, freeze_startup_heap, set_title
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 STATS_INTERVAL_S = 0.2
-# While the only work is held requests (grammars compiling), wait this long for a message
-# between the steps that look at them: no busy loop, and a released request is admitted within it
+# while the only work is held requests (grammars compiling), wait this long for a message
 GRAMMAR_POLL_S = 0.02
 
 
@@ -102,36 +104,30 @@ class SchedulerServer:
                     return
                 msg = self.recv.get_nowait()
             outputs = self.scheduler.step() if self.scheduler.has_work else []
-            out = [
-                DetokenizeMsg(
-                    o.uid,
-                    [] if o.token is None else [o.token],
-                    o.finished,
-                    o.finish_reason,
-                    o.error,
-                    None if o.logprob is None else [o.logprob],
-                    o.prompt_logprobs,
-                    o.queue_time,
-                    o.cached_tokens,
-                )
-                for o in outputs
-            ]
-            now = time.monotonic()
-            idle = not self.scheduler.has_work
-            stats = None
-            if idle or now - self.last_stats > STATS_INTERVAL_S:
+            out = [detokenize_msg(o) for o in outputs]
+            now, stats = time.monotonic(), None
+            if not self.scheduler.has_work or now - self.last_stats > STATS_INTERVAL_S:
                 stats, self.last_stats = self.stats(), now
             if out or stats is not None:
                 self.send.put(BatchDetokenizeMsg(out, stats))
 
     def _next_message(self) -> Any:
-        """Block when idle; while only held requests wait, a little (GRAMMAR_POLL_S);
-        otherwise take what has arrived and keep stepping."""
+        """Block when idle; wait a little while only held requests wait; else never."""
         if self.scheduler.runnable:
             return self.recv.get_nowait()
         if self.scheduler.has_work:
             return self.recv.get(timeout=GRAMMAR_POLL_S)
         return self.recv.get()
+
+
+def detokenize_msg(o: TokenOutput) -> DetokenizeMsg:
+    """A TokenOutput as the detokenizer's message (lists: a message may carry several)."""
+    token = [] if o.token is None else [o.token]
+    logprob = None if o.logprob is None else [o.logprob]
+    return DetokenizeMsg(
+        o.uid, token, o.finished, o.finish_reason, o.error, logprob,
+        o.prompt_logprobs, o.queue_time, o.cached_tokens,
+    )  # fmt: skip
 
 
 def build_scheduler(
@@ -142,9 +138,8 @@ def build_scheduler(
     rendezvous: Rendezvous | None = None,
     sharing: int = 1,
 ) -> Scheduler:
-    """Join the TP group (when tp > 1; its ranks meet at `rendezvous`), then build this rank's
-    engine shard and scheduler. `sharing`: processes of this kind that share the CPU cores (the
-    --dp replicas' rank 0s); TP ranks > 0 share them with their group too."""
+    """Join the TP group (tp > 1, at `rendezvous`), build this rank's engine and scheduler.
+    `sharing`: processes sharing the CPU cores (--dp replicas; TP ranks > 0 with their group)."""
     share = sharing * (tp if rank > 0 else 1)  # rank 0 may be the user's own process
     if share > 1:
         threads = max(1, torch.get_num_threads() // share)
@@ -164,6 +159,15 @@ def build_scheduler(
     return Scheduler(engine, sched_config, eos, tokenizer)
 
 
+def _start(ready: Any, what: str, build: Callable[[], T]) -> T:
+    """`build()`; its error goes to the launcher through `ready` (printed there), exit code 1."""
+    try:
+        return build()
+    except Exception as e:
+        ready.send(("error", f"{what} failed to start: {type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+
+
 def run_follower(
     engine_config: EngineConfig,
     sched_config: SchedulerConfig,
@@ -174,19 +178,14 @@ def run_follower(
     sharing: int = 1,
     title: str | None = None,
 ) -> None:
-    """Process entry of TP ranks > 0 (server and offline LLM alike): say hello before joining
-    the group (so rank 0 waits for no process that died importing), build, follow rank 0.
-    Ctrl-C is rank 0's to handle; the kernel ends this process with its parent. Rank 0 gone
-    (its sockets closed: killed, or on another node) ends it with code 1."""
+    """Process entry of TP ranks > 0 (server and LLM): say hello before joining (rank 0 waits
+    for no process that died importing), build, follow rank 0; rank 0 gone: exit code 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     set_title(title or f"scheduler_{rank}")
     ready.send(("ready", None))
-    try:
-        scheduler = build_scheduler(engine_config, sched_config, rank, tp, rendezvous, sharing)
-    except Exception as e:
-        ready.send(("error", f"TP rank {rank} failed to start: {type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
+    build = partial(build_scheduler, engine_config, sched_config, rank, tp, rendezvous, sharing)
+    scheduler = _start(ready, f"TP rank {rank}", build)
     freeze_startup_heap()
     ready.send(("ready", None))
     try:
@@ -210,19 +209,18 @@ def run_scheduler_process(
     warm_up: bool,
     ready: Any,
 ) -> None:
-    """Process entry of rank 0 of replica `dp` = (its rank, replicas): build the engine, warm
-    it up where it compiles (unless `warm_up` is False), report readiness (or the error) through
-    `ready`, then serve."""
+    """Process entry of rank 0 of replica `dp` = (its rank, replicas): build, warm up where
+    kernels compile, report readiness (or the error) through `ready`, serve."""
     dp_rank, dp_size = dp
-    try:
+
+    def build() -> SchedulerServer:
         scheduler = build_scheduler(engine_config, sched_config, 0, tp, rendezvous, dp_size)
         if warm_up and scheduler.engine.needs_warm_up:
             scheduler.warm_up()
-        server = SchedulerServer(scheduler, recv_addr, send_addr, dp_rank)
-    except Exception as e:  # reported to the launcher, which prints it and exits non-zero
-        ready.send(("error", f"scheduler failed to start: {type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
-    engine = scheduler.engine
+        return SchedulerServer(scheduler, recv_addr, send_addr, dp_rank)
+
+    server = _start(ready, "scheduler", build)
+    scheduler, engine = server.scheduler, server.scheduler.engine
     freeze_startup_heap()
     ready.send(("ready", {"max_seq_len": engine.max_seq_len, "num_pages": engine.num_pages}))
     server.run()

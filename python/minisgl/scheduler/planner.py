@@ -57,9 +57,8 @@ class BatchPlanner:
         return bool(self.waiting or self.running or self.prefilling)
 
     def schedule(self) -> Batch | None:
-        """The next batch. Mixed steps: one token of every running request first (a decode
-        row never waits behind a prompt), then prompt chunks in what is left of the step's
-        token budget. Without them (--disable-mixed-steps): prompt chunks first, else decodes."""
+        """The next batch: one token of every running request, then prompt chunks in what is
+        left of the token budget (--disable-mixed-steps: prompt chunks, else decodes)."""
         if not self.mixed or not self.running:
             budget = self._budget(self.max_prefill_tokens, [], 0)
             return self._schedule_prefill(budget) or self._schedule_decode()
@@ -75,8 +74,7 @@ class BatchPlanner:
         return Batch(decodes + prefill.reqs, "prefill", num_decodes=len(decodes))
 
     def _budget(self, budget: int, decodes: list[Req], num_decode_tokens: int) -> int:
-        """The step's prompt budget as the engine's speed paths cap it (ext/perf: a small
-        step that fits the CUDA graphs' rows)."""
+        """The step's prompt budget as the engine's speed paths cap it."""
         for path in self.paths:
             budget = path.prefill_budget(self, budget, decodes, num_decode_tokens)
         return budget
@@ -103,9 +101,13 @@ class BatchPlanner:
         return Batch(reqs, "prefill") if reqs else None
 
     def _admit_chunk(self, req: Req, budget: int, reserve: int) -> int:
-        """Admit the waiting `req` with its first chunk (up to `budget` tokens); how many tokens
-        it computes (0: it stays waiting)."""
-        while (n := self._try_admit(req, budget, reserve)) == 0:
+        """Admit the waiting `req` with its first chunk: tokens it computes (0: it waits)."""
+        while True:
+            if self.free_rows:
+                self.admit(req)
+                if (n := self._fit(req, min(req.remaining_len, budget), reserve)) > 0:
+                    break
+                self.release(req)
             if not self._preempt_for(req):
                 return 0
             reserve = len(self.running)
@@ -114,18 +116,8 @@ class BatchPlanner:
         self.num_cached_tokens += req.cached_len
         return n
 
-    def _try_admit(self, req: Req, budget: int, reserve: int) -> int:
-        """`admit` and `_fit` when a row is free; 0 (not admitted) when it does not fit."""
-        if not self.free_rows:
-            return 0
-        self.admit(req)
-        if (n := self._fit(req, min(req.remaining_len, budget), reserve)) == 0:
-            self.release(req)
-        return n
-
     def _preempt_for(self, req: Req) -> bool:
-        """Preempt the running request that the queue's policy lets `req` preempt, if any
-        (fcfs: none; one this step was to decode too: `schedule` drops it from the step)."""
+        """Preempt the running request the queue's policy lets `req` preempt (fcfs: none)."""
         victim = self.waiting.victim_for(req, self.running)
         if victim is not None:
             self._preempt(victim)
@@ -150,9 +142,8 @@ class BatchPlanner:
         return decode_batch(reqs)
 
     def _grow_decode(self, req: Req, drafts: list[int]) -> bool:
-        """Pages for the request's next token, and for its proposals when speculating (written
-        into the token table after its last token, where the forward reads its inputs); without
-        room for the proposals it decodes one token."""
+        """Pages for the request's next token and its proposals (written into the token table
+        after its last token); without room for the proposals it decodes one token."""
         if drafts and not self.grow(req, 1 + len(drafts)):
             drafts = []
         if not drafts and not self.grow(req, 1):
@@ -163,24 +154,33 @@ class BatchPlanner:
         return True
 
     def admit(self, req: Req) -> None:
-        """Give the request a page-table row and lock its longest cached prefix. The last prompt
-        token is never matched: its logits are needed to sample (nor is what a step feature
-        still computes from the prompt: prompt log-probabilities)."""
+        """A page-table row and the longest cached prefix, locked; never the last prompt token
+        (its logits are needed), nor what a feature computes from the prompt."""
         req.table_idx = self.free_rows.pop()
         matched = len(req.tokens) - 1
         for f in self.features:
             if f.name in req.ext and (limit := f.prefix_limit(req)) is not None:
                 matched = min(matched, limit)
-        handle, pages = self.cache.match_and_lock(req.tokens[:matched])
+        handle, pages = self.cache.match_and_lock(self._cache_key(req, matched))
         req.cache_handle, req.pages, req.cached_len = handle, list(pages), handle.length
         self.engine.set_pages(req.table_idx, 0, req.pages)
         self.engine.set_tokens(req.table_idx, req.tokens)
         for f in self.features:  # every request: a row's previous state is theirs to clear
             f.admitted(req)
 
+    def _cache_key(self, req: Req, n: int) -> list[int]:
+        """The request's first `n` tokens as the prefix cache keys them: under a step
+        feature's namespace (a LoRA adapter's) the first becomes a negative id that no
+        token has, so KV is shared only within the namespace (SGLang's extra_key)."""
+        key = req.tokens[:n]
+        for f in self.features:
+            if key and f.name in req.ext and (space := f.cache_namespace(req)):
+                key[0] = -1 - (req.tokens[0] | space << 32)  # token ids are < 2**31
+        return key
+
     def _fit(self, req: Req, want: int, reserve: int) -> int:
-        """Grow `req` for up to `want` more tokens within the free pages (minus `reserve`);
-        returns the number of tokens it can compute (0 if none), with extend_len set."""
+        """Grow `req` for up to `want` more tokens within the free pages less `reserve`: the
+        tokens it computes (extend_len), 0 if none."""
         spare = max(0, self.cache.available_pages() - reserve)
         room = (len(req.pages) + spare) * self.page_size - req.cached_len
         n = max(0, min(want, room))
@@ -202,8 +202,7 @@ class BatchPlanner:
         return True
 
     def launched(self, req: Req, decode_row: bool, samples: bool) -> None:
-        """The request's forward is queued: its KV covers the computed tokens, and a prompt
-        whose last chunk this was decodes from now on."""
+        """Its forward is queued: KV covers the computed tokens; a last chunk joins `running`."""
         req.cached_len += req.extend_len
         req.extend_len = 0
         if not decode_row:
@@ -212,15 +211,12 @@ class BatchPlanner:
                 self.running.append(req)
 
     def _share(self, req: Req) -> None:
-        """Put the request's computed KV into the prefix cache now, not only when it ends, so
-        that requests admitted later with the same prefix (a shared system prompt, the rest of
-        a long prompt's chunks) reuse it. Safe right after the launch: any reader is queued
-        behind the writer on the same stream. Pages the cache already had replace the
-        request's duplicates, so its page-table row is rewritten."""
+        """The computed KV into the prefix cache now, so that later requests reuse it (safe
+        after the launch: readers queue behind the writer); duplicates become the cache's."""
         old = req.pages
         assert req.cache_handle is not None, "an admitted request holds its prefix-cache lock"
         req.cache_handle, req.pages = self.cache.cache_prefix(
-            req.tokens[: req.cached_len], old, req.cache_handle
+            self._cache_key(req, req.cached_len), old, req.cache_handle
         )
         if req.pages != old:
             self.engine.set_pages(req.table_idx, 0, req.pages)
@@ -243,7 +239,7 @@ class BatchPlanner:
         if req.table_idx < 0:
             return
         assert req.cache_handle is not None, "an admitted request holds its prefix-cache lock"
-        self.cache.release(req.tokens[: req.cached_len], req.pages, req.cache_handle)
+        self.cache.release(self._cache_key(req, req.cached_len), req.pages, req.cache_handle)
         self.free_rows.append(req.table_idx)
         if self.spec is not None:
             self.spec.release(req)
@@ -258,8 +254,7 @@ class BatchPlanner:
         return self.running + ([self.prefilling] if self.prefilling else [])
 
     def owned_pages(self) -> list[int]:
-        """Pages the admitted requests allocated themselves: their first pages came from the
-        prefix cache, which still owns them."""
+        """Pages the admitted requests allocated (their first came from the prefix cache)."""
         owned = []
         for req in self.admitted():
             assert req.cache_handle is not None

@@ -1,8 +1,6 @@
 """WaitingQueue: the requests waiting for admission, first come first served, and who gives way
-when pages run out. Another --schedule-policy is a subclass from the `admission_policies`
-extension point (ext/serving/policy.py: priority, longest prefix match) that orders the queue
-otherwise and may let a waiting request preempt running ones. Every TP rank keeps the same
-queue and picks alike: a policy may look at nothing but the requests and the prefix cache."""
+when pages run out. Another --schedule-policy is an `admission_policies` subclass; every TP rank
+picks alike, so a policy looks at nothing but the requests and the prefix cache."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ from minisgl.scheduler.config import SchedulerConfig
 
 
 class WaitingQueue(deque[Req]):
-    """The waiting requests in order: `append` queues a new one, `appendleft` puts a preempted
-    one back in front."""
+    """The waiting requests in order (`appendleft`: a preempted one back in front)."""
 
     def first(self) -> Req | None:
         """The next to admit: the oldest."""
@@ -24,18 +21,16 @@ class WaitingQueue(deque[Req]):
 
     @staticmethod
     def ready(req: Req) -> Req | None:
-        """`req`, or None while it is one that this very step preempted (its last token is still
-        being computed): it is admitted next step, and no later one before it."""
+        """`req`, or None while its last token is still computed (preempted this step)."""
         return req if req.tokens[-1] != PLACEHOLDER else None
 
     def victim_for(self, req: Req, running: list[Req]) -> Req | None:
-        """The running request that the waiting (or half-prefilled) `req`, which does not fit,
-        preempts; None: `req` waits (here always: no request overtakes a running one)."""
+        """The running request that `req`, which does not fit, preempts (None: it waits)."""
         return None
 
     def decode_victim(self, running: list[Req], prefilling: Req | None) -> Req:
-        """Who gives up its pages when a running request's decode finds none: the half-prefilled
-        request, else the newest running one (the least work to redo)."""
+        """Who gives up its pages when a decode finds none: the half-prefilled request, else
+        the newest running one (the least work to redo)."""
         return prefilling or running[-1]
 
 

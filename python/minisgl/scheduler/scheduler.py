@@ -1,17 +1,9 @@
-"""Scheduler: continuous batching over one Engine, one `step()` at a time. It keeps the request
-table and turns sampled tokens into results; what a step computes is the BatchPlanner's
-(planner.py), TP replication is TPLeader's (tp.py), the extensions' step features
-(`minisgl.extension.StepFeature`: logprobs, logit adjustments, grammars) attach to its hooks.
-
-A step has explicit phases: admit the held requests that a feature releases (a grammar has
-compiled; TP followers admit at rank 0's word); plan the batch; queue its forward
-(`Engine.forward_step`); for a batch some feature processes, build the features' host inputs
-while the device runs the forward (a grammar's token mask, after reading the step in flight,
-whose tokens advance its matchers: no overlap for that step); queue the sampling
-(`Engine.sample_step`). Overlap:
-`step` launches batch N+1 before it reads batch N's tokens; `_launch` advances the host state
-at once (a request that samples gets a PLACEHOLDER token, which the next step reads on the
-device) and `_process` fills it one step later."""
+"""Scheduler: continuous batching over one Engine, one `step()` at a time: the request table,
+and sampled tokens turned into results. What a step computes is the BatchPlanner's
+(planner.py), TP replication TPLeader's (tp.py); the extensions' StepFeatures attach to its
+hooks. Overlap: `step` launches batch N+1 before it reads batch N's tokens; `_launch`
+advances the host state at once (a request that samples gets a PLACEHOLDER token, which the
+next step reads on the device) and `_process` fills it in one step later."""
 
 from __future__ import annotations
 
@@ -55,17 +47,13 @@ class TokenOutput:
 
 @dataclass
 class InFlight:
-    """A launched step: its batch, where each sampled token goes in its request's tokens
-    (-1: none), and the device-to-host copy of the sampled ids."""
+    """A launched step: its batch, each sampled token's index in its request's tokens (-1:
+    none), and the sampled ids' copy to the host."""
 
     batch: Batch
     slots: list[int]
     output: StepOutput
     verifies: bool = False  # speculation: the next step starts where its accepted run ends
-
-    @property
-    def empty(self) -> bool:
-        return all(slot < 0 for slot in self.slots) and not self.output.results
 
 
 class Scheduler:
@@ -76,28 +64,26 @@ class Scheduler:
         eos_token_ids: set[int],
         tokenizer: Any | None = None,
     ) -> None:
-        self.engine = engine
-        self.config = config
-        self.eos_token_ids = eos_token_ids
+        self.engine, self.config, self.eos_token_ids = engine, config, eos_token_ids
         self.tokenizer = tokenizer  # for the extensions (grammars)
         self.cache = KVCacheManager(engine.num_pages, engine.page_size, config.cache)
-        tp = get_tp_info()
         self.planner = BatchPlanner(engine, self.cache, config)
+        tp = get_tp_info()
         self.leader = TPLeader() if tp.size > 1 and tp.is_primary else None
         self.follower = tp.size > 1 and not tp.is_primary  # admits what rank 0 admits
-        self.held: list[Req] = []  # held by a feature before admission (grammars compiling)
-        exts = extensions()
-        self.features: list[StepFeature] = [f for m in exts.step_features if (f := m(self))]
-        engine.features = self.planner.features = self.features
-        # speculative decoding (None: off) and the engine's speed paths (both extensions')
-        self.spec = exts.proposer(self) if exts.proposer is not None else None
-        engine.speculator = self.planner.spec = self.spec
-        paths = [p for make in exts.forward_paths if (p := make(self)) is not None]
-        engine.forward_paths = self.planner.paths = paths
         self.requests: dict[int, Req] = {}
+        self.held: list[Req] = []  # held by a feature before admission (grammars compiling)
         self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
         self.overlap = not env.disable_overlap_scheduling()
         self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
+        # the extensions: step features, speculative decoding (None: off), speed paths
+        exts = extensions()
+        self.features: list[StepFeature] = [f for m in exts.step_features if (f := m(self))]
+        self.spec = exts.proposer(self) if exts.proposer is not None else None
+        paths = [p for make in exts.forward_paths if (p := make(self)) is not None]
+        engine.features = self.planner.features = self.features
+        engine.speculator = self.planner.spec = self.spec
+        engine.forward_paths = self.planner.paths = paths
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(
@@ -105,17 +91,17 @@ class Scheduler:
     ) -> Req:
         """Validate and build a request (not yet queued)."""
         params.validate()
-        limit = self.engine.max_seq_len
-        vocab = self.engine.model_config.vocab_size
+        engine, limit = self.engine, self.engine.max_seq_len
         if not input_ids:
             raise ValueError("prompt is empty")
         if len(input_ids) >= limit:
-            pool = self.engine.num_pages * self.engine.page_size
-            small = pool < self.engine.max_model_len  # the KV cache, not the model, limits it
-            where = f"the KV cache ({pool} tokens)" if small else "the context"
-            raise ValueError(
-                f"prompt of {len(input_ids)} tokens is longer than {where}: at most {limit - 1} allowed"
+            pool = engine.num_pages * engine.page_size  # it, not the context, may be the limit
+            where = (
+                f"the KV cache ({pool} tokens)" if pool < engine.max_model_len else "the context"
             )
+            message = f"prompt of {len(input_ids)} tokens is longer than {where}"
+            raise ValueError(f"{message}: at most {limit - 1} allowed")
+        vocab = engine.model_config.vocab_size
         check_token_ids(vocab, prompt=input_ids, stop_token_ids=params.stop_token_ids)
         total = min(limit, len(input_ids) + params.max_tokens)
         req = Req(list(input_ids), len(input_ids), params, max_total_len=total)
@@ -150,9 +136,8 @@ class Scheduler:
         self.planner.waiting.append(req)
 
     def _admit_held(self) -> None:
-        """Rank 0, before the step's broadcast (so that the followers do the same at this step):
-        admit the held requests that their features release; end those that fail (a grammar
-        that did not compile in time: the followers drop them as aborted). Never waits."""
+        """Rank 0, before the step's broadcast: admit the held requests their features release,
+        end those that fail (the followers drop them as aborted). Never waits."""
         for f in self.features:
             ready, failed = f.poll([r for r in self.held if f.name in r.ext])
             for req in ready:
@@ -170,16 +155,12 @@ class Scheduler:
             self._finish(req, "abort")
 
     def warm_up(self) -> None:
-        """Serve a few short synthetic requests of varied lengths before the real ones, half
-        greedy and half sampled, the second group arriving while the first decodes (prefill,
-        mixed and decode steps of several shapes), so that Triton compiles its kernel variants
-        now and not in the first user's request (and --enable-torch-compile its graph: a lone
-        request ends the warm-up); then forget them: the prefix cache is
-        flushed and the reported counters start from zero."""
+        """Serve synthetic requests of varied lengths (greedy and sampled; prefill, mixed and
+        decode steps) so that kernels compile now, not in the first user's request; then
+        flush the prefix cache and zero the counters."""
         vocab, room = self.engine.model_config.vocab_size, self.engine.max_seq_len - 8
         rng = random.Random(0)
-        groups = [WARMUP_PROMPT_LENS[::2], WARMUP_PROMPT_LENS[1::2]]
-        for group in groups:
+        for group in (WARMUP_PROMPT_LENS[::2], WARMUP_PROMPT_LENS[1::2]):
             for i, length in enumerate(group):
                 ids = [rng.randrange(vocab) for _ in range(max(1, min(length, room)))]
                 params = SamplingParams(temperature=0.6 * (i % 2), max_tokens=4, ignore_eos=True)
@@ -212,13 +193,13 @@ class Scheduler:
 
     @property
     def runnable(self) -> bool:
-        """Work for the next step other than held requests (grammars compiling, which only a
-        poll of them, not a busy loop, should wait for: scheduler/io.py)."""
+        """Work other than held requests (which io.py polls for, not a busy loop)."""
         return bool(self.planner.busy or self.pending or self.in_flight)
 
     def step(self) -> list[TokenOutput]:
-        """Launch one forward (if anything can run) and return the tokens that are ready: with
-        overlap, those of the previous step, whose device work ran while this one was built."""
+        """Schedule a batch and launch it (forward, sample); then process the tokens that are
+        ready: with overlap, the previous step's, which ran on the device while this one was
+        built and launched."""
         if self.held and not self.follower:
             self._admit_held()
         if self.leader is not None:
@@ -226,29 +207,28 @@ class Scheduler:
         # speculation: a step that proposes waits for the step in flight (the proposals
         # continue its tokens), one that verifies is read at once (its accepted run sets
         # where the next starts); the steps between overlap as plain decoding does
-        spec = self.spec
-        if self.in_flight is not None and spec is not None and spec.wants(self.planner.running):
-            self.pending.extend(self._process(self.in_flight))
-            self.in_flight = None
+        if self.in_flight is not None and self.spec is not None:
+            if self.spec.wants(self.planner.running):
+                self._read_in_flight()
         batch = self.planner.schedule()
         launched = self._launch(batch) if batch is not None else None
-        if launched is not None and launched.empty:
-            launched = None  # nothing to read back (prompt chunks; requests ended meanwhile)
-        ready = [self.in_flight]
-        if self.overlap and not (launched is not None and launched.verifies):
-            self.in_flight = launched
-        else:
-            ready.append(launched)
-            self.in_flight = None
+        previous, self.in_flight = self.in_flight, None
+        if launched is not None and self.overlap and not launched.verifies:
+            self.in_flight, launched = launched, None  # read at the next step
         outputs, self.pending = self.pending, []
-        for step in ready:
-            if step is not None:
-                outputs.extend(self._process(step))
+        for done in (previous, launched):
+            if done is not None:
+                outputs.extend(self._process(done))
         return outputs
 
+    def _read_in_flight(self) -> None:
+        """Process the step in flight now (its outputs wait in `pending`)."""
+        if self.in_flight is not None:
+            self.pending.extend(self._process(self.in_flight))
+            self.in_flight = None
+
     def follow(self) -> None:
-        """Ranks > 0: replay rank 0's adds, admissions and aborts and step with it, until it
-        stops."""
+        """Ranks > 0: replay rank 0's changes and step with it, until it stops."""
         while isinstance(msg := receive_step(), BatchBackendMsg):
             for change in msg.msgs:
                 if isinstance(change, AbortBackendMsg):
@@ -268,26 +248,45 @@ class Scheduler:
             self.leader = None
 
     # ---- one step's phases ---------------------------------------------------------------
-    def _launch(self, batch: Batch) -> InFlight:
-        """Queue the batch on the device and advance the host state as if it had run: KV now
-        covers the computed tokens, and each request that samples gets a placeholder token
-        that `_process` fills in (the device already knows it: the next step reads it there)."""
-        # a request samples when the step computes its last known token (and, verifying,
-        # proposals past it)
+    def _launch(self, batch: Batch) -> InFlight | None:
+        """Queue the forward, build the features' host inputs while the device runs it, queue
+        the sampling; then advance the host state as if the step had run (None: nothing to
+        read back: prompt chunks, requests ended meanwhile)."""
+        # a request samples when the step computes its last known token (or proposals past it)
         ends = [r.cached_len + r.extend_len - len(r.tokens) for r in batch.reqs]
         samples = [end >= 0 for end in ends]
-        forward = self.engine.forward_step(batch, samples)
+        forward = self.engine.forward(batch, samples)
+        prepared = self._prepare(batch, samples) if any(r.ext for r in batch.reqs) else None
+        output = self.engine.sample(batch, forward, prepared)
+        slots = self._advance(batch, samples)
+        if all(slot < 0 for slot in slots) and not output.results:
+            return None
+        return InFlight(batch, slots, output, verifies=any(end > 0 for end in ends))
+
+    def _prepare(self, batch: Batch, samples: list[bool]) -> dict[str, Any]:
+        """The features' host inputs; one that needs the step in flight's tokens (a grammar's
+        matchers) has it read first."""
+        features = [f for f in self.features if any(f.name in r.ext for r in batch.reqs)]
+        flight = self.in_flight
+        if flight is not None and any(
+            f.needs_tokens() and any(f.name in r.ext for r in flight.batch.reqs) for f in features
+        ):
+            self._read_in_flight()
+        prepared = {f.name: f.prepare(batch, samples) for f in features}
+        return {name: value for name, value in prepared.items() if value is not None}
+
+    def _advance(self, batch: Batch, samples: list[bool]) -> list[int]:
+        """KV now covers the computed tokens, and each request that samples gets a placeholder
+        token: the slots of those (-1: none)."""
         if not batch.is_decode:
             now = time.monotonic()
             for req in batch.reqs[batch.num_decodes :]:
                 if req.queue_time is None:
                     req.queue_time = now - req.queued_at
                     req.cached_tokens = req.cached_len  # before this forward: the cache's
-        prepared = self._prepare(batch, samples) if any(r.ext for r in batch.reqs) else {}
-        output = self.engine.sample_step(batch, forward, prepared or None)
         slots = []
         for i, (req, sampled) in enumerate(zip(batch.reqs, samples)):
-            if req.finished:  # by the step in flight, processed above
+            if req.finished:  # by the step in flight, processed in `_prepare`
                 slots.append(-1)
                 continue
             for f in self.features_of(req):
@@ -296,21 +295,7 @@ class Scheduler:
             slots.append(len(req.tokens) if sampled else -1)
             if sampled:
                 req.tokens.append(PLACEHOLDER)
-        return InFlight(batch, slots, output, verifies=any(end > 0 for end in ends))
-
-    def _prepare(self, batch: Batch, samples: list[bool]) -> dict[str, Any]:
-        """The host inputs of the features' logits processors, built while the device runs the
-        forward; a feature that needs the step in flight's tokens (a grammar's matchers) has
-        it read first."""
-        features = [f for f in self.features if any(f.name in r.ext for r in batch.reqs)]
-        flight = self.in_flight
-        if flight is not None and any(
-            f.needs_tokens() and any(f.name in r.ext for r in flight.batch.reqs) for f in features
-        ):
-            self.pending.extend(self._process(flight))
-            self.in_flight = None
-        prepared = {f.name: f.prepare(batch, samples) for f in features}
-        return {name: value for name, value in prepared.items() if value is not None}
+        return slots
 
     def _process(self, step: InFlight) -> list[TokenOutput]:
         outputs = []
@@ -327,33 +312,21 @@ class Scheduler:
         for i, (req, slot, token) in enumerate(zip(reqs, step.slots, tokens)):
             if slot < 0 or req.finished:
                 continue  # a prompt chunk that is not the last, or ended meanwhile
-            if i in verified:
-                outputs += self._accept(req, slot, verified[i])
-            else:
+            if self.spec is None or i not in verified:
                 row = {name: v[i] for name, v in values.items()}
                 outputs.append(self._output(req, slot, token, row))
-        return outputs
-
-    def _accept(self, req: Req, slot: int, targets: list[int]) -> list[TokenOutput]:
-        """A verified step: the accepted proposals and the target's next token, each output
-        as if decoded alone (a stop or the length limit ends the run there). The KV of
-        rejected proposals is dropped (cached_len) and overwritten by later tokens."""
-        assert self.spec is not None
-        new = self.spec.accept(req, targets)
-        req.cached_len -= len(targets) - len(new)
-        self.engine.set_tokens(req.table_idx, new[-1:], start=slot + len(new) - 1)
-        del req.tokens[slot:]  # the placeholder
-        outputs = []
-        for token in new:
-            req.tokens.append(PLACEHOLDER)
-            outputs.append(self._output(req, len(req.tokens) - 1, token, {}))
-            if req.finished:
-                break
+                continue
+            # the accepted run (tokens from `slot` on), each output as if decoded alone
+            for token in self.spec.accept(self.engine, req, slot, verified[i]):
+                req.tokens.append(PLACEHOLDER)
+                outputs.append(self._output(req, len(req.tokens) - 1, token, {}))
+                if req.finished:  # a stop ends the run
+                    break
         return outputs
 
     def _output(self, req: Req, slot: int, token: int, values: dict[str, Any]) -> TokenOutput:
-        """The request's token at `slot` is known: its output, and its end if it ends it
-        (`values`: the step features' values of its row)."""
+        """The request's token at `slot` is known: its output (`values`: the features' of
+        its row), and its end if it ends it."""
         req.tokens[slot] = token
         reason = self._finish_reason(req, token, slot + 1)
         error = None
@@ -403,5 +376,5 @@ class Scheduler:
             self.spec.shutdown()
 
     def check_no_leak(self) -> None:
-        """Every page is free, owned by the prefix cache, or owned by exactly one admitted request."""
+        """Every page is free, the prefix cache's, or exactly one admitted request's."""
         self.cache.check_invariants(self.planner.owned_pages())

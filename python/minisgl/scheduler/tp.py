@@ -1,13 +1,9 @@
 """Tensor parallelism: every rank runs a Scheduler over its own Engine shard. Scheduling is
-deterministic and sampled tokens are equal on every rank (the logits are all-gathered), so the
-ranks stay in step as long as they see the same requests: rank 0's `TPLeader` records each add
-(`UserMsg`, its seed in the params: one drawn at random must be the same on every rank),
-admission of a request a step feature held (`AdmitBackendMsg`: every rank compiles a grammar
-from the add on, but whether it is done yet differs between ranks, so rank 0 decides; a held
-request that fails there ends as an abort), abort
-(`AbortBackendMsg`) and cache flush (`FlushCacheMsg`, sent at once: an idle rank 0 does not
-step) and broadcasts them at the start of its next step as one `BatchBackendMsg` (`ExitMsg` to
-stop); the others replay them and step (`Scheduler.follow`)."""
+deterministic and sampled tokens are equal on every rank, so the ranks stay in step as long as
+they see the same changes: rank 0's `TPLeader` records each add (with its seed), admission of
+a held request (whether a grammar has compiled differs between ranks, so rank 0 decides),
+abort and cache flush (sent at once: an idle rank 0 does not step), and broadcasts them at its
+next step as one `BatchBackendMsg`; the others replay them and step (`Scheduler.follow`)."""
 
 from __future__ import annotations
 
@@ -43,7 +39,7 @@ class TPLeader:
         self.changes.append(AbortBackendMsg(uid))
 
     def flushed(self) -> None:
-        """The other ranks empty their caches too, now (they wait for rank 0's next message)."""
+        """The other ranks empty their caches too, now."""
         self.changes.append(FlushCacheMsg())
         self.send()
 

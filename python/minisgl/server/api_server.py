@@ -1,17 +1,16 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models,
-/generate (native, token ids), /tokenize and /detokenize (vLLM's), /health and /stats; the
-extensions add theirs (`routes`: the serving extension's /metrics and SGLang's endpoints)."""
+/generate (native, token ids), /health and /stats; the extensions add theirs (`routes`: the
+serving extension's /tokenize, /metrics and SGLang's endpoints)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from json.encoder import encode_basestring
 from typing import Any, TypeVar
 
@@ -20,57 +19,41 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minisgl.core import SamplingParams, check_token_ids
+from minisgl.core import SamplingParams
 from minisgl.extension import ChatShaping, ExtensionMissing, extensions
 from minisgl.message import ApiViewMsg, TokenizeMsg, UserReply
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.server.gate import Gate
-from minisgl.server.limits import check_limits
-from minisgl.server.logprobs import CompletionLogprobs, chat_logprobs
 from minisgl.server.protocol import (
-    COMPLETION_NOT_SUPPORTED,
-    NOT_SUPPORTED,
-    TOOL_FIELDS,
     APIError,
     ChatRequest,
+    ChoiceShaper,
     CompletionRequest,
-    DetokenizeRequest,
+    ExtensionFields,
     GenerateRequest,
-    OpenAIRequest,
     SamplingFields,
     StreamOptions,
-    TokenizeRequest,
-    UnknownFields,
-    chat_features,
     chat_max_tokens,
     chat_messages,
+    check_extras,
     completion_sources,
     error_body,
     error_response,
-    extra_fields,
-    native_sampling_fields,
+    native_fields,
     refused_field,
+    request_extensions,
     sampling_params,
 )
-from minisgl.tokenizer.server import (
-    check_prompt_size,
-    encode_chat,
-    load_chat_tokenizer,
-    needed,
-    prompt_chars,
-    render_chat,
-)
+from minisgl.tokenizer.server import load_chat_tokenizer, needed
 from minisgl.utils.procs import freeze_startup_heap
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by anyone
 # one request's batches of replies (Frontend.batches), and its first batch (already taken)
 Started = tuple[AsyncGenerator[list[UserReply], None], list[UserReply]]
-Tagged = list[tuple[int, UserReply]]  # replies of a response's choices, by choice index
 
 
 async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
@@ -116,8 +99,7 @@ def sse(body: dict[str, Any]) -> str:
 
 
 class Chunks:
-    """`sse({**head, "choices": [choice]})` for one choice, byte for byte, with the head
-    encoded once per response instead of once per token."""
+    """`sse({**head, "choices": [choice]})`, byte for byte, the head encoded once per response."""
 
     def __init__(self, head: dict[str, Any], chat: bool) -> None:
         self.prefix = sse({**head, "choices": []})[:-4]  # without ']}' and the blank line
@@ -130,9 +112,8 @@ class Chunks:
         return f'{self.prefix}{body}], "usage": {json.dumps(usage)}}}\n\n'
 
     def plain(self, index: int, text: str, finish_reason: str | None) -> str:
-        """The chunk of a choice without logprobs or a parser (`Shape.choice`'s, encoded), as
-        one format: a stream's per-token work, where building and encoding the dict took ~4 us
-        of the API process's ~40 per token."""
+        """`Shape.choice`'s chunk of a choice no extension shapes, as one format (building and
+        encoding the dict took ~4 us of the API process's ~40 per streamed token)."""
         reason = "null" if finish_reason is None else encode_basestring(finish_reason)
         if not self.chat:
             body = f'"text": {encode_basestring(text)}'
@@ -172,13 +153,7 @@ class Counts:
         return out
 
 
-def text_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-async def merged(started: list[Started]) -> AsyncGenerator[Tagged, None]:
+async def merged(started: list[Started]) -> AsyncGenerator[list[tuple[int, UserReply]], None]:
     """Replies of all choices as they come, tagged with the choice index: each time all that
     have come, so that a handler that fell behind writes them at once."""
     if len(started) == 1:  # one choice: its batches as they are, without a pump task
@@ -218,78 +193,34 @@ async def merged(started: list[Started]) -> AsyncGenerator[Tagged, None]:
             await s.aclose()
 
 
-class NativeMeta:
-    """SGLang's `meta_info` of a /generate request, as its replies come: counts, the prompt
-    tokens the prefix cache supplied, how it finished, and (once finished) its latency."""
-
-    def __init__(self, uid: int) -> None:
-        self.uid, self.start = uid, time.perf_counter()
-        self.cached, self.last_token = 0, -1  # -1: no token yet
-
-    def add(self, r: UserReply) -> None:
-        if r.cached_tokens is not None:
-            self.cached = r.cached_tokens
-        if r.token_ids:
-            self.last_token = r.token_ids[-1]
-
-    def finish(self, r: UserReply) -> dict[str, Any] | None:
-        """SGLang's finish_reason: its type, and what ended it (a stop string, else the stop
-        token: EOS or one of stop_token_ids)."""
-        if not r.finished:
-            return None
-        if r.finish_reason == "length":
-            return {"type": "length", "length": r.completion_tokens}
-        if r.finish_reason != "stop":
-            return {"type": "abort"}
-        matched = r.matched if r.matched is not None else self.last_token
-        return {"type": "stop"} | ({} if matched == -1 else {"matched": matched})
-
-    def info(self, r: UserReply) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": str(self.uid),
-            "finish_reason": self.finish(r),
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "cached_tokens": self.cached,
-        }
-        if r.finished:
-            out["e2e_latency"] = time.perf_counter() - self.start  # seconds, as SGLang's
-        return out
-
-
 @dataclass
 class Shape:
-    """What a response's choices look like: chat or text, with logprobs, after an echoed prompt
-    (completions), for n samples per prompt; a chat's text shaped by `shaping` (if set: the
-    structured extension's tool calls and reasoning)."""
+    """What a response's choices look like: chat or text, after an echoed prompt, n samples per
+    prompt; shaped by `shaping` (tool calls, reasoning) and `shapers` (e.g. logprobs)."""
 
     chat: bool
-    logprobs: bool
-    echo: list[str] | None
     n: int
+    echo: list[str] | None = None
     shaping: ChatShaping | None = None
+    shapers: list[ChoiceShaper] = field(default_factory=list)
 
-    def entries(self, r: UserReply) -> list[list[Any]]:
-        """The reply's log-probability entries: an echoed prompt's first (the first reply)."""
-        prompt = r.prompt_logprobs if self.echo is not None else None
-        return (prompt or []) + (r.logprobs or [])
+    def add(self, index: int, r: UserReply) -> str:
+        """Choice `index`'s next reply: its text (after the echoed prompt, for the first)."""
+        for shaper in self.shapers:
+            shaper.add(index, r)
+        if self.echo is None:
+            return r.text_delta
+        text, self.echo[index] = self.echo[index] + r.text_delta, ""
+        return text
 
     def choice(
-        self,
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        entries: list[list[Any]],
-        legacy: CompletionLogprobs,
-        delta: bool = False,
+        self, index: int, text: str, finish_reason: str | None, delta: bool = False
     ) -> dict[str, Any]:
-        if not self.chat:
-            return text_choice(
-                index, text, finish_reason, legacy.add(entries) if self.logprobs else None
-            )
-        logprobs = chat_logprobs(entries) if self.logprobs else None
+        """The choice's text so far (whole, or a stream's `delta`), its extensions' fields."""
         body: dict[str, Any]
-        if self.shaping is not None and delta:
+        if not self.chat:
+            body = {"text": text}
+        elif self.shaping is not None and delta:
             shaped, finish_reason = self.shaping.delta(index, text, finish_reason)
             body = {"delta": shaped}
         elif self.shaping is not None:
@@ -299,7 +230,12 @@ class Shape:
             body = {"delta": {"content": text} if text else {}}
         else:
             body = {"message": {"role": "assistant", "content": text}}
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+        return choice | self.fields(index)
+
+    def fields(self, index: int) -> dict[str, Any]:
+        """The extensions' fields of choice `index` (for the replies added since the last)."""
+        return {k: v for shaper in self.shapers for k, v in shaper.fields(index).items()}
 
 
 class ApiServer:
@@ -311,22 +247,32 @@ class ApiServer:
         path = args.engine.model or ""
         self.model_name = args.served_model_name or path  # what /v1/models lists
         self.served = {self.model_name, path, path.rstrip("/").split("/")[-1]}
-        self.tokenizer: list[
-            Any
-        ] = []  # /tokenize's, loaded on first use (None: the model has none)
+        adapters = extensions().lora_adapters  # name -> its /v1/models card's fields
+        self.adapters = adapters(args) if adapters is not None else {}
+        self.tokenizer: list[Any] = []  # with_tokenizer's, loaded on first use
         self.tokenizer_lock = threading.Lock()
-        self.unknown_fields = UnknownFields()
         # /health?generate=1's check: None, or why it failed (the serving extension's)
         self.health_probe: Callable[[], Awaitable[str | None]] | None = None
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.served:
-            raise APIError(
-                404,
-                f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter that `model` names (None: the base model); 404 if not served."""
+        if name is None or name in self.served:
+            return None
+        if name not in self.adapters:
+            served = ", ".join(repr(n) for n in [self.model_name, *self.adapters])
+            message = f"model {name!r} does not exist; this server serves {served}"
+            raise APIError(404, message, "model", "model_not_found")
+        return name
+
+    @staticmethod
+    def run_on(params: SamplingParams, adapter: str | None) -> SamplingParams:
+        """`params` on the LoRA adapter that `model` named (None: as they are; /generate's
+        lora_path may name it too, not another)."""
+        if adapter is not None and params.lora_name not in (None, adapter):
+            message = f"model {adapter!r} and lora_path {params.lora_name!r} differ"
+            raise APIError(400, message, "lora_path")
+        params.lora_name = adapter or params.lora_name
+        return params
 
     def reply_error(self, r: UserReply, first: bool) -> APIError:
         """The HTTP error for a reply that ended its request with an error."""
@@ -340,7 +286,7 @@ class ApiServer:
             return APIError(500, message)
         return APIError(400, message, refused_field(message))
 
-    def admit(self, num: int) -> None:
+    def admit(self) -> None:
         """Refuse new work when the pipeline is dead or too many requests wait to start."""
         if self.frontend.dead:
             reason = f"server is shutting down: {self.frontend.dead}"
@@ -349,12 +295,9 @@ class ApiServer:
         if limit is not None:  # each API process admits its share
             limit = -(-limit // self.frontend.api_count)
         if limit is not None and queued >= limit:
-            raise APIError(
-                503,
-                f"server overloaded: {queued} requests are waiting to start (limit {limit}); retry later",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
+            message = f"server overloaded: {queued} requests are waiting to start (limit {limit})"
+            retry = {"Retry-After": "1"}
+            raise APIError(503, message + "; retry later", code="overloaded", headers=retry)
 
     async def first_reply(self, msg: TokenizeMsg) -> Started:
         """Start a request and wait for its first reply, so refusals become HTTP errors."""
@@ -366,7 +309,7 @@ class ApiServer:
         return stream, first
 
     async def start_choices(self, msgs: list[TokenizeMsg]) -> list[Started]:
-        self.admit(len(msgs))
+        self.admit()
         started: list[Started] = []
         try:
             for m in msgs:
@@ -377,22 +320,11 @@ class ApiServer:
             raise
         return started
 
-    def check_fields(self, req: OpenAIRequest, not_supported: dict[str, str], path: str) -> None:
-        """Refuse what is not supported; warn about fields ignored (vLLM's way), once per name."""
-        self.check_model(req.model)
-        self.unknown_fields.seen(path, extra_fields(req, not_supported))
-
     def make_msgs(
-        self,
-        req: SamplingFields,
-        max_tokens: int,
-        given: bool,
-        logprobs: dict[str, Any] | None = None,
-        **source: Any,
+        self, req: SamplingFields, params: SamplingParams, given: bool, **source: Any
     ) -> list[TokenizeMsg]:
-        """One message per choice; `given`: the client set max_tokens, so that a prompt plus
-        max_tokens longer than the context is refused (by the tokenizer worker, which counts);
-        `logprobs`: sampling_params' logprobs, prompt_logprobs and echo."""
+        """One message per choice, sample j seeded seed + j; `given`: the client set max_tokens
+        (a prompt plus it longer than the context is refused). `request_checks` see the first."""
         skip_special_tokens = source.pop("skip_special_tokens", req.skip_special_tokens)
         ids = source.get("input_ids") or []
         if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
@@ -400,36 +332,32 @@ class ApiServer:
         msgs = [
             TokenizeMsg(
                 self.frontend.new_uid(),
-                params=sampling_params(req, max_tokens, i, **(logprobs or {})),
+                params=params.for_sample(j),
                 skip_special_tokens=skip_special_tokens,
                 context_len=self.max_seq_len if given else None,
                 max_seq_len=self.max_seq_len,
                 **source,
             )
-            for i in range(req.n)
+            for j in range(req.n)
         ]
-        check_limits(msgs[0].params, source.get("chat"))  # the choices differ in their seeds only
+        for check in extensions().request_checks:  # the choices differ in their seeds only
+            check(msgs[0])
         return msgs
 
     async def complete(self, req: CompletionRequest) -> Any:
-        self.check_fields(req, COMPLETION_NOT_SUPPORTED, "/v1/completions")
+        adapter = self.check_model(req.model)
+        taken = request_extensions(req, "/v1/completions")
         given = req.max_tokens is not None and "max_tokens" in req.model_fields_set
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        params = self.run_on(sampling_params(req, max_tokens, taken, req.echo), adapter)
         sources = completion_sources(req)
-        # echo with logprobs: the prompt's too (none predicts its first token: null)
-        scored = req.logprobs if req.echo else None
-        lp = dict(logprobs=req.logprobs, prompt_logprobs=scored, echo=req.echo)
         # choice k * n + j: prompt k's j-th sample (OpenAI's order)
-        msgs = [
-            msg
-            for source in sources
-            for msg in self.make_msgs(req, max_tokens, given, lp, **source)
-        ]
-        echo = None
+        msgs = [msg for source in sources for msg in self.make_msgs(req, params, given, **source)]
+        shape = Shape(False, req.n, shapers=shapers(taken, chat=False))
         if req.echo:
             texts = [await self.prompt_text(source) for source in sources]
-            echo = [text for text in texts for _ in range(req.n)]
-        return await self.respond(req, msgs, chat=False, echo=echo)
+            shape.echo = [text for text in texts for _ in range(req.n)]
+        return await self.respond(req, msgs, shape)
 
     async def prompt_text(self, source: dict[str, Any]) -> str:
         """What `echo` puts before the completion: the prompt as given, token ids decoded."""
@@ -439,45 +367,28 @@ class ApiServer:
         return await self.with_tokenizer(lambda tok: needed(tok).decode(ids), "prompt")
 
     async def chat_complete(self, req: ChatRequest) -> Any:
-        self.check_fields(req, NOT_SUPPORTED, "/v1/chat/completions")
+        adapter = self.check_model(req.model)
+        taken = request_extensions(req, "/v1/chat/completions")
         max_tokens = chat_max_tokens(req)
         limit = self.max_seq_len if max_tokens is None else max_tokens  # unset: up to the context
         chat = chat_messages(req.messages)
-        tools, shaping = await self.chat_shaping(req, chat)
+        features = extensions().chat_features  # tool calls, reasoning (their fields: refused)
+        tools, shaping = (
+            (None, None) if features is None else await features.shape_chat(req, chat, self)
+        )
         source: dict[str, Any] = dict(text=None, input_ids=None, chat=chat, tools=tools)
         source["chat_template_kwargs"] = req.chat_template_kwargs
         if shaping is not None and shaping.keep_special_tokens:
             source["skip_special_tokens"] = False  # the tool format's tags are special tokens
-        lp = dict(logprobs=req.logprobs_k())
-        msgs = self.make_msgs(req, limit, max_tokens is not None, lp, **source)
+        params = self.run_on(sampling_params(req, limit, taken), adapter)
+        msgs = self.make_msgs(req, params, max_tokens is not None, **source)
         if shaping is not None:  # forced calls; a constraint held off until the reasoning ends
             for msg in msgs:
                 msg.params = shaping.constrain(msg.params)
-        return await self.respond(req, msgs, chat=True, shaping=shaping)
+        shape = Shape(True, req.n, shaping=shaping, shapers=shapers(taken, chat=True))
+        return await self.respond(req, msgs, shape)
 
-    async def chat_shaping(
-        self, req: ChatRequest, chat: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]] | None, ChatShaping | None]:
-        """The tools the chat template shows the model, and how the responses are shaped (tool
-        calls, reasoning; None: the text as it is): the structured extension's. Without it a
-        request that asks for tools is refused."""
-        features = extensions().chat_features
-        if features is not None:
-            return await features.shape_chat(req, chat, self)
-        if asked := [name for name in TOOL_FIELDS if getattr(req, name) is not None]:
-            raise APIError(400, str(ExtensionMissing(asked[0], "structured")), asked[0])
-        return None, None
-
-    async def respond(
-        self,
-        req: SamplingFields,
-        msgs: list[TokenizeMsg],
-        chat: bool,
-        echo: list[str] | None = None,
-        shaping: ChatShaping | None = None,
-    ) -> Any:
-        """`echo`: per choice, the prompt text that comes before its completion; `shaping`:
-        how a chat's text is shaped (reasoning, tool calls)."""
+    async def respond(self, req: SamplingFields, msgs: list[TokenizeMsg], shape: Shape) -> Any:
         options = req.stream_options
         if options is not None and options.continuous_usage_stats and not options.include_usage:
             message = "stream_options.continuous_usage_stats needs include_usage true"
@@ -485,15 +396,14 @@ class ApiServer:
         started = await self.start_choices(msgs)
         chunk = ".chunk" if req.stream else ""
         head = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{msgs[0].uid}",
-            "object": f"chat.completion{chunk}" if chat else "text_completion",
+            "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{msgs[0].uid}",
+            "object": f"chat.completion{chunk}" if shape.chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": msgs[0].params.lora_name or self.model_name,  # vLLM's: the adapter's name
         }
-        shape = Shape(chat, msgs[0].params.logprobs is not None, echo, req.n, shaping)
         if not req.stream:
             return await self.collect(started, head, shape)
-        events = self.events(started, head, shape, req.stream_options)
+        events = self.events(started, head, shape, options)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def collect(
@@ -501,8 +411,7 @@ class ApiServer:
     ) -> dict[str, Any]:
         """The whole response of all choices, once every one has finished."""
         n = len(started)
-        texts, counts = list(shape.echo or [""] * n), Counts(n, shape.n)
-        entries: list[list[list[Any]]] = [[] for _ in range(n)]
+        texts, counts = [""] * n, Counts(n, shape.n)
         reasons: list[str | None] = [None] * n
         matched: dict[int, str] = {}  # the stop strings that ended choices
         async with aclosing(merged(started)) as batches:
@@ -510,16 +419,12 @@ class ApiServer:
                 for i, r in batch:
                     if r.error is not None:
                         raise self.reply_error(r, first=False)
-                    texts[i] += r.text_delta
-                    entries[i] += shape.entries(r)
+                    texts[i] += shape.add(i, r)
                     counts.add(i, r)
                     reasons[i] = r.finish_reason if r.finished else None
                     if r.matched is not None:
                         matched[i] = r.matched
-        choices = [
-            shape.choice(i, text, reason, entries[i], CompletionLogprobs())
-            for i, (text, reason) in enumerate(zip(texts, reasons))
-        ]
+        choices = [shape.choice(i, text, reasons[i]) for i, text in enumerate(texts)]
         for i, stop in matched.items():  # vLLM's stop_reason
             choices[i]["stop_reason"] = stop
         return {**head, "choices": choices, "usage": counts.usage()}
@@ -543,14 +448,13 @@ class ApiServer:
     ) -> AsyncIterator[str]:
         """Server-sent events of all choices: a chunk per reply carrying text or a finish (and
         with `continuous_usage_stats`, its choice's usage so far)."""
-        n, counts = len(started), Counts(len(started), shape.n)
+        counts = Counts(len(started), shape.n)
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options is not None and options.continuous_usage_stats
         if shape.chat:
             yield self.opening(started, head, shape.n, continuous)
-        echo, legacy = list(shape.echo or [""] * n), [CompletionLogprobs() for _ in range(n)]
         chunk = Chunks(head, shape.chat)
-        plain = not shape.logprobs and shape.shaping is None and not continuous
+        plain = not shape.shapers and shape.shaping is None and not continuous
         async with aclosing(merged(started)) as batches:
             async for batch in batches:
                 events: list[str] = []  # one write for the batch
@@ -559,15 +463,13 @@ class ApiServer:
                         yield "".join(events) + error_event(self.reply_error(r, first=False))
                         return
                     counts.add(i, r)
-                    fr = r.finish_reason if r.finished else None
-                    text, echo[i] = echo[i] + r.text_delta, ""  # the prompt goes first, once
-                    entries = shape.entries(r)
-                    if not text and not r.token_ids and fr is None and not entries:
+                    text, fr = shape.add(i, r), r.finish_reason if r.finished else None
+                    if not text and not r.token_ids and fr is None:
                         continue
                     if plain and r.matched is None:
                         events.append(chunk.plain(i, text, fr))
                         continue
-                    choice = shape.choice(i, text, fr, entries, legacy[i], delta=True)
+                    choice = shape.choice(i, text, fr, delta=True)
                     if r.matched is not None:  # vLLM's stop_reason: the stop string
                         choice["stop_reason"] = r.matched
                     events.append(chunk(choice, counts.choice_usage(i) if continuous else None))
@@ -578,20 +480,22 @@ class ApiServer:
 
     async def generate(self, req: GenerateRequest) -> Any:
         """The native API: token ids in and out, one choice."""
-        self.check_model(req.model)
-        check_extras(req.model_extra or {})
-        fields, max_tokens = native_sampling_fields(req)
+        adapter = self.check_model(req.model)
+        fields, max_tokens = native_fields(req)
+        check_extras(dict(req.model_extra or {}), "/generate")  # SGLang's (the serving extension)
+        taken = request_extensions(fields, "/generate", "/generate sampling_params")
+        params = self.run_on(sampling_params(fields, max_tokens, taken), adapter)
         source = dict(text=req.text, input_ids=req.input_ids, chat=None)
-        msgs = self.make_msgs(fields, max_tokens, False, None, **source)  # SGLang's: to the context
+        msgs = self.make_msgs(fields, params, False, **source)  # SGLang's: to the context
         if req.data_parallel_rank is not None:  # SGLang's: run on this --dp replica
             if not 0 <= req.data_parallel_rank < self.args.dp:
                 message = f"data_parallel_rank must be in [0, {self.args.dp}) (--dp {self.args.dp})"
                 raise APIError(400, message, "data_parallel_rank")
             msgs[0].dp_rank = req.data_parallel_rank
-        meta = NativeMeta(msgs[0].uid)
+        shape = Shape(False, 1, shapers=shapers(taken, chat=False))  # e.g. SGLang's meta_info
         started = await self.start_choices(msgs)
         if req.stream:
-            events = self.native_events(started, meta)
+            events = self.native_events(started, shape)
             return StreamingResponse(events, media_type="text/event-stream")
         ids: list[int] = []
         text, last = "", started[0][1][-1]
@@ -601,19 +505,13 @@ class ApiServer:
                     if r.error is not None:
                         raise self.reply_error(r, first=False)
                     ids += r.token_ids
-                    text += r.text_delta
+                    text += shape.add(0, r)
                     last = r
-                    meta.add(r)
-        return {
-            "output_ids": ids,
-            "text": text,
-            "finish_reason": last.finish_reason,
-            "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.completion_tokens,
-            "meta_info": meta.info(last),
-        }
+        counts = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens}
+        body = {"output_ids": ids, "text": text, "finish_reason": last.finish_reason}
+        return body | counts | shape.fields(0)
 
-    async def native_events(self, started: list[Started], meta: NativeMeta) -> AsyncIterator[str]:
+    async def native_events(self, started: list[Started], shape: Shape) -> AsyncIterator[str]:
         async with aclosing(merged(started)) as batches:
             async for batch in batches:
                 events: list[str] = []  # one write for the batch
@@ -621,22 +519,15 @@ class ApiServer:
                     if r.error is not None:
                         yield "".join(events) + error_event(self.reply_error(r, first=False))
                         return
-                    meta.add(r)
-                    body = {
-                        "token_ids": r.token_ids,
-                        "text": r.text_delta,
-                        "finished": r.finished,
-                        "finish_reason": r.finish_reason,
-                        "meta_info": meta.info(r),
-                    }
-                    events.append(sse(body))
+                    text = shape.add(0, r)
+                    body = {"token_ids": r.token_ids, "text": text, "finished": r.finished}
+                    events.append(sse(body | {"finish_reason": r.finish_reason} | shape.fields(0)))
                 yield "".join(events)
         yield "data: [DONE]\n\n"
 
     async def with_tokenizer(self, work: Callable[[Any], T], param: str) -> T:
-        """`work(tokenizer)` in a thread, with the workers' tokenizer (same files, same
-        --chat-template) loaded here once; its failure is the client's (400), as in a worker.
-        The load imports transformers into this process: its objects join the frozen heap."""
+        """`work(tokenizer)` in a thread, with the workers' tokenizer loaded here once (its
+        objects then join the frozen heap); its failure is the client's (400)."""
 
         def run() -> T:
             with self.tokenizer_lock:
@@ -653,78 +544,23 @@ class ApiServer:
         except Exception as e:
             raise APIError(400, str(e), param) from None
 
-    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
-        """vLLM's /tokenize, under the completions' size limit: a prompt that could not fit in
-        the context is refused before it is tokenized (a 15 MB one took 14 s and 1.4 GB)."""
-        self.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of prompt and messages", "prompt")
-        limit, special = self.max_seq_len, req.add_special_tokens
-        if req.messages is None:
-            text = req.prompt or ""
-
-            def encode(tok: Any) -> list[int]:
-                check_prompt_size(tok, len(text), limit)
-                return needed(tok).encode(text, add_special_tokens=special is not False)
-
-            return self.tokens(await self.with_tokenizer(encode, "prompt"))
-        chat, kwargs = chat_messages(req.messages), req.chat_template_kwargs
-        check_limits(SamplingParams(), chat)
-        tools = None
-        if req.tools is not None:  # validated by the structured extension (a 400 without it)
-            tools = chat_features("tools", "tools").template_tools(req.tools)
-        msg = TokenizeMsg(-1, None, None, chat, SamplingParams(), tools=tools)
-        with_prompt = req.add_generation_prompt
-
-        def encode_messages(tok: Any) -> list[int]:
-            check_prompt_size(tok, prompt_chars(msg), limit)
-            if special:  # the template's text, and the tokenizer's special tokens around it
-                text = render_chat(tok, chat, kwargs, with_prompt, tools)
-                return needed(tok).encode(text, add_special_tokens=True)
-            return encode_chat(tok, chat, kwargs, with_prompt, tools)
-
-        return self.tokens(await self.with_tokenizer(encode_messages, "messages"))
-
-    def tokens(self, ids: list[int]) -> dict[str, Any]:
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_seq_len}
-
-    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
-        self.check_model(req.model)
-        if len(req.tokens) > self.max_seq_len:  # the one size limit: what a context holds
-            message = (
-                f"tokens: at most {self.max_seq_len} tokens (the context), got {len(req.tokens)}"
-            )
-            raise APIError(400, message, "tokens", "limit_exceeded")
-
-        def decode(tok: Any) -> str:
-            vocab = len(needed(tok))
-            check_token_ids(vocab, tokens=req.tokens)
-            return tok.decode(req.tokens)
-
-        return {"prompt": await self.with_tokenizer(decode, "tokens")}
-
     async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
         """Every API process's counts (`Frontend.views`); 503 when one does not answer."""
         try:
             return await self.frontend.views(metrics)
         except asyncio.TimeoutError:
-            raise APIError(
-                503, "an API process did not answer", code="server_unavailable"
-            ) from None
+            message = "an API process did not answer"
+            raise APIError(503, message, code="server_unavailable") from None
 
     async def stats(self) -> dict[str, Any]:
-        """Scheduler snapshot (running requests, KV pages), refreshed when it goes idle, plus the
-        API processes' view: requests in flight and not started yet (summed over the
-        --api-server-count processes, and per process), RSS of all processes."""
+        """The scheduler's snapshot plus the API processes' requests in flight and queued and
+        the RSS (summed; with several processes, each's too)."""
         views = await self.views()
-        out = self.frontend.stats.__dict__ | {
-            "in_flight": sum(v.in_flight for v in views),
-            "queued": sum(v.queued for v in views),
-            "rss_bytes": sum(v.rss_bytes for v in views),
-        }
+        keys = ("in_flight", "queued", "rss_bytes")
+        out = self.frontend.stats.__dict__ | {k: sum(getattr(v, k) for v in views) for k in keys}
         if len(views) > 1:
-            keys = ("rank", "pid", "in_flight", "queued")
-            out["api_servers"] = [{k: getattr(v, k) for k in keys} for v in views]
+            each = ("rank", "pid", "in_flight", "queued")
+            out["api_servers"] = [{k: getattr(v, k) for k in each} for v in views]
         return out
 
     async def health(self, generate: bool = False) -> JSONResponse:
@@ -751,18 +587,13 @@ class ApiServer:
             card["vocab_size"] = await self.with_tokenizer(lambda tok: len(needed(tok)), "model")
         except APIError:
             pass  # a model without a tokenizer: no vocab_size
-        return {"object": "list", "data": [card]}
+        loras = [{**card, "id": name, **fields} for name, fields in self.adapters.items()]
+        return {"object": "list", "data": [card, *loras]}
 
 
-def check_extras(extra: dict[str, Any]) -> None:
-    """/generate's undeclared fields: the `generate_extras` point's to judge (SGLang's), else
-    each one is a 400 naming it: never accepted and ignored."""
-    check = extensions().generate_extras
-    if check is not None:
-        check(extra)
-    elif extra:
-        name = next(iter(extra))
-        raise APIError(400, f"{name}: unknown field of /generate", name, "unknown_field")
+def shapers(taken: list[ExtensionFields], chat: bool) -> list[ChoiceShaper]:
+    """What the request's extension fields add to its choices."""
+    return [s for fields in taken if (s := fields.shaper(chat)) is not None]
 
 
 def create_app(
@@ -781,8 +612,6 @@ def create_app(
         add_routes(app, api, info or {})
     app.get("/stats")(api.stats)
     app.get("/v1/models")(api.models)
-    app.post("/tokenize")(api.tokenize)
-    app.post("/detokenize")(api.detokenize)
 
     # a plain (not streamed) response stops when its client leaves
     @app.post("/v1/completions")

@@ -1,8 +1,6 @@
 """Command line of `python -m minisgl`: a flag `--field-name` for every option field of
-EngineConfig, SchedulerConfig and ServerArgs (the server's own), with the field's help text.
-
-Bad values exit with code 2 and one line on stderr naming the flag (argparse's behaviour for
-validators that raise ArgumentTypeError), e.g. `error: argument --port: must be in 1..65535`."""
+EngineConfig, SchedulerConfig, ServerArgs and the extensions' option dataclasses, with the
+field's help text. A bad value exits with code 2 and one line naming the flag."""
 
 from __future__ import annotations
 
@@ -19,6 +17,8 @@ from minisgl.utils.options import OptionError, int_range, number, option, split_
 
 
 def seconds(allow_zero: bool) -> Callable[[str], float]:
+    """A finite number of seconds > 0 (>= 0 with `allow_zero`)."""
+
     def parse(value: str) -> float:
         x = number(value, float, "seconds")
         if not (x >= 0 if allow_zero else x > 0) or x == float("inf"):  # also rejects nan
@@ -36,34 +36,31 @@ class ServerArgs:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tp: int = option(
         1,
-        "tensor-parallel size (GPUs), over all --nnodes (the serving extension's)",
+        "tensor-parallel size (GPUs)",
         type=int_range(1),
         aliases=["--tensor-parallel-size", "--tp-size"],  # vLLM's, SGLang's
     )
     dp: int = option(
         1,
-        "data-parallel replicas: N schedulers (each a TP group of --tp GPUs; dp x tp GPUs in all) "
-        "behind this one API server",
+        "data-parallel replicas behind this API server, each a TP group (dp x tp GPUs in all)",
         type=int_range(1),
         aliases=["--data-parallel-size", "--dp-size"],  # vLLM's, SGLang's
     )
     dp_dispatch: str = option(
         "prefix",
-        "with --dp > 1, which replica a request goes to: the one holding the longest prefix of "
-        "its prompt (ties: least loaded), or round_robin (the ablation)",
+        "with --dp > 1: the replica holding the longest prefix of the prompt (ties: least "
+        "loaded), or round_robin",
         choices=["prefix", "round_robin"],
     )
     dp_load_threshold: int = option(
         8,
-        "with --dp-dispatch prefix: when the replicas' in-flight requests differ by more than "
-        "this, the least loaded replica gets the request whatever its prefix",
+        "with --dp-dispatch prefix: replicas whose loads differ by more than this many "
+        "requests send the request to the least loaded one",
         type=int_range(0),
     )
     host: str = option("127.0.0.1", "HTTP bind address")
     port: int = option(1919, "HTTP port", type=int_range(1, 65535))
-    num_tokenizer: int = option(
-        1, "tokenizer worker processes (requests are spread over them by id)", type=int_range(1)
-    )
+    num_tokenizer: int = option(1, "tokenizer worker processes", type=int_range(1))
     served_model_name: str | None = option(
         None, "model id that /v1/models lists and requests may name (unset: the --model value)"
     )
@@ -72,42 +69,34 @@ class ServerArgs:
     )
     tool_call_parser: str | None = option(
         "auto",
-        "format of the model's tool calls, parsed into /v1/chat/completions' tool_calls; auto: "
-        "the one the chat template shows (logged at start), none: off (then requests with "
-        "tools are refused unless tool_choice is none or names a function); vLLM's names, e.g. "
-        "hermes (the structured extension's formats)",
+        "format of the model's tool calls (the structured extension's; vLLM's names, e.g. "
+        "hermes); auto: the chat template's, none: off",
     )
     reasoning_parser: str | None = option(
         "auto",
-        "format of the model's reasoning, returned as reasoning_content; auto: from the chat "
-        "template's think tags (logged at start), none: off (in content); vLLM's names, e.g. "
-        "qwen3 (the structured extension's formats)",
+        "format of the model's reasoning, returned as reasoning_content (the structured "
+        "extension's; vLLM's names, e.g. qwen3); auto: the chat template's, none: off",
     )
     skip_server_warmup: bool = option(
-        False,
-        "serve without the warm-up (on a GPU each scheduler first runs a few short synthetic "
-        "requests, so that Triton compiles its kernels before the first real request; on CPU "
-        "only --enable-torch-compile warms up, to compile the decoder)",
+        False, "serve without the warm-up (on a GPU: short requests that compile the kernels)"
     )
     shell: bool = option(False, "interactive terminal chat instead of a server")
     shell_hide_reasoning: bool = option(
-        False,
-        "with --shell and --reasoning-parser: leave the model's reasoning out of the answers "
-        "(default: shown dimmed before each answer)",
+        False, "with --shell and --reasoning-parser: leave the reasoning out of the answers"
     )
     api_key: str | None = option(
         None,
-        "require 'Authorization: Bearer KEY' (unset: the MINISGL_API_KEY environment variable, "
-        "which other local users cannot read, unlike a command line)",
+        "require 'Authorization: Bearer KEY' (unset: $MINISGL_API_KEY, which other local users "
+        "cannot read, unlike a command line)",
     )
     max_queued_requests: int | None = option(
         None,
-        "requests waiting for their first token beyond which new ones get 503 (unset: no limit)",
+        "requests waiting for their first token beyond which new ones get 503",
         type=int_range(1),
     )
     request_timeout: float | None = option(
         None,
-        "seconds after which a request is aborted and answered 504 (unset: no limit)",
+        "seconds after which a request is aborted and answered 504",
         type=seconds(allow_zero=False),
     )
     max_request_bytes: int = option(
@@ -115,13 +104,11 @@ class ServerArgs:
     )
     shutdown_timeout: float = option(
         30.0,
-        "seconds SIGTERM waits for in-flight requests to finish before exiting",
+        "seconds SIGTERM waits for in-flight requests to finish",
         type=seconds(allow_zero=True),
     )
     exit_with_parent: bool = option(
-        False,
-        "stop (as on SIGTERM, with every child process) when the process that started the "
-        "server dies, however it dies: for test runners and supervisors that may be killed",
+        False, "stop when the process that started the server dies, however it dies"
     )
     log_level: str = option(
         "info",
@@ -139,7 +126,7 @@ class ServerArgs:
             if (check := getattr(self.extras[name], "check", None)) is not None:
                 check(self)
         self._check_parsers()
-        if self.dp > 1 and extensions().dispatcher is None:  # ext/serving/dispatch.py
+        if self.dp > 1 and extensions().launcher is None:  # its tokenizer workers dispatch
             raise OptionError("dp", str(ExtensionMissing(f"--dp {self.dp}", "serving")))
         if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
             raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
@@ -149,19 +136,17 @@ class ServerArgs:
             read_chat_template(self.chat_template)
 
     def _check_parsers(self) -> None:
-        """--tool-call-parser and --reasoning-parser name formats the core does not know: the
-        structured extension checks them, and without it they are refused (`auto` then means
-        none: there is nothing to detect them with; `none` is None)."""
+        """--tool-call-parser and --reasoning-parser: formats the structured extension checks;
+        without it `auto` means none and any other format is refused. `none` is None."""
+        features = extensions().chat_features
         for name in ("tool_call_parser", "reasoning_parser"):
             value = getattr(self, name)
-            features = extensions().chat_features
             if value == "none" or (value == "auto" and features is None):
                 setattr(self, name, None)
-            if getattr(self, name) is None:
-                continue
-            if features is None:
-                raise OptionError(name, str(ExtensionMissing(repr(value), "structured")))
-            features.check_option(name, value)
+            elif value is not None:
+                if features is None:
+                    raise OptionError(name, str(ExtensionMissing(repr(value), "structured")))
+                features.check_option(name, value)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -201,38 +186,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{names} {self._format_args(action, metavar)}"
 
 
-# The --help group of each flag: by what a user wants to do. A flag not named here goes to its
-# config's group: EngineConfig's to engine, SchedulerConfig's to scheduler, ServerArgs' to server.
-_GROUPS = {
-    EngineConfig: "engine",
-    SchedulerConfig: "scheduler",
-    ServerArgs: "server",
-}
+# The --help group of a flag, by what a user wants to do; any other goes to its config's:
+# EngineConfig's to engine, SchedulerConfig's to scheduler, ServerArgs' to server.
+_GROUPS = {EngineConfig: "engine", SchedulerConfig: "scheduler", ServerArgs: "server"}
 _GROUP_OF = {
-    "model": [
-        "model",
-        "dtype",
-        "quantization",
-        "max_model_len",
-        "dummy_weights",
-        "seed",
-        "served_model_name",
-        "chat_template",
-    ],
-    "engine": [
-        "tp",
-        "dp",
-        "dp_dispatch",
-        "dp_load_threshold",
-    ],
+    "model": "model dtype quantization max_model_len dummy_weights seed served_model_name "
+    "chat_template".split(),
+    "engine": ["tp", "dp", "dp_dispatch", "dp_load_threshold"],
     "scheduler": ["max_running_requests"],
-    "extensions": [
-        "tool_call_parser",
-        "reasoning_parser",
-        "json_any_whitespace",
-        "grammar_compile_timeout",
-        "priority_aging",
-    ],
+    "extensions": ["tool_call_parser", "reasoning_parser"],
 }
 HELP_GROUPS = ("model", "engine", "scheduler", "server", "extensions")
 
@@ -268,10 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
             if "help" in f.metadata:  # not ServerArgs.engine / .scheduler / .extras
                 _add_flag(groups[group_of.get(f.name, title)], f)
     exts = extensions()
-    for name, options in {**exts.scheduler_options, **exts.options}.items():  # their own groups
+    for name in {**exts.scheduler_options, **exts.options}:  # their own groups
         group = parser.add_argument_group(f"{name} extension")
-        for f in fields(options):
-            _add_flag(group, f)
+        for options in (exts.scheduler_options.get(name), exts.options.get(name)):
+            for f in fields(options) if options is not None else ():
+                _add_flag(group, f)
     return parser
 
 

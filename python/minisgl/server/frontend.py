@@ -1,12 +1,9 @@
-"""The api server's side of the pipeline: submit requests to the tokenizer workers and route
-the replies coming back from the detokenizer to one asyncio queue per request. It also shows
-every reply to its `metrics` (the `request_observer` point: counts nothing without the serving
-extension), fails every request when the pipeline dies, keeps each --dp replica's stats apart
-and, with --dp > 1, tells the tokenizer worker when a request ends (its dispatcher counts the
-replicas' loads). API process k of N numbers its requests k, k + N, k + 2N... (the pipeline
-routes their replies back by uid % N). The serving extension's Frontend
-(`ext/serving/frontend.py`) adds the watchdog, /flush_cache and the API processes' views of
-each other."""
+"""The API server's side of the pipeline: submit requests to the tokenizer workers, route
+the detokenizer's replies to one asyncio queue per request, fail them all if the pipeline dies."""
+
+# Each reply is shown to `metrics` (the `request_observer` point). The serving extension's
+# Frontend (`ext/serving/frontend.py`) adds the watchdog, /flush_cache, the --dp replicas'
+# summed stats and the API processes' views of each other.
 
 from __future__ import annotations
 
@@ -16,9 +13,9 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.extension import RequestObserver, extensions
@@ -35,15 +32,6 @@ from minisgl.message import (
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 logger = logging.getLogger(__name__)
-
-
-def total_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
-    """The replicas' snapshots summed (one replica: its own)."""
-    if len(replicas) == 1:
-        return replicas[0]
-    names = [f.name for f in fields(SchedulerStats) if f.name not in ("dp_rank", "counts")]
-    counts = {k: sum(r.counts.get(k, 0) for r in replicas) for r0 in replicas for k in r0.counts}
-    return SchedulerStats(**{n: sum(getattr(r, n) for r in replicas) for n in names}, counts=counts)
 
 
 def tree_rss_bytes() -> int:
@@ -68,28 +56,27 @@ class _InFlight:
 
 
 class Frontend:
+    # API process `api_rank` of `api_count` (--api-server-count, the serving extension's)
+    # numbers its requests api_rank, api_rank + api_count... (their replies come back by uid)
+    api_rank, api_count = 0, 1
+
     def __init__(
-        self,
-        tokenizer_addrs: list[str],
-        recv_addr: str,
-        scheduler_addrs: list[str] | None = None,
-        api_rank: int = 0,
-        api_count: int = 1,
+        self, tokenizer_addrs: list[str], recv_addr: str, scheduler_addrs: list[str] | None = None
     ) -> None:
-        """`scheduler_addrs`: one per --dp replica; `api_rank` of `api_count` API processes."""
+        """`scheduler_addrs`: one per --dp replica."""
         self.to_tokenizers = [ZmqAsyncPushQueue(a, create=False) for a in tokenizer_addrs]
         self.recv = ZmqAsyncPullQueue(recv_addr, create=True)
         self.scheduler_addrs = scheduler_addrs or []
-        self.api_rank, self.api_count = api_rank, api_count
         self.requests: dict[int, _InFlight] = {}
-        self.uids = itertools.count(api_rank, self.api_count)
-        self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(self.num_replicas)]
+        self.uids = itertools.count(self.api_rank, self.api_count)
+        replicas = max(1, len(self.scheduler_addrs))
+        self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(replicas)]
         # the server's RSS is rank 0's to count (its children include the other API processes)
-        self.rss: Callable[[], int] = tree_rss_bytes if api_rank == 0 else lambda: 0
+        self.rss = tree_rss_bytes if self.api_rank == 0 else lambda: 0
         observer = extensions().request_observer
         self.metrics = RequestObserver() if observer is None else observer(self)
         self.dead: str | None = None  # set when the pipeline can no longer answer
-        self.last_progress = time.monotonic()  # of the last message, or of the last idle tick
+        self.last_progress = time.monotonic()  # of the last message (the watchdog's)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -98,30 +85,21 @@ class Frontend:
         self._tasks.append(self._loop.create_task(self._dispatch()))
 
     @property
-    def num_replicas(self) -> int:
-        return max(1, len(self.scheduler_addrs))
-
-    @property
     def stats(self) -> SchedulerStats:
-        """The scheduler snapshot, summed over the replicas."""
-        return total_stats(self.replica_stats)
+        """The scheduler's last snapshot."""
+        return self.replica_stats[0]
 
     @property
     def num_queued(self) -> int:
         """Requests submitted that have not produced a token yet."""
         return sum(r.last_token is None for r in self.requests.values())
 
-    @property
-    def num_unfinished(self) -> int:
-        """Requests in flight whose last reply has not come: the pipeline owes them answers."""
-        return sum(not r.finished for r in self.requests.values())
-
     async def _dispatch(self) -> None:
         while True:
             batch = await self.recv.get()
             self.last_progress = time.monotonic()
             if not isinstance(batch, BatchFrontendMsg):
-                if not await self.received(batch):  # decoded, but not for here
+                if not await self.received(batch):
                     logger.error("api server: dropped an unexpected %s", type(batch).__name__)
                 continue
             stats = batch.stats
@@ -129,27 +107,24 @@ class Frontend:
                 self.replica_stats[stats.dp_rank] = stats
             now = time.monotonic()
             for reply in batch.msgs:
-                req = self.requests.get(reply.uid)
-                if req is not None:
+                if (req := self.requests.get(reply.uid)) is not None:
                     self._observe(req, reply, now)
                     req.queue.put_nowait(reply)
 
     async def received(self, msg: Any) -> bool:
-        """A message other than replies (the serving extension's: /flush_cache's answers, the
-        other API processes'); False: not one this Frontend expects."""
+        """A message other than replies (the serving extension's); False: not one expected."""
         return False
 
     def view(self, seq: int = 0, metrics: bool = False) -> ApiViewMsg:
-        """What this API process counts: requests in flight, not started yet (and with
-        `metrics` the text of its metrics)."""
+        """This API process's counts: requests in flight, not started yet (and with `metrics`
+        the text of its metrics)."""
         text = self.metrics.text() if metrics else ""
         return ApiViewMsg(
             self.api_rank, seq, os.getpid(), len(self.requests), self.num_queued, text, self.rss()
         )
 
     async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
-        """Every API process's view, by rank: this one's (the serving extension's Frontend asks
-        the others too)."""
+        """Every API process's view, by rank."""
         return [self.view(0, metrics)]
 
     def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
@@ -166,8 +141,8 @@ class Frontend:
         return self.to_tokenizers[uid % len(self.to_tokenizers)]
 
     async def submit(self, msg: TokenizeMsg) -> asyncio.Queue[UserReply]:
-        """Hand a request to its tokenizer worker; only then does it count as in flight (and
-        against --max-queued-requests): a message that cannot be encoded takes nothing."""
+        """Hand a request to its tokenizer worker; only then is it in flight (a message that
+        cannot be encoded takes nothing)."""
         data = encode(msg)
         req = self.requests[msg.uid] = _InFlight(priority=msg.params.priority)
         try:
@@ -194,10 +169,8 @@ class Frontend:
     async def batches(
         self, msg: TokenizeMsg, timeout: float | None = None
     ) -> AsyncGenerator[list[UserReply], None]:
-        """Replies of one request until it finishes, each time all that have come: a handler
-        that fell behind catches up in one write instead of one per reply. Leaving early
-        (client gone) aborts the request; past `timeout` seconds it ends with a "timeout"
-        reply and is aborted."""
+        """Replies of one request until it finishes, each time all that have come (a handler
+        that fell behind catches up in one write); aborted when left early or past `timeout`."""
         queue = await self.submit(msg)
         deadline = None if timeout is None else time.monotonic() + timeout
         finished = timed_out = False
@@ -222,7 +195,7 @@ class Frontend:
         finally:
             if finished:
                 self.requests.pop(msg.uid, None)
-                if self.num_replicas > 1:  # the dispatcher's load count
+                if len(self.scheduler_addrs) > 1:  # the --dp dispatcher counts the loads
                     await asyncio.shield(self._tokenizer(msg.uid).put(DoneMsg(msg.uid)))
             else:
                 await asyncio.shield(self.abort(msg.uid, "timeout" if timed_out else "abort"))

@@ -1,15 +1,14 @@
-"""What every HTTP request passes before FastAPI (`Gate`): the API key, the body's size, and
-text that is not valid Unicode. Each refusal is an OpenAI-shaped JSON error, counted by status
-like every other response. The serving extension's gate (the `gate` point) adds the limit on
-requests in progress and on the time a body may take to arrive."""
+"""What every HTTP request passes before FastAPI (`Gate`): the API key and the body's size."""
+
+# Each refusal, and an exception the app did not answer, is an OpenAI-shaped JSON error counted
+# by status like every other response. The serving extension's gate (the `gate` point) adds the
+# text checks, the limit on requests in progress and the body's read timeout.
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import re
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,13 +22,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# a JSON \u escape of a UTF-16 surrogate: the way a valid UTF-8 body can carry text that is not
-# valid Unicode. A pair (an emoji, as ASCII-only encoders write it) matches too: only the walk
-# tells them apart. A plain pattern: one with lookarounds to find lone ones takes ~25 ms per MB.
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-LONE_SURROGATE = "a lone UTF-16 surrogate"
-NOT_UTF8 = "bytes that are not UTF-8"
-
 
 class Refusal(NamedTuple):
     status: int
@@ -39,73 +31,10 @@ class Refusal(NamedTuple):
     headers: dict[str, str] | None = None
 
 
-def _valid_text(text: str) -> bool:
-    try:
-        text.encode()  # in C: a lone surrogate fails
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
-def _shown(name: str, raw: bool) -> str:
-    """A field name that is not valid Unicode, printable: as the client wrote it, its stray
-    bytes as \\xNN (`raw`: they were decoded as surrogateescape's lone surrogates), else its
-    escaped surrogates as \\uNNNN."""
-    if raw:
-        try:
-            return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        except UnicodeEncodeError:  # an escaped surrogate among the stray bytes
-            pass
-    return name.encode("utf-8", "backslashreplace").decode()
-
-
-def _text_path(document: str | bytes, raw: bool) -> str | None:
-    """The path (e.g. `messages[0].content`) of the first string of a JSON document, in
-    document order, that is not valid Unicode; None when there is none or it is not JSON."""
-    try:
-        todo: list[tuple[str, Any]] = [("body", json.loads(document))]
-    except (ValueError, RecursionError):
-        return None
-    while todo:  # depth first, without recursion (the nesting is the client's)
-        path, value = todo.pop()
-        if isinstance(value, str) and not _valid_text(value):
-            return path
-        if isinstance(value, dict):
-            children = [(k if path == "body" else f"{path}.{k}", v) for k, v in value.items()]
-            for name, _ in children:
-                if not _valid_text(name):  # a field's name
-                    return _shown(name, raw)
-        elif isinstance(value, list):
-            children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
-        else:
-            continue
-        todo.extend(reversed(children))
-    return None
-
-
-def invalid_text_path(body: bytes) -> tuple[str | None, str] | None:
-    """Where a body holds text that is not valid Unicode, and what it is: (a field path, or
-    None when the bytes are in no string of a JSON document, and why), or None. Decoded
-    strictly: json.loads would take raw surrogate bytes ('surrogatepass') for lone surrogates
-    that no message can carry, and other stray bytes fail there as a 500. A valid UTF-8 body
-    is parsed here only when it holds a surrogate escape (a pair, or an escaped backslash
-    before `ud800`, is a false alarm the walk clears); one that is not JSON is left to
-    FastAPI, which says so."""
-    if not body.isascii():  # ASCII, the common case, is valid UTF-8: no copy made
-        try:
-            body.decode()
-        except UnicodeDecodeError:  # each stray byte a lone surrogate, found by the walk
-            return _text_path(body.decode(errors="surrogateescape"), raw=True), NOT_UTF8
-    if not SURROGATE_ESCAPE.search(body):
-        return None
-    path = _text_path(body, raw=False)
-    return None if path is None else (path, LONE_SURROGATE)
-
-
 def credentials_refused(headers: list[tuple[bytes, bytes]], key: bytes) -> str | None:
-    """Why a request's credentials do not carry the API key, or None when they do. RFC 7235:
-    exactly one Authorization header, `auth-scheme 1*SP token`, the scheme in any case; or the
-    key alone in one x-api-key header, as Anthropic's clients send it."""
+    """Why a request's credentials do not carry the API key, or None when they do."""
+    # RFC 7235: exactly one Authorization header, `auth-scheme 1*SP token`, the scheme in any
+    # case; or the key alone in one x-api-key header, as Anthropic's clients send it.
     x_api_key = [value for name, value in headers if name == b"x-api-key"]
     if len(x_api_key) == 1 and hmac.compare_digest(x_api_key[0], key):
         return None
@@ -120,20 +49,16 @@ def credentials_refused(headers: list[tuple[bytes, bytes]], key: bytes) -> str |
 
 
 class Gate:
-    """What every HTTP request passes before FastAPI (see the module). An exception the app did
-    not turn into a response becomes an OpenAI-shaped JSON 500 here, so that it is counted too.
-    Pure ASGI (not BaseHTTPMiddleware), so that an endpoint still sees its client disconnect;
-    the body is read whole here and replayed to the app."""
+    """Pure ASGI middleware (not BaseHTTPMiddleware, so that an endpoint still sees its client
+    disconnect): the body is read whole here, checked, and replayed to the app."""
 
     def __init__(
         self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
     ) -> None:
-        """`frontend`: its `metrics` count the responses; `paths`: the app's own (any other is
-        counted as "other")."""
-        self.app, self.max_body = app, args.max_request_bytes
+        """`paths`: the app's own (responses elsewhere are counted as "other")."""
+        self.app, self.max_body, self.paths = app, args.max_request_bytes, paths
         self.api_key = None if args.api_key is None else args.api_key.encode()
         self.observer = frontend.metrics
-        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -151,8 +76,7 @@ class Gate:
         async def refuse(r: Refusal) -> None:
             shape = extensions().error_bodies.get(scope["path"], error_body)  # another API's?
             body = shape(r.status, r.message, r.param, r.code)
-            response = JSONResponse(body, r.status, headers=r.headers)
-            await response(scope, receive, counted)
+            await JSONResponse(body, r.status, headers=r.headers)(scope, receive, counted)
 
         if (refusal := self.check_head(scope)) is not None:
             return await refuse(refusal)
@@ -177,12 +101,15 @@ class Gate:
         except Exception as e:
             if started:  # too late for a status: the connection is cut (uvicorn logs it)
                 raise
+            if isinstance(e, UnicodeEncodeError):  # a lone surrogate cannot travel (msgpack)
+                why = "the request's text is not valid Unicode (an unpaired surrogate)"
+                return await refuse(Refusal(400, why, "invalid_unicode"))
             logger.exception("%s %s failed", scope["method"], scope["path"])
             message = f"internal server error ({type(e).__name__}); see the server log"
             await refuse(Refusal(500, message, "internal_error"))
 
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app's answer to a request that passed (the serving extension counts them)."""
+        """The app's answer to a request that passed."""
         await self.app(scope, receive, send)
 
     def check_head(self, scope: Scope) -> Refusal | None:
@@ -197,23 +124,12 @@ class Gate:
         return None
 
     def check_body(self, scope: Scope, body: bytes) -> Refusal | None:
-        if len(body) > self.max_body:  # no (or a false) Content-Length
-            return self.too_large()
-        if (bad := invalid_text_path(body)) is not None:
-            where, why = bad
-            message = f"{where or 'body'}: text is not valid Unicode ({why})"
-            return Refusal(400, message, "invalid_unicode", where)
-        return None
+        return self.too_large() if len(body) > self.max_body else None  # a false Content-Length
 
     def too_large(self) -> Refusal:
         return Refusal(413, f"request body is larger than {self.max_body} bytes", "body_too_large")
 
     async def receive_body(self, scope: Scope, receive: Receive) -> bytes | Refusal | None:
-        """The body (`read_body`), or the refusal of one that takes too long (the serving
-        extension's --timeout-body-read)."""
-        return await self.read_body(receive)
-
-    async def read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None if the client left first; reading stops past the limit."""
         body, more = bytearray(), True
         while more and len(body) <= self.max_body:

@@ -1,11 +1,11 @@
 """`python -m minisgl`: start the scheduler, detokenizer and tokenizer processes, wait until
-each is ready, then run the front end (HTTP, or the shell: `__main__` chooses) in this process.
-Any child that dies, or a pipeline that hangs (the serving extension's watchdog,
-`ext/serving/frontend.py`), takes the whole server down with exit code 1 (in-flight requests
-get an error first); on exit every child is stopped. SIGTERM drains in-flight requests for up
-to --shutdown-timeout seconds; those still running then end (with an error event, with the
-serving extension's `http_server`). Children are titled `minisgl::NAME`; a `Reaper` removes
-the sockets' directory even when this process is killed outright."""
+each is ready, run the front end (HTTP, or the shell), stop every child on exit."""
+
+# A child that dies takes the whole server down with exit code 1 (in-flight requests get an
+# error first); SIGTERM drains in-flight requests for up to --shutdown-timeout seconds.
+# Children are titled `minisgl::NAME` and die with this process (Linux). The serving
+# extension's launcher (the `launcher` point) adds API processes, nodes, the watchdog and a
+# reaper for a launcher killed outright.
 
 from __future__ import annotations
 
@@ -26,16 +26,17 @@ from typing import TYPE_CHECKING, Any
 from minisgl.distributed import Rendezvous, rendezvous_file
 from minisgl.engine.config import EngineConfig
 from minisgl.extension import extensions
-from minisgl.message import ApiFailMsg
-from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, option_error
 from minisgl.utils.options import OptionError
-from minisgl.utils.procs import Reaper, die_with_parent, exit_with_parent, set_title, wait_ready
+from minisgl.utils.procs import die_with_parent, exit_with_parent, set_title, wait_ready
 
 if TYPE_CHECKING:
     from minisgl.server.frontend import Frontend
 
 logger = logging.getLogger("minisgl")
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+DEATH_GRACE_S = 1.5  # after a failure: time for clients to get their errors and see /health 503
+Started = tuple[Any, Any]  # a child's `ready` pipe (the parent's end), its process
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Addresses:
     root: str  # a private temp directory (mode 0700): the ipc sockets, the TP rendezvous files
     schedulers: list[str]  # rank 0 of each --dp replica
     detokenizer: str
-    apis: list[str]  # each API process's (--api-server-count), by rank
+    apis: list[str]  # each API process's, by rank
     tokenizers: list[str]
 
     @staticmethod
@@ -64,43 +65,25 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated
 
 
-DEATH_GRACE_S = 1.5  # after a failure: time for clients (on a loaded machine) to get their errors and see /health 503
-
-
-Started = tuple[Any, Any]  # a child's end of its `ready` pipe (the parent's side), its process
-
-
 def _split(started: list[Started]) -> tuple[list[Any], list[Any]]:
     return [conn for conn, _ in started], [proc for _, proc in started]
 
 
-def _follower_main(
-    config: EngineConfig,
-    sched_config: SchedulerConfig,
-    rank: int,
-    tp: int,
-    meet: Rendezvous,
-    sharing: int,
-    title: str,
-    ready: Any,
-) -> None:
-    from minisgl.scheduler.io import run_follower
-
-    run_follower(config, sched_config, rank, tp, meet, ready, sharing, title)
-
-
-def _send(addr: str, msg: Any) -> None:
-    from minisgl.utils.zmq import ZmqPushQueue
-
-    queue = ZmqPushQueue(addr, create=False)
-    queue.put(msg)
-    queue.close()  # lingers until the message is out
+def _child_main(name: str, log_level: str, target: Any, args: Any, kwargs: Any) -> None:
+    # A terminal's Ctrl-C (or systemd's SIGTERM) signals the whole process group; only the
+    # parent acts on it, draining requests first and then stopping the children itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent()
+    set_title(name)
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)  # a spawned child has none
+    target(*args, **kwargs)
 
 
 def listen_sockets(host: str, port: int) -> list[socket.socket]:
-    """The HTTP port's socket, bound before the model loads so that a taken port or a bad host
-    fails at once. It listens only once uvicorn serves it: until then a client is refused at
-    once, as before the bind, rather than left waiting in a backlog."""
+    """The HTTP port's socket, bound before the model loads: a taken port fails at once."""
+    # It listens only once uvicorn serves it: until then a client is refused at once rather
+    # than left waiting in a backlog.
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -114,8 +97,8 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
 
 
 def check_scale_out(args: ServerArgs, config: EngineConfig, nnodes: int = 1) -> None:
-    """Clear errors, before any process starts, for a TP size or --max-model-len the model
-    cannot take, or GPUs this machine does not have (--dp x --tp / `nnodes`)."""
+    """Before any process starts: a TP size or --max-model-len the model cannot take, or GPUs
+    this machine does not have (--dp x --tp / `nnodes`)."""
     from minisgl.engine.engine import check_model
     from minisgl.utils.device import device_type
 
@@ -123,8 +106,7 @@ def check_scale_out(args: ServerArgs, config: EngineConfig, nnodes: int = 1) -> 
     if device_type(config.device) == "cuda":
         import torch
 
-        found = torch.cuda.device_count()
-        if gpus > found:
+        if gpus > (found := torch.cuda.device_count()):
             per = f"--tp {args.tp} / --nnodes {nnodes}" if nnodes > 1 else f"--tp {args.tp}"
             raise ValueError(
                 f"--dp {args.dp} x {per} needs {gpus} GPUs on this machine, found {found}"
@@ -132,65 +114,36 @@ def check_scale_out(args: ServerArgs, config: EngineConfig, nnodes: int = 1) -> 
     check_model(config, args.tp, gpus)
 
 
-LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-
-
-def _child_main(name: str, log_level: str, target: Any, *args: Any) -> None:
-    # A terminal's Ctrl-C (or systemd's SIGTERM) signals the whole process group; only the
-    # parent acts on it, draining requests first and then stopping the children itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent()
-    set_title(name)
-    # a spawned interpreter starts without logging: --log-level applies here too
-    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
-    target(*args)
-
-
 class Launcher:
     """The server's processes on one machine: the --dp replicas' schedulers (and their TP
-    ranks), the detokenizer and the tokenizer workers, started, watched and stopped. The
-    serving extension's launcher (the `launcher` point) adds API processes and nodes."""
+    ranks), the detokenizer and the tokenizer workers, started, watched and stopped."""
 
-    def __init__(self, args: ServerArgs) -> None:
-        self.args = args
-        self.addrs = Addresses.make(args.num_tokenizer, args.dp, self.api_server_count)
+    def __init__(self, args: ServerArgs, api_servers: int = 1) -> None:
+        """`api_servers`: the API processes (the serving extension's --api-server-count)."""
+        self.args, self.api_server_count = args, api_servers
+        self.addrs = Addresses.make(args.num_tokenizer, args.dp, api_servers)
         logger.info("sockets in %s", self.addrs.root)
-        self.reaper = Reaper(self.addrs.root)
         self.ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
-        self.listeners: list[socket.socket] = []  # the port's sockets (then only this one's)
+        self.listeners: list[socket.socket] = []  # the HTTP port's sockets
         self.stopping = False
-        self.draining = False  # SIGTERM: the API processes finish their requests, then exit
-        self.failure: str | None = None  # why the server stops with code 1 (a child died, hung)
+        self.failure: str | None = None  # why the server stops with code 1
         self._fail_lock = threading.Lock()
-        self.info: dict[str, Any] = {}  # what the scheduler reported once ready (max_seq_len)
-        # called (from a thread of its own) with the reason of a failure; None: SIGTERM self
+        self.info: dict[str, Any] = {}  # what the schedulers reported once ready (max_seq_len)
+        # called (on a thread of its own) with the reason of a failure; None: SIGTERM self
         self.on_failure: Callable[[str], None] | None = None
-
-    @property
-    def api_server_count(self) -> int:
-        return 1
 
     @property
     def ranks_here(self) -> int:
         """The TP ranks of one replica that run on this machine."""
         return self.args.tp
 
-    def _spawn(self, name: str, target: Any, *target_args: Any) -> Started:
-        """Start `target(*target_args, ready)` in a child titled `minisgl::NAME`; the parent's
-        end of the `ready` pipe, and the process."""
+    def _spawn(self, name: str, target: Any, *target_args: Any, **kwargs: Any) -> Started:
+        """Start `target(*target_args, ready, **kwargs)` in a child titled `minisgl::NAME`."""
         parent, child = self.ctx.Pipe(duplex=False)
-        level = self.args.log_level
-        proc = self.ctx.Process(
-            target=_child_main,
-            args=(name, level, target, *target_args, child),
-            name=name,
-            daemon=True,
-        )
+        args = (name, self.args.log_level, target, (*target_args, child), kwargs)
+        proc = self.ctx.Process(target=_child_main, args=args, name=name, daemon=True)
         proc.start()
-        assert proc.pid is not None  # started
-        self.reaper.watch(proc.pid)
         logger.info("%s process started (pid %d)", name, proc.pid)
         self.procs.append(proc)
         return parent, proc
@@ -199,7 +152,7 @@ class Launcher:
         if not self.args.shell:  # a taken port fails here, before a download
             self.listeners = self.listen()
         config = self.resolve_models()
-        check_scale_out(self.args, config)  # before any process starts
+        check_scale_out(self.args, config)
         self.start_pipeline(config)
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -214,19 +167,19 @@ class Launcher:
         args = self.args
         assert args.engine.model is not None  # __main__ resolves the default model
         path = resolve_model_path(args.engine.model)
-        config = replace(args.engine, model=path)
         if (features := extensions().chat_features) is not None:  # the parsers' `auto`
             features.resolve_parsers(args, path)
-        extras = args.scheduler.extras  # the models an extension's options name (a draft)
+        extras = args.scheduler.extras
         for name, options in extras.items():
             if (resolve := getattr(options, "resolve_models", None)) is not None:
                 extras[name] = resolve()
-        return config
+        return replace(args.engine, model=path)
 
     def start_pipeline(self, config: EngineConfig) -> None:
         """Every replica's ranks, the detokenizer and the tokenizer workers, until all are
         ready (followers say hello first, then ready once built: rank 0 only after them)."""
-        from minisgl.tokenizer.server import run_detokenizer, run_tokenizer
+        from minisgl.tokenizer.detokenize import run_detokenizer
+        from minisgl.tokenizer.server import run_tokenizer
 
         args, a, model_path = self.args, self.addrs, config.model
         starters, followers = [], []
@@ -235,15 +188,21 @@ class Launcher:
             followers += [self._follower(config, r, k) for k in range(1, self.ranks_here)]
         detok = (model_path, a.detokenizer, a.apis, a.schedulers)
         starters.append(self._spawn("detokenizer", run_detokenizer, *detok))
-        dispatch = (config.page_size, args.dp_dispatch, args.dp_load_threshold)
         for i, addr in enumerate(a.tokenizers):
             tok = (model_path, args.chat_template, addr, a.schedulers, a.detokenizer, a.apis)
-            starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok, dispatch))
+            worker = self.tokenizer_worker(config)
+            starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok, worker=worker))
         for payload in wait_ready(*_split(starters + followers)):
             if payload:  # a replica's rank 0
                 self.info["num_pages"] = self.info.get("num_pages", 0) + payload["num_pages"]
                 self.info["max_seq_len"] = payload["max_seq_len"]
         wait_ready(*_split(followers))
+
+    def tokenizer_worker(self, config: EngineConfig) -> Callable[..., Any]:
+        """(tokenizer, scheduler queues, detokenizer queue, API queues) -> a tokenizer worker."""
+        from minisgl.tokenizer.server import TokenizerWorker
+
+        return TokenizerWorker
 
     def _rendezvous(self, replica: int) -> Rendezvous:
         return rendezvous_file(self.addrs.root, f"tp-rendezvous-{replica}", replica * self.args.tp)
@@ -256,16 +215,16 @@ class Launcher:
 
         args = self.args
         io = (self.addrs.schedulers[replica], self.addrs.detokenizer, (replica, args.dp))
-        meet = self._rendezvous(replica)
-        warm_up = not args.skip_server_warmup
+        meet, warm_up = self._rendezvous(replica), not args.skip_server_warmup
         entry = (run_scheduler_process, config, args.scheduler, args.tp, meet, *io, warm_up)
         return self._spawn(self._name(replica, 0), *entry)
 
     def _follower(self, config: EngineConfig, replica: int, rank: int) -> Started:
-        args = self.args
-        name, meet = self._name(replica, rank), self._rendezvous(replica)
-        entry = (config, args.scheduler, rank, args.tp, meet, args.dp, name)
-        return self._spawn(name, _follower_main, *entry)
+        from minisgl.scheduler.io import run_follower
+
+        args, name = self.args, self._name(replica, rank)
+        entry = (config, args.scheduler, rank, args.tp, self._rendezvous(replica))
+        return self._spawn(name, run_follower, *entry, sharing=args.dp, title=name)
 
     def expected_exit(self, proc: Any) -> bool:
         """Whether `proc` ending is no failure (the serving extension's drained API processes)."""
@@ -282,22 +241,18 @@ class Launcher:
                 return
             dead = sentinels.pop(ready[0])
             dead.join(timeout=1)  # the exit code is known only once it is reaped
-            if self.expected_exit(dead):
-                continue
-            self.fail(f"{dead.name} process died (exit code {dead.exitcode})")
-            return
+            if not self.expected_exit(dead):
+                self.fail(f"{dead.name} process died (exit code {dead.exitcode})")
+                return
 
     def fail(self, reason: str) -> None:
-        """A child died or the pipeline hung: stop the server, which exits with code 1 (the
-        first failure only; called from a thread other than the event loop's)."""
+        """A child died: stop the server, which exits with code 1 (the first failure only;
+        called from a thread other than the event loop's)."""
         with self._fail_lock:
             if self.stopping or self.failure is not None:
                 return
             self.failure = reason
         logger.error("%s; shutting down", reason)
-        for addr in self.addrs.apis[1:]:  # the other API processes end their requests too
-            # on threads: a dead one's socket would hold `close` for its linger
-            threading.Thread(target=_send, args=(addr, ApiFailMsg(reason)), daemon=True).start()
         if self.on_failure is not None:
             self.on_failure(reason)
         else:
@@ -311,8 +266,7 @@ class Launcher:
         return front_end(self, Frontend(a.tokenizers, a.apis[0], a.schedulers))
 
     def drain(self) -> None:
-        """SIGTERM reached this process (its requests drain in uvicorn)."""
-        self.draining = True
+        """SIGTERM reached this process (the serving extension's API processes drain too)."""
 
     def stop(self) -> None:
         self.stopping = True
@@ -325,12 +279,11 @@ class Launcher:
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         shutil.rmtree(self.addrs.root, ignore_errors=True)
-        self.reaper.stop()
 
 
 def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], int]) -> int:
-    """Start the children, run `front_end` (`serve_http`, or the shell) until it returns or
-    SIGTERM, then stop the children; the exit code."""
+    """Start the children, run `front_end` until it returns or SIGTERM, then stop the
+    children; the exit code."""
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     hide_api_key()
     # The default SIGTERM action would kill this process at once and orphan the children.
@@ -361,43 +314,18 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
 
 
 def hide_api_key() -> None:
-    """Mask --api-key's value in this process's command line (`ps`, /proc/PID/cmdline). Other
-    users could read it there until now: MINISGL_API_KEY is the way to keep it private."""
+    """Mask --api-key's value in this process's command line (`ps`, /proc/PID/cmdline), which
+    other users can read (MINISGL_API_KEY keeps it private)."""
     argv = list(sys.orig_argv)
-    hidden = False
     for i, arg in enumerate(argv):
         if arg == "--api-key" and i + 1 < len(argv):
-            argv[i + 1], hidden = "***", True
+            argv[i + 1] = "***"
         elif arg.startswith("--api-key="):
-            argv[i], hidden = "--api-key=***", True
-    if hidden:
+            argv[i] = "--api-key=***"
+    if argv != sys.orig_argv:
         import setproctitle
 
         setproctitle.setproctitle(" ".join(argv))
-
-
-def plain_http_server(
-    args: ServerArgs, app: Any, frontend: Frontend, on_shutdown: Callable[[], None] | None = None
-) -> Any:
-    """uvicorn as it comes: SIGTERM stops taking connections, waits up to --shutdown-timeout
-    for the requests in progress, then cancels them. `on_shutdown` is called as it begins."""
-    import uvicorn
-
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]  # float works
-    )
-
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets: Any = None) -> None:
-            if on_shutdown is not None:
-                on_shutdown()
-            await super().shutdown(sockets)
-
-    return Server(config)
 
 
 def http_server(
@@ -406,13 +334,25 @@ def http_server(
     frontend: Frontend,
     on_shutdown: Callable[[], None] | None = None,
 ) -> Any:
-    """The app under uvicorn, as one API process serves it (the `http_server` point's: the
-    serving extension bounds the connections and ends a drain's requests with an error)."""
+    """The app under uvicorn, as one API process serves it (or the `http_server` point's, which
+    calls `on_shutdown` as its drain begins)."""
+    # plain uvicorn: SIGTERM stops taking connections, waits up to --shutdown-timeout for the
+    # requests in progress, then cancels them
+    import uvicorn
+
     from minisgl.server.api_server import create_app
 
     app = create_app(frontend, args, info["max_seq_len"], info)
-    make = extensions().http_server or plain_http_server
-    return make(args, app, frontend, on_shutdown)
+    if (make := extensions().http_server) is not None:
+        return make(args, app, frontend, on_shutdown)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]  # float works
+    )
+    return uvicorn.Server(config)
 
 
 def serve_http(launcher: Launcher, frontend: Frontend) -> int:

@@ -1,35 +1,46 @@
-"""Incremental detokenization: token ids in, finalised text deltas out.
+"""The detokenizer process: each request's tokens -> text deltas, never broken UTF-8 and never
+part of a stop string (`IncrementalDetokenizer`, which `LLM` uses too), sent to the api server.
 
 Two layers of holding back:
-1. UTF-8: a token may end inside a multi-byte character, which decodes to a trailing "\ufffd".
-   Such tokens wait until a later token completes the character. Each step decodes only a
-   window of recent tokens (prefix..end) and diffs it against the decode of prefix..read, so the
-   work per token is O(window), and tokenizers that treat the first token specially (leading
-   spaces) see the same context in both decodes.
-2. Stop strings: finalised text that could be the start of a stop string waits until it is
-   either completed (generation stops, the stop string is cut off) or ruled out.
+1. UTF-8: a token may end inside a multi-byte character, which decodes to a trailing "\ufffd";
+   such tokens wait until a later one completes the character. Each step decodes only a window
+   of recent tokens (prefix..end) and diffs it against the decode of prefix..read: O(window)
+   per token, and tokenizers that treat the first token specially see the same context in both.
+2. Stop strings: final text that could start a stop string waits until it is completed (the
+   output stops before it) or ruled out.
 
-min_tokens (vLLM's semantics): a stop string cannot end the output before min_tokens tokens.
-A stop string counts only if it ends in the text of a token after the first min_tokens; one that
-starts earlier and ends there (it straddles the boundary) counts, and the output is cut where it
-starts, as vLLM's search window does. Text belongs to the token after which it decodes, as in
-vLLM's detokenizer: one that ends mid-character passes all its text on to the token that
-completes the character, even characters it completes itself before that (" 你" split as
-" " + two bytes, then the last byte: the space belongs to the second token).
+min_tokens (vLLM's semantics): a stop string counts only if it ends in the text of a token after
+the first min_tokens (one straddling the boundary counts, cut where it starts). Text belongs to
+the token after which it decodes, as in vLLM: one that ends mid-character passes all its text on
+to the token that completes the character (" 你" as " " + two bytes, then the last byte: the
+space belongs to the second token).
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
-# Prompt tokens decoded in front of the output so the first output tokens are decoded in context.
-_PROMPT_CONTEXT = 5
+from minisgl.message import (
+    AbortBackendMsg,
+    BatchDetokenizeMsg,
+    DetokenizeMsg,
+    DetokInitMsg,
+    ExitMsg,
+    FlushCacheReply,
+    UserReply,
+)
+from minisgl.tokenizer.server import ToApi, build_or_report
+from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
+
+logger = logging.getLogger(__name__)
+_PROMPT_CONTEXT = 5  # prompt tokens decoded before the output, the context of its first word
 
 
 def partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is a proper beginning of one of `tags`: text
-    that may still become a tag (here a stop string) and must be withheld until it is clearly
-    not one."""
+    """Length of the longest end of `text` that is a proper beginning of one of `tags` (text
+    that may still become a stop string, withheld until it clearly is not one)."""
     best = 0
     for tag in tags:
         for k in range(min(len(tag) - 1, len(text)), best, -1):
@@ -40,9 +51,8 @@ def partial_suffix(text: str, tags: tuple[str, ...]) -> int:
 
 
 def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str] | None:
-    """The stop string that completes first, past text[:after], when `text` is read left to
-    right (on a tie, the one that starts earlier): (index where it starts, the stop string), or
-    None."""
+    """The stop string that completes first past text[:after] (on a tie, the one that starts
+    earlier): (where it starts, the stop string), or None."""
     best: tuple[int, int, str] | None = None  # (end, start, stop)
     for s in stops:
         i = text.find(s, max(0, after - len(s) + 1))  # ends past `after`
@@ -52,13 +62,9 @@ def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str] | 
 
 
 class IncrementalDetokenizer:
-    """Turns a request's output tokens into text deltas that are never broken UTF-8 and never
-    show part of a stop string.
-
-    The concatenation of every `add` result and `finish()` equals the decode of all output ids
-    (for byte-level tokenizers, and prompt context aside), cut before the first stop string to
-    complete. After a stop string, `stopped` is True, `stop_reason` is that string and further
-    calls return ""."""
+    """A request's output tokens -> text deltas. Every `add` result and `finish()` together are
+    the decode of all output ids (prompt context aside), cut before the first stop string to
+    complete; then `stopped` is True, `stop_reason` is that string, and further calls return ""."""
 
     def __init__(
         self,
@@ -75,13 +81,12 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self.min_tokens = min_tokens
         self._num_tokens = 0  # output tokens fed so far
-        # Window state: ids[:read] are decoded and emitted (as far as UTF-8 goes); ids[read:] are
-        # held back. ids only keeps tokens from the window start (older ones are dropped).
+        # the window: ids[:read] are decoded and emitted (as far as UTF-8 goes), ids[read:] held
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:]) if prompt_ids else []
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         if self._prefix_text.endswith("\ufffd"):
-            # The prompt ends inside a character: context would swallow the output's first bytes.
+            # the prompt ends inside a character: context would swallow the output's first bytes
             self._ids, self._read, self._prefix_text = [], 0, ""
         self._pending = ""  # UTF-8-final text held back because it may start a stop string
         self._protected = 0  # _pending[:_protected] is text of the first min_tokens tokens
@@ -95,9 +100,8 @@ class IncrementalDetokenizer:
 
     def _complete_len(self) -> int:
         """Length of the decode of the longest run of the window's ids that does not end
-        mid-character: the text that per-token decoding (vLLM's) has emitted by now. A token
-        that ends mid-character emits nothing, not even the characters it does complete before
-        that; they come out with the later token that completes the character."""
+        mid-character: what per-token decoding (vLLM's) has emitted by now (a token that ends
+        mid-character emits nothing, not even the characters it completes before that)."""
         for n in range(len(self._ids) - 1, self._read, -1):
             text = self._decode(self._ids[:n])
             if not text.endswith("\ufffd"):
@@ -119,7 +123,7 @@ class IncrementalDetokenizer:
                 self._early = self._complete_len() - len(self._prefix_text)
             return ""
         delta = text[len(self._prefix_text) :]
-        # Slide the window: what was read becomes the context for the next decode.
+        # slide the window: what was read becomes the context of the next decode
         self._ids = self._ids[self._read :]
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids)
@@ -132,9 +136,7 @@ class IncrementalDetokenizer:
         delta = ""
         if len(self._ids) > self._read:
             delta = self._decode(self._ids)[len(self._prefix_text) :]
-            self._ids = []
-            self._read = 0
-            self._prefix_text = ""
+            self._ids, self._read, self._prefix_text = [], 0, ""
         return self._check_stop(delta, final=True)
 
     def _check_stop(self, delta: str, final: bool) -> str:
@@ -143,13 +145,11 @@ class IncrementalDetokenizer:
         text = self._pending + delta
         early, self._early = self._early, 0
         protected = len(text) if self._num_tokens <= self.min_tokens else self._protected + early
-        # A stop string cannot start in text already emitted (that text was never held), so
-        # searching the held text plus the new delta is enough.
+        # a stop string cannot start in text already emitted (that text was never held), so
+        # searching the held text plus the new delta is enough
         found = find_stop(text, self.stops, after=protected)
         if found is not None:
-            self.stopped = True
-            self.stop_reason = found[1]
-            self._pending = ""
+            self.stopped, self.stop_reason, self._pending = True, found[1], ""
             return text[: found[0]]
         held = 0 if final else partial_suffix(text, tuple(self.stops))
         self._pending = text[len(text) - held :]
@@ -176,3 +176,112 @@ def named_logprobs(tokenizer: Any | None, entries: list[list[Any]]) -> list[list
         top = [[i, next(texts), lp] for i, lp in zip(top_ids, top_logprobs)]
         named.append([token, text, logprob, top])
     return named
+
+
+@dataclass
+class _Request:
+    detok: IncrementalDetokenizer | None  # None: no tokenizer (ids only), or it failed here
+    prompt_len: int
+    dp_rank: int  # its replica
+    completion_tokens: int = 0
+    stopped: bool = False  # a stop string ended it; the scheduler was told to abort
+
+
+@dataclass
+class Detokenizer:
+    """The detokenizer process's work: each `DetokenizeMsg` -> a `UserReply`; a failure ends
+    only its request (with an error), never the process."""
+
+    tokenizer: Any
+    to_api: ToApi
+    to_sched: list[Any]  # a queue per --dp replica
+    states: dict[int, _Request] = field(default_factory=dict)
+    early: dict[int, list[DetokenizeMsg]] = field(default_factory=dict)  # before their init
+
+    def init(self, msg: DetokInitMsg) -> list[UserReply]:
+        stop, skip = msg.stop, msg.skip_special_tokens
+        self.states[msg.uid] = _Request(None, msg.prompt_len, msg.dp_rank)
+        try:
+            if self.tokenizer is not None:
+                self.states[msg.uid].detok = IncrementalDetokenizer(
+                    self.tokenizer, msg.prompt_tail, skip, stop, msg.min_tokens
+                )
+        except Exception as e:
+            ended = any(m.finished for m in self.early.pop(msg.uid, []))
+            return [self._fail(msg.uid, ended, e)]
+        return [r for m in self.early.pop(msg.uid, []) if (r := self.guarded(m))]
+
+    def guarded(self, msg: DetokenizeMsg) -> UserReply | None:
+        try:
+            return self.tokens(msg)
+        except Exception as e:
+            return self._fail(msg.uid, msg.finished, e)
+
+    def _fail(self, uid: int, finished: bool, error: Exception) -> UserReply:
+        logger.exception("detokenizing request %d failed", uid)
+        st = self.states.get(uid)
+        if finished or st is None:
+            self.states.pop(uid, None)
+        else:  # like a stop string: abort it; the abort's echo then drops the state
+            self._abort(uid, st)
+        reason = f"detokenizing failed: {type(error).__name__}: {error}"
+        return UserReply(uid, "", [], True, "error", st.prompt_len if st else 0, 0, reason)
+
+    def _abort(self, uid: int, st: _Request) -> None:
+        st.stopped = True
+        self.to_sched[st.dp_rank].put(AbortBackendMsg(uid))
+
+    def tokens(self, msg: DetokenizeMsg) -> UserReply | None:
+        st = self.states.get(msg.uid)
+        if st is None:
+            if msg.error is not None:  # refused by the scheduler; prompt size unknown here
+                return UserReply(msg.uid, "", [], True, "error", 0, 0, msg.error)
+            self.early.setdefault(msg.uid, []).append(msg)  # overtook its DetokInitMsg
+            return None
+        if st.stopped:  # tokens in flight when the stop string hit; the abort's echo ends it
+            if msg.finished:
+                del self.states[msg.uid]
+            return None
+        st.completion_tokens += len(msg.token_ids)
+        detok, finished, reason = st.detok, msg.finished, msg.finish_reason
+        text = detok.add(msg.token_ids) if detok else ""
+        if detok is not None and detok.stopped and not finished:
+            finished, reason = True, "stop"
+            self._abort(msg.uid, st)
+        elif finished:
+            text += detok.finish() if detok else ""
+            del self.states[msg.uid]
+        reply = UserReply(msg.uid, text, msg.token_ids, finished, reason, st.prompt_len, 0)
+        reply.completion_tokens, reply.error = st.completion_tokens, msg.error
+        reply.queue_time, reply.cached_tokens = msg.queue_time, msg.cached_tokens
+        if reason == "stop" and detok is not None and detok.stopped:
+            reply.matched = detok.stop_reason
+        if msg.logprobs is not None:
+            entries = [[t, *e] for t, e in zip(msg.token_ids, msg.logprobs)]
+            reply.logprobs = named_logprobs(self.tokenizer, entries)
+        if msg.prompt_logprobs is not None:
+            reply.prompt_logprobs = named_logprobs(self.tokenizer, msg.prompt_logprobs)
+        return reply
+
+
+def run_detokenizer(
+    model_path: str, recv_addr: str, api_addrs: list[str], sched_addrs: list[str], ready: Any
+) -> None:
+    from minisgl.models.hf import load_tokenizer
+
+    def build() -> tuple[ZmqPullQueue, Detokenizer]:
+        apis = ToApi([ZmqPushQueue(a, create=False) for a in api_addrs])
+        scheds = [ZmqPushQueue(a, create=False) for a in sched_addrs]
+        return ZmqPullQueue(recv_addr, create=True), Detokenizer(
+            load_tokenizer(model_path), apis, scheds
+        )
+
+    recv, worker = build_or_report("detokenizer", ready, build)
+    while not isinstance(msg := recv.get(), ExitMsg):
+        if isinstance(msg, DetokInitMsg):
+            worker.to_api.replies(worker.init(msg))
+        elif isinstance(msg, BatchDetokenizeMsg):
+            replies = [r for m in msg.msgs if (r := worker.guarded(m))]
+            worker.to_api.replies(replies, msg.stats)
+        elif isinstance(msg, FlushCacheReply):
+            worker.to_api.flush_reply(msg)

@@ -1,9 +1,5 @@
 """Options: the config dataclass fields that are also keywords of `LLM(...)` and, as
-`--field-name`, flags of `python -m minisgl` (server/args.py builds the parser from them).
-
-`option(default, help, **flag)` declares one with its help text and the argparse checks
-(`type`, `choices`) that refuse a bad flag in one line naming it; `check_options` applies the
-same checks to values given as keywords."""
+`--field-name`, flags of `python -m minisgl` (server/args.py builds the parser from them)."""
 
 from __future__ import annotations
 
@@ -14,9 +10,9 @@ from typing import Any
 
 
 def option(default: Any, help: str, **flag: Any) -> Any:
-    """A dataclass field; `flag`: add_argument keywords, `aliases` (other names of the flag:
-    older ones, vLLM's and SGLang's) and `switches` (value-less flags of vLLM or SGLang that set
-    this option to one value, e.g. --enforce-eager for --cuda-graph-max-bs 0)."""
+    """A dataclass field with its help text; `flag`: add_argument keywords (`type` and `choices`
+    check keywords too), `aliases` (other names: older ones, vLLM's, SGLang's) and `switches`
+    (value-less flags that set one value, e.g. --enforce-eager for --cuda-graph-max-bs 0)."""
     return field(default=default, metadata={"help": help, **flag})
 
 

@@ -2,42 +2,43 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
+
+import setproctitle
 
 from minisgl import env
 
 logger = logging.getLogger(__name__)
 
 TITLE_PREFIX = "minisgl::"
+_GC_WATCHED: list[bool] = []  # this process logs its long collections already
 
 
 def set_title(name: str) -> None:
-    """Name this process `minisgl::NAME` in ps / top / /proc/PID/cmdline (and comm, cut to 15
-    bytes by the kernel), so operators and tests can tell the workers apart."""
-    import setproctitle
-
+    """Name this process `minisgl::NAME` in ps / top / /proc/PID/cmdline."""
     setproctitle.setproctitle(TITLE_PREFIX + name)
 
 
+def title() -> str:
+    """This process's name as `set_title` gave it, else "main process"."""
+    name = setproctitle.getproctitle()
+    return name if name.startswith(TITLE_PREFIX) else "main process"
+
+
 def freeze_startup_heap() -> int:
-    """Collect what start-up left behind, then move every object alive now (modules, the model,
-    tokenizers, the app) out of the cyclic garbage collector's reach, as vLLM and SGLang do once
-    a serving process is ready: a full collection then walks only what serving created, not the
-    whole start-up heap (without it, an H100 server's frontend paused 50-230 ms at each full
-    collection under load, stalling every stream). Returns the number of objects frozen; none
-    with MINISGL_DISABLE_GC_FREEZE=1 (the ablation). Then --gc-threshold's counts apply, and
-    with --gc-warning-threshold-secs long collections are logged from now on (`watch_gc`)."""
+    """Once a serving process is ready: collect start-up's garbage and freeze what is alive,
+    then apply MINISGL_GC_THRESHOLD and MINISGL_GC_WARNING_THRESHOLD_SECS; the objects frozen."""
+    # As vLLM and SGLang do: a full collection then walks only what serving created, not the
+    # whole start-up heap (before, an H100 server's frontend paused 50-230 ms at each one).
+    # MINISGL_DISABLE_GC_FREEZE=1 is the ablation.
     if not env.disable_gc_freeze():
         gc.collect()
         gc.freeze()
@@ -47,19 +48,15 @@ def freeze_startup_heap() -> int:
     if gc.get_threshold() != before:  # said once: the API server freezes again later
         logger.info("%s (pid %d): garbage-collection thresholds %s", title(), os.getpid(),
                     gc.get_threshold())  # fmt: skip
-    watch_gc(env.gc_warning_threshold_s())  # serving's collections, not start-up's
+    if (threshold_s := env.gc_warning_threshold_s()) > 0 and not _GC_WATCHED:
+        _GC_WATCHED.append(True)
+        gc.callbacks.append(_gc_watch(threshold_s))
     return gc.get_freeze_count()
 
 
-_GC_WATCHERS: list[Callable[[str, dict[str, int]], None]] = []  # this process's, at most one
-
-
-def watch_gc(threshold_s: float) -> Callable[[str, dict[str, int]], None] | None:
-    """From now on, log a warning for every garbage collection of this process that takes longer
-    than `threshold_s` (SGLang's --gc-warning-threshold-secs): while one runs, every stream the
-    process serves waits. The callback installed (None: 0, or one is installed already)."""
-    if threshold_s <= 0 or _GC_WATCHERS:
-        return None
+def _gc_watch(threshold_s: float) -> Any:
+    """A gc callback that logs each collection longer than `threshold_s`."""
+    # while one runs, every stream the process serves waits
     started = [0.0]
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
@@ -69,38 +66,20 @@ def watch_gc(threshold_s: float) -> Callable[[str, dict[str, int]], None] | None
             logger.warning(
                 "%s (pid %d): a generation-%d garbage collection took %.3f s, %d objects "
                 "collected (--gc-warning-threshold-secs %g)",
-                title(),
-                os.getpid(),
-                info["generation"],
-                took,
-                info["collected"],
-                threshold_s,
+                *(title(), os.getpid(), info["generation"], took, info["collected"], threshold_s),
             )
 
-    gc.callbacks.append(on_gc)
-    _GC_WATCHERS.append(on_gc)
     return on_gc
 
 
-def title() -> str:
-    """This process's name as `set_title` gave it; the main process (the API server's, or the
-    user's with `LLM`) has its command line there, and is called "main process"."""
-    import setproctitle
-
-    name = setproctitle.getproctitle()
-    return name if name.startswith(TITLE_PREFIX) else "main process"
-
-
 def _parent_death_signal(sig: int) -> bool:
-    """Linux: have the kernel send `sig` to this process when its parent dies, even by SIGKILL
-    (prctl PR_SET_PDEATHSIG); False where that is not available."""
+    """Linux: the kernel sends `sig` when the parent dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
 
-    PR_SET_PDEATHSIG = 1
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0  # PDEATHSIG
     except (OSError, AttributeError):  # a libc without prctl
         return False
 
@@ -115,74 +94,31 @@ def die_with_parent() -> None:
 
 
 # The parent as early as this process can tell (when the launcher's modules load, before any
-# model work): one that dies before `exit_with_parent` runs is then still seen as gone. One that
-# dies earlier still, while the interpreter imports torch, cannot be told from the new parent.
+# model work): one that dies before `exit_with_parent` runs is then still seen as gone.
 _FIRST_PARENT = os.getppid()
-PARENT_POLL_S = 0.5  # how often the portable watch looks for a new parent pid
-# The kernel's word that the parent died. Not SIGTERM itself: PR_SET_PDEATHSIG also fires when
-# only the *thread* that started this process ends, which a parent pid that did not change tells
-# apart; the watch then goes on.
-PARENT_GONE_SIGNAL = signal.SIGUSR1
 
 
-def exit_with_parent(kernel_signal: bool = True, interval: float = PARENT_POLL_S) -> None:
-    """--exit-with-parent: send this process SIGTERM (its usual stop, which stops every child)
-    once the process that started it is gone, however it died (SIGKILL, OOM, os._exit), so that
-    a killed test runner or supervisor leaves no server behind. A thread polls os.getppid()
-    every `interval` s (portable: an orphan gets a new parent); on Linux the kernel's signal
-    (`kernel_signal`, main thread only) wakes it at once. Call after the SIGTERM handler is set."""
+def exit_with_parent(kernel_signal: bool = True, interval: float = 0.5) -> None:
+    """--exit-with-parent: SIGTERM this process (its usual stop) once the process that started
+    it is gone, however it died, so that a killed test runner leaves no server behind."""
+    # A thread polls os.getppid() every `interval` s (portable: an orphan gets a new parent);
+    # on Linux the kernel's signal (`kernel_signal`, main thread only) wakes it at once. That
+    # signal is SIGUSR1, not SIGTERM: PR_SET_PDEATHSIG also fires when only the *thread* that
+    # started this process ends, which an unchanged parent pid tells apart.
     parent, wake = _FIRST_PARENT, threading.Event()
     if kernel_signal and threading.current_thread() is threading.main_thread():
         # the handler only wakes the watch: logging from a signal handler could re-enter I/O
-        signal.signal(PARENT_GONE_SIGNAL, lambda signum, frame: wake.set())
-        _parent_death_signal(PARENT_GONE_SIGNAL)
-    watch = threading.Thread(
-        target=_watch_parent, args=(parent, wake, interval), name="parent-watch", daemon=True
-    )
-    watch.start()
+        signal.signal(signal.SIGUSR1, lambda signum, frame: wake.set())
+        _parent_death_signal(signal.SIGUSR1)
 
+    def watch() -> None:
+        while os.getppid() == parent:
+            wake.wait(interval)
+            wake.clear()
+        logger.warning("parent process %d is gone (--exit-with-parent): shutting down", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
 
-def _watch_parent(parent: int, wake: threading.Event, interval: float) -> None:
-    while os.getppid() == parent:  # checked once at once: it may have died before the prctl
-        wake.wait(interval)
-        wake.clear()
-    logger.warning("parent process %d is gone (--exit-with-parent): shutting down", parent)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-class Reaper:
-    """A small process (`utils/reaper.py`, no torch) that outlives this one to clean up after
-    it: when this process dies, however it dies, the reaper reads EOF on its stdin (only this
-    process holds the pipe's other end), SIGKILLs the pids it was told about and removes
-    `directory`. A clean stop says so and closes the pipe; the reaper then only exits."""
-
-    def __init__(self, directory: str) -> None:
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", script, directory],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,  # signals to the server's group (Ctrl-C, hang-up) are not for it
-        )
-
-    def watch(self, pid: int) -> None:
-        """Kill `pid` too if this process dies first (PR_SET_PDEATHSIG's job on Linux)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{pid}\n".encode())
-        self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        """After a clean stop: nothing of its pids to kill (they may be recycled already)."""
-        assert self.proc.stdin is not None
-        with contextlib.suppress(OSError):  # BrokenPipeError: it was killed
-            self.proc.stdin.write(b"stopped\n")
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def wait_ready(conns: list[Any], procs: list[Any]) -> list[Any]:
@@ -196,15 +132,15 @@ def wait_ready(conns: list[Any], procs: list[Any]) -> list[Any]:
                     status, payload = conn.recv()
                 except EOFError:  # it died before a word: its own stderr says why
                     proc.join(timeout=5)
-                    raise RuntimeError(
-                        f"{proc.name} process exited during start-up (exit code {proc.exitcode})"
-                    ) from None
+                    raise RuntimeError(_exited(proc)) from None
                 if status != "ready":
                     raise RuntimeError(payload)
                 payloads[i] = payload
             elif not proc.is_alive() and not (i not in payloads and conn.poll()):
-                raise RuntimeError(
-                    f"{proc.name} process exited during start-up (exit code {proc.exitcode})"
-                )
+                raise RuntimeError(_exited(proc))
         time.sleep(0.05)
     return [payloads[i] for i in range(len(conns))]
+
+
+def _exited(proc: Any) -> str:
+    return f"{proc.name} process exited during start-up (exit code {proc.exitcode})"

@@ -16,8 +16,7 @@ import zmq.asyncio
 from minisgl.message import decode, encode
 
 logger = logging.getLogger(__name__)
-# Push sockets wait this long on close() to flush queued messages (e.g. a final ExitMsg).
-_PUSH_LINGER_MS = 1000
+_PUSH_LINGER_MS = 1000  # push sockets' close() waits this long to flush (e.g. a final ExitMsg)
 _DROPPED = object()  # what `_decode` returns for a message that does not decode
 
 
@@ -29,32 +28,32 @@ def _decode(data: bytes) -> Any:
         return _DROPPED
 
 
-def _setup(sock: zmq.Socket, addr: str, create: bool, linger_ms: int) -> None:
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, linger_ms)
-    if create:
-        sock.bind(addr)
-    else:
-        sock.connect(addr)
-
-
-class ZmqPushQueue:
-    def __init__(self, addr: str, create: bool) -> None:
-        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
-        _setup(self.socket, addr, create, _PUSH_LINGER_MS)
-
-    def put(self, msg: Any) -> None:
-        self.socket.send(encode(msg), copy=False)
+class _Queue:
+    def __init__(self, context: zmq.Context, kind: int, addr: str, create: bool) -> None:
+        self.socket: Any = context.socket(kind)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.LINGER, _PUSH_LINGER_MS if kind == zmq.PUSH else 0)
+        if create:
+            self.socket.bind(addr)
+        else:
+            self.socket.connect(addr)
 
     def close(self) -> None:
         self.socket.close()
 
 
-class ZmqPullQueue:
+class ZmqPushQueue(_Queue):
     def __init__(self, addr: str, create: bool) -> None:
-        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
-        _setup(self.socket, addr, create, 0)
+        super().__init__(zmq.Context.instance(), zmq.PUSH, addr, create)
+
+    def put(self, msg: Any) -> None:
+        self.socket.send(encode(msg), copy=False)
+
+
+class ZmqPullQueue(_Queue):
+    def __init__(self, addr: str, create: bool) -> None:
+        super().__init__(zmq.Context.instance(), zmq.PULL, addr, create)
 
     def get(self, timeout: float | None = None) -> Any:
         """Next message; blocks forever when timeout is None, else None after `timeout` s (per
@@ -62,8 +61,7 @@ class ZmqPullQueue:
         while True:
             if timeout is not None and not self.socket.poll(int(timeout * 1000)):
                 return None
-            msg = _decode(self.socket.recv())
-            if msg is not _DROPPED:
+            if (msg := _decode(self.socket.recv())) is not _DROPPED:
                 return msg
 
     def get_nowait(self) -> Any | None:
@@ -75,14 +73,10 @@ class ZmqPullQueue:
             if msg is not _DROPPED:
                 return msg
 
-    def close(self) -> None:
-        self.socket.close()
 
-
-class ZmqAsyncPushQueue:
+class ZmqAsyncPushQueue(_Queue):
     def __init__(self, addr: str, create: bool) -> None:
-        self.socket = zmq.asyncio.Context.instance().socket(zmq.PUSH)
-        _setup(self.socket, addr, create, _PUSH_LINGER_MS)
+        super().__init__(zmq.asyncio.Context.instance(), zmq.PUSH, addr, create)
 
     async def put(self, msg: Any) -> None:
         await self.put_encoded(encode(msg))
@@ -91,19 +85,12 @@ class ZmqAsyncPushQueue:
         """Send a message already encoded (so that its encoding can fail before anything else)."""
         await self.socket.send(data, copy=False)
 
-    def close(self) -> None:
-        self.socket.close()
 
-
-class ZmqAsyncPullQueue:
+class ZmqAsyncPullQueue(_Queue):
     def __init__(self, addr: str, create: bool) -> None:
-        self.socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
-        _setup(self.socket, addr, create, 0)
+        super().__init__(zmq.asyncio.Context.instance(), zmq.PULL, addr, create)
 
     async def get(self) -> Any:
         while (msg := _decode(await self.socket.recv())) is _DROPPED:
             pass
         return msg
-
-    def close(self) -> None:
-        self.socket.close()

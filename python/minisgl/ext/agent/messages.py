@@ -19,9 +19,10 @@ from minisgl.ext.agent.messages_reply import (
     message_events,
     new_message_id,
 )
+from minisgl.ext.serving.tokenize import TokenizeRequest, tokenize
 from minisgl.extension import extensions
 from minisgl.server.api_server import ApiServer, unless_disconnected
-from minisgl.server.protocol import APIError, Body, ChatRequest, TokenizeRequest
+from minisgl.server.protocol import APIError, Body, ChatRequest
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Anthropic's error types by HTTP status (others: api_error at 5xx, invalid_request_error below)
@@ -380,7 +381,8 @@ async def create(api: ApiServer, req: MessagesRequest) -> Any:
 async def count_tokens(api: ApiServer, req: MessagesInput) -> dict[str, int]:
     """input_tokens of a request: its prompt rendered (tools too) and tokenized."""
     check_fields(req)
-    tokenized = await api.tokenize(TokenizeRequest.model_validate(prompt_fields(req, api, None)))
+    request = TokenizeRequest.model_validate(prompt_fields(req, api, None))
+    tokenized = await tokenize(api, request)  # vLLM's /tokenize (the serving extension's)
     return {"input_tokens": tokenized["count"]}
 
 

@@ -71,11 +71,16 @@ _REFUSED = {
 _EMBEDDINGS = ("embed_tokens", "lm_head")
 
 
-Fail = Callable[[str], NoReturn]  # raises the AdapterError naming the adapter and the reason
+# raises the AdapterError (or the subclass given) naming the adapter and the reason
+Fail = Callable[..., NoReturn]
 
 
 class AdapterError(ValueError):
     """An adapter that cannot be used with this model: the message names it and the reason."""
+
+
+class RankTooLarge(AdapterError):
+    """An adapter whose rank is over max_lora_rank (the start names --max-lora-rank)."""
 
 
 @dataclass
@@ -149,9 +154,22 @@ def load_adapter(name: str, path: str, model: ModelConfig, max_rank: int) -> Lor
     return adapter
 
 
+def inspect_adapter(name: str, path: str, max_rank: int) -> str:
+    """What can be checked of an adapter without the model (its config, its tensors' names and
+    ranks: RankTooLarge over `max_rank`), before any engine starts; -> its local directory
+    (a hub id downloaded)."""
+    where = resolve_adapter_path(name, path)
+    fail = _failer(name, where)
+    _check_config(_read_config(where, fail), fail)
+    for key, tensor in _read_tensors(where, fail).items():
+        if key.endswith("lora_A.weight") and tensor.dim() == 2 and tensor.shape[0] > max_rank:
+            fail(f"{key}: rank {tensor.shape[0]} is over max_lora_rank {max_rank}", RankTooLarge)
+    return where
+
+
 def _failer(name: str, where: str) -> Fail:
-    def fail(reason: str) -> NoReturn:
-        raise AdapterError(f"LoRA adapter {name!r} ({where}): {reason}")
+    def fail(reason: str, kind: type[AdapterError] = AdapterError) -> NoReturn:
+        raise kind(f"LoRA adapter {name!r} ({where}): {reason}")
 
     return fail
 
@@ -258,7 +276,7 @@ def _check_shapes(
         fail(f"{where}: lora_A / lora_B are not matrices")
     r = a.shape[0]
     if r > max_rank:
-        fail(f"{where}: rank {r} is over max_lora_rank {max_rank}")
+        fail(f"{where}: rank {r} is over max_lora_rank {max_rank}", RankTooLarge)
     fan_in, fan_out = module_shape(module, model)
     if tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
         expected = f"A {(r, fan_in)} and B {(fan_out, r)}"

@@ -6,17 +6,19 @@ a merged projection (qkv: three parts, gate_up: two) in one call, part j's outpu
 rank block j of x A_s^T. `lora_reference` is the torch reference (float32 math; the CPU path);
 `add_lora` is the entry point the Triton kernel (`kernel.py`) replaces on CUDA.
 
-The contract with the core (what the integration must provide; nothing is wired yet):
+The contract with the core:
 - the engine builds its model through `LoraModelTransform` (a `ModelTransform`: the
   `model_transform` point), which wraps the transform it would otherwise use (`inner`, e.g. the
   cpu extension's) and installs the LoRA path on every dense projection after the weights load;
-- before each forward (and each CUDA-graph replay) the engine's step writes the slot of every
-  token of the step, in the order of the model's input ids, into the first num_tokens entries of
-  `LoraModelTransform.token_slots`: a [max_num_tokens] int32 tensor on the model's device,
-  allocated once, so it is a CUDA-graph input like the input ids; padded entries hold 0. A
-  request's slot comes from `LoraManager.acquire` (`manager.py`) at admission, released when it
-  ends;
-- the prefix cache keys its entries by adapter (KV computed under one adapter is not another's).
+- each request's adapter slot is kept by page-table row in `row_slots` ([max_running_requests +
+  1] int32 on the model's device, allocated once; 0: no adapter, as the dummy row that padded
+  graph rows use), written when a request is given a row (`set_row`, the step feature's
+  `admitted`: a device write queued behind the steps in flight, as the page table's are);
+- during a forward each token's slot is `row_slots[batch.rows]` (`Batch.rows`: the page-table
+  row of each token, which the step computes from its inputs): gathered on the device once per
+  forward, inside the step, so a CUDA-graph replay, a speed path's rows or an overlapped step
+  read the slots as they read the page table, with no per-step host work;
+- the prefix cache keys a request's KV by its adapter (the step feature's `cache_namespace`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from minisgl import kernel
+from minisgl.core import get_global_ctx
 from minisgl.ext.lora.weights import LoraStack, ProjectionLora
 from minisgl.extension import ModelTransform
 from minisgl.layers.activation import silu_and_mul
@@ -69,22 +72,24 @@ def add_lora(
 
 class LoraModelTransform:
     """A `ModelTransform` that gives every dense projection of the model (q/k/v, o, gate/up,
-    down of its decoder layers) `max_loras` adapter slots of rank up to `max_rank`, reading
-    each token's slot from `token_slots` (see the module docstring)."""
+    down of its decoder layers) `max_loras` adapter slots of rank up to `max_rank`, each token
+    reading its slot by its page-table row (see the module docstring)."""
 
     def __init__(
         self,
         max_loras: int,
         max_rank: int,
-        max_num_tokens: int,
+        rows: int,
         device: torch.device,
         inner: ModelTransform | None = None,
     ) -> None:
         self.name = inner.name if inner is not None else "none"  # Engine.quantization
         self.inner = inner
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.token_slots = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        self.row_slots = torch.zeros(rows, dtype=torch.int32, device=device)
         self.stack: LoraStack | None = None
+        self._rows: torch.Tensor | None = None  # the forward's Batch.rows, and its slots
+        self._slots: torch.Tensor | None = None
 
     def before_load(self, model: nn.Module) -> set[str]:
         return self.inner.before_load(model) if self.inner is not None else set()
@@ -95,14 +100,21 @@ class LoraModelTransform:
         self.stack = LoraStack(model, self.max_loras, self.max_rank)
         install(model, self.stack, self.slots)
 
+    def set_row(self, row: int, slot: int) -> None:
+        """The request given page-table row `row` runs on adapter slot `slot` (0: none)."""
+        self.row_slots[row] = slot
+
     def slots(self, num_tokens: int) -> torch.Tensor:
-        """The slots of a forward's `num_tokens` tokens (a view of `token_slots`)."""
-        if num_tokens > self.token_slots.shape[0]:
-            raise ValueError(
-                f"LoRA: a forward of {num_tokens} tokens, over the {self.token_slots.shape[0]} "
-                "slot indices the transform was built for (max_num_tokens)"
-            )
-        return self.token_slots[:num_tokens]
+        """The slots of the forward's `num_tokens` tokens (gathered once per forward: the
+        step's `rows` tensor is new each time, a graph capture's too)."""
+        batch = get_global_ctx().batch
+        rows = batch.rows if batch is not None else None
+        if rows is None or rows.shape[0] != num_tokens:
+            raise RuntimeError("LoRA: a forward outside the engine's step (no Batch.rows)")
+        if rows is not self._rows:
+            self._rows, self._slots = rows, self.row_slots[rows]
+        assert self._slots is not None
+        return self._slots
 
 
 def install(model: nn.Module, stack: LoraStack, slots: Callable[[int], torch.Tensor]) -> None:

@@ -1,9 +1,14 @@
 """The adapters an engine serves: names -> paths, read and checked against the model, placed in
-device slots by a `SlotManager` over the transform's `LoraStack`. The integration calls
-`acquire` when it admits a request for an adapter (its slot goes into the step's slot
-indices), `release` when the request ends, `add` / `remove` for vLLM's load / unload routes."""
+device slots by a `SlotManager` over the transform's `LoraStack`. The step feature
+(`feature.py`) calls `acquire` when a request for an adapter may run (its slot goes into its
+page-table row's slot index), `release` when the request ends; `add` / `remove` serve an
+adapter from then on or stop (offline `lora_request`s). Each load of an adapter gets a new
+id, the prefix cache's namespace of its requests: KV computed under one adapter (or under an
+earlier adapter of the same name) is never another's."""
 
 from __future__ import annotations
+
+import itertools
 
 from minisgl.ext.lora.adapter import AdapterError, LoraAdapter, load_adapter
 from minisgl.ext.lora.options import LoraOptions
@@ -18,6 +23,8 @@ class LoraManager:
         options.check()
         self.model, self.max_rank = model, options.max_lora_rank
         self.paths: dict[str, str] = {}
+        self.ids: dict[str, int] = {}  # name -> the id of its load (0: the base model's)
+        self._next_id = itertools.count(1)
         self.slots: SlotManager[LoraAdapter] = SlotManager(
             options.max_loras, options.cpu_loras, self._load, stack.write
         )
@@ -30,14 +37,19 @@ class LoraManager:
         if name in self.paths:
             raise AdapterError(f"LoRA adapter {name!r} is already loaded")
         adapter = load_adapter(name, path, self.model, self.max_rank)
-        self.paths[name] = path
+        self.paths[name], self.ids[name] = path, next(self._next_id)
         self.slots.preload(name, adapter)
 
     def remove(self, name: str) -> None:
         """Stop serving `name` (AdapterInUse while requests use it)."""
         self._known(name)
         self.slots.remove(name)
-        del self.paths[name]
+        del self.paths[name], self.ids[name]
+
+    def id_of(self, name: str) -> int:
+        """The id of the adapter served as `name` now (AdapterError: none is)."""
+        self._known(name)
+        return self.ids[name]
 
     def acquire(self, name: str) -> int:
         """A request for `name` starts: its slot (SlotsBusy: every slot is in use)."""

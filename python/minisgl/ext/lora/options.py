@@ -1,13 +1,16 @@
-"""The LoRA extension's flags, named as vLLM names them, for the integration to register (the
-`options` point). Not registered yet: the engine does not use them, and a flag accepted and
-ignored is worse than an unknown one."""
+"""The LoRA extension's options, named as vLLM names them (SGLang's --lora-paths as an alias):
+the `scheduler_options` point, so they are flags of `python -m minisgl` listed under "lora
+extension", keywords of `LLM(...)`, and `SchedulerConfig.extras["lora"]` in every scheduler
+process (each TP rank builds its own adapter slots)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Any
 
-from minisgl.utils.options import OptionError, int_range, option
+from minisgl.utils.options import OptionError, check_options, int_range, option
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,39 @@ class LoraOptions:
     def cpu_loras(self) -> int:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
-    def check(self, args: object = None) -> None:
-        """The options against each other (`args`: the ServerArgs, unused so far)."""
+    def __post_init__(self) -> None:
+        check_options(self)
+        self.check()
+
+    def check(self) -> None:
+        """The options against each other: OptionError naming the option."""
         if self.lora_modules and not self.enable_lora:
             raise OptionError("lora_modules", "lora_modules needs enable_lora")
         if self.cpu_loras < self.max_loras:
             message = f"max_cpu_loras ({self.cpu_loras}) must be >= max_loras ({self.max_loras})"
             raise OptionError("max_cpu_loras", message)
         self.modules()
+
+    def resolve_models(self) -> LoraOptions:
+        """The launcher, once, before any scheduler starts: the adapters downloaded (hub ids) and
+        read, so that a bad one fails the start naming its flag (--max-lora-rank for a rank over
+        it, else --lora-modules); -> the options with local paths."""
+        from minisgl.ext.lora.adapter import AdapterError, RankTooLarge, inspect_adapter
+
+        resolved = []
+        for m in self.modules():
+            try:
+                path = inspect_adapter(m.name, m.path, self.max_lora_rank)
+            except RankTooLarge as e:
+                raise OptionError("max_lora_rank", str(e)) from None
+            except AdapterError as e:
+                raise OptionError("lora_modules", str(e)) from None
+            spec = {"name": m.name, "path": path, "base_model_name": m.base_model_name}
+            resolved.append(json.dumps(spec))
+        return dataclasses.replace(self, lora_modules=tuple(resolved))
+
+
+def lora_options(config: Any) -> LoraOptions:
+    """A SchedulerConfig's LoRA options (the defaults, off, when unset)."""
+    options = config.extras.get("lora")
+    return options if isinstance(options, LoraOptions) else LoraOptions()

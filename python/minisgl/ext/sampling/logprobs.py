@@ -198,6 +198,10 @@ class Logprobs(StepFeature):
     def output(self, req: Req, value: Entry | None, output: Any) -> None:
         output.logprob = value
 
+    def result(self, req: Req, outputs: list[Any]) -> dict[str, Any]:
+        entries = [[o.token, *o.logprob] for o in outputs if o.logprob is not None]
+        return {"logprobs": logprob_dicts(entries)}
+
 
 @dataclass
 class PromptState:
@@ -249,3 +253,21 @@ class PromptScoring(StepFeature):
         targets = req.tokens[1 : req.prompt_len]
         output.prompt_logprobs = [first, *([t, *e] for t, e in zip(targets, state.entries))]
         state.entries = []
+
+    def result(self, req: Req, outputs: list[Any]) -> dict[str, Any]:
+        entries: list[Any] = next(
+            (o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), []
+        )
+        return {"prompt_logprobs": logprob_dicts(entries)}
+
+
+def logprob_dicts(entries: list[list[Any]]) -> list[dict[int, float] | None]:
+    """`LLM`'s results in vLLM's shape, per position: token id -> log-probability, the top
+    alternatives and the token itself; None where nothing predicts the token (a prompt's
+    first)."""
+    dicts: list[dict[int, float] | None] = []
+    for token, logprob, top_ids, top_logprobs in entries:
+        top = dict(zip(top_ids, top_logprobs))
+        top[token] = logprob  # in place: no second dict per position
+        dicts.append(None if logprob is None else top)
+    return dicts

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 
-from minisgl.core import MAX_LOGPROBS, SamplingParams
+from minisgl.core import SamplingParams
 
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM allows (OpenAI: 20 in chat)
 FIELDS = (
     "frequency_penalty",
     "presence_penalty",

@@ -5,11 +5,16 @@
   /generate fields at their defaults;
 - `metrics.py`: Prometheus metrics (`GET /metrics`), counted as the API process sees its
   requests (the `request_observer` point) and read from the schedulers' snapshots;
-- `dispatch.py`: which --dp replica a request goes to (the `dispatcher` point: longest prefix);
-- `replicas.py`: `LLM(dp=N)`, one process per replica (the `replicas` point);
+- `dispatch.py`, `worker.py`: which --dp replica a request goes to (longest prefix), chosen by
+  its tokenizer worker (the `launcher` point's), which also bounds and backgrounds long prompts;
+- `replicas.py`, `llm_dp.py`: `LLM(dp=N)`, one process per replica (the `replicas` point);
 - `policy.py`: --schedule-policy priority (the request's `priority`, aged, preempting) and lpm
   (the `admission_policies` and `sampling_params` points);
 - `tokenizer_info.py`: vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it);
+  `tokenize.py`: vLLM's /tokenize and /detokenize;
+- `fields.py`: a request's fields no one declares (OpenAI's of no effect or unsupported, vLLM's
+  warning about the others; the `unknown_fields` point), its `priority` (`request_fields`) and
+  the bounds on its stop strings and messages (`request_checks`);
 - `status.py`: /health?generate=1's probe; `openapi.py`: the error statuses in the OpenAPI
   document;
 - `options.py`: its flags (the `options` point), e.g. --max-connections;
@@ -20,13 +25,13 @@
   every server process (the `launcher` point).
 
 Importing this package fills its points of `minisgl.extension.Extensions`; without it those
-routes answer 404, /health?generate=1 is a 400, /generate refuses every field it does not declare, and --dp > 1,
+routes answer 404, /health?generate=1 is a 400, every API path refuses the fields it does not declare, and --dp > 1,
 `LLM(dp=N > 1)`, a request's `priority` and --schedule-policy priority / lpm are refused."""
 
 from __future__ import annotations
 
 from minisgl.ext.serving import (
-    dispatch,
+    fields,
     http,
     metrics,
     openapi,
@@ -36,6 +41,7 @@ from minisgl.ext.serving import (
     scale,
     sglang,
     status,
+    tokenize,
     tokenizer_info,
 )
 from minisgl.extension import extensions
@@ -44,13 +50,18 @@ _points = extensions()
 _points.routes += [sglang.add_sglang_routes, metrics.add_metrics_route, openapi.add_openapi_errors]
 _points.routes.append(status.add_health_probe)
 _points.routes.append(tokenizer_info.add_tokenizer_info_route)
-_points.generate_extras = sglang.check_generate_extras
+_points.routes.append(tokenize.add_tokenize_routes)
+_points.unknown_fields = fields.UnknownFields()
+_points.request_checks.append(fields.check_limits)
+for _path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+    _points.request_fields.setdefault(_path, []).append(fields.PriorityFields)
+_points.request_fields.setdefault("/generate", []).append(sglang.MetaInfoFields)
 _points.request_observer = metrics.frontend_metrics
-_points.dispatcher = dispatch.Dispatcher
-_points.replicas = replicas.Replicas
+_points.replicas = replicas.replicated_llm
 _points.options["serving"] = options.ServingOptions
 _points.gate = http.ServingGate
 _points.http_server = http.serving_http_server
 _points.launcher = scale.ServingLauncher
+_points.scheduler_options["serving"] = policy.PolicyOptions  # --priority-aging
 _points.admission_policies.update(priority=policy.PriorityQueue, lpm=policy.LongestPrefixQueue)
 _points.sampling_params["priority"] = policy.check_priority

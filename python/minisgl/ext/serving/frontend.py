@@ -15,14 +15,34 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from minisgl.message import ApiFailMsg, ApiQueryMsg, ApiViewMsg, FlushCacheMsg, FlushCacheReply
+from minisgl.ext.serving.metrics import total_stats
+from minisgl.message import (
+    ApiFailMsg,
+    ApiViewMsg,
+    FlushCacheMsg,
+    FlushCacheReply,
+    SchedulerStats,
+    register,
+)
 from minisgl.server.frontend import Frontend
 from minisgl.utils.zmq import ZmqAsyncPushQueue
 
 FLUSH_TIMEOUT_S = 10.0  # for every replica's answer to /flush_cache
 VIEW_TIMEOUT_S = 5.0  # for the other API processes' views (/stats, /metrics)
+
+
+@register
+@dataclass
+class ApiQueryMsg:
+    """API process `rank` -> the others: send me your view (`ApiViewMsg`), for /stats and
+    /metrics, which add up what every API process counts."""
+
+    rank: int
+    seq: int
+    metrics: bool  # with the text of its metrics (/metrics), or only the counts (/stats)
 
 
 class ServingFrontend(Frontend):
@@ -41,8 +61,8 @@ class ServingFrontend(Frontend):
         when another API process reports a failure to rank 0.
         `scheduler_addrs`: one per --dp replica (for /flush_cache; none: it is refused).
         `api_addrs`: every API process's `recv_addr`, by rank (None: this one alone)."""
-        count = len(api_addrs or [recv_addr])
-        super().__init__(tokenizer_addrs, recv_addr, scheduler_addrs, api_rank, count)
+        self.api_rank, self.api_count = api_rank, len(api_addrs or [recv_addr])
+        super().__init__(tokenizer_addrs, recv_addr, scheduler_addrs)
         self.to_peers = {
             rank: ZmqAsyncPushQueue(addr, create=False)
             for rank, addr in enumerate(api_addrs or [])
@@ -53,6 +73,16 @@ class ServingFrontend(Frontend):
         self._flushes: asyncio.Queue[FlushCacheReply] | None = None
         self._flush_lock: asyncio.Lock | None = None
         self.watchdog_timeout, self.on_hang = watchdog_timeout, on_hang
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler snapshot, summed over the --dp replicas."""
+        return total_stats(self.replica_stats)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests in flight whose last reply has not come: the pipeline owes them answers."""
+        return sum(not r.finished for r in self.requests.values())
 
     def start(self) -> None:
         super().start()

@@ -1,8 +1,9 @@
 """An API process's HTTP serving under load and at its stop (the `gate` and `http_server`
 points):
 
-- `ServingGate`: the core's Gate plus the limit on requests in progress (this process's share of
-  --max-connections; beyond it 503, never for /health) and --timeout-body-read (408);
+- `ServingGate`: the core's Gate plus text that is not valid Unicode (400, `text.py`), the
+  limit on requests in progress (this process's share of --max-connections; beyond it 503,
+  never for /health) and --timeout-body-read (408);
 - `serving_http_server`: uvicorn bounded by `ConnectionLimits` (--max-connections,
   --timeout-keep-alive), whose drain (SIGTERM, --shutdown-timeout) ends the requests still
   running with an error event just before it runs out, and whose exits log no traceback."""
@@ -19,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minisgl.ext.serving.connections import ConnectionLimits, connection_budget
 from minisgl.ext.serving.options import serving_options
+from minisgl.ext.serving.text import invalid_text_path
 from minisgl.server.gate import Gate, Refusal
 
 if TYPE_CHECKING:
@@ -76,14 +78,20 @@ class ServingGate(Gate):
         return self.over_limit(scope) or super().check_head(scope)
 
     def check_body(self, scope: Scope, body: bytes) -> Refusal | None:
-        # the limit again: others came while this body did
-        return super().check_body(scope, body) or self.over_limit(scope)
+        if (refusal := super().check_body(scope, body)) is not None:
+            return refusal
+        if (bad := invalid_text_path(body)) is not None:
+            where, why = bad
+            message = f"{where or 'body'}: text is not valid Unicode ({why})"
+            return Refusal(400, message, "invalid_unicode", where)
+        return self.over_limit(scope)  # the limit again: others came while this body did
 
     async def receive_body(self, scope: Scope, receive: Receive) -> bytes | Refusal | None:
         if not expects_body(scope):
-            return await self.read_body(receive)
+            return await super().receive_body(scope, receive)
         try:
-            return await asyncio.wait_for(self.read_body(receive), self.body_timeout)
+            body = super().receive_body(scope, receive)
+            return await asyncio.wait_for(body, self.body_timeout)
         except asyncio.TimeoutError:
             return self.too_slow()
 

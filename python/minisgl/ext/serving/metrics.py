@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -27,7 +28,7 @@ from prometheus_client.utils import floatToGoString
 
 from minisgl.extension import RequestObserver
 from minisgl.message import SchedulerStats, UserReply
-from minisgl.server.frontend import total_stats, tree_rss_bytes
+from minisgl.server.frontend import tree_rss_bytes
 
 if TYPE_CHECKING:  # types only: the extension loads while the api server module may be loading
     from minisgl.server.api_server import ApiServer
@@ -43,6 +44,15 @@ def priority_label(priority: int) -> str:
     if priority < -PRIORITY_LABELS:
         return f"<-{PRIORITY_LABELS}"
     return f">{PRIORITY_LABELS}" if priority > PRIORITY_LABELS else str(priority)
+
+
+def total_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
+    """The replicas' snapshots summed (one replica: its own)."""
+    if len(replicas) == 1:
+        return replicas[0]
+    names = [f.name for f in fields(SchedulerStats) if f.name not in ("dp_rank", "counts")]
+    counts = {k: sum(r.counts.get(k, 0) for r in replicas) for r0 in replicas for k in r0.counts}
+    return SchedulerStats(**{n: sum(getattr(r, n) for r in replicas) for n in names}, counts=counts)
 
 
 def _replica_families(

@@ -12,7 +12,7 @@ from minisgl.utils.options import OptionError, int_range, option
 
 
 def _host_port(value: str) -> str:
-    from minisgl.distributed import split_addr
+    from minisgl.ext.serving.nodes import split_addr
 
     try:
         split_addr(value)

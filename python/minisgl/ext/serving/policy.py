@@ -12,15 +12,29 @@ naming them. Every TP rank orders alike: arrival is a count, not a clock."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 from minisgl.core import Req, SamplingParams
 from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.queue import WaitingQueue
+from minisgl.utils.options import int_range, option
 
 LPM_MAX_QUEUE = 128  # lpm ranks at most this many waiting requests (as SGLang): beyond, fcfs
 PRIORITY_RANGE = (-(2**31), 2**31)  # vLLM's and SGLang's int32
+
+
+@dataclass
+class PolicyOptions:
+    """The policies' scheduler options (`scheduler_options["serving"]`)."""
+
+    priority_aging: int = option(
+        256,
+        "priority policy: a request queued this many requests later ranks one priority level"
+        " lower, so no request is overtaken forever (0: no aging)",
+        type=int_range(0),
+    )
 
 
 def check_priority(params: SamplingParams) -> None:
@@ -50,7 +64,10 @@ class ArrivalQueue(WaitingQueue):
 class PriorityQueue(ArrivalQueue):
     def __init__(self, config: SchedulerConfig, cache: KVCacheManager) -> None:
         super().__init__(config, cache)
-        self.aging = config.priority_aging
+        options = config.extras.get("serving")
+        if not isinstance(options, PolicyOptions):  # a config built without the extension
+            options = PolicyOptions()
+        self.aging = options.priority_aging
 
     def rank(self, req: Req) -> tuple[float, int]:
         """Lower goes first: the priority, aged by arrival (a request queued `aging` requests

@@ -79,7 +79,8 @@ def serve_replica(
             if method == "stop":
                 break
             try:
-                conn.send(("ok", getattr(llm, method)(*args)))
+                value = getattr(llm, method)  # a method, or a property's value
+                conn.send(("ok", value(*args) if callable(value) else value))
             except Exception as e:
                 conn.send(("error", _sendable(e)))
     finally:
@@ -214,3 +215,10 @@ class Replicas:
         for conn in self.conns:
             conn.close()
         self.conns, self.procs = [], []
+
+
+def replicated_llm() -> type:
+    """The `replicas` point: `LLM(dp=N)`'s class (imported on use: it loads the engine)."""
+    from minisgl.ext.serving.llm_dp import ReplicatedLLM
+
+    return ReplicatedLLM

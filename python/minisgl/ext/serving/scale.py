@@ -1,5 +1,5 @@
 """The server's processes beyond one API process on one machine (the `launcher` point):
-`ServingLauncher` adds --api-server-count's API processes (each with its own SO_REUSEPORT
+`ServingLauncher` adds a `Reaper`, --api-server-count's API processes (each with its own SO_REUSEPORT
 socket of the port; SIGTERM drains them all), the nodes of --nnodes (the TP ranks meet at
 --dist-init-addr; a node other than 0 runs only its ranks and exits when rank 0 does), and the
 collector's settings of every server process (--gc-threshold, --gc-warning-threshold-secs)."""
@@ -9,24 +9,28 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from minisgl.distributed import Rendezvous
 from minisgl.engine.config import EngineConfig
 from minisgl.ext.serving.frontend import ServingFrontend
+from minisgl.ext.serving.nodes import TcpRendezvous
 from minisgl.ext.serving.options import serving_options
+from minisgl.ext.serving.reaper import Reaper
+from minisgl.ext.serving.worker import tokenizer_worker
 from minisgl.message import ApiFailMsg, ExitMsg
 from minisgl.server.launch import (
     DEATH_GRACE_S,
     Addresses,
     Launcher,
-    _send,
     _split,
     check_scale_out,
     http_server,
 )
 from minisgl.utils.procs import wait_ready
+from minisgl.utils.zmq import ZmqPushQueue
 
 if TYPE_CHECKING:
     from minisgl.server.args import ServerArgs
@@ -48,6 +52,12 @@ def export_gc_settings(args: ServerArgs) -> None:
         os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, options.gc_threshold))
     elif not os.environ.get("MINISGL_GC_THRESHOLD", "").strip():
         os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, SERVER_GC_THRESHOLD))
+
+
+def _send(addr: str, msg: Any) -> None:
+    queue = ZmqPushQueue(addr, create=False)
+    queue.put(msg)
+    queue.close()  # lingers until the message is out
 
 
 def reuse_port_sockets(host: str, port: int, count: int) -> list[socket.socket]:
@@ -106,16 +116,19 @@ class ServingLauncher(Launcher):
     def __init__(self, args: ServerArgs) -> None:
         self.options = serving_options(args)
         export_gc_settings(args)  # before any child starts: they read it once ready
-        super().__init__(args)
+        super().__init__(args, self.options.api_server_count)
+        self.reaper = Reaper(self.addrs.root)  # clears up after this process however it dies
         self.api_procs: list[Any] = []  # the API processes other than this one
-
-    @property
-    def api_server_count(self) -> int:
-        return self.options.api_server_count
+        self.draining = False  # SIGTERM: the API processes finish their requests, then exit
 
     @property
     def ranks_here(self) -> int:
         return self.args.tp // self.options.nnodes
+
+    def _spawn(self, name: str, target: Any, *target_args: Any, **kwargs: Any) -> Any:
+        started = super()._spawn(name, target, *target_args, **kwargs)
+        self.reaper.watch(started[1].pid)
+        return started
 
     def start(self) -> None:
         if self.options.node_rank == 0:
@@ -147,13 +160,18 @@ class ServingLauncher(Launcher):
                 sock.close()  # it (drain) or dies, the kernel sends its connections elsewhere
             del self.listeners[1:]
 
+    def tokenizer_worker(self, config: EngineConfig) -> Any:
+        args = self.args
+        return tokenizer_worker(config.page_size, args.dp_dispatch, args.dp_load_threshold)
+
     def _rendezvous(self, replica: int) -> Rendezvous:
         options = self.options
         if options.nnodes == 1:
             return super()._rendezvous(replica)
         # rank 0's node hosts the TCP store; GPU 0 is the node's first rank
         shift = -options.node_rank * self.ranks_here
-        return Rendezvous("", options.dist_init_addr, options.dist_timeout, shift)
+        assert options.dist_init_addr is not None  # ServingOptions.check
+        return TcpRendezvous("", shift, options.dist_timeout, options.dist_init_addr)
 
     def expected_exit(self, proc: Any) -> bool:
         # it drained its requests (`stop` may have reaped it: no exit code)
@@ -196,9 +214,19 @@ class ServingLauncher(Launcher):
         _send(self.addrs.schedulers[0], ExitMsg())
         rank0.join(timeout=STOP_OTHER_NODES_S)
 
+    def fail(self, reason: str) -> None:
+        """The other API processes end their requests too (a failure: a child died, or the
+        pipeline hung: the watchdog's)."""
+        if self.stopping or self.failure is not None:
+            return
+        for addr in self.addrs.apis[1:]:
+            # on threads: a dead one's socket would hold `close` for its linger
+            threading.Thread(target=_send, args=(addr, ApiFailMsg(reason)), daemon=True).start()
+        super().fail(reason)
+
     def drain(self) -> None:
         """SIGTERM reached this process: the other API processes drain their requests too."""
-        super().drain()
+        self.draining = True
         for proc in self.api_procs:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
@@ -213,3 +241,4 @@ class ServingLauncher(Launcher):
             self.stopping = True  # rank 0's exit is no failure
             self._stop_other_nodes()
         super().stop()
+        self.reaper.stop()

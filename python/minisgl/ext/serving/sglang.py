@@ -1,12 +1,14 @@
 """SGLang's native endpoints that sglang-router (and SGLang's own tools) call on a worker:
 /model_info, /server_info (and their /get_* names), /get_load, /flush_cache, /health_generate
-(the `routes` point); and the fields of SGLang's /generate body that minisgl does not
+(the `routes` point); /generate's `meta_info` (`MetaInfoFields`, the `request_fields` point);
+and the fields of SGLang's /generate body that minisgl does not
 implement, accepted only at SGLang's defaults (else a 400 naming the field: never accepted and
-ignored; the `generate_extras` point: without it the core's /generate refuses every one)."""
+ignored; the `unknown_fields` point: without it the core's /generate refuses every one)."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -14,7 +16,7 @@ from fastapi.responses import JSONResponse
 
 from minisgl.ext.serving.frontend import ServingFrontend
 from minisgl.server.args import ServerArgs
-from minisgl.server.protocol import APIError, error_response
+from minisgl.server.protocol import APIError, ExtensionFields, error_response
 
 if TYPE_CHECKING:  # types only: the extension loads while the api server module may be loading
     from minisgl.server.api_server import ApiServer
@@ -61,6 +63,55 @@ def check_generate_extras(extra: dict[str, Any]) -> None:
         if default is not ANY and value is not None and value != default:
             message = f"{name}: only {default!r} (SGLang's default) is supported, got {value!r}"
             raise APIError(400, message, name, "unsupported_parameter")
+
+
+class MetaInfo:
+    """SGLang's `meta_info` of a /generate request (a `ChoiceShaper`), as its replies come:
+    counts, the prompt tokens the prefix cache supplied, how it finished, and (once finished)
+    its latency."""
+
+    def __init__(self) -> None:
+        self.start, self.cached, self.last_token = time.perf_counter(), 0, -1  # -1: no token yet
+        self.reply: Any = None
+
+    def add(self, index: int, r: Any) -> None:
+        self.reply = r
+        if r.cached_tokens is not None:
+            self.cached = r.cached_tokens
+        if r.token_ids:
+            self.last_token = r.token_ids[-1]
+
+    def finish(self, r: Any) -> dict[str, Any] | None:
+        """SGLang's finish_reason: its type, and what ended it (a stop string, else the stop
+        token: EOS or one of stop_token_ids)."""
+        if not r.finished:
+            return None
+        if r.finish_reason == "length":
+            return {"type": "length", "length": r.completion_tokens}
+        if r.finish_reason != "stop":
+            return {"type": "abort"}
+        matched = r.matched if r.matched is not None else self.last_token
+        return {"type": "stop"} | ({} if matched == -1 else {"matched": matched})
+
+    def fields(self, index: int) -> dict[str, Any]:
+        r = self.reply
+        out: dict[str, Any] = {
+            "id": str(r.uid),
+            "finish_reason": self.finish(r),
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "cached_tokens": self.cached,
+        }
+        if r.finished:
+            out["e2e_latency"] = time.perf_counter() - self.start  # seconds, as SGLang's
+        return {"meta_info": out}
+
+
+class MetaInfoFields(ExtensionFields):
+    """No fields: every /generate response gets SGLang's meta_info."""
+
+    def shaper(self, chat: bool) -> MetaInfo:
+        return MetaInfo()
 
 
 def _public_options(args: ServerArgs) -> dict[str, Any]:

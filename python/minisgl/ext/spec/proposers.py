@@ -150,8 +150,8 @@ class DraftModelProposer:
             # short catch-up runs as decode rows, VerifyRows)
             batch = Batch(shadows, "prefill", num_decodes=len(shadows))
             while batch.reqs:
-                out = self.engine.forward_step(batch, [True] * batch.size)
-                for shadow, token in zip(batch.reqs, self.engine.sample_step(batch, out).tokens()):
+                out = self.engine.forward(batch, [True] * batch.size)
+                for shadow, token in zip(batch.reqs, self.engine.sample(batch, out).tokens()):
                     shadow.cached_len += shadow.extend_len
                     shadow.extend_len = 1
                     shadow.tokens.append(token)

@@ -117,11 +117,16 @@ class Speculation(Speculator):
     def verified(self, result: Any) -> dict[int, list[int]]:
         return result.by_row() if isinstance(result, Verification) else {}
 
-    def accept(self, req: Req, targets: list[int]) -> list[int]:
-        """The row computed its last token and len(targets) - 1 of its proposals."""
+    def accept(self, engine: Any, req: Req, slot: int, targets: list[int]) -> list[int]:
+        """The row computed its last token and len(targets) - 1 of its proposals; the token at
+        `slot` is the placeholder of the first. The KV of the rejected ones is dropped, and the
+        last token of the run, which the next step reads, goes into the token table."""
         state = self.state(req)
         drafts, state.drafts = state.drafts[: len(targets) - 1], []
         new = accept(drafts, targets)
+        req.cached_len -= len(targets) - len(new)
+        engine.set_tokens(req.table_idx, new[-1:], start=slot + len(new) - 1)
+        del req.tokens[slot:]  # the placeholder
         self.backoff.result(state, gained=len(new) > 1)
         state.drafted += len(drafts)
         state.accepted += len(new) - 1

@@ -5,13 +5,20 @@ stream deltas; `offline.py` does the same for `LLM.chat`, `shell.py` for the she
 Registered as the `chat_features` point: without this package the core refuses tools,
 --tool-call-parser and --reasoning-parser. Constrained decoding (xgrammar: json_schema, regex,
 ebnf, structural_tag; `grammar.py`, `grammar_feature.py`) is the `step_features` point's
-`GrammarFeature`, its fields checked through `sampling_params`."""
+`GrammarFeature`, its fields checked through `sampling_params`, its flags `options.py`'s
+(`scheduler_options`)."""
 
 from minisgl.core import CONSTRAINT_KINDS
+from minisgl.ext.structured import fields
 from minisgl.ext.structured.features import StructuredChat
 from minisgl.ext.structured.grammar_feature import GrammarFeature, check_constraint
+from minisgl.ext.structured.options import StructuredOptions
 from minisgl.extension import extensions
 
 extensions().chat_features = StructuredChat()
 extensions().sampling_params.update(dict.fromkeys(CONSTRAINT_KINDS, check_constraint))
 extensions().step_features.append(GrammarFeature)
+extensions().request_checks.append(fields.check_grammar_size)
+for _path, _models in fields.FIELDS.items():
+    extensions().request_fields.setdefault(_path, []).extend(_models)
+extensions().scheduler_options["structured"] = StructuredOptions

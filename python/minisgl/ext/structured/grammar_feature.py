@@ -17,6 +17,7 @@ from minisgl.ext.structured.grammar import (
     TokenMask,
     apply_token_bitmask,
 )
+from minisgl.ext.structured.options import structured_options
 from minisgl.extension import StepFeature
 
 
@@ -44,14 +45,14 @@ class GrammarFeature(StepFeature):
     name, stage = GRAMMAR, 0
 
     def __init__(self, scheduler: Any) -> None:
-        engine, config = scheduler.engine, scheduler.config
+        engine, options = scheduler.engine, structured_options(scheduler.config)
         self.scheduler = scheduler  # its tokenizer at each request (a benchmark swaps it in)
         self.state = GrammarState(
             engine.model_config.vocab_size,
             engine.config.max_running_requests,
             engine.device.type == "cuda",
-            config.json_any_whitespace,
-            config.grammar_compile_timeout,
+            options.json_any_whitespace,
+            options.grammar_compile_timeout,
             leads=not scheduler.follower,
         )
         self.state.compiling = scheduler.held  # the held requests are those compiling

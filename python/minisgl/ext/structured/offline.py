@@ -10,6 +10,7 @@ from typing import Any
 
 from minisgl.core import SamplingParams
 from minisgl.ext.structured.detect import AUTO, resolve
+from minisgl.ext.structured.options import structured_options
 from minisgl.ext.structured.parsers import (
     OutputParser,
     ToolChoice,
@@ -49,7 +50,7 @@ def offline_chat(
     # each chat's params with the grammar of forced calls, or its constraint moved after the
     # reasoning (OutputParser.constrain)
     forced = (functions, choice, parallel_tool_calls) if functions else None
-    any_whitespace = llm.sched_config.json_any_whitespace
+    any_whitespace = structured_options(llm.sched_config).json_any_whitespace
     params = [parser.constrain(p, forced, s, any_whitespace) for p, s in zip(params, states)]
     results = llm.generate(prompts, params, options["use_tqdm"])
     parsed_choice = choice if functions and choice.parses else None

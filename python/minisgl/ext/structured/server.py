@@ -15,6 +15,8 @@ import msgpack
 
 from minisgl.core import SamplingParams
 from minisgl.ext.structured.detect import AUTO, resolve
+from minisgl.ext.structured.fields import MAX_GRAMMAR_CHARS, ToolFields, tool_fields
+from minisgl.ext.structured.options import structured_options
 from minisgl.ext.structured.parsers import (
     TOOL_PARSERS,
     FunctionSchema,
@@ -28,7 +30,6 @@ from minisgl.ext.structured.parsers import (
     parse_tools,
     resolve_tool_choice,
 )
-from minisgl.server.limits import MAX_GRAMMAR_CHARS
 from minisgl.server.protocol import APIError, ChatRequest
 from minisgl.tokenizer.server import needed, render_chat
 
@@ -143,7 +144,7 @@ def packable(value: Any, param: str) -> None:
         raise APIError(400, f"{param}: integers must fit in 64 bits", param) from None
 
 
-def chat_tools(req: ChatRequest) -> tuple[list[FunctionSchema], ToolChoice]:
+def chat_tools(req: ToolFields) -> tuple[list[FunctionSchema], ToolChoice]:
     """The request's functions (`tools` or legacy `functions`) and its tool choice (`tool_choice`
     or legacy `function_call`), validated: a 400 names the offending field. `required` and named
     choices are enforced by a grammar (ChatParsing.constrain)."""
@@ -235,16 +236,17 @@ async def shape_chat(
 ) -> tuple[list[dict[str, Any]] | None, ChatParsing | None]:
     """The request's tools as the template takes them, and how its responses are parsed (None:
     returned as the raw text)."""
-    functions, choice = chat_tools(req)
+    fields = tool_fields(req)
+    functions, choice = chat_tools(fields)
     tools = [f.to_openai_tool() for f in functions] or None
     kwargs = req.chat_template_kwargs
     render = lambda tok: render_chat(tok, chat, kwargs, True, tools)  # noqa: E731
-    return tools, await chat_parsing(api, req, functions, choice, render)
+    return tools, await chat_parsing(api, fields, functions, choice, render)
 
 
 async def chat_parsing(
     api: Any,
-    req: ChatRequest,
+    req: ToolFields,
     functions: list[FunctionSchema],
     choice: ToolChoice,
     render: Callable[[Any], str],
@@ -285,6 +287,6 @@ async def chat_parsing(
         forced=functions if choice.mode in ("required", "named") else [],
         choice_param="function_call" if req.function_call is not None else "tool_choice",
         legacy=legacy,
-        any_whitespace=api.args.scheduler.json_any_whitespace,
+        any_whitespace=structured_options(api.args.scheduler).json_any_whitespace,
         functions=functions,
     )

@@ -1,0 +1,43 @@
+"""The LoRA extension's HTTP side: the adapters the API server serves (`lora_adapters`: a
+request's `model` names one, /v1/models lists them) and the body fields that name one
+(`request_fields`: SGLang's `lora_path`, at /generate's top level or in its sampling_params,
+and `lora_name`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minisgl.ext.lora.options import lora_options
+from minisgl.server.protocol import APIError, ExtensionFields
+
+# the adapters this API process serves (set with `served_adapters`; None: not known here)
+_served: set[str] | None = None
+
+
+def served_adapters(args: Any) -> dict[str, dict[str, Any]]:
+    """The `lora_adapters` point: the adapters of --lora-modules, with vLLM's card fields."""
+    global _served
+    options = lora_options(args.scheduler)
+    base = args.served_model_name or args.engine.model
+    modules = options.modules() if options.enable_lora else []
+    _served = {m.name for m in modules}
+    return {m.name: {"root": m.path, "parent": m.base_model_name or base} for m in modules}
+
+
+class LoraFields(ExtensionFields):
+    lora_path: str | None = None  # SGLang's name: the adapter's name
+    lora_name: str | None = None
+
+    def params(self, req: Any) -> dict[str, Any]:
+        """{"lora_name": the adapter} when one is named: 404 naming the field for one that is
+        not served, 400 when the two fields name different ones."""
+        given = {k: v for k, v in self.model_dump().items() if v is not None}
+        if len(set(given.values())) > 1:
+            raise APIError(400, "lora_path and lora_name name different adapters", "lora_path")
+        for field, name in given.items():
+            if _served is not None and name not in _served:
+                served = ", ".join(sorted(_served)) or "none"
+                message = f"{field} {name!r}: no such LoRA adapter (served: {served})"
+                raise APIError(404, message, field, "model_not_found")
+            return {"lora_name": name}
+        return {}

@@ -1,0 +1,283 @@
+"""The messages between the server's processes, plain dataclasses that `encode` / `decode`
+carry through msgpack. Flow: api server -> tokenizer -> scheduler -> detokenizer -> api server;
+scheduler rank 0 -> ranks > 0 with tensor parallelism.
+
+A dataclass travels as a msgpack extension value holding [class name, *field values]; values
+are packed recursively, so messages nest (SamplingParams inside UserMsg) and plain dicts stay
+plain dicts. Every dataclass of this module is registered; `register` adds another."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+
+from minisgl.core import SamplingParams
+
+T = TypeVar("T")
+
+
+# ---- api server -> tokenizer worker ----
+@dataclass
+class TokenizeMsg:
+    """A new request: exactly one of `text`, `input_ids` or `chat` (OpenAI messages, rendered
+    with the chat template)."""
+
+    uid: int
+    text: str | None
+    input_ids: list[int] | None
+    chat: list[dict] | None
+    params: SamplingParams
+    skip_special_tokens: bool = True
+    chat_template_kwargs: dict | None = None  # extra arguments of apply_chat_template
+    tools: list[dict] | None = None  # OpenAI `tools` entries the chat template renders
+    # the model's context when the client gave max_tokens: a longer prompt + max_tokens is refused
+    context_len: int | None = None
+    # the longest prompt + output (tokens): a text too long for it is refused before tokenizing
+    max_seq_len: int | None = None
+    dp_rank: int | None = None  # the --dp replica it must run on (None: the dispatcher's choice)
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.text, self.input_ids, self.chat)) != 1:
+            raise ValueError("exactly one of text, input_ids and chat must be given")
+
+
+@dataclass
+class AbortMsg:
+    """The client went away (or cancelled): drop request `uid` everywhere."""
+
+    uid: int
+
+
+@dataclass
+class DoneMsg:
+    """Request `uid` has ended (--dp > 1: it no longer counts in its replica's load)."""
+
+    uid: int
+
+
+# ---- tokenizer worker / detokenizer / api server -> scheduler (rank 0) -> ranks > 0 ----
+@dataclass
+class UserMsg:
+    """A tokenized request, ready to schedule."""
+
+    uid: int
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortBackendMsg:
+    """Stop generating for `uid` and free its cache (client gone, or a stop string was hit)."""
+
+    uid: int
+
+
+@dataclass
+class AdmitBackendMsg:
+    """Rank 0 -> ranks > 0: the request a step feature held (its grammar compiling) is admitted."""
+
+    uid: int
+
+
+@dataclass
+class FlushCacheMsg:
+    """Empty the prefix cache unless requests run (`FlushCacheReply` answers)."""
+
+    api_rank: int = 0  # the API process (--api-server-count) that waits for the reply
+
+
+@dataclass
+class ExitMsg:
+    """Shut the receiving loop down."""
+
+
+@dataclass
+class BatchBackendMsg:
+    """Several backend messages in one send."""
+
+    msgs: list = field(default_factory=list)
+
+
+# ---- scheduler -> detokenizer ----
+@dataclass
+class DetokenizeMsg:
+    """The tokens generated for `uid` since its previous message."""
+
+    uid: int
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
+    error: str | None = None  # why the scheduler refused the request
+    # per token: [logprob, top ids, top logprobs] (SamplingParams.logprobs)
+    logprobs: list[Sequence[Any]] | None = None
+    # with the first token: [token id, logprob | None, top ids, top logprobs] per prompt token
+    prompt_logprobs: list[list[Any]] | None = None
+    queue_time: float | None = None  # with the first token: seconds queued before its prefill
+    cached_tokens: int | None = None  # with the first token: prompt tokens from the prefix cache
+
+
+@dataclass
+class DetokInitMsg:
+    """Tokenizer -> detokenizer, before the request reaches the scheduler: how to turn its
+    tokens into text."""
+
+    uid: int
+    prompt_len: int
+    prompt_tail: list[int]  # the last prompt tokens, context for the first decoded word
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings cannot end the output before this many tokens
+    dp_rank: int = 0  # the replica the request went to (where a stop string's abort goes)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler (rank 0), passed through to the api server."""
+
+    running: int = 0
+    waiting: int = 0
+    total_pages: int = 0
+    free_pages: int = 0
+    cached_pages: int = 0
+    locked_pages: int = 0
+    leaked_pages: int = 0  # owned by neither the allocator, the cache nor a request: a bug
+    num_preemptions: int = 0
+    prefill_tokens: int = 0  # prompt tokens scheduled so far (re-prefills after preemption too)
+    cached_tokens: int = 0  # of those, found in the prefix cache
+    counts: dict[str, int] = field(default_factory=dict)  # the extensions' (speculation's)
+    dp_rank: int = 0  # the replica (--dp) this snapshot is of
+
+
+@dataclass
+class FlushCacheReply:
+    """Scheduler -> detokenizer -> api server: one replica's answer to `FlushCacheMsg` (`error`
+    None: its prefix cache is empty now)."""
+
+    dp_rank: int
+    error: str | None = None
+    api_rank: int = 0  # the API process that asked (`FlushCacheMsg.api_rank`)
+
+
+@dataclass
+class BatchDetokenizeMsg:
+    """One scheduler step's output for all running requests."""
+
+    msgs: list[DetokenizeMsg] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+
+
+# ---- detokenizer / tokenizer worker -> api server ----
+@dataclass
+class UserReply:
+    """Request `uid`'s text finalized since its previous reply and the tokens that made it; the
+    last has finished=True (and `error` set if the request failed)."""
+
+    uid: int
+    text_delta: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    prompt_tokens: int
+    completion_tokens: int  # total so far, not just this delta
+    error: str | None = None
+    # per token of token_ids when asked: [token id, text, logprob, [[id, text, logprob], ...]]
+    logprobs: list[list[Any]] | None = None
+    # once, with the first reply: the same per prompt token (the first one's logprob is None)
+    prompt_logprobs: list[list[Any]] | None = None
+    queue_time: float | None = None  # once: seconds in the scheduler's queue
+    matched: str | None = None  # the stop string that ended it (finish_reason "stop")
+    cached_tokens: int | None = None  # once: prompt tokens the prefix cache supplied
+
+
+@dataclass
+class BatchFrontendMsg:
+    msgs: list[UserReply] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+
+
+# ---- between the API processes (--api-server-count > 1) ----
+@dataclass
+class ApiViewMsg:
+    """An API process's requests in flight and not started yet, the text of its metrics and
+    (rank 0) the server's RSS: the answer to query `seq` (/stats and /metrics add them up)."""
+
+    rank: int
+    seq: int
+    pid: int
+    in_flight: int
+    queued: int
+    metrics: str
+    rss_bytes: int
+
+
+@dataclass
+class ApiFailMsg:
+    """The server failed for `reason` (the launcher -> the other API processes, or one whose
+    watchdog fired -> rank 0)."""
+
+    reason: str
+
+
+# ---- (de)serialisation ----
+_EXT_DATACLASS = 1
+_TYPES: dict[str, type] = {}
+
+
+def register(cls: type[T]) -> type[T]:
+    """Make the dataclass `cls` encodable, by its class name."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} must be a dataclass")
+    # decoding rebuilds the object with cls(*values): every field must be an init argument
+    if any(not f.init for f in dataclasses.fields(cls)):
+        raise TypeError(f"{cls.__name__}: fields with init=False cannot be (de)serialised")
+    if _TYPES.setdefault(cls.__name__, cls) is not cls:
+        raise ValueError(f"message type name {cls.__name__!r} is already registered")
+    return cls
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    cls = type(obj)
+    if _TYPES.get(cls.__name__) is not cls:
+        raise TypeError(f"cannot encode {cls.__name__}: not a registered message type")
+    values = [cls.__name__, *(getattr(obj, f.name) for f in dataclasses.fields(obj))]
+    return msgpack.ExtType(_EXT_DATACLASS, msgpack.packb(values, default=_default))
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != _EXT_DATACLASS:
+        return msgpack.ExtType(code, data)
+    name, *values = _unpack(data)
+    if name not in _TYPES:
+        raise ValueError(f"unknown message type {name!r}")
+    return _TYPES[name](*values)
+
+
+def _unpack(data: bytes) -> Any:
+    # strict_map_key=False: dicts with int keys are allowed (token id -> logprob maps)
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+
+
+def encode(msg: Any) -> bytes:
+    """A message (or any msgpack value holding messages) as bytes; tuples come back as lists."""
+    return msgpack.packb(msg, default=_default)
+
+
+def decode(data: bytes) -> Any:
+    """`encode`'s inverse; ValueError for any payload it did not make (not msgpack, an unknown
+    type, a type given the wrong fields), which the receiver logs and drops."""
+    try:
+        return _unpack(data)
+    except ValueError:  # msgpack's errors are ValueErrors too
+        raise
+    except Exception as e:  # e.g. TypeError from cls(*values), RecursionError
+        raise ValueError(f"malformed message: {type(e).__name__}: {e}") from e
+
+
+for _cls in [
+    c for c in list(globals().values()) if isinstance(c, type) and dataclasses.is_dataclass(c)
+]:
+    register(_cls)  # every message above, and SamplingParams

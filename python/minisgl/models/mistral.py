@@ -1,7 +1,0 @@
-"""Mistral is the Llama decoder; its sliding window is handled by the attention backend."""
-
-from minisgl.models.llama import LlamaForCausalLM
-
-
-class MistralForCausalLM(LlamaForCausalLM):
-    pass

@@ -1,0 +1,110 @@
+"""LoRA adapters through the server (ext/lora): `model` picks an adapter through the official
+OpenAI client, /generate's `lora_path` too, each answer the offline one (which
+tests/engine/test_lora.py checks against PEFT); /v1/models lists the adapters with their
+parent; an unknown adapter is a 404; an adapter over --max-lora-rank stops the start with a
+CLI error naming the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.ext.lora import LoRARequest
+from support.lora import save_adapter
+from support.server import REPO, free_port, make_tiny_model, run_server
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
+PROMPT = "hello world"
+IDS = [5, 9, 14, 3, 27, 8]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(server, {name: offline completion text of PROMPT}, {name: offline ids of IDS})."""
+    root = tmp_path_factory.mktemp("lora")
+    model = make_tiny_model(str(root / "tiny"))
+    a1, a2 = str(root / "a1"), str(root / "a2")
+    save_adapter("qwen3", a1, seed=1)
+    save_adapter("qwen3", a2, seed=2, r=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    llm = LLM(model, page_size=4, enable_lora=True, max_loras=2, max_lora_rank=8)
+    texts, ids = {}, {}
+    try:
+        for name, path in [("base", None), ("a1", a1), ("a2", a2)]:
+            request = LoRARequest(name, 1, path) if path else None
+            params = SamplingParams(max_tokens=8)
+            out = llm.generate([PROMPT, IDS], params, use_tqdm=False, lora_request=request)
+            texts[name], ids[name] = out[0]["text"], out[1]["token_ids"]
+    finally:
+        llm.shutdown()
+    assert len({*texts.values()}) == 3 and len({tuple(v) for v in ids.values()}) == 3
+    a2_json = json.dumps({"name": "a2", "path": a2, "base_model_name": "tiny-parent"})
+    args = ("--page-size", "4", "--served-model-name", "tiny", "--enable-lora")
+    args += ("--max-loras", "1", "--max-lora-rank", "8", "--lora-modules", f"a1={a1}", a2_json)
+    log = str(root / "server.log")
+    with run_server(model, *args, log_path=log) as server:
+        yield server, texts, ids, (model, a1)
+        assert server.wait_idle()["leaked_pages"] == 0
+
+
+def test_models_lists_adapters_with_parent(setup):
+    server, *_ = setup
+    cards = {c["id"]: c for c in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert set(cards) == {"tiny", "a1", "a2"}
+    assert cards["a1"]["parent"] == "tiny" and cards["a2"]["parent"] == "tiny-parent"
+    assert os.path.isdir(cards["a1"]["root"]) and "parent" not in cards["tiny"]
+
+
+def test_model_picks_the_adapter(setup):
+    server, texts, _, _ = setup
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    for name in ["tiny", "a1", "a2", "a1"]:
+        out = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert out.choices[0].text == texts["base" if name == "tiny" else name], name
+        assert out.model == name
+    chat = client.chat.completions.create(
+        model="a2", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
+    assert chat.model == "a2"
+
+
+def test_generate_lora_path(setup):
+    server, _, ids, _ = setup
+    for name in ["a2", "a1", None]:
+        body = {"input_ids": IDS, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        body |= {"lora_path": name} if name else {}
+        r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == ids[name or "base"]
+
+
+def test_unknown_adapter_is_404(setup):
+    server, *_ = setup
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert e.value.code == "model_not_found" and "'nope'" in e.value.message
+    body = {"text": PROMPT, "lora_path": "nope"}
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path"
+    body = {"text": PROMPT, "lora_path": "a1", "model": "a2"}
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+
+
+def test_rank_over_max_lora_rank_stops_the_start(setup, tmp_path):
+    _, _, _, (model, a1) = setup
+    cmd = [sys.executable, "-m", "minisgl", "--model", model, "--port", str(free_port())]
+    cmd += ["--enable-lora"]
+    cmd += ["--lora-modules", f"a1={a1}", "--max-lora-rank", "4"]
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "argument --max-lora-rank: LoRA adapter 'a1'" in done.stderr
+    assert "rank 8 is over max_lora_rank 4" in done.stderr
