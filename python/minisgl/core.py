@@ -1,5 +1,6 @@
-"""Core state: what a user asks for (SamplingParams), one request (Req), one forward (Batch),
-and the per-process context that layers reach during a forward (Context)."""
+"""Core state: what a user asks for (SamplingParams), one request (Req), one forward (Batch)
+and its attention backend's metadata (AttnMetadata). The per-process context that layers reach
+during a forward is context.py's."""
 
 from __future__ import annotations
 
@@ -8,15 +9,13 @@ import itertools
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
 from minisgl.extension import extensions, require
 
 if TYPE_CHECKING:
-    from minisgl.attention.base import AttnMetadata, BaseAttnBackend
-    from minisgl.kvcache.pool import MHAKVCache
     from minisgl.kvcache.prefix_cache import CacheHandle
 
 
@@ -187,6 +186,19 @@ class Req:
         return self.finish_reason is not None
 
 
+M = TypeVar("M", bound="AttnMetadata")
+
+
+class AttnMetadata:
+    """A backend's per-batch metadata: `prepare` sets `batch.attn_metadata`, `of` reads it."""
+
+    @classmethod
+    def of(cls: type[M], batch: Batch) -> M:
+        md = batch.attn_metadata
+        assert isinstance(md, cls), f"{cls.__name__} expected, the batch holds {type(md).__name__}"
+        return md
+
+
 @dataclass
 class Batch:
     """One forward: the requests and how many tokens each computes; the model sees only the
@@ -215,39 +227,8 @@ class Batch:
         return self.phase == "decode"
 
 
-@dataclass
-class Context:
-    """Per-process global state the model's layers read during a forward."""
-
-    page_size: int
-    page_table: torch.Tensor  # [max_running_requests + 1 (the dummy row), pages per req] int32
-    kv_cache: MHAKVCache
-    attn_backend: BaseAttnBackend
-    batch: Batch | None = None
-    page_table_version: int = 0  # bumped on every page-table write (backends cache plans by it)
-
-    def kv_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The flat KV-pool slot of each (page-table row, position) pair: the one formula."""
-        pages = self.page_table[rows, positions // self.page_size].long()
-        return pages * self.page_size + positions % self.page_size
-
-
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Copy small host data to the device without blocking the host (pinned: a copy from
     pageable memory would wait for all queued device work, which overlap runs beside)."""
     host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
-
-
-_GLOBAL_CTX: Context | None = None
-
-
-def set_global_ctx(ctx: Context | None) -> None:
-    global _GLOBAL_CTX
-    _GLOBAL_CTX = ctx
-
-
-def get_global_ctx() -> Context:
-    if _GLOBAL_CTX is None:
-        raise RuntimeError("minisgl context is not initialised: create an Engine first")
-    return _GLOBAL_CTX

@@ -83,6 +83,14 @@ def _run(llm: LLM, names: list[str], prompts: list[list[int]], dirs: dict[str, s
     return [o["token_ids"] for o in outs]
 
 
+def _run_exact(llm: LLM, names: list[str], prompts: list[list[int]], dirs, refs):
+    """`_run`, each request's tokens checked against its own merged model's greedy output."""
+    got = _run(llm, names, prompts, dirs)
+    for name, prompt, tokens in zip(names, prompts, got):
+        assert tokens == hf_greedy(refs[name], prompt, MAX_NEW), name
+    return got
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mixed_batch_equals_peft_merged(model_dirs, adapters, arch):
     """Base, a1 and a2 in one batch (the same prompt under all three, with the radix cache
@@ -92,9 +100,7 @@ def test_mixed_batch_equals_peft_merged(model_dirs, adapters, arch):
     try:
         names = ["base", "a1", "a2", "a1", "a2", "base"]
         prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[2]]
-        got = _run(llm, names, prompts, dirs)
-        for name, prompt, tokens in zip(names, prompts, got):
-            assert tokens == hf_greedy(refs[name], prompt, MAX_NEW), name
+        got = _run_exact(llm, names, prompts, dirs, refs)
         assert got[0] != got[1] and got[0] != got[2] and got[1] != got[2]  # it can fail
         llm.scheduler.check_no_leak()
     finally:
@@ -111,9 +117,7 @@ def test_tp2_mixed_batch_equals_peft_merged(model_dirs, adapters):
     try:
         names = ["base", "a1", "a2", "a1", "a2"]
         prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
-        got = _run(llm, names, prompts, dirs)
-        for name, prompt, tokens in zip(names, prompts, got):
-            assert tokens == hf_greedy(refs[name], prompt, MAX_NEW), name
+        _run_exact(llm, names, prompts, dirs, refs)
         with pytest.raises(ValueError, match="served from the start"):
             llm.generate([PROMPTS[0]], lora_request=LoRARequest("new", 9, dirs["a1"]))
     finally:
@@ -149,9 +153,7 @@ def test_more_adapters_than_slots(model_dirs, adapters):
     try:
         names = ["a1", "a2", "base", "a1", "a2"]
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[2], PROMPTS[0]]
-        got = _run(llm, names, prompts, dirs)
-        for name, prompt, tokens in zip(names, prompts, got):
-            assert tokens == hf_greedy(refs[name], prompt, MAX_NEW), name
+        _run_exact(llm, names, prompts, dirs, refs)
         manager = next(f for f in llm.scheduler.features if f.name == "lora").manager
         assert not any(manager.slots.pins.values())  # every pin released
         llm.scheduler.check_no_leak()

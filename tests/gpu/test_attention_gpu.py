@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from minisgl.attention import create_attention_backend, flashinfer_available
-from minisgl.core import Batch, Req, SamplingParams, get_global_ctx, set_global_ctx
+from minisgl.context import get_global_ctx, set_global_ctx
+from minisgl.core import Batch, Req, SamplingParams
 from support.attn import attend, make_problem, max_diff, run_backend
 
 pytestmark = pytest.mark.gpu

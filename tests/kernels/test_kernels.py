@@ -239,7 +239,7 @@ def test_decode_inputs_gather_ids_and_slots_like_the_reference(ops, batch, page_
     table's id at each (row, position) and `Context.kv_slots`, rows repeated and out of order."""
     from types import SimpleNamespace
 
-    from minisgl.core import Context
+    from minisgl.context import Context
 
     gen = torch.Generator().manual_seed(batch + page_size)
     num_rows, max_len = 7, 64

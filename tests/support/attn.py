@@ -8,7 +8,8 @@ import random
 import torch
 
 from minisgl.attention import BaseAttnBackend, create_attention_backend
-from minisgl.core import Batch, Context, Req, SamplingParams, get_global_ctx, set_global_ctx
+from minisgl.context import Context, get_global_ctx, set_global_ctx
+from minisgl.core import Batch, Req, SamplingParams
 from minisgl.kvcache import MHAKVCache
 
 
@@ -70,7 +71,7 @@ def run_backend(name: str, batch: Batch, q, k, v, sliding_window: int | None = N
 def attend(backend: BaseAttnBackend, batch: Batch, q, k, v) -> torch.Tensor:
     """One layer (0) of a prepared backend, as the attention layer runs it: store the new
     tokens' k/v, then attend q to the pool."""
-    backend.store_kv(0, k, v, batch)
+    get_global_ctx().kv_cache.store(0, batch.out_loc, k, v)
     return backend.forward(q, 0, q.shape[-1] ** -0.5, batch)
 
 

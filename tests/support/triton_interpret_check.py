@@ -24,7 +24,8 @@ interp._patch_lang_tensor = _patch_index
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from minisgl.attention import create_attention_backend  # noqa: E402
-from minisgl.core import Batch, get_global_ctx  # noqa: E402
+from minisgl.context import get_global_ctx  # noqa: E402
+from minisgl.core import Batch  # noqa: E402
 from minisgl.kernel import triton_attention as ta  # noqa: E402
 from support.attn import (  # noqa: E402
     attend,

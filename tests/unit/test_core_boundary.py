@@ -47,3 +47,64 @@ def test_the_check_sees_an_import(tmp_path) -> None:
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from minisgl.ext.structured import x\nimport minisgl.ext\n")
     assert len(ext_imports(str(path))) == 2
+
+
+def module_name(path: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(PACKAGE))[: -len(".py")]
+    return rel.replace(os.sep, ".").removesuffix(".__init__")
+
+
+def imports_of(path: str, package: str, known: set[str]) -> set[str]:
+    """The known modules a file imports anywhere (module level, functions, TYPE_CHECKING);
+    `from minisgl import kernel` names the submodule, not the package."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's package upwards
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            subs = {f"{base}.{a.name}" for a in node.names} & known
+            found |= subs or {base}
+    return found & known
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the import graph (a path that returns to its start), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [nxt])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [start])):
+            return cycle
+    return None
+
+
+def test_the_core_has_no_import_circle() -> None:
+    """Issue 46: no runtime or type-level circle among the core's modules (kernel/ included)."""
+    files = {module_name(p): p for p in core_files()}
+    known = set(files)
+    graph = {}
+    for name, path in files.items():
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        graph[name] = imports_of(path, package, known) - {name}
+    assert "minisgl.core" in graph and graph["minisgl.engine.engine"]  # the walk saw them
+    assert import_cycle(graph) is None
+
+
+def test_the_cycle_check_sees_a_circle() -> None:
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set()}) is None

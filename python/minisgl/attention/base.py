@@ -1,31 +1,20 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TypeVar
 
 import torch
 
-from minisgl.core import Batch, get_global_ctx
+from minisgl.core import AttnMetadata, Batch
 from minisgl.kernel import DecodeRope
 
-M = TypeVar("M", bound="AttnMetadata")
-
-
-class AttnMetadata:
-    """A backend's per-batch metadata: `prepare` sets `batch.attn_metadata`, `of` reads it."""
-
-    @classmethod
-    def of(cls: type[M], batch: Batch) -> M:
-        md = batch.attn_metadata
-        assert isinstance(md, cls), f"{cls.__name__} expected, the batch holds {type(md).__name__}"
-        return md
+__all__ = ["AttnMetadata", "BaseAttnBackend"]
 
 
 class BaseAttnBackend(ABC):
     """Paged attention over the context's KV pool: `prepare` once per batch (its metadata in
-    `batch.attn_metadata`), then per layer `store_kv` and `forward` (q against the pool)."""
+    `batch.attn_metadata`), then per layer `forward` (q against the pool)."""
 
-    # The new tokens' K/V are in the pool before `forward` (`store_kv`, or the fused RoPE +
+    # The new tokens' K/V are in the pool before `forward` (`MHAKVCache.store`, or the fused RoPE +
     # store kernel): it attends q to the pool, new tokens included.
     # CUDA graphs (decode only): `init_cuda_graph(max_bs)` once; per captured batch size
     # `prepare_for_capture(batch)` before capturing, `prepare_for_replay(batch)` before each
@@ -37,11 +26,6 @@ class BaseAttnBackend(ABC):
 
     @abstractmethod
     def prepare(self, batch: Batch) -> None: ...
-
-    def store_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> None:
-        """Write the new tokens' k, v [num_tokens, kv_heads, head_dim] into the pool."""
-        assert batch.out_loc is not None
-        get_global_ctx().kv_cache.store(layer_id, batch.out_loc, k, v)
 
     @abstractmethod
     def forward(

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend
-from minisgl.core import Batch, get_global_ctx
+from minisgl.context import get_global_ctx
+from minisgl.core import Batch
 
 WORKSPACE_BYTES = 256 << 20  # split-KV partial results; shared by every wrapper
 INT_WORKSPACE_BYTES = 8 << 20  # plan metadata; shared too (each plan precedes its runs)

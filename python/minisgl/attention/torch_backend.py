@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend
-from minisgl.core import Batch, get_global_ctx
+from minisgl.context import get_global_ctx
+from minisgl.core import Batch
 
 
 @dataclass

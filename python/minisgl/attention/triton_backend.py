@@ -10,7 +10,8 @@ import torch
 
 from minisgl import env
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend
-from minisgl.core import Batch, Context, get_global_ctx
+from minisgl.context import Context, get_global_ctx
+from minisgl.core import Batch
 from minisgl.kernel import DecodeRope
 
 

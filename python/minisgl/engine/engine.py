@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from minisgl.attention import create_attention_backend
-from minisgl.core import Batch, Context, Req, set_global_ctx
+from minisgl.context import Context, set_global_ctx
+from minisgl.core import Batch, Req
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
 from minisgl.engine.graph import GraphRunner

@@ -7,16 +7,12 @@ the replay: with a small batch, host time per step is what bounds decode."""
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine.step import ForwardOutput, StepInputs, run_step
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+from minisgl.engine.step import ForwardOutput, StepEngine, StepInputs, run_step
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -25,7 +21,7 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class GraphRunner:
-    def __init__(self, engine: Engine, max_bs: int, capture: bool = True) -> None:
+    def __init__(self, engine: StepEngine, max_bs: int, capture: bool = True) -> None:
         """capture=False runs the same steps eagerly, without graphs (tests on CPU)."""
         self.engine = engine
         self.sizes = graph_batch_sizes(max_bs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -15,8 +15,24 @@ from minisgl.core import Batch, Req
 from minisgl.engine.sample import MASK32, sample_into
 
 if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+    from minisgl.attention.base import BaseAttnBackend
+    from minisgl.context import Context
     from minisgl.extension import StepFeature
+    from minisgl.models.llama import LlamaForCausalLM
+
+
+class StepEngine(Protocol):
+    """What a step reads of its engine (`Engine`), named here so that this module and the
+    CUDA graphs need not import the engine that imports them."""
+
+    ctx: Context
+    model: LlamaForCausalLM
+    attn_backend: BaseAttnBackend
+    token_table: torch.Tensor
+    dummy_row: int
+    device: torch.device
+
+    def decoder(self, batch: Batch) -> torch.nn.Module: ...
 
 
 @dataclass
@@ -107,7 +123,7 @@ class ForwardOutput:
         return ForwardOutput(self.logits[index], self.kv_lens[index], inputs, sampled)
 
 
-def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch.Tensor | None:
+def fill_token_inputs(engine: StepEngine, batch: Batch, inputs: StepInputs) -> torch.Tensor | None:
     """Set the batch's per-token input_ids (from the token table), positions and out_loc;
     return each request's last token's flat index, or None in a decode step (every token)."""
     extend = inputs.extend_lens
@@ -133,7 +149,7 @@ def fill_token_inputs(engine: Engine, batch: Batch, inputs: StepInputs) -> torch
     return last
 
 
-def run_step(engine: Engine, batch: Batch, inputs: StepInputs, sample: bool) -> ForwardOutput:
+def run_step(engine: StepEngine, batch: Batch, inputs: StepInputs, sample: bool) -> ForwardOutput:
     """Gather the inputs, run the model and, if `sample`, draw each request's next id into the
     token table. No host sync, no shape from device values: CUDA graphs capture it as it is."""
     logits_indices = fill_token_inputs(engine, batch, inputs)

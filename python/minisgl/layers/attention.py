@@ -3,7 +3,8 @@ from __future__ import annotations
 import torch
 
 from minisgl import kernel
-from minisgl.core import Batch, get_global_ctx
+from minisgl.context import get_global_ctx
+from minisgl.core import Batch
 from minisgl.kernel import DecodeRope
 from minisgl.layers.base import Module
 from minisgl.layers.norm import RMSNorm
@@ -50,7 +51,8 @@ class AttentionLayer(Module):
         if norms is not None:
             q, k = norms[0].norm(q), norms[1].norm(k)
         q, k = self.rotary[0](positions, q, k)
-        ctx.attn_backend.store_kv(self.layer_id, k, v, batch)
+        assert batch.out_loc is not None
+        ctx.kv_cache.store(self.layer_id, batch.out_loc, k, v)
         return q
 
     def forward(

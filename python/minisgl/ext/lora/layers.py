@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from minisgl import kernel
-from minisgl.core import get_global_ctx
+from minisgl.context import get_global_ctx
 from minisgl.ext.lora.weights import LoraStack, ProjectionLora
 from minisgl.extension import ModelTransform
 from minisgl.layers.activation import silu_and_mul

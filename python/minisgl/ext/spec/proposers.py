@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from minisgl.core import Batch, Context, Req, get_global_ctx, set_global_ctx
+from minisgl.context import Context, get_global_ctx, set_global_ctx
+from minisgl.core import Batch, Req
 from minisgl.engine import Engine, EngineConfig
 from minisgl.ext.spec.options import DRAFT_OPTION, spec_options
 from minisgl.ext.spec.verify import VerifyRows
