@@ -9,6 +9,7 @@ the Qwen3-0.6B architecture with dummy weights, and its fraction of the GPU's ro
     python benchmark/offline/bench.py --tiny --device cpu    # CPU smoke test (tiny model)
     python benchmark/offline/bench.py --config benchmark/qwen3-8b --tp 2
     python benchmark/offline/bench.py --config benchmark/qwen3-30b-a3b --tp 2 --moe-backend torch
+    python benchmark/offline/bench.py --config benchmark/qwen3-8b --lora-adapters 4  # multi-LoRA
 
 Roofline: prefill costs 2 * params FLOPs per prompt token at the GPU's dense bf16 peak; each
 decode step reads every weight once plus the whole KV (prompt + generated so far, the new token
@@ -16,16 +17,20 @@ included) of every running request at the GPU's memory bandwidth; requests run a
 from the start, each leaving when its output is complete. MoE models: a token uses top_k / E of
 the experts' weights (FLOPs), and a decode step of b requests reads the share of them that some
 request routes to, 1 - (1 - top_k / E)^b (uniform routing). With --tp N the figures are one
-GPU's: rank 0's shard of the weights and KV, against one GPU's peaks (no communication cost)."""
+GPU's: rank 0's shard of the weights and KV, against one GPU's peaks (no communication cost).
+With --lora-adapters the roofline is the base model's (the adapters' reads and FLOPs not
+counted)."""
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import cProfile
 import json
 import os
 import pstats
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -293,6 +298,73 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
     return fields
 
 
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapters(model: str, count: int, rank: int) -> list[str]:
+    """`count` random PEFT LoRA adapters of rank `rank` on every projection of the model in
+    directory `model` (its config.json's shapes), written once (bf16 safetensors) to a temp
+    directory removed at exit; -> their directories. A and B are both random (PEFT starts B at
+    zero, which would make an adapter a no-op that a fast path could skip), small enough that
+    the dummy model's activations stay finite."""
+    if count == 0:  # (nothing of ext/lora imported: an A/B against an older tree)
+        return []
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from minisgl.ext.lora.adapter import module_shape
+    from minisgl.models.config import ModelConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model))
+    root = tempfile.mkdtemp(prefix="minisgl_bench_lora_")
+    atexit.register(shutil.rmtree, root, True)
+    paths = []
+    for n in range(count):
+        gen = torch.Generator().manual_seed(n)
+        tensors = {}
+        for layer in range(config.num_layers):
+            for module in LORA_MODULES:
+                fan_in, fan_out = module_shape(module, config)
+                block = "mlp" if module in LORA_MODULES[4:] else "self_attn"
+                name = f"base_model.model.model.layers.{layer}.{block}.{module}"
+                a = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
+                b = torch.randn(fan_out, rank, generator=gen) * 0.02
+                tensors[f"{name}.lora_A.weight"] = a.to(torch.bfloat16)
+                tensors[f"{name}.lora_B.weight"] = b.to(torch.bfloat16)
+        path = os.path.join(root, f"adapter{n}")
+        os.makedirs(path)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        peft = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none"}
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({**peft, "target_modules": list(LORA_MODULES)}, f)
+        paths.append(path)
+    return paths
+
+
+def lora_options(args: argparse.Namespace, paths: list[str]) -> dict[str, Any]:
+    """LLM's LoRA options serving the adapters at `paths` as bench0, bench1, ... from the start
+    (every TP rank reads them), all resident on the device."""
+    if not paths:
+        return {}
+    if args.dp > 1:
+        raise SystemExit("--lora-adapters with --dp > 1: not measured by this script")
+    if args.grammar_frac > 0:
+        raise SystemExit("--lora-adapters with --grammar-frac: LoRA refuses constrained requests")
+    return {
+        "enable_lora": True,
+        "lora_modules": [f"bench{n}={path}" for n, path in enumerate(paths)],
+        "max_loras": len(paths),
+        "max_lora_rank": args.lora_rank,
+    }
+
+
+def adapted(count: int) -> Any:
+    """i -> the SamplingParams field naming request i's adapter: bench{i % count} (none when
+    count is 0; --single's one request gets bench0)."""
+    return lambda i: {"lora_name": f"bench{i % count}"} if count else {}
+
+
 def commit() -> str | None:
     """The checkout's short HEAD, with "+dirty" when tracked files differ from it."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -428,9 +500,19 @@ def parse_args() -> argparse.Namespace:
         default=",".join(FEATURE_GROUPS),
         help="which FEATURES the --features-frac requests use (comma-separated, an ablation)",
     )
+    p.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        help="serve N random LoRA adapters (every projection) and run request i on adapter"
+        " i %% N (--single: adapter 0); 0: no LoRA",
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="the --lora-adapters' rank")
     args = p.parse_args()
     if args.gemv_max_m is not None and not 1 <= args.gemv_max_m <= 64:
         p.error(f"--gemv-max-m {args.gemv_max_m}: the GEMV kernels take 1 to 64 rows")
+    if args.lora_adapters < 0 or args.lora_rank < 1:
+        p.error("--lora-adapters must be >= 0 and --lora-rank >= 1")
     return args
 
 
@@ -451,7 +533,7 @@ def set_env(args: argparse.Namespace) -> None:
         os.environ["MINISGL_GEMV_MAX_M"] = str(args.gemv_max_m)
 
 
-def make_llm(args: argparse.Namespace, model: str) -> Any:
+def make_llm(args: argparse.Namespace, model: str, lora_paths: list[str]) -> Any:
     from minisgl import LLM
 
     return LLM(
@@ -469,6 +551,7 @@ def make_llm(args: argparse.Namespace, model: str) -> Any:
         disable_mixed_steps=args.disable_mixed_steps,
         disable_prefill_graphs=args.disable_prefill_graphs,
         **spec_options(args, model),
+        **lora_options(args, lora_paths),
     )
 
 
@@ -481,9 +564,10 @@ def make_requests(llm: Any, args: argparse.Namespace) -> tuple[list, list[int], 
         max_tokens = [args.max_output_len]
     else:
         prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    grammar, features = (
+    grammar, features, lora = (
         constrain(llm, args.grammar_frac, args.tp),
         featured(args.features_frac, args.features),
+        adapted(args.lora_adapters),
     )
     seeded = args.speculative_algorithm == "oracle"  # its untimed run draws the same tokens
     params = [
@@ -494,6 +578,7 @@ def make_requests(llm: Any, args: argparse.Namespace) -> tuple[list, list[int], 
             seed=i if seeded else None,
             **grammar(i),
             **features(i),
+            **lora(i),
         )
         for i, n in enumerate(max_tokens)
     ]
@@ -501,7 +586,9 @@ def make_requests(llm: Any, args: argparse.Namespace) -> tuple[list, list[int], 
     # not, ...) on first use; varied prompt lengths and batch sizes meet them before the clock.
     warm_prompts = shifted(workload(24, 300, 100)[0], 5000)  # shares no prefix with the run
     warm_params = [
-        SamplingParams(temperature=0.6, max_tokens=4 + i % 5, **grammar(i), **features(i))
+        SamplingParams(
+            temperature=0.6, max_tokens=4 + i % 5, **grammar(i), **features(i), **lora(i)
+        )
         for i in range(24)
     ]
     llm.generate(warm_prompts, warm_params, use_tqdm=False)
@@ -604,6 +691,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "pdl": not args.no_pdl,
         "grammar_frac": args.grammar_frac,
         "features_frac": args.features_frac,
+        "lora_adapters": args.lora_adapters,
+        "lora_rank": args.lora_rank if args.lora_adapters else None,
     }
 
 
@@ -614,7 +703,8 @@ def main() -> None:
 
     if args.dp > 1 and args.profile:
         raise SystemExit("--profile with --dp > 1: the kernels run in the replicas' processes")
-    llm = make_llm(args, tiny_model_dir() if args.tiny else args.model)
+    model = tiny_model_dir() if args.tiny else args.model
+    llm = make_llm(args, model, write_adapters(model, args.lora_adapters, args.lora_rank))
     prompts, max_tokens, params = make_requests(llm, args)
     timed = timed_runs(llm, args, prompts, params)
     runs, outputs = timed["runs"], timed["outputs"]

@@ -79,6 +79,18 @@ class ChatFeatures(Protocol):
     def shell_printers(self, args: Any) -> Callable[[list[dict[str, str]]], Any]: ...
 
 
+class DetokenizeFeatures(Protocol):
+    """The detokenizer's work for ext/sampling (the detokenizer process's and `LLM`'s)."""
+
+    # a request's IncrementalDetokenizer whose stop strings count only past min_tokens > 0
+    def detokenizer(
+        self, tokenizer: Any, prompt_ids: list[int], skip: bool, stop: list[str], min_tokens: int
+    ) -> Any: ...
+
+    # a DetokenizeMsg's log-probabilities into its UserReply, each token named by its text
+    def name_logprobs(self, tokenizer: Any, msg: Any, reply: Any) -> None: ...
+
+
 class ModelTransform(Protocol):
     """Changes a model around the loading of its weights (`Engine._build_model`)."""
 
@@ -341,6 +353,9 @@ class Extensions:
     # (LLM, lora_request: one or one per prompt, params per prompt) -> the params naming each
     # prompt's adapter (vLLM's LoRARequest; one not served yet is read now); None: refused
     lora_request: Callable[[Any, Any, Any], list[Any]] | None = None
+    # min_tokens' stop strings and the log-probabilities' token texts in the detokenizer
+    # (None: min_tokens is refused)
+    detokenize: DetokenizeFeatures | None = None
     # -- points -- (new points go above this line)
     loaded: bool = False  # bookkeeping, not a point: minisgl.ext was imported (extensions())
 

@@ -1,10 +1,5 @@
-"""The messages between the server's processes, plain dataclasses that `encode` / `decode`
-carry through msgpack. Flow: api server -> tokenizer -> scheduler -> detokenizer -> api server;
-scheduler rank 0 -> ranks > 0 with tensor parallelism.
-
-A dataclass travels as a msgpack extension value holding [class name, *field values]; values
-are packed recursively, so messages nest (SamplingParams inside UserMsg) and plain dicts stay
-plain dicts. Every dataclass of this module is registered; `register` adds another."""
+"""The messages between the server's processes (api server -> tokenizer -> scheduler ->
+detokenizer -> api server), dataclasses that `encode` / `decode` carry through msgpack."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ T = TypeVar("T")
 # ---- api server -> tokenizer worker ----
 @dataclass
 class TokenizeMsg:
-    """A new request: exactly one of `text`, `input_ids` or `chat` (OpenAI messages, rendered
-    with the chat template)."""
+    """A new request: exactly one of `text`, `input_ids` or `chat` (OpenAI messages)."""
 
     uid: int
     text: str | None
@@ -122,8 +116,7 @@ class DetokenizeMsg:
 
 @dataclass
 class DetokInitMsg:
-    """Tokenizer -> detokenizer, before the request reaches the scheduler: how to turn its
-    tokens into text."""
+    """Tokenizer -> detokenizer, before the scheduler: how to turn the request's tokens to text."""
 
     uid: int
     prompt_len: int
@@ -154,8 +147,7 @@ class SchedulerStats:
 
 @dataclass
 class FlushCacheReply:
-    """Scheduler -> detokenizer -> api server: one replica's answer to `FlushCacheMsg` (`error`
-    None: its prefix cache is empty now)."""
+    """One replica's answer to `FlushCacheMsg` (`error` None: its prefix cache is empty)."""
 
     dp_rank: int
     error: str | None = None
@@ -173,8 +165,7 @@ class BatchDetokenizeMsg:
 # ---- detokenizer / tokenizer worker -> api server ----
 @dataclass
 class UserReply:
-    """Request `uid`'s text finalized since its previous reply and the tokens that made it; the
-    last has finished=True (and `error` set if the request failed)."""
+    """Request `uid`'s text finalized since its previous reply, and the tokens that made it."""
 
     uid: int
     text_delta: str
@@ -202,8 +193,7 @@ class BatchFrontendMsg:
 # ---- between the API processes (--api-server-count > 1) ----
 @dataclass
 class ApiViewMsg:
-    """An API process's requests in flight and not started yet, the text of its metrics and
-    (rank 0) the server's RSS: the answer to query `seq` (/stats and /metrics add them up)."""
+    """An API process's answer to query `seq` (/stats and /metrics add them up)."""
 
     rank: int
     seq: int
@@ -216,13 +206,14 @@ class ApiViewMsg:
 
 @dataclass
 class ApiFailMsg:
-    """The server failed for `reason` (the launcher -> the other API processes, or one whose
-    watchdog fired -> rank 0)."""
+    """The server failed for `reason` (sent to the other API processes)."""
 
     reason: str
 
 
 # ---- (de)serialisation ----
+# A dataclass travels as a msgpack extension value holding [class name, *field values], packed
+# recursively (SamplingParams inside UserMsg); every dataclass above is registered.
 _EXT_DATACLASS = 1
 _TYPES: dict[str, type] = {}
 
@@ -267,8 +258,7 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    """`encode`'s inverse; ValueError for any payload it did not make (not msgpack, an unknown
-    type, a type given the wrong fields), which the receiver logs and drops."""
+    """`encode`'s inverse; ValueError for any payload it did not make (the receiver drops it)."""
     try:
         return _unpack(data)
     except ValueError:  # msgpack's errors are ValueErrors too

@@ -12,7 +12,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.models.hf import load_tokenizer
-from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.tokenizer.detokenize import request_detokenizer
 from support.server import TINY_SERVER, Server, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
@@ -100,7 +100,7 @@ def test_min_tokens_holds_back_stop_strings(server: Server, model_dir: str) -> N
     assert cut["finish_reason"] == "stop"
     assert cut["text"] == full["text"][: full["text"].index(stop)]
     for min_tokens in (3, 8):
-        detok = IncrementalDetokenizer(tokenizer, PROMPT, stop=[stop], min_tokens=min_tokens)
+        detok = request_detokenizer(tokenizer, PROMPT, True, [stop], min_tokens)
         want = "".join(detok.add([t]) for t in full["output_ids"]) + detok.finish()
         r = complete(server, stop=[stop], min_tokens=min_tokens)
         assert r.status_code == 200, r.text

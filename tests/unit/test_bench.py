@@ -75,6 +75,7 @@ def test_cpu_smoke_run(tmp_path):
     assert result["mixed_steps"] is True and result["max_num_batched_tokens"] == 8192
     assert result["prefill_graphs"] is True
     assert result["gemv_max_m"] is None  # --gemv-max-m not given: the default bound
+    assert (result["lora_adapters"], result["lora_rank"]) == (0, None)  # no LoRA by default
 
 
 def test_cpu_smoke_run_speculative(tmp_path):
@@ -109,6 +110,38 @@ def test_cpu_smoke_run_half_constrained(tmp_path):
     # at most the two constrained requests end early, when the random text closes the JSON
     assert 0 <= result["ended_by_grammar"] <= 2
     assert result["output_tokens"] <= sum(workload(4, 110, 104)[1])
+
+
+def test_cpu_smoke_run_lora(tmp_path):
+    """--lora-adapters: the requests run on random adapters served with enable_lora."""
+    args = ["--tiny", "--num-seqs", "3", "--max-input-len", "110", "--max-output-len", "104"]
+    result, _ = run_bench([*args, "--lora-adapters", "2", "--lora-rank", "8"], tmp_path / "r")
+    assert result["output_tokens"] == sum(workload(3, 110, 104)[1])
+    assert (result["lora_adapters"], result["lora_rank"]) == (2, 8)
+    single = ["--tiny", "--single", "--max-output-len", "100", "--lora-adapters", "1"]
+    result, _ = run_bench(single, tmp_path / "s")  # the one request on adapter 0
+    assert (result["output_tokens"], result["lora_adapters"], result["lora_rank"]) == (100, 1, 16)
+
+
+def test_bench_lora_adapters_are_random_peft_adapters_of_the_model(tmp_path):
+    """Every projection of every layer, B not zero, each adapter its own; request i on i % N."""
+    from bench import adapted, tiny_model_dir, write_adapters
+    from transformers import AutoConfig
+
+    from minisgl.ext.lora.adapter import TARGETS, load_adapter
+    from minisgl.models import ModelConfig
+
+    model = tiny_model_dir()
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(model))
+    paths = write_adapters(model, 2, 8)
+    adapters = [load_adapter(f"a{n}", p, config, 8) for n, p in enumerate(paths)]
+    for adapter in adapters:
+        assert set(adapter.weights) == {(i, m) for i in range(2) for m in TARGETS}
+        assert adapter.rank == 8 and all(w.b.abs().sum() > 0 for w in adapter.weights.values())
+    first, second = (a.weights[(0, "q_proj")].b for a in adapters)
+    assert not first.equal(second)
+    assert [adapted(2)(i) for i in range(3)] == [{"lora_name": f"bench{n}"} for n in (0, 1, 0)]
+    assert adapted(0)(5) == {} and write_adapters(model, 0, 8) == []
 
 
 def test_cpu_smoke_run_moe_config_tp2(tmp_path):

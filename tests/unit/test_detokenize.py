@@ -2,7 +2,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.extension import ExtensionMissing
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer, request_detokenizer
 from support.tokenizer import build_tiny_tokenizer
 
 TOK = build_tiny_tokenizer()
@@ -30,8 +31,11 @@ def chunked(ids: list[int], sizes: list[int]) -> list[list[int]]:
     return out
 
 
-def run(ids, sizes=(1,), **kwargs) -> tuple[list[str], IncrementalDetokenizer]:
-    detok = IncrementalDetokenizer(TOK, **kwargs)
+def run(ids, sizes=(1,), min_tokens=0, **kwargs) -> tuple[list[str], IncrementalDetokenizer]:
+    if min_tokens:  # the sampling extension's rule
+        detok = request_detokenizer(TOK, [], True, kwargs["stop"], min_tokens)
+    else:
+        detok = IncrementalDetokenizer(TOK, **kwargs)
     deltas = [detok.add(chunk) for chunk in chunked(ids, list(sizes))]
     deltas.append(detok.finish())
     return deltas, detok
@@ -275,6 +279,14 @@ def test_special_token_as_stop_string():
 
 
 # ---- min_tokens: no stop string ends the output before that many tokens --------------------
+# (ext/sampling's MinTokensDetokenizer, through the `detokenize` point)
+
+
+@pytest.mark.usefixtures("core_alone")
+def test_min_tokens_with_stop_strings_needs_the_sampling_extension():
+    with pytest.raises(ExtensionMissing, match="min_tokens needs the sampling extension"):
+        request_detokenizer(TOK, [], True, ["x"], 2)
+    assert type(request_detokenizer(TOK, [], True, [], 2)) is IncrementalDetokenizer
 
 
 def reference_min_tokens(ids: list[int], stops: list[str], min_tokens: int) -> str:
@@ -295,6 +307,7 @@ def reference_min_tokens(ids: list[int], stops: list[str], min_tokens: int) -> s
     return text
 
 
+@pytest.mark.ext
 @SETTINGS
 @given(
     text=SMALL_TEXT,
@@ -313,6 +326,7 @@ def test_min_tokens_matches_reference(text, stops, min_tokens, sizes):
     assert "".join(deltas) == reference_min_tokens(ids, stops, min_tokens)
 
 
+@pytest.mark.ext
 def test_min_tokens_skips_early_stop_strings():
     ids = TOK.encode("ab ab ab")
     assert len(ids) == 6  # "a", "b", " a", "b", " a", "b"
@@ -323,6 +337,7 @@ def test_min_tokens_skips_early_stop_strings():
     assert "".join(deltas) == "ab ab ab" and not detok.stopped
 
 
+@pytest.mark.ext
 def test_min_tokens_stop_straddling_the_boundary_cuts_where_it_starts():
     ids = TOK.encode("hello world")
     assert len(ids) == 2  # "hello", " world"

@@ -63,7 +63,7 @@ def test_the_extension_fills_its_points() -> None:
 
     assert points.options["serving"] is options.ServingOptions
     assert points.gate is http.ServingGate and points.http_server is http.serving_http_server
-    assert status.add_health_probe in points.routes
+    assert status.add_status_routes in points.routes
 
 
 MOVED_FLAGS = [  # the serving extension's: its `options` point declares them (flag, value, parsed)

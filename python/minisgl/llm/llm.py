@@ -22,7 +22,7 @@ from minisgl.models import default_model, resolve_model_path
 from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
 from minisgl.scheduler.scheduler import TokenOutput
-from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer, request_detokenizer
 from minisgl.tokenizer.server import encode_chat, needed, render_chat
 from minisgl.utils.options import OptionError
 from minisgl.utils.procs import wait_ready
@@ -227,9 +227,7 @@ class LLM:
             return _Sample(req)
         # the server's detokenizer: the text is cut exactly where the server cuts it
         stop = list(params.stop)
-        return _Sample(
-            req, IncrementalDetokenizer(self.tokenizer, ids, True, stop, params.min_tokens)
-        )
+        return _Sample(req, request_detokenizer(self.tokenizer, ids, True, stop, params.min_tokens))
 
     def _run(self, samples: list[_Sample], use_tqdm: bool) -> dict[int, dict[str, Any]]:
         """Each request's result by uid, made as it finishes (while the device runs the others'

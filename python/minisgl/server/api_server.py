@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.core import SamplingParams
 from minisgl.extension import ChatShaping, ExtensionMissing, extensions
-from minisgl.message import ApiViewMsg, TokenizeMsg, UserReply
+from minisgl.message import TokenizeMsg, UserReply
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.server.gate import Gate
@@ -251,8 +251,6 @@ class ApiServer:
         self.adapters = adapters(args) if adapters is not None else {}
         self.tokenizer: list[Any] = []  # with_tokenizer's, loaded on first use
         self.tokenizer_lock = threading.Lock()
-        # /health?generate=1's check: None, or why it failed (the serving extension's)
-        self.health_probe: Callable[[], Awaitable[str | None]] | None = None
 
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter that `model` names (None: the base model); 404 if not served."""
@@ -321,10 +319,16 @@ class ApiServer:
         return started
 
     def make_msgs(
-        self, req: SamplingFields, params: SamplingParams, given: bool, **source: Any
+        self,
+        req: SamplingFields,
+        params: SamplingParams,
+        given: bool,
+        taken: list[ExtensionFields],
+        **source: Any,
     ) -> list[TokenizeMsg]:
-        """One message per choice, sample j seeded seed + j; `given`: the client set max_tokens
-        (a prompt plus it longer than the context is refused). `request_checks` see the first."""
+        """One message per choice, sample j seeded seed + j, as the extensions' fields set them;
+        `given`: the client set max_tokens (a prompt plus it longer than the context is refused).
+        `request_checks` see the first."""
         skip_special_tokens = source.pop("skip_special_tokens", req.skip_special_tokens)
         ids = source.get("input_ids") or []
         if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
@@ -340,6 +344,8 @@ class ApiServer:
             )
             for j in range(req.n)
         ]
+        for fields in taken:
+            fields.apply(msgs, self.args)
         for check in extensions().request_checks:  # the choices differ in their seeds only
             check(msgs[0])
         return msgs
@@ -352,7 +358,9 @@ class ApiServer:
         params = self.run_on(sampling_params(req, max_tokens, taken, req.echo), adapter)
         sources = completion_sources(req)
         # choice k * n + j: prompt k's j-th sample (OpenAI's order)
-        msgs = [msg for source in sources for msg in self.make_msgs(req, params, given, **source)]
+        msgs = [
+            msg for source in sources for msg in self.make_msgs(req, params, given, taken, **source)
+        ]
         shape = Shape(False, req.n, shapers=shapers(taken, chat=False))
         if req.echo:
             texts = [await self.prompt_text(source) for source in sources]
@@ -381,7 +389,7 @@ class ApiServer:
         if shaping is not None and shaping.keep_special_tokens:
             source["skip_special_tokens"] = False  # the tool format's tags are special tokens
         params = self.run_on(sampling_params(req, limit, taken), adapter)
-        msgs = self.make_msgs(req, params, max_tokens is not None, **source)
+        msgs = self.make_msgs(req, params, max_tokens is not None, taken, **source)
         if shaping is not None:  # forced calls; a constraint held off until the reasoning ends
             for msg in msgs:
                 msg.params = shaping.constrain(msg.params)
@@ -486,12 +494,7 @@ class ApiServer:
         taken = request_extensions(fields, "/generate", "/generate sampling_params")
         params = self.run_on(sampling_params(fields, max_tokens, taken), adapter)
         source = dict(text=req.text, input_ids=req.input_ids, chat=None)
-        msgs = self.make_msgs(fields, params, False, **source)  # SGLang's: to the context
-        if req.data_parallel_rank is not None:  # SGLang's: run on this --dp replica
-            if not 0 <= req.data_parallel_rank < self.args.dp:
-                message = f"data_parallel_rank must be in [0, {self.args.dp}) (--dp {self.args.dp})"
-                raise APIError(400, message, "data_parallel_rank")
-            msgs[0].dp_rank = req.data_parallel_rank
+        msgs = self.make_msgs(fields, params, False, taken, **source)  # SGLang's: to the context
         shape = Shape(False, 1, shapers=shapers(taken, chat=False))  # e.g. SGLang's meta_info
         started = await self.start_choices(msgs)
         if req.stream:
@@ -544,35 +547,18 @@ class ApiServer:
         except Exception as e:
             raise APIError(400, str(e), param) from None
 
-    async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
-        """Every API process's counts (`Frontend.views`); 503 when one does not answer."""
-        try:
-            return await self.frontend.views(metrics)
-        except asyncio.TimeoutError:
-            message = "an API process did not answer"
-            raise APIError(503, message, code="server_unavailable") from None
-
     async def stats(self) -> dict[str, Any]:
-        """The scheduler's snapshot plus the API processes' requests in flight and queued and
-        the RSS (summed; with several processes, each's too)."""
-        views = await self.views()
-        keys = ("in_flight", "queued", "rss_bytes")
-        out = self.frontend.stats.__dict__ | {k: sum(getattr(v, k) for v in views) for k in keys}
-        if len(views) > 1:
-            each = ("rank", "pid", "in_flight", "queued")
-            out["api_servers"] = [{k: getattr(v, k) for k in each} for v in views]
-        return out
+        """The scheduler's snapshot plus this API process's requests in flight, queued, RSS."""
+        view = self.frontend.view()
+        counts = {k: getattr(view, k) for k in ("in_flight", "queued", "rss_bytes")}
+        return self.frontend.stats.__dict__ | counts
 
     async def health(self, generate: bool = False) -> JSONResponse:
-        """200 while the pipeline is up; with `generate` (SGLang's health_generate), only once
-        the serving extension's probe (`health_probe`) passed too: without it a 400."""
+        """200 while the pipeline is up (`generate`, SGLang's, is the serving extension's)."""
         if self.frontend.dead:
             return error_response(503, self.frontend.dead, code="server_unavailable")
         if generate:
-            if self.health_probe is None:
-                raise APIError(400, str(ExtensionMissing("generate", "serving")), "generate")
-            if (error := await self.health_probe()) is not None:
-                return error_response(503, error, code="server_unavailable")
+            raise APIError(400, str(ExtensionMissing("generate", "serving")), "generate")
         return JSONResponse({"status": "ok"})
 
     async def models(self) -> dict[str, Any]:
@@ -607,9 +593,9 @@ def create_app(
     app.exception_handler(APIError)(api_error)
     app.exception_handler(RequestValidationError)(validation_error)
     app.exception_handler(StarletteHTTPException)(http_error)
-    app.get("/health")(api.health)
-    for add_routes in extensions().routes:  # e.g. the serving extension's /metrics
+    for add_routes in extensions().routes:  # first: e.g. the serving extension's /health
         add_routes(app, api, info or {})
+    app.get("/health")(api.health)
     app.get("/stats")(api.stats)
     app.get("/v1/models")(api.models)
 

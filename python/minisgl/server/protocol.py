@@ -1,7 +1,5 @@
-"""The HTTP API's request bodies (pydantic models of the OpenAI and native requests), their
-checks, and their translation into `SamplingParams`; errors in OpenAI's JSON shape. The fields
-an extension implements are not declared here: a body keeps them as extras, and the
-extension's model of them (`ExtensionFields`, the `request_fields` point) takes them."""
+"""The HTTP request bodies (OpenAI's and the native), their checks and `SamplingParams`, and
+OpenAI's error shape. Extensions' fields stay a body's extras for their `ExtensionFields`."""
 
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ def error_response(
 
 
 class Body(BaseModel):
-    """A request body, or a part of one: JSON types are taken as they are, as OpenAI does (no
-    "yes" for true, no true for 1, no "0.5" for a number)."""
+    """A request body or a part of one: strict JSON types, as OpenAI (no true for 1, no "0.5")."""
 
     model_config = ConfigDict(strict=True)
 
@@ -76,16 +73,13 @@ class ChoiceShaper(Protocol):
 
     def add(self, index: int, reply: Any) -> None:
         """Choice `index`'s next reply (a UserReply)."""
-        ...
 
     def fields(self, index: int) -> dict[str, Any]:
         """Choice `index`'s fields for the replies added since the last call."""
-        ...
 
 
 class ExtensionFields(Body):
-    """Request fields that an extension implements, declared by it (the `request_fields`
-    point): a body's undeclared fields of these names, validated as this model."""
+    """Request fields an extension implements (the `request_fields` point), validated here."""
 
     model_config = ConfigDict(allow_inf_nan=False)
 
@@ -96,6 +90,9 @@ class ExtensionFields(Body):
     def shaper(self, chat: bool) -> ChoiceShaper | None:
         """What they add to each choice of the response, or None."""
         return None
+
+    def apply(self, msgs: list[Any], args: Any) -> None:
+        """Set what they set on the request's TokenizeMsgs beyond their SamplingParams."""
 
 
 class StreamOptions(Body):
@@ -172,7 +169,6 @@ class GenerateRequest(Body):
     # SGLang's other fields (sglang-router passes them on) are kept to be checked (`check_extras`)
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    data_parallel_rank: Int64 | None = None  # the --dp replica to run on (SGLang's)
     input_ids: list[TokenId] | None = None
     text: str | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
@@ -190,6 +186,7 @@ EXTENSION_FIELDS: dict[str, tuple[str, Any]] = {
         ("structured", None),
     ),
     "priority": ("serving", 0),
+    "data_parallel_rank": ("serving", None),
     "lora_path": ("lora", None),
 }
 
@@ -197,9 +194,7 @@ EXTENSION_FIELDS: dict[str, tuple[str, Any]] = {
 def request_extensions(
     req: SamplingFields, path: str, where: str | None = None
 ) -> list[ExtensionFields]:
-    """Each model the extensions declare for `path` (`request_fields`), made of the request's
-    undeclared fields it declares; the others checked (`check_extras`; `where`: where they
-    are, the path by default)."""
+    """The extensions' models for `path` made of the request's extras; the rest `check_extras`."""
     extra, taken = dict(req.model_extra or {}), list[ExtensionFields]()
     for model in extensions().request_fields.get(path, []):
         given = {name: extra.pop(name) for name in list(extra) if name in model.model_fields}
@@ -209,9 +204,8 @@ def request_extensions(
 
 
 def check_extras(extra: dict[str, Any], path: str) -> None:
-    """A body's undeclared fields that no extension took: the `unknown_fields` point's to judge
-    (the serving extension's: OpenAI's fields that change nothing, vLLM's warning), else each a
-    400; an extension's field is refused naming it while the extension is missing."""
+    """Extras no extension took: a missing extension's field is refused naming it; the others
+    go to the `unknown_fields` point (ext/serving), else each is a 400."""
     points = extensions()
     declared = {
         f for models in points.request_fields.values() for m in models for f in m.model_fields
@@ -255,12 +249,12 @@ def sampling_params(
 
 
 def native_fields(req: GenerateRequest) -> tuple[SamplingFields, int]:
-    """/generate's sampling_params (native names and defaults; SGLang's top-level priority and
-    lora_path too) as one choice's fields, and its max_tokens."""
+    """/generate's sampling_params (native names and defaults; SGLang's top-level priority,
+    lora_path and data_parallel_rank too) as one choice's fields, and its max_tokens."""
     if (req.input_ids is None) == (req.text is None):
         raise APIError(400, "give exactly one of input_ids and text", "input_ids")
     params = {"temperature": 0.0, "max_tokens": 128, **req.sampling_params}
-    for name in ("priority", "lora_path", "lora_name"):  # SGLang's places for them
+    for name in ("priority", "lora_path", "lora_name", "data_parallel_rank"):  # SGLang's places
         if name in (req.model_extra or {}):
             params[name] = req.model_extra.pop(name)  # type: ignore[union-attr]
     if "max_new_tokens" in params:  # the native name
@@ -274,8 +268,7 @@ def native_fields(req: GenerateRequest) -> tuple[SamplingFields, int]:
 
 
 def completion_sources(req: CompletionRequest) -> list[dict[str, Any]]:
-    """The prompts of a completion request as TokenizeMsg fields (text or token ids), one per
-    prompt: a string, token ids, or a batch of either."""
+    """A completion request's prompts (one, or a batch) as TokenizeMsg fields, one per prompt."""
     prompts: list[Any] = [req.prompt]
     if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
         prompts = list(req.prompt)
@@ -307,8 +300,7 @@ CHAT_ROLES = {r: r for r in ("system", "user", "assistant", "tool")} | {"develop
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them: a tool result's `tool_call_id` and `name`
-    pass through, an assistant's earlier `tool_calls` as the structured extension shapes them."""
+    """The messages as the chat template takes them (earlier `tool_calls`: ext/structured's)."""
     chat = []
     for i, m in enumerate(messages):
         role = CHAT_ROLES.get(m.role)
@@ -360,7 +352,6 @@ REFUSABLE_FIELDS = frozenset(
 
 
 def refused_field(message: str) -> str | None:
-    """The field a refusal from a worker names, by the convention that its message starts with
-    it ("stop_token_ids: token id 9 is not ..."), or None."""
+    """The field a worker's refusal names by starting with it ("stop_token_ids: ..."), or None."""
     first = message.split(" ", 1)[0]
     return first[:-1] if first.endswith(":") and first[:-1] in REFUSABLE_FIELDS else None

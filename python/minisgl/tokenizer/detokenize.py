@@ -7,13 +7,7 @@ Two layers of holding back:
    of recent tokens (prefix..end) and diffs it against the decode of prefix..read: O(window)
    per token, and tokenizers that treat the first token specially see the same context in both.
 2. Stop strings: final text that could start a stop string waits until it is completed (the
-   output stops before it) or ruled out.
-
-min_tokens (vLLM's semantics): a stop string counts only if it ends in the text of a token after
-the first min_tokens (one straddling the boundary counts, cut where it starts). Text belongs to
-the token after which it decodes, as in vLLM: one that ends mid-character passes all its text on
-to the token that completes the character (" 你" as " " + two bytes, then the last byte: the
-space belongs to the second token).
+   output stops before it) or ruled out. (min_tokens' rule for them is ext/sampling's.)
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.extension import extensions, require
 from minisgl.message import (
     AbortBackendMsg,
     BatchDetokenizeMsg,
@@ -72,15 +67,12 @@ class IncrementalDetokenizer:
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
-        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stops = [s for s in (stop or []) if s]
         self.stopped = False
         self.stop_reason: str | None = None
-        self.min_tokens = min_tokens
-        self._num_tokens = 0  # output tokens fed so far
         # the window: ids[:read] are decoded and emitted (as far as UTF-8 goes), ids[read:] held
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:]) if prompt_ids else []
         self._read = len(self._ids)
@@ -89,38 +81,17 @@ class IncrementalDetokenizer:
             # the prompt ends inside a character: context would swallow the output's first bytes
             self._ids, self._read, self._prefix_text = [], 0, ""
         self._pending = ""  # UTF-8-final text held back because it may start a stop string
-        self._protected = 0  # _pending[:_protected] is text of the first min_tokens tokens
-        # characters at the start of the next delta that the first min_tokens tokens decoded,
-        # when the min_tokens-th token ended inside a character (so nothing was emitted then):
-        # the text up to the last of them that did not end mid-character
-        self._early = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _complete_len(self) -> int:
-        """Length of the decode of the longest run of the window's ids that does not end
-        mid-character: what per-token decoding (vLLM's) has emitted by now (a token that ends
-        mid-character emits nothing, not even the characters it completes before that)."""
-        for n in range(len(self._ids) - 1, self._read, -1):
-            text = self._decode(self._ids[:n])
-            if not text.endswith("\ufffd"):
-                return len(text)
-        return len(self._prefix_text)
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new output tokens; return the text that became final."""
         if self.stopped or not token_ids:
             return ""
-        boundary = self.min_tokens - self._num_tokens
-        if 0 < boundary < len(token_ids):  # the text of the first min_tokens is checked apart
-            return self.add(token_ids[:boundary]) + self.add(token_ids[boundary:])
-        self._num_tokens += len(token_ids)
         self._ids.extend(token_ids)
         text = self._decode(self._ids)
         if text.endswith("\ufffd"):  # the last token ends mid-character: wait for the rest
-            if self._num_tokens == self.min_tokens:  # (add splits chunks at min_tokens)
-                self._early = self._complete_len() - len(self._prefix_text)
             return ""
         delta = text[len(self._prefix_text) :]
         # slide the window: what was read becomes the context of the next decode
@@ -139,43 +110,30 @@ class IncrementalDetokenizer:
             self._ids, self._read, self._prefix_text = [], 0, ""
         return self._check_stop(delta, final=True)
 
-    def _check_stop(self, delta: str, final: bool) -> str:
+    def _check_stop(self, delta: str, final: bool, after: int = 0) -> str:
+        """The final part of held text + `delta`; a stop string counts if it ends past [:after]."""
         if not self.stops:
             return delta
         text = self._pending + delta
-        early, self._early = self._early, 0
-        protected = len(text) if self._num_tokens <= self.min_tokens else self._protected + early
         # a stop string cannot start in text already emitted (that text was never held), so
         # searching the held text plus the new delta is enough
-        found = find_stop(text, self.stops, after=protected)
+        found = find_stop(text, self.stops, after)
         if found is not None:
             self.stopped, self.stop_reason, self._pending = True, found[1], ""
             return text[: found[0]]
         held = 0 if final else partial_suffix(text, tuple(self.stops))
         self._pending = text[len(text) - held :]
-        self._protected = max(0, protected - (len(text) - held))
         return text[: len(text) - held]
 
 
-def token_texts(tokenizer: Any | None, ids: list[int]) -> list[str]:
-    """Each token's own text (special tokens included), as log-probability entries show it;
-    without a tokenizer, vLLM's `token_id:N`."""
-    if tokenizer is None:
-        return [f"token_id:{i}" for i in ids]
-    return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
-
-
-def named_logprobs(tokenizer: Any | None, entries: list[list[Any]]) -> list[list[Any]]:
-    """[token id, logprob, top ids, top logprobs] entries -> [token id, text, logprob,
-    [[id, text, logprob], ...]] (one batched decode for all of them)."""
-    ids = [i for e in entries for i in (e[0], *e[2])]
-    texts = iter(token_texts(tokenizer, ids))
-    named = []
-    for token, logprob, top_ids, top_logprobs in entries:
-        text = next(texts)
-        top = [[i, next(texts), lp] for i, lp in zip(top_ids, top_logprobs)]
-        named.append([token, text, logprob, top])
-    return named
+def request_detokenizer(
+    tokenizer: Any, prompt_ids: list[int], skip: bool, stop: list[str], min_tokens: int
+) -> IncrementalDetokenizer:
+    """A request's detokenizer; stop strings under min_tokens follow ext/sampling's rule."""
+    if min_tokens > 0 and any(stop):
+        features = require(extensions().detokenize, "min_tokens", "sampling")
+        return features.detokenizer(tokenizer, prompt_ids, skip, stop, min_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip, stop)
 
 
 @dataclass
@@ -203,7 +161,7 @@ class Detokenizer:
         self.states[msg.uid] = _Request(None, msg.prompt_len, msg.dp_rank)
         try:
             if self.tokenizer is not None:
-                self.states[msg.uid].detok = IncrementalDetokenizer(
+                self.states[msg.uid].detok = request_detokenizer(
                     self.tokenizer, msg.prompt_tail, skip, stop, msg.min_tokens
                 )
         except Exception as e:
@@ -256,11 +214,9 @@ class Detokenizer:
         reply.queue_time, reply.cached_tokens = msg.queue_time, msg.cached_tokens
         if reason == "stop" and detok is not None and detok.stopped:
             reply.matched = detok.stop_reason
-        if msg.logprobs is not None:
-            entries = [[t, *e] for t, e in zip(msg.token_ids, msg.logprobs)]
-            reply.logprobs = named_logprobs(self.tokenizer, entries)
-        if msg.prompt_logprobs is not None:
-            reply.prompt_logprobs = named_logprobs(self.tokenizer, msg.prompt_logprobs)
+        if msg.logprobs is not None or msg.prompt_logprobs is not None:
+            features = require(extensions().detokenize, "logprobs", "sampling")
+            features.name_logprobs(self.tokenizer, msg, reply)
         return reply
 
 

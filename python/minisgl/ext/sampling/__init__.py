@@ -1,13 +1,15 @@
 """Sampling beyond the core's sampler: logit_bias, min_tokens and the repetition, frequency
 and presence penalties (`adjust.py`, a logits processor, with its kernel `adjust_kernel.py`),
 and the log-probabilities of sampled and prompt tokens (`logprobs.py`, observers of the raw
-logits and of a prefill's hidden states, with `logprobs_kernel.py`); their HTTP fields and the
-responses' `logprobs` (`http.py`). Registered as the `sampling_params` checks of their
-SamplingParams fields, as `step_features` and as `request_fields`: without this package a
-request that sets one of those fields is refused, naming it."""
+logits and of a prefill's hidden states, with `logprobs_kernel.py`); min_tokens' rule for stop
+strings and the log-probabilities' token texts in the detokenizer (`detokenize.py`); their HTTP
+fields and the responses' `logprobs` (`http.py`). Registered as the `sampling_params` checks of
+their SamplingParams fields, as `step_features`, `detokenize` and `request_fields`: without this
+package a request that sets one of those fields is refused, naming it."""
 
 from minisgl.ext.sampling import http
 from minisgl.ext.sampling.adjust import LogitAdjust
+from minisgl.ext.sampling.detokenize import SamplingDetokenize
 from minisgl.ext.sampling.logprobs import Logprobs, PromptScoring
 from minisgl.ext.sampling.params import FIELDS, check_sampling
 from minisgl.extension import extensions
@@ -15,5 +17,6 @@ from minisgl.extension import extensions
 _points = extensions()
 _points.sampling_params.update(dict.fromkeys(FIELDS, check_sampling))
 _points.step_features += [LogitAdjust, lambda _: Logprobs(), lambda _: PromptScoring()]
+_points.detokenize = SamplingDetokenize()
 for _path, _models in http.FIELDS.items():
     _points.request_fields.setdefault(_path, []).extend(_models)

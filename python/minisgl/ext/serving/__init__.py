@@ -1,7 +1,7 @@
 """Serving operations beyond the core's API server:
 
 - `sglang.py`: SGLang's native endpoints that sglang-router and SGLang's tools call on a worker
-  (/model_info, /server_info, /get_load, /flush_cache, /health_generate) and SGLang's extra
+  (/model_info, /server_info, /get_load, /flush_cache) and SGLang's extra
   /generate fields at their defaults;
 - `metrics.py`: Prometheus metrics (`GET /metrics`), counted as the API process sees its
   requests (the `request_observer` point) and read from the schedulers' snapshots;
@@ -13,10 +13,11 @@
 - `tokenizer_info.py`: vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it);
   `tokenize.py`: vLLM's /tokenize and /detokenize;
 - `fields.py`: a request's fields no one declares (OpenAI's of no effect or unsupported, vLLM's
-  warning about the others; the `unknown_fields` point), its `priority` (`request_fields`) and
-  the bounds on its stop strings and messages (`request_checks`);
-- `status.py`: /health?generate=1's probe; `openapi.py`: the error statuses in the OpenAPI
-  document;
+  warning about the others; the `unknown_fields` point), its `priority` and SGLang's
+  `data_parallel_rank` (`request_fields`) and the bounds on its stop strings and messages
+  (`request_checks`);
+- `status.py`: /health with SGLang's `generate` (and /health_generate), /stats of every API process (ahead of the
+  core's); `openapi.py`: the error statuses in the OpenAPI document;
 - `options.py`: its flags (the `options` point), e.g. --max-connections;
 - `http.py`, `connections.py`: the limits on requests in progress and on connections, the body
   read timeout, and a drain that ends its requests with an error (the `gate` and `http_server`
@@ -25,8 +26,9 @@
   every server process (the `launcher` point).
 
 Importing this package fills its points of `minisgl.extension.Extensions`; without it those
-routes answer 404, /health?generate=1 is a 400, every API path refuses the fields it does not declare, and --dp > 1,
-`LLM(dp=N > 1)`, a request's `priority` and --schedule-policy priority / lpm are refused."""
+routes answer 404, /health?generate=1 is a 400, every API path refuses the fields it does not
+declare, and --dp > 1, `LLM(dp=N > 1)`, a request's `priority` or `data_parallel_rank` and
+--schedule-policy priority / lpm are refused."""
 
 from __future__ import annotations
 
@@ -48,14 +50,14 @@ from minisgl.extension import extensions
 
 _points = extensions()
 _points.routes += [sglang.add_sglang_routes, metrics.add_metrics_route, openapi.add_openapi_errors]
-_points.routes.append(status.add_health_probe)
+_points.routes.append(status.add_status_routes)
 _points.routes.append(tokenizer_info.add_tokenizer_info_route)
 _points.routes.append(tokenize.add_tokenize_routes)
 _points.unknown_fields = fields.UnknownFields()
 _points.request_checks.append(fields.check_limits)
 for _path in ("/v1/chat/completions", "/v1/completions", "/generate"):
     _points.request_fields.setdefault(_path, []).append(fields.PriorityFields)
-_points.request_fields.setdefault("/generate", []).append(sglang.MetaInfoFields)
+_points.request_fields["/generate"] += [sglang.MetaInfoFields, fields.DataParallelFields]
 _points.request_observer = metrics.frontend_metrics
 _points.replicas = replicas.replicated_llm
 _points.options["serving"] = options.ServingOptions

@@ -44,6 +44,20 @@ class PriorityFields(ExtensionFields):
         return self.model_dump(exclude_unset=True)
 
 
+class DataParallelFields(ExtensionFields):
+    data_parallel_rank: Int64 | None = None  # SGLang's: the --dp replica to run on
+
+    def apply(self, msgs: list[Any], args: Any) -> None:
+        rank = self.data_parallel_rank
+        if rank is None:
+            return
+        if not 0 <= rank < args.dp:
+            message = f"data_parallel_rank must be in [0, {args.dp}) (--dp {args.dp})"
+            raise APIError(400, message, "data_parallel_rank")
+        for msg in msgs:
+            msg.dp_rank = rank
+
+
 def check_limits(msg: Any) -> None:
     """Refuse a request (its first TokenizeMsg) over one of the limits above."""
     stop = msg.params.stop

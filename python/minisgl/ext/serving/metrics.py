@@ -12,6 +12,7 @@ adds up every process's series (`summed_exposition`).
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import fields
@@ -27,8 +28,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from minisgl.extension import RequestObserver
-from minisgl.message import SchedulerStats, UserReply
+from minisgl.message import ApiViewMsg, SchedulerStats, UserReply
 from minisgl.server.frontend import tree_rss_bytes
+from minisgl.server.protocol import APIError
 
 if TYPE_CHECKING:  # types only: the extension loads while the api server module may be loading
     from minisgl.server.api_server import ApiServer
@@ -293,12 +295,21 @@ def frontend_metrics(frontend: Frontend) -> Metrics:
     return Metrics(lambda: frontend.replica_stats, lambda: frontend.num_queued, frontend.rss)
 
 
+async def all_views(api: ApiServer, metrics: bool = False) -> list[ApiViewMsg]:
+    """Every API process's counts (`Frontend.views`); 503 when one does not answer."""
+    try:
+        return await api.frontend.views(metrics)
+    except asyncio.TimeoutError:
+        message = "an API process did not answer"
+        raise APIError(503, message, code="server_unavailable") from None
+
+
 def add_metrics_route(app: FastAPI, api: ApiServer, info: dict[str, Any]) -> None:
     """GET /metrics (a `routes` point): every API process's series summed, then the
     scheduler's."""
 
     async def metrics() -> Response:
-        views = await api.views(metrics=True)
+        views = await all_views(api, metrics=True)
         peers = [v.metrics for v in views if v.rank != api.frontend.api_rank]
         own = api.frontend.metrics
         assert isinstance(own, Metrics)  # this extension's observer (registered with the route)

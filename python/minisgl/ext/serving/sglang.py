@@ -1,7 +1,7 @@
 """SGLang's native endpoints that sglang-router (and SGLang's own tools) call on a worker:
-/model_info, /server_info (and their /get_* names), /get_load, /flush_cache, /health_generate
-(the `routes` point); /generate's `meta_info` (`MetaInfoFields`, the `request_fields` point);
-and the fields of SGLang's /generate body that minisgl does not
+/model_info, /server_info (and their /get_* names), /get_load, /flush_cache (the `routes`
+point; /health_generate is `status.py`'s); /generate's `meta_info` (`MetaInfoFields`, the
+`request_fields` point); and the fields of SGLang's /generate body that minisgl does not
 implement, accepted only at SGLang's defaults (else a 400 naming the field: never accepted and
 ignored; the `unknown_fields` point: without it the core's /generate refuses every one)."""
 
@@ -182,10 +182,6 @@ def add_sglang_routes(app: FastAPI, api: ApiServer, info: dict) -> None:
             return error_response(400, "; ".join(errors), code="cache_busy")
         return JSONResponse({"message": "Cache flushed."})
 
-    async def health_generate() -> JSONResponse:  # SGLang's name of /health?generate=1
-        return await api.health(generate=True)
-
-    app.get("/health_generate")(health_generate)
     for path in ("/model_info", "/get_model_info"):
         app.get(path)(model_info)
     for path in ("/server_info", "/get_server_info"):

@@ -1,5 +1,6 @@
-"""/health?generate=1's probe (`HealthProbe`, set on the ApiServer by the `routes` point): one
-token through every process, within --health-check-timeout."""
+"""/health with SGLang's `generate` (`HealthProbe`: one token through every process, within
+--health-check-timeout; /health_generate too) and /stats with every API process's counts,
+ahead of the core's."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ import asyncio
 from contextlib import aclosing
 from typing import Any
 
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
 from minisgl.core import SamplingParams
+from minisgl.ext.serving.metrics import all_views
 from minisgl.ext.serving.options import serving_options
 from minisgl.message import TokenizeMsg
 from minisgl.server.api_server import ApiServer
+from minisgl.server.protocol import error_response
 
 
 class HealthProbe:
@@ -45,5 +51,30 @@ class HealthProbe:
         return next((e for e in errors if e is not None), None)
 
 
-def add_health_probe(app: Any, api: ApiServer, info: dict[str, Any]) -> None:
-    api.health_probe = HealthProbe(api)
+def add_status_routes(app: FastAPI, api: ApiServer, info: dict[str, Any]) -> None:
+    """/health and /stats (a `routes` point), served instead of the core's, which document
+    them (the same parameters); /health_generate."""
+    probe = HealthProbe(api)
+
+    async def health(generate: bool = False) -> JSONResponse:
+        """200 while the pipeline is up; with `generate`, once the probe passed too."""
+        if generate and not api.frontend.dead and (error := await probe()) is not None:
+            return error_response(503, error, code="server_unavailable")
+        return await api.health()
+
+    async def stats() -> dict[str, Any]:
+        """The core's, the counts summed over the API processes (and each's, with several)."""
+        views = await all_views(api)
+        keys = ("in_flight", "queued", "rss_bytes")
+        out = await api.stats() | {k: sum(getattr(v, k) for v in views) for k in keys}
+        if len(views) > 1:
+            each = ("rank", "pid", "in_flight", "queued")
+            out["api_servers"] = [{k: getattr(v, k) for k in each} for v in views]
+        return out
+
+    async def health_generate() -> JSONResponse:  # SGLang's name of /health?generate=1
+        return await health(generate=True)
+
+    app.get("/health", include_in_schema=False)(health)
+    app.get("/health_generate")(health_generate)
+    app.get("/stats", include_in_schema=False)(stats)
