@@ -113,12 +113,6 @@ def test_stream_equals_create(client: anthropic.Anthropic) -> None:
     assert text == "" and without_ids(final) == without_ids(plain)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect (session 36): under CPU load this stream's content blocks come out "
-    "wrong (one block, or four), reproduced with three busy loops; passes on an idle machine; "
-    "to fix first next session (issue 47: a timing-dependent result is a defect)",
-)
 def test_event_sequence(server: Server) -> None:
     """The raw events: each `event:` line names its data's type, in Anthropic's order."""
     body = {"model": "x", "max_tokens": 200, "messages": ASK, "tools": [WEATHER], "stream": True}

@@ -5,7 +5,10 @@ Every layer's output projections (attention o_proj, MLP down_proj) are zero, so 
 stream at the last position is the embedding of the last token and the next token depends on
 that token alone. Each token that has a successor in a script gets its own embedding axis
 (a one-hot row), and the (untied) LM head maps that axis to its successor: after the final
-RMSNorm the successor's logit is sqrt(hidden) and every other logit is 0.
+RMSNorm the successor's logit is SUCCESSOR_SCALE * sqrt(hidden) and every other logit is 0: a
+margin of about 90, so that sampling at the servers' default temperature 1.0 follows the script
+too (with a margin of sqrt(hidden) alone, about 11, a 150-token answer left it once in a few
+runs, depending on how the random draws fell).
 
 A pure last-token chain cannot emit a token twice with different successors (JSON repeats
 `"`), so a text script is cut into pieces that are all different strings (each piece the
@@ -27,6 +30,8 @@ import torch
 from tokenizers import AddedToken
 
 from support.tokenizer import build_tiny_tokenizer
+
+SUCCESSOR_SCALE = 8.0
 
 START, START_AFTER_TOOL = "<|script|>", "<|script_after_tool|>"
 
@@ -136,7 +141,7 @@ def build_scripted_model(
         for axis, (token, following) in enumerate(sorted(successor.items())):
             model.model.embed_tokens.weight[token].zero_()
             model.model.embed_tokens.weight[token, axis] = 1.0
-            model.lm_head.weight[following, axis] = 1.0
+            model.lm_head.weight[following, axis] = SUCCESSOR_SCALE
     model.save_pretrained(path)
     generation_config = os.path.join(path, "generation_config.json")
     if os.path.exists(generation_config):
