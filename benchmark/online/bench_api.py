@@ -2,7 +2,7 @@
 CPU cost per token, when the engine behind it is as fast as a GPU's.
 
 A stand-in pipeline process takes the place of the tokenizer, scheduler and detokenizer: every
---step-ms it sends each running request's next token (one BatchFrontendMsg per step, as the
+--step-ms it sends each running request's next token (one BatchMsg per step, as the
 detokenizer does). The real API server (minisgl's app under uvicorn, as `python -m minisgl`
 runs it) streams them to --streams raw-socket clients in this process, which only count the
 events they receive. On an H100, 200 streams of Qwen3-0.6B take ~10 ms per step (~20,000
@@ -76,12 +76,14 @@ def run_api(tok_addr: str, api_addrs: list[str], rank: int, port: int, fd: int |
 
     args = ServerArgs()
     args.host, args.port, args.log_level = "127.0.0.1", port, "warning"
-    if len(api_addrs) == 1:
-        frontend = Frontend([tok_addr], api_addrs[0])
-    else:  # the processes' views of each other: the serving extension's
+    try:  # the server's: the serving extension's routes (/stats...) read its views
         from minisgl.ext.serving.frontend import ServingFrontend
 
-        frontend = ServingFrontend([tok_addr], api_addrs[rank], api_rank=rank, api_addrs=api_addrs)
+        frontend: Frontend = ServingFrontend(
+            [tok_addr], api_addrs[rank], api_rank=rank, api_addrs=api_addrs
+        )
+    except ModuleNotFoundError:  # the core alone: one API process
+        frontend = Frontend([tok_addr], api_addrs[0])
     server = http_server(args, {"max_seq_len": 1 << 20}, frontend)
     server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
 

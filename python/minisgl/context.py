@@ -1,5 +1,4 @@
-"""The per-process context that layers reach during a forward: the page table, the KV pool,
-the attention backend and the batch being run (set by the engine)."""
+"""The per-process context that layers reach during a forward (set by the engine)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Core state: what a user asks for (SamplingParams), one request (Req), one forward (Batch)
-and its attention backend's metadata (AttnMetadata). The per-process context that layers reach
-during a forward is context.py's."""
+"""Core state: what a user asks for (SamplingParams), one request (Req), one forward (Batch)."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def check_token_ids(vocab: int, **fields: Iterable[int]) -> None:
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings; temperature 0 means greedy. The fields in
-    EXTENSION_PARAMS, and priority, are the extensions' (docs/features.md)."""
+    """Per-request sampling settings (temperature 0: greedy); EXTENSION_PARAMS are extensions'."""
 
     temperature: float = 0.0
     top_k: int = -1  # -1 or 0: no top-k filter
@@ -157,16 +154,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied to its first forward
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.seed = self.params.seed
-        else:
-            self.seed = random.getrandbits(31)
-
-    @property
-    def samples_plainly(self) -> bool:
-        """No extension acts on its steps: its token at a position depends on the logits there
-        alone (what graph-row speed paths and speculative decoding need)."""
-        return not self.ext and not self.params.extension_fields()
+        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(31)
 
     @property
     def output_ids(self) -> list[int]:
@@ -190,7 +178,7 @@ M = TypeVar("M", bound="AttnMetadata")
 
 
 class AttnMetadata:
-    """A backend's per-batch metadata: `prepare` sets `batch.attn_metadata`, `of` reads it."""
+    """A backend's per-batch metadata, set by its `prepare`."""
 
     @classmethod
     def of(cls: type[M], batch: Batch) -> M:
@@ -201,9 +189,7 @@ class AttnMetadata:
 
 @dataclass
 class Batch:
-    """One forward: the requests and how many tokens each computes; the model sees only the
-    tensors and the attention metadata. A mixed step is a prefill whose first `num_decodes`
-    requests are running ones."""
+    """One forward: the requests, each computing extend_len tokens; the model sees the tensors."""
 
     reqs: list[Req]
     phase: Literal["prefill", "decode"]
@@ -228,7 +214,7 @@ class Batch:
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Copy small host data to the device without blocking the host (pinned: a copy from
-    pageable memory would wait for all queued device work, which overlap runs beside)."""
+    """Copy small host data to the device without blocking the host."""
+    # pinned: a copy from pageable memory would wait for all queued device work (overlap)
     host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)

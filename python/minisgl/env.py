@@ -1,12 +1,13 @@
-"""Every MINISGL_* environment flag, typed, in one place. Each is read when asked for (not at
-import), so a test or an ablation can set it in the process before the code that reads it runs."""
+"""The core's MINISGL_* environment flags, typed, in one place (an extension reads its own with
+`flag`). Each is read when asked for (not at import), so a test or an ablation can set it in the
+process before the code that reads it runs."""
 
 from __future__ import annotations
 
 import os
 
 
-def _flag(name: str) -> bool:
+def flag(name: str) -> bool:
     value = os.environ.get(name, "").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
@@ -23,18 +24,18 @@ def triton_interpret() -> bool:
 
 def disable_extensions() -> bool:
     """MINISGL_DISABLE_EXTENSIONS: run the core alone, as if `minisgl/ext` were not installed."""
-    return _flag("MINISGL_DISABLE_EXTENSIONS")
+    return flag("MINISGL_DISABLE_EXTENSIONS")
 
 
 def disable_fused_ops() -> bool:
     """MINISGL_DISABLE_FUSED_OPS: the torch reference instead of every Triton kernel of
     `kernel/` (RMSNorm, RoPE, SiLU-and-mul, KV store, sampling, logprobs, logit adjustments)."""
-    return _flag("MINISGL_DISABLE_FUSED_OPS")
+    return flag("MINISGL_DISABLE_FUSED_OPS")
 
 
 def disable_gemv() -> bool:
     """MINISGL_DISABLE_GEMV: F.linear (cuBLAS) instead of the small-batch GEMV kernels."""
-    return _flag("MINISGL_DISABLE_GEMV")
+    return flag("MINISGL_DISABLE_GEMV")
 
 
 def gemv_max_m() -> int | None:
@@ -49,62 +50,20 @@ def gemv_max_m() -> int | None:
 def disable_decode_rope() -> bool:
     """MINISGL_DISABLE_DECODE_ROPE: apply RoPE and store the new K/V with the rotary kernel
     before decode attention, instead of inside the Triton decode kernel."""
-    return _flag("MINISGL_DISABLE_DECODE_ROPE")
+    return flag("MINISGL_DISABLE_DECODE_ROPE")
 
 
 def disable_pdl() -> bool:
     """MINISGL_DISABLE_PDL: launch the Triton kernels without programmatic dependent launch."""
-    return _flag("MINISGL_DISABLE_PDL")
+    return flag("MINISGL_DISABLE_PDL")
 
 
 def disable_overlap_scheduling() -> bool:
     """MINISGL_DISABLE_OVERLAP_SCHEDULING: build the next batch only after the current one ends."""
-    return _flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")
-
-
-def disable_gc_freeze() -> bool:
-    """MINISGL_DISABLE_GC_FREEZE: leave the start-up heap to the cyclic garbage collector."""
-    return _flag("MINISGL_DISABLE_GC_FREEZE")
-
-
-def gc_warning_threshold_s() -> float:
-    """MINISGL_GC_WARNING_THRESHOLD_SECS (--gc-warning-threshold-secs): a ready process logs
-    every garbage collection longer than this; unset or 0: none."""
-    value = os.environ.get("MINISGL_GC_WARNING_THRESHOLD_SECS", "").strip()
-    try:
-        seconds = float(value or 0)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds < float("inf"):
-        raise ValueError(
-            f"MINISGL_GC_WARNING_THRESHOLD_SECS={value!r}: expected a finite number of seconds >= 0"
-        )
-    return seconds
-
-
-def gc_threshold() -> tuple[int, ...] | None:
-    """MINISGL_GC_THRESHOLD (--gc-threshold): one to three integers >= 0, comma-separated, for
-    `gc.set_threshold` in a ready process; unset or empty: Python's own."""
-    value = os.environ.get("MINISGL_GC_THRESHOLD", "").strip()
-    if not value:
-        return None
-    try:
-        counts = tuple(int(x) for x in value.split(","))
-    except ValueError:
-        counts = ()
-    if not 1 <= len(counts) <= 3 or min(counts) < 0:
-        raise ValueError(
-            f"MINISGL_GC_THRESHOLD={value!r}: expected one to three integers >= 0, e.g. 700,10,100"
-        )
-    return counts
+    return flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")
 
 
 def api_key() -> str | None:
     """MINISGL_API_KEY: the API key when --api-key is not given (private to its user, unlike a
     command line). Empty: none."""
     return os.environ.get("MINISGL_API_KEY") or None
-
-
-def cpu_float32() -> bool:
-    """MINISGL_CPU_FLOAT32: `--dtype auto` on CPU stays float32 (the exact path; the tests set it)."""
-    return _flag("MINISGL_CPU_FLOAT32")

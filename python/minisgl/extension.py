@@ -292,12 +292,12 @@ class Extensions:
     default_model: Callable[[], str] | None = None
     # the short id the server gives default_model's model (/v1/models; None: its path)
     default_model_name: str | None = None
-    # (--quantization, model dir) -> what --dtype auto means on cpu (None: float32)
-    cpu_dtype: Callable[[str, str], torch.dtype] | None = None
+    # (EngineConfig, model dir) -> what --dtype auto means on cpu (None: float32)
+    cpu_dtype: Callable[[Any, str], torch.dtype] | None = None
     # (engine being built) -> the transform of its model around the weights' loading, or None
     model_transform: Callable[[Any], ModelTransform | None] | None = None
-    # (engine, built) -> the decoder one-request decode steps run (--enable-torch-compile)
-    decoder_transform: Callable[[Any], torch.nn.Module] | None = None
+    # (engine, built) -> the decoder one-request decode steps run (--enable-torch-compile), or None
+    decoder_transform: Callable[[Any], torch.nn.Module | None] | None = None
     # (path, a body's fields that no one declares) -> None or an APIError (None: each is a 400)
     unknown_fields: Callable[[str, dict[str, Any]], None] | None = None
     # HTTP path -> the models (`server.protocol.ExtensionFields`) of the body fields there that
@@ -338,10 +338,12 @@ class Extensions:
     # queue, a `scheduler.queue.WaitingQueue` subclass: which request goes next, and which
     # running one gives way to it (none: only the core's fcfs)
     admission_policies: dict[str, Callable[[Any, Any], Any]] = field(default_factory=dict)
-    # extension name -> the dataclass of its options that configure the schedulers: as
-    # `options`, parsed into `SchedulerConfig.extras[name]`, and keywords of `LLM(...)`
+    # extension name -> the dataclass of its options that configure the schedulers (and, through
+    # `engine_config`, their engines): as `options`, parsed into `SchedulerConfig.extras[name]`,
+    # and keywords of `LLM(...)`
     scheduler_options: dict[str, type] = field(default_factory=dict)
     # (engine config, scheduler config) -> the EngineConfig a scheduler builds its engine with
+    # (e.g. with an extension's options in `EngineConfig.extras`)
     engine_config: list[Callable[[Any, Any], Any]] = field(default_factory=list)
     # (scheduler) -> its speculative decoding, or None when off (the core then proposes nothing)
     proposer: Callable[[Any], Speculator | None] | None = None
@@ -356,6 +358,18 @@ class Extensions:
     # min_tokens' stop strings and the log-probabilities' token texts in the detokenizer
     # (None: min_tokens is refused)
     detokenize: DetokenizeFeatures | None = None
+    # (prefill backend, decode backend) -> the attention backend of `--attn PREFILL,DECODE`
+    # (None: a pair of two backends is refused)
+    hybrid_attention: Callable[[Any, Any], Any] | None = None
+    # (scheduler) -> None: synthetic requests served at the server's start so that kernels
+    # compile before the first user's request (None: they compile in the first requests)
+    warm_up: Callable[[Any], None] | None = None
+    # (page table, token table) -> the engine's writer of them, an `engine.tables.TableWrites`
+    # subclass (ext/perf: held back and sent at each step's head in one copy; None: each sent)
+    table_writes: Callable[[Any, Any], Any] | None = None
+    # () -> None, in each server process (and `LLM(tp=N)`'s ranks) once it is ready: ext/serving
+    # freezes the start-up heap for the garbage collector (None: Python's collector as it is)
+    process_ready: Callable[[], None] | None = None
     # -- points -- (new points go above this line)
     loaded: bool = False  # bookkeeping, not a point: minisgl.ext was imported (extensions())
 
@@ -390,6 +404,10 @@ EXTENSION_OPTIONS = {
     "json_any_whitespace": "structured",
     "grammar_compile_timeout": "structured",
     "priority_aging": "serving",
+    "dp": "serving",  # --dp, --dp-size, --dp-dispatch, --dp-load-threshold
+    "data_parallel": "serving",  # --data-parallel-size
+    "quantization": "cpu",
+    "enable_torch_compile": "cpu",
 }
 
 

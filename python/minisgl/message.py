@@ -46,13 +46,6 @@ class AbortMsg:
     uid: int
 
 
-@dataclass
-class DoneMsg:
-    """Request `uid` has ended (--dp > 1: it no longer counts in its replica's load)."""
-
-    uid: int
-
-
 # ---- tokenizer worker / detokenizer / api server -> scheduler (rank 0) -> ranks > 0 ----
 @dataclass
 class UserMsg:
@@ -87,13 +80,6 @@ class FlushCacheMsg:
 @dataclass
 class ExitMsg:
     """Shut the receiving loop down."""
-
-
-@dataclass
-class BatchBackendMsg:
-    """Several backend messages in one send."""
-
-    msgs: list = field(default_factory=list)
 
 
 # ---- scheduler -> detokenizer ----
@@ -154,14 +140,6 @@ class FlushCacheReply:
     api_rank: int = 0  # the API process that asked (`FlushCacheMsg.api_rank`)
 
 
-@dataclass
-class BatchDetokenizeMsg:
-    """One scheduler step's output for all running requests."""
-
-    msgs: list[DetokenizeMsg] = field(default_factory=list)
-    stats: SchedulerStats | None = None
-
-
 # ---- detokenizer / tokenizer worker -> api server ----
 @dataclass
 class UserReply:
@@ -185,30 +163,12 @@ class UserReply:
 
 
 @dataclass
-class BatchFrontendMsg:
-    msgs: list[UserReply] = field(default_factory=list)
+class BatchMsg:
+    """Several messages in one send: the backend's (rank 0 -> ranks > 0), or one scheduler
+    step's DetokenizeMsgs (-> detokenizer) or UserReplies (-> api server) with its stats."""
+
+    msgs: list = field(default_factory=list)
     stats: SchedulerStats | None = None
-
-
-# ---- between the API processes (--api-server-count > 1) ----
-@dataclass
-class ApiViewMsg:
-    """An API process's answer to query `seq` (/stats and /metrics add them up)."""
-
-    rank: int
-    seq: int
-    pid: int
-    in_flight: int
-    queued: int
-    metrics: str
-    rss_bytes: int
-
-
-@dataclass
-class ApiFailMsg:
-    """The server failed for `reason` (sent to the other API processes)."""
-
-    reason: str
 
 
 # ---- (de)serialisation ----
@@ -220,11 +180,8 @@ _TYPES: dict[str, type] = {}
 
 def register(cls: type[T]) -> type[T]:
     """Make the dataclass `cls` encodable, by its class name."""
-    if not dataclasses.is_dataclass(cls):
+    if not dataclasses.is_dataclass(cls):  # decoding rebuilds it with cls(*field values)
         raise TypeError(f"{cls.__name__} must be a dataclass")
-    # decoding rebuilds the object with cls(*values): every field must be an init argument
-    if any(not f.init for f in dataclasses.fields(cls)):
-        raise TypeError(f"{cls.__name__}: fields with init=False cannot be (de)serialised")
     if _TYPES.setdefault(cls.__name__, cls) is not cls:
         raise ValueError(f"message type name {cls.__name__!r} is already registered")
     return cls
@@ -261,9 +218,7 @@ def decode(data: bytes) -> Any:
     """`encode`'s inverse; ValueError for any payload it did not make (the receiver drops it)."""
     try:
         return _unpack(data)
-    except ValueError:  # msgpack's errors are ValueErrors too
-        raise
-    except Exception as e:  # e.g. TypeError from cls(*values), RecursionError
+    except Exception as e:  # msgpack's ValueErrors, cls(*values)'s TypeError, RecursionError
         raise ValueError(f"malformed message: {type(e).__name__}: {e}") from e
 
 

@@ -1,6 +1,5 @@
 """`python -m minisgl --shell`: chat with the model in the terminal, its answer streamed.
-/reset forgets the conversation; /exit or Ctrl-D leaves; Ctrl-C stops an answer. With
---reasoning-parser the structured extension prints the answers (the thinking dimmed or hidden)."""
+/reset forgets the conversation; /exit or Ctrl-D leaves; Ctrl-C stops an answer."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class Printer:
-    """One answer's printing, fed its text as it streams; `answer`: what the history keeps."""
+    """One answer's printing as it streams; `answer`: what the history keeps."""
 
     def __init__(self) -> None:
         self.answer: list[str] = []
@@ -29,10 +28,10 @@ class Printer:
         print(text, end="", flush=True)
 
     def close(self) -> None:
-        """The answer is over (also when it was stopped): print what was held back."""
+        """The answer is over (also when it was stopped)."""
 
 
-Printers = Callable[[list[dict[str, str]]], Printer]  # the printer of the answer to a history
+Printers = Callable[[list[dict[str, str]]], Printer]  # a history -> its answer's printer
 
 
 async def _print_answer(frontend: Frontend, msg: TokenizeMsg, printer: Printer) -> None:
@@ -89,7 +88,7 @@ async def _chat(frontend: Frontend, max_tokens: int, printers: Printers) -> int:
 
 
 def make_printers(launcher: Launcher) -> Printers:
-    """Each answer's printer: its text as it comes, or --reasoning-parser's (the extension's)."""
+    """Each answer's printer: its text as it comes, or --reasoning-parser's."""
     if launcher.args.reasoning_parser is None:
         return lambda history: Printer()
     features = require(extensions().chat_features, "--reasoning-parser", "structured")

@@ -22,6 +22,7 @@ import minisgl.ext.cpu.gguf as mg
 from minisgl import LLM, SamplingParams
 from minisgl.models import resolve_model_path
 from support.gguf_files import QTYPES, llama_cpp_permute, llama_cpp_rope_freqs, write_gguf
+from support.invariants import check_no_leak
 from support.models import hf_greedy
 from support.tokenizer import build_tiny_tokenizer
 
@@ -55,7 +56,7 @@ def minisgl_greedy(path: str) -> list[list[int]]:
     llm = LLM(path, page_size=4, num_pages=64)
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
     return [o["token_ids"] for o in outs]
 
 

@@ -14,6 +14,7 @@ from minisgl.attention import auto_backend, create_attention_backend
 from minisgl.core import Batch
 from minisgl.engine import EngineConfig
 from minisgl.server.args import parse_args
+from support.invariants import check_no_leak
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -38,7 +39,7 @@ def prefill_and_decode_logits(path: str, **kwargs) -> tuple[torch.Tensor, torch.
     for req in reqs:
         req.cached_len = len(req.tokens)
         sched.planner.release(req)
-    sched.check_no_leak()
+    check_no_leak(sched)
     llm.shutdown()
     return prefill, decode
 
@@ -76,7 +77,7 @@ def test_fp8_pool_is_smaller_and_generates(model_dirs):
             prompts = [[3, 1, 4, 1, 5, 9, 2, 6][: 2 + i] for i in range(6)]
             outs = llm.generate(prompts, SamplingParams(max_tokens=9), use_tqdm=False)
             assert all(len(o["token_ids"]) == 9 for o in outs)
-            llm.scheduler.check_no_leak()
+            check_no_leak(llm.scheduler)
         llm.shutdown()
     # float32 model on CPU: 4 bytes -> 1 byte per value, same memory budget
     assert sizes["fp8_e4m3"] - 1 == 4 * (sizes["auto"] - 1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from support.invariants import check_no_leak
 from support.models import hf_greedy
 from support.tokenizer import build_tiny_tokenizer
 
@@ -38,7 +39,7 @@ def test_text_and_chat_prompts(chat_model):
     assert llm.chat([chat], SamplingParams(max_tokens=6), use_tqdm=False)[0][
         "token_ids"
     ] == hf_greedy(hf, ids, 6)
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 def test_stop_conditions(model_dirs):
@@ -65,7 +66,7 @@ def test_stop_conditions(model_dirs):
         use_tqdm=False,
     )
     assert outs[0]["token_ids"] == [] and outs[1]["token_ids"] == free[:3]
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 def test_context_limit_finishes_with_length(model_dirs):
@@ -81,7 +82,7 @@ def test_dummy_weights(model_dirs):
     out = llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=5), use_tqdm=False)
     assert all(len(o["token_ids"]) == 5 for o in out)
     assert out[0]["token_ids"] == out[1]["token_ids"]  # deterministic
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 ADJUSTED = dict(frequency_penalty=0.7, repetition_penalty=1.3, logit_bias={5: 4.0}, min_tokens=3)
@@ -120,7 +121,7 @@ def test_graph_decode_step_run_eagerly_equals_plain_path(
             llm.engine.graphs = GraphRunner(llm.engine, 8, capture=False)
         res = llm.generate(prompts, params, use_tqdm=False)
         outs.append(res)
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
     plain, graph = outs
     assert [o["token_ids"] for o in plain] == [o["token_ids"] for o in graph]
     for p, g in zip(plain, graph):  # logits of a padded batch differ in the last bits
@@ -172,7 +173,7 @@ def test_graph_step_equals_eager_step(model_dirs, size):
     for req in reqs:
         req.cached_len = len(req.tokens)
         sched.planner.release(req)
-    sched.check_no_leak()
+    check_no_leak(sched)
 
 
 def test_n_samples_per_prompt(chat_model):
@@ -191,7 +192,7 @@ def test_n_samples_per_prompt(chat_model):
     # sample j is seeded seed + j, as the server seeds choice j
     one = SamplingParams(max_tokens=8, temperature=1.0, seed=9)
     assert llm.generate(prompts[0], one, use_tqdm=False)[0] == outs[2]
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 def test_stop_strings_cut_as_the_server_does(chat_model):
@@ -208,7 +209,7 @@ def test_stop_strings_cut_as_the_server_does(chat_model):
         assert out["text"] == cut and out["finish_reason"] == "stop"
         assert ids[: len(out["token_ids"])] == out["token_ids"]  # ends on the completing token
         assert stop in llm.tokenizer.decode(out["token_ids"])
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 @pytest.mark.ext  # min_tokens: the sampling extension
@@ -222,7 +223,7 @@ def test_min_tokens_past_a_stop_string(chat_model):
     params = SamplingParams(max_tokens=12, stop=[stop], min_tokens=len(ids))
     out = llm.generate(["hello world"], params, use_tqdm=False)[0]
     assert out == free
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 @pytest.mark.ext  # grammars and min_tokens: the structured and sampling extensions

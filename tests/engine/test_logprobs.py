@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from support.invariants import check_no_leak
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8, 2, 8], [1, 4, 1, 4, 2, 1, 3, 5, 6]]
 TOL = 1e-4
@@ -38,7 +39,7 @@ def check_entry(entry: dict[int, float], token: int, row: torch.Tensor, k: int) 
 def run(llm: LLM, prompts, params) -> list[dict]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert not llm.scheduler.has_work
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
     return outs
 
 

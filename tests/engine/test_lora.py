@@ -20,6 +20,7 @@ from minisgl.ext.lora.weights import LoraStack, part_bounds
 from minisgl.models import ModelConfig, get_model_class
 from minisgl.models.hf import load_hf_config
 from minisgl.models.weight import iter_checkpoint, load_weights
+from support.invariants import check_no_leak
 from support.lora import save_adapter
 from support.models import hf_greedy
 
@@ -102,7 +103,7 @@ def test_mixed_batch_equals_peft_merged(model_dirs, adapters, arch):
         prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[2]]
         got = _run_exact(llm, names, prompts, dirs, refs)
         assert got[0] != got[1] and got[0] != got[2] and got[1] != got[2]  # it can fail
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
     finally:
         llm.shutdown()
 
@@ -140,7 +141,7 @@ def test_prefix_cache_keyed_by_adapter(model_dirs, adapters):
         again = _run(llm, ["a1"], [prompt], dirs)[0]
         assert llm.num_cached_tokens > before and again == first  # shared within a1
         assert _run(llm, ["base"], [prompt], dirs)[0] == base
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
     finally:
         llm.shutdown()
 
@@ -156,7 +157,7 @@ def test_more_adapters_than_slots(model_dirs, adapters):
         _run_exact(llm, names, prompts, dirs, refs)
         manager = next(f for f in llm.scheduler.features if f.name == "lora").manager
         assert not any(manager.slots.pins.values())  # every pin released
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
     finally:
         llm.shutdown()
 
@@ -179,7 +180,7 @@ def test_offline_errors(model_dirs, adapters, tmp_path):
         with pytest.raises(ValueError, match="2 lora_request for 1 prompts"):
             llm.generate([PROMPTS[0]], lora_request=[None, None])
         assert _run(llm, ["base"], [PROMPTS[1]], dirs)  # still serving
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
     finally:
         llm.shutdown()
     plain = LLM(path, page_size=4, num_pages=64)

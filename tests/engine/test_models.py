@@ -10,6 +10,7 @@ from torch import nn
 from minisgl import LLM, SamplingParams
 from minisgl.core import Batch
 from minisgl.layers.base import Module
+from support.invariants import check_no_leak
 from support.models import ARCHS, hf_greedy
 
 MAX_NEW = 16
@@ -55,7 +56,7 @@ def test_greedy_equals_transformers(references, arch, page_size, num_pages, cach
     if num_pages * page_size < 200:
         assert sched.planner.num_preemptions > 0, "the small pool was meant to force preemption"
     assert not sched.planner.busy
-    sched.check_no_leak()
+    check_no_leak(sched)
     assert (
         sched.cache.allocator.num_free + sched.cache.prefix_cache.num_pages == llm.engine.num_pages
     )
@@ -73,7 +74,7 @@ def test_radix_cache_reuses_shared_prefix(references):
     assert handle.length == 20 and len(pages) == 5
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == expected
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -107,7 +108,7 @@ def test_logits_match_transformers(model_dirs, arch):
     for req in reqs:
         req.cached_len = len(req.tokens)
         sched.planner.release(req)
-    sched.check_no_leak()
+    check_no_leak(sched)
 
 
 def test_sharded_checkpoint_loads(tmp_path):
@@ -139,11 +140,11 @@ def test_running_request_shares_its_prompt(references, monkeypatch, overlap):
     sched.step()
     assert sched.planner.running == [a, b] and not a.finished
     assert sched.planner.num_cached_tokens == 48 and b.pages[:12] == a.pages[:12]
-    sched.check_no_leak()
+    check_no_leak(sched)
     while sched.has_work:
         sched.step()
     assert a.output_ids == b.output_ids == expected[8]
-    sched.check_no_leak()
+    check_no_leak(sched)
 
 
 def test_shared_prefix_found_across_chunks(references):
@@ -156,7 +157,7 @@ def test_shared_prefix_found_across_chunks(references):
         llm = LLM(path, page_size=4, num_pages=256, cache=cache, max_prefill_tokens=8)
         outs[cache] = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW), use_tqdm=False)
         assert [o["token_ids"] for o in outs[cache]] == expected[5:10]
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
         # p6 is admitted beside p5's last chunk and finds p5's first 2 chunks (16 tokens); p7,
         # p8 find the whole shared 20; p9 (the shared part alone) its 4 full pages but the last.
         cached = llm.scheduler.planner.num_cached_tokens
@@ -183,7 +184,7 @@ def test_same_batch_duplicate_pages_go_back(references):
     while sched.has_work:
         sched.step()
     assert [r.output_ids for r in reqs] == [expected[8], expected[8], expected[4]]
-    sched.check_no_leak()
+    check_no_leak(sched)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

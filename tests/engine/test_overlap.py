@@ -9,6 +9,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.core import Batch
 from minisgl.scheduler.planner import BatchPlanner
 from minisgl.scheduler.scheduler import PLACEHOLDER
+from support.invariants import check_no_leak
 
 
 def run(path: str, monkeypatch, overlap: bool, **kwargs) -> tuple[list, int]:
@@ -28,7 +29,7 @@ def run(path: str, monkeypatch, overlap: bool, **kwargs) -> tuple[list, int]:
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert not llm.scheduler.has_work
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
     llm.shutdown()
     outputs = [(o["token_ids"], o["finish_reason"]) for o in outs]
     return outputs, llm.scheduler.planner.num_preemptions

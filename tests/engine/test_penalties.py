@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from support.invariants import check_no_leak
 from support.models import hf_greedy
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8], [1, 4, 1, 4, 2, 1, 3, 5, 6]]
@@ -49,7 +50,7 @@ def llama(model_dirs):
 def generate(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
     outs = llm.generate(PROMPTS[: len(params)], params, use_tqdm=False)
     assert not llm.scheduler.has_work
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
     return [o["token_ids"] for o in outs]
 
 

@@ -9,6 +9,7 @@ from minisgl.core import Batch, Req
 from minisgl.engine.graph import GraphRunner
 from minisgl.ext.perf import prefill_rows as perf_rows
 from minisgl.ext.perf.prefill_rows import ROWS_KV_READS, prefill_rows, prefix_reads
+from support.invariants import check_no_leak
 from support.models import hf_greedy
 
 
@@ -50,7 +51,7 @@ def test_small_prefill_steps_replay_as_decode_rows(model_dirs, monkeypatch, max_
             out = llm.generate([prompt], SamplingParams(max_tokens=5), use_tqdm=False)[0]
             assert out["token_ids"] == hf_greedy(hf, prompt, 5)
         sampled.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
         assert (rows == []) == disable and all(n <= 32 for n in rows)
         assert disable or max_prefill_tokens < 32 or 32 in rows
     assert sampled[0] == sampled[1]

@@ -15,6 +15,7 @@ from minisgl.ext.spec.proposers import NgramProposer, latest_match, room
 from minisgl.ext.spec.speculator import Backoff, SpecState, accept
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.options import OptionError
+from support.invariants import check_no_leak
 
 
 def workload(n: int = 10, temperature: float = 0.0) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -50,7 +51,7 @@ def generate(
         outs = llm.generate(*workload(temperature=temperature), use_tqdm=False)
         while llm.scheduler.has_work:  # a step launched for requests that ended meanwhile
             assert llm.scheduler.step() == []
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
         return outs
     finally:
         llm.shutdown()
@@ -191,7 +192,7 @@ def test_proposals_that_never_pay_back_off_and_the_steps_between_overlap(
     monkeypatch.setattr(scheduler, "step", step)
     try:
         out = llm.generate(prompt, params, use_tqdm=False)[0]
-        scheduler.check_no_leak()
+        check_no_leak(scheduler)
     finally:
         llm.shutdown()
     assert out["token_ids"] == expected

@@ -10,6 +10,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.ext.cpu.torch_compile import check_torch_compile
 from minisgl.utils.options import OptionError
+from support.invariants import check_no_leak
 from support.models import hf_greedy
 
 
@@ -31,7 +32,7 @@ def test_compiled_decode_equals_transformers(model_dirs):
     outs = llm.generate([prompt, prompt[:5]], [params, short], use_tqdm=False)
     assert outs[0]["token_ids"] == want and outs[1]["token_ids"] == hf_greedy(hf, prompt[:5], 4)
     assert counters["stats"]["unique_graphs"] == graphs
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_compiled_quantized_decode_equals_eager(tmp_path, monkeypatch):
         llm = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=64,
                   enable_torch_compile=compiled)  # fmt: skip
         outs.append(llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"])
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
     assert outs[0] == outs[1]
 
 
@@ -74,23 +75,28 @@ def test_server_warm_up_compiles_the_graph(model_dirs):
     assert llm.engine.needs_warm_up
     llm.scheduler.warm_up()
     assert counters["stats"]["unique_graphs"] == 1
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 def test_flag():
     from minisgl.server.args import parse_args
 
-    assert parse_args(["--enable-torch-compile"]).engine.enable_torch_compile
-    assert not parse_args([]).engine.enable_torch_compile
+    assert parse_args(["--enable-torch-compile"]).scheduler.extras["cpu"].enable_torch_compile
+    assert not parse_args([]).scheduler.extras["cpu"].enable_torch_compile
 
 
 def test_needs_the_torch_attention_backend():
-    from minisgl.attention import HybridAttnBackend
     from minisgl.attention.torch_backend import TorchAttnBackend
     from minisgl.ext.cpu.torch_compile import mark_kv_len_dynamic
+    from minisgl.ext.perf.hybrid import HybridAttnBackend
+    from support.attn import make_problem
 
     with pytest.raises(OptionError, match="torch attention backend"):
         mark_kv_len_dynamic(HybridAttnBackend(TorchAttnBackend(), TorchAttnBackend()))
-    backend = TorchAttnBackend()
+    plain, backend = TorchAttnBackend(), TorchAttnBackend()
     mark_kv_len_dynamic(backend)
-    assert backend.dynamic_kv_len
+    for marked in (False, True):  # the KV slots [B, max KV length]: their length is dynamic
+        batch, *_ = make_problem([(5, 1), (9, 1)], 4, 16, torch.float32, True, torch.device("cpu"))
+        (backend if marked else plain).prepare(batch)
+        dynamic = getattr(batch.attn_metadata.kv_slots, "_dynamo_weak_dynamic_indices", set())
+        assert dynamic == ({1} if marked else set())

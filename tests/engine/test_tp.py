@@ -13,6 +13,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.distributed import get_tp_info
 from minisgl.utils.procs import wait_ready
+from support.invariants import check_no_leak
 from support.models import hf_greedy
 from support.server import make_tiny_model, run_server
 
@@ -32,7 +33,7 @@ def test_tp2_matches_tp1_and_transformers(model_dirs, arch):
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         again = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)  # the ranks still agree
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
     finally:
         workers = list(llm.workers)
         llm.shutdown()
@@ -92,7 +93,7 @@ def test_tp2_admits_a_compiled_grammar_on_every_rank_at_once(tmp_path):
         text = tokenizer.decode(small.output_ids, skip_special_tokens=True)
         assert small.finish_reason == "stop" and re.fullmatch("[ab]{3}", text), text
         assert [r.finish_reason for r in plain] == ["length", "length"]
-        sched.check_no_leak()
+        check_no_leak(sched)
         again = llm.generate(PROMPTS, SamplingParams(max_tokens=10), use_tqdm=False)
         assert [o["token_ids"] for o in again] == [r.output_ids for r in plain]
     finally:

@@ -8,6 +8,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.server.args import parse_args
+from support.invariants import check_no_leak
 from support.server import make_tiny_model
 
 
@@ -29,7 +30,7 @@ def test_warm_up_leaves_no_trace(model_dir: str) -> None:
         planner = scheduler.planner
         assert planner.num_prefill_tokens == planner.num_cached_tokens == 0
         assert scheduler.cache.prefix_cache.num_pages == 0 and not scheduler.has_work
-        scheduler.check_no_leak()
+        check_no_leak(scheduler)
         assert llm.generate(prompts, params, use_tqdm=False) == expected
     finally:
         llm.shutdown()

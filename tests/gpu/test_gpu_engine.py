@@ -11,6 +11,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.engine.sample import BatchSamplingArgs, sample
+from support.invariants import check_no_leak
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +47,7 @@ def generate(
             for i in range(24)
         ]
         outs = llm.generate(prompts(), params, use_tqdm=False)
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
         return [o["token_ids"] for o in outs]
     finally:
         llm.shutdown()
@@ -69,7 +70,7 @@ def greedy_with_logprobs(path: str, monkeypatch, **kwargs) -> list[dict]:
             SamplingParams(max_tokens=5 + i % 13, temperature=0.0, logprobs=5) for i in range(24)
         ]
         outs = llm.generate(prompts(), params, use_tqdm=False)
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
         return outs
     finally:
         llm.shutdown()
@@ -165,7 +166,7 @@ def test_fi_graph_decode_replans_only_on_new_pages(model_dirs, monkeypatch):
                 res = llm.generate(batch, SamplingParams(max_tokens=48), use_tqdm=False)
                 outs.append([o["token_ids"] for o in res])
                 counts.append(len(plans))
-            llm.scheduler.check_no_leak()
+            check_no_leak(llm.scheduler)
         finally:
             llm.shutdown()
     assert outs[:2] == outs[2:]
@@ -200,7 +201,7 @@ def test_graph_logits_equal_eager_logits(model_dirs):
         torch.testing.assert_close(via_graph, eager, atol=1e-4, rtol=1e-4)
         for req in reqs:
             sched.planner.release(req)
-        sched.check_no_leak()
+        check_no_leak(sched)
     finally:
         llm.shutdown()
 
@@ -271,7 +272,7 @@ def test_shared_prompts_radix_equals_naive_on_gpu(model_dirs, monkeypatch):
         try:
             res = llm.generate(batch, SamplingParams(max_tokens=10), use_tqdm=False)
             outs[cache] = [o["token_ids"] for o in res]
-            llm.scheduler.check_no_leak()
+            check_no_leak(llm.scheduler)
             if cache == "radix":
                 assert llm.scheduler.planner.num_cached_tokens > 0
         finally:

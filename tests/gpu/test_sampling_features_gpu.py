@@ -12,6 +12,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.ext.sampling.logprobs import Logprobs
+from support.invariants import check_no_leak
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +44,7 @@ def run(path: str, graphs: int, attn: str, dtype: str) -> list[dict]:
     try:
         assert (llm.engine.graphs is not None) == (graphs > 0)
         outs = llm.generate(prompts(20), [params(i) for i in range(20)], use_tqdm=False)
-        llm.scheduler.check_no_leak()
+        check_no_leak(llm.scheduler)
         return outs
     finally:
         llm.shutdown()
@@ -101,6 +102,6 @@ def test_decode_step_with_every_feature_has_no_host_sync(model_dirs, attn):
             scheduler.pending.extend(scheduler._process(ready))
         while scheduler.has_work:
             scheduler.step()
-        scheduler.check_no_leak()
+        check_no_leak(scheduler)
     finally:
         llm.shutdown()

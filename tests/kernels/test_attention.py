@@ -14,16 +14,13 @@ import pytest
 import torch
 
 import minisgl.attention as attn
-from minisgl.attention import (
-    HybridAttnBackend,
-    auto_backend,
-    create_attention_backend,
-    parse_attn,
-)
+from minisgl.attention import auto_backend, create_attention_backend, parse_attn
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.fi_backend import FlashInferAttnBackend, page_indices
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.ext.perf.hybrid import HybridAttnBackend
+from minisgl.extension import ExtensionMissing
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -46,6 +43,23 @@ def test_parse_attn(value, expected):
 def test_parse_attn_rejects_with_the_choices(value):
     with pytest.raises(ValueError, match="one of fi, triton, torch, or PREFILL,DECODE"):
         parse_attn(value)
+
+
+def test_a_backend_pair_needs_the_perf_extension(core_alone, capsys):
+    """Without ext/perf a PREFILL,DECODE pair of two backends is refused naming it (a CLI
+    error naming --attn); one backend, or a pair of the same, runs as before."""
+    from minisgl.server.args import parse_args
+
+    assert parse_attn("torch,torch") == ("torch", "torch")
+    with pytest.raises(ExtensionMissing, match="'fi,triton' needs the perf extension"):
+        parse_attn("fi,triton")
+    if importlib.util.find_spec("triton") is not None:  # both backends made, then refused
+        with pytest.raises(ExtensionMissing, match="needs the perf extension"):
+            create_attention_backend(("triton", "torch"), CPU)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--attn", "torch,triton"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --attn:" in err and "perf extension" in err
 
 
 def test_cli_attn_error_is_one_line_naming_the_flag(capsys):

@@ -11,7 +11,7 @@ from minisgl import env, kernel
 from minisgl.kvcache.pool import store_kv_torch
 from minisgl.layers.activation import silu_and_mul_torch
 from minisgl.layers.norm import RMSNorm, rms_norm_torch
-from minisgl.layers.rotary import RopeConfig, RotaryEmbedding, _adjacent, rope_torch
+from minisgl.layers.rotary import RopeConfig, RotaryEmbedding, _adjacent, rope_table, rotate
 from support.triton_env import kernel_module, use_interpreter_on_cpu
 
 CUDA = torch.cuda.is_available()
@@ -30,6 +30,14 @@ SHAPES = (
     else [(1, 64, 4, 2, 16, 128), (5, 96, 3, 1, 24, 80)]
 )
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def rope_torch(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference neox RoPE (as transformers: cos/sin cast to x's dtype first)."""
+    rows = rope_table(cos_sin)[positions].to(q.dtype).unsqueeze(2)
+    return rotate(q, rows), rotate(k, rows)
 
 
 def on_device(test):

@@ -97,8 +97,8 @@ def test_api_processes_number_their_requests_apart_and_answer_each_other(tmp_pat
     """Rank k of 3 numbers its requests k, k + 3...; rank 0 gathers every process's view; a
     failure sent to rank 1 ends its requests, one sent to rank 0 goes to the launcher."""
     from minisgl.core import SamplingParams
-    from minisgl.ext.serving.frontend import ServingFrontend
-    from minisgl.message import ApiFailMsg, TokenizeMsg
+    from minisgl.ext.serving.frontend import ApiFailMsg, ServingFrontend
+    from minisgl.message import TokenizeMsg
     from minisgl.utils.zmq import ZmqAsyncPushQueue
 
     addrs = [f"ipc://{tmp_path}/api{k}" for k in range(3)]

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minisgl.message import BatchFrontendMsg, TokenizeMsg, UserReply
+from minisgl.message import BatchMsg, TokenizeMsg, UserReply
 from minisgl.server.api_server import Chunks, Shape, create_app
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
@@ -37,7 +37,7 @@ async def fake_pipeline(
     for _ in range(n):  # the server waits for a choice's first reply before starting the next
         msgs.append(m := await tok.get())
         assert isinstance(m, TokenizeMsg)
-        await api.put(BatchFrontendMsg([UserReply(m.uid, "a", [1], False, None, 3, 1)]))
+        await api.put(BatchMsg([UserReply(m.uid, "a", [1], False, None, 3, 1)]))
     while not writes:
         await asyncio.sleep(0.01)
     later = [
@@ -45,7 +45,7 @@ async def fake_pipeline(
         for k in range(1, LATER + 1)
         for m in msgs
     ]
-    await api.put(BatchFrontendMsg(later))
+    await api.put(BatchMsg(later))
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -21,6 +21,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.ext.structured import grammar as grammar_mod
 from minisgl.ext.structured.grammar import TokenMask, apply_token_bitmask
 from minisgl.ext.structured.grammar_feature import constraint_of, grammar_state
+from support.invariants import check_no_leak
 from support.server import Server, make_tiny_model, run_server
 
 # Bounded schemas: a random model would otherwise write one endless string. Strings are bounded
@@ -106,7 +107,7 @@ def workload(seed: int, long_prompts: bool) -> list[tuple[list[int], SamplingPar
 def run(llm: LLM, items: list[tuple[list[int], SamplingParams, Any]]) -> list[dict[str, Any]]:
     outs = llm.generate([p for p, _, _ in items], [sp for _, sp, _ in items], use_tqdm=False)
     assert not llm.scheduler.has_work and grammar_state(llm.scheduler).num_constrained == 0
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
     return outs
 
 
@@ -201,7 +202,7 @@ def test_bad_grammar_is_refused_before_anything_runs(
     with pytest.raises(ValueError, match=re.escape(message)):
         offline.generate([[5, 6], [7, 8]], [good, SamplingParams(**{kind: spec})])
     assert not offline.scheduler.has_work
-    offline.scheduler.check_no_leak()
+    check_no_leak(offline.scheduler)
 
 
 def test_sampling_params_checks() -> None:

@@ -235,13 +235,14 @@ def test_scale_out_flags():
     launcher.args, launcher.options = args, options
     assert launcher.ranks_here == 2
     args = parse_args(["--dp", "4", "--dp-dispatch", "round_robin", "--dp-load-threshold", "0"])
-    assert (args.dp, args.dp_dispatch, args.dp_load_threshold) == (4, "round_robin", 0)
+    options = serving_options(args)
+    assert (options.dp, options.dp_dispatch, options.dp_load_threshold) == (4, "round_robin", 0)
 
 
 def test_dp_times_tp_above_the_gpus_fails_naming_both(monkeypatch):
     import torch
 
-    from minisgl.server.launch import check_scale_out
+    from minisgl.ext.serving.scale import check_scale_out
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -274,14 +275,14 @@ def test_vllm_dtype_names(model_dirs, name, dtype):
     [
         (["--model-path", "m"], "engine", "model", "m"),  # SGLang's names, then vLLM's
         (["--tp-size", "2"], "server", "tp", 2),
-        (["--dp-size", "2"], "server", "dp", 2),
+        (["--dp-size", "2"], "serving", "dp", 2),
         (["--context-length", "1024"], "engine", "max_model_len", 1024),
         (["--chunked-prefill-size", "512"], "scheduler", "max_prefill_tokens", 512),
         (["--random-seed", "7"], "engine", "seed", 7),
         (["--disable-cuda-graph"], "engine", "cuda_graph_max_bs", 0),
         (["--disable-radix-cache"], "scheduler", "cache", "naive"),
         (["--tensor-parallel-size", "2"], "server", "tp", 2),
-        (["--data-parallel-size", "2"], "server", "dp", 2),
+        (["--data-parallel-size", "2"], "serving", "dp", 2),
         (["--max-num-seqs", "8"], "engine", "max_running_requests", 8),
         (["--enforce-eager"], "engine", "cuda_graph_max_bs", 0),
         (["--no-enable-prefix-caching"], "scheduler", "cache", "naive"),
@@ -289,10 +290,19 @@ def test_vllm_dtype_names(model_dirs, name, dtype):
     ],
 )
 def test_vllm_and_sglang_flag_names(argv, where, name, value):
+    from minisgl.ext.serving.options import ServingOptions, serving_options
+
     args = parse_args(argv)
-    config = {"engine": args.engine, "scheduler": args.scheduler, "server": args}[where]
-    assert getattr(config, name) == value
+    serving = serving_options(args)
+    config = {
+        "engine": args.engine,
+        "scheduler": args.scheduler,
+        "server": args,
+        "serving": serving,
+    }
+    assert getattr(config[where], name) == value
     others = {"engine": EngineConfig(), "scheduler": SchedulerConfig(), "server": ServerArgs()}
+    others["serving"] = ServingOptions()
     assert getattr(others[where], name) != value or argv == ["--enable-prefix-caching"]
 
 

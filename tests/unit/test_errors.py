@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from minisgl import LLM, SamplingParams
+from support.invariants import check_no_leak
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_bad_prompts(llm):
         llm.generate([[1, 2], [3]], [SamplingParams()], use_tqdm=False)
     # nothing was queued by the failed calls
     assert not llm.scheduler.has_work
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 def test_unknown_architecture(model_dirs, tmp_path):

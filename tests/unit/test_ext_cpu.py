@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
@@ -18,6 +19,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.extension import ExtensionMissing, Extensions
 from minisgl.models import default_model, resolve_model_path
 from minisgl.utils.options import OptionError
+from support.invariants import check_no_leak
 from support.models import hf_greedy
 
 NEEDS = "needs the cpu extension (minisgl/ext/cpu)"
@@ -31,20 +33,34 @@ def test_the_extension_fills_its_points() -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "name", "what"),
+    ("options", "name"),
     [
-        ({"quantization": "int8"}, "quantization", "--quantization int8"),
-        ({"quantization": "gguf"}, "quantization", "--quantization gguf"),
-        ({"enable_torch_compile": True}, "enable_torch_compile", "--enable-torch-compile"),
+        ({"quantization": "int8"}, "quantization"),
+        ({"quantization": "gguf"}, "quantization"),
+        ({"quantization": "none"}, "quantization"),  # the option is the extension's
+        ({"enable_torch_compile": True}, "enable_torch_compile"),
     ],
 )
-def test_options_of_the_extension_are_refused(core_alone, options, name, what) -> None:
-    with pytest.raises(OptionError) as info:
-        EngineConfig(**options)
-    assert info.value.name == name
-    assert str(info.value) == f"{what} {NEEDS}"
-    EngineConfig(quantization="none")  # the core's own modes stay
-    EngineConfig(quantization="auto")
+def test_options_of_the_extension_are_refused(core_alone, options, name) -> None:
+    with pytest.raises(ExtensionMissing) as info:
+        LLM.configs("model", options)  # what LLM(...) does with its keywords
+    assert (info.value.what, info.value.extension) == (name, "cpu")
+    assert str(info.value) == f"{name} {NEEDS}"
+    assert not any(f.name == name for f in fields(EngineConfig))
+
+
+@pytest.mark.ext
+def test_the_extension_hands_its_options_to_the_engine() -> None:
+    from minisgl.ext.cpu.options import CpuOptions, cpu_options
+
+    engine, sched = LLM.configs("model", {"quantization": "int8", "enable_torch_compile": True})
+    assert sched.extras["cpu"] == CpuOptions("int8", True)
+    for adjust in extension.extensions().engine_config:
+        engine = adjust(engine, sched)
+    assert cpu_options(engine) == CpuOptions("int8", True)
+    with pytest.raises(OptionError, match="invalid quantization 'int4'") as info:
+        LLM.configs("model", {"quantization": "int4"})
+    assert info.value.name == "quantization"
 
 
 def test_gguf_and_default_models_are_refused(core_alone, tmp_path) -> None:
@@ -78,12 +94,11 @@ def cli(*flags: str) -> subprocess.CompletedProcess:
         ),
         (
             ["--model", ".", "--quantization", "int8"],
-            f"python -m minisgl: error: argument --quantization: --quantization int8 {NEEDS}",
+            f"python -m minisgl: error: --quantization {NEEDS}",
         ),
         (
             ["--model", ".", "--enable-torch-compile"],
-            "python -m minisgl: error: argument --enable-torch-compile: --enable-torch-compile "
-            + NEEDS,
+            f"python -m minisgl: error: --enable-torch-compile {NEEDS}",
         ),
     ],
 )
@@ -113,4 +128,4 @@ def test_dense_model_generates_as_with_the_extension(model_dirs, monkeypatch) ->
     assert got == want
     assert alone.engine.model_transform is None and alone.engine.quantization == "none"
     assert not any(hasattr(m, "quantized") for m in alone.engine.model.modules())
-    alone.scheduler.check_no_leak()
+    check_no_leak(alone.scheduler)

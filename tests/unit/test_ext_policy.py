@@ -30,8 +30,9 @@ def request(priority: int = 0, tokens: list[int] | None = None) -> Req:
 
 
 def fake_cache(prefixes: dict[int, int] | None = None) -> Any:
-    """A prefix cache whose cached length of a prompt is `prefixes[its first token]`."""
-    return SimpleNamespace(cached_length=lambda tokens: (prefixes or {}).get(tokens[0], 0))
+    """A KV cache whose cached length of a prompt is `prefixes[its first token]`."""
+    length = SimpleNamespace(cached_length=lambda tokens: (prefixes or {}).get(tokens[0], 0))
+    return SimpleNamespace(prefix_cache=length)
 
 
 def queue(policy: str, aging: int = 0, cache: Any = None, *reqs: Req) -> WaitingQueue:

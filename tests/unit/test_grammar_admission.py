@@ -26,6 +26,7 @@ from minisgl.message import decode
 from minisgl.scheduler import Scheduler, SchedulerConfig, TokenOutput
 from minisgl.scheduler import io as io_mod
 from minisgl.scheduler import tp as tp_mod
+from support.invariants import check_no_leak
 from support.tokenizer import build_tiny_tokenizer
 
 VOCAB = 512  # the tiny tokenizer's xgrammar vocabulary (support/models.py)
@@ -136,7 +137,7 @@ def make(tokenizer: Any, monkeypatch: pytest.MonkeyPatch):
             if not req.ext["grammar"].future.done():  # type: ignore[union-attr]
                 req.ext["grammar"].future.set_exception(GrammarError("test over"))  # type: ignore[union-attr]
         run(sched)
-        sched.check_no_leak()
+        check_no_leak(sched)
         cache = sched.cache
         assert cache.allocator.num_free + cache.prefix_cache.num_pages == cache.num_pages
         assert not sched.planner.admitted() and not grammar_state(sched).compiling

@@ -26,6 +26,7 @@ from minisgl.kvcache import (
     PageAllocator,
     RadixPrefixCache,
 )
+from support.invariants import check_integrity, check_invariants
 
 # ---------------------------------------------------------------------------------------------
 # PageAllocator
@@ -86,7 +87,7 @@ def test_radix_match_after_insert_page_size_1() -> None:
     h, pages = c.match_prefix([7])
     assert (h.length, pages) == (0, [])
     assert c.num_pages == 3 and c.evictable_pages == 3 and c.locked_pages == 0
-    c.check_integrity()
+    check_integrity(c)
 
 
 def test_radix_page_alignment_page_size_4() -> None:
@@ -102,7 +103,7 @@ def test_radix_page_alignment_page_size_4() -> None:
         c.insert(toks[:6], [1, 2])
     with pytest.raises(ValueError):
         c.insert(toks[:4], [1, 2])
-    c.check_integrity()
+    check_integrity(c)
 
 
 def test_radix_split_on_insert_and_match() -> None:
@@ -121,7 +122,7 @@ def test_radix_split_on_insert_and_match() -> None:
     c.unlock(h)
     assert sorted(c.evict(100)) == [0, 1]
     assert c.num_pages == 0
-    c.check_integrity()
+    check_integrity(c)
 
 
 def test_radix_insert_returns_duplicates() -> None:
@@ -155,7 +156,7 @@ def test_radix_unlock_below_zero_raises() -> None:
     h, _ = c.match_prefix([1])
     with pytest.raises(ValueError):
         c.unlock(h)
-    c.check_integrity()
+    check_integrity(c)
 
 
 def test_radix_split_above_locked_node_keeps_ref_counts() -> None:
@@ -166,11 +167,11 @@ def test_radix_split_above_locked_node_keeps_ref_counts() -> None:
     c.lock(h)
     c.insert([1, 2, 9], [10, 11, 12])  # splits the locked node into [1,2] -> [3,4]
     c.match_prefix([1, 5])  # another split, at [1] -> [2]
-    c.check_integrity()
+    check_integrity(c)
     assert c.locked_pages == 4 and c.evictable_pages == 1
     assert c.evict(100) == [12]
     c.unlock(h)
-    c.check_integrity()
+    check_integrity(c)
     assert c.locked_pages == 0 and c.evictable_pages == 4
     assert sorted(c.evict(100)) == [0, 1, 2, 3]
 
@@ -234,9 +235,9 @@ def test_manager_release_and_reuse() -> None:
     assert cached == []
     pages = m.allocate(3)
     assert pages is not None
-    m.check_invariants(pages)
+    check_invariants(m, pages)
     m.release(toks, pages, h)
-    m.check_invariants()
+    check_invariants(m)
     assert m.prefix_cache.num_pages == 2 and m.allocator.num_free == 6
     h2, cached2 = m.match_and_lock([1, 2, 3, 4, 9, 9])
     assert cached2 == pages[:2] and h2.length == 4
@@ -244,7 +245,7 @@ def test_manager_release_and_reuse() -> None:
     mine = m.allocate(1)
     assert mine is not None
     m.release([1, 2, 3, 4, 9, 9], cached2 + mine, h2)
-    m.check_invariants()
+    check_invariants(m)
     assert m.prefix_cache.num_pages == 3
     m.reset_cache()
     assert m.allocator.num_free == 8
@@ -263,11 +264,11 @@ def test_manager_allocate_evicts_and_fails_cleanly() -> None:
     assert m.prefix_cache.num_pages == 3  # nothing evicted by the failed call
     q = m.allocate(2)  # evicts the unlocked page [3]
     assert q is not None and m.prefix_cache.num_pages == 2
-    m.check_invariants(q)
+    check_invariants(m, q)
     m.release([1, 2], cached + q, h)  # tokens shorter than pages: spare pages are freed
-    m.check_invariants()
+    check_invariants(m)
     with pytest.raises(AssertionError):
-        m.check_invariants([0])  # a page claimed by a request while free or cached
+        check_invariants(m, [0])  # a page claimed by a request while free or cached
 
 
 def test_manager_release_rejects_bad_lengths() -> None:
@@ -296,11 +297,11 @@ def test_manager_cache_prefix_shares_and_dedups() -> None:
     free = m.allocator.num_free
     hb, b2 = m.cache_prefix(prompt, b, hb)  # b computed the same prompt: its copies go back
     assert b2 == a[:2] + b[2:] and m.allocator.num_free == free + 2
-    m.check_invariants(a[2:] + b[2:])
+    check_invariants(m, a[2:] + b[2:])
     # Release at finish with generated tokens past the shared part.
     m.release(prompt + [6], a, ha)
     m.release(prompt, b2, hb)
-    m.check_invariants()
+    check_invariants(m)
     assert m.prefix_cache.locked_pages == 0 and m.prefix_cache.num_pages == 3
     with pytest.raises(ValueError):
         m.cache_prefix([1], [0], CacheHandle(2))  # handle longer than the computed tokens
@@ -468,7 +469,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         own = [p for r in self.live for p in r.own]
-        self.m.check_invariants(own)
+        check_invariants(self.m, own)
         free = set(self.m.allocator.free_pages())
         cached = set(self.m.prefix_cache.owned_pages())
         for r in self.live:
@@ -485,7 +486,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for r in reversed(self.live):
             self.m.release(r.tokens, r.pages, r.handle)
         self.live.clear()
-        self.m.check_invariants()
+        check_invariants(self.m)
         assert self.m.prefix_cache.locked_pages == 0
         self.m.reset_cache()
         assert self.m.allocator.num_free == self.m.num_pages
@@ -571,7 +572,7 @@ class RadixModelMachine(RuleBasedStateMachine):
     def counts(self) -> None:
         if not hasattr(self, "c"):
             return
-        self.c.check_integrity()
+        check_integrity(self.c)
         locked = {
             toks[: (j + 1) * self.P] for _, toks in self.locks for j in range(len(toks) // self.P)
         }
@@ -606,4 +607,4 @@ def test_radix_match_is_longest_inserted_prefix(
     for q in seqs + queries:
         want = max(k for k in range(0, len(q) + 1, page_size) if tuple(q[:k]) in prefixes | {()})
         assert c.match_prefix(q)[0].length == want
-    c.check_integrity()
+    check_integrity(c)

@@ -10,9 +10,7 @@ from minisgl.core import SamplingParams
 from minisgl.message import (
     AbortBackendMsg,
     AbortMsg,
-    BatchBackendMsg,
-    BatchDetokenizeMsg,
-    BatchFrontendMsg,
+    BatchMsg,
     DetokenizeMsg,
     ExitMsg,
     TokenizeMsg,
@@ -58,13 +56,13 @@ ALL_MESSAGES = [
     UserMsg(uid=6, input_ids=list(range(1000)), params=PARAMS),
     AbortBackendMsg(uid=7),
     ExitMsg(),
-    BatchBackendMsg(msgs=[UserMsg(uid=8, input_ids=[1], params=PARAMS), AbortBackendMsg(uid=9)]),
-    BatchBackendMsg(msgs=[]),
+    BatchMsg(msgs=[UserMsg(uid=8, input_ids=[1], params=PARAMS), AbortBackendMsg(uid=9)]),
+    BatchMsg(msgs=[]),
     DETOK,
-    BatchDetokenizeMsg(msgs=[DETOK, DetokenizeMsg(1, [], True, "length")]),
+    BatchMsg(msgs=[DETOK, DetokenizeMsg(1, [], True, "length")]),
     REPLY,
     UserReply(2, "", [], True, "abort", 0, 0, error="prompt too long"),
-    BatchFrontendMsg(msgs=[REPLY, REPLY]),
+    BatchMsg(msgs=[REPLY, REPLY]),
 ]
 
 
@@ -76,7 +74,7 @@ def test_round_trip(msg):
 
 
 def test_nested_types_are_rebuilt():
-    out = decode(encode(BatchBackendMsg(msgs=[UserMsg(uid=1, input_ids=[2], params=PARAMS)])))
+    out = decode(encode(BatchMsg(msgs=[UserMsg(uid=1, input_ids=[2], params=PARAMS)])))
     assert isinstance(out.msgs[0], UserMsg)
     assert isinstance(out.msgs[0].params, SamplingParams)
     assert out.msgs[0].params.seed == 7
@@ -243,9 +241,9 @@ def test_sync_push_to_async_pull(tmp_path):
         pull = ZmqAsyncPullQueue(addr, create=True)
         push = ZmqPushQueue(addr, create=False)
         try:
-            push.put(BatchFrontendMsg(msgs=[REPLY]))
+            push.put(BatchMsg(msgs=[REPLY]))
             got = await asyncio.wait_for(pull.get(), timeout=5)
-            assert got == BatchFrontendMsg(msgs=[REPLY])
+            assert got == BatchMsg(msgs=[REPLY])
         finally:
             push.close()
             pull.close()

@@ -180,7 +180,7 @@ def test_gc_threshold_flag_is_checked():
 def test_server_gc_threshold_defaults_to_the_measured_one(monkeypatch, flag, environ, exported):
     """The server's processes get 700 10 1000 unless the flag or MINISGL_GC_THRESHOLD says
     otherwise; the flag wins over the variable."""
-    from minisgl.ext.serving.scale import export_gc_settings
+    from minisgl.ext.serving.collector import export_gc_settings
     from minisgl.server.args import parse_args
 
     if environ is None:

@@ -4,6 +4,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.core import Req
 from minisgl.engine.sample import BatchSamplingArgs, sample, uniform_noise
 from minisgl.ext.sampling.adjust import AdjustTable, adjust_logits
+from support.invariants import check_no_leak
 
 
 def args_for(params: list[SamplingParams], vocab: int, steps: list[int] | None = None):
@@ -82,7 +83,7 @@ def test_seeded_generation_is_reproducible_across_batches(model_dirs):
         [prompt] * 4, SamplingParams(temperature=1.0, max_tokens=12), use_tqdm=False
     )
     assert len({tuple(o["token_ids"]) for o in unseeded}) > 1
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)
 
 
 def test_adjust_logits_against_the_plain_formulas():

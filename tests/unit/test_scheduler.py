@@ -12,11 +12,12 @@ import torch
 
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.extension import extensions
-from minisgl.message import BatchBackendMsg, ExitMsg, decode
+from minisgl.message import BatchMsg, ExitMsg, decode
 from minisgl.scheduler import Scheduler, SchedulerConfig, TokenOutput
 from minisgl.scheduler import tp as tp_mod
 from minisgl.scheduler.planner import reaches_length
 from minisgl.scheduler.scheduler import PLACEHOLDER
+from support.invariants import check_no_leak
 
 EOS = 2
 PAGE = 4
@@ -128,7 +129,7 @@ def make(monkeypatch):
     yield build
     for sched in made:
         run(sched)
-        sched.check_no_leak()
+        check_no_leak(sched)
         cache = sched.cache
         assert cache.allocator.num_free + cache.prefix_cache.num_pages == cache.num_pages
         assert cache.prefix_cache.locked_pages == 0 and not sched.planner.admitted()
@@ -318,7 +319,7 @@ def test_follower_replays_the_leaders_adds_and_aborts(make, monkeypatch):
     run(lead)
     lead.stop_followers()
     messages = [decode(m) for m in queue]
-    assert all(isinstance(m, BatchBackendMsg) for m in messages[:-1])
+    assert all(isinstance(m, BatchMsg) for m in messages[:-1])
     assert isinstance(messages[-1], ExitMsg)
     assert [c.params.seed for c in messages[0].msgs] == [a.seed, b.seed]
     assert a.finish_reason == "abort" and a.num_output < 5

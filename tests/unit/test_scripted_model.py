@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from support.invariants import check_no_leak
 from support.scripted import START, START_AFTER_TOOL, build_scripted_model, split_unique
 
 SCRIPT = (
@@ -127,4 +128,4 @@ def test_offline_chat_parses_reasoning_and_tool_calls(scripted: str) -> None:
     bad = [{"type": "function", "function": {"parameters": {}}}]
     with pytest.raises(ValueError, match="tools"):
         llm.chat([CHAT], params, use_tqdm=False, tools=bad)
-    llm.scheduler.check_no_leak()
+    check_no_leak(llm.scheduler)

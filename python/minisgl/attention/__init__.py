@@ -1,5 +1,5 @@
 """Attention backends (`fi`: flashinfer, `triton`, `torch`: the reference, any device), made by
-`create_attention_backend("auto" | NAME | "PREFILL,DECODE", ...)`."""
+`create_attention_backend("auto" | NAME | "PREFILL,DECODE", ...)` (a pair: ext/perf's)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import functools
 import torch
 
 from minisgl.attention.base import BaseAttnBackend
-from minisgl.attention.hybrid import HybridAttnBackend
 from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.extension import extensions, require
 
 BACKENDS = ("fi", "triton", "torch")
 
@@ -24,6 +24,8 @@ def parse_attn(value: str) -> tuple[str, str]:
             f"unknown attention backend {value!r}: expected 'auto', one of "
             f"{', '.join(BACKENDS)}, or PREFILL,DECODE (e.g. 'fi,triton')"
         )
+    if names[0] != names[-1]:  # a pair of two backends: ext/perf's
+        require(extensions().hybrid_attention, f"the attention backend pair {value!r}", "perf")
     return (names[0], names[-1])
 
 
@@ -44,13 +46,14 @@ def auto_backend(
 ) -> str:
     """--attn auto: triton on CUDA, torch elsewhere; for a sliding window fi or torch."""
     # triton: measured faster than fi on the H100 (docs/benchmarks.md, session 11); it has no
-    # sliding windows: fi then, when flashinfer imports and the dtypes are 16-bit
+    # sliding windows: fi then, when flashinfer imports and the KV cache is 16-bit
     if device.type != "cuda":
         return "torch"
     if sliding_window is None:
         return "triton"
-    fi_dtypes = dtype != torch.float32 and (kv_dtype is None or kv_dtype.itemsize == 2)
-    return "fi" if fi_dtypes and flashinfer_available() else "torch"
+    kv_dtype = kv_dtype or dtype
+    sixteen_bit = kv_dtype is None or kv_dtype.itemsize == 2
+    return "fi" if sixteen_bit and flashinfer_available() else "torch"
 
 
 def create_attention_backend(
@@ -69,7 +72,7 @@ def create_attention_backend(
         if one == "fi":
             from minisgl.attention.fi_backend import FlashInferAttnBackend
 
-            return FlashInferAttnBackend(device, num_qo_heads, dtype, sliding_window, kv_dtype)
+            return FlashInferAttnBackend(device, num_qo_heads, kv_dtype or dtype, sliding_window)
         if one == "triton":
             from minisgl.attention.triton_backend import TritonAttnBackend
 
@@ -78,14 +81,7 @@ def create_attention_backend(
 
     # fi made first: its refusals (dtypes, CUDA) name the fix whatever the other backend is
     made = {one: make(one) for one in sorted({prefill, decode}, key=lambda one: one != "fi")}
-    return made[prefill] if prefill == decode else HybridAttnBackend(made[prefill], made[decode])
-
-
-__all__ = [
-    "BACKENDS",
-    "BaseAttnBackend",
-    "HybridAttnBackend",
-    "auto_backend",
-    "create_attention_backend",
-    "parse_attn",
-]
+    if prefill == decode:
+        return made[prefill]
+    hybrid = require(extensions().hybrid_attention, f"--attn {prefill},{decode}", "perf")
+    return hybrid(made[prefill], made[decode])

@@ -4,10 +4,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from minisgl.core import AttnMetadata, Batch
+from minisgl.core import Batch
 from minisgl.kernel import DecodeRope
-
-__all__ = ["AttnMetadata", "BaseAttnBackend"]
 
 
 class BaseAttnBackend(ABC):

@@ -7,16 +7,15 @@ in `prepare` for every layer; the pool's `k_cache` / `v_cache` are its NHD layou
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
 import torch
 
-from minisgl.attention.base import AttnMetadata, BaseAttnBackend
+from minisgl.attention.base import BaseAttnBackend
 from minisgl.context import get_global_ctx
-from minisgl.core import Batch
+from minisgl.core import AttnMetadata, Batch
 
 WORKSPACE_BYTES = 256 << 20  # split-KV partial results; shared by every wrapper
 INT_WORKSPACE_BYTES = 8 << 20  # plan metadata; shared too (each plan precedes its runs)
@@ -25,15 +24,13 @@ INT_WORKSPACE_BYTES = 8 << 20  # plan metadata; shared too (each plan precedes i
 @dataclass
 class FiAttnMetadata(AttnMetadata):
     wrapper: Any  # the planned flashinfer wrapper this batch runs
-    sm_scale: float
 
 
 def page_indices(
     page_table: torch.Tensor, rows: torch.Tensor, indptr: torch.Tensor, total: int
 ) -> torch.Tensor:
     """The first indptr[i+1] - indptr[i] entries of page_table[rows[i]] for every i, back to
-    back (flashinfer's flat page list), computed on the table's device without a host sync:
-    `total` = indptr[-1] is known on the host."""
+    back (flashinfer's flat page list), on the table's device without a host sync."""
     req = torch.repeat_interleave(indptr.diff(), output_size=total)
     col = torch.arange(total, device=indptr.device, dtype=indptr.dtype) - indptr[req]
     return page_table[rows[req], col]
@@ -46,19 +43,14 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self,
         device: torch.device,
         num_qo_heads: int | None,
-        dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,  # the KV pool's (q's too: flashinfer runs one)
         sliding_window: int | None = None,
-        kv_dtype: torch.dtype | None = None,
     ) -> None:
-        if dtype == torch.float32:
-            raise ValueError(
-                "the fi (flashinfer) attention backend does not support float32: "
-                "use --attn triton or torch, or a 16-bit --dtype"
-            )
         if kv_dtype is not None and kv_dtype.itemsize != 2:
             raise ValueError(
-                f"the fi (flashinfer) attention backend needs a 16-bit KV cache, got {kv_dtype}: "
-                "use --attn triton (or auto) with --kv-cache-dtype fp8"
+                f"the fi (flashinfer) attention backend needs a 16-bit KV cache, got {kv_dtype} "
+                "(it does not support float32 or fp8): use a 16-bit --dtype, or --attn triton "
+                "(fp8 too) or torch"
             )
         if num_qo_heads is None:
             raise ValueError("the fi attention backend needs num_qo_heads")
@@ -83,14 +75,13 @@ class FlashInferAttnBackend(BaseAttnBackend):
             self.workspace, "NHD", backend="fa2"
         )
         self.prefill_wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
-        self.decode_wrapper: object | None = None  # built at the first decode (needs kv heads)
-        self.graph_wrappers: dict[int, object] = {}  # batch size -> graph-mode decode wrapper
+        self.decode_wrapper: Any = None  # built at the first decode (needs kv heads)
+        self.graph_wrappers: dict[int, Any] = {}  # batch size -> graph-mode decode wrapper
         self.graph_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.plan_done: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan
         # what the plan now in the shared int workspace was made for (graph decode only)
         self.planned_key: tuple | None = None
 
-    # -- eager ---------------------------------------------------------------------------
     def prepare(self, batch: Batch) -> None:
         if batch.is_decode:
             if self.decode_wrapper is None:
@@ -100,14 +91,12 @@ class FlashInferAttnBackend(BaseAttnBackend):
             self._plan_prefill(batch)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
-        md = FiAttnMetadata.of(batch)
-        if not math.isclose(scale, md.sm_scale, rel_tol=1e-6):
-            raise ValueError(f"fi backend planned softmax scale {md.sm_scale}, layer gave {scale}")
+        # `scale` is head_dim ** -0.5, as planned
         kv_cache = get_global_ctx().kv_cache
         q = q if q.stride(-1) == 1 else q.contiguous()
-        return md.wrapper.run(q, (kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id)))
+        kv = (kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id))
+        return FiAttnMetadata.of(batch).wrapper.run(q, kv)
 
-    # -- CUDA graphs -----------------------------------------------------------------------
     def init_cuda_graph(self, max_bs: int) -> None:
         page_table = get_global_ctx().page_table
         device = page_table.device
@@ -120,10 +109,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
 
     def prepare_for_capture(self, batch: Batch) -> None:
         assert self.graph_bufs is not None, "init_cuda_graph() first"
-        bs = batch.size
-        assert batch.is_decode and bs < self.graph_bufs[0].shape[0]
+        bs, (indptr, pages, last) = batch.size, self.graph_bufs
         if bs not in self.graph_wrappers:
-            indptr, pages, last = self.graph_bufs
             self.graph_wrappers[bs] = self._new_decode_wrapper(
                 use_cuda_graph=True,
                 paged_kv_indptr_buffer=indptr[: bs + 1],
@@ -133,13 +120,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.prepare_for_replay(batch)
 
     def prepare_for_replay(self, batch: Batch) -> None:
-        wrapper = self.graph_wrappers.get(batch.size)
-        if wrapper is None:
-            raise KeyError(f"no decode graph was prepared for batch size {batch.size}")
-        self._plan_decode(wrapper, batch, graph=True)
+        self._plan_decode(self.graph_wrappers[batch.size], batch, graph=True)
 
-    # -- planning -------------------------------------------------------------------------
-    def _new_decode_wrapper(self, **graph_args) -> object:
+    def _new_decode_wrapper(self, **graph_args: Any) -> Any:
         kv_heads = get_global_ctx().kv_cache.num_kv_heads
         # Tensor cores pay off once a kv head serves >= 4 query heads (sglang's rule; flashinfer
         # documents them as faster for large groups). Below that (Qwen3-0.6B: 2) the CUDA-core
@@ -155,27 +138,37 @@ class FlashInferAttnBackend(BaseAttnBackend):
         wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
         return wrapper
 
-    @staticmethod
-    def _page_counts(batch: Batch) -> tuple[list[int], list[int]]:
-        """(pages, tokens in the last page) of each request's KV, this forward's included."""
-        page_size = get_global_ctx().page_size
-        kv_lens = [r.cached_len + r.extend_len for r in batch.reqs]
-        num_pages = [-(-n // page_size) for n in kv_lens]
-        return num_pages, [n - (p - 1) * page_size for n, p in zip(kv_lens, num_pages)]
-
-    def _kv_pages(
-        self, batch: Batch, num_pages: list[int], last: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kv page indptr, flat page ids on the device, last page lengths) of `_page_counts`."""
+    def _plan_decode(self, wrapper: Any, batch: Batch, graph: bool = False) -> None:
         ctx = get_global_ctx()
-        indptr = [0, *accumulate(num_pages)]
-        rows = [r.table_idx for r in batch.reqs]
-        host = torch.tensor([indptr, [*rows, 0]], dtype=torch.int32, pin_memory=True)
-        dev = host.to(ctx.page_table.device, non_blocking=True)  # pinned: no wait for the device
-        pages = page_indices(ctx.page_table, dev[1, :-1], dev[0], indptr[-1])
-        return host[0], pages, torch.tensor(last, dtype=torch.int32, pin_memory=True)
+        batch.attn_metadata = FiAttnMetadata(wrapper)
+        num_pages, last = _page_counts(batch, ctx.page_size)
+        rows = tuple(r.table_idx for r in batch.reqs)
+        key = (id(wrapper), ctx.page_table_version, rows, tuple(num_pages))
+        if graph and key == self.planned_key:
+            # flashinfer's CUDA-core decode plan reads the page counts only (its indptr), and
+            # the page table is unchanged since: the plan, the page list and the indptr in the
+            # graph's buffers still hold; only the tokens in each last page moved on.
+            assert self.graph_bufs is not None
+            last_host = torch.tensor(last, dtype=torch.int32, pin_memory=True)
+            self.graph_bufs[2][: batch.size].copy_(last_host, non_blocking=True)
+            return
+        indptr, pages, last_host = _kv_pages(batch, num_pages, last)
+        head_dim = ctx.kv_cache.head_dim
+        self._plan(wrapper, indptr, pages, last_host, head_dim=head_dim, **self._plan_args())
+        self.planned_key = key if graph and not wrapper.use_tensor_cores else None
 
-    def _plan_common(self) -> dict:
+    def _plan_prefill(self, batch: Batch) -> None:
+        ctx = get_global_ctx()
+        indptr, pages, last = _kv_pages(batch, *_page_counts(batch, ctx.page_size))
+        qo_indptr = [0, *accumulate(r.extend_len for r in batch.reqs)]
+        qo_host = torch.tensor(qo_indptr, dtype=torch.int32)
+        head_dim, wrapper = ctx.kv_cache.head_dim, self.prefill_wrapper
+        args = self._plan_args()
+        self._plan(wrapper, qo_host, indptr, pages, last, head_dim_qk=head_dim, causal=True, **args)
+        self.planned_key = None  # this plan overwrote the shared int workspace
+        batch.attn_metadata = FiAttnMetadata(wrapper)
+
+    def _plan_args(self) -> dict[str, Any]:
         kv_cache = get_global_ctx().kv_cache
         return dict(
             num_qo_heads=self.num_qo_heads,
@@ -187,38 +180,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
             kv_data_type=kv_cache.dtype,
         )
 
-    def _plan_decode(self, wrapper, batch: Batch, graph: bool = False) -> None:
-        ctx = get_global_ctx()
-        args = self._plan_common()
-        batch.attn_metadata = FiAttnMetadata(wrapper, args["sm_scale"])
-        num_pages, last = self._page_counts(batch)
-        rows = tuple(r.table_idx for r in batch.reqs)
-        key = (id(wrapper), ctx.page_table_version, rows, tuple(num_pages))
-        if graph and key == self.planned_key:
-            # flashinfer's CUDA-core decode plan reads the page counts only (its indptr), and
-            # the page table is unchanged since: the plan, the page list and the indptr in the
-            # graph's buffers still hold; only the tokens in each last page moved on.
-            assert self.graph_bufs is not None
-            last_host = torch.tensor(last, dtype=torch.int32, pin_memory=True)
-            self.graph_bufs[2][: batch.size].copy_(last_host, non_blocking=True)
-            return
-        indptr, pages, last_host = self._kv_pages(batch, num_pages, last)
-        head_dim = ctx.kv_cache.head_dim
-        self._plan(wrapper, indptr, pages, last_host, head_dim=head_dim, **args)
-        self.planned_key = key if graph and not wrapper.use_tensor_cores else None
-
-    def _plan_prefill(self, batch: Batch) -> None:
-        indptr, pages, last = self._kv_pages(batch, *self._page_counts(batch))
-        qo_indptr = [0, *accumulate(r.extend_len for r in batch.reqs)]
-        args = self._plan_common()
-        head_dim = get_global_ctx().kv_cache.head_dim
-        wrapper = self.prefill_wrapper
-        qo_host = torch.tensor(qo_indptr, dtype=torch.int32)
-        self._plan(wrapper, qo_host, indptr, pages, last, head_dim_qk=head_dim, causal=True, **args)
-        self.planned_key = None  # this plan overwrote the shared int workspace
-        batch.attn_metadata = FiAttnMetadata(wrapper, args["sm_scale"])
-
-    def _plan(self, wrapper, *args, **kwargs) -> None:
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
         # plan() stages metadata in the wrapper's pinned host buffer and copies it to the
         # device asynchronously: wait until the previous plan's copy ran before overwriting it
         # (the scheduler may prepare batch N+1 while batch N is still queued).
@@ -229,3 +191,23 @@ class FlashInferAttnBackend(BaseAttnBackend):
         done = torch.cuda.Event()
         done.record()
         self.plan_done[id(wrapper)] = done
+
+
+def _page_counts(batch: Batch, page_size: int) -> tuple[list[int], list[int]]:
+    """(pages, tokens in the last page) of each request's KV, this forward's included."""
+    kv_lens = [r.cached_len + r.extend_len for r in batch.reqs]
+    num_pages = [-(-n // page_size) for n in kv_lens]
+    return num_pages, [n - (p - 1) * page_size for n, p in zip(kv_lens, num_pages)]
+
+
+def _kv_pages(
+    batch: Batch, num_pages: list[int], last: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv page indptr, flat page ids on the device, last page lengths) of `_page_counts`."""
+    page_table = get_global_ctx().page_table
+    indptr = [0, *accumulate(num_pages)]
+    rows = [r.table_idx for r in batch.reqs]
+    host = torch.tensor([indptr, [*rows, 0]], dtype=torch.int32, pin_memory=True)
+    dev = host.to(page_table.device, non_blocking=True)  # pinned: no wait for the device
+    pages = page_indices(page_table, dev[1, :-1], dev[0], indptr[-1])
+    return host[0], pages, torch.tensor(last, dtype=torch.int32, pin_memory=True)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import AttnMetadata, BaseAttnBackend
+from minisgl.attention.base import BaseAttnBackend
 from minisgl.context import get_global_ctx
-from minisgl.core import Batch
+from minisgl.core import AttnMetadata, Batch
 
 
 @dataclass
@@ -25,18 +25,15 @@ class TorchAttnBackend(BaseAttnBackend):
 
     def __init__(self, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
-        # set for a compiled decoder (--enable-torch-compile): the KV length is marked dynamic,
-        # one graph for every step; eager engines (every GPU one) have nothing to mark
-        self.dynamic_kv_len = False
 
     def prepare(self, batch: Batch) -> None:
-        ctx = get_global_ctx()
+        ctx, window = get_global_ctx(), self.sliding_window
         device = ctx.page_table.device
-        cached = torch.tensor([r.cached_len for r in batch.reqs], device=device)
-        extend = torch.tensor([r.extend_len for r in batch.reqs], device=device)
-        rows = torch.tensor([r.table_idx for r in batch.reqs], device=device)
+        per_req = [(r.cached_len, r.extend_len, r.table_idx) for r in batch.reqs]
+        cached, extend, rows = torch.tensor(per_req, device=device).T
         max_q = max(r.extend_len for r in batch.reqs)
-        max_kv = max(r.cached_len + r.extend_len for r in batch.reqs)
+        kv_lens = {r.cached_len + r.extend_len for r in batch.reqs}
+        max_kv = max(kv_lens)
 
         kv_pos = torch.arange(max_kv, device=device)
         pages = ctx.page_table[rows[:, None], (kv_pos // ctx.page_size)[None, :]].long()
@@ -46,18 +43,14 @@ class TorchAttnBackend(BaseAttnBackend):
         q_pos = cached[:, None] + q_off[None, :]  # [B, max_q]
         q_valid = q_off[None, :] < extend[:, None]
         mask = kv_pos[None, None, :] <= q_pos[:, :, None]
-        if self.sliding_window is not None:
-            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        if window is not None:
+            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - window
         mask &= q_valid[:, :, None]
         mask[:, :, 0] |= ~q_valid  # padded query rows attend to one slot instead of none (NaN)
         q_index = torch.nonzero(q_valid.flatten()).squeeze(1)
-        lens = {r.cached_len + r.extend_len for r in batch.reqs}
-        window = self.sliding_window
         # decode rows of one length see every slot: SDPA without a mask is the cheaper kernel
-        unmasked = max_q == 1 and len(lens) == 1 and (window is None or max_kv <= window)
+        unmasked = max_q == 1 and len(kv_lens) == 1 and (window is None or max_kv <= window)
         full = None if unmasked else mask.unsqueeze(1)
-        if self.dynamic_kv_len:
-            torch._dynamo.maybe_mark_dynamic(kv_slots, 1)
         batch.attn_metadata = TorchAttnMetadata(kv_slots, full, q_index, max_q)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:

@@ -9,9 +9,9 @@ from itertools import accumulate
 import torch
 
 from minisgl import env
-from minisgl.attention.base import AttnMetadata, BaseAttnBackend
-from minisgl.context import Context, get_global_ctx
-from minisgl.core import Batch
+from minisgl.attention.base import BaseAttnBackend
+from minisgl.context import get_global_ctx
+from minisgl.core import AttnMetadata, Batch
 from minisgl.kernel import DecodeRope
 
 
@@ -25,9 +25,6 @@ class TritonAttnMetadata(AttnMetadata):
     order: torch.Tensor  # [B] int32 the requests by KV length, longest first (decode's programs)
     max_extend_len: int  # prefill only: sizes the extend grid
     num_splits: int  # decode only: KV chunks per request, from the batch size alone
-
-
-Operands = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class TritonAttnBackend(BaseAttnBackend):
@@ -48,10 +45,10 @@ class TritonAttnBackend(BaseAttnBackend):
         # [6, width] int32 metadata of the graphs whose batch pads to `width` columns: one
         # contiguous buffer each, so that refilling one is a bare copy (into a column slice of
         # a shared buffer it would be a copy kernel after the transfer)
-        self.graph_bufs: dict[int, torch.Tensor] | None = None
+        self.graph_bufs: dict[int, torch.Tensor] = {}
 
     def prepare(self, batch: Batch) -> None:
-        host = self._host_metadata(batch)
+        host = _host_metadata(batch)
         dev = host.to(get_global_ctx().page_table.device, non_blocking=True)
         batch.attn_metadata = self._metadata(batch, dev[:, : batch.size])
 
@@ -59,40 +56,16 @@ class TritonAttnBackend(BaseAttnBackend):
         self.graph_bufs = {}
 
     def prepare_for_capture(self, batch: Batch) -> None:
-        assert self.graph_bufs is not None, "init_cuda_graph() first"
         device = get_global_ctx().page_table.device
         width = -(-batch.size // 4) * 4
         self.graph_bufs.setdefault(width, torch.zeros(6, width, dtype=torch.int32, device=device))
         self.prepare_for_replay(batch)
 
     def prepare_for_replay(self, batch: Batch) -> None:
-        assert self.graph_bufs is not None, "init_cuda_graph() first"
-        assert batch.is_decode
-        host = self._host_metadata(batch)
+        host = _host_metadata(batch)
         buf = self.graph_bufs[host.shape[1]]  # KeyError: a size that was not captured
         buf.copy_(host, non_blocking=True)
         batch.attn_metadata = self._metadata(batch, buf[:, : batch.size])
-
-    @staticmethod
-    def _host_metadata(batch: Batch) -> torch.Tensor:
-        reqs = batch.reqs
-        cached = [r.cached_len for r in reqs]
-        extend = [r.extend_len for r in reqs]
-        kv_lens = [c + e for c, e in zip(cached, extend)]
-        q_starts = [0, *accumulate(extend)][:-1]
-        rows = [r.table_idx for r in reqs]
-        # decode starts the longest requests' programs first: the last to start are short ones
-        order = sorted(range(len(reqs)), key=kv_lens.__getitem__, reverse=True)
-        # Rows padded to a multiple of 4 values, so each row's device copy starts 16-byte
-        # aligned whatever the batch size: Triton compiles a kernel variant per pointer
-        # alignment, and a new one compiling mid-run stalls it for a second or more.
-        pad = [0] * (-len(reqs) % 4)
-        # pinned: a copy from pageable memory would wait for all queued device work
-        return torch.tensor(
-            [rows + pad, cached + pad, extend + pad, kv_lens + pad, q_starts + pad, order + pad],
-            dtype=torch.int32,
-            pin_memory=torch.cuda.is_available(),
-        )
 
     def _metadata(self, batch: Batch, dev: torch.Tensor) -> TritonAttnMetadata:
         splits = 1
@@ -101,8 +74,8 @@ class TritonAttnBackend(BaseAttnBackend):
                 self.sm_count = self.kernels.num_sms(dev.device)
             kv_heads = get_global_ctx().kv_cache.num_kv_heads
             splits = self.kernels.decode_splits(batch.size, kv_heads, self.sm_count)
-        rows, cached, extend, kv_lens, q_starts, order = dev
         max_extend = max(r.extend_len for r in batch.reqs)
+        rows, cached, extend, kv_lens, q_starts, order = dev
         return TritonAttnMetadata(
             rows, cached, extend, kv_lens, q_starts, order, max_extend, splits
         )
@@ -116,33 +89,46 @@ class TritonAttnBackend(BaseAttnBackend):
     def forward_rope(
         self, q: torch.Tensor, rope: DecodeRope, layer_id: int, scale: float, batch: Batch
     ) -> torch.Tensor:
-        assert batch.is_decode
-        return self._decode(q, layer_id, scale, batch, rope)
+        return self._run(q, layer_id, scale, batch, rope)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
+        return self._run(q, layer_id, scale, batch, None)
+
+    def _run(
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch, rope: DecodeRope | None
+    ) -> torch.Tensor:
+        md, ctx = TritonAttnMetadata.of(batch), get_global_ctx()
+        k_pool, v_pool = ctx.kv_cache.k_flat(layer_id), ctx.kv_cache.v_flat(layer_id)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        operands = (q, k_pool, v_pool, ctx.page_table, md.rows)
         if batch.is_decode:
-            return self._decode(q, layer_id, scale, batch, None)
-        md, ctx, operands = self._operands(q, layer_id, batch)
+            return self.kernels.decode_attention(
+                *operands, md.kv_lens, md.num_splits, ctx.page_size, scale, rope=rope,
+                order=md.order,
+            )  # fmt: skip
         return self.kernels.extend_attention(
             *operands, md.q_starts, md.cached_lens, md.extend_lens, md.max_extend_len,
             ctx.page_size, scale,
         )  # fmt: skip
 
-    def _decode(
-        self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch, rope: DecodeRope | None
-    ) -> torch.Tensor:
-        md, ctx, operands = self._operands(q, layer_id, batch)
-        return self.kernels.decode_attention(
-            *operands, md.kv_lens, md.num_splits, ctx.page_size, scale, rope=rope, order=md.order
-        )
 
-    @staticmethod
-    def _operands(
-        q: torch.Tensor, layer_id: int, batch: Batch
-    ) -> tuple[TritonAttnMetadata, Context, Operands]:
-        """(metadata, context, (q, k pool, v pool, page table, rows)) of a forward."""
-        md = TritonAttnMetadata.of(batch)
-        ctx = get_global_ctx()
-        k_pool, v_pool = ctx.kv_cache.k_flat(layer_id), ctx.kv_cache.v_flat(layer_id)
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        return md, ctx, (q, k_pool, v_pool, ctx.page_table, md.rows)
+def _host_metadata(batch: Batch) -> torch.Tensor:
+    """[6, B padded to a multiple of 4] int32: rows, cached, extend and KV lengths, q starts
+    and the decode order (pinned: a copy from pageable memory waits for all queued work)."""
+    reqs = batch.reqs
+    cached = [r.cached_len for r in reqs]
+    extend = [r.extend_len for r in reqs]
+    kv_lens = [c + e for c, e in zip(cached, extend)]
+    q_starts = [0, *accumulate(extend)][:-1]
+    rows = [r.table_idx for r in reqs]
+    # decode starts the longest requests' programs first: the last to start are short ones
+    order = sorted(range(len(reqs)), key=kv_lens.__getitem__, reverse=True)
+    # Rows padded to a multiple of 4 values, so each row's device copy starts 16-byte
+    # aligned whatever the batch size: Triton compiles a kernel variant per pointer
+    # alignment, and a new one compiling mid-run stalls it for a second or more.
+    pad = [0] * (-len(reqs) % 4)
+    return torch.tensor(
+        [rows + pad, cached + pad, extend + pad, kv_lens + pad, q_starts + pad, order + pad],
+        dtype=torch.int32,
+        pin_memory=torch.cuda.is_available(),
+    )

@@ -1,5 +1,5 @@
-"""Tensor-parallel info and collectives. World size 1 makes every collective a no-op, so the
-single-process path never touches torch.distributed."""
+"""Tensor-parallel info, group and collectives. World size 1 makes every collective a no-op:
+the single-process path never touches torch.distributed."""
 
 # With TP size N every rank runs the same scheduler and engine; the model's collectives go over
 # the default group (NCCL on CUDA, gloo on CPU) and rank 0's small control messages (new
@@ -75,21 +75,20 @@ class Rendezvous:
 
     path: str = ""
     device_shift: int = 0
-    timeout_s: float = START_TIMEOUT_S
-
-    @property
-    def local(self) -> bool:
-        """Every rank is on this machine: their sockets stay on the loopback interface."""
-        return True
 
     def join(self, rank: int, size: int, backend: str) -> None:
-        dist.init_process_group(
-            backend,
-            init_method=f"file://{self.path}",
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=self.timeout_s),
-        )
+        stay_on_loopback(backend)
+        timeout = timedelta(seconds=START_TIMEOUT_S)
+        dist.init_process_group(backend, f"file://{self.path}", timeout, world_size=size, rank=rank)
+
+
+def stay_on_loopback(backend: str) -> None:
+    """gloo's and NCCL's sockets on the loopback interface, unless the user chose one."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next((name for name in ("lo", "lo0") if name in names), "lo")  # Linux, macOS
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # read when a gloo group is made
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)  # NCCL's bootstrap sockets
 
 
 def rendezvous_file(directory: str, name: str = "tp-rendezvous", shift: int = 0) -> Rendezvous:
@@ -105,12 +104,6 @@ def select_device(rank: int, meet: Rendezvous | None) -> None:
 def init_tp(rank: int, size: int, meet: Rendezvous, device_type: str) -> None:
     """Join the TP group of `size` processes, which meet at `meet`."""
     global _CONTROL
-    if meet.local:
-        names = {name for _, name in socket.if_nameindex()}
-        loopback = next((name for name in ("lo", "lo0") if name in names), "lo")  # Linux, macOS
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # read when a gloo group is made
-        if device_type == "cuda":
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)  # NCCL's bootstrap sockets
     meet.join(rank, size, "nccl" if device_type == "cuda" else "gloo")
     _CONTROL = dist.new_group(backend="gloo", timeout=timedelta(days=3650))
     set_tp_info(DistributedInfo(rank, size))

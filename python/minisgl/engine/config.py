@@ -3,20 +3,17 @@ and a flag of `python -m minisgl` (docs/features.md has the details)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from minisgl.attention import BACKENDS as ATTN_BACKENDS
 from minisgl.attention import parse_attn
-from minisgl.extension import ExtensionMissing, extensions
 from minisgl.kernel import MOE_BACKENDS, resolve_moe_backend
 from minisgl.utils.device import device_type
 from minisgl.utils.options import OptionError, check_options, int_range, option, ratio
 
-# --quantization: none and auto (none without the cpu extension) are the core's; the cpu
-# extension computes gguf and int8 (ext/cpu/quantize.py)
-QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 DEVICES = ("auto", "cuda", "cpu")  # LLM(device=...) also takes "cuda:N"
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # vLLM's last two
 # --kv-cache-dtype: the pool stores K and V in this type (no scales: values are cast as they
@@ -43,13 +40,6 @@ class EngineConfig:
         "auto: the model's dtype on cuda (bfloat16 for float32); on cpu float32, or bfloat16 "
         "for quantized weights on a bf16 CPU (cpu extension); half, float: vLLM's names",
         choices=DTYPES,
-    )
-    quantization: str = option(
-        "auto",
-        "weight-only quantized linear layers (cpu extension; CPU, 16-bit dtype, TP 1): gguf "
-        "(a GGUF's Q4 codes as int4, Q8_0 as int8), int8 (every projection per row), none "
-        "(dequantized: the exact path); auto: gguf for a quantized GGUF in bfloat16, else none",
-        choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = option(
         "auto",
@@ -93,15 +83,12 @@ class EngineConfig:
         type=int_range(0),
         switches={"--enforce-eager": 0, "--disable-cuda-graph": 0},  # vLLM's, SGLang's
     )
-    enable_torch_compile: bool = option(
-        False,
-        "cpu (cpu extension): compile one-request decode steps with torch.compile (decode "
-        "~1.2x, a compile of ~30 s at the first); batches stay eager",
-    )
     dummy_weights: bool = option(False, "random weights (benchmarks, tests)")
     seed: int = option(
         0, "seed for dummy weights and global RNGs", type=int, aliases=["--random-seed"]
     )
+    # the extensions' options for the engine, by extension (put there by `engine_config`)
+    extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in DEVICES:
@@ -115,13 +102,6 @@ class EngineConfig:
         except ValueError as e:
             raise OptionError("attn", str(e)) from None
         self.attn = prefill if prefill == decode else f"{prefill},{decode}"
-        exts = extensions()  # the cpu extension's options are refused without it
-        if self.quantization not in ("auto", "none") and exts.model_transform is None:
-            missing = ExtensionMissing(f"--quantization {self.quantization}", "cpu")
-            raise OptionError("quantization", str(missing))
-        if self.enable_torch_compile and exts.decoder_transform is None:
-            missing = ExtensionMissing("--enable-torch-compile", "cpu")
-            raise OptionError("enable_torch_compile", str(missing))
 
     @property
     def attn_backends(self) -> tuple[str, str]:

@@ -1,9 +1,9 @@
-"""Engine: one TP worker's model, KV pool, page table and attention backend; runs a Batch."""
+"""Engine: one TP worker's model, KV pool, page and token tables, attention backend and CUDA
+graphs; runs a Batch in two phases, `forward` then `sample`, neither waiting for the device."""
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from typing import Any
 
@@ -15,16 +15,10 @@ from minisgl.core import Batch, Req
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
 from minisgl.engine.graph import GraphRunner
-from minisgl.engine.sample import (
-    BatchSamplingArgs,
-    any_filter,
-    greedy,
-    sample,
-    sample_at_temperature,
-)
+from minisgl.engine.sample import BatchSamplingArgs, any_filter, greedy, sample_at_temperature
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
 from minisgl.engine.tables import TableWrites
-from minisgl.extension import ForwardPath, Speculator, StepFeature, extensions, require
+from minisgl.extension import ForwardPath, Speculator, StepFeature, extensions
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache import MHAKVCache
 from minisgl.models import (
@@ -48,16 +42,10 @@ def _resolve_dtype(config: EngineConfig, hf_config, device: torch.device, path: 
         return getattr(torch, config.dtype)
     if device.type == "cpu":  # float32, the exact path, unless the cpu extension chooses
         choose = extensions().cpu_dtype
-        return choose(config.quantization, path) if choose is not None else torch.float32
+        return choose(config, path) if choose is not None else torch.float32
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
-
-
-def set_cpu_threads() -> None:
-    """Use every core of this process's affinity mask, unless OMP_NUM_THREADS chose already."""
-    if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
 
 
 def _model_path(config: EngineConfig) -> str:
@@ -67,15 +55,15 @@ def _model_path(config: EngineConfig) -> str:
 
 
 def check_model(config: EngineConfig, size: int = 1, gpus: int | None = None) -> None:
-    """Fail before any rank starts when the model or the machine (`gpus` it needs) cannot take
-    TP `size`, or --max-model-len is above the model's context."""
+    """Fail before any rank starts on a TP `size` the model or the machine (`gpus` it needs)
+    cannot take, or a --max-model-len above the model's context."""
     cfg = ModelConfig.from_hf(load_hf_config(_model_path(config)))
     check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config.device), gpus)
     model_len(config, cfg)
 
 
 def model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    """--max-model-len, or the model's context (above it: refused; never trained there)."""
+    """--max-model-len, or the model's context (above it: refused, never trained there)."""
     context = cfg.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > context:
         message = f"{config.max_model_len} is above the model's context of {context} tokens"
@@ -97,14 +85,10 @@ class Engine:
             self.model_config = replace(self.model_config, moe=replace(moe, backend=backend))
         self.dtype = _resolve_dtype(config, self.hf_config, self.device, self.model_path)
         self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
-        # what changes the model around its weights' loading (the cpu extension: --quantization)
-        make = extensions().model_transform
+        make = extensions().model_transform  # e.g. ext/cpu's quantized layers
         self.model_transform = make(self) if make is not None else None
         self.quantization = "none" if self.model_transform is None else self.model_transform.name
-        cfg, tp_size = self.model_config, get_tp_info().size
-        check_tp_size(tp_size, cfg.num_heads, cfg.num_kv_heads, self.device.type)
-        self.max_model_len = model_len(config, cfg)
-
+        self.max_model_len = model_len(config, self.model_config)
         torch.manual_seed(config.seed)
         self.model = self._build_model()
         self.kv_cache = self._build_kv_cache()
@@ -126,20 +110,20 @@ class Engine:
         self.token_table = torch.zeros(
             (rows, self.max_seq_len + 1), dtype=torch.int32, device=self.device
         )
+        cfg = self.model_config
         self.attn_backend = create_attention_backend(
             config.attn_backends, self.device, cfg.sliding_window, dtype=self.dtype,
-            num_qo_heads=cfg.num_heads // tp_size, kv_dtype=self.kv_dtype,
+            num_qo_heads=cfg.num_heads // get_tp_info().size, kv_dtype=self.kv_dtype,
         )  # fmt: skip
-        self.compiled_decoder = None  # one-request decode steps under --enable-torch-compile
-        if config.enable_torch_compile:  # (EngineConfig refuses it without the cpu extension)
-            compile = require(extensions().decoder_transform, "--enable-torch-compile", "cpu")
-            self.compiled_decoder = compile(self)
-        self.table_writes = TableWrites(self.page_table, self.token_table)
+        compile = extensions().decoder_transform  # ext/cpu's --enable-torch-compile
+        self.compiled_decoder = compile(self) if compile is not None else None
+        writes = extensions().table_writes or TableWrites  # ext/perf's: one copy a step
+        self.table_writes = writes(self.page_table, self.token_table)
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
         self.graphs = self._build_graphs()
-        # the scheduler's extensions: step features (processors and observers of the logits),
-        # speculative decoding (verification), speed paths for what the graphs cannot replay
+        # set by the scheduler: processors and observers of the logits, the verification of
+        # speculative decoding, speed paths for batches the graphs cannot replay as they are
         self.features: list[StepFeature] = []
         self.speculator: Speculator | None = None
         self.forward_paths: list[ForwardPath] = []
@@ -153,8 +137,6 @@ class Engine:
                 model = cls(self.model_config)
         finally:
             torch.set_default_dtype(old_dtype)
-        if self.device.type == "cpu" and get_tp_info().size == 1:
-            set_cpu_threads()
         transform = self.model_transform
         skip = transform.before_load(model) if transform is not None else set()
         if self.config.dummy_weights:
@@ -188,13 +170,13 @@ class Engine:
         return MHAKVCache(*shape, self.kv_dtype, self.device)
 
     def set_pages(self, table_idx: int, start_page: int, pages: list[int]) -> None:
-        """Pages [start_page, ...) of row table_idx (on the device at the next step's head)."""
+        """Pages [start_page, ...) of row table_idx, sent at the next step's head."""
         if pages:
             self.table_writes.write_pages(table_idx, start_page, pages)
             self.ctx.page_table_version += 1
 
     def set_tokens(self, table_idx: int, tokens: list[int], start: int = 0) -> None:
-        """Token ids into row table_idx from position `start` (at the next step's head)."""
+        """Token ids of row table_idx from position `start`, sent at the next step's head."""
         self.table_writes.write_tokens(table_idx, start, tokens)
 
     @property
@@ -210,13 +192,12 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, batch: Batch, samples: list[bool] | None = None) -> ForwardOutput:
-        """Step phase 1, queue the forward: a decode batch replays its CUDA graph (which samples
-        the rows whose `samples` flag is set), another tries the extensions' speed paths, else
-        it runs eagerly. Nothing here waits for the device."""
+        """Phase 1: queue the forward. A decode batch replays its CUDA graph, which samples the
+        rows whose `samples` flag is set; another tries the speed paths, else runs eagerly."""
         samples = samples or [False] * batch.size
         self.table_writes.flush()
         reqs = batch.reqs
-        features = []  # those acting on some request of the batch (none: the usual case)
+        features = []  # those acting on some request of the batch (usually none)
         if self.features and any(r.ext for r in reqs):
             features = [f for f in self.features if any(f.name in r.ext for r in reqs)]
         changes = any(f.changes_logits(r) for f in features for r in reqs if f.name in r.ext)
@@ -250,9 +231,8 @@ class Engine:
     def sample(
         self, batch: Batch, out: ForwardOutput, prepared: dict[str, Any] | None = None
     ) -> StepOutput:
-        """Step phase 2: sample what the forward did not (filters, processed logits, eager
-        batches) into the token table and pinned host memory. Nothing here waits for the
-        device."""
+        """Phase 2: sample what the forward did not (filters, processed logits, eager batches)
+        into the token table, and queue the ids' copy to the host."""
         self.table_writes.flush()  # token writes since the forward land before this step's ids
         if out.regroup is not None:  # a speed path ran other rows: their ids -> the batch's
             assert out.rows is not None
@@ -261,7 +241,7 @@ class Engine:
             next_ids = self._sample_rows(batch, out, prepared or {})
             if self.speculator is not None and not batch.is_decode:  # verifying rows extend
                 self.speculator.verify(self, batch, out)
-        return StepOutput.start_copy(next_ids, out.results)
+        return StepOutput(next_ids, out.results)
 
     def _sample_rows(
         self, batch: Batch, out: ForwardOutput, prepared: dict[str, Any]
@@ -275,7 +255,7 @@ class Engine:
             for f in sorted(features, key=lambda f: f.stage):
                 masked |= f.process(self, batch, out, prepared.get(f.name), masked)
             next_ids = self._draw(batch.reqs, out)
-            self.token_table[out.inputs.write_rows, out.kv_lens] = next_ids.to(torch.int32)
+            self.token_table[out.inputs.write_rows, out.inputs.kv_lens] = next_ids.to(torch.int32)
         for f, seen in observed:
             if seen is not None:
                 seen.finish(next_ids)
@@ -283,16 +263,14 @@ class Engine:
         return next_ids
 
     def _draw(self, reqs: list[Req], out: ForwardOutput) -> torch.Tensor:
-        """Eager sampling: host-built filter arguments only when some request uses top-k, top-p
-        or min-p; else the step's own inputs on the device."""
-        if out.filtered:  # each row's step: the position it samples (as the graph's kv_lens)
-            steps = [r.cached_len + r.extend_len for r in reqs]
-            vocab = self.model_config.vocab_size
-            return sample(out.logits, BatchSamplingArgs.from_reqs(reqs, vocab, self.device, steps))
-        if all(r.params.is_greedy for r in reqs):
+        """Eager sampling from the step's own inputs on the device, with filter arguments built
+        on the host only when some request uses top-k, top-p or min-p."""
+        if not out.filtered and all(r.params.is_greedy for r in reqs):
             return greedy(out.logits)
-        inputs = out.inputs
-        return sample_at_temperature(out.logits, inputs.temperatures, inputs.seeds, out.kv_lens)
+        vocab, inputs = self.model_config.vocab_size, out.inputs
+        filters = BatchSamplingArgs.from_reqs(reqs, vocab, self.device) if out.filtered else None
+        temperatures, seeds, steps = inputs.temperatures, inputs.seeds, inputs.kv_lens
+        return sample_at_temperature(out.logits, temperatures, seeds, steps, filters)
 
     def _build_graphs(self) -> GraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
@@ -316,23 +294,17 @@ class Engine:
 
 
 class StepOutput:
-    """Sampled ids (and the features' `results`) on their way to the host: the copies are
-    queued behind the step's kernels and reading them waits only for those."""
+    """Sampled ids (and the features' `results`) on their way to the host, queued behind the
+    step's kernels: reading them waits only for those."""
 
-    def __init__(
-        self, host: torch.Tensor, event: torch.cuda.Event | None, results: dict[str, Any]
-    ) -> None:
-        self.host, self.event, self.results = host, event, results
-
-    @staticmethod
-    def start_copy(next_ids: torch.Tensor, results: dict[str, Any]) -> StepOutput:
-        if next_ids.device.type != "cuda":
-            return StepOutput(next_ids, None, results)
-        host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
-        host.copy_(next_ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return StepOutput(host, event, results)
+    def __init__(self, next_ids: torch.Tensor, results: dict[str, Any]) -> None:
+        self.host, self.results = next_ids, results
+        self.event: torch.cuda.Event | None = None
+        if next_ids.is_cuda:
+            self.host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
+            self.host.copy_(next_ids, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
 
     def tokens(self) -> list[int]:
         """The sampled ids (waits for the copies, the results' too)."""

@@ -1,12 +1,10 @@
 """CUDA graphs for decode: one per batch size in a ladder up to `cuda_graph_max_bs`, captured
-at start; a batch is padded to the next size with dummy requests of the dummy row and page.
-A graph holds the whole step (`run_step`: gather inputs from the tables, model, sampling, ids
-back into the token table), so the host's part is one small copy, the attention metadata and
-the replay: with a small batch, host time per step is what bounds decode."""
+at start; a batch is padded to the next size with requests of the dummy row and page. A graph
+holds the whole step (`run_step`: inputs gathered from the tables, model, sampling, ids into
+the token table), so the host's part is one small copy, the attention metadata and the replay:
+with a small batch, host time per step is what bounds decode."""
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from tqdm import tqdm
@@ -30,8 +28,8 @@ class GraphRunner:
             Req([0], 1, SamplingParams(seed=0), 2, table_idx=engine.dummy_row, extend_len=1)
             for _ in range(max_bs)
         ]
-        # The static StepInputs block of each graph (all padding at capture), refilled before
-        # each replay; one per size: into a slice of a shared one, the copy adds a kernel.
+        # each graph's static StepInputs block (padding at capture), refilled before each
+        # replay; one per size: a copy into a slice of a shared one would add a kernel
         self.blocks = {
             bs: StepInputs.pack(
                 self.padding[:bs], [False] * bs, engine.dummy_row, engine.device
@@ -45,7 +43,7 @@ class GraphRunner:
             self._capture()
 
     def _step(self, batch: Batch) -> ForwardOutput:
-        """The captured work: the step over this batch size's static block."""
+        """The captured work: the step over its batch size's static block."""
         inputs = StepInputs.unpack(self.blocks[batch.size], batch.size)
         return run_step(self.engine, batch, inputs, sample=True)
 
@@ -72,8 +70,8 @@ class GraphRunner:
         return batch.is_decode and batch.size <= self.max_bs
 
     def replay(self, batch: Batch, samples: list[bool], resample: bool = False) -> ForwardOutput:
-        """Run a decode batch; sampled ids land in the token table (unsampled: the dummy row).
-        `resample`: the caller samples every row again, so the graph skips them."""
+        """Run a decode batch, its sampled ids into the token table (unsampled ones: the dummy
+        row). `resample`: the caller samples every row again, so the graph skips them."""
         bs, engine = batch.size, self.engine
         padded = next(size for size in self.sizes if size >= bs)
         graph, out, static = self.graphs[padded]
@@ -89,15 +87,3 @@ class GraphRunner:
             graph.replay()
         assert out is not None
         return out.pick(slice(0, bs))
-
-
-def rows_per_position(batch: Batch) -> Batch:
-    """An extend as a decode batch of one row per computed position, which the graphs replay:
-    row j attends to the KV the rows before it store (ext/spec's and ext/perf's speed paths)."""
-    rows = []
-    for req in batch.reqs:
-        for j in range(req.extend_len):
-            row = copy.copy(req)
-            row.cached_len, row.extend_len = req.cached_len + j, 1
-            rows.append(row)
-    return Batch(rows, "decode")

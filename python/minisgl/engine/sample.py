@@ -1,6 +1,6 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds. The
-randomness is a hash of (seed, step, token id), not a stateful generator: a seeded request
-samples alike in any batch, on any device, with no host sync."""
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p. The randomness is a hash of
+(seed, step, token id), not a stateful generator: a seeded request samples alike in any batch,
+on any device, with no host sync."""
 
 from __future__ import annotations
 
@@ -29,27 +29,17 @@ class BatchSamplingArgs:
     def from_reqs(
         reqs: list[Req], vocab_size: int, device: torch.device, steps: list[int] | None = None
     ) -> BatchSamplingArgs:
-        """One row per request; `steps`: the position each samples at (default: its end)."""
+        """A row per request; `steps`: the position each samples at (default: its end)."""
         params = [r.params for r in reqs]
         steps = [len(r.tokens) for r in reqs] if steps is None else steps
         temps = [p.sampling_temperature for p in params]
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        data = to_device(
-            [[t, p.top_p, p.min_p] for t, p in zip(temps, params)], torch.float32, device
-        )
-        ints = to_device(
-            [[k, r.seed, s] for k, r, s in zip(top_k, reqs, steps)], torch.int64, device
-        )
-        return BatchSamplingArgs(
-            temperature=data[:, 0],
-            top_k=ints[:, 0],
-            top_p=data[:, 1],
-            min_p=data[:, 2],
-            seed=ints[:, 1],
-            step=ints[:, 2],
-            all_greedy=all(t == 0.0 for t in temps),
-            need_filter=any_filter(reqs, vocab_size),
-        )
+        floats = [temps, [p.top_p for p in params], [p.min_p for p in params]]
+        temperature, top_p, min_p = to_device(floats, torch.float32, device)
+        top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_k, seed, step = to_device([top_ks, [r.seed for r in reqs], steps], torch.int64, device)
+        all_greedy = all(t == 0.0 for t in temps)
+        filters = any_filter(reqs, vocab_size)
+        return BatchSamplingArgs(temperature, top_k, top_p, min_p, seed, step, all_greedy, filters)
 
 
 def any_filter(reqs: list[Req], vocab_size: int) -> bool:
@@ -61,7 +51,7 @@ def any_filter(reqs: list[Req], vocab_size: int) -> bool:
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (values stay below 2**59 in int64, so no overflow)."""
+    """A 32-bit integer mix (values stay below 2**59 in int64: no overflow)."""
     for _ in range(3):
         x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
     return (x >> 16) ^ x
@@ -98,8 +88,8 @@ def sample_at_temperature(
     skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Greedy where the temperature is 0, else a Gumbel-max draw at it, after top-k / top-p /
-    min-p when `filters` is given; no host sync. `skip` [B]: rows whose id nobody reads (the
-    fused kernel gives 0 there)."""
+    min-p when `filters` is given. `skip` [B]: rows whose id nobody reads (the fused kernel
+    gives 0 there)."""
     if filters is None and (ops := kernel.fused_ops(logits, "sampling")) is not None:
         return ops.gumbel_argmax(logits, temperature, seed, step, skip)
     temp = torch.where(temperature > 0, temperature, 1.0)
@@ -122,7 +112,7 @@ def sample_into(
     skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sample_at_temperature` without filters, each id also written to table[rows, step] (the
-    fused kernel writes it where it picks the id: two kernels fewer a graph step)."""
+    fused kernel writes it where it picks it: two kernels fewer a graph step)."""
     if (ops := kernel.fused_ops(logits, "sampling")) is not None:
         return ops.gumbel_argmax(logits, temperature, seed, step, skip, into=(table, rows))
     sampled = sample_at_temperature(logits, temperature, seed, step, skip=skip)

@@ -1,6 +1,5 @@
-"""One forward step, written once: its per-request inputs (`StepInputs`, one small host block),
-the per-token inputs derived on the device, and `run_step`, which the eager path calls and
-the CUDA graphs capture."""
+"""One forward step, written once: its per-request inputs (`StepInputs`, one small host block)
+and `run_step`, which the eager path calls and the CUDA graphs capture."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ if TYPE_CHECKING:
 
 
 class StepEngine(Protocol):
-    """What a step reads of its engine (`Engine`), named here so that this module and the
-    CUDA graphs need not import the engine that imports them."""
+    """What a step reads of its `Engine` (which imports this module and the graphs)."""
 
     ctx: Context
     model: LlamaForCausalLM
@@ -37,8 +35,8 @@ class StepEngine(Protocol):
 
 @dataclass
 class StepInputs:
-    """A step's per-request inputs on the device: one int64 block (`pack`), a row per field in
-    this order; `unpack` views its rows, so a graph's step starts with no conversion kernels."""
+    """A step's per-request inputs on the device: views of the rows of one int64 block (`pack`),
+    a row per field in this order, so that a graph's step starts with no conversion kernel."""
 
     rows: torch.Tensor  # page-table (and token-table) row
     cached_lens: torch.Tensor  # tokens whose KV is in the pool
@@ -58,9 +56,9 @@ class StepInputs:
         device: torch.device,
         resample: bool = False,
     ) -> torch.Tensor:
-        """The host block [8, len(reqs) rounded up to even] (pinned on CUDA; `resample`: every
-        row is sampled again after the forward). An even width starts every row 16-byte
-        aligned: Triton compiles a variant per alignment, which would stall a run mid-way."""
+        """The host block [8, len(reqs) rounded up to even] (`resample`: every row is sampled
+        again after the forward). An even width aligns every row to 16 bytes: Triton compiles a
+        variant per alignment, which would stall a run mid-way."""
         pad = [0] * (len(reqs) % 2)
         host = torch.tensor(
             [
@@ -86,10 +84,8 @@ class StepInputs:
     @staticmethod
     def unpack(block: torch.Tensor, size: int) -> StepInputs:
         """Views of the first `size` columns of a `pack`ed block (on the device)."""
-        rows, cached, extend, kv_lens, write_rows, seeds, skips, temperature_bits = block[
-            :, :size
-        ].unbind(0)
-        temperatures = _low_halves(temperature_bits)
+        rows, cached, extend, kv_lens, write_rows, seeds, skips, bits = block[:, :size]
+        temperatures = _low_halves(bits)
         return StepInputs(rows, cached, extend, kv_lens, write_rows, seeds, skips, temperatures)
 
 
@@ -100,15 +96,13 @@ def _low_halves(row: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ForwardOutput:
-    """A queued forward, one row per request: its last token's logits, where its sampled id
-    goes (token_table[write_rows, kv_lens]), the id if the step sampled; `hidden`: every
-    computed token's hidden state. A speed path that ran other `rows` gives `regroup`."""
+    """A queued forward, a row per request: its last token's logits, where its sampled id goes
+    (token_table[write_rows, kv_lens]), the id if the step sampled it."""
 
     logits: torch.Tensor  # [B, V]
-    kv_lens: torch.Tensor  # [B] cached + extend: the sampled id's position
-    inputs: StepInputs  # [B] each: rows, write_rows, seeds, temperatures...
+    inputs: StepInputs  # [B] each: rows, kv_lens (the sampled id's position), seeds...
     sampled: torch.Tensor | None  # [B] or None
-    hidden: torch.Tensor | None = None  # [num_tokens, hidden]
+    hidden: torch.Tensor | None = None  # [num_tokens, hidden]: every computed token's
     rows: Batch | None = None  # the rows computed, when not the batch's own
     regroup: Callable[[torch.Tensor], torch.Tensor] | None = None  # rows' ids -> the batch's
     features: list[StepFeature] = field(default_factory=list)  # acting on some request
@@ -119,13 +113,12 @@ class ForwardOutput:
     def pick(self, index: slice | torch.Tensor) -> ForwardOutput:
         """The rows at `index` (a slice or a device tensor), without the hidden states."""
         sampled = None if self.sampled is None else self.sampled[index]
-        inputs = self.inputs.pick(index)
-        return ForwardOutput(self.logits[index], self.kv_lens[index], inputs, sampled)
+        return ForwardOutput(self.logits[index], self.inputs.pick(index), sampled)
 
 
 def fill_token_inputs(engine: StepEngine, batch: Batch, inputs: StepInputs) -> torch.Tensor | None:
     """Set the batch's per-token input_ids (from the token table), positions and out_loc;
-    return each request's last token's flat index, or None in a decode step (every token)."""
+    return each request's last token's flat index (None in a decode step: every token)."""
     extend = inputs.extend_lens
     if batch.is_decode:
         rows, positions, last = inputs.rows, inputs.cached_lens, None
@@ -160,11 +153,10 @@ def run_step(engine: StepEngine, batch: Batch, inputs: StepInputs, sample: bool)
         logits = engine.model.compute_logits(last)
     finally:
         engine.ctx.batch = None
-    kv_lens = inputs.kv_lens
     sampled = None
     if sample:
         sampled = sample_into(
             engine.token_table, inputs.write_rows,
-            logits, inputs.temperatures, inputs.seeds, kv_lens, skip=inputs.skips,
+            logits, inputs.temperatures, inputs.seeds, inputs.kv_lens, skip=inputs.skips,
         )  # fmt: skip
-    return ForwardOutput(logits, kv_lens, inputs, sampled, hidden)
+    return ForwardOutput(logits, inputs, sampled, hidden)

@@ -11,8 +11,6 @@ class PageAllocator:
     """A free stack of page ids plus a bool mask so frees can be checked in O(n)."""
 
     def __init__(self, num_pages: int) -> None:
-        if num_pages < 0:
-            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         self.num_pages = num_pages
         # Reversed so that the first allocations get the low page ids (easier to read in tests).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
@@ -28,8 +26,6 @@ class PageAllocator:
 
     def alloc(self, n: int) -> list[int] | None:
         """n page ids, or None (nothing changed) when fewer are free."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
             return None
         rest = len(self._free) - n

@@ -1,12 +1,10 @@
-"""KVCacheManager: the page allocator and the prefix cache, kept consistent with each other.
+"""KVCacheManager: the page allocator and the prefix cache, kept consistent with each other."""
 
-Every page is in exactly one place: the allocator's free list, the prefix cache, or a
-running request (pages the request allocated itself and has not released yet).
-"""
+# Every page is in exactly one place: the allocator's free list, the prefix cache, or a running
+# request (pages the request allocated itself and has not released yet).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Literal
 
@@ -29,9 +27,6 @@ class KVCacheManager:
         handle, pages = self.prefix_cache.match_prefix(tokens)
         self.prefix_cache.lock(handle)
         return handle, pages
-
-    def cached_length(self, tokens: Sequence[int]) -> int:
-        return self.prefix_cache.cached_length(tokens)
 
     def available_pages(self) -> int:
         return self.allocator.num_free + self.prefix_cache.evictable_pages
@@ -84,14 +79,3 @@ class KVCacheManager:
 
     def reset_cache(self) -> None:
         self.allocator.free(self.prefix_cache.reset())
-
-    def check_invariants(self, owned_by_requests: Sequence[int] = ()) -> None:
-        """AssertionError unless each page is in one place: free, cached or a request's."""
-        self.prefix_cache.check_integrity()
-        cached = self.prefix_cache.owned_pages()
-        counts = Counter(self.allocator.free_pages() + cached + list(owned_by_requests))
-        twice = [page for page, n in counts.items() if n > 1]
-        assert not twice, f"pages in two places (free, cached, a request's): {twice[:10]}"
-        lost = set(range(self.num_pages)).symmetric_difference(counts)
-        assert not lost, f"pages lost or out of range: {sorted(lost)[:10]}"
-        assert len(cached) == self.prefix_cache.num_pages

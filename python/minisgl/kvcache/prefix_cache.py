@@ -1,9 +1,8 @@
-"""Prefix caches: map page-aligned token prefixes to the KV pages that hold them.
+"""Prefix caches: page-aligned token prefixes -> the KV pages that hold them (a radix tree)."""
 
-The radix tree stores, per node, a run of tokens (a multiple of page_size) and its pages.
-A running request locks its matched path (ref count +1 on every node up to the root) so the
-pages it reads can never be evicted; unlocked leaves are evicted oldest-access first.
-"""
+# Each node holds a run of tokens (a multiple of page_size) and its pages. A running request
+# locks its matched path (ref count +1 on every node up to the root) so the pages it reads can
+# never be evicted; unlocked leaves are evicted oldest-access first.
 
 from __future__ import annotations
 
@@ -37,8 +36,6 @@ class RadixPrefixCache:
     """Radix tree over page-aligned token runs; `evictable_pages` + `locked_pages` = its pages."""
 
     def __init__(self, page_size: int) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self._clock = 0  # monotonic LRU stamp
         self.locked_pages = 0
@@ -195,7 +192,7 @@ class RadixPrefixCache:
         return pages
 
     def owned_pages(self) -> list[int]:
-        """Every page in the tree (for invariant checks; O(cache size))."""
+        """Every page in the tree (O(cache size))."""
         pages: list[int] = []
         stack = [self._root]
         while stack:
@@ -203,21 +200,6 @@ class RadixPrefixCache:
             pages += node.pages
             stack.extend(node.children.values())
         return pages
-
-    def check_integrity(self) -> None:
-        """AssertionError if the tree's bookkeeping is inconsistent (tests)."""
-        counts = [0, 0]  # evictable, locked pages
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            for key, child in node.children.items():
-                assert child.parent is node and key == self._key(child.tokens, 0) and child.pages
-                assert len(child.tokens) == len(child.pages) * self.page_size and child.ref >= 0
-                if node is not self._root:  # every handle locked below a node passes through it
-                    assert child.ref <= node.ref and child.last_access <= node.last_access
-                counts[child.ref > 0] += len(child.pages)
-                stack.append(child)
-        assert counts == [self.evictable_pages, self.locked_pages]
 
 
 class NaivePrefixCache(RadixPrefixCache):

@@ -18,15 +18,10 @@ from minisgl.layers.base import Module
 
 # (param, loaded[, shard id]): copies this rank's part of a checkpoint tensor into param
 WeightLoader = Callable[..., None]
-_WEIGHT_LOADER = "weight_loader"  # the parameter attribute that holds its WeightLoader
 
 
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
-    setattr(param, _WEIGHT_LOADER, loader)
-
-
-def get_weight_loader(param: nn.Parameter) -> WeightLoader:
-    return getattr(param, _WEIGHT_LOADER)
+    param.weight_loader = loader  # type: ignore[attr-defined]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox layout: rotate halves), with llama3 / linear scaling."""
+"""Rotary position embedding (neox layout: rotate halves), with llama3 scaling (Llama 3.1+)."""
 
 from __future__ import annotations
 
@@ -19,17 +19,15 @@ class RopeConfig:
 
 
 def inv_freq(cfg: RopeConfig) -> torch.Tensor:
-    """The rotation frequencies, with HF's linear or llama3 (Llama 3.1) scaling."""
+    """The rotation frequencies, with HF's llama3 scaling (the only one the families use)."""
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
     freqs = 1.0 / (cfg.base**exponents)
     s = cfg.scaling
     kind = s.get("rope_type", s.get("type", "default"))
     if kind == "default":
         return freqs
-    if kind == "linear":
-        return freqs / s["factor"]
     if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, llama3)")
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
@@ -71,7 +69,8 @@ class RotaryEmbedding(Module):
             self._table = rope_table(self.cos_sin)
         last = self._rows
         if last is None or last[0] is not positions or last[1] != q.dtype:
-            last = self._rows = (positions, q.dtype, table_rows(self._table, positions, q.dtype))
+            rows = self._table[positions].to(q.dtype).unsqueeze(2)  # [T, 2, 1, D]
+            last = self._rows = (positions, q.dtype, rows)
         if (qk := _adjacent(q, k)) is not None:  # QKV output: one rotation for both
             q_rot, k_rot = rotate(qk, last[2]).split_with_sizes([q.shape[1], k.shape[1]], 1)
             return q_rot, k_rot
@@ -99,21 +98,8 @@ def rope_table(cos_sin: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
 
 
-def table_rows(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, 2, 1, D]: the table's (cos, sin) rows at `positions`, in `dtype`."""
-    return table[positions].to(dtype).unsqueeze(2)
-
-
-def rope_torch(
-    q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference neox RoPE (as transformers: cos/sin cast to x's dtype first); the CPU path."""
-    rows = table_rows(rope_table(cos_sin), positions, q.dtype)
-    return rotate(q, rows), rotate(k, rows)
-
-
 def rotate(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by `table_rows` [T, 2, 1, D], bit for bit the two-halves form."""
+    """x [T, H, D] rotated by `rope_table` rows [T, 2, 1, D], bit for bit the two-halves form."""
     # first half x1 cos - x2 sin, second x2 cos + x1 sin; the halves swap in one flip
     swapped = x.view(*x.shape[:-1], 2, -1).flip(-2).view(x.shape)
     return x * rows[:, 0] + swapped * rows[:, 1]

@@ -23,22 +23,22 @@ from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, run_follower
 from minisgl.scheduler.scheduler import TokenOutput
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, request_detokenizer
-from minisgl.tokenizer.server import encode_chat, needed, render_chat
+from minisgl.tokenizer.server import encode_chat, needed
 from minisgl.utils.options import OptionError
 from minisgl.utils.procs import wait_ready
 
 Prompt = str | list[int]
+CHAT_TOOLS = ("tools", "tool_choice", "parallel_tool_calls", "tool_call_parser", "reasoning_parser")
 
 
 @dataclass
 class _Sample:
-    """One request of `generate`: with stop strings, the text the server's detokenizer would
-    have sent so far; the outputs the step features that act on it make its result of."""
+    """One request of `generate`, its text so far (with stop strings) and its outputs."""
 
     req: Req
     detok: IncrementalDetokenizer | None = None
     text: str = ""
-    outputs: list[TokenOutput] = field(default_factory=list)
+    outputs: list[TokenOutput] = field(default_factory=list)  # for the step features' results
 
 
 def per_prompt(
@@ -53,14 +53,12 @@ def per_prompt(
 
 
 class LLM:
-    """`LLM(model).generate(prompts, SamplingParams(...))` -> [{"text", "token_ids", ...}], one
-    per prompt ({"outputs": [...]} with n > 1, as vLLM's `RequestOutput.outputs`).
-    `model`: a directory, a .gguf file or a hub id (None: the cpu extension's default).
-    `tp=N`: shard the model over N processes (this one is rank 0). `dp=N`, `dp_dispatch`,
-    `dp_load_threshold`: N replica processes (the serving extension's subclass, `replicas`).
-    `options`: the fields of EngineConfig and SchedulerConfig (`page_size=4` is `--page-size 4`)."""
+    """`LLM(model).generate(prompts, SamplingParams(...))` -> one {"text", "token_ids",
+    "finish_reason"} per prompt ({"outputs": [...]} with n > 1, as vLLM's). `tp=N` shards the
+    model over N processes; `options`: EngineConfig's and SchedulerConfig's fields."""
 
     def __new__(cls, model: str | None = None, **options: Any) -> LLM:
+        """`dp`, `dp_dispatch`, `dp_load_threshold`: the serving extension's subclass."""
         dp_options = sorted(k for k in options if k.startswith("dp"))
         if cls is not LLM or not dp_options or (dp_options == ["dp"] and options["dp"] == 1):
             return super().__new__(cls)
@@ -71,7 +69,7 @@ class LLM:
 
     def __init__(
         self, model: str | None = None, *, tp: int = 1, dp: int = 1, **options: Any
-    ) -> None:  # dp: 1 here (other values make the subclass, `__new__`)
+    ) -> None:  # dp: 1 here (`__new__`)
         if get_tp_info().size > 1:
             raise RuntimeError("another LLM with tp > 1 is running in this process: shut it down")
         model = model or default_model()
@@ -118,24 +116,14 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
-            return self.tokenizer.encode(prompt)
+            return needed(self.tokenizer).encode(prompt)
         if not all(isinstance(t, int) for t in prompt):
             raise ValueError("a prompt must be a string or a list of token ids (ints)")
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        """The token ids of a chat, ready for the assistant's turn; `kwargs` go to the template
-        (`tools`, `enable_thinking`...)."""
+        """The token ids of a chat, ready for the assistant's turn; `kwargs` go to the template."""
         return encode_chat(self.tokenizer, messages, kwargs)
-
-    def chat_prompts(
-        self, conversations: list[list[dict[str, Any]]], kwargs: dict[str, Any]
-    ) -> tuple[list[str], list[list[int]]]:
-        """The chats as the template renders them (`kwargs`: its arguments): texts, token ids."""
-        texts = [render_chat(self.tokenizer, chat, kwargs) for chat in conversations]
-        return texts, [needed(self.tokenizer).encode(t, add_special_tokens=False) for t in texts]
 
     def chat(
         self,
@@ -143,40 +131,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: str | dict[str, Any] | None = None,
-        parallel_tool_calls: bool = True,
-        tool_call_parser: str | None = "auto",
-        reasoning_parser: str | None = "auto",
         chat_template_kwargs: dict[str, Any] | None = None,
+        **structured: Any,
     ) -> list[dict[str, Any]]:
-        """`generate` on chats; `chat_template_kwargs` go to the template. `tools`, `tool_choice`
-        and the parsers (vLLM's names; "auto": the format the chat template shows) are the
-        structured extension's (ValueError without it; docs/features.md): each result then also
-        holds the parsed "content", "reasoning_content" and "tool_calls"."""
+        """`generate` on chats. `structured`: tools, tool_choice, parallel_tool_calls and the
+        parsers, the structured extension's (docs/features.md; ValueError without it)."""
         params = list(per_prompt(sampling_params, len(conversations)))
-        structured: dict[str, Any] = dict(
-            tools=tools,
-            tool_choice=tool_choice,
-            tool_call_parser=tool_call_parser,
-            reasoning_parser=reasoning_parser,
-        )
-        features = extensions().chat_features
-        if features is not None:
-            return features.offline_chat(
-                self,
-                conversations,
-                params,
-                use_tqdm=use_tqdm,
-                parallel_tool_calls=parallel_tool_calls,
-                chat_template_kwargs=chat_template_kwargs,
-                **structured,
-            )
-        for name, value in structured.items():  # without the extension: refused if asked
-            nothing = name.endswith("_parser") and value in ("auto", "none")  # no parser here
-            if value not in (None, [], "") and not nothing:
+        kwargs = chat_template_kwargs or {}
+        if (features := extensions().chat_features) is not None:
+            options = dict(use_tqdm=use_tqdm, chat_template_kwargs=kwargs, **structured)
+            return features.offline_chat(self, conversations, params, **options)
+        for name, value in structured.items():  # refused if asked for
+            if name not in CHAT_TOOLS:
+                raise TypeError(f"LLM.chat() got an unexpected keyword argument {name!r}")
+            parser_off = name.endswith("_parser") and value in ("auto", "none")
+            if name != "parallel_tool_calls" and value not in (None, [], "") and not parser_off:
                 raise ExtensionMissing(name, "structured")
-        _, prompts = self.chat_prompts(conversations, chat_template_kwargs or {})
+        prompts = [self.apply_chat_template(chat, **kwargs) for chat in conversations]
         return self.generate(prompts, params, use_tqdm)
 
     def generate(
@@ -186,8 +157,7 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: Any = None,
     ) -> list[dict[str, Any]]:
-        """`lora_request`: vLLM's LoRARequest(name, id, path) (or one per prompt), the
-        adapter the prompts run with (the lora extension's, with enable_lora=True)."""
+        """`lora_request`: vLLM's LoRARequest, or one per prompt (the lora extension's)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         sampling_params = per_prompt(sampling_params, len(prompts))
@@ -225,13 +195,12 @@ class LLM:
         req = self.scheduler.make_request(ids, params)
         if not params.stop or self.tokenizer is None:
             return _Sample(req)
-        # the server's detokenizer: the text is cut exactly where the server cuts it
-        stop = list(params.stop)
-        return _Sample(req, request_detokenizer(self.tokenizer, ids, True, stop, params.min_tokens))
+        # the server's detokenizer: the text is cut where the server cuts it
+        stop, min_tokens = list(params.stop), params.min_tokens
+        return _Sample(req, request_detokenizer(self.tokenizer, ids, True, stop, min_tokens))
 
     def _run(self, samples: list[_Sample], use_tqdm: bool) -> dict[int, dict[str, Any]]:
-        """Each request's result by uid, made as it finishes (while the device runs the others'
-        steps)."""
+        """Each request's result by uid, made as it finishes (while the device runs others)."""
         by_uid = {s.req.uid: s for s in samples}
         results: dict[int, dict[str, Any]] = {}
         with tqdm(total=len(samples), desc="Generating", disable=not use_tqdm) as bar:
@@ -261,11 +230,7 @@ class LLM:
         # aborted by its stop string (one on the last token keeps the scheduler's reason)
         stopped = detok is not None and detok.stopped and req.finish_reason == "abort"
         reason = "stop" if stopped else req.finish_reason
-        result: dict[str, Any] = {
-            "text": text,
-            "token_ids": req.output_ids,
-            "finish_reason": reason,
-        }
+        result = {"text": text, "token_ids": req.output_ids, "finish_reason": reason}
         for feature in self.scheduler.features_of(req):
             result.update(feature.result(req, sample.outputs))
         if req.error is not None:

@@ -1,5 +1,5 @@
 from minisgl.models.config import ModelConfig
-from minisgl.models.register import get_model_class
+from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.weight import (
     default_model,
     init_dummy_weights,
@@ -15,3 +15,9 @@ __all__ = [
     "load_weights",
     "resolve_model_path",
 ]
+
+
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """Every architecture `ModelConfig.from_hf` accepts (`config.ARCHITECTURES`) is the Llama
+    decoder as its ModelConfig specialises it."""
+    return LlamaForCausalLM

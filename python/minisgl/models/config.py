@@ -8,7 +8,7 @@ from typing import Any
 from minisgl.layers.moe import MoEConfig
 from minisgl.layers.rotary import RopeConfig
 
-ARCHITECTURES = (  # HF `architectures` names: each is models/llama.py's decoder (register.py)
+ARCHITECTURES = (  # HF `architectures` names: each is models/llama.py's decoder
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
@@ -45,7 +45,11 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {supported}")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         max_pos = getattr(hf, "max_position_embeddings", 4096)
-        rope = RopeConfig(head_dim=head_dim, max_position=max_pos, **_rope_args(hf))
+        # transformers >= 5: rope_parameters (rope_theta inside); before: rope_scaling, rope_theta
+        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
+        scaling = dict(params or {})
+        base = float(scaling.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+        rope = RopeConfig(head_dim, base, max_pos, scaling)
         window = getattr(hf, "sliding_window", None)
         if arch.startswith("Qwen") and not getattr(hf, "use_sliding_window", False):
             window = None
@@ -68,13 +72,6 @@ class ModelConfig:
             moe=_moe_config(hf) if arch == "Qwen3MoeForCausalLM" else None,
             eos_token_ids=token_ids(getattr(hf, "eos_token_id", None)),
         )
-
-
-def _rope_args(hf: Any) -> dict[str, Any]:
-    # transformers >= 5: rope_parameters (rope_theta inside); before: rope_scaling, rope_theta
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    base = params.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    return {"base": float(base), "scaling": params}
 
 
 def _moe_config(hf: Any) -> MoEConfig:

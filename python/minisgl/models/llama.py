@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from minisgl import kernel
-from minisgl.distributed import get_tp_info
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.base import Module
@@ -94,7 +93,6 @@ class LlamaForCausalLM(Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.tp_size = get_tp_info().size
         self.model = DecoderModel(cfg)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

@@ -15,7 +15,6 @@ from safetensors import safe_open
 from torch import nn
 
 from minisgl.extension import ExtensionMissing, extensions, require
-from minisgl.layers.linear import get_weight_loader
 from minisgl.utils.options import OptionError
 
 # checkpoint name fragment -> (our fragment, shard id) for weights we merge into one matmul
@@ -31,9 +30,8 @@ _EXPERT_SHARD = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("
 
 
 def resolve_model_path(model: str, option: str = "model") -> str:
-    """A local directory as is; a .gguf file through the cpu extension (converted, cached, once
-    into a directory); otherwise a Hugging Face hub id, downloaded (cached) once. A model none of
-    these provides is an OptionError against `option`, in one line."""
+    """A local directory as is; a .gguf file through the cpu extension; otherwise a Hugging Face
+    hub id, downloaded (cached) once. Else an OptionError against `option`, in one line."""
     if os.path.isdir(model):
         return model
     if model.lower().endswith(".gguf"):  # llama.cpp's single-file format
@@ -49,8 +47,7 @@ def resolve_model_path(model: str, option: str = "model") -> str:
 
 
 def default_model() -> str:
-    """The model used when none is given (`LLM()`, `python -m minisgl`): the cpu extension's
-    embedded SmolLM2-135M-Instruct GGUF, announced on stderr."""
+    """The model used when none is given: the cpu extension's embedded GGUF, announced."""
     what = "no --model: the embedded default model (SmolLM2-135M-Instruct, a GGUF file)"
     return require(extensions().default_model, what, "cpu")()
 
@@ -91,20 +88,16 @@ def map_checkpoint_name(name: str) -> tuple[str, Any]:
     return name, None
 
 
-def _checkpoint_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors weights found in {path}")
-    return files
-
-
 def iter_checkpoint(path: str) -> Iterator[tuple[str, Any]]:
     """Yield (name, lazy slice): a rank reads only the rows/columns of its shard."""
-    for file in _checkpoint_files(path):
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):  # only the files it lists (Mistral's also hold a consolidated copy)
+        with open(index) as f:
+            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    if not files:
+        raise ValueError(f"no *.safetensors weights found in {path}")
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
@@ -127,7 +120,7 @@ def load_weights(
         if name not in params:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter")
         param = params[name]
-        loader = get_weight_loader(param)
+        loader = param.weight_loader  # type: ignore[attr-defined]
         with torch.no_grad():
             loader(param, loaded) if shard is None else loader(param, loaded, shard)
         missing.discard(name)

@@ -1,5 +1,4 @@
-"""What the scheduler is asked to do: the token budgets of a step, the order of the waiting
-queue, the prefix cache. Every field is an option (utils/options.py), like EngineConfig's."""
+"""The scheduler's options (utils/options.py): a step's token budgets, the queue, the cache."""
 
 from __future__ import annotations
 
@@ -21,20 +20,16 @@ class SchedulerConfig:
     )
     max_num_batched_tokens: int = option(
         8192,
-        "token budget of a step that mixes running decodes (one token each, always all of them)"
-        " with prompt chunks, which fill what the decodes leave (up to --max-prefill-tokens)",
+        "token budget of a step: every running decode (one token each), then prompt chunks",
         type=int_range(1),
     )
     disable_mixed_steps: bool = option(
         False,
-        "steps compute either prompt chunks or decodes, never both (running streams then pause"
-        " during prefills: the ablation of mixed steps)",
+        "steps compute either prompt chunks or decodes, never both (the ablation of mixed steps)",
     )
     schedule_policy: str = option(
         "fcfs",
-        "order of the waiting queue: fcfs (arrival); the serving extension's priority (the"
-        " request's `priority`, lower first; a higher-priority request may preempt a lower one)"
-        " and lpm (longest cached prefix first, arrival order beyond 128 waiting)",
+        "order of the waiting queue: fcfs (arrival); the serving extension's priority and lpm",
     )
     cache: Literal["radix", "naive"] = option(
         "radix",
@@ -63,8 +58,7 @@ class SchedulerConfig:
 
     @staticmethod
     def from_options(options: Mapping[str, Any]) -> SchedulerConfig:
-        """From option values (`LLM(...)`'s keywords), the extensions' into `extras`. TypeError
-        naming an unknown option; ExtensionMissing for one of an extension missing here."""
+        """From `LLM(...)`'s keywords, the extensions' into `extras` (TypeError: an unknown one)."""
         own = extensions().scheduler_options
         configs = (SchedulerConfig, *own.values())
         known = {f.name for config in configs for f in fields(config)}

@@ -6,9 +6,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -17,8 +16,7 @@ from minisgl.engine import Engine, EngineConfig
 from minisgl.extension import extensions
 from minisgl.message import (
     AbortBackendMsg,
-    BatchBackendMsg,
-    BatchDetokenizeMsg,
+    BatchMsg,
     DetokenizeMsg,
     ExitMsg,
     FlushCacheMsg,
@@ -30,11 +28,10 @@ from minisgl.models.hf import eos_token_ids, load_tokenizer
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler, TokenOutput
 from minisgl.utils.device import device_type
-from minisgl.utils.procs import die_with_parent, freeze_startup_heap, set_title
+from minisgl.utils.procs import build_or_report, die_with_parent, freeze_startup_heap, set_title
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 STATS_INTERVAL_S = 0.2
 # while the only work is held requests (grammars compiling), wait this long for a message
 GRAMMAR_POLL_S = 0.02
@@ -71,8 +68,6 @@ class SchedulerServer:
 
     def handle(self, msg: Any) -> bool:
         """Apply one incoming message; False on ExitMsg."""
-        if isinstance(msg, BatchBackendMsg):
-            return all([self.handle(m) for m in msg.msgs])
         if isinstance(msg, ExitMsg):
             return False
         if isinstance(msg, AbortBackendMsg):
@@ -81,14 +76,13 @@ class SchedulerServer:
             error = self.scheduler.flush_cache()
             # the stats first, on the same ordered path: a /stats read after the flush's
             # answer shows the emptied cache (the other order raced under load)
-            self.send.put(BatchDetokenizeMsg([], self.stats()))
+            self.send.put(BatchMsg([], self.stats()))
             self.send.put(FlushCacheReply(self.dp_rank, error, msg.api_rank))
         elif isinstance(msg, UserMsg):
             try:
                 req = self.scheduler.make_request(msg.input_ids, msg.params, uid=msg.uid)
             except (ValueError, TypeError) as e:  # TypeError: a message with fields gone wrong
-                err = DetokenizeMsg(msg.uid, [], True, "error", error=str(e))
-                self.send.put(BatchDetokenizeMsg([err]))
+                self.send.put(BatchMsg([DetokenizeMsg(msg.uid, [], True, "error", str(e))]))
             else:
                 self.scheduler.add_request(req)
         else:
@@ -96,7 +90,7 @@ class SchedulerServer:
         return True
 
     def run(self) -> None:
-        self.send.put(BatchDetokenizeMsg([], self.stats()))  # /stats is right before any request
+        self.send.put(BatchMsg([], self.stats()))  # /stats is right before any request
         while True:
             msg = self._next_message()
             while msg is not None:
@@ -109,7 +103,7 @@ class SchedulerServer:
             if not self.scheduler.has_work or now - self.last_stats > STATS_INTERVAL_S:
                 stats, self.last_stats = self.stats(), now
             if out or stats is not None:
-                self.send.put(BatchDetokenizeMsg(out, stats))
+                self.send.put(BatchMsg(out, stats))
 
     def _next_message(self) -> Any:
         """Block when idle; wait a little while only held requests wait; else never."""
@@ -144,7 +138,7 @@ def build_scheduler(
     if share > 1:
         threads = max(1, torch.get_num_threads() // share)
         torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # the engine's set_cpu_threads keeps it
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # ext/cpu's set_cpu_threads keeps it
     kind = device_type(engine_config.device)
     if kind == "cuda":
         select_device(rank, rendezvous)
@@ -157,15 +151,6 @@ def build_scheduler(
     tokenizer = load_tokenizer(engine.model_path)
     eos = eos_token_ids(engine.model_path, engine.model_config.eos_token_ids, tokenizer)
     return Scheduler(engine, sched_config, eos, tokenizer)
-
-
-def _start(ready: Any, what: str, build: Callable[[], T]) -> T:
-    """`build()`; its error goes to the launcher through `ready` (printed there), exit code 1."""
-    try:
-        return build()
-    except Exception as e:
-        ready.send(("error", f"{what} failed to start: {type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
 
 
 def run_follower(
@@ -185,7 +170,7 @@ def run_follower(
     set_title(title or f"scheduler_{rank}")
     ready.send(("ready", None))
     build = partial(build_scheduler, engine_config, sched_config, rank, tp, rendezvous, sharing)
-    scheduler = _start(ready, f"TP rank {rank}", build)
+    scheduler = build_or_report(f"TP rank {rank}", ready, build)
     freeze_startup_heap()
     ready.send(("ready", None))
     try:
@@ -219,7 +204,7 @@ def run_scheduler_process(
             scheduler.warm_up()
         return SchedulerServer(scheduler, recv_addr, send_addr, dp_rank)
 
-    server = _start(ready, "scheduler", build)
+    server = build_or_report("scheduler", ready, build)
     scheduler, engine = server.scheduler, server.scheduler.engine
     freeze_startup_heap()
     ready.send(("ready", {"max_seq_len": engine.max_seq_len, "num_pages": engine.num_pages}))

@@ -46,8 +46,7 @@ class BatchPlanner:
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
         self.reset_counters()
 
-    def reset_counters(self) -> None:
-        """The running totals the server reports (/metrics, /stats) back to zero."""
+    def reset_counters(self) -> None:  # the totals the server reports (/metrics, /stats)
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens scheduled (for the prefix-cache hit rate)
         self.num_cached_tokens = 0  # of those, found in the prefix cache
@@ -57,8 +56,7 @@ class BatchPlanner:
         return bool(self.waiting or self.running or self.prefilling)
 
     def schedule(self) -> Batch | None:
-        """The next batch: one token of every running request, then prompt chunks in what is
-        left of the token budget (--disable-mixed-steps: prompt chunks, else decodes)."""
+        """Every running request's next token, then prompt chunks in what is left of the budget."""
         if not self.mixed or not self.running:
             budget = self._budget(self.max_prefill_tokens, [], 0)
             return self._schedule_prefill(budget) or self._schedule_decode()
@@ -74,7 +72,6 @@ class BatchPlanner:
         return Batch(decodes + prefill.reqs, "prefill", num_decodes=len(decodes))
 
     def _budget(self, budget: int, decodes: list[Req], num_decode_tokens: int) -> int:
-        """The step's prompt budget as the engine's speed paths cap it."""
         for path in self.paths:
             budget = path.prefill_budget(self, budget, decodes, num_decode_tokens)
         return budget
@@ -142,8 +139,7 @@ class BatchPlanner:
         return decode_batch(reqs)
 
     def _grow_decode(self, req: Req, drafts: list[int]) -> bool:
-        """Pages for the request's next token and its proposals (written into the token table
-        after its last token); without room for the proposals it decodes one token."""
+        """Pages for the request's next token and its proposals (without room: one token)."""
         if drafts and not self.grow(req, 1 + len(drafts)):
             drafts = []
         if not drafts and not self.grow(req, 1):
@@ -154,8 +150,8 @@ class BatchPlanner:
         return True
 
     def admit(self, req: Req) -> None:
-        """A page-table row and the longest cached prefix, locked; never the last prompt token
-        (its logits are needed), nor what a feature computes from the prompt."""
+        """A page-table row and the longest cached prefix, locked (never the last prompt token,
+        whose logits are needed)."""
         req.table_idx = self.free_rows.pop()
         matched = len(req.tokens) - 1
         for f in self.features:
@@ -169,9 +165,9 @@ class BatchPlanner:
             f.admitted(req)
 
     def _cache_key(self, req: Req, n: int) -> list[int]:
-        """The request's first `n` tokens as the prefix cache keys them: under a step
-        feature's namespace (a LoRA adapter's) the first becomes a negative id that no
-        token has, so KV is shared only within the namespace (SGLang's extra_key)."""
+        """The request's first `n` tokens as the prefix cache keys them."""
+        # under a feature's namespace (a LoRA adapter's) the first becomes a negative id that no
+        # token has, so KV is shared only within the namespace (SGLang's extra_key)
         key = req.tokens[:n]
         for f in self.features:
             if key and f.name in req.ext and (space := f.cache_namespace(req)):
@@ -179,8 +175,7 @@ class BatchPlanner:
         return key
 
     def _fit(self, req: Req, want: int, reserve: int) -> int:
-        """Grow `req` for up to `want` more tokens within the free pages less `reserve`: the
-        tokens it computes (extend_len), 0 if none."""
+        """Grow `req` for up to `want` tokens within the free pages less `reserve` -> extend_len."""
         spare = max(0, self.cache.available_pages() - reserve)
         room = (len(req.pages) + spare) * self.page_size - req.cached_len
         n = max(0, min(want, room))
@@ -190,7 +185,7 @@ class BatchPlanner:
         return n
 
     def grow(self, req: Req, num_tokens: int) -> bool:
-        """Make sure the request's pages cover `num_tokens` tokens past cached_len."""
+        """Pages for `num_tokens` tokens past cached_len (False: not enough free)."""
         need = -(-(req.cached_len + num_tokens) // self.page_size) - len(req.pages)
         if need <= 0:
             return True
@@ -211,8 +206,8 @@ class BatchPlanner:
                 self.running.append(req)
 
     def _share(self, req: Req) -> None:
-        """The computed KV into the prefix cache now, so that later requests reuse it (safe
-        after the launch: readers queue behind the writer); duplicates become the cache's."""
+        """The computed KV into the prefix cache now, so that later requests reuse it."""
+        # safe after the launch: readers queue behind the writer; duplicates become the cache's
         old = req.pages
         assert req.cache_handle is not None, "an admitted request holds its prefix-cache lock"
         req.cache_handle, req.pages = self.cache.cache_prefix(
@@ -253,8 +248,7 @@ class BatchPlanner:
     def admitted(self) -> list[Req]:
         return self.running + ([self.prefilling] if self.prefilling else [])
 
-    def owned_pages(self) -> list[int]:
-        """Pages the admitted requests allocated (their first came from the prefix cache)."""
+    def owned_pages(self) -> list[int]:  # the admitted requests' (not the prefix cache's)
         owned = []
         for req in self.admitted():
             assert req.cache_handle is not None

@@ -1,13 +1,14 @@
 """WaitingQueue: the requests waiting for admission, first come first served, and who gives way
-when pages run out. Another --schedule-policy is an `admission_policies` subclass; every TP rank
-picks alike, so a policy looks at nothing but the requests and the prefix cache."""
+when pages run out (another --schedule-policy is an extension's subclass)."""
+
+# every TP rank picks alike, so a policy looks at nothing but the requests and the prefix cache
 
 from __future__ import annotations
 
 from collections import deque
 
 from minisgl.core import PLACEHOLDER, Req
-from minisgl.extension import extensions, require
+from minisgl.extension import extensions
 from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 
@@ -35,9 +36,7 @@ class WaitingQueue(deque[Req]):
 
 
 def make_queue(config: SchedulerConfig, cache: KVCacheManager) -> WaitingQueue:
-    """The queue of --schedule-policy: fcfs is the core's, every other an extension's."""
+    """The queue of --schedule-policy (fcfs, else an extension's: SchedulerConfig checked it)."""
     if config.schedule_policy == "fcfs":
         return WaitingQueue()
-    policies = extensions().admission_policies
-    what = f"--schedule-policy {config.schedule_policy}"
-    return require(policies.get(config.schedule_policy), what, "serving")(config, cache)
+    return extensions().admission_policies[config.schedule_policy](config, cache)

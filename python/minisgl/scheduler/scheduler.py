@@ -1,16 +1,16 @@
 """Scheduler: continuous batching over one Engine, one `step()` at a time: the request table,
-and sampled tokens turned into results. What a step computes is the BatchPlanner's
-(planner.py), TP replication TPLeader's (tp.py); the extensions' StepFeatures attach to its
-hooks. Overlap: `step` launches batch N+1 before it reads batch N's tokens; `_launch`
-advances the host state at once (a request that samples gets a PLACEHOLDER token, which the
-next step reads on the device) and `_process` fills it in one step later."""
+and sampled tokens turned into results (what a step computes is planner.py's)."""
+
+# Overlap: `step` launches batch N+1 before it reads batch N's tokens; `_launch` advances the
+# host state at once (a request that samples gets a PLACEHOLDER token, which the next step
+# reads on the device) and `_process` fills it in one step later. TP: rank 0 records the
+# changes to its request table (tp.py) and the other ranks replay them (`follow`).
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from minisgl import env
@@ -20,14 +20,16 @@ from minisgl.engine import Engine
 from minisgl.engine.engine import StepOutput
 from minisgl.extension import StepFeature, extensions
 from minisgl.kvcache import KVCacheManager
-from minisgl.message import AbortBackendMsg, AdmitBackendMsg, BatchBackendMsg, FlushCacheMsg
+from minisgl.message import (
+    AbortBackendMsg,
+    AdmitBackendMsg,
+    BatchMsg,
+    FlushCacheMsg,
+    UserMsg,
+)
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.planner import BatchPlanner, reaches_length
 from minisgl.scheduler.tp import TPLeader, receive_step
-
-# the warm-up's prompt lengths: short and long, off and on multiples of 16 (Triton specializes
-# integer arguments on divisibility by 16), over a page or several
-WARMUP_PROMPT_LENS = (5, 16, 33, 64, 130, 250, 513, 1000)
 
 
 @dataclass
@@ -47,11 +49,10 @@ class TokenOutput:
 
 @dataclass
 class InFlight:
-    """A launched step: its batch, each sampled token's index in its request's tokens (-1:
-    none), and the sampled ids' copy to the host."""
+    """A launched step whose sampled ids are on their way to the host."""
 
     batch: Batch
-    slots: list[int]
+    slots: list[int]  # each sampled token's index in its request's tokens (-1: none)
     output: StepOutput
     verifies: bool = False  # speculation: the next step starts where its accepted run ends
 
@@ -73,7 +74,7 @@ class Scheduler:
         self.follower = tp.size > 1 and not tp.is_primary  # admits what rank 0 admits
         self.requests: dict[int, Req] = {}
         self.held: list[Req] = []  # held by a feature before admission (grammars compiling)
-        self.pending: list[TokenOutput] = []  # results produced outside a forward (abort, ...)
+        self.pending: list[TokenOutput] = []  # results produced outside a forward (abort...)
         self.overlap = not env.disable_overlap_scheduling()
         self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
         # the extensions: step features, speculative decoding (None: off), speed paths
@@ -94,13 +95,11 @@ class Scheduler:
         engine, limit = self.engine, self.engine.max_seq_len
         if not input_ids:
             raise ValueError("prompt is empty")
-        if len(input_ids) >= limit:
+        if (n := len(input_ids)) >= limit:
             pool = engine.num_pages * engine.page_size  # it, not the context, may be the limit
-            where = (
-                f"the KV cache ({pool} tokens)" if pool < engine.max_model_len else "the context"
-            )
-            message = f"prompt of {len(input_ids)} tokens is longer than {where}"
-            raise ValueError(f"{message}: at most {limit - 1} allowed")
+            pool_fits = pool >= engine.max_model_len
+            where = "the context" if pool_fits else f"the KV cache ({pool} tokens)"
+            raise ValueError(f"prompt of {n} tokens is longer than {where} (at most {limit - 1})")
         vocab = engine.model_config.vocab_size
         check_token_ids(vocab, prompt=input_ids, stop_token_ids=params.stop_token_ids)
         total = min(limit, len(input_ids) + params.max_tokens)
@@ -111,13 +110,18 @@ class Scheduler:
             f.request(req)
         return req
 
-    def features_of(self, req: Req) -> list[StepFeature]:
-        """The step features acting on `req` (those that set its `ext`)."""
+    def features_of(self, req: Req) -> list[StepFeature]:  # those that set its `ext`
         return [f for f in self.features if f.name in req.ext] if req.ext else []
 
-    def add_request(self, req: Req) -> None:
+    def _tell(self, change: UserMsg | AdmitBackendMsg | AbortBackendMsg | FlushCacheMsg) -> None:
+        """TP rank 0: a change to replay on the other ranks, sent with its next step."""
         if self.leader is not None:
-            self.leader.added(req)
+            self.leader.changes.append(change)
+
+    def add_request(self, req: Req) -> None:
+        if self.leader is not None:  # the other ranks draw no seed of their own
+            params = replace(req.params, seed=req.seed)
+            self._tell(UserMsg(req.uid, req.tokens[: req.prompt_len], params))
         self.requests[req.uid] = req
         req.queued_at = time.monotonic()
         features = self.features_of(req)
@@ -130,60 +134,38 @@ class Scheduler:
 
     def _admit(self, req: Req) -> None:
         """A held request joins the planner's queue (every rank alike)."""
-        if self.leader is not None:
-            self.leader.admitted(req.uid)
+        self._tell(AdmitBackendMsg(req.uid))
         self.held.remove(req)
         self.planner.waiting.append(req)
 
     def _admit_held(self) -> None:
-        """Rank 0, before the step's broadcast: admit the held requests their features release,
-        end those that fail (the followers drop them as aborted). Never waits."""
+        """Rank 0: admit the held requests their features release, end those that fail."""
         for f in self.features:
             ready, failed = f.poll([r for r in self.held if f.name in r.ext])
             for req in ready:
                 self._admit(req)
-            for req, error in failed:
-                if self.leader is not None:
-                    self.leader.aborted(req.uid)
+            for req, error in failed:  # the other ranks drop it as aborted
+                self._tell(AbortBackendMsg(req.uid))
                 self._finish(req, "error", error=error)
 
     def abort(self, uid: int) -> None:
-        if self.leader is not None:
-            self.leader.aborted(uid)
+        self._tell(AbortBackendMsg(uid))
         req = self.requests.get(uid)
         if req is not None:
             self._finish(req, "abort")
 
     def warm_up(self) -> None:
-        """Serve synthetic requests of varied lengths (greedy and sampled; prefill, mixed and
-        decode steps) so that kernels compile now, not in the first user's request; then
-        flush the prefix cache and zero the counters."""
-        vocab, room = self.engine.model_config.vocab_size, self.engine.max_seq_len - 8
-        rng = random.Random(0)
-        for group in (WARMUP_PROMPT_LENS[::2], WARMUP_PROMPT_LENS[1::2]):
-            for i, length in enumerate(group):
-                ids = [rng.randrange(vocab) for _ in range(max(1, min(length, room)))]
-                params = SamplingParams(temperature=0.6 * (i % 2), max_tokens=4, ignore_eos=True)
-                self.add_request(self.make_request(ids, params))
-            for _ in range(2):
-                self.step()
-        if self.engine.compiled_decoder is not None:  # a lone decode: its compile happens now
-            params = SamplingParams(max_tokens=3, ignore_eos=True)
-            self.add_request(self.make_request([rng.randrange(vocab) for _ in range(4)], params))
-        while self.has_work:
-            self.step()
-        self.flush_cache()
-        self.planner.reset_counters()
-        if self.spec is not None:
-            self.spec.reset_counts()
+        """Compile the kernels before the first user's request (the server's start-up)."""
+        if (warm_up := extensions().warm_up) is not None:
+            warm_up(self)
 
     def flush_cache(self) -> str | None:
         """Empty the prefix cache (SGLang's /flush_cache); why not, while requests run."""
-        busy = len(self.planner.admitted()) + len(self.planner.waiting) + len(self.held)
         if self.has_work or self.cache.prefix_cache.locked_pages:
-            return f"cache_busy: {busy} requests are running; flush the cache when idle"
-        if self.leader is not None:
-            self.leader.flushed()
+            return f"cache_busy: {len(self.requests)} requests are running; flush when idle"
+        self._tell(FlushCacheMsg())
+        if self.leader is not None:  # now: an idle rank 0 does not step
+            self.leader.send()
         self.cache.reset_cache()
         return None
 
@@ -192,14 +174,12 @@ class Scheduler:
         return self.runnable or bool(self.held)
 
     @property
-    def runnable(self) -> bool:
-        """Work other than held requests (which io.py polls for, not a busy loop)."""
+    def runnable(self) -> bool:  # work other than held requests (io.py polls for those)
         return bool(self.planner.busy or self.pending or self.in_flight)
 
     def step(self) -> list[TokenOutput]:
-        """Schedule a batch and launch it (forward, sample); then process the tokens that are
-        ready: with overlap, the previous step's, which ran on the device while this one was
-        built and launched."""
+        """Launch the next batch, then process the tokens that are ready (with overlap, the
+        previous step's, which ran on the device while this one was built)."""
         if self.held and not self.follower:
             self._admit_held()
         if self.leader is not None:
@@ -221,15 +201,14 @@ class Scheduler:
                 outputs.extend(self._process(done))
         return outputs
 
-    def _read_in_flight(self) -> None:
-        """Process the step in flight now (its outputs wait in `pending`)."""
+    def _read_in_flight(self) -> None:  # its outputs wait in `pending`
         if self.in_flight is not None:
             self.pending.extend(self._process(self.in_flight))
             self.in_flight = None
 
     def follow(self) -> None:
         """Ranks > 0: replay rank 0's changes and step with it, until it stops."""
-        while isinstance(msg := receive_step(), BatchBackendMsg):
+        while isinstance(msg := receive_step(), BatchMsg):
             for change in msg.msgs:
                 if isinstance(change, AbortBackendMsg):
                     self.abort(change.uid)
@@ -249,9 +228,8 @@ class Scheduler:
 
     # ---- one step's phases ---------------------------------------------------------------
     def _launch(self, batch: Batch) -> InFlight | None:
-        """Queue the forward, build the features' host inputs while the device runs it, queue
-        the sampling; then advance the host state as if the step had run (None: nothing to
-        read back: prompt chunks, requests ended meanwhile)."""
+        """Queue the forward and the sampling, then advance the host state as if the step had
+        run (None: nothing to read back: prompt chunks, requests ended meanwhile)."""
         # a request samples when the step computes its last known token (or proposals past it)
         ends = [r.cached_len + r.extend_len - len(r.tokens) for r in batch.reqs]
         samples = [end >= 0 for end in ends]
@@ -264,20 +242,16 @@ class Scheduler:
         return InFlight(batch, slots, output, verifies=any(end > 0 for end in ends))
 
     def _prepare(self, batch: Batch, samples: list[bool]) -> dict[str, Any]:
-        """The features' host inputs; one that needs the step in flight's tokens (a grammar's
-        matchers) has it read first."""
+        """The features' host inputs, built while the forward runs; one that needs the step in
+        flight's tokens (a grammar's matchers) has it read first."""
         features = [f for f in self.features if any(f.name in r.ext for r in batch.reqs)]
-        flight = self.in_flight
-        if flight is not None and any(
-            f.needs_tokens() and any(f.name in r.ext for r in flight.batch.reqs) for f in features
-        ):
+        flight = self.in_flight.batch.reqs if self.in_flight is not None else []
+        if any(f.needs_tokens() and any(f.name in r.ext for r in flight) for f in features):
             self._read_in_flight()
-        prepared = {f.name: f.prepare(batch, samples) for f in features}
-        return {name: value for name, value in prepared.items() if value is not None}
+        return {f.name: p for f in features if (p := f.prepare(batch, samples)) is not None}
 
     def _advance(self, batch: Batch, samples: list[bool]) -> list[int]:
-        """KV now covers the computed tokens, and each request that samples gets a placeholder
-        token: the slots of those (-1: none)."""
+        """KV covers the computed tokens; a request that samples gets a placeholder: its slot."""
         if not batch.is_decode:
             now = time.monotonic()
             for req in batch.reqs[batch.num_decodes :]:
@@ -301,11 +275,10 @@ class Scheduler:
         outputs = []
         out, reqs = step.output, step.batch.reqs
         tokens = out.tokens()  # waits for the copies (the features' results' too)
-        values: dict[str, list[Any]] = {}  # per feature that has them, a value per batch row
+        values = {}  # per feature that has them, a value per batch row
         for f in self.features:
-            if (result := out.results.get(f.name)) is not None:
-                if (per_row := f.read(reqs, result)) is not None:
-                    values[f.name] = per_row
+            if f.name in out.results and (per_row := f.read(reqs, out.results[f.name])) is not None:
+                values[f.name] = per_row
         verified = {}  # rows that verify proposals: the target's token at each position
         if self.spec is not None and (result := out.results.get(self.spec.name)) is not None:
             verified = self.spec.verified(result)
@@ -325,10 +298,11 @@ class Scheduler:
         return outputs
 
     def _output(self, req: Req, slot: int, token: int, values: dict[str, Any]) -> TokenOutput:
-        """The request's token at `slot` is known: its output (`values`: the features' of
-        its row), and its end if it ends it."""
+        """The request's token at `slot` is known: its output, and its end if it ends it."""
         req.tokens[slot] = token
-        reason = self._finish_reason(req, token, slot + 1)
+        eos = token in self.eos_token_ids and not req.params.ignore_eos
+        stop = eos or token in req.params.stop_token_ids
+        reason = "stop" if stop else "length" if reaches_length(req, slot + 1) else None
         error = None
         features = self.features_of(req)
         scored = req.params.max_tokens == 0  # a prompt scored: its sampled token is dropped
@@ -349,12 +323,6 @@ class Scheduler:
             self._finish(req, reason, report=False, error=error)
         return output
 
-    def _finish_reason(self, req: Req, token: int, num_tokens: int) -> str | None:
-        eos = token in self.eos_token_ids and not req.params.ignore_eos
-        if eos or token in req.params.stop_token_ids:
-            return "stop"
-        return "length" if reaches_length(req, num_tokens) else None
-
     def _finish(self, req: Req, reason: str, report: bool = True, error: str | None = None) -> None:
         if not req.finished:
             for f in self.features_of(req):
@@ -374,7 +342,3 @@ class Scheduler:
             f.shutdown()
         if self.spec is not None:
             self.spec.shutdown()
-
-    def check_no_leak(self) -> None:
-        """Every page is free, the prefix cache's, or exactly one admitted request's."""
-        self.cache.check_invariants(self.planner.owned_pages())

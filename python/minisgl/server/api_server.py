@@ -1,6 +1,5 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models,
-/generate (native, token ids), /health and /stats; the extensions add theirs (`routes`: the
-serving extension's /tokenize, /metrics and SGLang's endpoints)."""
+/generate (native: token ids), /health and /stats; extensions add theirs (`routes`)."""
 
 from __future__ import annotations
 
@@ -123,34 +122,20 @@ class Chunks:
         return f"{self.prefix}{choice}]}}\n\n"
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
+def token_counts(prompt: int, completion: int) -> dict[str, int]:
     total = prompt + completion
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
 
 
-class Counts:
-    """A response's token counts, per choice: its prompt's tokens, those of them the prefix cache
-    supplied (told with the first reply) and the tokens generated so far."""
-
-    def __init__(self, choices: int, n: int) -> None:
-        self.n = n  # samples per prompt: choice k * n + j is prompt k's j-th
-        self.prompt, self.completion, self.cached = [0] * choices, [0] * choices, [0] * choices
-
-    def add(self, i: int, r: UserReply) -> None:
-        self.prompt[i], self.completion[i] = r.prompt_tokens, r.completion_tokens
-        if r.cached_tokens is not None:
-            self.cached[i] = r.cached_tokens
-
-    def choice_usage(self, i: int) -> dict[str, int]:
-        """vLLM's continuous usage: choice i's prompt and its tokens so far."""
-        return usage(self.prompt[i], self.completion[i])
-
-    def usage(self) -> dict[str, Any]:
-        """OpenAI's: each prompt counted once (its first sample's counts), every sample's
-        completion tokens."""
-        out: dict[str, Any] = usage(sum(self.prompt[:: self.n]), sum(self.completion))
-        out["prompt_tokens_details"] = {"cached_tokens": sum(self.cached[:: self.n])}
-        return out
+def usage(first: list[UserReply], last: list[UserReply], n: int) -> dict[str, Any]:
+    """OpenAI's usage of choices whose first and last replies these are (choice k * n + j is
+    prompt k's j-th sample): each prompt once, every sample's completion, and the prompt tokens
+    the prefix cache supplied (told with the first reply)."""
+    counts = token_counts(
+        sum(r.prompt_tokens for r in last[::n]), sum(r.completion_tokens for r in last)
+    )
+    cached = sum(r.cached_tokens or 0 for r in first[::n])
+    return counts | {"prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def merged(started: list[Started]) -> AsyncGenerator[list[tuple[int, UserReply]], None]:
@@ -214,9 +199,15 @@ class Shape:
         return text
 
     def choice(
-        self, index: int, text: str, finish_reason: str | None, delta: bool = False
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        matched: str | None = None,
+        delta: bool = False,
     ) -> dict[str, Any]:
-        """The choice's text so far (whole, or a stream's `delta`), its extensions' fields."""
+        """The choice's text so far (whole, or a stream's `delta`), its extensions' fields and
+        vLLM's `stop_reason`: the stop string that `matched`."""
         body: dict[str, Any]
         if not self.chat:
             body = {"text": text}
@@ -231,6 +222,8 @@ class Shape:
         else:
             body = {"message": {"role": "assistant", "content": text}}
         choice = {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+        if matched is not None:
+            choice["stop_reason"] = matched
         return choice | self.fields(index)
 
     def fields(self, index: int) -> dict[str, Any]:
@@ -249,28 +242,15 @@ class ApiServer:
         self.served = {self.model_name, path, path.rstrip("/").split("/")[-1]}
         adapters = extensions().lora_adapters  # name -> its /v1/models card's fields
         self.adapters = adapters(args) if adapters is not None else {}
-        self.tokenizer: list[Any] = []  # with_tokenizer's, loaded on first use
+        self.tokenizer: Any = None  # with_tokenizer's, loaded on first use
         self.tokenizer_lock = threading.Lock()
 
-    def check_model(self, name: str | None) -> str | None:
-        """The LoRA adapter that `model` names (None: the base model); 404 if not served."""
-        if name is None or name in self.served:
-            return None
-        if name not in self.adapters:
+    def check_model(self, name: str | None) -> None:
+        """404 unless `model` names the model or a LoRA adapter served (which then runs it)."""
+        if name is not None and name not in self.served and name not in self.adapters:
             served = ", ".join(repr(n) for n in [self.model_name, *self.adapters])
             message = f"model {name!r} does not exist; this server serves {served}"
             raise APIError(404, message, "model", "model_not_found")
-        return name
-
-    @staticmethod
-    def run_on(params: SamplingParams, adapter: str | None) -> SamplingParams:
-        """`params` on the LoRA adapter that `model` named (None: as they are; /generate's
-        lora_path may name it too, not another)."""
-        if adapter is not None and params.lora_name not in (None, adapter):
-            message = f"model {adapter!r} and lora_path {params.lora_name!r} differ"
-            raise APIError(400, message, "lora_path")
-        params.lora_name = adapter or params.lora_name
-        return params
 
     def reply_error(self, r: UserReply, first: bool) -> APIError:
         """The HTTP error for a reply that ended its request with an error."""
@@ -351,31 +331,27 @@ class ApiServer:
         return msgs
 
     async def complete(self, req: CompletionRequest) -> Any:
-        adapter = self.check_model(req.model)
+        self.check_model(req.model)
         taken = request_extensions(req, "/v1/completions")
-        given = req.max_tokens is not None and "max_tokens" in req.model_fields_set
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        params = self.run_on(sampling_params(req, max_tokens, taken, req.echo), adapter)
+        params = sampling_params(req, max_tokens, taken, req.echo)
         sources = completion_sources(req)
         # choice k * n + j: prompt k's j-th sample (OpenAI's order)
+        given = req.max_tokens is not None
         msgs = [
-            msg for source in sources for msg in self.make_msgs(req, params, given, taken, **source)
+            m for source in sources for m in self.make_msgs(req, params, given, taken, **source)
         ]
         shape = Shape(False, req.n, shapers=shapers(taken, chat=False))
-        if req.echo:
-            texts = [await self.prompt_text(source) for source in sources]
+        if req.echo:  # the prompt as given, token ids decoded
+            texts = [s["text"] or await self.decode(s["input_ids"]) for s in sources]
             shape.echo = [text for text in texts for _ in range(req.n)]
         return await self.respond(req, msgs, shape)
 
-    async def prompt_text(self, source: dict[str, Any]) -> str:
-        """What `echo` puts before the completion: the prompt as given, token ids decoded."""
-        if source["text"] is not None:
-            return source["text"]
-        ids = source["input_ids"]
+    async def decode(self, ids: list[int]) -> str:
         return await self.with_tokenizer(lambda tok: needed(tok).decode(ids), "prompt")
 
     async def chat_complete(self, req: ChatRequest) -> Any:
-        adapter = self.check_model(req.model)
+        self.check_model(req.model)
         taken = request_extensions(req, "/v1/chat/completions")
         max_tokens = chat_max_tokens(req)
         limit = self.max_seq_len if max_tokens is None else max_tokens  # unset: up to the context
@@ -388,7 +364,7 @@ class ApiServer:
         source["chat_template_kwargs"] = req.chat_template_kwargs
         if shaping is not None and shaping.keep_special_tokens:
             source["skip_special_tokens"] = False  # the tool format's tags are special tokens
-        params = self.run_on(sampling_params(req, limit, taken), adapter)
+        params = sampling_params(req, limit, taken)
         msgs = self.make_msgs(req, params, max_tokens is not None, taken, **source)
         if shaping is not None:  # forced calls; a constraint held off until the reasoning ends
             for msg in msgs:
@@ -402,131 +378,135 @@ class ApiServer:
             message = "stream_options.continuous_usage_stats needs include_usage true"
             raise APIError(400, message, "stream_options.continuous_usage_stats")
         started = await self.start_choices(msgs)
-        chunk = ".chunk" if req.stream else ""
         head = {
             "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{msgs[0].uid}",
-            "object": f"chat.completion{chunk}" if shape.chat else "text_completion",
+            "object": "text_completion",
             "created": int(time.time()),
             "model": msgs[0].params.lora_name or self.model_name,  # vLLM's: the adapter's name
         }
-        if not req.stream:
-            return await self.collect(started, head, shape)
-        events = self.events(started, head, shape, options)
-        return StreamingResponse(events, media_type="text/event-stream")
+        if shape.chat:
+            head["object"] = "chat.completion.chunk" if req.stream else "chat.completion"
+        if req.stream:
+            events = self.events(started, head, shape, options)
+            return StreamingResponse(events, media_type="text/event-stream")
+        texts, _, last = await self.collect(started, shape)
+        choices = [
+            shape.choice(i, text, r.finish_reason, r.matched)
+            for i, (text, r) in enumerate(zip(texts, last))
+        ]
+        first = [replies[0] for _, replies in started]
+        return {**head, "choices": choices, "usage": usage(first, last, shape.n)}
 
     async def collect(
-        self, started: list[Started], head: dict[str, Any], shape: Shape
-    ) -> dict[str, Any]:
-        """The whole response of all choices, once every one has finished."""
-        n = len(started)
-        texts, counts = [""] * n, Counts(n, shape.n)
-        reasons: list[str | None] = [None] * n
-        matched: dict[int, str] = {}  # the stop strings that ended choices
+        self, started: list[Started], shape: Shape
+    ) -> tuple[list[str], list[list[int]], list[UserReply]]:
+        """Every choice's text, token ids and last reply, once all have finished."""
+        texts, ids = [""] * len(started), [list[int]() for _ in started]
+        last = [replies[-1] for _, replies in started]
         async with aclosing(merged(started)) as batches:
             async for batch in batches:
                 for i, r in batch:
                     if r.error is not None:
                         raise self.reply_error(r, first=False)
                     texts[i] += shape.add(i, r)
-                    counts.add(i, r)
-                    reasons[i] = r.finish_reason if r.finished else None
-                    if r.matched is not None:
-                        matched[i] = r.matched
-        choices = [shape.choice(i, text, reasons[i]) for i, text in enumerate(texts)]
-        for i, stop in matched.items():  # vLLM's stop_reason
-            choices[i]["stop_reason"] = stop
-        return {**head, "choices": choices, "usage": counts.usage()}
+                    ids[i] += r.token_ids
+                    last[i] = r
+        return texts, ids, last
 
-    def opening(self, started: list[Started], head: dict[str, Any], n: int, usage_too: bool) -> str:
-        """A chat stream's first chunk: every choice's role; with continuous usage, the prompts'
-        tokens (each prompt once, nothing generated yet)."""
-        role = {"role": "assistant", "content": ""}
-        choices = [{"index": i, "delta": role, "finish_reason": None} for i in range(len(started))]
-        body = {**head, "choices": choices}
-        if usage_too:
-            body["usage"] = usage(sum(first[0].prompt_tokens for _, first in started[::n]), 0)
-        return sse(body)
+    async def stream(
+        self,
+        started: list[Started],
+        shape: Shape,
+        event: Callable[[int, UserReply, str], str | None],
+        opening: str = "",
+        closing: Callable[[], str] = str,
+    ) -> AsyncIterator[str]:
+        """Server-sent events: `opening`, `event(choice, reply, its text)` of each reply (the
+        replies that came together in one write), `closing()` and [DONE]. A reply's error ends
+        it with an error event: the client sees an error, not a truncated answer."""
+        if opening:
+            yield opening
+        async with aclosing(merged(started)) as batches:
+            async for batch in batches:
+                events: list[str] = []
+                for i, r in batch:
+                    if r.error is not None:
+                        yield "".join(events) + error_event(self.reply_error(r, first=False))
+                        return
+                    if (text := event(i, r, shape.add(i, r))) is not None:
+                        events.append(text)
+                if events:
+                    yield "".join(events)
+        yield closing() + "data: [DONE]\n\n"
 
-    async def events(
+    def events(
         self,
         started: list[Started],
         head: dict[str, Any],
         shape: Shape,
         options: StreamOptions | None,
     ) -> AsyncIterator[str]:
-        """Server-sent events of all choices: a chunk per reply carrying text or a finish (and
-        with `continuous_usage_stats`, its choice's usage so far)."""
-        counts = Counts(len(started), shape.n)
+        """OpenAI's chunks: a chat's roles first, then one per reply with text or a finish
+        (with `continuous_usage_stats`, its choice's usage so far), the usage last if asked."""
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options is not None and options.continuous_usage_stats
-        if shape.chat:
-            yield self.opening(started, head, shape.n, continuous)
+        first = [replies[0] for _, replies in started]
+        last = list(first)
         chunk = Chunks(head, shape.chat)
         plain = not shape.shapers and shape.shaping is None and not continuous
-        async with aclosing(merged(started)) as batches:
-            async for batch in batches:
-                events: list[str] = []  # one write for the batch
-                for i, r in batch:
-                    if r.error is not None:  # the client sees an error, not a truncated answer
-                        yield "".join(events) + error_event(self.reply_error(r, first=False))
-                        return
-                    counts.add(i, r)
-                    text, fr = shape.add(i, r), r.finish_reason if r.finished else None
-                    if not text and not r.token_ids and fr is None:
-                        continue
-                    if plain and r.matched is None:
-                        events.append(chunk.plain(i, text, fr))
-                        continue
-                    choice = shape.choice(i, text, fr, delta=True)
-                    if r.matched is not None:  # vLLM's stop_reason: the stop string
-                        choice["stop_reason"] = r.matched
-                    events.append(chunk(choice, counts.choice_usage(i) if continuous else None))
-                if events:
-                    yield "".join(events)
-        tail = sse({**head, "choices": [], "usage": counts.usage()}) if include_usage else ""
-        yield tail + "data: [DONE]\n\n"
+
+        def event(i: int, r: UserReply, text: str) -> str | None:
+            last[i], reason = r, r.finish_reason if r.finished else None
+            if not text and not r.token_ids and reason is None:
+                return None
+            if plain and r.matched is None:
+                return chunk.plain(i, text, reason)
+            choice = shape.choice(i, text, reason, r.matched, delta=True)
+            return chunk(
+                choice, token_counts(r.prompt_tokens, r.completion_tokens) if continuous else None
+            )
+
+        def closing() -> str:
+            return (
+                sse({**head, "choices": [], "usage": usage(first, last, shape.n)})
+                if include_usage
+                else ""
+            )
+
+        opening = ""
+        if shape.chat:  # every choice's role; with continuous usage, the prompts' tokens
+            role = {"role": "assistant", "content": ""}
+            choices = [
+                {"index": i, "delta": role, "finish_reason": None} for i in range(len(first))
+            ]
+            prompts = token_counts(sum(r.prompt_tokens for r in first[:: shape.n]), 0)
+            opening = sse({**head, "choices": choices} | ({"usage": prompts} if continuous else {}))
+        return self.stream(started, shape, event, opening, closing)
 
     async def generate(self, req: GenerateRequest) -> Any:
         """The native API: token ids in and out, one choice."""
-        adapter = self.check_model(req.model)
+        self.check_model(req.model)
         fields, max_tokens = native_fields(req)
+        fields.model = req.model  # the LoRA adapter it names
         check_extras(dict(req.model_extra or {}), "/generate")  # SGLang's (the serving extension)
         taken = request_extensions(fields, "/generate", "/generate sampling_params")
-        params = self.run_on(sampling_params(fields, max_tokens, taken), adapter)
+        params = sampling_params(fields, max_tokens, taken)
         source = dict(text=req.text, input_ids=req.input_ids, chat=None)
         msgs = self.make_msgs(fields, params, False, taken, **source)  # SGLang's: to the context
         shape = Shape(False, 1, shapers=shapers(taken, chat=False))  # e.g. SGLang's meta_info
         started = await self.start_choices(msgs)
-        if req.stream:
-            events = self.native_events(started, shape)
-            return StreamingResponse(events, media_type="text/event-stream")
-        ids: list[int] = []
-        text, last = "", started[0][1][-1]
-        async with aclosing(merged(started)) as batches:
-            async for batch in batches:
-                for _, r in batch:
-                    if r.error is not None:
-                        raise self.reply_error(r, first=False)
-                    ids += r.token_ids
-                    text += shape.add(0, r)
-                    last = r
-        counts = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens}
-        body = {"output_ids": ids, "text": text, "finish_reason": last.finish_reason}
-        return body | counts | shape.fields(0)
 
-    async def native_events(self, started: list[Started], shape: Shape) -> AsyncIterator[str]:
-        async with aclosing(merged(started)) as batches:
-            async for batch in batches:
-                events: list[str] = []  # one write for the batch
-                for _, r in batch:
-                    if r.error is not None:
-                        yield "".join(events) + error_event(self.reply_error(r, first=False))
-                        return
-                    text = shape.add(0, r)
-                    body = {"token_ids": r.token_ids, "text": text, "finished": r.finished}
-                    events.append(sse(body | {"finish_reason": r.finish_reason} | shape.fields(0)))
-                yield "".join(events)
-        yield "data: [DONE]\n\n"
+        def event(_: int, r: UserReply, text: str) -> str:
+            body = {"token_ids": r.token_ids, "text": text, "finished": r.finished}
+            return sse(body | {"finish_reason": r.finish_reason} | shape.fields(0))
+
+        if req.stream:
+            events = self.stream(started, shape, event)
+            return StreamingResponse(events, media_type="text/event-stream")
+        texts, ids, (r,) = await self.collect(started, shape)
+        body = {"output_ids": ids[0], "text": texts[0], "finish_reason": r.finish_reason}
+        counts = {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
+        return body | counts | shape.fields(0)
 
     async def with_tokenizer(self, work: Callable[[Any], T], param: str) -> T:
         """`work(tokenizer)` in a thread, with the workers' tokenizer loaded here once (its
@@ -534,13 +514,13 @@ class ApiServer:
 
         def run() -> T:
             with self.tokenizer_lock:
-                if not self.tokenizer:
+                if self.tokenizer is None:
                     from minisgl.models.weight import resolve_model_path
 
                     path = resolve_model_path(self.args.engine.model or "")
-                    self.tokenizer.append(load_chat_tokenizer(path, self.args.chat_template))
+                    self.tokenizer = load_chat_tokenizer(path, self.args.chat_template)
                     freeze_startup_heap()
-            return work(self.tokenizer[0])
+            return work(self.tokenizer)
 
         try:
             return await asyncio.get_running_loop().run_in_executor(None, run)
@@ -548,10 +528,9 @@ class ApiServer:
             raise APIError(400, str(e), param) from None
 
     async def stats(self) -> dict[str, Any]:
-        """The scheduler's snapshot plus this API process's requests in flight, queued, RSS."""
-        view = self.frontend.view()
-        counts = {k: getattr(view, k) for k in ("in_flight", "queued", "rss_bytes")}
-        return self.frontend.stats.__dict__ | counts
+        """The scheduler's last snapshot, and this API process's requests in flight and queued."""
+        counts = {"in_flight": len(self.frontend.requests), "queued": self.frontend.num_queued}
+        return vars(self.frontend.stats) | counts
 
     async def health(self, generate: bool = False) -> JSONResponse:
         """200 while the pipeline is up (`generate`, SGLang's, is the serving extension's)."""

@@ -40,24 +40,6 @@ class ServerArgs:
         type=int_range(1),
         aliases=["--tensor-parallel-size", "--tp-size"],  # vLLM's, SGLang's
     )
-    dp: int = option(
-        1,
-        "data-parallel replicas behind this API server, each a TP group (dp x tp GPUs in all)",
-        type=int_range(1),
-        aliases=["--data-parallel-size", "--dp-size"],  # vLLM's, SGLang's
-    )
-    dp_dispatch: str = option(
-        "prefix",
-        "with --dp > 1: the replica holding the longest prefix of the prompt (ties: least "
-        "loaded), or round_robin",
-        choices=["prefix", "round_robin"],
-    )
-    dp_load_threshold: int = option(
-        8,
-        "with --dp-dispatch prefix: replicas whose loads differ by more than this many "
-        "requests send the request to the least loaded one",
-        type=int_range(0),
-    )
     host: str = option("127.0.0.1", "HTTP bind address")
     port: int = option(1919, "HTTP port", type=int_range(1, 65535))
     num_tokenizer: int = option(1, "tokenizer worker processes", type=int_range(1))
@@ -126,8 +108,6 @@ class ServerArgs:
             if (check := getattr(self.extras[name], "check", None)) is not None:
                 check(self)
         self._check_parsers()
-        if self.dp > 1 and extensions().launcher is None:  # its tokenizer workers dispatch
-            raise OptionError("dp", str(ExtensionMissing(f"--dp {self.dp}", "serving")))
         if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
             raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
         if self.chat_template is not None:  # a mistyped path fails here, not as a template
@@ -190,9 +170,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # EngineConfig's to engine, SchedulerConfig's to scheduler, ServerArgs' to server.
 _GROUPS = {EngineConfig: "engine", SchedulerConfig: "scheduler", ServerArgs: "server"}
 _GROUP_OF = {
-    "model": "model dtype quantization max_model_len dummy_weights seed served_model_name "
-    "chat_template".split(),
-    "engine": ["tp", "dp", "dp_dispatch", "dp_load_threshold"],
+    "model": "model dtype max_model_len dummy_weights seed served_model_name chat_template".split(),
+    "engine": ["tp"],
     "scheduler": ["max_running_requests"],
     "extensions": ["tool_call_parser", "reasoning_parser"],
 }

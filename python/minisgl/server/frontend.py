@@ -2,16 +2,14 @@
 the detokenizer's replies to one asyncio queue per request, fail them all if the pipeline dies."""
 
 # Each reply is shown to `metrics` (the `request_observer` point). The serving extension's
-# Frontend (`ext/serving/frontend.py`) adds the watchdog, /flush_cache, the --dp replicas'
-# summed stats and the API processes' views of each other.
+# Frontend (`ext/serving/frontend.py`) adds the watchdog, /flush_cache, the --dp replicas and
+# the API processes' views of each other.
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import multiprocessing as mp
-import os
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -21,9 +19,7 @@ from typing import Any
 from minisgl.extension import RequestObserver, extensions
 from minisgl.message import (
     AbortMsg,
-    ApiViewMsg,
-    BatchFrontendMsg,
-    DoneMsg,
+    BatchMsg,
     SchedulerStats,
     TokenizeMsg,
     UserReply,
@@ -32,18 +28,6 @@ from minisgl.message import (
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 logger = logging.getLogger(__name__)
-
-
-def tree_rss_bytes() -> int:
-    """Resident memory of this process and its children (the server's workers); 0 off Linux."""
-    total = 0
-    for pid in [os.getpid(), *(p.pid for p in mp.active_children())]:
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
 
 
 @dataclass
@@ -60,19 +44,12 @@ class Frontend:
     # numbers its requests api_rank, api_rank + api_count... (their replies come back by uid)
     api_rank, api_count = 0, 1
 
-    def __init__(
-        self, tokenizer_addrs: list[str], recv_addr: str, scheduler_addrs: list[str] | None = None
-    ) -> None:
-        """`scheduler_addrs`: one per --dp replica."""
+    def __init__(self, tokenizer_addrs: list[str], recv_addr: str) -> None:
         self.to_tokenizers = [ZmqAsyncPushQueue(a, create=False) for a in tokenizer_addrs]
         self.recv = ZmqAsyncPullQueue(recv_addr, create=True)
-        self.scheduler_addrs = scheduler_addrs or []
         self.requests: dict[int, _InFlight] = {}
         self.uids = itertools.count(self.api_rank, self.api_count)
-        replicas = max(1, len(self.scheduler_addrs))
-        self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(replicas)]
-        # the server's RSS is rank 0's to count (its children include the other API processes)
-        self.rss = tree_rss_bytes if self.api_rank == 0 else lambda: 0
+        self.replica_stats = [SchedulerStats()]  # the scheduler's snapshots, one per --dp replica
         observer = extensions().request_observer
         self.metrics = RequestObserver() if observer is None else observer(self)
         self.dead: str | None = None  # set when the pipeline can no longer answer
@@ -86,7 +63,6 @@ class Frontend:
 
     @property
     def stats(self) -> SchedulerStats:
-        """The scheduler's last snapshot."""
         return self.replica_stats[0]
 
     @property
@@ -98,7 +74,7 @@ class Frontend:
         while True:
             batch = await self.recv.get()
             self.last_progress = time.monotonic()
-            if not isinstance(batch, BatchFrontendMsg):
+            if not isinstance(batch, BatchMsg):
                 if not await self.received(batch):
                     logger.error("api server: dropped an unexpected %s", type(batch).__name__)
                 continue
@@ -114,18 +90,6 @@ class Frontend:
     async def received(self, msg: Any) -> bool:
         """A message other than replies (the serving extension's); False: not one expected."""
         return False
-
-    def view(self, seq: int = 0, metrics: bool = False) -> ApiViewMsg:
-        """This API process's counts: requests in flight, not started yet (and with `metrics`
-        the text of its metrics)."""
-        text = self.metrics.text() if metrics else ""
-        return ApiViewMsg(
-            self.api_rank, seq, os.getpid(), len(self.requests), self.num_queued, text, self.rss()
-        )
-
-    async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
-        """Every API process's view, by rank."""
-        return [self.view(0, metrics)]
 
     def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
         self.metrics.reply(req.priority, req.submitted, req.last_token, reply, now)
@@ -194,11 +158,13 @@ class Frontend:
                 yield batch
         finally:
             if finished:
-                self.requests.pop(msg.uid, None)
-                if len(self.scheduler_addrs) > 1:  # the --dp dispatcher counts the loads
-                    await asyncio.shield(self._tokenizer(msg.uid).put(DoneMsg(msg.uid)))
+                await self.done(msg.uid)
             else:
                 await asyncio.shield(self.abort(msg.uid, "timeout" if timed_out else "abort"))
+
+    async def done(self, uid: int) -> None:
+        """Request `uid`'s last reply was taken."""
+        self.requests.pop(uid, None)
 
     def fail(self, reason: str) -> None:
         """The pipeline is gone: end every request with an error; refuse new ones from now on."""

@@ -2,7 +2,8 @@
 
 # Each refusal, and an exception the app did not answer, is an OpenAI-shaped JSON error counted
 # by status like every other response. The serving extension's gate (the `gate` point) adds the
-# text checks, the limit on requests in progress and the body's read timeout.
+# text checks, the limit on requests in progress and the body's read timeout. The body is read
+# whole here, checked, and replayed to the app.
 
 from __future__ import annotations
 
@@ -49,13 +50,12 @@ def credentials_refused(headers: list[tuple[bytes, bytes]], key: bytes) -> str |
 
 
 class Gate:
-    """Pure ASGI middleware (not BaseHTTPMiddleware, so that an endpoint still sees its client
-    disconnect): the body is read whole here, checked, and replayed to the app."""
+    """Pure ASGI middleware (not BaseHTTPMiddleware: an endpoint still sees its client leave);
+    `paths`: the app's own (responses elsewhere are counted as "other")."""
 
     def __init__(
         self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
     ) -> None:
-        """`paths`: the app's own (responses elsewhere are counted as "other")."""
         self.app, self.max_body, self.paths = app, args.max_request_bytes, paths
         self.api_key = None if args.api_key is None else args.api_key.encode()
         self.observer = frontend.metrics
@@ -109,11 +109,9 @@ class Gate:
             await refuse(Refusal(500, message, "internal_error"))
 
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app's answer to a request that passed."""
         await self.app(scope, receive, send)
 
     def check_head(self, scope: Scope) -> Refusal | None:
-        """The refusals known from the request's head alone (its body not read)."""
         if self.api_key is not None and scope["path"] != "/health":
             if (why := credentials_refused(scope["headers"], self.api_key)) is not None:
                 # RFC 7235: a 401 names the scheme it wants

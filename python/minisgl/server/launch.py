@@ -4,8 +4,8 @@ each is ready, run the front end (HTTP, or the shell), stop every child on exit.
 # A child that dies takes the whole server down with exit code 1 (in-flight requests get an
 # error first); SIGTERM drains in-flight requests for up to --shutdown-timeout seconds.
 # Children are titled `minisgl::NAME` and die with this process (Linux). The serving
-# extension's launcher (the `launcher` point) adds API processes, nodes, the watchdog and a
-# reaper for a launcher killed outright.
+# extension's launcher (the `launcher` point) adds --dp replicas, API processes, nodes, the
+# watchdog and a reaper for a launcher killed outright.
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from minisgl.distributed import Rendezvous, rendezvous_file
+from minisgl.distributed import rendezvous_file
 from minisgl.engine.config import EngineConfig
 from minisgl.extension import extensions
 from minisgl.server.args import ServerArgs, option_error
@@ -42,9 +42,9 @@ Started = tuple[Any, Any]  # a child's `ready` pipe (the parent's end), its proc
 @dataclass
 class Addresses:
     root: str  # a private temp directory (mode 0700): the ipc sockets, the TP rendezvous files
-    schedulers: list[str]  # rank 0 of each --dp replica
+    schedulers: list[str]  # TP rank 0's (one per replica with the serving extension's --dp)
     detokenizer: str
-    apis: list[str]  # each API process's, by rank
+    apis: list[str]  # the API process's (one per --api-server-count)
     tokenizers: list[str]
 
     @staticmethod
@@ -96,32 +96,13 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
     return [sock]
 
 
-def check_scale_out(args: ServerArgs, config: EngineConfig, nnodes: int = 1) -> None:
-    """Before any process starts: a TP size or --max-model-len the model cannot take, or GPUs
-    this machine does not have (--dp x --tp / `nnodes`)."""
-    from minisgl.engine.engine import check_model
-    from minisgl.utils.device import device_type
-
-    gpus = args.dp * args.tp // nnodes
-    if device_type(config.device) == "cuda":
-        import torch
-
-        if gpus > (found := torch.cuda.device_count()):
-            per = f"--tp {args.tp} / --nnodes {nnodes}" if nnodes > 1 else f"--tp {args.tp}"
-            raise ValueError(
-                f"--dp {args.dp} x {per} needs {gpus} GPUs on this machine, found {found}"
-            )
-    check_model(config, args.tp, gpus)
-
-
 class Launcher:
-    """The server's processes on one machine: the --dp replicas' schedulers (and their TP
-    ranks), the detokenizer and the tokenizer workers, started, watched and stopped."""
+    """The server's processes on one machine: the scheduler's TP ranks, the detokenizer and the
+    tokenizer workers, started, watched and stopped."""
 
-    def __init__(self, args: ServerArgs, api_servers: int = 1) -> None:
-        """`api_servers`: the API processes (the serving extension's --api-server-count)."""
-        self.args, self.api_server_count = args, api_servers
-        self.addrs = Addresses.make(args.num_tokenizer, args.dp, api_servers)
+    def __init__(self, args: ServerArgs, addrs: Addresses | None = None) -> None:
+        self.args = args
+        self.addrs = addrs or Addresses.make(args.num_tokenizer)
         logger.info("sockets in %s", self.addrs.root)
         self.ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
@@ -132,11 +113,6 @@ class Launcher:
         self.info: dict[str, Any] = {}  # what the schedulers reported once ready (max_seq_len)
         # called (on a thread of its own) with the reason of a failure; None: SIGTERM self
         self.on_failure: Callable[[str], None] | None = None
-
-    @property
-    def ranks_here(self) -> int:
-        """The TP ranks of one replica that run on this machine."""
-        return self.args.tp
 
     def _spawn(self, name: str, target: Any, *target_args: Any, **kwargs: Any) -> Started:
         """Start `target(*target_args, ready, **kwargs)` in a child titled `minisgl::NAME`."""
@@ -152,16 +128,21 @@ class Launcher:
         if not self.args.shell:  # a taken port fails here, before a download
             self.listeners = self.listen()
         config = self.resolve_models()
-        check_scale_out(self.args, config)
+        self.check(config)
         self.start_pipeline(config)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def listen(self) -> list[socket.socket]:
         return listen_sockets(self.args.host, self.args.port)
 
+    def check(self, config: EngineConfig) -> None:
+        """Before any process starts: a --tp or --max-model-len the model or GPUs cannot take."""
+        from minisgl.engine.engine import check_model
+
+        check_model(config, self.args.tp)
+
     def resolve_models(self) -> EngineConfig:
-        """The engine config with its model (and the extensions', e.g. a draft model)
-        downloaded once, before any child starts."""
+        """The engine config, its model (and a draft model's) downloaded before any child starts."""
         from minisgl.models.weight import resolve_model_path
 
         args = self.args
@@ -176,16 +157,13 @@ class Launcher:
         return replace(args.engine, model=path)
 
     def start_pipeline(self, config: EngineConfig) -> None:
-        """Every replica's ranks, the detokenizer and the tokenizer workers, until all are
-        ready (followers say hello first, then ready once built: rank 0 only after them)."""
+        """The schedulers, the detokenizer and the tokenizer workers, until all are ready (TP
+        ranks > 0 say hello first, then ready once built: rank 0 only after them)."""
         from minisgl.tokenizer.detokenize import run_detokenizer
         from minisgl.tokenizer.server import run_tokenizer
 
         args, a, model_path = self.args, self.addrs, config.model
-        starters, followers = [], []
-        for r in range(args.dp):
-            starters.append(self._replica(config, r))
-            followers += [self._follower(config, r, k) for k in range(1, self.ranks_here)]
+        starters, followers = self.start_schedulers(config)
         detok = (model_path, a.detokenizer, a.apis, a.schedulers)
         starters.append(self._spawn("detokenizer", run_detokenizer, *detok))
         for i, addr in enumerate(a.tokenizers):
@@ -193,7 +171,7 @@ class Launcher:
             worker = self.tokenizer_worker(config)
             starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok, worker=worker))
         for payload in wait_ready(*_split(starters + followers)):
-            if payload:  # a replica's rank 0
+            if payload:  # a TP rank 0 (one per --dp replica)
                 self.info["num_pages"] = self.info.get("num_pages", 0) + payload["num_pages"]
                 self.info["max_seq_len"] = payload["max_seq_len"]
         wait_ready(*_split(followers))
@@ -204,27 +182,20 @@ class Launcher:
 
         return TokenizerWorker
 
-    def _rendezvous(self, replica: int) -> Rendezvous:
-        return rendezvous_file(self.addrs.root, f"tp-rendezvous-{replica}", replica * self.args.tp)
+    def start_schedulers(self, config: EngineConfig) -> tuple[list[Started], list[Started]]:
+        """TP rank 0 (ready with the engine's sizes) and the other ranks, which meet at a file."""
+        from minisgl.scheduler.io import run_follower, run_scheduler_process
 
-    def _name(self, replica: int, rank: int) -> str:
-        return f"scheduler_{rank}" if self.args.dp == 1 else f"dp{replica}_scheduler_{rank}"
-
-    def _replica(self, config: EngineConfig, replica: int) -> Started:
-        from minisgl.scheduler.io import run_scheduler_process
-
-        args = self.args
-        io = (self.addrs.schedulers[replica], self.addrs.detokenizer, (replica, args.dp))
-        meet, warm_up = self._rendezvous(replica), not args.skip_server_warmup
-        entry = (run_scheduler_process, config, args.scheduler, args.tp, meet, *io, warm_up)
-        return self._spawn(self._name(replica, 0), *entry)
-
-    def _follower(self, config: EngineConfig, replica: int, rank: int) -> Started:
-        from minisgl.scheduler.io import run_follower
-
-        args, name = self.args, self._name(replica, rank)
-        entry = (config, args.scheduler, rank, args.tp, self._rendezvous(replica))
-        return self._spawn(name, run_follower, *entry, sharing=args.dp, title=name)
+        args, a, meet = self.args, self.addrs, rendezvous_file(self.addrs.root)
+        io = (a.schedulers[0], a.detokenizer, (0, 1), not args.skip_server_warmup)
+        rank0 = self._spawn(
+            "scheduler_0", run_scheduler_process, config, args.scheduler, args.tp, meet, *io
+        )
+        others = [
+            self._spawn(f"scheduler_{k}", run_follower, config, args.scheduler, k, args.tp, meet)
+            for k in range(1, args.tp)
+        ]
+        return [rank0], others
 
     def expected_exit(self, proc: Any) -> bool:
         """Whether `proc` ending is no failure (the serving extension's drained API processes)."""
@@ -246,8 +217,7 @@ class Launcher:
                 return
 
     def fail(self, reason: str) -> None:
-        """A child died: stop the server, which exits with code 1 (the first failure only;
-        called from a thread other than the event loop's)."""
+        """A child died: stop the server, exit code 1 (the first failure; off the event loop)."""
         with self._fail_lock:
             if self.stopping or self.failure is not None:
                 return
@@ -263,7 +233,7 @@ class Launcher:
         from minisgl.server.frontend import Frontend
 
         a = self.addrs
-        return front_end(self, Frontend(a.tokenizers, a.apis[0], a.schedulers))
+        return front_end(self, Frontend(a.tokenizers, a.apis[0]))
 
     def drain(self) -> None:
         """SIGTERM reached this process (the serving extension's API processes drain too)."""
@@ -282,8 +252,7 @@ class Launcher:
 
 
 def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], int]) -> int:
-    """Start the children, run `front_end` until it returns or SIGTERM, then stop the
-    children; the exit code."""
+    """Start the children, run `front_end` until it returns or SIGTERM, stop them; exit code."""
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     hide_api_key()
     # The default SIGTERM action would kill this process at once and orphan the children.

@@ -3,11 +3,12 @@ OpenAI's error shape. Extensions' fields stay a body's extras for their `Extensi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Protocol, TypeVar
 
 import msgpack
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from minisgl.core import EXTENSION_PARAMS, SamplingParams
 from minisgl.extension import ExtensionMissing, extensions, require
@@ -15,17 +16,18 @@ from minisgl.extension import ExtensionMissing, extensions, require
 MAX_CHOICES = 1024  # prompts x n of one completion request (n alone: at most 64)
 
 
+@dataclass(eq=False)
 class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers
+    """An HTTP error, answered as OpenAI's error body (`error_body`)."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def error_body(
@@ -48,9 +50,9 @@ def error_response(
 
 
 class Body(BaseModel):
-    """A request body or a part of one: strict JSON types, as OpenAI (no true for 1, no "0.5")."""
+    """A request body or part of one: strict JSON types (no true for 1, no "0.5"), finite."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
 
 B = TypeVar("B", bound=Body)
@@ -81,8 +83,6 @@ class ChoiceShaper(Protocol):
 class ExtensionFields(Body):
     """Request fields an extension implements (the `request_fields` point), validated here."""
 
-    model_config = ConfigDict(allow_inf_nan=False)
-
     def params(self, req: Any) -> dict[str, Any]:
         """The SamplingParams keywords they set (`req`: the whole request)."""
         return {}
@@ -101,15 +101,14 @@ class StreamOptions(Body):
 
 
 # Larger integers cannot travel in a message (msgpack) nor live in a tensor: refuse them here.
+# (A Body is strict: a boolean or a string is no integer.)
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
-# a token id: a JSON integer, never a boolean (lax ints take `false` for 0) nor a string
-TokenId = Annotated[int, Strict(), Field(ge=-(2**63), lt=2**63)]
 
 
 class SamplingFields(Body):
     # undeclared fields are kept (model_extra): the extensions' (`request_extensions`), or
     # refused / warned about (`check_extras`)
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: Int64 | None = None
     temperature: float = 1.0
@@ -118,7 +117,7 @@ class SamplingFields(Body):
     min_p: float = 0.0
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[Int64] | None = None
     n: int = Field(1, ge=1, le=64)
     ignore_eos: bool = False
     stream: bool = False
@@ -127,15 +126,17 @@ class SamplingFields(Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: str | list[Int64] | list[str] | list[list[Int64]]
     max_tokens: Int64 | None = 16
     echo: bool = False  # the prompt before the completion
 
 
 class ChatMessage(Body):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # an assistant's `tool_calls`: ext/structured's
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    name: str | None = None
 
 
 # apply_chat_template's own arguments: a client may not replace the template nor its output
@@ -161,7 +162,7 @@ TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwarg
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int64 | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=2**63)] | None = None
     chat_template_kwargs: TemplateKwargs = None
 
 
@@ -169,7 +170,7 @@ class GenerateRequest(Body):
     # SGLang's other fields (sglang-router passes them on) are kept to be checked (`check_extras`)
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    input_ids: list[TokenId] | None = None
+    input_ids: list[Int64] | None = None
     text: str | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
@@ -223,6 +224,10 @@ def check_extras(extra: dict[str, Any], path: str) -> None:
         raise APIError(400, f"{name}: unknown field of {path}", name, "unknown_field")
 
 
+# the SamplingFields that are SamplingParams fields as they are
+BASE_PARAMS = {"temperature", "top_k", "top_p", "min_p", "ignore_eos", "seed"}
+
+
 def sampling_params(
     req: SamplingFields, max_tokens: int, taken: list[ExtensionFields], echo: bool = False
 ) -> SamplingParams:
@@ -233,14 +238,9 @@ def sampling_params(
     extra = {key: value for fields in taken for key, value in fields.params(req).items()}
     try:
         return SamplingParams(
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            min_p=req.min_p,
+            **req.model_dump(include=BASE_PARAMS),
             max_tokens=max_tokens,
-            ignore_eos=req.ignore_eos,
-            stop_token_ids=list(req.stop_token_ids or []),
-            seed=req.seed,
+            stop_token_ids=req.stop_token_ids or [],
             stop=req.stop or [],
             **extra,
         )
@@ -272,7 +272,7 @@ def completion_sources(req: CompletionRequest) -> list[dict[str, Any]]:
     prompts: list[Any] = [req.prompt]
     if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
         prompts = list(req.prompt)
-    if not prompts or len(prompts) * req.n > MAX_CHOICES:
+    if len(prompts) * req.n > MAX_CHOICES:
         message = f"give 1 to {MAX_CHOICES // req.n} prompts (n={req.n}), got {len(prompts)}"
         raise APIError(400, message, "prompt")
     return [
@@ -286,9 +286,6 @@ def completion_sources(req: CompletionRequest) -> list[dict[str, Any]]:
 def chat_max_tokens(req: ChatRequest) -> int | None:
     """max_completion_tokens (OpenAI's newer name) or max_tokens; both only when they agree."""
     new, old = req.max_completion_tokens, req.max_tokens
-    if new is not None and new < 1:  # named as given, not as the max_tokens it stands for
-        message = f"max_completion_tokens must be at least 1, got {new}"
-        raise APIError(400, message, "max_completion_tokens")
     if new is not None and old is not None and new != old:
         message = f"max_completion_tokens ({new}) and max_tokens ({old}) differ: give one"
         raise APIError(400, message, "max_completion_tokens")
@@ -309,12 +306,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message = f"messages[{i}].role: unknown role {m.role!r} (known: {known})"
             raise APIError(400, message, "messages")
         entry: dict[str, Any] = {"role": role, "content": chat_content(m, i)}
+        entry |= m.model_dump(include={"tool_call_id", "name"}, exclude_none=True)
         extra = m.model_extra or {}
-        for key in ("tool_call_id", "name"):
-            if extra.get(key) is not None:
-                if not isinstance(extra[key], str):
-                    raise APIError(400, f"messages[{i}].{key} must be a string", "messages")
-                entry[key] = extra[key]
         if extra.get("tool_calls"):
             if role != "assistant":
                 message = f"messages[{i}].tool_calls: only assistant messages make tool calls"

@@ -1,14 +1,5 @@
-"""The detokenizer process: each request's tokens -> text deltas, never broken UTF-8 and never
-part of a stop string (`IncrementalDetokenizer`, which `LLM` uses too), sent to the api server.
-
-Two layers of holding back:
-1. UTF-8: a token may end inside a multi-byte character, which decodes to a trailing "\ufffd";
-   such tokens wait until a later one completes the character. Each step decodes only a window
-   of recent tokens (prefix..end) and diffs it against the decode of prefix..read: O(window)
-   per token, and tokenizers that treat the first token specially see the same context in both.
-2. Stop strings: final text that could start a stop string waits until it is completed (the
-   output stops before it) or ruled out. (min_tokens' rule for them is ext/sampling's.)
-"""
+"""The detokenizer process: each request's tokens -> text deltas for the api server, never
+broken UTF-8 and never part of a stop string (`IncrementalDetokenizer`, which `LLM` uses too)."""
 
 from __future__ import annotations
 
@@ -19,23 +10,22 @@ from typing import Any
 from minisgl.extension import extensions, require
 from minisgl.message import (
     AbortBackendMsg,
-    BatchDetokenizeMsg,
+    BatchMsg,
     DetokenizeMsg,
     DetokInitMsg,
     ExitMsg,
     FlushCacheReply,
     UserReply,
 )
-from minisgl.tokenizer.server import ToApi, build_or_report
+from minisgl.tokenizer.server import PROMPT_CONTEXT, ToApi
+from minisgl.utils.procs import build_or_report, freeze_startup_heap
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
-_PROMPT_CONTEXT = 5  # prompt tokens decoded before the output, the context of its first word
 
 
 def partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is a proper beginning of one of `tags` (text
-    that may still become a stop string, withheld until it clearly is not one)."""
+    """Length of the longest end of `text` that is a proper beginning of one of `tags`."""
     best = 0
     for tag in tags:
         for k in range(min(len(tag) - 1, len(text)), best, -1):
@@ -57,9 +47,10 @@ def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str] | 
 
 
 class IncrementalDetokenizer:
-    """A request's output tokens -> text deltas. Every `add` result and `finish()` together are
-    the decode of all output ids (prompt context aside), cut before the first stop string to
-    complete; then `stopped` is True, `stop_reason` is that string, and further calls return ""."""
+    """A request's output tokens -> text deltas: together, the decode of all output ids, cut
+    before the first stop string to complete (`stopped`, `stop_reason`). A token that ends
+    inside a UTF-8 character waits for the one that completes it; text that may start a stop
+    string waits until it completes or is ruled out."""
 
     def __init__(
         self,
@@ -73,8 +64,9 @@ class IncrementalDetokenizer:
         self.stops = [s for s in (stop or []) if s]
         self.stopped = False
         self.stop_reason: str | None = None
-        # the window: ids[:read] are decoded and emitted (as far as UTF-8 goes), ids[read:] held
-        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:]) if prompt_ids else []
+        # the window (O(window) decoding per token): ids[:read] are decoded and emitted (as far
+        # as UTF-8 goes), ids[read:] held
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:]) if prompt_ids else []
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         if self._prefix_text.endswith("\ufffd"):
@@ -86,7 +78,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
-        """Feed new output tokens; return the text that became final."""
+        """Feed output tokens; return the text that became final."""
         if self.stopped or not token_ids:
             return ""
         self._ids.extend(token_ids)
@@ -115,8 +107,7 @@ class IncrementalDetokenizer:
         if not self.stops:
             return delta
         text = self._pending + delta
-        # a stop string cannot start in text already emitted (that text was never held), so
-        # searching the held text plus the new delta is enough
+        # a stop string cannot start in text already emitted (it was never held back)
         found = find_stop(text, self.stops, after)
         if found is not None:
             self.stopped, self.stop_reason, self._pending = True, found[1], ""
@@ -129,7 +120,7 @@ class IncrementalDetokenizer:
 def request_detokenizer(
     tokenizer: Any, prompt_ids: list[int], skip: bool, stop: list[str], min_tokens: int
 ) -> IncrementalDetokenizer:
-    """A request's detokenizer; stop strings under min_tokens follow ext/sampling's rule."""
+    """A request's detokenizer (with min_tokens, ext/sampling's)."""
     if min_tokens > 0 and any(stop):
         features = require(extensions().detokenize, "min_tokens", "sampling")
         return features.detokenizer(tokenizer, prompt_ids, skip, stop, min_tokens)
@@ -138,7 +129,7 @@ def request_detokenizer(
 
 @dataclass
 class _Request:
-    detok: IncrementalDetokenizer | None  # None: no tokenizer (ids only), or it failed here
+    detok: IncrementalDetokenizer | None  # None: no tokenizer (ids only)
     prompt_len: int
     dp_rank: int  # its replica
     completion_tokens: int = 0
@@ -147,8 +138,7 @@ class _Request:
 
 @dataclass
 class Detokenizer:
-    """The detokenizer process's work: each `DetokenizeMsg` -> a `UserReply`; a failure ends
-    only its request (with an error), never the process."""
+    """Each `DetokenizeMsg` -> a `UserReply`; a failure ends only its request, never the process."""
 
     tokenizer: Any
     to_api: ToApi
@@ -157,13 +147,11 @@ class Detokenizer:
     early: dict[int, list[DetokenizeMsg]] = field(default_factory=dict)  # before their init
 
     def init(self, msg: DetokInitMsg) -> list[UserReply]:
-        stop, skip = msg.stop, msg.skip_special_tokens
-        self.states[msg.uid] = _Request(None, msg.prompt_len, msg.dp_rank)
+        st = self.states[msg.uid] = _Request(None, msg.prompt_len, msg.dp_rank)
         try:
             if self.tokenizer is not None:
-                self.states[msg.uid].detok = request_detokenizer(
-                    self.tokenizer, msg.prompt_tail, skip, stop, msg.min_tokens
-                )
+                args = (msg.prompt_tail, msg.skip_special_tokens, msg.stop, msg.min_tokens)
+                st.detok = request_detokenizer(self.tokenizer, *args)
         except Exception as e:
             ended = any(m.finished for m in self.early.pop(msg.uid, []))
             return [self._fail(msg.uid, ended, e)]
@@ -212,7 +200,7 @@ class Detokenizer:
         reply = UserReply(msg.uid, text, msg.token_ids, finished, reason, st.prompt_len, 0)
         reply.completion_tokens, reply.error = st.completion_tokens, msg.error
         reply.queue_time, reply.cached_tokens = msg.queue_time, msg.cached_tokens
-        if reason == "stop" and detok is not None and detok.stopped:
+        if reason == "stop" and detok is not None:
             reply.matched = detok.stop_reason
         if msg.logprobs is not None or msg.prompt_logprobs is not None:
             features = require(extensions().detokenize, "logprobs", "sampling")
@@ -228,15 +216,16 @@ def run_detokenizer(
     def build() -> tuple[ZmqPullQueue, Detokenizer]:
         apis = ToApi([ZmqPushQueue(a, create=False) for a in api_addrs])
         scheds = [ZmqPushQueue(a, create=False) for a in sched_addrs]
-        return ZmqPullQueue(recv_addr, create=True), Detokenizer(
-            load_tokenizer(model_path), apis, scheds
-        )
+        detokenizer = Detokenizer(load_tokenizer(model_path), apis, scheds)
+        return ZmqPullQueue(recv_addr, create=True), detokenizer
 
     recv, worker = build_or_report("detokenizer", ready, build)
+    freeze_startup_heap()
+    ready.send(("ready", None))
     while not isinstance(msg := recv.get(), ExitMsg):
         if isinstance(msg, DetokInitMsg):
             worker.to_api.replies(worker.init(msg))
-        elif isinstance(msg, BatchDetokenizeMsg):
+        elif isinstance(msg, BatchMsg):
             replies = [r for m in msg.msgs if (r := worker.guarded(m))]
             worker.to_api.replies(replies, msg.stats)
         elif isinstance(msg, FlushCacheReply):

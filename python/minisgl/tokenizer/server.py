@@ -1,19 +1,18 @@
-"""The tokenizer worker process: each request's text or chat -> token ids, handed to the
-detokenizer and the scheduler; and the chat template, rendered here for the server and `LLM`."""
+"""The tokenizer worker process: each request's text or chat -> token ids for the detokenizer
+and the scheduler; and the chat template, rendered here for the server and `LLM`."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from minisgl.message import (
     AbortBackendMsg,
     AbortMsg,
-    BatchFrontendMsg,
+    BatchMsg,
     DetokInitMsg,
-    DoneMsg,
     ExitMsg,
     FlushCacheReply,
     SchedulerStats,
@@ -22,12 +21,11 @@ from minisgl.message import (
     UserReply,
 )
 from minisgl.utils.options import OptionError
-from minisgl.utils.procs import freeze_startup_heap
+from minisgl.utils.procs import build_or_report, freeze_startup_heap
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-PROMPT_TAIL = 8  # prompt tokens the detokenizer decodes the first output tokens after
+PROMPT_CONTEXT = 5  # prompt tokens decoded before the output, the context of its first word
 
 
 def read_chat_template(value: str) -> str:
@@ -63,29 +61,22 @@ def needed(tokenizer: Any | None) -> Any:
 
 
 def render_chat(
-    tokenizer: Any,
-    chat: list[dict],
-    template_kwargs: dict | None = None,
-    add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
+    tokenizer: Any, chat: list[dict], template_kwargs: dict | None = None, tools: Any = None
 ) -> str:
-    """The chat as the template renders it; `template_kwargs` (e.g. enable_thinking) go to it."""
+    """The chat as the template renders it, ready for the assistant's turn unless
+    `template_kwargs` (e.g. enable_thinking) say add_generation_prompt=False."""
     if not getattr(needed(tokenizer), "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
-    kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+    kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
     if tools:
         kwargs["tools"] = tools
     return tokenizer.apply_chat_template(chat, **kwargs, tokenize=False)
 
 
 def encode_chat(
-    tokenizer: Any,
-    chat: list[dict],
-    template_kwargs: dict | None = None,
-    add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
+    tokenizer: Any, chat: list[dict], template_kwargs: dict | None = None, tools: Any = None
 ) -> list[int]:
-    text = render_chat(tokenizer, chat, template_kwargs, add_generation_prompt, tools)
+    text = render_chat(tokenizer, chat, template_kwargs, tools)
     return tokenizer.encode(text, add_special_tokens=False)  # the template has its own
 
 
@@ -93,7 +84,7 @@ def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
     if msg.input_ids is not None:
         ids = list(msg.input_ids)
     elif msg.chat is not None:
-        ids = encode_chat(tokenizer, msg.chat, msg.chat_template_kwargs, True, msg.tools)
+        ids = encode_chat(tokenizer, msg.chat, msg.chat_template_kwargs, msg.tools)
     else:
         ids = needed(tokenizer).encode(msg.text)
     # vLLM's refusal (a prompt too long by itself is the scheduler's, which knows the limit)
@@ -114,12 +105,10 @@ class ToApi:
         self.queues = queues
 
     def replies(self, replies: list[UserReply], stats: SchedulerStats | None = None) -> None:
-        groups: list[list[UserReply]] = [[] for _ in self.queues]
-        for reply in replies:
-            groups[reply.uid % len(self.queues)].append(reply)
-        for queue, group in zip(self.queues, groups):
+        for rank, queue in enumerate(self.queues):
+            group = [r for r in replies if r.uid % len(self.queues) == rank]
             if group or stats is not None:
-                queue.put(BatchFrontendMsg(group, stats))
+                queue.put(BatchMsg(group, stats))
 
     def flush_reply(self, msg: FlushCacheReply) -> None:
         if 0 <= msg.api_rank < len(self.queues):
@@ -141,7 +130,7 @@ class TokenizerWorker:
             self.to_scheds[0].put(AbortBackendMsg(msg.uid))
         elif isinstance(msg, TokenizeMsg):
             self.forward(msg, lambda: tokenize(self.tokenizer, msg))
-        elif not isinstance(msg, DoneMsg):  # (DoneMsg: for --dp's dispatcher)
+        else:
             logger.error("tokenizer: dropped an unexpected %s message", type(msg).__name__)
 
     def forward(self, msg: TokenizeMsg, token_ids: Callable[[], list[int]]) -> None:
@@ -153,7 +142,7 @@ class TokenizerWorker:
 
     def send(self, msg: TokenizeMsg, ids: list[int], rank: int) -> None:
         """The tokenized request to replica `rank`'s scheduler, and how to detokenize it."""
-        params, tail = msg.params, ids[-PROMPT_TAIL:]
+        params, tail = msg.params, ids[-PROMPT_CONTEXT:]
         stop, skip = list(params.stop), msg.skip_special_tokens
         self.to_detok.put(
             DetokInitMsg(msg.uid, len(ids), tail, stop, skip, params.min_tokens, rank)
@@ -166,18 +155,6 @@ class TokenizerWorker:
     def serve(self, recv: Any) -> None:
         while not isinstance(msg := recv.get(), ExitMsg):
             self.handle(msg)
-
-
-def build_or_report(name: str, ready: Any, build: Callable[[], T]) -> T:
-    """Build a worker's parts, then tell the launcher 'ready' or why the start failed."""
-    try:
-        parts = build()
-    except Exception as e:
-        ready.send(("error", f"{name} failed to start: {type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
-    freeze_startup_heap()
-    ready.send(("ready", None))
-    return parts
 
 
 def run_tokenizer(
@@ -200,4 +177,6 @@ def run_tokenizer(
         return ZmqPullQueue(recv_addr, create=True), worker(tokenizer, scheds, detok, apis)
 
     recv, tokenizer_worker = build_or_report("tokenizer", ready, build)
+    freeze_startup_heap()
+    ready.send(("ready", None))
     tokenizer_worker.serve(recv)

@@ -7,19 +7,19 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import setproctitle
 
-from minisgl import env
+from minisgl.extension import extensions
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TITLE_PREFIX = "minisgl::"
-_GC_WATCHED: list[bool] = []  # this process logs its long collections already
 
 
 def set_title(name: str) -> None:
@@ -27,60 +27,21 @@ def set_title(name: str) -> None:
     setproctitle.setproctitle(TITLE_PREFIX + name)
 
 
-def title() -> str:
-    """This process's name as `set_title` gave it, else "main process"."""
-    name = setproctitle.getproctitle()
-    return name if name.startswith(TITLE_PREFIX) else "main process"
-
-
 def freeze_startup_heap() -> int:
-    """Once a serving process is ready: collect start-up's garbage and freeze what is alive,
-    then apply MINISGL_GC_THRESHOLD and MINISGL_GC_WARNING_THRESHOLD_SECS; the objects frozen."""
-    # As vLLM and SGLang do: a full collection then walks only what serving created, not the
-    # whole start-up heap (before, an H100 server's frontend paused 50-230 ms at each one).
-    # MINISGL_DISABLE_GC_FREEZE=1 is the ablation.
-    if not env.disable_gc_freeze():
-        gc.collect()
-        gc.freeze()
-    before = gc.get_threshold()
-    if (counts := env.gc_threshold()) is not None:
-        gc.set_threshold(*counts)
-    if gc.get_threshold() != before:  # said once: the API server freezes again later
-        logger.info("%s (pid %d): garbage-collection thresholds %s", title(), os.getpid(),
-                    gc.get_threshold())  # fmt: skip
-    if (threshold_s := env.gc_warning_threshold_s()) > 0 and not _GC_WATCHED:
-        _GC_WATCHED.append(True)
-        gc.callbacks.append(_gc_watch(threshold_s))
+    """A serving process is ready: the `process_ready` point (ext/serving freezes the start-up
+    heap for the garbage collector); the objects frozen."""
+    if (ready := extensions().process_ready) is not None:
+        ready()
     return gc.get_freeze_count()
-
-
-def _gc_watch(threshold_s: float) -> Any:
-    """A gc callback that logs each collection longer than `threshold_s`."""
-    # while one runs, every stream the process serves waits
-    started = [0.0]
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-        elif (took := time.perf_counter() - started[0]) > threshold_s:
-            logger.warning(
-                "%s (pid %d): a generation-%d garbage collection took %.3f s, %d objects "
-                "collected (--gc-warning-threshold-secs %g)",
-                *(title(), os.getpid(), info["generation"], took, info["collected"], threshold_s),
-            )
-
-    return on_gc
 
 
 def _parent_death_signal(sig: int) -> bool:
     """Linux: the kernel sends `sig` when the parent dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
-    if not sys.platform.startswith("linux"):
-        return False
     import ctypes
 
     try:
         return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0  # PDEATHSIG
-    except (OSError, AttributeError):  # a libc without prctl
+    except (OSError, AttributeError, TypeError):  # not Linux: a libc without prctl
         return False
 
 
@@ -119,6 +80,15 @@ def exit_with_parent(kernel_signal: bool = True, interval: float = 0.5) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def build_or_report(what: str, ready: Any, build: Callable[[], T]) -> T:
+    """`build()`; its error goes to the launcher through `ready` (printed there), exit code 1."""
+    try:
+        return build()
+    except Exception as e:
+        ready.send(("error", f"{what} failed to start: {type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
 
 
 def wait_ready(conns: list[Any], procs: list[Any]) -> list[Any]:

@@ -7,7 +7,8 @@
   kernels;
 - `policy.py`: `--dtype auto` on cpu (bf16 where the CPU computes it and the weights are
   quantized), the `--quantization` rule, the start line;
-- `torch_compile.py`: `--enable-torch-compile`, the compiled decoder of one-request decode steps.
+- `torch_compile.py`: `--enable-torch-compile`, the compiled decoder of one-request decode steps;
+- `options.py`: those two flags (`scheduler_options`), handed to each engine (`engine_config`).
 
 Importing this package fills its points of `minisgl.extension.Extensions`; without it the core
 refuses a `.gguf` model, the default model, `--quantization gguf|int8` and
@@ -15,7 +16,7 @@ refuses a `.gguf` model, the default model, `--quantization gguf|int8` and
 
 from __future__ import annotations
 
-from minisgl.ext.cpu import gguf, policy, quantize, torch_compile
+from minisgl.ext.cpu import gguf, options, policy, quantize, torch_compile
 from minisgl.extension import extensions
 
 _points = extensions()
@@ -25,3 +26,5 @@ _points.default_model_name = gguf.DEFAULT_NAME
 _points.cpu_dtype = policy.auto_dtype
 _points.model_transform = quantize.model_transform
 _points.decoder_transform = torch_compile.compiled_decoder
+_points.scheduler_options["cpu"] = options.CpuOptions
+_points.engine_config.append(options.engine_options)

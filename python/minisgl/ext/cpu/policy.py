@@ -7,12 +7,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from typing import Any
 
 import torch
 
 from minisgl import env
 from minisgl.distributed import get_tp_info
 from minisgl.ext.cpu.gguf_quant import QUANTIZED_FILE
+from minisgl.ext.cpu.options import cpu_options
 
 # /proc/cpuinfo flags of x86 CPUs that compute bf16 dot products natively
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -40,16 +42,16 @@ def cpu_auto_dtype(quantization: str, model_dir: str, tp_size: int) -> torch.dty
     """`--dtype auto` on CPU: bfloat16 when the weights will be quantized (the kernels are fast
     only in 16 bits) and the CPU has bf16 instructions; float32 otherwise (the exact path, and
     faster than bf16 for dense decode). MINISGL_CPU_FLOAT32=1 keeps float32."""
-    if env.cpu_float32() or cpu_bf16_flag() is None or quantization == "none":
+    if env.flag("MINISGL_CPU_FLOAT32") or cpu_bf16_flag() is None or quantization == "none":
         return torch.float32
     if quantization == "auto" and (tp_size != 1 or not has_gguf_blocks(model_dir)):
         return torch.float32
     return torch.bfloat16
 
 
-def auto_dtype(quantization: str, model_dir: str) -> torch.dtype:
-    """The `cpu_dtype` point: `cpu_auto_dtype` at this process's TP size."""
-    return cpu_auto_dtype(quantization, model_dir, get_tp_info().size)
+def auto_dtype(config: Any, model_dir: str) -> torch.dtype:
+    """The `cpu_dtype` point: `cpu_auto_dtype` of an EngineConfig at this process's TP size."""
+    return cpu_auto_dtype(cpu_options(config).quantization, model_dir, get_tp_info().size)
 
 
 def resolve_quantization(

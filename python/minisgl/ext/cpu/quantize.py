@@ -26,6 +26,7 @@ from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, get_tp_info
 from minisgl.ext.cpu.gguf_quant import BLOCK, Blocks, load_blocks
+from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.policy import announce, resolve_quantization
 from minisgl.ext.cpu.quantized import (
     INT4_OFFSET,
@@ -226,12 +227,21 @@ class CpuModelTransform:
         announce(self.dtype, self.name, count_quantized(model), self.compiled)
 
 
+def set_cpu_threads() -> None:
+    """Every core of this process's affinity mask, unless OMP_NUM_THREADS chose already."""
+    if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
 def model_transform(engine: Any) -> CpuModelTransform | None:
     """The `model_transform` point, for an engine being built (`engine.Engine`: device, dtype,
-    model path, config): on cpu at TP 1 the transform of its `--quantization`; elsewhere None
-    (the mode is none there: auto resolves to it and an explicit mode is refused)."""
+    model path, config): on cpu at TP 1 the transform of its `--quantization`, with every core
+    of the process's affinity mask at work; elsewhere None (the mode is none there: auto
+    resolves to it and an explicit mode is refused)."""
     tp, device, dtype, path = get_tp_info().size, engine.device, engine.dtype, engine.model_path
-    mode = resolve_quantization(engine.config.quantization, device, dtype, path, tp)
+    options = cpu_options(engine.config)
+    mode = resolve_quantization(options.quantization, device, dtype, path, tp)
     if device.type != "cpu" or tp != 1:
         return None
-    return CpuModelTransform(mode, path, dtype, engine.config.enable_torch_compile)
+    set_cpu_threads()
+    return CpuModelTransform(mode, path, dtype, options.enable_torch_compile)

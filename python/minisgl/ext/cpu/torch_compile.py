@@ -9,14 +9,19 @@ from typing import Any
 import torch
 
 from minisgl.attention.base import BaseAttnBackend
-from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
+from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
+from minisgl.ext.cpu.options import cpu_options
 from minisgl.utils.options import OptionError
 
 
-def compiled_decoder(engine: Any) -> torch.nn.Module:
-    """The `decoder_transform` point: the built engine's (`engine.Engine`) decoder, compiled,
-    once the checks pass and its attention backend marks the KV length dynamic."""
+def compiled_decoder(engine: Any) -> torch.nn.Module | None:
+    """The `decoder_transform` point: under --enable-torch-compile the built engine's
+    (`engine.Engine`) decoder, compiled, once the checks pass and its attention backend marks
+    the KV length dynamic; else None."""
+    if not cpu_options(engine.config).enable_torch_compile:
+        return None
     moe = engine.model_config.moe is not None
     check_torch_compile(engine.device, get_tp_info().size, moe)
     mark_kv_len_dynamic(engine.attn_backend)
@@ -52,4 +57,10 @@ def mark_kv_len_dynamic(backend: BaseAttnBackend) -> None:
         raise OptionError(
             "enable_torch_compile", "--enable-torch-compile: it needs the torch attention backend"
         )
-    backend.dynamic_kv_len = True
+    prepare = backend.prepare
+
+    def prepare_dynamic(batch: Batch) -> None:
+        prepare(batch)
+        torch._dynamo.maybe_mark_dynamic(TorchAttnMetadata.of(batch).kv_slots, 1)
+
+    backend.prepare = prepare_dynamic  # type: ignore[method-assign]

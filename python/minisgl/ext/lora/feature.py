@@ -145,8 +145,6 @@ def wrap_transform(inner: Any) -> Any:
 
     def make(engine: Any) -> ModelTransform | None:
         base = inner(engine) if inner is not None else None
-        if inner is None and engine.config.quantization not in ("auto", "none"):
-            raise ValueError("--quantization needs the cpu extension (minisgl/ext/cpu)")
         options = EngineOptions.take()
         if options is None:
             return base

@@ -29,15 +29,18 @@ class LoraFields(ExtensionFields):
     lora_name: str | None = None
 
     def params(self, req: Any) -> dict[str, Any]:
-        """{"lora_name": the adapter} when one is named: 404 naming the field for one that is
-        not served, 400 when the two fields name different ones."""
+        """{"lora_name": the adapter} when the request's `model` (the API server 404s one not
+        served) or these fields name one: 404 naming the field for one that is not served, 400
+        when two name different ones."""
         given = {k: v for k, v in self.model_dump().items() if v is not None}
+        if _served is not None and req.model in _served:
+            given = {"model": req.model, **given}
         if len(set(given.values())) > 1:
-            raise APIError(400, "lora_path and lora_name name different adapters", "lora_path")
+            message = f"{' and '.join(given)} name different adapters"
+            raise APIError(400, message, "lora_path" if "lora_path" in given else "lora_name")
         for field, name in given.items():
             if _served is not None and name not in _served:
                 served = ", ".join(sorted(_served)) or "none"
                 message = f"{field} {name!r}: no such LoRA adapter (served: {served})"
                 raise APIError(404, message, field, "model_not_found")
-            return {"lora_name": name}
-        return {}
+        return {"lora_name": next(iter(given.values()))} if given else {}

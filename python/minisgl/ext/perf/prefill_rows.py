@@ -1,17 +1,17 @@
 """Prompts as CUDA-graph rows: a small prefill or mixed step replayed in the decode graphs with
-one row per position (`engine.graph.rows_per_position`) instead of an eager extend whose ~300
+one row per position (`rows_per_position`) instead of an eager extend whose ~300
 kernel launches cost the host 12-25 ms (an idle H100 server's time to first token), and the
 planner's prompt budget that makes such steps fit the graphs while little waits."""
 
 from __future__ import annotations
 
+import copy
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minisgl.core import Batch, Req, to_device
-from minisgl.engine.graph import rows_per_position
 from minisgl.ext.perf.options import perf_options
 from minisgl.extension import ForwardPath
 
@@ -25,10 +25,28 @@ if TYPE_CHECKING:
 ROWS_KV_READS = 128 * 1024
 
 
+def samples_plainly(req: Req) -> bool:
+    """Its token at a position depends on the logits there alone, no extension acting on it
+    (what graph rows and speculative decoding need)."""
+    return not req.ext and not req.params.extension_fields()
+
+
 def prefix_reads(req: Req) -> int:
     """KV positions the rows of `req` read: cached_len + 1, cached_len + 2, ... each."""
     n = req.extend_len
     return n * req.cached_len + n * (n + 1) // 2
+
+
+def rows_per_position(batch: Batch) -> Batch:
+    """An extend as a decode batch of one row per computed position, which the graphs replay:
+    row j attends to the KV the rows before it store (also ext/spec's verify path)."""
+    rows = []
+    for req in batch.reqs:
+        for j in range(req.extend_len):
+            row = copy.copy(req)
+            row.cached_len, row.extend_len = req.cached_len + j, 1
+            rows.append(row)
+    return Batch(rows, "decode")
 
 
 def prefill_rows(batch: Batch, max_rows: int) -> Batch | None:
@@ -42,7 +60,7 @@ def prefill_rows(batch: Batch, max_rows: int) -> Batch | None:
         return None
     if any(batch.reqs[i].extend_len > 1 for i in range(batch.num_decodes)):
         return None
-    if not all(r.samples_plainly for r in batch.reqs):
+    if not all(samples_plainly(r) for r in batch.reqs):
         return None
     # each row reads its whole prefix: a prompt's rows read ~n^2/2 positions where an extend
     # reads n, so long prefixes (a long prompt's last chunk, a long cached history) go eager
@@ -101,7 +119,7 @@ class PrefillRows(ForwardPath):
         rows = graph_rows - num_decode_tokens
         if rows <= 0 or budget <= rows or (planner.prefilling is None and not planner.waiting):
             return budget  # a decode-only step looks at no request here
-        if not all(r.samples_plainly and r.extend_len == 1 for r in decodes):
+        if not all(samples_plainly(r) and r.extend_len == 1 for r in decodes):
             return budget
         pending = [planner.prefilling] if planner.prefilling is not None else []
         total = 0
@@ -109,7 +127,7 @@ class PrefillRows(ForwardPath):
             total += req.remaining_len
             if total > 3 * rows or len(req.tokens) > 2 * graph_rows:
                 return budget
-            if not req.samples_plainly:
+            if not samples_plainly(req):
                 return budget
         return rows
 

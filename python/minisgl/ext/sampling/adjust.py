@@ -211,7 +211,7 @@ class LogitAdjust(StepFeature):
         logits = out.logits
         masked_only = logits.clone() if masked else None
         adjust_logits(
-            logits, self.table, out.inputs.rows, out.kv_lens, engine.token_table, penalized
+            logits, self.table, out.inputs.rows, out.inputs.kv_lens, engine.token_table, penalized
         )
         if masked_only is not None:
             grammar_over_min_tokens(logits, masked_only)

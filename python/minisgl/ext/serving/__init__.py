@@ -22,8 +22,10 @@
 - `http.py`, `connections.py`: the limits on requests in progress and on connections, the body
   read timeout, and a drain that ends its requests with an error (the `gate` and `http_server`
   points);
-- `scale.py`: --api-server-count's API processes, --nnodes' nodes and the collector's flags of
-  every server process (the `launcher` point).
+- `warmup.py`: the start-up warm-up where kernels compile (the `warm_up` point);
+- `scale.py`: --dp's replicas, --api-server-count's API processes and --nnodes' nodes (the
+  `launcher` point); `collector.py`: the garbage collector of every server process, frozen once
+  ready, and its flags (the `process_ready` point).
 
 Importing this package fills its points of `minisgl.extension.Extensions`; without it those
 routes answer 404, /health?generate=1 is a 400, every API path refuses the fields it does not
@@ -33,6 +35,7 @@ declare, and --dp > 1, `LLM(dp=N > 1)`, a request's `priority` or `data_parallel
 from __future__ import annotations
 
 from minisgl.ext.serving import (
+    collector,
     fields,
     http,
     metrics,
@@ -45,6 +48,7 @@ from minisgl.ext.serving import (
     status,
     tokenize,
     tokenizer_info,
+    warmup,
 )
 from minisgl.extension import extensions
 
@@ -67,3 +71,5 @@ _points.launcher = scale.ServingLauncher
 _points.scheduler_options["serving"] = policy.PolicyOptions  # --priority-aging
 _points.admission_policies.update(priority=policy.PriorityQueue, lpm=policy.LongestPrefixQueue)
 _points.sampling_params["priority"] = policy.check_priority
+_points.process_ready = collector.on_ready
+_points.warm_up = warmup.warm_up

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from minisgl.ext.serving.options import serving_options
 from minisgl.ext.serving.sglang import check_generate_extras
 from minisgl.server.protocol import APIError, ExtensionFields, Int64
 
@@ -51,8 +52,8 @@ class DataParallelFields(ExtensionFields):
         rank = self.data_parallel_rank
         if rank is None:
             return
-        if not 0 <= rank < args.dp:
-            message = f"data_parallel_rank must be in [0, {args.dp}) (--dp {args.dp})"
+        if not 0 <= rank < (dp := serving_options(args).dp):
+            message = f"data_parallel_rank must be in [0, {dp}) (--dp {dp})"
             raise APIError(400, message, "data_parallel_rank")
         for msg in msgs:
             msg.dp_rank = rank

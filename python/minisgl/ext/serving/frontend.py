@@ -12,21 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.ext.serving.metrics import total_stats
-from minisgl.message import (
-    ApiFailMsg,
-    ApiViewMsg,
-    FlushCacheMsg,
-    FlushCacheReply,
-    SchedulerStats,
-    register,
-)
+from minisgl.ext.serving.metrics import ApiViewMsg, total_stats, tree_rss_bytes
+from minisgl.ext.serving.worker import DoneMsg
+from minisgl.message import FlushCacheMsg, FlushCacheReply, SchedulerStats, register
 from minisgl.server.frontend import Frontend
 from minisgl.utils.zmq import ZmqAsyncPushQueue
 
@@ -43,6 +38,14 @@ class ApiQueryMsg:
     rank: int
     seq: int
     metrics: bool  # with the text of its metrics (/metrics), or only the counts (/stats)
+
+
+@register
+@dataclass
+class ApiFailMsg:
+    """The server failed for `reason` (sent to the other API processes)."""
+
+    reason: str
 
 
 class ServingFrontend(Frontend):
@@ -62,7 +65,10 @@ class ServingFrontend(Frontend):
         `scheduler_addrs`: one per --dp replica (for /flush_cache; none: it is refused).
         `api_addrs`: every API process's `recv_addr`, by rank (None: this one alone)."""
         self.api_rank, self.api_count = api_rank, len(api_addrs or [recv_addr])
-        super().__init__(tokenizer_addrs, recv_addr, scheduler_addrs)
+        super().__init__(tokenizer_addrs, recv_addr)
+        self.scheduler_addrs = scheduler_addrs or []
+        replicas = max(1, len(self.scheduler_addrs))
+        self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(replicas)]
         self.to_peers = {
             rank: ZmqAsyncPushQueue(addr, create=False)
             for rank, addr in enumerate(api_addrs or [])
@@ -124,6 +130,20 @@ class ServingFrontend(Frontend):
         else:
             return False
         return True
+
+    async def done(self, uid: int) -> None:
+        await super().done(uid)
+        if len(self.scheduler_addrs) > 1:  # the --dp dispatcher counts the loads
+            await asyncio.shield(self._tokenizer(uid).put(DoneMsg(uid)))
+
+    def view(self, seq: int = 0, metrics: bool = False) -> ApiViewMsg:
+        """This API process's counts: requests in flight, not started yet (and with `metrics`
+        the text of its metrics); the server's RSS is rank 0's to count (its children include
+        the other API processes)."""
+        text = self.metrics.text() if metrics else ""
+        rss = tree_rss_bytes() if self.api_rank == 0 else 0
+        queued = self.num_queued
+        return ApiViewMsg(self.api_rank, seq, os.getpid(), len(self.requests), queued, text, rss)
 
     async def views(self, metrics: bool = False) -> list[ApiViewMsg]:
         """Every API process's view, by rank (this one's alone without --api-server-count);

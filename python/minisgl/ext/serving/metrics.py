@@ -13,10 +13,12 @@ adds up every process's series (`summed_exposition`).
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
+import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
@@ -28,17 +30,31 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from minisgl.extension import RequestObserver
-from minisgl.message import ApiViewMsg, SchedulerStats, UserReply
-from minisgl.server.frontend import tree_rss_bytes
+from minisgl.message import SchedulerStats, UserReply, register
 from minisgl.server.protocol import APIError
 
 if TYPE_CHECKING:  # types only: the extension loads while the api server module may be loading
+    from minisgl.ext.serving.frontend import ServingFrontend
     from minisgl.server.api_server import ApiServer
     from minisgl.server.frontend import Frontend
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PRIORITY_LABELS = 16  # priorities in [-16, 16] get a label of their own, the rest "<-16" / ">16"
+
+
+@register
+@dataclass
+class ApiViewMsg:
+    """An API process's answer to query `seq` (/stats and /metrics add them up)."""
+
+    rank: int
+    seq: int
+    pid: int
+    in_flight: int
+    queued: int
+    metrics: str
+    rss_bytes: int
 
 
 def priority_label(priority: int) -> str:
@@ -181,6 +197,18 @@ def summed_exposition(texts: list[str]) -> bytes:
     return generate_latest(registry)
 
 
+def tree_rss_bytes() -> int:
+    """Resident memory of this process and its children (the server's workers); 0 off Linux."""
+    total = 0
+    for pid in [os.getpid(), *(p.pid for p in mp.active_children())]:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 class Metrics(RequestObserver):
     def __init__(
         self,
@@ -291,14 +319,16 @@ class Metrics(RequestObserver):
 
 
 def frontend_metrics(frontend: Frontend) -> Metrics:
-    """The `request_observer` point: a Frontend's metrics, reading its replicas' snapshots."""
-    return Metrics(lambda: frontend.replica_stats, lambda: frontend.num_queued, frontend.rss)
+    """The `request_observer` point: a Frontend's metrics, reading its replicas' snapshots; the
+    server's RSS is API process 0's to count (its children include the other API processes)."""
+    rss = tree_rss_bytes if frontend.api_rank == 0 else lambda: 0
+    return Metrics(lambda: frontend.replica_stats, lambda: frontend.num_queued, rss)
 
 
 async def all_views(api: ApiServer, metrics: bool = False) -> list[ApiViewMsg]:
     """Every API process's counts (`Frontend.views`); 503 when one does not answer."""
     try:
-        return await api.frontend.views(metrics)
+        return await cast("ServingFrontend", api.frontend).views(metrics)  # its launcher's
     except asyncio.TimeoutError:
         message = "an API process did not answer"
         raise APIError(503, message, code="server_unavailable") from None

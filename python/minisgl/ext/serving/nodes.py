@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from minisgl.distributed import Rendezvous
+from minisgl.distributed import START_TIMEOUT_S, Rendezvous, stay_on_loopback
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -28,10 +28,12 @@ class TcpRendezvous(Rendezvous):
     """The ranks meet at the TCP store at `addr` (HOST:PORT, --dist-init-addr) within
     `timeout_s`; on node k of several, the node's first rank drives GPU 0 (`device_shift`)."""
 
+    timeout_s: float = START_TIMEOUT_S
     addr: str = ""
 
     @property
     def local(self) -> bool:
+        """Every rank is on this machine: their sockets stay on the loopback interface."""
         try:
             host = socket.gethostbyname(split_addr(self.addr)[0])
             return ipaddress.ip_address(host).is_loopback
@@ -54,6 +56,8 @@ class TcpRendezvous(Rendezvous):
             ) from None
 
     def join(self, rank: int, size: int, backend: str) -> None:
+        if self.local:
+            stay_on_loopback(backend)
         store = self._store(rank, size)
         timeout = timedelta(seconds=self.timeout_s)
         try:

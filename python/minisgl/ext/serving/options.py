@@ -23,6 +23,24 @@ def _host_port(value: str) -> str:
 
 @dataclass
 class ServingOptions:
+    dp: int = option(
+        1,
+        "data-parallel replicas behind this API server, each a TP group (dp x tp GPUs in all)",
+        type=int_range(1),
+        aliases=["--data-parallel-size", "--dp-size"],  # vLLM's, SGLang's
+    )
+    dp_dispatch: str = option(
+        "prefix",
+        "with --dp > 1: the replica holding the longest prefix of the prompt (ties: least "
+        "loaded), or round_robin",
+        choices=["prefix", "round_robin"],
+    )
+    dp_load_threshold: int = option(
+        8,
+        "with --dp-dispatch prefix: replicas whose loads differ by more than this many "
+        "requests send the request to the least loaded one",
+        type=int_range(0),
+    )
     api_server_count: int = option(
         1,
         "HTTP API processes sharing --port (vLLM's name): each takes its own connections and "
@@ -128,7 +146,7 @@ class ServingOptions:
             raise OptionError(
                 "tp", f"must be a multiple of --nnodes ({self.nnodes}), got {args.tp}"
             )
-        if args.dp > 1:
+        if self.dp > 1:
             raise OptionError(
                 "dp",
                 "--dp > 1 with --nnodes > 1 is not supported: run one "

@@ -93,5 +93,5 @@ class LongestPrefixQueue(ArrivalQueue):
     def first(self) -> Req | None:
         if not self or len(self) > LPM_MAX_QUEUE:  # ranking them all costs too much
             return super().first()
-        prefix = self.cache.cached_length
+        prefix = self.cache.prefix_cache.cached_length
         return self.ready(max(self, key=lambda r: (prefix(r.tokens), -self.arrival[r])))

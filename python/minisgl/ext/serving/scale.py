@@ -1,8 +1,10 @@
-"""The server's processes beyond one API process on one machine (the `launcher` point):
-`ServingLauncher` adds a `Reaper`, --api-server-count's API processes (each with its own SO_REUSEPORT
-socket of the port; SIGTERM drains them all), the nodes of --nnodes (the TP ranks meet at
---dist-init-addr; a node other than 0 runs only its ranks and exits when rank 0 does), and the
-collector's settings of every server process (--gc-threshold, --gc-warning-threshold-secs)."""
+"""The server's processes beyond one scheduler and one API process on one machine (the
+`launcher` point): `ServingLauncher` adds a `Reaper`, --dp's replicas (each a TP group on the
+GPUs after the previous one's; its tokenizer workers pick a replica per request),
+--api-server-count's API processes (each with its own SO_REUSEPORT socket of the port; SIGTERM
+drains them all), the nodes of --nnodes (the TP ranks meet at --dist-init-addr; a node other
+than 0 runs only its ranks and exits when rank 0 does), and the collector's settings of every
+server process (--gc-threshold, --gc-warning-threshold-secs: `collector.py`)."""
 
 from __future__ import annotations
 
@@ -13,22 +15,16 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from minisgl.distributed import Rendezvous
+from minisgl.distributed import Rendezvous, rendezvous_file
 from minisgl.engine.config import EngineConfig
-from minisgl.ext.serving.frontend import ServingFrontend
+from minisgl.ext.serving.collector import export_gc_settings
+from minisgl.ext.serving.frontend import ApiFailMsg, ServingFrontend
 from minisgl.ext.serving.nodes import TcpRendezvous
 from minisgl.ext.serving.options import serving_options
 from minisgl.ext.serving.reaper import Reaper
 from minisgl.ext.serving.worker import tokenizer_worker
-from minisgl.message import ApiFailMsg, ExitMsg
-from minisgl.server.launch import (
-    DEATH_GRACE_S,
-    Addresses,
-    Launcher,
-    _split,
-    check_scale_out,
-    http_server,
-)
+from minisgl.message import ExitMsg
+from minisgl.server.launch import DEATH_GRACE_S, Addresses, Launcher, Started, _split, http_server
 from minisgl.utils.procs import wait_ready
 from minisgl.utils.zmq import ZmqPushQueue
 
@@ -36,22 +32,26 @@ if TYPE_CHECKING:
     from minisgl.server.args import ServerArgs
 
 STOP_OTHER_NODES_S = 3.0  # rank 0's wait, on a clean stop, for the other nodes' ranks to stop
-# The server's default: with Python's 700 10 10, the API process's full collections (20-37 ms
-# on an H100) each held back every stream of an all-at-once burst (docs/benchmarks.md, session 20).
-SERVER_GC_THRESHOLD = (700, 10, 1000)
 
 
-def export_gc_settings(args: ServerArgs) -> None:
-    """The collector's settings, for every server process to read once ready (spawned children
-    copy the environment): the flags, else what the caller's environment says, else the
-    server's default thresholds."""
+def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
+    """Before any process starts: a TP size or --max-model-len the model cannot take, or GPUs
+    this machine does not have (--dp x --tp / --nnodes)."""
+    from minisgl.engine.engine import check_model
+    from minisgl.utils.device import device_type
+
     options = serving_options(args)
-    if options.gc_warning_threshold_secs > 0:
-        os.environ["MINISGL_GC_WARNING_THRESHOLD_SECS"] = str(options.gc_warning_threshold_secs)
-    if options.gc_threshold is not None:
-        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, options.gc_threshold))
-    elif not os.environ.get("MINISGL_GC_THRESHOLD", "").strip():
-        os.environ["MINISGL_GC_THRESHOLD"] = ",".join(map(str, SERVER_GC_THRESHOLD))
+    gpus = options.dp * args.tp // options.nnodes
+    if device_type(config.device) == "cuda":
+        import torch
+
+        if gpus > (found := torch.cuda.device_count()):
+            nodes = f" / --nnodes {options.nnodes}" if options.nnodes > 1 else ""
+            raise ValueError(
+                f"--dp {options.dp} x --tp {args.tp}{nodes} needs {gpus} GPUs on this machine, "
+                f"found {found}"
+            )
+    check_model(config, args.tp, gpus)
 
 
 def _send(addr: str, msg: Any) -> None:
@@ -114,9 +114,12 @@ class ServingLauncher(Launcher):
     """The Launcher with --api-server-count's API processes and --nnodes' nodes."""
 
     def __init__(self, args: ServerArgs) -> None:
-        self.options = serving_options(args)
+        self.options = options = serving_options(args)
         export_gc_settings(args)  # before any child starts: they read it once ready
-        super().__init__(args, self.options.api_server_count)
+        self.api_server_count = options.api_server_count
+        super().__init__(
+            args, Addresses.make(args.num_tokenizer, options.dp, options.api_server_count)
+        )
         self.reaper = Reaper(self.addrs.root)  # clears up after this process however it dies
         self.api_procs: list[Any] = []  # the API processes other than this one
         self.draining = False  # SIGTERM: the API processes finish their requests, then exit
@@ -135,11 +138,14 @@ class ServingLauncher(Launcher):
             return super().start()
         # scheduler ranks only: no front end on this node
         config = self.resolve_models()
-        check_scale_out(self.args, config, self.options.nnodes)
+        self.check(config)
         first = self.options.node_rank * self.ranks_here
         followers = [self._follower(config, 0, k) for k in range(first, first + self.ranks_here)]
         wait_ready(*_split(followers))  # hello
         wait_ready(*_split(followers))  # built, in the group
+
+    def check(self, config: EngineConfig) -> None:
+        check_scale_out(self.args, config)
 
     def listen(self) -> list[socket.socket]:
         if self.api_server_count == 1:
@@ -161,17 +167,46 @@ class ServingLauncher(Launcher):
             del self.listeners[1:]
 
     def tokenizer_worker(self, config: EngineConfig) -> Any:
-        args = self.args
-        return tokenizer_worker(config.page_size, args.dp_dispatch, args.dp_load_threshold)
+        options = self.options
+        return tokenizer_worker(config.page_size, options.dp_dispatch, options.dp_load_threshold)
+
+    def start_schedulers(self, config: EngineConfig) -> tuple[list[Started], list[Started]]:
+        """Each replica's TP rank 0 and its other ranks (this node's)."""
+        replicas = range(self.options.dp)
+        rank0s = [self._replica(config, r) for r in replicas]
+        return rank0s, [
+            self._follower(config, r, k) for r in replicas for k in range(1, self.ranks_here)
+        ]
 
     def _rendezvous(self, replica: int) -> Rendezvous:
         options = self.options
-        if options.nnodes == 1:
-            return super()._rendezvous(replica)
+        if options.nnodes == 1:  # a replica's GPUs follow the previous one's
+            return rendezvous_file(
+                self.addrs.root, f"tp-rendezvous-{replica}", replica * self.args.tp
+            )
         # rank 0's node hosts the TCP store; GPU 0 is the node's first rank
         shift = -options.node_rank * self.ranks_here
         assert options.dist_init_addr is not None  # ServingOptions.check
         return TcpRendezvous("", shift, options.dist_timeout, options.dist_init_addr)
+
+    def _name(self, replica: int, rank: int) -> str:
+        return f"scheduler_{rank}" if self.options.dp == 1 else f"dp{replica}_scheduler_{rank}"
+
+    def _replica(self, config: EngineConfig, replica: int) -> Started:
+        from minisgl.scheduler.io import run_scheduler_process
+
+        args, a = self.args, self.addrs
+        io = (a.schedulers[replica], a.detokenizer, (replica, self.options.dp))
+        meet, warm_up = self._rendezvous(replica), not args.skip_server_warmup
+        entry = (run_scheduler_process, config, args.scheduler, args.tp, meet, *io, warm_up)
+        return self._spawn(self._name(replica, 0), *entry)
+
+    def _follower(self, config: EngineConfig, replica: int, rank: int) -> Started:
+        from minisgl.scheduler.io import run_follower
+
+        args, name, dp = self.args, self._name(replica, rank), self.options.dp
+        entry = (config, args.scheduler, rank, args.tp, self._rendezvous(replica))
+        return self._spawn(name, run_follower, *entry, sharing=dp, title=name)
 
     def expected_exit(self, proc: Any) -> bool:
         # it drained its requests (`stop` may have reaped it: no exit code)

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from minisgl.ext.serving.frontend import ServingFrontend
+from minisgl.ext.serving.options import serving_options
 from minisgl.server.args import ServerArgs
 from minisgl.server.protocol import APIError, ExtensionFields, error_response
 
@@ -117,7 +118,7 @@ class MetaInfoFields(ExtensionFields):
 def _public_options(args: ServerArgs) -> dict[str, Any]:
     """Every option's value, flat (SGLang's server_info shape), the API key left out."""
     options: dict[str, Any] = {}
-    for part in (args.engine, args.scheduler, args):
+    for part in (args.engine, args.scheduler, args, *args.extras.values()):
         for f in dataclasses.fields(part):
             if "help" in f.metadata and f.name != "api_key":
                 options[f.name] = getattr(part, f.name)
@@ -147,7 +148,7 @@ def add_sglang_routes(app: FastAPI, api: ApiServer, info: dict) -> None:
         return _public_options(args) | {
             "version": "minisgl",
             "tp_size": args.tp,
-            "dp_size": args.dp,
+            "dp_size": serving_options(args).dp,
             "max_total_num_tokens": info.get("num_pages", 0) * page_size,
             "max_seq_len": info.get("max_seq_len"),
             "internal_states": states,

@@ -35,7 +35,7 @@ class HealthProbe:
         return await asyncio.shield(self.running)
 
     async def generate_one_token(self) -> str | None:
-        frontend, dp = self.api.frontend, self.api.args.dp
+        frontend, dp = self.api.frontend, serving_options(self.api.args).dp
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
         async def one(replica: int | None) -> str | None:

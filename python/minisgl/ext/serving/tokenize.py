@@ -18,11 +18,11 @@ from minisgl.server.protocol import (
     APIError,
     Body,
     ChatMessage,
+    Int64,
     TemplateKwargs,
-    TokenId,
     chat_messages,
 )
-from minisgl.tokenizer.server import encode_chat, needed, render_chat
+from minisgl.tokenizer.server import needed, render_chat
 
 if TYPE_CHECKING:  # types only: the extension loads while the api server module may be loading
     from minisgl.server.api_server import ApiServer
@@ -44,7 +44,7 @@ class TokenizeRequest(Body):
 
 class DetokenizeRequest(Body):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[Int64]
 
 
 async def tokenize(api: ApiServer, req: TokenizeRequest) -> dict[str, Any]:
@@ -71,14 +71,14 @@ async def tokenize(api: ApiServer, req: TokenizeRequest) -> dict[str, Any]:
         except ExtensionMissing as e:
             raise APIError(400, str(e), "tools") from None
         msg.tools = tools = features.template_tools(req.tools)
-    with_prompt = req.add_generation_prompt
+    kwargs = {"add_generation_prompt": req.add_generation_prompt, **(kwargs or {})}
 
     def encode_messages(tok: Any) -> list[int]:
         check_prompt_size(tok, prompt_chars(msg), limit)
-        if special:  # the template's text, and the tokenizer's special tokens around it
-            text = render_chat(tok, chat, kwargs, with_prompt, tools)
-            return needed(tok).encode(text, add_special_tokens=True)
-        return encode_chat(tok, chat, kwargs, with_prompt, tools)
+        # add_special_tokens: the tokenizer's special tokens around the template's text
+        return needed(tok).encode(
+            render_chat(tok, chat, kwargs, tools), add_special_tokens=bool(special)
+        )
 
     return tokens(api, await api.with_tokenizer(encode_messages, "messages"))
 

@@ -13,15 +13,25 @@ import functools
 import json
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from minisgl.ext.serving.dispatch import Dispatcher
-from minisgl.message import AbortBackendMsg, AbortMsg, DoneMsg, ExitMsg, TokenizeMsg
+from minisgl.message import AbortBackendMsg, AbortMsg, ExitMsg, TokenizeMsg, register
 from minisgl.tokenizer.server import TokenizerWorker, tokenize
 
 BACKGROUND_CHARS = 65536  # a longer prompt is tokenized on a thread while others go on
 POLL_S = 0.005  # meanwhile, how often the worker looks for its end
 NORMALIZER_SLACK = 2  # see check_prompt_size
+
+
+@register
+@dataclass
+class DoneMsg:
+    """API process -> its tokenizer worker: request `uid` has ended (it no longer counts in its
+    replica's load)."""
+
+    uid: int
 
 
 @functools.lru_cache(maxsize=4)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from minisgl.context import Context, get_global_ctx, set_global_ctx
 from minisgl.core import Batch, Req
 from minisgl.engine import Engine, EngineConfig
+from minisgl.ext.perf.prefill_rows import samples_plainly
 from minisgl.ext.spec.options import DRAFT_OPTION, spec_options
 from minisgl.ext.spec.verify import VerifyRows
 from minisgl.kvcache.allocator import PageAllocator
@@ -26,7 +27,7 @@ NGRAM_WINDOW = 4096  # the latest tokens of a request searched for a match
 def room(req: Req, num_draft: int) -> int:
     """How many tokens `req` may propose: never past its max_tokens or context (the step's own
     sampled token comes after them); 0 for a request that decodes without proposals."""
-    if not req.samples_plainly:
+    if not samples_plainly(req):
         return 0
     left = req.params.max_tokens - req.num_output - 1
     return max(0, min(num_draft, left, req.max_total_len - len(req.tokens) - 1))

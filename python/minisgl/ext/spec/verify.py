@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.core import Batch, Req, to_device
-from minisgl.engine.graph import rows_per_position
 from minisgl.engine.sample import BatchSamplingArgs, any_filter, sample, sample_at_temperature
+from minisgl.ext.perf.prefill_rows import rows_per_position, samples_plainly
 from minisgl.extension import ForwardPath
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def flat_batch(batch: Batch, max_rows: int) -> Batch | None:
     (grammar, adjusted logits, logprobs)."""
     if batch.is_decode or batch.num_decodes != batch.size or batch.num_tokens > max_rows:
         return None
-    if not all(r.samples_plainly for r in batch.reqs):
+    if not all(samples_plainly(r) for r in batch.reqs):
         return None
     return rows_per_position(batch)
 

@@ -19,22 +19,28 @@ from minisgl.ext.structured.parsers import (
     parse_tools,
     resolve_tool_choice,
 )
+from minisgl.tokenizer.server import render_chat
 
 
 def offline_chat(
-    llm: Any, chats: list[list[dict[str, Any]]], params: list[SamplingParams], **options: Any
+    llm: Any,
+    chats: list[list[dict[str, Any]]],
+    params: list[SamplingParams],
+    *,
+    use_tqdm: bool,
+    chat_template_kwargs: dict[str, Any],
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool = True,
+    tool_call_parser: str | None = AUTO,
+    reasoning_parser: str | None = AUTO,
 ) -> list[dict[str, Any]]:
-    """`llm.chat` (an LLM) with its keywords, every one given in `options` (use_tqdm, tools,
-    tool_choice, parallel_tool_calls, tool_call_parser, reasoning_parser,
-    chat_template_kwargs); `params`: one per chat. `tool_choice` as OpenAI's (default auto with
-    tools): "required" or a named function forces calls by grammar (one when not
-    `parallel_tool_calls`); "required" needs a `tool_call_parser` (the calls' format), a named
-    function none (the answer is its arguments). Parsers "auto": from the chat template."""
-    tools, tool_choice = options["tools"], options["tool_choice"]
-    tool_call_parser, reasoning_parser = parser_names(
-        llm, options["tool_call_parser"], options["reasoning_parser"]
-    )
-    parallel_tool_calls: bool = options["parallel_tool_calls"]
+    """`llm.chat` (an LLM) with its keywords; `params`: one per chat. `tool_choice` as OpenAI's
+    (default auto with tools): "required" or a named function forces calls by grammar (one
+    when not `parallel_tool_calls`); "required" needs a `tool_call_parser` (the calls' format),
+    a named function none (the answer is its arguments). Parsers "auto": from the chat
+    template (vLLM's names)."""
+    tool_call_parser, reasoning_parser = parser_names(llm, tool_call_parser, reasoning_parser)
     functions = parse_tools(tools) if tools else []
     choice = resolve_tool_choice(tool_choice, functions)
     vocabulary = set(llm.tokenizer.get_vocab()) if llm.tokenizer is not None else None
@@ -42,17 +48,18 @@ def offline_chat(
         get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
         get_tool_parser(tool_call_parser, vocabulary) if tool_call_parser else None,
     )
-    kwargs = dict(options["chat_template_kwargs"] or {})
+    kwargs = dict(chat_template_kwargs)
     if functions:
         kwargs["tools"] = [f.to_openai_tool() for f in functions]
-    texts, prompts = llm.chat_prompts(chats, kwargs)
+    texts = [render_chat(llm.tokenizer, chat, kwargs) for chat in chats]
+    prompts = [llm.tokenizer.encode(text, add_special_tokens=False) for text in texts]
     states = [reasoning_state(parser, t) for t in texts]
     # each chat's params with the grammar of forced calls, or its constraint moved after the
     # reasoning (OutputParser.constrain)
     forced = (functions, choice, parallel_tool_calls) if functions else None
     any_whitespace = structured_options(llm.sched_config).json_any_whitespace
     params = [parser.constrain(p, forced, s, any_whitespace) for p, s in zip(params, states)]
-    results = llm.generate(prompts, params, options["use_tqdm"])
+    results = llm.generate(prompts, params, use_tqdm)
     parsed_choice = choice if functions and choice.parses else None
     named = parsed_choice is not None and parsed_choice.mode == "named"
     if tool_call_parser is None and reasoning_parser is None and not named:

@@ -240,7 +240,7 @@ async def shape_chat(
     functions, choice = chat_tools(fields)
     tools = [f.to_openai_tool() for f in functions] or None
     kwargs = req.chat_template_kwargs
-    render = lambda tok: render_chat(tok, chat, kwargs, True, tools)  # noqa: E731
+    render = lambda tok: render_chat(tok, chat, kwargs, tools)  # noqa: E731
     return tools, await chat_parsing(api, fields, functions, choice, render)
 
 

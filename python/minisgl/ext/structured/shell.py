@@ -77,7 +77,7 @@ def shell_printers(args: Any) -> Callable[[list[dict[str, str]]], Printer]:
             from minisgl.tokenizer.server import render_chat
 
             try:
-                prompt = render_chat(tokenizer, history, None, True)
+                prompt = render_chat(tokenizer, history)
             except Exception:  # noqa: BLE001 (the tokenizer worker reports the template's error)
                 prompt = ""
             opened = reasoning.prompt_opens_reasoning(prompt)

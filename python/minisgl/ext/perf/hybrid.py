@@ -1,4 +1,5 @@
-"""`--attn PREFILL,DECODE`: one backend for prefill batches, another for decode batches."""
+"""`--attn PREFILL,DECODE`: one backend for prefill batches, another for decode batches (the
+`hybrid_attention` point; without this package such a pair is refused)."""
 
 from __future__ import annotations
 

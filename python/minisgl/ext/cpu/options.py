@@ -1,0 +1,43 @@
+"""The cpu extension's options (the `scheduler_options` point): flags of `python -m minisgl`
+listed under "cpu extension", keywords of `LLM(...)`. `engine_options` (the `engine_config`
+point) hands them to the engine each scheduler builds, as `EngineConfig.extras["cpu"]`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.utils.options import check_options, option
+
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+
+
+@dataclass
+class CpuOptions:
+    quantization: str = option(
+        "auto",
+        "weight-only quantized linear layers (CPU, 16-bit dtype, TP 1): gguf (a GGUF's Q4 codes "
+        "as int4, Q8_0 as int8), int8 (every projection per row), none (dequantized: the exact "
+        "path); auto: gguf for a quantized GGUF in bfloat16, else none",
+        choices=QUANTIZATIONS,
+    )
+    enable_torch_compile: bool = option(
+        False,
+        "cpu: compile one-request decode steps with torch.compile (decode ~1.2x, a compile of "
+        "~30 s at the first); batches stay eager",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+def cpu_options(config: Any) -> CpuOptions:
+    """An EngineConfig's or a SchedulerConfig's cpu options (the defaults when unset)."""
+    options = config.extras.get("cpu")
+    return options if isinstance(options, CpuOptions) else CpuOptions()
+
+
+def engine_options(config: Any, sched: Any) -> Any:
+    """The `engine_config` point: `config` with the scheduler's cpu options."""
+    return dataclasses.replace(config, extras={**config.extras, "cpu": cpu_options(sched)})
