@@ -23,7 +23,7 @@ from gemv_bench import time_us  # noqa: E402  (this directory: a graph of calls,
 def bench(batch: int, vocab: int, cuda: bool) -> str:
     import torch
 
-    from minisgl.engine.sample import sample_at_temperature
+    from minisgl.engine.sample import sample
     from minisgl.kernel import sampling
 
     device = torch.device("cuda" if cuda else "cpu")
@@ -35,7 +35,7 @@ def bench(batch: int, vocab: int, cuda: bool) -> str:
     got = sampling.gumbel_argmax(logits, temperature, seed, step)
     before = os.environ.get("MINISGL_DISABLE_FUSED_OPS")
     os.environ["MINISGL_DISABLE_FUSED_OPS"] = "1"  # the torch path, on CUDA too
-    want = sample_at_temperature(logits, temperature, seed, step)
+    want = sample(logits, temperature, seed, step)
     if before is None:
         del os.environ["MINISGL_DISABLE_FUSED_OPS"]
     else:

@@ -37,12 +37,16 @@ EVENT = b'data: {"id"'  # the start of every completion chunk
 def run_pipeline(tok_addr: str, api_addrs: list[str], step_s: float) -> None:
     """The tokenizer, scheduler and detokenizer, faked: one token per running request per step,
     routed to the API process that took the request (as the detokenizer does)."""
-    from minisgl.message import AbortMsg, TokenizeMsg, UserReply
-    from minisgl.tokenizer.server import ToApi
+    from minisgl.message import AbortMsg, BatchMsg, TokenizeMsg, UserReply
     from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
     pull = ZmqPullQueue(tok_addr, create=True)
-    to_api = ToApi([ZmqPushQueue(a, create=False) for a in api_addrs])
+    if len(api_addrs) > 1:  # the serving extension's routing of the replies
+        from minisgl.ext.serving.apis import ApiQueues
+
+        to_api: Any = ApiQueues.connect(api_addrs)
+    else:
+        to_api = ZmqPushQueue(api_addrs[0], create=False)
     active: dict[int, list[int]] = {}  # uid -> [tokens made, max_tokens, prompt tokens]
     tick = time.monotonic()
     while True:
@@ -63,7 +67,7 @@ def run_pipeline(tok_addr: str, api_addrs: list[str], step_s: float) -> None:
             if done:
                 del active[uid]
         if replies:
-            to_api.replies(replies)
+            to_api.put(BatchMsg(replies))
 
 
 def run_api(tok_addr: str, api_addrs: list[str], rank: int, port: int, fd: int | None) -> None:

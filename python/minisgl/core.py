@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 PLACEHOLDER = -1  # a sampled token id the host has not read yet (its step is in flight)
 # SamplingParams' fields that constrain the output (structured generation), one at most
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
-# SamplingParams' fields that an extension implements: name -> (extension, default). Set to
-# anything else, a field needs its extension (`Extensions.sampling_params` checks it)
+# The extensions' parameters that the core knows by name (SamplingParams.ext): name ->
+# (extension, the value that asks for nothing). Without its extension, one set otherwise is
+# refused naming it; an extension may declare others (`Extensions.sampling_params`)
 EXTENSION_PARAMS: dict[str, tuple[str, Any]] = {
     **{name: ("structured", None) for name in CONSTRAINT_KINDS},
     **{name: ("sampling", 0.0) for name in ("frequency_penalty", "presence_penalty")},
@@ -31,6 +32,7 @@ EXTENSION_PARAMS: dict[str, tuple[str, Any]] = {
     "logprobs": ("sampling", None),
     "prompt_logprobs": ("sampling", None),
     "lora_name": ("lora", None),
+    "priority": ("serving", 0),
 }
 
 
@@ -44,8 +46,8 @@ def check_token_ids(vocab: int, **fields: Iterable[int]) -> None:
 
 
 @dataclass
-class SamplingParams:
-    """Per-request sampling settings (temperature 0: greedy); EXTENSION_PARAMS are extensions'."""
+class _BaseParams:
+    """The base sampling settings (temperature 0: greedy) and the extensions' (`ext`)."""
 
     temperature: float = 0.0
     top_k: int = -1  # -1 or 0: no top-k filter
@@ -55,27 +57,27 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
-    json_schema: str | dict[str, Any] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | dict[str, Any] | None = None
-    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
-    presence_penalty: float = 0.0  # OpenAI: minus this once the token is in the output
-    repetition_penalty: float = 1.0  # transformers: over the prompt and output; 1 = off
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-    min_tokens: int = 0  # EOS, stop_token_ids and stop cannot end the output before this many
     # stop strings (a string is one): the text ends before the first to appear (detokenizer)
     stop: list[str] | str = field(default_factory=list)
     n: int = 1  # offline samples per prompt, sample j seeded seed + j (the server sends n requests)
-    # log-probabilities (the model's own: before temperature, penalties, bias and grammar masks)
-    logprobs: int | None = None  # of each sampled token, with this many top alternatives (0-20)
-    prompt_logprobs: int | None = None  # of each prompt token after the first, with top-k too
-    lora_name: str | None = None  # the lora extension's: the LoRA adapter it runs with
-    # the serving extension's: the order under --schedule-policy priority, lower values first
-    # (vLLM's direction); not in EXTENSION_PARAMS, whose fields change how a request samples
-    priority: int = 0
+    # the extensions' parameters that ask for something (logprobs, penalties, a grammar...),
+    # each checked by the extension that declares it; read with `get`
+    ext: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
+
+class SamplingParams(_BaseParams):
+    """Per-request sampling settings. An extension's parameter is a keyword too
+    (`SamplingParams(logprobs=5)`), kept in `ext` unless it asks for nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        fields = dict(zip(_FIELDS, args), **kwargs)  # positional: as a message is decoded
+        ext = dict(fields.pop("ext", None) or {})
+        for name in [name for name in fields if name not in _FIELDS]:
+            ext[name] = fields.pop(name)
+        for name, (_, off) in EXTENSION_PARAMS.items():  # asking for nothing: not kept
+            if name in ext and ext[name] == off and type(ext[name]) is not bool:
+                del ext[name]  # (a boolean asks: its extension refuses it)
+        super().__init__(**fields, ext=ext)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()
@@ -97,18 +99,17 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
-        if type(self.priority) is not int or self.priority != 0:  # False, 0.0: not the default
-            require(extensions().sampling_params.get("priority"), "priority", "serving")(self)
-        asked = self.extension_fields()  # each checked by its extension (once each)
-        checks = extensions().sampling_params
-        for name in asked:
-            require(checks.get(name), name, EXTENSION_PARAMS[name][0])
-        for check in dict.fromkeys(checks[name] for name in asked):
+        checks = extensions().sampling_params  # each extension's check once, if one is set
+        for name in self.ext:
+            if name not in checks and name not in EXTENSION_PARAMS:
+                raise TypeError(f"SamplingParams got an unexpected keyword argument {name!r}")
+            require(checks.get(name), name, EXTENSION_PARAMS.get(name, ("",))[0])
+        for check in dict.fromkeys(checks[name] for name in self.ext):
             check(self)
 
-    def extension_fields(self) -> list[str]:
-        """The extensions' fields that are set (not at their defaults)."""
-        return [name for name, (_, off) in EXTENSION_PARAMS.items() if getattr(self, name) != off]
+    def get(self, name: str) -> Any:
+        """An extension's parameter (EXTENSION_PARAMS): its value, or the one asking nothing."""
+        return self.ext.get(name, EXTENSION_PARAMS[name][1])
 
     def for_sample(self, j: int) -> SamplingParams:
         """Sample j of n: one request, seeded seed + j (kept within int64)."""
@@ -122,6 +123,9 @@ class SamplingParams:
     @property
     def sampling_temperature(self) -> float:  # the temperature rule, written once
         return 0.0 if self.is_greedy else self.temperature
+
+
+_FIELDS = [f.name for f in dataclasses.fields(_BaseParams)]
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]

@@ -53,9 +53,6 @@ class ChatFeatures(Protocol):
     """Tool calling and reasoning (ext/structured) as the core's chat paths use them. Request
     errors are APIError (a 400 naming the field) or, offline, ValueError."""
 
-    # OptionError unless `value` names a format of tool_call_parser / reasoning_parser
-    def check_option(self, name: str, value: str) -> None: ...
-
     # at start: the parsers `auto` picks from the model's chat template; `none` -> None
     def resolve_parsers(self, args: Any, model_path: str) -> None: ...
 
@@ -75,8 +72,8 @@ class ChatFeatures(Protocol):
         self, llm: Any, chats: list[list[dict[str, Any]]], params: list[Any], **options: Any
     ) -> list[dict[str, Any]]: ...
 
-    # the shell's printer of the answer to each history (--reasoning-parser)
-    def shell_printers(self, args: Any) -> Callable[[list[dict[str, str]]], Any]: ...
+    # the shell's printer of the answer to each history (--reasoning-parser; None: the core's)
+    def shell_printers(self, args: Any) -> Callable[[list[dict[str, str]]], Any] | None: ...
 
 
 class DetokenizeFeatures(Protocol):
@@ -296,7 +293,9 @@ class Extensions:
     cpu_dtype: Callable[[Any, str], torch.dtype] | None = None
     # (engine being built) -> the transform of its model around the weights' loading, or None
     model_transform: Callable[[Any], ModelTransform | None] | None = None
-    # (engine, built) -> the decoder one-request decode steps run (--enable-torch-compile), or None
+    # (engine, built) -> the decoder one-request decode steps run (--enable-torch-compile), or None;
+    # before the Context is made of them it may swap the engine's modules and attention backend
+    # for their speed paths (ext/cpu's on cpu)
     decoder_transform: Callable[[Any], torch.nn.Module | None] | None = None
     # (path, a body's fields that no one declares) -> None or an APIError (None: each is a 400)
     unknown_fields: Callable[[str, dict[str, Any]], None] | None = None
@@ -315,13 +314,13 @@ class Extensions:
     # extension, `ServerArgs.extras[name]` holds them parsed (without it: unknown flags)
     options: dict[str, type] = field(default_factory=dict)
     # (app, args, frontend, paths) -> the ASGI middleware every HTTP request passes: a
-    # `server.gate.Gate` subclass (None: the Gate, API key, body size, valid Unicode)
+    # `server.gate.Gate` subclass (None: the Gate: the API key)
     gate: Callable[..., Any] | None = None
     # (args, app, frontend, on_shutdown) -> the uvicorn server an API process runs `app` with
     # (None: plain uvicorn, in `server.launch.http_server`)
     http_server: Callable[..., Any] | None = None
-    # SamplingParams field -> the check of the extension that implements it (normalizes in
-    # place, ValueError); a field set without it is refused (core.EXTENSION_PARAMS)
+    # an extension's SamplingParams parameter (kept in `SamplingParams.ext`) -> its check
+    # (normalizes `ext` in place, ValueError); one set without it is refused (EXTENSION_PARAMS)
     sampling_params: dict[str, Callable[[Any], None]] = field(default_factory=dict)
     # (scheduler) -> a feature of its steps, or None when it has nothing to do there
     step_features: list[Callable[[Any], StepFeature | None]] = field(default_factory=list)
@@ -402,9 +401,15 @@ EXTENSION_OPTIONS = {
     "speculative_": "spec",
     "disable_prefill_graphs": "perf",
     "json_any_whitespace": "structured",
+    "tool_call_parser": "structured",
+    "reasoning_parser": "structured",
+    "shell_hide_reasoning": "structured",
     "grammar_compile_timeout": "structured",
     "priority_aging": "serving",
     "dp": "serving",  # --dp, --dp-size, --dp-dispatch, --dp-load-threshold
+    "max_queued_requests": "serving",
+    "request_timeout": "serving",
+    "max_request_bytes": "serving",
     "data_parallel": "serving",  # --data-parallel-size
     "quantization": "cpu",
     "enable_torch_compile": "cpu",

@@ -4,7 +4,6 @@ detokenizer -> api server), dataclasses that `encode` / `decode` carry through m
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -92,12 +91,10 @@ class DetokenizeMsg:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
     error: str | None = None  # why the scheduler refused the request
-    # per token: [logprob, top ids, top logprobs] (SamplingParams.logprobs)
-    logprobs: list[Sequence[Any]] | None = None
-    # with the first token: [token id, logprob | None, top ids, top logprobs] per prompt token
-    prompt_logprobs: list[list[Any]] | None = None
     queue_time: float | None = None  # with the first token: seconds queued before its prefill
     cached_tokens: int | None = None  # with the first token: prompt tokens from the prefix cache
+    # the step features' values for it (TokenOutput.ext: ext/sampling's log-probabilities)
+    ext: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,13 +150,11 @@ class UserReply:
     prompt_tokens: int
     completion_tokens: int  # total so far, not just this delta
     error: str | None = None
-    # per token of token_ids when asked: [token id, text, logprob, [[id, text, logprob], ...]]
-    logprobs: list[list[Any]] | None = None
-    # once, with the first reply: the same per prompt token (the first one's logprob is None)
-    prompt_logprobs: list[list[Any]] | None = None
     queue_time: float | None = None  # once: seconds in the scheduler's queue
     matched: str | None = None  # the stop string that ended it (finish_reason "stop")
     cached_tokens: int | None = None  # once: prompt tokens the prefix cache supplied
+    # what the extensions add (`DetokenizeFeatures.name_logprobs`: the log-probabilities)
+    ext: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

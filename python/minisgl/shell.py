@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from minisgl.core import SamplingParams
-from minisgl.extension import extensions, require
+from minisgl.extension import extensions
 from minisgl.message import TokenizeMsg
 from minisgl.server.frontend import Frontend
 
@@ -88,11 +88,11 @@ async def _chat(frontend: Frontend, max_tokens: int, printers: Printers) -> int:
 
 
 def make_printers(launcher: Launcher) -> Printers:
-    """Each answer's printer: its text as it comes, or --reasoning-parser's."""
-    if launcher.args.reasoning_parser is None:
-        return lambda history: Printer()
-    features = require(extensions().chat_features, "--reasoning-parser", "structured")
-    return features.shell_printers(launcher.args)
+    """Each answer's printer: its text as it comes, or the structured extension's
+    (--reasoning-parser)."""
+    features = extensions().chat_features
+    printers = features.shell_printers(launcher.args) if features is not None else None
+    return printers or (lambda history: Printer())
 
 
 def run_shell(launcher: Launcher, frontend: Frontend, max_tokens: int = 512) -> int:

@@ -22,17 +22,18 @@ def reference(
     tokens, out = list(prompt), []
     for _ in range(max_tokens):
         logits = hf(torch.tensor([tokens])).logits[0, -1].float().tolist()
-        for t, b in p.logit_bias.items():
+        for t, b in p.get("logit_bias").items():
             logits[t] += b
-        if len(out) < p.min_tokens:
+        if len(out) < p.get("min_tokens"):
             for t in set(p.stop_token_ids) | eos:
                 logits[t] = -float("inf")
         counts, seen = Counter(out), set(tokens)
         for t in seen:
             x = logits[t]
-            logits[t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            penalty = p.get("repetition_penalty")
+            logits[t] = x / penalty if x > 0 else x * penalty
         for t, c in counts.items():
-            logits[t] -= p.frequency_penalty * c + p.presence_penalty
+            logits[t] -= p.get("frequency_penalty") * c + p.get("presence_penalty")
         token = max(range(len(logits)), key=logits.__getitem__)
         tokens.append(token)
         out.append(token)
@@ -97,7 +98,7 @@ def test_logit_bias_removes_and_forces_tokens(llama):
     out = llm.generate([prompt], banned, use_tqdm=False)[0]["token_ids"]
     assert free[0] not in out[:1] and out == reference(hf, prompt, 6, banned)
     forced = SamplingParams(max_tokens=4, logit_bias={str(7): 100})  # type: ignore[dict-item]
-    assert forced.logit_bias == {7: 100.0}  # JSON keys arrive as strings
+    assert forced.get("logit_bias") == {7: 100.0}  # JSON keys arrive as strings
     assert llm.generate([prompt], forced, use_tqdm=False)[0]["token_ids"] == [7] * 4
 
 
@@ -116,8 +117,8 @@ def test_min_tokens_holds_back_eos_and_stop_ids(llama):
         ]:
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             want = reference(hf, prompt, 12, params, frozenset({eos}))
-            assert out["token_ids"] == want and len(want) > params.min_tokens
-            assert eos not in want[: params.min_tokens]
+            assert out["token_ids"] == want and len(want) > params.get("min_tokens")
+            assert eos not in want[: params.get("min_tokens")]
             assert out["finish_reason"] == ("stop" if len(want) < 12 else "length")
     finally:
         llm.scheduler.eos_token_ids = llm.scheduler.planner.eos_token_ids = set()

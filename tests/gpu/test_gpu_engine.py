@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine.sample import BatchSamplingArgs, sample
+from minisgl.engine.sample import sample
 from support.invariants import check_no_leak
+from support.sampling import sampling_args
 
 pytestmark = pytest.mark.gpu
 
@@ -228,13 +229,13 @@ def test_sampling_kernel_matches_torch_sampler(monkeypatch):
         )
         for i in range(batch)
     ]
-    args = BatchSamplingArgs.from_reqs(reqs, vocab, logits.device)
-    fused = sample(logits, args)
+    args = sampling_args(reqs, vocab, logits.device)
+    fused = sample(logits, *args)
     monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
-    reference = sample(logits, args)
+    reference = sample(logits, *args)
     same = (fused == reference).float().mean().item()
     assert same >= 0.98, f"only {same:.1%} of rows agree"  # float rounding may split near-ties
-    greedy = args.temperature == 0
+    greedy = args[0] == 0
     assert torch.equal(fused[greedy], logits[greedy].argmax(-1))
 
 
@@ -246,8 +247,8 @@ def test_sampling_kernel_follows_softmax():
     reqs = [
         Req([1] * (i + 1), i + 1, SamplingParams(temperature=0.7, seed=3), 9999) for i in range(n)
     ]
-    args = BatchSamplingArgs.from_reqs(reqs, vocab, logits.device)
-    counts = torch.bincount(sample(logits, args), minlength=vocab).float() / n
+    args = sampling_args(reqs, vocab, logits.device)
+    counts = torch.bincount(sample(logits, *args), minlength=vocab).float() / n
     assert (counts - torch.softmax(logits[0] / 0.7, -1)).abs().max() < 0.03
 
 

@@ -78,7 +78,8 @@ def test_decode_step_with_every_feature_has_no_host_sync(model_dirs, attn):
         scheduler = llm.scheduler
         for i, prompt in enumerate(prompts(12)):
             p = params(i)
-            p.max_tokens, p.ignore_eos, p.logprobs = 40, True, 5
+            p.max_tokens, p.ignore_eos = 40, True
+            p.ext["logprobs"] = 5
             scheduler.add_request(scheduler.make_request(prompt, p))
         while scheduler.planner.waiting or scheduler.planner.prefilling:
             scheduler.step()

@@ -69,15 +69,15 @@ def test_ids_written_into_the_table_where_they_are_picked(shape):
 
 
 def test_sample_into_writes_the_table_on_the_torch_path():
-    from minisgl.engine.sample import sample_at_temperature, sample_into
+    from minisgl.engine.sample import sample
 
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 300, generator=gen) * 2
     temperature, seed = torch.tensor([0.0, 0.5, 1.0, 2.0]), torch.arange(4) + 1
     step, rows = torch.tensor([3, 4, 5, 6]), torch.tensor([1, 0, 3, 2])
     table = torch.zeros(4, 8, dtype=torch.int32)
-    got = sample_into(table, rows, logits, temperature, seed, step)
-    assert torch.equal(got, sample_at_temperature(logits, temperature, seed, step))
+    got = sample(logits, temperature, seed, step, into=(table, rows))
+    assert torch.equal(got, sample(logits, temperature, seed, step))
     assert torch.equal(table[rows, step], got.to(torch.int32))
     assert int((table != 0).sum()) <= 4
 
@@ -117,7 +117,7 @@ def test_kernel_draws_the_torch_paths_ids(monkeypatch):
     """The kernel's noise is the torch path's counter hash bit for bit (on uint32 there: seeds
     and steps whose products overflow 32 bits check its unsigned shifts), so both draw the same
     ids; greedy rows and a row of tied logits keep the first id."""
-    from minisgl.engine.sample import sample_at_temperature
+    from minisgl.engine.sample import sample
 
     ops = kernel_module("sampling")
     vocab = SHAPES[-1][1]
@@ -129,7 +129,7 @@ def test_kernel_draws_the_torch_paths_ids(monkeypatch):
     step = torch.tensor([0, 1, 2**31, 77, 3_000_000_000, 12, 5], device=DEVICE)
     got = ops.gumbel_argmax(logits, temperature, seed, step)
     monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "1")
-    want = sample_at_temperature(logits, temperature, seed, step)
+    want = sample(logits, temperature, seed, step)
     assert torch.equal(got, want), (got, want)
     assert got[6].item() == 0
 

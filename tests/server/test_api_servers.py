@@ -35,22 +35,22 @@ class SentList:
 
 # ---- the parts, without a server ------------------------------------------------------------
 def test_replies_go_back_to_the_process_that_took_the_request() -> None:
-    from minisgl.message import FlushCacheReply, SchedulerStats, UserReply
-    from minisgl.tokenizer.server import ToApi
+    from minisgl.ext.serving.apis import ApiQueues
+    from minisgl.message import BatchMsg, FlushCacheReply, SchedulerStats, UserReply
 
     queues = [SentList(), SentList(), SentList()]
-    to_api = ToApi(queues)
+    to_api = ApiQueues(queues)
     replies = [UserReply(uid, "x", [1], False, None, 1, 1) for uid in (0, 1, 4, 7, 9)]
     stats = SchedulerStats(running=5)
-    to_api.replies(replies, stats)
+    to_api.put(BatchMsg(replies, stats))
     got = [[r.uid for m in q.sent for r in m.msgs] for q in queues]
     assert got == [[0, 9], [1, 4, 7], []]
     assert all(q.sent[0].stats == stats for q in queues)  # the stats reach every process
-    to_api.replies([replies[1]])  # no stats: only the one that has a reply gets a message
+    to_api.put(BatchMsg([replies[1]]))  # no stats: only the one that has a reply gets a message
     assert [len(q.sent) for q in queues] == [1, 2, 1]
-    to_api.flush_reply(FlushCacheReply(0, None, api_rank=2))
+    to_api.put(FlushCacheReply(0, None, api_rank=2))
     assert isinstance(queues[2].sent[-1], FlushCacheReply)
-    to_api.flush_reply(FlushCacheReply(0, None, api_rank=5))  # no such process: dropped
+    to_api.put(FlushCacheReply(0, None, api_rank=5))  # no such process: dropped
     assert [len(q.sent) for q in queues] == [1, 2, 2]
 
 
@@ -131,25 +131,35 @@ def test_api_processes_number_their_requests_apart_and_answer_each_other(tmp_pat
     asyncio.run(main())
 
 
-def test_each_api_process_admits_its_share_of_the_queue_limit() -> None:
+def test_each_api_process_admits_its_share_of_the_queue_limit(tmp_path: Any) -> None:
     """--max-queued-requests 5 over 2 API processes: each admits 3 waiting requests."""
-    from types import SimpleNamespace
-
+    from minisgl.ext.serving.frontend import ServingFrontend
     from minisgl.ext.serving.options import ServingOptions
     from minisgl.server.api_server import ApiServer
     from minisgl.server.args import ServerArgs
+    from minisgl.server.frontend import _InFlight
     from minisgl.server.protocol import APIError
 
-    options = ServingOptions(api_server_count=2)
-    args = ServerArgs(max_queued_requests=5, extras={"serving": options})
-    frontend = SimpleNamespace(dead=None, num_queued=0, api_count=2)
-    api = ApiServer(frontend, args, 64)  # type: ignore[arg-type]
-    for queued in range(3):
-        frontend.num_queued = queued
+    options = ServingOptions(api_server_count=2, max_queued_requests=5)
+    args = ServerArgs(extras={"serving": options})
+    addrs = [f"ipc://{tmp_path}/api{k}" for k in range(2)]
+
+    async def main() -> None:
+        tok = [f"ipc://{tmp_path}/tok"]
+        frontend = ServingFrontend(tok, addrs[0], api_addrs=addrs, max_queued_requests=5)
+        api = ApiServer(frontend, args, 64)
+        for queued in range(3):
+            assert frontend.num_queued == queued
+            api.admit()
+            frontend.requests[queued] = _InFlight()  # waiting for its first token
+        with pytest.raises(APIError, match=r"limit 3\)"):
+            api.admit()
+        frontend.requests[0].last_token = 1.0  # one started: room for one more
         api.admit()
-    frontend.num_queued = 3
-    with pytest.raises(APIError, match=r"limit 3\)"):
-        api.admit()
+        for q in (frontend.recv, *frontend.to_tokenizers, *frontend.to_peers.values()):
+            q.close()
+
+    asyncio.run(main())
 
 
 def test_api_server_count_is_refused_with_the_shell(capsys: Any) -> None:

@@ -264,7 +264,7 @@ def test_unexpected_exception_is_a_counted_json_500() -> None:
     frontend: Any = SimpleNamespace(metrics=Metrics(SchedulerStats, lambda: 0))
     paths = frozenset({"/boom"})
     # as create_app does: inside Starlette's outermost error middleware
-    args = ServerArgs(max_request_bytes=1000)
+    args = ServerArgs()
     app.add_middleware(Gate, args=args, frontend=frontend, paths=paths)
 
     async def run() -> None:
@@ -293,6 +293,45 @@ def test_a_message_that_cannot_be_sent_takes_no_slot(tmp_path: Any) -> None:
         assert frontend.requests == {} and frontend.num_queued == 0
         frontend.recv.close()
         for q in frontend.to_tokenizers:
+            q.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_past_its_timeout_ends_with_the_error_and_is_aborted(tmp_path: Any) -> None:
+    """--request-timeout (the serving extension's Frontend): the request's last reply is the
+    timeout error (504), the pipeline gets its abort, and a reply that comes later is dropped;
+    one that ends in time leaves no timer behind."""
+    from contextlib import aclosing
+
+    from minisgl.core import SamplingParams
+    from minisgl.ext.serving.frontend import ServingFrontend
+    from minisgl.message import AbortMsg, BatchMsg, TokenizeMsg, UserReply
+    from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
+
+    tok_addr, api_addr = f"ipc://{tmp_path}/tok", f"ipc://{tmp_path}/api"
+
+    async def run() -> None:
+        tok = ZmqAsyncPullQueue(tok_addr, create=True)
+        frontend = ServingFrontend([tok_addr], api_addr, request_timeout=0.2)
+        frontend.start()
+        msg = TokenizeMsg(frontend.new_uid(), "hi", None, None, SamplingParams())
+        async with aclosing(frontend.batches(msg)) as batches:
+            (reply,) = await asyncio.wait_for(batches.__anext__(), 10)
+            assert (reply.finished, reply.finish_reason) == (True, "timeout")
+            assert reply.error == "request timed out after 0.2 s"
+        assert isinstance(await tok.get(), TokenizeMsg)
+        assert await asyncio.wait_for(tok.get(), 10) == AbortMsg(msg.uid)
+        assert frontend.requests == {} and frontend.num_queued == 0
+        api = ZmqAsyncPushQueue(api_addr, create=False)
+        await api.put(BatchMsg([UserReply(msg.uid, "late", [1], True, "stop", 1, 1)]))
+        ok = TokenizeMsg(frontend.new_uid(), "hi", None, None, SamplingParams())
+        async with aclosing(frontend.batches(ok)) as batches:
+            await api.put(BatchMsg([UserReply(ok.uid, "a", [1], True, "stop", 1, 1)]))
+            (reply,) = await asyncio.wait_for(batches.__anext__(), 10)
+            assert reply.uid == ok.uid and reply.finish_reason == "stop"  # not the late one
+        assert frontend.requests == {} and frontend._timers == {}
+        for q in (tok, api, frontend.recv, *frontend.to_tokenizers):
             q.close()
 
     asyncio.run(run())
@@ -368,7 +407,7 @@ def test_long_prompt_is_tokenized_off_the_loop() -> None:
 
     tokenizer = GatedTokenizer()
     sched, detok, api = SentList(), SentList(), SentList()
-    worker = ServingTokenizerWorker(tokenizer, [sched], detok, [api])
+    worker = ServingTokenizerWorker(tokenizer, [sched], detok, api)
     long = "a" * (BACKGROUND_CHARS + 1)
 
     def msg(uid: int, text: str) -> TokenizeMsg:

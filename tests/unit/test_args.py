@@ -24,8 +24,9 @@ def test_defaults():
     assert (engine.num_pages, engine.max_model_len, args.num_tokenizer) == (None, None, 1)
     assert (engine.dummy_weights, args.shell, args.api_key) == (False, False, None)
     assert (engine.seed, args.log_level) == (0, "info")
-    assert (args.max_queued_requests, args.request_timeout) == (None, None)
-    assert (args.max_request_bytes, args.shutdown_timeout) == (16 * 2**20, 30.0)
+    serving = args.extras["serving"]  # the request limits: the serving extension's
+    assert (serving.max_queued_requests, serving.request_timeout) == (None, None)
+    assert (serving.max_request_bytes, args.shutdown_timeout) == (16 * 2**20, 30.0)
 
 
 def test_parser_defaults_match_dataclass():
@@ -46,6 +47,8 @@ def test_old_flag_names_still_work():
 
 
 def test_all_flags():
+    from minisgl.ext.serving.options import ServingOptions
+
     args = parse_args(
         "--model /m --device cpu --dtype bfloat16 --tp 2 --host 0.0.0.0 --port 8000 "
         "--page-size 1 --max-prefill-length 512 --max-running-requests 8 --cache naive "
@@ -79,10 +82,12 @@ def test_all_flags():
         shell=True,
         api_key="sk-1",
         log_level="debug",
-        max_queued_requests=64,
-        request_timeout=2.5,
-        max_request_bytes=1000,
         shutdown_timeout=0.0,
+        extras={
+            "serving": ServingOptions(
+                max_queued_requests=64, request_timeout=2.5, max_request_bytes=1000
+            )
+        },
     )
     assert args.engine.attn_backends == ("fi", "triton")
 

@@ -13,12 +13,19 @@ import sys
 from dataclasses import fields
 
 import pytest
+import torch
 
 from minisgl import LLM, SamplingParams, extension
+from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.context import Context, get_global_ctx, set_global_ctx
 from minisgl.engine.config import EngineConfig
 from minisgl.extension import ExtensionMissing, Extensions
+from minisgl.kvcache import MHAKVCache
+from minisgl.layers.attention import AttentionLayer
+from minisgl.layers.rotary import RopeConfig, RotaryEmbedding
 from minisgl.models import default_model, resolve_model_path
 from minisgl.utils.options import OptionError
+from support.attn import make_problem
 from support.invariants import check_no_leak
 from support.models import hf_greedy
 
@@ -122,10 +129,69 @@ def test_dense_model_generates_as_with_the_extension(model_dirs, monkeypatch) ->
     with_ext, want = generate(path)
     assert want == [hf_greedy(hf, [3, 1, 4, 1, 5, 9, 2, 6], 10), hf_greedy(hf, [2, 7, 1, 8], 10)]
     assert with_ext.engine.model_transform is not None  # the extension took part
+    assert speed_paths(with_ext) == ("TableRotary", "WideTorchAttnBackend")
     monkeypatch.setenv("MINISGL_DISABLE_EXTENSIONS", "1")
     monkeypatch.setattr(extension, "_EXTENSIONS", Extensions())
     alone, got = generate(path)
     assert got == want
     assert alone.engine.model_transform is None and alone.engine.quantization == "none"
     assert not any(hasattr(m, "quantized") for m in alone.engine.model.modules())
+    assert speed_paths(alone) == ("RotaryEmbedding", "TorchAttnBackend")  # the plain paths
     check_no_leak(alone.scheduler)
+
+
+def speed_paths(llm: LLM) -> tuple[str, str]:
+    """The classes of the engine's rotary (the one every attention layer holds) and backend."""
+    engine = llm.engine
+    rotary = engine.model.model.rotary
+    layers = [m for m in engine.model.modules() if isinstance(m, AttentionLayer)]
+    assert layers and all(layer.rotary[0] is rotary for layer in layers)
+    assert engine.ctx.attn_backend is engine.attn_backend
+    return type(rotary).__name__, type(engine.attn_backend).__name__
+
+
+@pytest.mark.ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_table_rotary_equals_the_plain_path(dtype) -> None:
+    """ext/cpu's RoPE rotates q and k as one view when k follows q in the QKV output and
+    reuses one forward's rows across layers: both bit for bit the core's plain path, and a
+    new forward (a new positions tensor) looks the rows up again."""
+    from minisgl.ext.cpu.speed import TableRotary, adjacent
+
+    cfg = RopeConfig(head_dim=64, max_position=512)
+    plain, rope = RotaryEmbedding(cfg), TableRotary(cfg, torch.float32)  # bf16: a new table
+    gen = torch.Generator().manual_seed(21)
+    qkv = torch.randn(5, (4 + 2 + 2) * 64, generator=gen).to(dtype)
+    cases = [torch.tensor([0, 3, 9, 100, 511]), torch.tensor([7, 8, 9, 10, 11]), torch.tensor([4])]
+    for positions in cases:  # the last: one token (decode), whose row stride is arbitrary
+        rows = qkv[: len(positions)]
+        q, k, _ = (t.unflatten(-1, (-1, 64)) for t in rows.split([256, 128, 128], -1))
+        assert adjacent(q, k) is not None
+        want = plain(positions, q.clone(), k.clone())
+        for _ in range(2):  # the second call reuses the rows
+            got = rope(positions, q, k)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        apart = rope(positions, q.clone(), k.clone())  # not adjacent: rotated one by one
+        assert all(torch.equal(g, w) for g, w in zip(apart, want))
+
+
+@pytest.mark.ext
+@pytest.mark.parametrize("decode", [True, False])
+def test_wide_attention_equals_the_plain_path_in_float32(decode) -> None:
+    """ext/cpu's torch backend attends a 16-bit model in float32: bit for bit the core's
+    backend on the widened q and pool, rounded once at the end."""
+    from minisgl.ext.cpu.speed import WideTorchAttnBackend
+
+    lens = [(5, 1), (9, 1), (3, 1)] if decode else [(0, 7), (6, 3)]
+    cpu = torch.device("cpu")
+    batch, q, _, _ = make_problem(lens, 4, 16, torch.bfloat16, decode, cpu)
+    wide = WideTorchAttnBackend()
+    wide.prepare(batch)
+    got = wide.forward(q, 0, 0.25, batch)
+    ctx = get_global_ctx()
+    _, layers, pages, page_size, heads, dim = ctx.kv_cache.buffer.shape
+    widened = MHAKVCache(layers, pages, page_size, heads, dim, torch.float32, cpu)
+    widened.buffer.copy_(ctx.kv_cache.buffer)  # the same KV, widened
+    set_global_ctx(Context(page_size, ctx.page_table, widened, ctx.attn_backend))
+    want = TorchAttnBackend().forward(q.float(), 0, 0.25, batch).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

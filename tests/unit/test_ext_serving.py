@@ -79,9 +79,15 @@ MOVED_FLAGS = [  # the serving extension's: its `options` point declares them (f
     ("--gc-threshold", "7", [7]),
     ("--gc-warning-threshold-secs", "1", 1.0),
 ]
+# the request limits, once the core's: without it refused naming it (EXTENSION_OPTIONS)
+LIMIT_FLAGS = [
+    ("--max-queued-requests", "4", 4),
+    ("--request-timeout", "2.5", 2.5),
+    ("--max-request-bytes", "1000", 1000),
+]
 
 
-@pytest.mark.parametrize(("flag", "value", "parsed"), MOVED_FLAGS)
+@pytest.mark.parametrize(("flag", "value", "parsed"), MOVED_FLAGS + LIMIT_FLAGS)
 def test_its_flags_reach_it_through_the_parsed_args(flag: str, value: str, parsed: Any) -> None:
     from minisgl.ext.serving.options import ServingOptions, serving_options
     from minisgl.server.args import parse_args
@@ -92,17 +98,22 @@ def test_its_flags_reach_it_through_the_parsed_args(flag: str, value: str, parse
 
 
 @pytest.mark.core
-@pytest.mark.parametrize(("flag", "value", "parsed"), MOVED_FLAGS)
+@pytest.mark.parametrize(("flag", "value", "parsed"), MOVED_FLAGS + LIMIT_FLAGS)
 def test_its_flags_are_unknown_without_it(
     core_alone: None, flag: str, value: str, parsed: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Refused, exit 2: the request limits naming the extension (the core knows their names),
+    the others as unknown flags."""
     from minisgl.server.args import build_parser, parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args([flag, value])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert f"unrecognized arguments: {flag} {value}" in err and "minisgl/ext" in err, err
+    if (flag, value, parsed) in LIMIT_FLAGS:
+        assert f"error: {flag} {NEEDS_SERVING} (minisgl/ext/serving)" in err, err
+    else:
+        assert f"unrecognized arguments: {flag} {value}" in err and "minisgl/ext" in err, err
     entries = [
         line.split()[0]
         for line in build_parser().format_help().splitlines()

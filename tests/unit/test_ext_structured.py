@@ -1,8 +1,9 @@
 """The structured extension (`minisgl/ext/structured`: tool calls and reasoning) and the core
-without it (issue 46), in this process: the extension fills the `chat_features` point and checks
-the parser options' names; with MINISGL_DISABLE_EXTENSIONS=1 the parser options, `LLM.chat` with
-tools or parsers and the shell's reasoning display are refused, saying that they need the
-structured extension, while a plain `LLM.chat` is served as before. The HTTP side:
+without it (issue 46), in this process: the extension fills the `chat_features` point and owns
+the parser flags (the `options` point), checking their names; with MINISGL_DISABLE_EXTENSIONS=1
+the parser flags, `LLM.chat` with tools or parsers and the shell's reasoning display are
+refused, saying that they need the structured extension, while a plain `LLM.chat` and the
+shell's plain printing are served as before. The HTTP side:
 tests/server/test_ext_structured_http.py."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams, extension
 from minisgl.extension import ExtensionMissing
-from minisgl.server.args import ServerArgs
+from minisgl.server.args import ServerArgs, parse_args
 from minisgl.shell import Printer, make_printers
 from minisgl.utils.options import OptionError
 from support.server import make_tiny_model
@@ -33,9 +34,20 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     engine.shutdown()
 
 
+def chat_args(**options: Any) -> ServerArgs:
+    """ServerArgs with the structured extension's options `options` (checked)."""
+    from minisgl.ext.structured.options import ChatOptions
+
+    return ServerArgs(extras={"structured": ChatOptions(**options)})
+
+
 def test_the_extension_fills_its_point() -> None:
+    from minisgl.ext.structured.options import chat_options
+
     assert extension.extensions().chat_features is not None
-    ServerArgs(tool_call_parser="hermes", reasoning_parser="qwen3")
+    args = parse_args(["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    options = chat_options(args)
+    assert (options.tool_call_parser, options.reasoning_parser) == ("hermes", "qwen3")
 
 
 @pytest.mark.parametrize(
@@ -44,21 +56,29 @@ def test_the_extension_fills_its_point() -> None:
 def test_the_extension_checks_the_names(name: str, known: str) -> None:
     """The words argparse used when the options declared their choices."""
     with pytest.raises(OptionError) as info:
-        ServerArgs(**{name: "nope"})
+        chat_args(**{name: "nope"})
     assert info.value.name == name
     assert str(info.value).startswith("invalid choice: 'nope' (choose from ")
     assert known in str(info.value)
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("tool_call_parser", "hermes"), ("reasoning_parser", "qwen3")]
+    "argv",
+    [
+        ["--tool-call-parser", "hermes"],
+        ["--reasoning-parser", "qwen3"],
+        ["--shell", "--shell-hide-reasoning"],
+    ],
 )
-def test_parser_options_need_the_extension(core_alone: None, name: str, value: str) -> None:
-    with pytest.raises(OptionError) as info:
-        ServerArgs(**{name: value})
-    assert info.value.name == name
-    assert str(info.value) == f"{value!r} {NEEDS}"
-    ServerArgs()  # the core's own options stay
+def test_parser_options_need_the_extension(
+    core_alone: None, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    flag = argv[-1] if argv[-1].startswith("--") else argv[0]
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert f"error: {flag} {NEEDS}" in capsys.readouterr().err
+    assert ServerArgs().extras == {}  # the core's own options stay
 
 
 @pytest.mark.parametrize(
@@ -94,17 +114,23 @@ def test_plain_offline_chat_with_the_extension(llm: LLM) -> None:
     assert plain["token_ids"] == prompt["token_ids"]
 
 
-def test_shell_reasoning_needs_the_extension(core_alone: None) -> None:
-    launcher: Any = SimpleNamespace(args=SimpleNamespace(reasoning_parser="qwen3"))
-    with pytest.raises(ExtensionMissing) as info:
-        make_printers(launcher)
-    assert str(info.value) == f"--reasoning-parser {NEEDS}"
-
-
-def test_shell_prints_the_text_without_a_parser(
+def test_shell_reasoning_needs_the_extension(
     core_alone: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    launcher: Any = SimpleNamespace(args=SimpleNamespace(reasoning_parser=None))
+    with pytest.raises(SystemExit):
+        parse_args(["--shell", "--reasoning-parser", "qwen3"])
+    assert f"error: --reasoning-parser {NEEDS}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_shell_prints_the_text_without_a_parser(
+    alone: bool, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
+) -> None:
+    """The core alone, or the extension with --reasoning-parser none: the core's printer."""
+    if alone:
+        request.getfixturevalue("core_alone")
+    args = ServerArgs() if alone else chat_args(reasoning_parser="none")
+    launcher: Any = SimpleNamespace(args=args)
     printer = make_printers(launcher)([{"role": "user", "content": "hi"}])
     assert type(printer) is Printer
     for piece in ("<think>", "a", "</think>", "b"):

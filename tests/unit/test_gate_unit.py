@@ -94,8 +94,10 @@ def gated(body_timeout: float = 30.0, max_requests: int = 2048) -> Any:
     from minisgl.server.args import ServerArgs
 
     frontend: Any = SimpleNamespace(metrics=Metrics(SchedulerStats, lambda: 0), api_count=1)
-    options = ServingOptions(timeout_body_read=body_timeout, max_connections=max_requests)
-    args = ServerArgs(max_request_bytes=1000, extras={"serving": options})
+    options = ServingOptions(
+        timeout_body_read=body_timeout, max_connections=max_requests, max_request_bytes=1000
+    )
+    args = ServerArgs(extras={"serving": options})
     paths = frozenset({"/slow", "/health"})
     app.add_middleware(ServingGate, args=args, frontend=frontend, paths=paths)
     return app

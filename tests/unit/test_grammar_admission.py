@@ -184,12 +184,12 @@ def test_ready_grammars_are_admitted_in_arrival_order(make, compiled):
     sched = make()
     first, slow, last = (add(sched, 10 * i, regex=f"a[0-9]b{'c' * i}") for i in range(1, 4))
     futures = grammar_state(sched).compiler.futures
-    futures[("regex", last.params.regex)].set_result(compiled)
-    futures[("regex", first.params.regex)].set_result(compiled)
+    futures[("regex", last.params.get("regex"))].set_result(compiled)
+    futures[("regex", first.params.get("regex"))].set_result(compiled)
     sched.step()
     assert sched.engine.batches == [[first.uid, last.uid]]
     assert grammar_state(sched).compiling == [slow]
-    futures[("regex", slow.params.regex)].set_result(compiled)
+    futures[("regex", slow.params.get("regex"))].set_result(compiled)
     run(sched)
     assert [r.finish_reason for r in (first, slow, last)] == ["stop"] * 3
 

@@ -84,7 +84,10 @@ def test_explicit_names_and_none(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_server_args_default_to_auto() -> None:
-    args = ServerArgs()
+    from minisgl.ext.structured.options import ChatOptions, chat_options
+
+    args = chat_options(ServerArgs())
     assert (args.tool_call_parser, args.reasoning_parser) == ("auto", "auto")
-    off = ServerArgs(tool_call_parser="none", reasoning_parser="none")
+    off = ChatOptions(tool_call_parser="none", reasoning_parser="none")
+    off = chat_options(ServerArgs(extras={"structured": off}))
     assert (off.tool_call_parser, off.reasoning_parser) == (None, None)

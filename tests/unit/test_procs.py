@@ -1,14 +1,17 @@
 """utils/procs.wait_ready: a child that dies before its ready message gives a clear error (its
-name and exit code), never the pipe's EOFError traceback; freeze_startup_heap."""
+name and exit code), never the pipe's EOFError traceback; freeze_startup_heap.
+
+The children are forked from one forkserver that has imported minisgl and its extensions
+(`CHILDREN`): a fresh interpreter per case paid those imports (about 2 s) each time."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import subprocess
-import sys
 
 import pytest
+import setproctitle
 
 from minisgl.utils.procs import wait_ready
 
@@ -22,11 +25,17 @@ def report_ready(conn) -> None:
     conn.send(("ready", 7))
 
 
+# Each child is a fresh process whose modules are already imported; the server forks every
+# child of this module (a server process's gc state starts as a fresh interpreter's would, its
+# start-up heap then holding torch and the extensions, as a real server process's does).
+CHILDREN = mp.get_context("forkserver")
+CHILDREN.set_forkserver_preload(["minisgl.utils.procs", "minisgl.ext"])
+
+
 def start(target, name: str):
-    """A spawned child given the sending end of a pipe; (its receiving end, the process)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(child,), name=name)
+    """A child given the sending end of a pipe; (its receiving end, the process)."""
+    parent, child = CHILDREN.Pipe(duplex=False)
+    proc = CHILDREN.Process(target=target, args=(child,), name=name)
     proc.start()
     child.close()
     return parent, proc
@@ -46,6 +55,27 @@ def test_ready_payload_is_returned():
     proc.join()
 
 
+def exec_code(code: str, env: dict[str, str], stdout: str, stderr: str) -> None:
+    """In a child: run `code` as `python -c` would, in `env`, its output into two files."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    setproctitle.getproctitle()  # set up before the environment moves: it finds argv from it
+    os.environ.clear()
+    os.environ.update(env)
+    exec(compile(code, "<child>", "exec"), {"__name__": "__main__"})
+
+
+def run_code(code: str, env: dict[str, str], tmp_path) -> subprocess.CompletedProcess:
+    """`python -c code` in `env` as a forked child: its exit code (1 for an exception, whose
+    traceback is in its stderr), stdout and stderr."""
+    stdout, stderr = str(tmp_path / "stdout"), str(tmp_path / "stderr")
+    proc = CHILDREN.Process(target=exec_code, args=(code, env, stdout, stderr))
+    proc.start()
+    proc.join()
+    with open(stdout) as out, open(stderr) as err:
+        return subprocess.CompletedProcess(code, proc.exitcode, out.read(), err.read())
+
+
 FREEZE_CHILD = """
 import gc, sys
 sys.path.insert(0, {python!r})
@@ -59,13 +89,13 @@ print(frozen, gc.get_freeze_count(), len(gc.get_objects(generation=2)))
 
 
 @pytest.mark.parametrize("disabled", [False, True])
-def test_freeze_startup_heap(disabled):
+def test_freeze_startup_heap(disabled, tmp_path):
     """A serving process's start-up heap leaves the collector's full passes (they then walk
     only what serving creates); MINISGL_DISABLE_GC_FREEZE=1 keeps it there."""
     python = os.path.join(os.path.dirname(__file__), "..", "..", "python")
     env = {**os.environ, "MINISGL_DISABLE_GC_FREEZE": "1" if disabled else "0"}
     code = FREEZE_CHILD.format(python=os.path.abspath(python))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = run_code(code, env, tmp_path)
     frozen, count, oldest = map(int, out.stdout.split())
     if disabled:
         assert frozen == count == 0 and oldest > 1000
@@ -89,14 +119,14 @@ gc.collect()  # serving's, longer than any threshold above 0
 
 
 @pytest.mark.parametrize("threshold", ["", "0", "1e-9", "1e-12", "1000", "-1", "x"])
-def test_long_garbage_collections_are_logged_once_ready(threshold):
+def test_long_garbage_collections_are_logged_once_ready(threshold, tmp_path):
     """MINISGL_GC_WARNING_THRESHOLD_SECS (what --gc-warning-threshold-secs sets for every
     server process): a warning naming the process for each collection over it, after the
     process is ready; unset or 0: none; a bad value: a clear error."""
     python = os.path.join(os.path.dirname(__file__), "..", "..", "python")
     env = {**os.environ, "MINISGL_GC_WARNING_THRESHOLD_SECS": threshold}
     code = WATCH_CHILD.format(python=os.path.abspath(python), titled=threshold != "1e-12")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = run_code(code, env, tmp_path)
     warnings = [line for line in out.stderr.splitlines() if "garbage collection took" in line]
     if threshold in ("-1", "x"):
         assert out.returncode != 0 and "MINISGL_GC_WARNING_THRESHOLD_SECS" in out.stderr
@@ -140,14 +170,14 @@ print(*before, *gc.get_threshold())
     [("", (700, 10, 10)), ("700,10,1000", (700, 10, 1000)), (" 50000 ", (50000, 10, 10)),
      ("0", (0, 10, 10)), ("1,2,3,4", None), ("-1", None), ("x", None), ("1,,2", None)],
 )  # fmt: skip
-def test_gc_thresholds_apply_once_ready(value, counts):
+def test_gc_thresholds_apply_once_ready(value, counts, tmp_path):
     """MINISGL_GC_THRESHOLD (what --gc-threshold sets for every server process): a ready
     process gives its counts to gc.set_threshold and says so; unset: Python's stay; a bad
     value: a clear error naming the variable."""
     python = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "python"))
     env = {**os.environ, "MINISGL_GC_THRESHOLD": value}
     code = THRESHOLD_CHILD.format(python=python)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = run_code(code, env, tmp_path)
     if counts is None:
         assert out.returncode != 0 and "MINISGL_GC_THRESHOLD" in out.stderr, out.stderr
         return

@@ -2,21 +2,22 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import Req
-from minisgl.engine.sample import BatchSamplingArgs, sample, uniform_noise
+from minisgl.engine.sample import sample, uniform_noise
 from minisgl.ext.sampling.adjust import AdjustTable, adjust_logits
 from support.invariants import check_no_leak
+from support.sampling import sampling_args
 
 
 def args_for(params: list[SamplingParams], vocab: int, steps: list[int] | None = None):
     reqs = [Req([1] * (s or 1), s or 1, p, 100) for p, s in zip(params, steps or [1] * len(params))]
-    return BatchSamplingArgs.from_reqs(reqs, vocab, torch.device("cpu"))
+    return sampling_args(reqs, vocab, torch.device("cpu"))
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(5, 50)
     args = args_for([SamplingParams()] * 5, 50)
-    assert args.all_greedy
-    assert torch.equal(sample(logits, args), logits.argmax(-1))
+    assert not args[0].any()  # every temperature 0
+    assert torch.equal(sample(logits, *args), logits.argmax(-1))
 
 
 def test_noise_is_uniform_and_deterministic():
@@ -34,7 +35,7 @@ def test_temperature_sampling_follows_softmax():
     logits = torch.randn(vocab).repeat(n, 1)
     params = [SamplingParams(temperature=0.7, seed=3)] * n
     args = args_for(params, vocab, steps=list(range(1, n + 1)))  # a fresh draw per step
-    counts = torch.bincount(sample(logits, args), minlength=vocab).float() / n
+    counts = torch.bincount(sample(logits, *args), minlength=vocab).float() / n
     expected = torch.softmax(logits[0] / 0.7, -1)
     assert (counts - expected).abs().max() < 0.03
 
@@ -43,14 +44,18 @@ def test_filters():
     vocab, n = 10, 2000
     logits = torch.arange(vocab, dtype=torch.float32).repeat(n, 1) * 0.3  # token 9 most likely
     steps = list(range(1, n + 1))
-    top_k = sample(logits, args_for([SamplingParams(temperature=1.0, top_k=3)] * n, vocab, steps))
+    top_k = sample(logits, *args_for([SamplingParams(temperature=1.0, top_k=3)] * n, vocab, steps))
     assert set(top_k.tolist()) == {7, 8, 9}
     probs = torch.softmax(logits[0], -1).sort(descending=True).values
     top_p = float(probs[:2].sum()) - 1e-3  # keeps exactly the two most likely tokens
-    out = sample(logits, args_for([SamplingParams(temperature=1.0, top_p=top_p)] * n, vocab, steps))
+    out = sample(
+        logits, *args_for([SamplingParams(temperature=1.0, top_p=top_p)] * n, vocab, steps)
+    )
     assert set(out.tolist()) == {8, 9}
     ratio = float(probs[3] / probs[0]) - 1e-4  # tokens 6..9 survive
-    out = sample(logits, args_for([SamplingParams(temperature=1.0, min_p=ratio)] * n, vocab, steps))
+    out = sample(
+        logits, *args_for([SamplingParams(temperature=1.0, min_p=ratio)] * n, vocab, steps)
+    )
     assert set(out.tolist()) == {6, 7, 8, 9}
 
 
@@ -62,9 +67,9 @@ def test_mixed_batch_rows_are_independent():
         SamplingParams(temperature=1.0, top_k=1),
         SamplingParams(temperature=1.0, seed=7, top_p=0.5),
     ]
-    out = sample(logits, args_for(params, 30))
+    out = sample(logits, *args_for(params, 30))
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
-    alone = sample(logits[1:2], args_for(params[1:2], 30))
+    alone = sample(logits[1:2], *args_for(params[1:2], 30))
     assert out[1] == alone[0]
 
 

@@ -56,26 +56,21 @@ class TorchAttnBackend(BaseAttnBackend):
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
         md = TorchAttnMetadata.of(batch)
         kv_cache = get_global_ctx().kv_cache
-        # on CPU in float32: there torch's 16-bit SDPA is 2-3x slower at decode sizes than
-        # widening q, K and V first (widening is exact; the sums were float32 already)
-        dtype = torch.float32 if q.device.type == "cpu" else q.dtype
-        keys = _gather(kv_cache.k_flat(layer_id), md.kv_slots, dtype)
-        values = _gather(kv_cache.v_flat(layer_id), md.kv_slots, dtype)
-        bsz, (_, heads, dim), out_dtype = md.kv_slots.shape[0], q.shape, q.dtype
-        q = q.to(dtype)
+        keys = _gather(kv_cache.k_flat(layer_id), md.kv_slots, q.dtype)
+        values = _gather(kv_cache.v_flat(layer_id), md.kv_slots, q.dtype)
+        bsz, (_, heads, dim) = md.kv_slots.shape[0], q.shape
         if md.max_q_len == 1:  # decode: one token per request, no padding to build
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, values, attn_mask=md.mask, scale=scale, enable_gqa=True
             )
-            return out.squeeze(2).to(out_dtype)
+            return out.squeeze(2)
         padded = q.new_zeros(bsz * md.max_q_len, heads, dim)
         padded[md.q_index] = q
         padded = padded.view(bsz, md.max_q_len, heads, dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             padded, keys, values, attn_mask=md.mask, scale=scale, enable_gqa=True
         )
-        out = out.transpose(1, 2).reshape(bsz * md.max_q_len, heads, dim)[md.q_index]
-        return out.to(out_dtype)
+        return out.transpose(1, 2).reshape(bsz * md.max_q_len, heads, dim)[md.q_index]
 
 
 def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

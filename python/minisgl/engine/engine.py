@@ -15,7 +15,7 @@ from minisgl.core import Batch, Req
 from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
 from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
 from minisgl.engine.graph import GraphRunner
-from minisgl.engine.sample import BatchSamplingArgs, any_filter, greedy, sample_at_temperature
+from minisgl.engine.sample import Filters, any_filter, greedy, sample
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
 from minisgl.engine.tables import TableWrites
 from minisgl.extension import ForwardPath, Speculator, StepFeature, extensions
@@ -115,7 +115,7 @@ class Engine:
             config.attn_backends, self.device, cfg.sliding_window, dtype=self.dtype,
             num_qo_heads=cfg.num_heads // get_tp_info().size, kv_dtype=self.kv_dtype,
         )  # fmt: skip
-        compile = extensions().decoder_transform  # ext/cpu's --enable-torch-compile
+        compile = extensions().decoder_transform  # ext/cpu: CPU speed paths, --enable-torch-compile
         self.compiled_decoder = compile(self) if compile is not None else None
         writes = extensions().table_writes or TableWrites  # ext/perf's: one copy a step
         self.table_writes = writes(self.page_table, self.token_table)
@@ -268,9 +268,8 @@ class Engine:
         if not out.filtered and all(r.params.is_greedy for r in reqs):
             return greedy(out.logits)
         vocab, inputs = self.model_config.vocab_size, out.inputs
-        filters = BatchSamplingArgs.from_reqs(reqs, vocab, self.device) if out.filtered else None
-        temperatures, seeds, steps = inputs.temperatures, inputs.seeds, inputs.kv_lens
-        return sample_at_temperature(out.logits, temperatures, seeds, steps, filters)
+        filters = Filters.of(reqs, vocab, self.device) if out.filtered else None
+        return sample(out.logits, inputs.temperatures, inputs.seeds, inputs.kv_lens, filters)
 
     def _build_graphs(self) -> GraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)

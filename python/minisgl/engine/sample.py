@@ -15,31 +15,21 @@ MASK32 = 0xFFFFFFFF
 
 
 @dataclass
-class BatchSamplingArgs:
-    temperature: torch.Tensor  # [B] float32, 0 = greedy
-    top_k: torch.Tensor  # [B] int64, vocab size when off
+class Filters:
+    """The top-k, top-p and min-p of a batch's rows (a row without one: vocab size, 1, 0)."""
+
+    top_k: torch.Tensor  # [B] int64
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
-    seed: torch.Tensor  # [B] int64
-    step: torch.Tensor  # [B] int64: position of the token being sampled
-    all_greedy: bool
-    need_filter: bool  # some request uses top-k / top-p / min-p
 
     @staticmethod
-    def from_reqs(
-        reqs: list[Req], vocab_size: int, device: torch.device, steps: list[int] | None = None
-    ) -> BatchSamplingArgs:
-        """A row per request; `steps`: the position each samples at (default: its end)."""
+    def of(reqs: list[Req], vocab_size: int, device: torch.device) -> Filters:
+        """A row per request (copied without blocking the host)."""
         params = [r.params for r in reqs]
-        steps = [len(r.tokens) for r in reqs] if steps is None else steps
-        temps = [p.sampling_temperature for p in params]
-        floats = [temps, [p.top_p for p in params], [p.min_p for p in params]]
-        temperature, top_p, min_p = to_device(floats, torch.float32, device)
+        floats = [[p.top_p for p in params], [p.min_p for p in params]]
+        top_p, min_p = to_device(floats, torch.float32, device)
         top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        top_k, seed, step = to_device([top_ks, [r.seed for r in reqs], steps], torch.int64, device)
-        all_greedy = all(t == 0.0 for t in temps)
-        filters = any_filter(reqs, vocab_size)
-        return BatchSamplingArgs(temperature, top_k, top_p, min_p, seed, step, all_greedy, filters)
+        return Filters(to_device(top_ks, torch.int64, device), top_p, min_p)
 
 
 def any_filter(reqs: list[Req], vocab_size: int) -> bool:
@@ -71,27 +61,22 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return (logits.float() if logits.device.type == "cpu" else logits).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
-    """logits [B, V] -> next token ids [B] (int64, on the logits' device). No host sync."""
-    if args.all_greedy:
-        return greedy(logits)
-    filters = args if args.need_filter else None
-    return sample_at_temperature(logits, args.temperature, args.seed, args.step, filters)
-
-
-def sample_at_temperature(
+def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     seed: torch.Tensor,
     step: torch.Tensor,
-    filters: BatchSamplingArgs | None = None,
+    filters: Filters | None = None,
     skip: torch.Tensor | None = None,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Greedy where the temperature is 0, else a Gumbel-max draw at it, after top-k / top-p /
-    min-p when `filters` is given. `skip` [B]: rows whose id nobody reads (the fused kernel
-    gives 0 there)."""
+    """logits [B, V] -> next token ids [B] (int64, on the logits' device), with no host sync:
+    greedy where the temperature is 0, else a Gumbel-max draw at it (after `filters`). `step`:
+    the position each row samples at; `skip` [B]: rows whose id nobody reads (the fused kernel
+    gives 0 there); `into` (table, rows): each id also written to table[rows, step] (the fused
+    kernel writes it where it picks it: two kernels fewer a graph step)."""
     if filters is None and (ops := kernel.fused_ops(logits, "sampling")) is not None:
-        return ops.gumbel_argmax(logits, temperature, seed, step, skip)
+        return ops.gumbel_argmax(logits, temperature, seed, step, skip, into=into)
     temp = torch.where(temperature > 0, temperature, 1.0)
     scores = logits.float() / temp[:, None]
     if filters is not None:
@@ -99,28 +84,14 @@ def sample_at_temperature(
     # Gumbel-max: argmax(log p + G), G = -log(-log U), draws a token with probability p.
     noise = uniform_noise(seed, step, scores.shape[-1])
     sampled = (scores - torch.log(-torch.log(noise))).argmax(dim=-1)
-    return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
-
-
-def sample_into(
-    table: torch.Tensor,
-    rows: torch.Tensor,
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
-    step: torch.Tensor,
-    skip: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`sample_at_temperature` without filters, each id also written to table[rows, step] (the
-    fused kernel writes it where it picks it: two kernels fewer a graph step)."""
-    if (ops := kernel.fused_ops(logits, "sampling")) is not None:
-        return ops.gumbel_argmax(logits, temperature, seed, step, skip, into=(table, rows))
-    sampled = sample_at_temperature(logits, temperature, seed, step, skip=skip)
-    table[rows, step] = sampled.to(table.dtype)
+    sampled = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
+    if into is not None:
+        table, rows = into
+        table[rows, step] = sampled.to(table.dtype)
     return sampled
 
 
-def _filter(probs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+def _filter(probs: torch.Tensor, args: Filters) -> torch.Tensor:
     """Zero the probabilities that top-k, top-p or min-p exclude (the top token always stays)."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]

@@ -11,7 +11,8 @@ import torch
 
 from minisgl import kernel
 from minisgl.core import Batch, Req
-from minisgl.engine.sample import MASK32, sample_into
+from minisgl.engine.sample import MASK32
+from minisgl.engine.sample import sample as sample_ids  # `sample`: run_step's flag
 
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend
@@ -155,8 +156,7 @@ def run_step(engine: StepEngine, batch: Batch, inputs: StepInputs, sample: bool)
         engine.ctx.batch = None
     sampled = None
     if sample:
-        sampled = sample_into(
-            engine.token_table, inputs.write_rows,
-            logits, inputs.temperatures, inputs.seeds, inputs.kv_lens, skip=inputs.skips,
-        )  # fmt: skip
+        args = (logits, inputs.temperatures, inputs.seeds, inputs.kv_lens)
+        into = (engine.token_table, inputs.write_rows)
+        sampled = sample_ids(*args, skip=inputs.skips, into=into)
     return ForwardOutput(logits, inputs, sampled, hidden)

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any
 
 from tqdm import tqdm
@@ -20,12 +21,12 @@ from minisgl.engine.engine import check_model
 from minisgl.extension import ExtensionMissing, extensions, require
 from minisgl.models import default_model, resolve_model_path
 from minisgl.scheduler import Scheduler, SchedulerConfig
-from minisgl.scheduler.io import build_scheduler, run_follower
+from minisgl.scheduler.io import build_scheduler, start_followers
 from minisgl.scheduler.scheduler import TokenOutput
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, request_detokenizer
 from minisgl.tokenizer.server import encode_chat, needed
 from minisgl.utils.options import OptionError
-from minisgl.utils.procs import wait_ready
+from minisgl.utils.procs import spawn, stop_children, wait_ready
 
 Prompt = str | list[int]
 CHAT_TOOLS = ("tools", "tool_choice", "parallel_tool_calls", "tool_call_parser", "reasoning_parser")
@@ -94,16 +95,10 @@ class LLM:
 
     def _start_tp(self, config: EngineConfig, tp: int) -> Scheduler:
         check_model(config, tp)  # before any process starts
-        ctx, self.tp_dir = mp.get_context("spawn"), tempfile.mkdtemp(prefix="minisgl-tp-")
-        rendezvous = rendezvous_file(self.tp_dir)
-        conns = []
-        for rank in range(1, tp):
-            conn, child = ctx.Pipe(duplex=False)
-            args = (config, self.sched_config, rank, tp, rendezvous, child)
-            proc = ctx.Process(target=run_follower, args=args, name=f"TP rank {rank}", daemon=True)
-            proc.start()
-            self.workers.append(proc)
-            conns.append(conn)
+        self.tp_dir = tempfile.mkdtemp(prefix="minisgl-tp-")
+        rendezvous, start = rendezvous_file(self.tp_dir), partial(spawn, mp.get_context("spawn"))
+        started = start_followers(start, config, self.sched_config, tp, rendezvous)
+        conns, self.workers = [conn for conn, _ in started], [proc for _, proc in started]
         try:
             wait_ready(conns, self.workers)  # hello: alive past their imports
             scheduler = build_scheduler(config, self.sched_config, 0, tp, rendezvous)
@@ -196,7 +191,7 @@ class LLM:
         if not params.stop or self.tokenizer is None:
             return _Sample(req)
         # the server's detokenizer: the text is cut where the server cuts it
-        stop, min_tokens = list(params.stop), params.min_tokens
+        stop, min_tokens = list(params.stop), params.get("min_tokens")
         return _Sample(req, request_detokenizer(self.tokenizer, ids, True, stop, min_tokens))
 
     def _run(self, samples: list[_Sample], use_tqdm: bool) -> dict[int, dict[str, Any]]:
@@ -264,11 +259,7 @@ class LLM:
             destroy_tp()
 
     def _stop_workers(self, timeout: float) -> None:
-        for proc in self.workers:
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_children(self.workers, timeout)
         self.workers = []
         if self.tp_dir is not None:
             shutil.rmtree(self.tp_dir, ignore_errors=True)

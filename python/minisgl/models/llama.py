@@ -83,7 +83,6 @@ class DecoderModel(Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        self.rotary.new_forward()
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]

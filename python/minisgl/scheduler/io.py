@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -115,13 +116,10 @@ class SchedulerServer:
 
 
 def detokenize_msg(o: TokenOutput) -> DetokenizeMsg:
-    """A TokenOutput as the detokenizer's message (lists: a message may carry several)."""
+    """A TokenOutput as the detokenizer's message (a list of tokens: it may carry several)."""
     token = [] if o.token is None else [o.token]
-    logprob = None if o.logprob is None else [o.logprob]
-    return DetokenizeMsg(
-        o.uid, token, o.finished, o.finish_reason, o.error, logprob,
-        o.prompt_logprobs, o.queue_time, o.cached_tokens,
-    )  # fmt: skip
+    args = (o.error, o.queue_time, o.cached_tokens, o.ext)
+    return DetokenizeMsg(o.uid, token, o.finished, o.finish_reason, *args)
 
 
 def build_scheduler(
@@ -181,6 +179,18 @@ def run_follower(
     scheduler.shutdown()
     scheduler.engine.shutdown()
     destroy_tp()
+
+
+def start_followers(
+    start: Callable[..., Any],
+    config: EngineConfig,
+    sched: SchedulerConfig,
+    tp: int,
+    meet: Rendezvous,
+) -> list[Any]:
+    """TP ranks 1..tp-1 (server and LLM): `start(name, run_follower, *args)` for each (as
+    `utils.procs.spawn` without its context), -> what each returned."""
+    return [start(f"scheduler_{k}", run_follower, config, sched, k, tp, meet) for k in range(1, tp)]
 
 
 def run_scheduler_process(

@@ -9,8 +9,7 @@ and sampled tokens turned into results (what a step computes is planner.py's).""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from minisgl import env
@@ -39,12 +38,10 @@ class TokenOutput:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None  # with finish_reason "error"
-    # the token's (log-probability, top ids, their log-probabilities), when asked for
-    logprob: Sequence[Any] | None = None
     queue_time: float | None = None  # with the first output: seconds queued before its prefill
     cached_tokens: int | None = None  # with the first output: prompt tokens the cache supplied
-    # with the first output: [token id, logprob | None, top ids, top logprobs] per prompt token
-    prompt_logprobs: list[list[Any]] | None = None
+    # the step features' values (`StepFeature.output`: ext/sampling's log-probabilities)
+    ext: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

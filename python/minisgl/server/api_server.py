@@ -180,23 +180,19 @@ async def merged(started: list[Started]) -> AsyncGenerator[list[tuple[int, UserR
 
 @dataclass
 class Shape:
-    """What a response's choices look like: chat or text, after an echoed prompt, n samples per
-    prompt; shaped by `shaping` (tool calls, reasoning) and `shapers` (e.g. logprobs)."""
+    """What a response's choices look like: chat or text, n samples per prompt; shaped by
+    `shaping` (tool calls, reasoning) and `shapers` (e.g. logprobs, the echo)."""
 
     chat: bool
     n: int
-    echo: list[str] | None = None
     shaping: ChatShaping | None = None
     shapers: list[ChoiceShaper] = field(default_factory=list)
 
     def add(self, index: int, r: UserReply) -> str:
-        """Choice `index`'s next reply: its text (after the echoed prompt, for the first)."""
+        """Choice `index`'s next reply: its text (as the shapers leave it)."""
         for shaper in self.shapers:
             shaper.add(index, r)
-        if self.echo is None:
-            return r.text_delta
-        text, self.echo[index] = self.echo[index] + r.text_delta, ""
-        return text
+        return r.text_delta
 
     def choice(
         self,
@@ -265,21 +261,15 @@ class ApiServer:
         return APIError(400, message, refused_field(message))
 
     def admit(self) -> None:
-        """Refuse new work when the pipeline is dead or too many requests wait to start."""
+        """Refuse new work when the pipeline is dead (or as the Frontend's `admit` says)."""
         if self.frontend.dead:
             reason = f"server is shutting down: {self.frontend.dead}"
             raise APIError(503, reason, code="server_unavailable")
-        limit, queued = self.args.max_queued_requests, self.frontend.num_queued
-        if limit is not None:  # each API process admits its share
-            limit = -(-limit // self.frontend.api_count)
-        if limit is not None and queued >= limit:
-            message = f"server overloaded: {queued} requests are waiting to start (limit {limit})"
-            retry = {"Retry-After": "1"}
-            raise APIError(503, message + "; retry later", code="overloaded", headers=retry)
+        self.frontend.admit()
 
     async def first_reply(self, msg: TokenizeMsg) -> Started:
         """Start a request and wait for its first reply, so refusals become HTTP errors."""
-        stream = self.frontend.batches(msg, self.args.request_timeout)
+        stream = self.frontend.batches(msg)
         first = await stream.__anext__()
         if first[0].error is not None:
             await stream.aclose()
@@ -334,21 +324,15 @@ class ApiServer:
         self.check_model(req.model)
         taken = request_extensions(req, "/v1/completions")
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        params = sampling_params(req, max_tokens, taken, req.echo)
+        params = sampling_params(req, max_tokens, taken)
         sources = completion_sources(req)
         # choice k * n + j: prompt k's j-th sample (OpenAI's order)
         given = req.max_tokens is not None
         msgs = [
             m for source in sources for m in self.make_msgs(req, params, given, taken, **source)
         ]
-        shape = Shape(False, req.n, shapers=shapers(taken, chat=False))
-        if req.echo:  # the prompt as given, token ids decoded
-            texts = [s["text"] or await self.decode(s["input_ids"]) for s in sources]
-            shape.echo = [text for text in texts for _ in range(req.n)]
+        shape = Shape(False, req.n, shapers=await shapers(taken, False, msgs, self))
         return await self.respond(req, msgs, shape)
-
-    async def decode(self, ids: list[int]) -> str:
-        return await self.with_tokenizer(lambda tok: needed(tok).decode(ids), "prompt")
 
     async def chat_complete(self, req: ChatRequest) -> Any:
         self.check_model(req.model)
@@ -369,7 +353,7 @@ class ApiServer:
         if shaping is not None:  # forced calls; a constraint held off until the reasoning ends
             for msg in msgs:
                 msg.params = shaping.constrain(msg.params)
-        shape = Shape(True, req.n, shaping=shaping, shapers=shapers(taken, chat=True))
+        shape = Shape(True, req.n, shaping=shaping, shapers=await shapers(taken, True, msgs, self))
         return await self.respond(req, msgs, shape)
 
     async def respond(self, req: SamplingFields, msgs: list[TokenizeMsg], shape: Shape) -> Any:
@@ -382,7 +366,8 @@ class ApiServer:
             "id": f"{'chatcmpl' if shape.chat else 'cmpl'}-{msgs[0].uid}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": msgs[0].params.lora_name or self.model_name,  # vLLM's: the adapter's name
+            # vLLM's: the adapter's name
+            "model": msgs[0].params.get("lora_name") or self.model_name,
         }
         if shape.chat:
             head["object"] = "chat.completion.chunk" if req.stream else "chat.completion"
@@ -493,7 +478,8 @@ class ApiServer:
         params = sampling_params(fields, max_tokens, taken)
         source = dict(text=req.text, input_ids=req.input_ids, chat=None)
         msgs = self.make_msgs(fields, params, False, taken, **source)  # SGLang's: to the context
-        shape = Shape(False, 1, shapers=shapers(taken, chat=False))  # e.g. SGLang's meta_info
+        # e.g. SGLang's meta_info
+        shape = Shape(False, 1, shapers=await shapers(taken, False, msgs, self))
         started = await self.start_choices(msgs)
 
         def event(_: int, r: UserReply, text: str) -> str:
@@ -556,9 +542,12 @@ class ApiServer:
         return {"object": "list", "data": [card, *loras]}
 
 
-def shapers(taken: list[ExtensionFields], chat: bool) -> list[ChoiceShaper]:
+async def shapers(
+    taken: list[ExtensionFields], chat: bool, msgs: list[TokenizeMsg], api: ApiServer
+) -> list[ChoiceShaper]:
     """What the request's extension fields add to its choices."""
-    return [s for fields in taken if (s := fields.shaper(chat)) is not None]
+    made = [await fields.shaper(chat, msgs, api) for fields in taken]
+    return [shaper for shaper in made if shaper is not None]
 
 
 def create_app(

@@ -49,40 +49,14 @@ class ServerArgs:
     chat_template: str | None = option(
         None, "chat template replacing the tokenizer's: a file's path, or the Jinja text itself"
     )
-    tool_call_parser: str | None = option(
-        "auto",
-        "format of the model's tool calls (the structured extension's; vLLM's names, e.g. "
-        "hermes); auto: the chat template's, none: off",
-    )
-    reasoning_parser: str | None = option(
-        "auto",
-        "format of the model's reasoning, returned as reasoning_content (the structured "
-        "extension's; vLLM's names, e.g. qwen3); auto: the chat template's, none: off",
-    )
     skip_server_warmup: bool = option(
         False, "serve without the warm-up (on a GPU: short requests that compile the kernels)"
     )
     shell: bool = option(False, "interactive terminal chat instead of a server")
-    shell_hide_reasoning: bool = option(
-        False, "with --shell and --reasoning-parser: leave the reasoning out of the answers"
-    )
     api_key: str | None = option(
         None,
         "require 'Authorization: Bearer KEY' (unset: $MINISGL_API_KEY, which other local users "
         "cannot read, unlike a command line)",
-    )
-    max_queued_requests: int | None = option(
-        None,
-        "requests waiting for their first token beyond which new ones get 503",
-        type=int_range(1),
-    )
-    request_timeout: float | None = option(
-        None,
-        "seconds after which a request is aborted and answered 504",
-        type=seconds(allow_zero=False),
-    )
-    max_request_bytes: int = option(
-        16 * 2**20, "largest HTTP request body accepted (larger ones get 413)", type=int_range(1)
     )
     shutdown_timeout: float = option(
         30.0,
@@ -107,26 +81,10 @@ class ServerArgs:
             self.extras.setdefault(name, options())
             if (check := getattr(self.extras[name], "check", None)) is not None:
                 check(self)
-        self._check_parsers()
-        if self.shell_hide_reasoning and not (self.shell and self.reasoning_parser):
-            raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
         if self.chat_template is not None:  # a mistyped path fails here, not as a template
             from minisgl.tokenizer.server import read_chat_template
 
             read_chat_template(self.chat_template)
-
-    def _check_parsers(self) -> None:
-        """--tool-call-parser and --reasoning-parser: formats the structured extension checks;
-        without it `auto` means none and any other format is refused. `none` is None."""
-        features = extensions().chat_features
-        for name in ("tool_call_parser", "reasoning_parser"):
-            value = getattr(self, name)
-            if value == "none" or (value == "auto" and features is None):
-                setattr(self, name, None)
-            elif value is not None:
-                if features is None:
-                    raise OptionError(name, str(ExtensionMissing(repr(value), "structured")))
-                features.check_option(name, value)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -173,9 +131,8 @@ _GROUP_OF = {
     "model": "model dtype max_model_len dummy_weights seed served_model_name chat_template".split(),
     "engine": ["tp"],
     "scheduler": ["max_running_requests"],
-    "extensions": ["tool_call_parser", "reasoning_parser"],
 }
-HELP_GROUPS = ("model", "engine", "scheduler", "server", "extensions")
+HELP_GROUPS = ("model", "engine", "scheduler", "server")
 
 
 def _add_flag(parser: argparse._ActionsContainer, f: Field[Any]) -> None:

@@ -2,8 +2,8 @@
 the detokenizer's replies to one asyncio queue per request, fail them all if the pipeline dies."""
 
 # Each reply is shown to `metrics` (the `request_observer` point). The serving extension's
-# Frontend (`ext/serving/frontend.py`) adds the watchdog, /flush_cache, the --dp replicas and
-# the API processes' views of each other.
+# Frontend (`ext/serving/frontend.py`) adds the watchdog, /flush_cache, the --dp replicas, the
+# API processes' views of each other, --max-queued-requests (`admit`) and --request-timeout.
 
 from __future__ import annotations
 
@@ -101,6 +101,10 @@ class Frontend:
     def new_uid(self) -> int:
         return next(self.uids)
 
+    def admit(self) -> None:
+        """Raise (an APIError) to refuse a new request; the core admits every one while the
+        pipeline lives (the serving extension bounds the requests waiting to start)."""
+
     def _tokenizer(self, uid: int) -> ZmqAsyncPushQueue:
         return self.to_tokenizers[uid % len(self.to_tokenizers)]
 
@@ -108,7 +112,7 @@ class Frontend:
         """Hand a request to its tokenizer worker; only then is it in flight (a message that
         cannot be encoded takes nothing)."""
         data = encode(msg)
-        req = self.requests[msg.uid] = _InFlight(priority=msg.params.priority)
+        req = self.requests[msg.uid] = _InFlight(priority=msg.params.get("priority"))
         try:
             await self._tokenizer(msg.uid).put_encoded(data)
         except BaseException:
@@ -116,40 +120,26 @@ class Frontend:
             raise
         return req.queue
 
-    async def abort(self, uid: int, reason: str = "abort") -> None:
+    async def abort(self, uid: int) -> None:
         if self.requests.pop(uid, None) is not None:
-            self.metrics.ended(reason)
+            self.metrics.ended("abort")
             await self._tokenizer(uid).put(AbortMsg(uid))
 
-    async def stream(
-        self, msg: TokenizeMsg, timeout: float | None = None
-    ) -> AsyncGenerator[UserReply, None]:
+    async def stream(self, msg: TokenizeMsg) -> AsyncGenerator[UserReply, None]:
         """Replies of one request until it finishes (see `batches`)."""
-        async with aclosing(self.batches(msg, timeout)) as batches:
+        async with aclosing(self.batches(msg)) as batches:
             async for batch in batches:
                 for reply in batch:
                     yield reply
 
-    async def batches(
-        self, msg: TokenizeMsg, timeout: float | None = None
-    ) -> AsyncGenerator[list[UserReply], None]:
+    async def batches(self, msg: TokenizeMsg) -> AsyncGenerator[list[UserReply], None]:
         """Replies of one request until it finishes, each time all that have come (a handler
-        that fell behind catches up in one write); aborted when left early or past `timeout`."""
+        that fell behind catches up in one write); aborted when left early."""
         queue = await self.submit(msg)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        finished = timed_out = False
+        finished = False
         try:
             while not finished:
-                if deadline is None:
-                    reply = await queue.get()
-                else:
-                    try:
-                        reply = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
-                    except asyncio.TimeoutError:
-                        timed_out = True
-                        error = f"request timed out after {timeout:g} s"
-                        yield [UserReply(msg.uid, "", [], True, "timeout", 0, 0, error)]
-                        return  # not `finished`: the request is aborted below
+                reply = await queue.get()
                 batch = [reply]
                 while not reply.finished and not queue.empty():
                     reply = queue.get_nowait()
@@ -160,7 +150,7 @@ class Frontend:
             if finished:
                 await self.done(msg.uid)
             else:
-                await asyncio.shield(self.abort(msg.uid, "timeout" if timed_out else "abort"))
+                await asyncio.shield(self.abort(msg.uid))
 
     async def done(self, uid: int) -> None:
         """Request `uid`'s last reply was taken."""

@@ -1,9 +1,9 @@
-"""What every HTTP request passes before FastAPI (`Gate`): the API key and the body's size."""
+"""What every HTTP request passes before FastAPI (`Gate`): the API key."""
 
 # Each refusal, and an exception the app did not answer, is an OpenAI-shaped JSON error counted
-# by status like every other response. The serving extension's gate (the `gate` point) adds the
-# text checks, the limit on requests in progress and the body's read timeout. The body is read
-# whole here, checked, and replayed to the app.
+# by status like every other response. The serving extension's gate (the `gate` point) reads the
+# body whole first (`body`) for the checks of its size and text, and adds the limit on requests
+# in progress and the body's read timeout.
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class Gate:
     def __init__(
         self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
     ) -> None:
-        self.app, self.max_body, self.paths = app, args.max_request_bytes, paths
+        self.app, self.paths = app, paths
         self.api_key = None if args.api_key is None else args.api_key.encode()
         self.observer = frontend.metrics
 
@@ -80,24 +80,13 @@ class Gate:
 
         if (refusal := self.check_head(scope)) is not None:
             return await refuse(refusal)
-        body = await self.receive_body(scope, receive)
+        body = await self.body(scope, receive)
         if isinstance(body, Refusal):
             return await refuse(body)
         if body is None:
             return  # the client left before sending all of its body
-        if (refusal := self.check_body(scope, body)) is not None:
-            return await refuse(refusal)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: the client's disconnect
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
         try:
-            await self.serve(scope, replay, counted)
+            await self.serve(scope, body, counted)
         except Exception as e:
             if started:  # too late for a status: the connection is cut (uvicorn logs it)
                 raise
@@ -116,24 +105,9 @@ class Gate:
             if (why := credentials_refused(scope["headers"], self.api_key)) is not None:
                 # RFC 7235: a 401 names the scheme it wants
                 return Refusal(401, why, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_body:
-            return self.too_large()
         return None
 
-    def check_body(self, scope: Scope, body: bytes) -> Refusal | None:
-        return self.too_large() if len(body) > self.max_body else None  # a false Content-Length
-
-    def too_large(self) -> Refusal:
-        return Refusal(413, f"request body is larger than {self.max_body} bytes", "body_too_large")
-
-    async def receive_body(self, scope: Scope, receive: Receive) -> bytes | Refusal | None:
-        """The whole body, or None if the client left first; reading stops past the limit."""
-        body, more = bytearray(), True
-        while more and len(body) <= self.max_body:
-            message = await receive()
-            if message["type"] != "http.request":
-                return None
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-        return bytes(body)
+    async def body(self, scope: Scope, receive: Receive) -> Receive | Refusal | None:
+        """The `receive` the app reads the body from (here `receive` itself), a refusal, or
+        None: the client left before sending all of it."""
+        return receive

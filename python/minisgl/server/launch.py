@@ -9,6 +9,7 @@ each is ready, run the front end (HTTP, or the shell), stop every child on exit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -27,6 +28,7 @@ from minisgl.distributed import rendezvous_file
 from minisgl.engine.config import EngineConfig
 from minisgl.extension import extensions
 from minisgl.server.args import ServerArgs, option_error
+from minisgl.utils import procs
 from minisgl.utils.options import OptionError
 from minisgl.utils.procs import die_with_parent, exit_with_parent, set_title, wait_ready
 
@@ -69,7 +71,9 @@ def _split(started: list[Started]) -> tuple[list[Any], list[Any]]:
     return [conn for conn, _ in started], [proc for _, proc in started]
 
 
-def _child_main(name: str, log_level: str, target: Any, args: Any, kwargs: Any) -> None:
+def _child_main(
+    name: str, log_level: str, target: Any, args: Any, ready: Any, **kwargs: Any
+) -> None:
     # A terminal's Ctrl-C (or systemd's SIGTERM) signals the whole process group; only the
     # parent acts on it, draining requests first and then stopping the children itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -77,7 +81,7 @@ def _child_main(name: str, log_level: str, target: Any, args: Any, kwargs: Any) 
     die_with_parent()
     set_title(name)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)  # a spawned child has none
-    target(*args, **kwargs)
+    target(*args, ready, **kwargs)
 
 
 def listen_sockets(host: str, port: int) -> list[socket.socket]:
@@ -116,10 +120,8 @@ class Launcher:
 
     def _spawn(self, name: str, target: Any, *target_args: Any, **kwargs: Any) -> Started:
         """Start `target(*target_args, ready, **kwargs)` in a child titled `minisgl::NAME`."""
-        parent, child = self.ctx.Pipe(duplex=False)
-        args = (name, self.args.log_level, target, (*target_args, child), kwargs)
-        proc = self.ctx.Process(target=_child_main, args=args, name=name, daemon=True)
-        proc.start()
+        args = (name, self.args.log_level, target, target_args)
+        parent, proc = procs.spawn(self.ctx, name, _child_main, *args, **kwargs)
         logger.info("%s process started (pid %d)", name, proc.pid)
         self.procs.append(proc)
         return parent, proc
@@ -164,10 +166,10 @@ class Launcher:
 
         args, a, model_path = self.args, self.addrs, config.model
         starters, followers = self.start_schedulers(config)
-        detok = (model_path, a.detokenizer, a.apis, a.schedulers)
+        detok = (model_path, a.detokenizer, self.api_queue(), a.schedulers)
         starters.append(self._spawn("detokenizer", run_detokenizer, *detok))
         for i, addr in enumerate(a.tokenizers):
-            tok = (model_path, args.chat_template, addr, a.schedulers, a.detokenizer, a.apis)
+            tok = (model_path, args.chat_template, addr, a.schedulers, a.detokenizer, detok[2])
             worker = self.tokenizer_worker(config)
             starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok, worker=worker))
         for payload in wait_ready(*_split(starters + followers)):
@@ -175,6 +177,13 @@ class Launcher:
                 self.info["num_pages"] = self.info.get("num_pages", 0) + payload["num_pages"]
                 self.info["max_seq_len"] = payload["max_seq_len"]
         wait_ready(*_split(followers))
+
+    def api_queue(self) -> Callable[[], Any]:
+        """() -> the queue, in a tokenizer worker or the detokenizer, of the replies to the API
+        process (sent to each of those processes)."""
+        from minisgl.utils.zmq import ZmqPushQueue
+
+        return functools.partial(ZmqPushQueue, self.addrs.apis[0], create=False)
 
     def tokenizer_worker(self, config: EngineConfig) -> Callable[..., Any]:
         """(tokenizer, scheduler queues, detokenizer queue, API queues) -> a tokenizer worker."""
@@ -184,18 +193,14 @@ class Launcher:
 
     def start_schedulers(self, config: EngineConfig) -> tuple[list[Started], list[Started]]:
         """TP rank 0 (ready with the engine's sizes) and the other ranks, which meet at a file."""
-        from minisgl.scheduler.io import run_follower, run_scheduler_process
+        from minisgl.scheduler.io import run_scheduler_process, start_followers
 
         args, a, meet = self.args, self.addrs, rendezvous_file(self.addrs.root)
         io = (a.schedulers[0], a.detokenizer, (0, 1), not args.skip_server_warmup)
         rank0 = self._spawn(
             "scheduler_0", run_scheduler_process, config, args.scheduler, args.tp, meet, *io
         )
-        others = [
-            self._spawn(f"scheduler_{k}", run_follower, config, args.scheduler, k, args.tp, meet)
-            for k in range(1, args.tp)
-        ]
-        return [rank0], others
+        return [rank0], start_followers(self._spawn, config, args.scheduler, args.tp, meet)
 
     def expected_exit(self, proc: Any) -> bool:
         """Whether `proc` ending is no failure (the serving extension's drained API processes)."""
@@ -242,12 +247,8 @@ class Launcher:
         self.stopping = True
         for sock in self.listeners:
             sock.close()
-        for p in self.procs:  # they ignore SIGTERM (see _child_main) and hold nothing to save
-            if p.is_alive():
-                p.kill()
-        deadline = time.monotonic() + 5
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        # killed: they ignore SIGTERM (see _child_main) and hold nothing to save
+        procs.stop_children(self.procs)
         shutil.rmtree(self.addrs.root, ignore_errors=True)
 
 

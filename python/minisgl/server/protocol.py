@@ -74,7 +74,8 @@ class ChoiceShaper(Protocol):
     """What an extension adds to the choices of one response (e.g. their `logprobs`)."""
 
     def add(self, index: int, reply: Any) -> None:
-        """Choice `index`'s next reply (a UserReply)."""
+        """Choice `index`'s next reply (a UserReply); it may change the reply's `text_delta`
+        (the echo: the prompt before the first)."""
 
     def fields(self, index: int) -> dict[str, Any]:
         """Choice `index`'s fields for the replies added since the last call."""
@@ -87,9 +88,14 @@ class ExtensionFields(Body):
         """The SamplingParams keywords they set (`req`: the whole request)."""
         return {}
 
-    def shaper(self, chat: bool) -> ChoiceShaper | None:
-        """What they add to each choice of the response, or None."""
+    async def shaper(self, chat: bool, msgs: list[Any], api: Any) -> ChoiceShaper | None:
+        """What they add to each choice of the response (`msgs`: the choices' TokenizeMsgs;
+        `api`: the ApiServer), or None."""
         return None
+
+    def allows_no_tokens(self) -> bool:
+        """max_tokens 0 is allowed (the echo: the prompt alone is the answer)."""
+        return False
 
     def apply(self, msgs: list[Any], args: Any) -> None:
         """Set what they set on the request's TokenizeMsgs beyond their SamplingParams."""
@@ -128,7 +134,6 @@ class SamplingFields(Body):
 class CompletionRequest(SamplingFields):
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
     max_tokens: Int64 | None = 16
-    echo: bool = False  # the prompt before the completion
 
 
 class ChatMessage(Body):
@@ -181,12 +186,12 @@ class GenerateRequest(Body):
 EXTENSION_FIELDS: dict[str, tuple[str, Any]] = {
     **{name: off for name, off in EXTENSION_PARAMS.items() if name != "prompt_logprobs"},
     "top_logprobs": ("sampling", None),
+    "echo": ("sampling", False),
     "response_format": ("structured", {"type": "text"}),
     **dict.fromkeys(
         ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls"),
         ("structured", None),
     ),
-    "priority": ("serving", 0),
     "data_parallel_rank": ("serving", None),
     "lora_path": ("lora", None),
 }
@@ -229,10 +234,10 @@ BASE_PARAMS = {"temperature", "top_k", "top_p", "min_p", "ignore_eos", "seed"}
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, taken: list[ExtensionFields], echo: bool = False
+    req: SamplingFields, max_tokens: int, taken: list[ExtensionFields]
 ) -> SamplingParams:
     """The request's SamplingParams (its base fields, and those its extensions' fields set)."""
-    if max_tokens < 0 or (max_tokens == 0 and not echo):
+    if max_tokens < 0 or (max_tokens == 0 and not any(f.allows_no_tokens() for f in taken)):
         message = f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}"
         raise APIError(400, message, "max_tokens")
     extra = {key: value for fields in taken for key, value in fields.params(req).items()}

@@ -4,6 +4,7 @@ broken UTF-8 and never part of a stop string (`IncrementalDetokenizer`, which `L
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from minisgl.message import (
     FlushCacheReply,
     UserReply,
 )
-from minisgl.tokenizer.server import PROMPT_CONTEXT, ToApi
+from minisgl.tokenizer.server import PROMPT_CONTEXT
 from minisgl.utils.procs import build_or_report, freeze_startup_heap
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
@@ -141,7 +142,7 @@ class Detokenizer:
     """Each `DetokenizeMsg` -> a `UserReply`; a failure ends only its request, never the process."""
 
     tokenizer: Any
-    to_api: ToApi
+    to_api: Any  # the API process's queue (the launcher's `api_queue`)
     to_sched: list[Any]  # a queue per --dp replica
     states: dict[int, _Request] = field(default_factory=dict)
     early: dict[int, list[DetokenizeMsg]] = field(default_factory=dict)  # before their init
@@ -202,31 +203,35 @@ class Detokenizer:
         reply.queue_time, reply.cached_tokens = msg.queue_time, msg.cached_tokens
         if reason == "stop" and detok is not None:
             reply.matched = detok.stop_reason
-        if msg.logprobs is not None or msg.prompt_logprobs is not None:
+        if msg.ext:  # the step features' values (log-probabilities)
             features = require(extensions().detokenize, "logprobs", "sampling")
             features.name_logprobs(self.tokenizer, msg, reply)
         return reply
 
 
 def run_detokenizer(
-    model_path: str, recv_addr: str, api_addrs: list[str], sched_addrs: list[str], ready: Any
+    model_path: str,
+    recv_addr: str,
+    api_queue: Callable[[], Any],
+    sched_addrs: list[str],
+    ready: Any,
 ) -> None:
     from minisgl.models.hf import load_tokenizer
 
     def build() -> tuple[ZmqPullQueue, Detokenizer]:
-        apis = ToApi([ZmqPushQueue(a, create=False) for a in api_addrs])
         scheds = [ZmqPushQueue(a, create=False) for a in sched_addrs]
-        detokenizer = Detokenizer(load_tokenizer(model_path), apis, scheds)
+        detokenizer = Detokenizer(load_tokenizer(model_path), api_queue(), scheds)
         return ZmqPullQueue(recv_addr, create=True), detokenizer
 
     recv, worker = build_or_report("detokenizer", ready, build)
     freeze_startup_heap()
     ready.send(("ready", None))
     while not isinstance(msg := recv.get(), ExitMsg):
-        if isinstance(msg, DetokInitMsg):
-            worker.to_api.replies(worker.init(msg))
+        if isinstance(msg, DetokInitMsg) and (replies := worker.init(msg)):
+            worker.to_api.put(BatchMsg(replies))
         elif isinstance(msg, BatchMsg):
             replies = [r for m in msg.msgs if (r := worker.guarded(m))]
-            worker.to_api.replies(replies, msg.stats)
+            if replies or msg.stats is not None:
+                worker.to_api.put(BatchMsg(replies, msg.stats))
         elif isinstance(msg, FlushCacheReply):
-            worker.to_api.flush_reply(msg)
+            worker.to_api.put(msg)

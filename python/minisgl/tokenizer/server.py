@@ -14,8 +14,6 @@ from minisgl.message import (
     BatchMsg,
     DetokInitMsg,
     ExitMsg,
-    FlushCacheReply,
-    SchedulerStats,
     TokenizeMsg,
     UserMsg,
     UserReply,
@@ -97,33 +95,13 @@ def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
     return ids
 
 
-class ToApi:
-    """The API processes' queues (--api-server-count): process k numbers its requests k, k + N,
-    k + 2N..., so a reply goes to uid % N; the scheduler's stats go to every one."""
-
-    def __init__(self, queues: list[Any]) -> None:
-        self.queues = queues
-
-    def replies(self, replies: list[UserReply], stats: SchedulerStats | None = None) -> None:
-        for rank, queue in enumerate(self.queues):
-            group = [r for r in replies if r.uid % len(self.queues) == rank]
-            if group or stats is not None:
-                queue.put(BatchMsg(group, stats))
-
-    def flush_reply(self, msg: FlushCacheReply) -> None:
-        if 0 <= msg.api_rank < len(self.queues):
-            self.queues[msg.api_rank].put(msg)
-        else:
-            logger.error("dropped a /flush_cache answer for API process %d", msg.api_rank)
-
-
 class TokenizerWorker:
     """Tokenizes each request and sends it on to the detokenizer and the scheduler, or answers
     its error (a bad chat template input fails only its request)."""
 
-    def __init__(self, tokenizer: Any, to_sched: list[Any], to_detok: Any, to_api: list[Any]):
+    def __init__(self, tokenizer: Any, to_sched: list[Any], to_detok: Any, to_api: Any):
         self.tokenizer, self.to_scheds, self.to_detok = tokenizer, to_sched, to_detok
-        self.to_api = ToApi(to_api)
+        self.to_api = to_api  # the API process's queue (the launcher's `api_queue`)
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, AbortMsg):  # same pipe as the request: never overtakes it
@@ -145,12 +123,12 @@ class TokenizerWorker:
         params, tail = msg.params, ids[-PROMPT_CONTEXT:]
         stop, skip = list(params.stop), msg.skip_special_tokens
         self.to_detok.put(
-            DetokInitMsg(msg.uid, len(ids), tail, stop, skip, params.min_tokens, rank)
+            DetokInitMsg(msg.uid, len(ids), tail, stop, skip, params.get("min_tokens"), rank)
         )
         self.to_scheds[rank].put(UserMsg(msg.uid, ids, params))
 
     def fail(self, uid: int, error: Exception) -> None:
-        self.to_api.replies([UserReply(uid, "", [], True, "error", 0, 0, str(error))])
+        self.to_api.put(BatchMsg([UserReply(uid, "", [], True, "error", 0, 0, str(error))]))
 
     def serve(self, recv: Any) -> None:
         while not isinstance(msg := recv.get(), ExitMsg):
@@ -163,18 +141,17 @@ def run_tokenizer(
     recv_addr: str,
     sched_addrs: list[str],
     detok_addr: str,
-    api_addrs: list[str],
+    api_queue: Callable[[], Any],
     ready: Any,
     worker: Callable[..., TokenizerWorker] = TokenizerWorker,
 ) -> None:
-    """`sched_addrs`: one per --dp replica; `worker`: the launcher's (`tokenizer_worker`)."""
+    """`sched_addrs`: one per --dp replica; `api_queue`, `worker`: the launcher's."""
 
     def build() -> tuple[ZmqPullQueue, TokenizerWorker]:
         tokenizer = load_chat_tokenizer(model_path, chat_template)
         scheds = [ZmqPushQueue(a, create=False) for a in sched_addrs]
-        apis = [ZmqPushQueue(a, create=False) for a in api_addrs]
         detok = ZmqPushQueue(detok_addr, create=False)
-        return ZmqPullQueue(recv_addr, create=True), worker(tokenizer, scheds, detok, apis)
+        return ZmqPullQueue(recv_addr, create=True), worker(tokenizer, scheds, detok, api_queue())
 
     recv, tokenizer_worker = build_or_report("tokenizer", ready, build)
     freeze_startup_heap()

@@ -91,6 +91,28 @@ def build_or_report(what: str, ready: Any, build: Callable[[], T]) -> T:
         raise SystemExit(1) from None
 
 
+def spawn(ctx: Any, name: str, target: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Start `target(*args, ready, **kwargs)` in a daemon child of the multiprocessing context
+    `ctx` -> (the parent's end of its `ready` pipe, the process)."""
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child), kwargs=kwargs, name=name, daemon=True)
+    proc.start()
+    return parent, proc
+
+
+def stop_children(procs: list[Any], grace: float = 0.0) -> None:
+    """Give the children `grace` seconds in all to end by themselves, then kill those left and
+    reap them (for 5 s more at most)."""
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+
+
 def wait_ready(conns: list[Any], procs: list[Any]) -> list[Any]:
     """The next ("ready", payload) message of each child. A child that reports
     ("error", message), or any child that dies meanwhile, raises RuntimeError at once."""

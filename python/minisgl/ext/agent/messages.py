@@ -20,6 +20,7 @@ from minisgl.ext.agent.messages_reply import (
     new_message_id,
 )
 from minisgl.ext.serving.tokenize import TokenizeRequest, tokenize
+from minisgl.ext.structured.options import chat_options
 from minisgl.extension import extensions
 from minisgl.server.api_server import ApiServer, unless_disconnected
 from minisgl.server.protocol import APIError, Body, ChatRequest
@@ -307,7 +308,7 @@ def template_kwargs(req: MessagesInput, api: ApiServer, max_tokens: int | None) 
         if thinking.budget_tokens is not None or thinking.display is not None:
             raise refuse("thinking", "budget_tokens and display go with type 'enabled'")
         return {"enable_thinking": False}
-    if api.args.reasoning_parser is None:
+    if chat_options(api.args).reasoning_parser is None:
         message = "needs a server started with --reasoning-parser (to return thinking blocks)"
         raise refuse("thinking", message)
     budget = thinking.budget_tokens

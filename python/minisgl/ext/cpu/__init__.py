@@ -7,6 +7,8 @@
   kernels;
 - `policy.py`: `--dtype auto` on cpu (bf16 where the CPU computes it and the weights are
   quantized), the `--quantization` rule, the start line;
+- `speed.py`: the torch path's CPU speed paths (RoPE from a table, looked up once a forward;
+  attention widened to float32), each bit for bit the core's plain path, in every cpu engine;
 - `torch_compile.py`: `--enable-torch-compile`, the compiled decoder of one-request decode steps;
 - `options.py`: those two flags (`scheduler_options`), handed to each engine (`engine_config`).
 
@@ -16,7 +18,7 @@ refuses a `.gguf` model, the default model, `--quantization gguf|int8` and
 
 from __future__ import annotations
 
-from minisgl.ext.cpu import gguf, options, policy, quantize, torch_compile
+from minisgl.ext.cpu import gguf, options, policy, quantize, speed
 from minisgl.extension import extensions
 
 _points = extensions()
@@ -25,6 +27,6 @@ _points.default_model = gguf.announce_default_model
 _points.default_model_name = gguf.DEFAULT_NAME
 _points.cpu_dtype = policy.auto_dtype
 _points.model_transform = quantize.model_transform
-_points.decoder_transform = torch_compile.compiled_decoder
+_points.decoder_transform = speed.cpu_engine
 _points.scheduler_options["cpu"] = options.CpuOptions
 _points.engine_config.append(options.engine_options)

@@ -1,6 +1,7 @@
 """`--enable-torch-compile`: one-request decode steps on CPU run the decoder compiled by
-torch.compile (fused C++ kernels instead of ~60 eager ops a layer); batches stay eager. The
-`decoder_transform` point, which `Engine.decoder(batch)` hands those steps."""
+torch.compile (fused C++ kernels instead of ~60 eager ops a layer); batches stay eager. Through
+the `decoder_transform` point (`speed.cpu_engine`), which `Engine.decoder(batch)` hands those
+steps."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from minisgl.utils.options import OptionError
 
 
 def compiled_decoder(engine: Any) -> torch.nn.Module | None:
-    """The `decoder_transform` point: under --enable-torch-compile the built engine's
+    """For the `decoder_transform` point: under --enable-torch-compile the built engine's
     (`engine.Engine`) decoder, compiled, once the checks pass and its attention backend marks
     the KV length dynamic; else None."""
     if not cpu_options(engine.config).enable_torch_compile:

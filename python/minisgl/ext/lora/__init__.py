@@ -36,7 +36,7 @@ __all__ = ["LoRARequest", "LoraOptions", "served_adapters"]
 
 def check_lora_name(params: SamplingParams) -> None:
     """The `sampling_params` check of `lora_name` (whether it is served: the scheduler's)."""
-    name = params.lora_name
+    name = params.get("lora_name")
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"lora_name must be a non-empty string, got {name!r}")
 

@@ -1,7 +1,7 @@
 """Requests on LoRA adapters: the step feature that gives each request its adapter's slot, the
 engine's transform built from the scheduler's options, and the offline `lora_request`.
 
-A request names its adapter by `SamplingParams.lora_name` (the server sets it from `model` or
+A request names its adapter by SamplingParams' `lora_name` (the server sets it from `model` or
 /generate's `lora_path`; `LLM.generate` from a `LoRARequest`). `LoraFeature.request` checks
 the name and keeps the choice in `req.ext["lora"]`. Every such request is held before
 admission until its adapter has a device slot (`poll`, rank 0, in arrival order: a request
@@ -48,11 +48,11 @@ class LoraFeature(StepFeature):
         self.follower = scheduler.follower  # pins at admission, at rank 0's word
 
     def request(self, req: Req) -> None:
-        name = req.params.lora_name
+        name = req.params.get("lora_name")
         if name is None:
             return
         namespace = self.manager.id_of(name)  # AdapterError (a ValueError): not served
-        if constraint := next((k for k in CONSTRAINT_KINDS if getattr(req.params, k)), None):
+        if constraint := next((k for k in CONSTRAINT_KINDS if k in req.params.ext), None):
             # a grammar holds the request too, and may release it before its adapter has a slot
             raise ValueError(f"{constraint} with a LoRA adapter ({name!r}) is not supported yet")
         req.ext[NAME] = LoraChoice(name, namespace)
@@ -103,8 +103,8 @@ class LoraOff(StepFeature):
     name = NAME
 
     def request(self, req: Req) -> None:
-        if req.params.lora_name is not None:
-            raise ValueError(f"lora_name {req.params.lora_name!r}: LoRA needs --enable-lora")
+        if "lora_name" in req.params.ext:
+            raise ValueError(f"lora_name {req.params.ext['lora_name']!r}: LoRA needs --enable-lora")
 
 
 def make_feature(scheduler: Any) -> StepFeature:
@@ -201,7 +201,10 @@ def offline_lora(llm: Any, request: Any, params: Sequence[SamplingParams]) -> li
                 message = "with tp > 1 an adapter must be served from the start (lora_modules)"
                 raise ValueError(f"lora_request {r.lora_name!r}: {message}")
             feature.manager.add(r.lora_name, r.lora_path)
-    return [replace(p, lora_name=r.lora_name if r else None) for p, r in zip(params, requests)]
+    return [
+        replace(p, ext={**p.ext, "lora_name": r.lora_name if r else None})
+        for p, r in zip(params, requests)
+    ]
 
 
 def _feature(llm: Any) -> LoraFeature:

@@ -28,7 +28,7 @@ ROWS_KV_READS = 128 * 1024
 def samples_plainly(req: Req) -> bool:
     """Its token at a position depends on the logits there alone, no extension acting on it
     (what graph rows and speculative decoding need)."""
-    return not req.ext and not req.params.extension_fields()
+    return not req.ext and req.params.ext.keys() <= {"priority"}
 
 
 def prefix_reads(req: Req) -> int:

@@ -52,16 +52,19 @@ class AdjustTable:
             self.built[row] = 0
             self.built_host.pop(row, None)
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        stops = stops if p.min_tokens > 0 else set()
-        self.bias_ids, self.bias_values = _grown(self.bias_ids, self.bias_values, len(p.logit_bias))
+        stops = stops if p.get("min_tokens") > 0 else set()
+        bias = p.get("logit_bias")
+        self.bias_ids, self.bias_values = _grown(self.bias_ids, self.bias_values, len(bias))
         self.stop_ids, self.stop_values = _grown(self.stop_ids, self.stop_values, len(stops))
-        params = [p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+        params = [
+            p.get(name) for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+        ]
         self.params[row] = to_device(params, torch.float32, self.device)
         self.lens[row] = to_device(
-            [req.prompt_len, req.prompt_len + p.min_tokens], torch.int64, self.device
+            [req.prompt_len, req.prompt_len + p.get("min_tokens")], torch.int64, self.device
         )
-        self._set(self.bias_ids, row, list(p.logit_bias))
-        self._set(self.bias_values, row, list(p.logit_bias.values()))
+        self._set(self.bias_ids, row, list(bias))
+        self._set(self.bias_values, row, list(bias.values()))
         self._set(self.stop_ids, row, sorted(stops))
         self._set(self.stop_values, row, [-math.inf] * len(stops))
 
@@ -190,7 +193,7 @@ class LogitAdjust(StepFeature):
         self.table = AdjustTable(engine.config.max_running_requests + 1, engine.device)
 
     def request(self, req: Req) -> None:
-        check_token_ids(self.vocab, logit_bias=list(req.params.logit_bias))
+        check_token_ids(self.vocab, logit_bias=list(req.params.get("logit_bias")))
         if adjusts_logits(req.params):
             req.ext[self.name] = True
 

@@ -94,8 +94,12 @@ class SamplingDetokenize:
         return MinTokensDetokenizer(tokenizer, prompt_ids, skip, stop, min_tokens)
 
     def name_logprobs(self, tokenizer: Any, msg: DetokenizeMsg, reply: UserReply) -> None:
-        if msg.logprobs is not None:
-            entries = [[t, *e] for t, e in zip(msg.token_ids, msg.logprobs)]
-            reply.logprobs = named_logprobs(tokenizer, entries)
-        if msg.prompt_logprobs is not None:
-            reply.prompt_logprobs = named_logprobs(tokenizer, msg.prompt_logprobs)
+        """The message's `logprob` (of its token: [logprob, top ids, top logprobs]) and
+        `prompt_logprobs` ([token id, logprob | None, top ids, top logprobs] per prompt token)
+        as the reply's `logprobs` and `prompt_logprobs`: [token id, text, logprob, [[id, text,
+        logprob], ...]] per token."""
+        if (entry := msg.ext.get("logprob")) is not None:
+            entries = [[t, *entry] for t in msg.token_ids]
+            reply.ext["logprobs"] = named_logprobs(tokenizer, entries)
+        if (prompt := msg.ext.get("prompt_logprobs")) is not None:
+            reply.ext["prompt_logprobs"] = named_logprobs(tokenizer, prompt)

@@ -1,11 +1,13 @@
 """The sampling extension's HTTP fields (the `request_fields` point): the logit adjustments
-on every generating path, and log-probabilities in OpenAI's two response shapes, from the
+on every generating path, log-probabilities in OpenAI's two response shapes, from the
 detokenizer's entries [token id, text, logprob | None, [[id, text, logprob], ...]]
 (minisgl.tokenizer.detokenize): chat's `choices[].logprobs.content` and the legacy completions
-object (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`)."""
+object (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`), and the completions' `echo`
+(the prompt before the completion, and its log-probabilities)."""
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Annotated, Any
 
@@ -13,6 +15,7 @@ from pydantic import Field
 
 from minisgl.ext.sampling.params import MAX_LOGPROBS
 from minisgl.server.protocol import APIError, ExtensionFields, Int64
+from minisgl.tokenizer.server import needed
 
 # top alternatives per token: OpenAI's limit is 5 (completions) and 20 (chat); vLLM's 20 for both
 TopLogprobs = Annotated[int | None, Field(None, ge=0, le=MAX_LOGPROBS)]
@@ -42,21 +45,57 @@ class ChatLogprobFields(ExtensionFields):
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
-    def shaper(self, chat: bool) -> Logprobs | None:
+    async def shaper(self, chat: bool, msgs: list[Any], api: Any) -> Logprobs | None:
         return Logprobs(chat) if self.logprobs else None
 
 
 class CompletionLogprobFields(ExtensionFields):
     logprobs: TopLogprobs = None  # the sampled tokens' logprobs, with this many alternatives
+    echo: bool = False  # the prompt before the completion (max_tokens 0: the prompt alone)
 
     def params(self, req: Any) -> dict[str, Any]:
         """With echo, the prompt's too (none predicts its first token: null)."""
         if self.logprobs is None:
             return {}
-        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if req.echo else None}
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
-    def shaper(self, chat: bool) -> Logprobs | None:
-        return None if self.logprobs is None else Logprobs(chat)
+    def allows_no_tokens(self) -> bool:
+        return self.echo
+
+    async def shaper(self, chat: bool, msgs: list[Any], api: Any) -> Logprobs | Echo | None:
+        logprobs = None if self.logprobs is None else Logprobs(chat)
+        return Echo(await prompt_texts(msgs, api), logprobs) if self.echo else logprobs
+
+
+async def prompt_texts(msgs: list[Any], api: Any) -> list[str]:
+    """Each choice's prompt as given: its text, or its token ids decoded (once per prompt: the
+    n choices of one share its list)."""
+    decoded: dict[int, str] = {}
+    for m in msgs:
+        if m.text is None and id(m.input_ids) not in decoded:
+            decode = functools.partial(_decode, ids=m.input_ids)
+            decoded[id(m.input_ids)] = await api.with_tokenizer(decode, "prompt")
+    return [m.text if m.text is not None else decoded[id(m.input_ids)] for m in msgs]
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return needed(tokenizer).decode(ids)
+
+
+class Echo:
+    """The echo (a `ChoiceShaper`): each choice's prompt before its first reply's text, and
+    the log-probabilities (the prompt's first) when asked."""
+
+    def __init__(self, prompts: list[str], logprobs: Logprobs | None) -> None:
+        self.prompts, self.logprobs = prompts, logprobs
+
+    def add(self, index: int, reply: Any) -> None:
+        if self.logprobs is not None:
+            self.logprobs.add(index, reply)
+        reply.text_delta, self.prompts[index] = self.prompts[index] + reply.text_delta, ""
+
+    def fields(self, index: int) -> dict[str, Any]:
+        return {} if self.logprobs is None else self.logprobs.fields(index)
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
@@ -74,7 +113,7 @@ class Logprobs:
         self.offsets: dict[int, int] = defaultdict(int)
 
     def add(self, index: int, reply: Any) -> None:
-        self.entries[index] += (reply.prompt_logprobs or []) + (reply.logprobs or [])
+        self.entries[index] += reply.ext.get("prompt_logprobs", []) + reply.ext.get("logprobs", [])
 
     def fields(self, index: int) -> dict[str, Any]:
         entries = self.entries.pop(index, [])

@@ -100,10 +100,10 @@ class SampledLogprobs:
     def start(batch: Batch, logits: torch.Tensor, copy: bool) -> SampledLogprobs | None:
         """Call before anything changes `logits`; `copy`: something will (a copy of the asking
         rows then keeps the raw values; else they are read in place, after sampling)."""
-        rows = [i for i, r in enumerate(batch.reqs) if r.params.logprobs is not None]
+        rows = [i for i, r in enumerate(batch.reqs) if "logprobs" in r.params.ext]
         if not rows:
             return None
-        ks = [batch.reqs[i].params.logprobs or 0 for i in rows]
+        ks = [batch.reqs[i].params.ext["logprobs"] or 0 for i in rows]
         index = None if len(rows) == batch.size else to_device(rows, torch.int64, logits.device)
         if copy:
             logits = logits.clone() if index is None else logits[index]
@@ -135,7 +135,7 @@ class PromptLogprobs:
         ks: list[int] = []
         offset = 0
         for i, req in enumerate(batch.reqs):
-            c, k = req.cached_len, req.params.prompt_logprobs
+            c, k = req.cached_len, req.params.get("prompt_logprobs")
             state = req.ext.get(PromptScoring.name)
             if state is None:
                 offset += req.extend_len
@@ -175,7 +175,7 @@ class Logprobs(StepFeature):
     name = "logprobs"
 
     def request(self, req: Req) -> None:
-        if req.params.logprobs is not None:
+        if "logprobs" in req.params.ext:
             req.ext[self.name] = True
 
     def observe(
@@ -196,10 +196,10 @@ class Logprobs(StepFeature):
         return out
 
     def output(self, req: Req, value: Entry | None, output: Any) -> None:
-        output.logprob = value
+        output.ext["logprob"] = value
 
     def result(self, req: Req, outputs: list[Any]) -> dict[str, Any]:
-        entries = [[o.token, *o.logprob] for o in outputs if o.logprob is not None]
+        entries = [[o.token, *e] for o in outputs if (e := o.ext.get("logprob")) is not None]
         return {"logprobs": logprob_dicts(entries)}
 
 
@@ -223,7 +223,7 @@ class PromptScoring(StepFeature):
     name = "prompt_logprobs"
 
     def request(self, req: Req) -> None:
-        if req.params.prompt_logprobs is not None:
+        if "prompt_logprobs" in req.params.ext:
             req.ext[self.name] = PromptState()
 
     def scores_prompt(self, req: Req) -> bool:
@@ -251,12 +251,12 @@ class PromptScoring(StepFeature):
         state.sent = True
         first: list[Any] = [req.tokens[0], None, [], []]  # nothing predicts the first token
         targets = req.tokens[1 : req.prompt_len]
-        output.prompt_logprobs = [first, *([t, *e] for t, e in zip(targets, state.entries))]
+        output.ext["prompt_logprobs"] = [first, *([t, *e] for t, e in zip(targets, state.entries))]
         state.entries = []
 
     def result(self, req: Req, outputs: list[Any]) -> dict[str, Any]:
         entries: list[Any] = next(
-            (o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), []
+            (e for o in outputs if (e := o.ext.get("prompt_logprobs")) is not None), []
         )
         return {"prompt_logprobs": logprob_dicts(entries)}
 

@@ -20,11 +20,13 @@
   core's); `openapi.py`: the error statuses in the OpenAPI document;
 - `options.py`: its flags (the `options` point), e.g. --max-connections;
 - `http.py`, `connections.py`: the limits on requests in progress and on connections, the body
-  read timeout, and a drain that ends its requests with an error (the `gate` and `http_server`
-  points);
+  read timeout and size (--max-request-bytes), and a drain that ends its requests with an error
+  (the `gate` and `http_server` points); `frontend.py`: --max-queued-requests and
+  --request-timeout (the `launcher` point's Frontend);
 - `warmup.py`: the start-up warm-up where kernels compile (the `warm_up` point);
 - `scale.py`: --dp's replicas, --api-server-count's API processes and --nnodes' nodes (the
-  `launcher` point); `collector.py`: the garbage collector of every server process, frozen once
+  `launcher` point), whose pipeline routes each reply to its API process (`apis.py`);
+  `collector.py`: the garbage collector of every server process, frozen once
   ready, and its flags (the `process_ready` point).
 
 Importing this package fills its points of `minisgl.extension.Extensions`; without it those

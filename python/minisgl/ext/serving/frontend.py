@@ -6,7 +6,9 @@
 - /flush_cache: every --dp replica's scheduler empties its prefix cache;
 - with --api-server-count N, the API processes' views of each other (`views`: /stats and
   /metrics add them up) and a failure passed on (`ApiFailMsg`: rank 0's launcher fails the
-  server; the others fail their own requests)."""
+  server; the others fail their own requests);
+- the request limits: this process's share of --max-queued-requests (`admit`: 503 beyond it)
+  and --request-timeout (`expire`: 504, the request aborted)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,17 @@ from typing import Any
 
 from minisgl.ext.serving.metrics import ApiViewMsg, total_stats, tree_rss_bytes
 from minisgl.ext.serving.worker import DoneMsg
-from minisgl.message import FlushCacheMsg, FlushCacheReply, SchedulerStats, register
+from minisgl.message import (
+    AbortMsg,
+    FlushCacheMsg,
+    FlushCacheReply,
+    SchedulerStats,
+    TokenizeMsg,
+    UserReply,
+    register,
+)
 from minisgl.server.frontend import Frontend
+from minisgl.server.protocol import APIError
 from minisgl.utils.zmq import ZmqAsyncPushQueue
 
 FLUSH_TIMEOUT_S = 10.0  # for every replica's answer to /flush_cache
@@ -58,12 +69,15 @@ class ServingFrontend(Frontend):
         scheduler_addrs: list[str] | None = None,
         api_rank: int = 0,
         api_addrs: list[str] | None = None,
+        max_queued_requests: int | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         """`watchdog_timeout` 0: no watchdog; else `on_hang(reason)` is called (on a thread of
         its own) once the pipeline has been silent that long with a request unfinished, or
         when another API process reports a failure to rank 0.
         `scheduler_addrs`: one per --dp replica (for /flush_cache; none: it is refused).
-        `api_addrs`: every API process's `recv_addr`, by rank (None: this one alone)."""
+        `api_addrs`: every API process's `recv_addr`, by rank (None: this one alone).
+        `max_queued_requests`, `request_timeout`: the server's flags (None: no limit)."""
         self.api_rank, self.api_count = api_rank, len(api_addrs or [recv_addr])
         super().__init__(tokenizer_addrs, recv_addr)
         self.scheduler_addrs = scheduler_addrs or []
@@ -79,6 +93,12 @@ class ServingFrontend(Frontend):
         self._flushes: asyncio.Queue[FlushCacheReply] | None = None
         self._flush_lock: asyncio.Lock | None = None
         self.watchdog_timeout, self.on_hang = watchdog_timeout, on_hang
+        self.max_queued = max_queued_requests  # this process's share of them (None: no limit)
+        if max_queued_requests is not None:
+            self.max_queued = -(-max_queued_requests // self.api_count)
+        self.request_timeout = request_timeout
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # by uid: its `expire`
+        self._aborts: set[asyncio.Task] = set()  # the aborts of expired requests being sent
 
     @property
     def stats(self) -> SchedulerStats:
@@ -131,9 +151,53 @@ class ServingFrontend(Frontend):
             return False
         return True
 
+    def admit(self) -> None:
+        """503 while this process's share of --max-queued-requests wait to start."""
+        super().admit()
+        limit, queued = self.max_queued, self.num_queued
+        if limit is not None and queued >= limit:
+            message = f"server overloaded: {queued} requests are waiting to start (limit {limit})"
+            retry = {"Retry-After": "1"}
+            raise APIError(503, message + "; retry later", code="overloaded", headers=retry)
+
+    async def submit(self, msg: TokenizeMsg) -> asyncio.Queue[UserReply]:
+        """The core's, with the request's `expire` due after --request-timeout."""
+        queue = await super().submit(msg)
+        if self.request_timeout is not None:
+            loop = asyncio.get_running_loop()
+            self._timers[msg.uid] = loop.call_later(self.request_timeout, self.expire, msg.uid)
+        return queue
+
+    def expire(self, uid: int) -> None:
+        """Request `uid` ran past --request-timeout: its last reply is a timeout error (504, or
+        a stream's error event), later ones are dropped, and the pipeline aborts it."""
+        self._timers.pop(uid, None)
+        req = self.requests.get(uid)
+        if req is None or req.finished:  # its last reply came in time
+            return
+        # ended here, so its handler's `done` sends no DoneMsg (the abort uncounts it at the
+        # --dp dispatcher, which must see the abort first to find its replica)
+        del self.requests[uid]
+        self.metrics.ended("timeout")
+        error = f"request timed out after {self.request_timeout:g} s"
+        req.queue.put_nowait(UserReply(uid, "", [], True, "timeout", 0, 0, error))
+        task = asyncio.ensure_future(self._tokenizer(uid).put(AbortMsg(uid)))
+        self._aborts.add(task)  # held until sent (the loop keeps only weak references)
+        task.add_done_callback(self._aborts.discard)
+
+    def _untime(self, uid: int) -> None:
+        if (timer := self._timers.pop(uid, None)) is not None:
+            timer.cancel()
+
+    async def abort(self, uid: int) -> None:
+        self._untime(uid)
+        await super().abort(uid)
+
     async def done(self, uid: int) -> None:
+        self._untime(uid)
+        counted = uid in self.requests  # not one that `expire` ended
         await super().done(uid)
-        if len(self.scheduler_addrs) > 1:  # the --dp dispatcher counts the loads
+        if counted and len(self.scheduler_addrs) > 1:  # the --dp dispatcher counts the loads
             await asyncio.shield(self._tokenizer(uid).put(DoneMsg(uid)))
 
     def view(self, seq: int = 0, metrics: bool = False) -> ApiViewMsg:

@@ -1,9 +1,10 @@
 """An API process's HTTP serving under load and at its stop (the `gate` and `http_server`
 points):
 
-- `ServingGate`: the core's Gate plus text that is not valid Unicode (400, `text.py`), the
-  limit on requests in progress (this process's share of --max-connections; beyond it 503,
-  never for /health) and --timeout-body-read (408);
+- `ServingGate`: the core's Gate plus the body read whole, checked and replayed to the app:
+  --max-request-bytes (413), text that is not valid Unicode (400, `text.py`),
+  --timeout-body-read (408); and the limit on requests in progress (this process's share of
+  --max-connections; beyond it 503, never for /health);
 - `serving_http_server`: uvicorn bounded by `ConnectionLimits` (--max-connections,
   --timeout-keep-alive), whose drain (SIGTERM, --shutdown-timeout) ends the requests still
   running with an error event just before it runs out, and whose exits log no traceback."""
@@ -16,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.ext.serving.connections import ConnectionLimits, connection_budget
 from minisgl.ext.serving.options import serving_options
@@ -44,15 +45,16 @@ def expects_body(scope: Scope) -> bool:
 
 
 class ServingGate(Gate):
-    """The Gate, with this API process's share of --max-connections as the requests it serves
-    at once (others than /health beyond it get 503) and --timeout-body-read (408)."""
+    """The Gate, with the body read whole within --timeout-body-read (408) and checked: at
+    most --max-request-bytes (413), valid Unicode (400); and this API process's share of
+    --max-connections as the requests it serves at once (others than /health beyond it 503)."""
 
     def __init__(
         self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
     ) -> None:
         super().__init__(app, args, frontend, paths)
         options = serving_options(args)
-        self.body_timeout = options.timeout_body_read
+        self.body_timeout, self.max_body = options.timeout_body_read, options.max_request_bytes
         self.max_requests = -(-options.max_connections // frontend.api_count)
         # Requests passed to the app, /health included. Not those whose body is still coming:
         # they cost nothing but a connection, which ConnectionLimits sheds when needed (one
@@ -75,25 +77,62 @@ class ServingGate(Gate):
 
     def check_head(self, scope: Scope) -> Refusal | None:
         """Overloaded: refused before anything else (no body read)."""
-        return self.over_limit(scope) or super().check_head(scope)
+        if (refusal := self.over_limit(scope) or super().check_head(scope)) is not None:
+            return refusal
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body:
+            return self.too_large()
+        return None
+
+    async def body(self, scope: Scope, receive: Receive) -> Receive | Refusal | None:
+        """The body read whole and checked (`check_body`), replayed to the app."""
+        body = await self.receive_body(scope, receive)
+        if body is None or isinstance(body, Refusal):
+            return body
+        if (refusal := self.check_body(scope, body)) is not None:
+            return refusal
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the client's disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
 
     def check_body(self, scope: Scope, body: bytes) -> Refusal | None:
-        if (refusal := super().check_body(scope, body)) is not None:
-            return refusal
+        if len(body) > self.max_body:  # a false Content-Length, or none
+            return self.too_large()
         if (bad := invalid_text_path(body)) is not None:
             where, why = bad
             message = f"{where or 'body'}: text is not valid Unicode ({why})"
             return Refusal(400, message, "invalid_unicode", where)
         return self.over_limit(scope)  # the limit again: others came while this body did
 
+    def too_large(self) -> Refusal:
+        return Refusal(413, f"request body is larger than {self.max_body} bytes", "body_too_large")
+
     async def receive_body(self, scope: Scope, receive: Receive) -> bytes | Refusal | None:
+        """The whole body (within --timeout-body-read when one is to come), or None if the
+        client left first; reading stops past the limit."""
         if not expects_body(scope):
-            return await super().receive_body(scope, receive)
+            return await self.read_body(receive)
         try:
-            body = super().receive_body(scope, receive)
-            return await asyncio.wait_for(body, self.body_timeout)
+            return await asyncio.wait_for(self.read_body(receive), self.body_timeout)
         except asyncio.TimeoutError:
             return self.too_slow()
+
+    async def read_body(self, receive: Receive) -> bytes | None:
+        body, more = bytearray(), True
+        while more and len(body) <= self.max_body:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        return bytes(body)
 
     def too_slow(self) -> Refusal:
         """A body that did not arrive in time: its connection is closed after the answer, so

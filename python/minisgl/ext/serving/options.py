@@ -117,6 +117,19 @@ class ServingOptions:
         "past it the request gets 408 and its connection is closed",
         type=seconds(allow_zero=False),
     )
+    max_queued_requests: int | None = option(
+        None,
+        "requests waiting for their first token beyond which new ones get 503",
+        type=int_range(1),
+    )
+    request_timeout: float | None = option(
+        None,
+        "seconds after which a request is aborted and answered 504",
+        type=seconds(allow_zero=False),
+    )
+    max_request_bytes: int = option(
+        16 * 2**20, "largest HTTP request body accepted (larger ones get 413)", type=int_range(1)
+    )
 
     def check(self, args: ServerArgs) -> None:
         """Against the server's options (`ServerArgs.__post_init__`): OptionError naming the

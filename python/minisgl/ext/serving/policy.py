@@ -39,7 +39,7 @@ class PolicyOptions:
 
 def check_priority(params: SamplingParams) -> None:
     """ValueError naming the field unless `priority` is an integer in PRIORITY_RANGE."""
-    p = params.priority
+    p = params.get("priority")
     if isinstance(p, bool) or not isinstance(p, int):
         raise ValueError(f"priority must be an integer, got {p!r}")
     if not PRIORITY_RANGE[0] <= p < PRIORITY_RANGE[1]:
@@ -73,7 +73,7 @@ class PriorityQueue(ArrivalQueue):
         """Lower goes first: the priority, aged by arrival (a request queued `aging` requests
         later counts one level lower: a fixed order, so no two requests preempt each other back
         and forth, and a request is overtaken by a bounded number of later ones)."""
-        priority, arrival = req.params.priority, self.arrival[req]
+        priority, arrival = req.params.get("priority"), self.arrival[req]
         return (priority + arrival / self.aging if self.aging else priority, arrival)
 
     def first(self) -> Req | None:

@@ -8,15 +8,18 @@ server process (--gc-threshold, --gc-warning-threshold-secs: `collector.py`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from minisgl.distributed import Rendezvous, rendezvous_file
 from minisgl.engine.config import EngineConfig
+from minisgl.ext.serving.apis import ApiQueues
 from minisgl.ext.serving.collector import export_gc_settings
 from minisgl.ext.serving.frontend import ApiFailMsg, ServingFrontend
 from minisgl.ext.serving.nodes import TcpRendezvous
@@ -96,14 +99,17 @@ def _api_main(
     def report(reason: str) -> None:
         _send(addrs.apis[0], ApiFailMsg(reason))
 
+    options = serving_options(args)
     frontend = ServingFrontend(
         addrs.tokenizers,
         addrs.apis[rank],
-        serving_options(args).watchdog_timeout,
+        options.watchdog_timeout,
         report,
         addrs.schedulers,
         api_rank=rank,
         api_addrs=addrs.apis,
+        max_queued_requests=options.max_queued_requests,
+        request_timeout=options.request_timeout,
     )
     server = http_server(args, info, frontend)
     ready.send(("ready", None))
@@ -166,6 +172,11 @@ class ServingLauncher(Launcher):
                 sock.close()  # it (drain) or dies, the kernel sends its connections elsewhere
             del self.listeners[1:]
 
+    def api_queue(self) -> Callable[[], Any]:
+        if self.api_server_count == 1:
+            return super().api_queue()
+        return functools.partial(ApiQueues.connect, self.addrs.apis)
+
     def tokenizer_worker(self, config: EngineConfig) -> Any:
         options = self.options
         return tokenizer_worker(config.page_size, options.dp_dispatch, options.dp_load_threshold)
@@ -217,9 +228,16 @@ class ServingLauncher(Launcher):
         processes' views); on a node other than 0, `follow`."""
         if self.options.node_rank > 0:
             return self.follow()
-        a, timeout = self.addrs, self.options.watchdog_timeout
+        a, options = self.addrs, self.options
         frontend = ServingFrontend(
-            a.tokenizers, a.apis[0], timeout, self.fail, a.schedulers, api_addrs=a.apis
+            a.tokenizers,
+            a.apis[0],
+            options.watchdog_timeout,
+            self.fail,
+            a.schedulers,
+            api_addrs=a.apis,
+            max_queued_requests=options.max_queued_requests,
+            request_timeout=options.request_timeout,
         )
         return front_end(self, frontend)
 

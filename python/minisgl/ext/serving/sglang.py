@@ -111,7 +111,7 @@ class MetaInfo:
 class MetaInfoFields(ExtensionFields):
     """No fields: every /generate response gets SGLang's meta_info."""
 
-    def shaper(self, chat: bool) -> MetaInfo:
+    async def shaper(self, chat: bool, msgs: list[Any], api: Any) -> MetaInfo:
         return MetaInfo()
 
 

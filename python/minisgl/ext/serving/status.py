@@ -38,14 +38,21 @@ class HealthProbe:
         frontend, dp = self.api.frontend, serving_options(self.api.args).dp
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
+        async def error_of(msg: TokenizeMsg) -> str | None:
+            async with aclosing(frontend.stream(msg)) as replies:
+                async for r in replies:
+                    if r.error is not None:
+                        return r.error
+            return None
+
         async def one(replica: int | None) -> str | None:
             msg = TokenizeMsg(frontend.new_uid(), None, [0], None, params, dp_rank=replica)
             where = "" if replica is None else f" (replica {replica})"
-            async with aclosing(frontend.stream(msg, self.timeout)) as replies:
-                async for r in replies:
-                    if r.error is not None:
-                        return f"health check generation failed{where}: {r.error}"
-            return None
+            try:  # past the timeout the request is aborted as its stream closes
+                error = await asyncio.wait_for(error_of(msg), self.timeout)
+            except asyncio.TimeoutError:
+                error = f"request timed out after {self.timeout:g} s"
+            return None if error is None else f"health check generation failed{where}: {error}"
 
         errors = await asyncio.gather(*(one(r) for r in ([None] if dp == 1 else range(dp))))
         return next((e for e in errors if e is not None), None)

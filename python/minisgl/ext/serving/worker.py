@@ -73,7 +73,7 @@ class ServingTokenizerWorker(TokenizerWorker):
         tokenizer: Any,
         to_sched: list[Any],
         to_detok: Any,
-        to_api: list[Any],
+        to_api: Any,
         dispatch: tuple[int, str, int] = (16, "prefix", 8),
     ) -> None:
         super().__init__(tokenizer, to_sched, to_detok, to_api)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.core import Batch, Req, to_device
-from minisgl.engine.sample import BatchSamplingArgs, any_filter, sample, sample_at_temperature
+from minisgl.engine.sample import Filters, any_filter, sample
 from minisgl.ext.perf.prefill_rows import rows_per_position, samples_plainly
 from minisgl.extension import ForwardPath
 
@@ -62,14 +62,10 @@ class Verification:
         device = out.hidden.device
         logits = engine.model.compute_logits(out.hidden[to_device(flat, torch.int64, device)])
         vocab = engine.model_config.vocab_size
-        if any_filter(reqs, vocab):
-            args = BatchSamplingArgs.from_reqs(reqs, vocab, device, steps)
-            targets = sample(logits, args)
-        else:
-            temps = [r.params.sampling_temperature for r in reqs]
-            temps_t = to_device(temps, torch.float32, device)
-            ints = to_device([[r.seed for r in reqs], steps], torch.int64, device)
-            targets = sample_at_temperature(logits, temps_t, ints[0], ints[1])
+        temps = to_device([r.params.sampling_temperature for r in reqs], torch.float32, device)
+        seeds, steps_t = to_device([[r.seed for r in reqs], steps], torch.int64, device)
+        filters = Filters.of(reqs, vocab, device) if any_filter(reqs, vocab) else None
+        targets = sample(logits, temps, seeds, steps_t, filters)
         return Verification(rows, counts, targets)
 
     @staticmethod

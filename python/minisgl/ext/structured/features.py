@@ -8,40 +8,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from minisgl.ext.structured.detect import AUTO, NONE
-from minisgl.ext.structured.parsers import REASONING_PARSERS, TOOL_PARSERS
+from minisgl.ext.structured.detect import AUTO
+from minisgl.ext.structured.options import chat_options
 from minisgl.utils.options import OptionError
 
 if TYPE_CHECKING:
     from minisgl.ext.structured.server import ChatParsing
 
-# the options naming a format, and the formats they may name
-FORMATS: dict[str, dict[str, Any]] = {
-    "tool_call_parser": TOOL_PARSERS,
-    "reasoning_parser": REASONING_PARSERS,
-}
-
 
 class StructuredChat:
     """Tool calls and reasoning for the API server, `LLM.chat` and the shell."""
-
-    def check_option(self, name: str, value: str) -> None:
-        # argparse's words for a value outside a flag's choices: the flag used to declare them
-        known = FORMATS[name]
-        if value not in known and value not in (AUTO, NONE):
-            names = ", ".join([AUTO, NONE, *sorted(known)])
-            raise OptionError(name, f"invalid choice: {value!r} (choose from {names})")
 
     def resolve_parsers(self, args: Any, model_path: str) -> None:
         from minisgl.ext.structured.detect import resolve
         from minisgl.tokenizer.server import load_chat_tokenizer
 
-        tool, reasoning = args.tool_call_parser, args.reasoning_parser
+        options = chat_options(args)
+        tool, reasoning = options.tool_call_parser, options.reasoning_parser
         tokenizer = None
         if AUTO in (tool, reasoning):
             tokenizer = load_chat_tokenizer(model_path, args.chat_template)
-        args.tool_call_parser, args.reasoning_parser = resolve(tool, reasoning, tokenizer)
-        if getattr(args, "shell_hide_reasoning", False) and args.reasoning_parser is None:
+        options.tool_call_parser, options.reasoning_parser = resolve(tool, reasoning, tokenizer)
+        if options.shell_hide_reasoning and options.reasoning_parser is None:
             message = "needs --shell and --reasoning-parser (auto found no think tags in the "
             raise OptionError("shell_hide_reasoning", message + "chat template)")
 
@@ -69,7 +57,9 @@ class StructuredChat:
 
         return offline.offline_chat(llm, chats, params, **options)
 
-    def shell_printers(self, args: Any) -> Callable[[list[dict[str, str]]], Any]:
+    def shell_printers(self, args: Any) -> Callable[[list[dict[str, str]]], Any] | None:
+        if chat_options(args).reasoning_parser is None:
+            return None  # the core's: the text as it comes
         from minisgl.ext.structured import shell
 
         return shell.shell_printers(args)

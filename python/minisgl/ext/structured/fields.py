@@ -84,7 +84,7 @@ def tool_fields(req: Any) -> ToolFields:
 def check_grammar_size(msg: Any) -> None:
     """A TokenizeMsg's constraint (as text) within MAX_GRAMMAR_CHARS."""
     for kind in CONSTRAINT_KINDS:
-        text = getattr(msg.params, kind)
+        text = msg.params.get(kind)
         if isinstance(text, str) and len(text) > MAX_GRAMMAR_CHARS:
             message = (
                 f"{kind}: at most {MAX_GRAMMAR_CHARS} characters, got {len(text)} "

@@ -68,7 +68,7 @@ def grammar_key(params: SamplingParams) -> tuple[str, str] | None:
     from minisgl.core import CONSTRAINT_KINDS
 
     for kind in CONSTRAINT_KINDS:
-        text = getattr(params, kind)
+        text = params.get(kind)
         if text is not None:
             return kind, text
     return None

@@ -25,17 +25,17 @@ def check_constraint(p: SamplingParams) -> None:
     """At most one constraint, given as text (a dict json_schema / structural_tag becomes its
     JSON text, key order kept: it travels in messages)."""
     for name in ("json_schema", "structural_tag"):
-        value = getattr(p, name)
+        value = p.get(name)
         if isinstance(value, dict):
             try:
-                setattr(p, name, json.dumps(value))
+                p.ext[name] = json.dumps(value)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{name} is not JSON: {e}") from None
-    given = [name for name in CONSTRAINT_KINDS if getattr(p, name) is not None]
+    given = [name for name in CONSTRAINT_KINDS if p.get(name) is not None]
     if len(given) > 1:
         kinds = ", ".join(CONSTRAINT_KINDS[:-1]) + " and " + CONSTRAINT_KINDS[-1]
         raise ValueError(f"give at most one of {kinds}, got {given}")
-    if given and not isinstance(getattr(p, given[0]), str):
+    if given and not isinstance(p.get(given[0]), str):
         raise ValueError(f"{given[0]} must be a string")
 
 

@@ -1,6 +1,7 @@
-"""The structured extension's scheduler options (the `scheduler_options` point): flags of
-`python -m minisgl` listed under "structured extension", keywords of `LLM(...)`, and
-`SchedulerConfig.extras["structured"]` in every scheduler process."""
+"""The structured extension's flags of `python -m minisgl`, listed under "structured extension":
+its scheduler options (the `scheduler_options` point: also keywords of `LLM(...)`, and
+`SchedulerConfig.extras["structured"]` in every scheduler process) and its server's (the
+`options` point: `ServerArgs.extras["structured"]`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.utils.options import number, option
+from minisgl.ext.structured.detect import AUTO, NONE
+from minisgl.ext.structured.parsers import REASONING_PARSERS, TOOL_PARSERS
+from minisgl.utils.options import OptionError, number, option
+
+# the options naming a format, and the formats they may name
+FORMATS: dict[str, dict[str, Any]] = {
+    "tool_call_parser": TOOL_PARSERS,
+    "reasoning_parser": REASONING_PARSERS,
+}
 
 
 def positive_seconds(value: str) -> float:
@@ -38,3 +47,41 @@ def structured_options(config: Any) -> StructuredOptions:
     """A SchedulerConfig's structured options (the defaults when unset)."""
     options = config.extras.get("structured")
     return options if isinstance(options, StructuredOptions) else StructuredOptions()
+
+
+@dataclass
+class ChatOptions:
+    """The formats of the model's tool calls and reasoning, for the server and the shell (the
+    launcher resolves `auto`, `resolve_parsers`; `none` is None)."""
+
+    tool_call_parser: str | None = option(
+        AUTO,
+        "format of the model's tool calls (vLLM's names, e.g. hermes); auto: the chat "
+        "template's, none: off",
+    )
+    reasoning_parser: str | None = option(
+        AUTO,
+        "format of the model's reasoning, returned as reasoning_content (vLLM's names, e.g. "
+        "qwen3); auto: the chat template's, none: off",
+    )
+    shell_hide_reasoning: bool = option(
+        False, "with --shell and --reasoning-parser: leave the reasoning out of the answers"
+    )
+
+    def check(self, args: Any) -> None:
+        """Each format a known one (argparse's words: the flags used to declare choices)."""
+        for name, known in FORMATS.items():
+            value = getattr(self, name)
+            if value == NONE:
+                setattr(self, name, None)
+            elif value is not None and value != AUTO and value not in known:
+                names = ", ".join([AUTO, NONE, *sorted(known)])
+                raise OptionError(name, f"invalid choice: {value!r} (choose from {names})")
+        if self.shell_hide_reasoning and not (args.shell and self.reasoning_parser):
+            raise OptionError("shell_hide_reasoning", "needs --shell and --reasoning-parser")
+
+
+def chat_options(args: Any) -> ChatOptions:
+    """A ServerArgs' chat options (the defaults when unset)."""
+    options = args.extras.get("structured")
+    return options if isinstance(options, ChatOptions) else ChatOptions()

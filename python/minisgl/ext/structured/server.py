@@ -16,7 +16,7 @@ import msgpack
 from minisgl.core import SamplingParams
 from minisgl.ext.structured.detect import AUTO, resolve
 from minisgl.ext.structured.fields import MAX_GRAMMAR_CHARS, ToolFields, tool_fields
-from minisgl.ext.structured.options import structured_options
+from minisgl.ext.structured.options import chat_options, structured_options
 from minisgl.ext.structured.parsers import (
     TOOL_PARSERS,
     FunctionSchema,
@@ -73,7 +73,7 @@ class ChatParsing:
         except ValueError as e:
             message = str(e).replace("tool_choice", self.choice_param, 1)
             raise APIError(400, message, self.choice_param if forced else None) from None
-        grammar = params.structural_tag or ""
+        grammar = params.get("structural_tag") or ""
         if forced and len(grammar) > MAX_GRAMMAR_CHARS:  # the tools' schemas, compiled
             message = (
                 f"tools: the grammar of the forced calls has at most {MAX_GRAMMAR_CHARS} "
@@ -211,13 +211,14 @@ async def output_parser(api: Any) -> tuple[OutputParser, tuple[str, ...]]:
     `auto` left in the args (a server not started by the launcher, which resolves them) is
     resolved here, from the API process's tokenizer."""
     if api not in _PARSERS:
-        args = api.args
-        if AUTO in (args.tool_call_parser, args.reasoning_parser):
+        options = chat_options(api.args)
+        if AUTO in (options.tool_call_parser, options.reasoning_parser):
             chosen = await api.with_tokenizer(
-                lambda tok: resolve(args.tool_call_parser, args.reasoning_parser, tok), "model"
+                lambda tok: resolve(options.tool_call_parser, options.reasoning_parser, tok),
+                "model",
             )
-            args.tool_call_parser, args.reasoning_parser = chosen
-        name, reasoning = args.tool_call_parser, args.reasoning_parser
+            options.tool_call_parser, options.reasoning_parser = chosen
+        name, reasoning = options.tool_call_parser, options.reasoning_parser
         tools, special_tokens = None, ()
         if name is not None:
 

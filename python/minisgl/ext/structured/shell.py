@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from minisgl.ext.structured.options import chat_options
 from minisgl.ext.structured.parsers import OutputStream, get_reasoning_parser
 from minisgl.shell import Printer
 
@@ -61,8 +62,10 @@ def shell_printers(args: Any) -> Callable[[list[dict[str, str]]], Printer]:
     """The printer of the answer to each history, for `args` (ServerArgs) with a reasoning
     parser; the prompt is rendered (the model's tokenizer, --chat-template) only for a format
     that the template may open, to see whether it did."""
-    reasoning = get_reasoning_parser(args.reasoning_parser)
-    hide, ansi = args.shell_hide_reasoning, sys.stdout.isatty()
+    options = chat_options(args)
+    assert options.reasoning_parser is not None  # StructuredChat.shell_printers
+    reasoning = get_reasoning_parser(options.reasoning_parser)
+    hide, ansi = options.shell_hide_reasoning, sys.stdout.isatty()
     tokenizer = None
     if not reasoning.starts_in_reasoning:
         from minisgl.models.weight import resolve_model_path

@@ -186,11 +186,12 @@ class OutputParser:
                         f"tool_choice: {tools[1].mode!r} forces tool calls, which cannot be "
                         f"combined with another output constraint ({given[0]})"
                     )
-                return dataclasses.replace(params, structural_tag=grammar)
+                return dataclasses.replace(params, ext={**params.ext, "structural_tag": grammar})
         if given is None or given[0] == "structural_tag":
             return params
         grammar = self.answer_grammar(*given, in_reasoning, any_whitespace)
         if grammar is None:
             return params
-        moved: dict[str, Any] = {given[0]: None, "structural_tag": grammar}
-        return dataclasses.replace(params, **moved)
+        return dataclasses.replace(
+            params, ext={**params.ext, given[0]: None, "structural_tag": grammar}
+        )

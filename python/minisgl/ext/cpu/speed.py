@@ -1,0 +1,104 @@
+"""The CPU speed paths of the torch path, each bit for bit the core's plain path it replaces:
+RoPE from a precomputed (cos, cos) / (-sin, sin) table, its rows looked up once a forward for
+every layer and q and k rotated as one view when k follows q in the QKV output; attention in
+float32 for 16-bit models. `cpu_engine` (the `decoder_transform` point) installs them into
+each built cpu engine before --enable-torch-compile compiles its decoder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.core import Batch
+from minisgl.ext.cpu.torch_compile import compiled_decoder
+from minisgl.layers.attention import AttentionLayer
+from minisgl.layers.rotary import RopeConfig, RotaryEmbedding
+from minisgl.models.llama import LlamaForCausalLM
+
+
+def cpu_engine(engine: Any) -> torch.nn.Module | None:
+    """The `decoder_transform` point: on cpu the speed paths into the built engine
+    (`engine.Engine`), then the compiled decoder under --enable-torch-compile, else None."""
+    if engine.device.type == "cpu":
+        install_rotary(engine.model, engine.model_config.rope, engine.dtype)
+        if type(engine.attn_backend) is TorchAttnBackend:  # read by the Context built next
+            engine.attn_backend = WideTorchAttnBackend(engine.attn_backend.sliding_window)
+    return compiled_decoder(engine)
+
+
+def install_rotary(model: LlamaForCausalLM, cfg: RopeConfig, dtype: torch.dtype) -> None:
+    """One `TableRotary` for the model and every attention layer (the core shares one too)."""
+    rotary = TableRotary(cfg, dtype)
+    model.model.rotary = rotary
+    for module in model.modules():
+        if isinstance(module, AttentionLayer):
+            module.rotary[0] = rotary
+
+
+class TableRotary(RotaryEmbedding):
+    """`RotaryEmbedding` with its rows from `rope_table`, looked up once a forward: every
+    layer rotates at the same positions tensor (on cpu no CUDA graph refills one in place)."""
+
+    def __init__(self, cfg: RopeConfig, dtype: torch.dtype) -> None:
+        super().__init__(cfg)
+        # in the model's dtype, rounded once: a compiled graph looks rows up in each layer and
+        # would skip a cast to 16 bits there (inductor), rotating by unrounded cos / sin
+        self.tables = {dtype: rope_table(self.cos_sin).to(dtype)}
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.dtype not in self.tables:  # q in another dtype than the model's (tests)
+            self.tables[q.dtype] = rope_table(self.cos_sin).to(q.dtype)
+            self._rows = None
+        if torch.compiler.is_compiling():  # the compiled graph shares one lookup by itself
+            rows = self.tables[q.dtype][positions].unsqueeze(2)
+            return rotate(q, rows), rotate(k, rows)
+        last = self._rows  # holds `positions`: a new forward's tensor is another object
+        if last is None or last[0] is not positions or last[1].dtype != q.dtype:
+            last = self._rows = (positions, self.tables[q.dtype][positions].unsqueeze(2))
+        if (qk := adjacent(q, k)) is not None:  # QKV output: one rotation for both
+            q_rot, k_rot = rotate(qk, last[1]).split_with_sizes([q.shape[1], k.shape[1]], 1)
+            return q_rot, k_rot
+        return rotate(q, last[1]), rotate(k, last[1])
+
+
+def adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q and k as one [T, Hq + Hk, D] view when k directly follows q in one storage (the QKV
+    projection's output without q/k norm), else None."""
+    d = q.shape[2]
+    is_adjacent = (
+        q.stride()[1:] == (d, 1) == k.stride()[1:]
+        and (q.shape[0] <= 1 or q.stride(0) == k.stride(0))  # one row: its stride is arbitrary
+        and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+        and k.storage_offset() == q.storage_offset() + q.shape[1] * d
+    )
+    if not is_adjacent:
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], d), q.stride())
+
+
+def rope_table(cos_sin: torch.Tensor) -> torch.Tensor:
+    """[max_position, 2, head_dim]: (cos, cos) and (-sin, sin) per position."""
+    # a rotation is then x * cos + roll(x) * sin, four ops (transformers' rotate_half form)
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    return torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
+
+
+def rotate(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by `rope_table` rows [T, 2, 1, D], bit for bit the two-halves form."""
+    # first half x1 cos - x2 sin, second x2 cos + x1 sin; the halves swap in one flip
+    swapped = x.view(*x.shape[:-1], 2, -1).flip(-2).view(x.shape)
+    return x * rows[:, 0] + swapped * rows[:, 1]
+
+
+class WideTorchAttnBackend(TorchAttnBackend):
+    """The torch backend with q, K and V widened to float32 (a no-op for float32 models): on
+    CPU torch's 16-bit SDPA is 2-3x slower at decode sizes than widening first (widening is
+    exact; the sums were float32 already)."""
+
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
+        return super().forward(q.float(), layer_id, scale, batch).to(q.dtype)
