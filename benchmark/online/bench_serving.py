@@ -844,10 +844,11 @@ def healthy(proc: subprocess.Popen, base_url: str, log_path: str) -> bool:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Ctrl-C to the server's process group (every server handles it), SIGKILL after 60 s and
-    for anything of the group left behind."""
+    """SIGTERM to the server's process group (every server handles it; SIGINT may be ignored:
+    this script run in the background of a shell starts with it ignored, and so does the
+    server), SIGKILL after 60 s and for anything of the group left behind."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:

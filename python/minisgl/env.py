@@ -61,9 +61,3 @@ def disable_pdl() -> bool:
 def disable_overlap_scheduling() -> bool:
     """MINISGL_DISABLE_OVERLAP_SCHEDULING: build the next batch only after the current one ends."""
     return flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")
-
-
-def api_key() -> str | None:
-    """MINISGL_API_KEY: the API key when --api-key is not given (private to its user, unlike a
-    command line). Empty: none."""
-    return os.environ.get("MINISGL_API_KEY") or None

@@ -314,7 +314,7 @@ class Extensions:
     # extension, `ServerArgs.extras[name]` holds them parsed (without it: unknown flags)
     options: dict[str, type] = field(default_factory=dict)
     # (app, args, frontend, paths) -> the ASGI middleware every HTTP request passes: a
-    # `server.gate.Gate` subclass (None: the Gate: the API key)
+    # `server.gate.Gate` subclass (None: the Gate, which checks nothing)
     gate: Callable[..., Any] | None = None
     # (args, app, frontend, on_shutdown) -> the uvicorn server an API process runs `app` with
     # (None: plain uvicorn, in `server.launch.http_server`)
@@ -406,6 +406,7 @@ EXTENSION_OPTIONS = {
     "shell_hide_reasoning": "structured",
     "grammar_compile_timeout": "structured",
     "priority_aging": "serving",
+    "api_key": "serving",
     "dp": "serving",  # --dp, --dp-size, --dp-dispatch, --dp-load-threshold
     "max_queued_requests": "serving",
     "request_timeout": "serving",

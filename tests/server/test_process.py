@@ -185,13 +185,17 @@ def test_health_generate_sees_a_hung_worker(server: Server) -> None:
 
 
 def test_api_key_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minisgl.ext.serving.options import serving_options
     from minisgl.server.args import parse_args
 
+    def key(argv: list[str]) -> str | None:
+        return serving_options(parse_args(argv)).api_key
+
     monkeypatch.setenv("MINISGL_API_KEY", KEY)
-    assert parse_args([]).api_key == KEY
-    assert parse_args(["--api-key", "from-the-flag"]).api_key == "from-the-flag"  # the flag wins
+    assert key([]) == KEY
+    assert key(["--api-key", "from-the-flag"]) == "from-the-flag"  # the flag wins
     monkeypatch.setenv("MINISGL_API_KEY", "")
-    assert parse_args([]).api_key is None  # empty: no key
+    assert key([]) is None  # empty: no key
 
 
 def test_undecodable_internal_messages_are_dropped(server: Server) -> None:

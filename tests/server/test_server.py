@@ -2,13 +2,14 @@
 with the official `openai` client and raw HTTP.
 
 Servers: the main one (two tokenizer workers; stopped with SIGTERM while a client streams), a
-strict one (API key, 64-token context; stopped with a terminal's Ctrl-C, i.e. SIGINT to its
-process group) and one stopped while it starts. None may leave a
+strict one (64-token context, and an API key where the serving extension is; stopped with a
+terminal's Ctrl-C, i.e. SIGINT to its process group) and one stopped while it starts. None may leave a
 process behind. Greedy results are compared with the offline `LLM` on the same checkpoint."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -23,6 +24,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from transformers import AutoTokenizer
 
+from minisgl import env
 from support.server import Server, descendants, make_tiny_model, run_server, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
@@ -32,6 +34,10 @@ CONTEXT = 32768  # the main server's: a request of CONTEXT - 100 tokens runs 10 
 STRICT_CONTEXT = 64
 IGNORE_EOS = {"ignore_eos": True}
 CHAT = [{"role": "user", "content": "hello world, the quick brown fox"}]
+# as tests/conftest.py decides which tests are `ext`: the servers started have minisgl/ext
+WITH_EXTENSIONS = (
+    importlib.util.find_spec("minisgl.ext") is not None and not env.disable_extensions()
+)
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "generate": "/generate"}
 
 
@@ -57,7 +63,9 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.fixture(scope="module")
 def strict(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = str(tmp_path_factory.mktemp("logs") / "strict.log")
-    args = ("--page-size", "4", "--max-model-len", str(STRICT_CONTEXT), "--api-key", API_KEY)
+    args = ("--page-size", "4", "--max-model-len", str(STRICT_CONTEXT))
+    if WITH_EXTENSIONS:  # --api-key is the serving extension's
+        args += ("--api-key", API_KEY)
     # stopped like a Ctrl-C in its terminal: SIGINT to the whole process group
     with run_server(model_dir, *args, log_path=log, stop_signal=signal.SIGINT, group=True) as s:
         yield s
@@ -439,6 +447,7 @@ def test_sigterm_with_a_stream_in_flight(server: Server) -> None:
 
 
 # ---- API key and a short context ----------------------------------------------------------
+@pytest.mark.ext  # --api-key: the serving extension
 def test_api_key(strict: Server) -> None:
     assert httpx.get(f"{strict.url}/health").status_code == 200  # health stays open
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": API_KEY}):

@@ -124,10 +124,16 @@ def title(pid: int) -> str:
     return cmdline(pid).strip()
 
 
-def _limit_files(n: int) -> None:
-    import resource
+def _as_from_a_terminal(max_open_files: int | None) -> None:
+    """In the server's process before it starts: Ctrl-C's default action, as a terminal gives it
+    (a pytest run in the background of a script starts with SIGINT ignored, and an ignored
+    signal is inherited: the server would ignore the Ctrl-C that tests send it); `max_open_files`:
+    its RLIMIT_NOFILE (soft and hard)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if max_open_files is not None:
+        import resource
 
-    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
 
 
 def cmdline(pid: int) -> str:
@@ -226,7 +232,7 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=None if max_open_files is None else lambda: _limit_files(max_open_files),
+            preexec_fn=lambda: _as_from_a_terminal(max_open_files),
         )
         self.children: list[Proc] = []
         track(self.proc, lambda: self.children)  # until stop() or kill_all() has seen it end

@@ -22,9 +22,10 @@ def test_defaults():
     assert (sched.cache, engine.attn, engine.attn_backends) == ("radix", "auto", ("auto", "auto"))
     assert (engine.cuda_graph_max_bs, engine.memory_ratio) == (256, 0.9)
     assert (engine.num_pages, engine.max_model_len, args.num_tokenizer) == (None, None, 1)
-    assert (engine.dummy_weights, args.shell, args.api_key) == (False, False, None)
+    assert (engine.dummy_weights, args.shell) == (False, False)
     assert (engine.seed, args.log_level) == (0, "info")
-    serving = args.extras["serving"]  # the request limits: the serving extension's
+    serving = args.extras["serving"]  # the request limits and the API key: the serving extension's
+    assert serving.api_key is None
     assert (serving.max_queued_requests, serving.request_timeout) == (None, None)
     assert (serving.max_request_bytes, args.shutdown_timeout) == (16 * 2**20, 30.0)
 
@@ -80,12 +81,11 @@ def test_all_flags():
         port=8000,
         num_tokenizer=2,
         shell=True,
-        api_key="sk-1",
         log_level="debug",
         shutdown_timeout=0.0,
         extras={
             "serving": ServingOptions(
-                max_queued_requests=64, request_timeout=2.5, max_request_bytes=1000
+                api_key="sk-1", max_queued_requests=64, request_timeout=2.5, max_request_bytes=1000
             )
         },
     )

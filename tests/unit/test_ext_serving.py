@@ -2,7 +2,8 @@
 core without it (issue 46): the extension fills its points; with MINISGL_DISABLE_EXTENSIONS=1 a
 real server answers SGLang's endpoints and /metrics 404 as it does any unknown route, refuses
 every undeclared /generate field with a 400 naming it, counts nothing, and still serves /stats
-and /generate; `--dp 2` and `LLM(dp=2)` are refused as needing the extension. The core-alone tests carry the `core` mark (.ci/run runs them without ext/)."""
+and /generate; `--dp 2`, `LLM(dp=2)`, --api-key and MINISGL_API_KEY are refused as needing the
+extension. The core-alone tests carry the `core` mark (.ci/run runs them without ext/)."""
 
 from __future__ import annotations
 
@@ -79,11 +80,13 @@ MOVED_FLAGS = [  # the serving extension's: its `options` point declares them (f
     ("--gc-threshold", "7", [7]),
     ("--gc-warning-threshold-secs", "1", 1.0),
 ]
-# the request limits, once the core's: without it refused naming it (EXTENSION_OPTIONS)
+# the request limits and the API key, once the core's: without it refused naming it
+# (EXTENSION_OPTIONS)
 LIMIT_FLAGS = [
     ("--max-queued-requests", "4", 4),
     ("--request-timeout", "2.5", 2.5),
     ("--max-request-bytes", "1000", 1000),
+    ("--api-key", "sk-1", "sk-1"),
 ]
 
 
@@ -120,6 +123,25 @@ def test_its_flags_are_unknown_without_it(
         if line.startswith("  --")
     ]
     assert entries and flag not in entries  # --help has no entry for it
+
+
+@pytest.mark.core
+def test_an_api_key_in_the_environment_is_refused_without_it(
+    core_alone: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MINISGL_API_KEY without the extension that checks it: no server open to all (exit 2,
+    one line naming the variable and the extension); empty, it is no key."""
+    from minisgl.server.args import parse_args
+
+    monkeypatch.setenv("MINISGL_API_KEY", "sk-1")
+    with pytest.raises(SystemExit) as exc:
+        parse_args([])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: MINISGL_API_KEY {NEEDS_SERVING} (minisgl/ext/serving)\n"), err
+    assert err.count("\n") == 1, err
+    monkeypatch.setenv("MINISGL_API_KEY", "")
+    assert parse_args([]).tp == 1
 
 
 @pytest.mark.core

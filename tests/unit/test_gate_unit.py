@@ -1,6 +1,8 @@
-"""The gate's parts, driven directly (issue 52): strict decoding of request bodies, RFC 7235
-Authorization, the limit on requests in progress that /health is exempt from, the body-read
-timeout, a bounded uvicorn that sheds a body that never ends, and the exit log's filter."""
+"""The serving extension's gate, its parts driven directly (issue 52): strict decoding of
+request bodies, RFC 7235 Authorization (or x-api-key) against --api-key, every response counted
+by path and status, the limit on requests in progress that /health is exempt from, the
+body-read timeout, a bounded uvicorn that sheds a body that never ends, and the exit log's
+filter."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
+from minisgl.ext.serving.auth import credentials_refused
 from minisgl.ext.serving.text import LONE_SURROGATE, NOT_UTF8, invalid_text_path
-from minisgl.server.gate import credentials_refused
+from minisgl.extension import RequestObserver
 
 # (body, what invalid_text_path finds)
 BODIES: list[tuple[bytes, tuple[str | None, str] | None]] = [
@@ -68,16 +71,37 @@ def test_credentials_refused(values: list[bytes], refused: str | None) -> None:
     assert why == refused if refused is None else why is not None and why.startswith(refused)
 
 
-def gated(body_timeout: float = 30.0, max_requests: int = 2048) -> Any:
-    """A FastAPI app under the gate: /slow waits until `app.state.release` (a threading.Event,
-    set from any thread) is set."""
-    from fastapi import FastAPI
+def test_x_api_key() -> None:
+    key = b"k3y"
+    assert credentials_refused([(b"x-api-key", key)], key) is None
+    assert credentials_refused([(b"authorization", b"Bearer k3y")], key) is None
+    assert credentials_refused([(b"x-api-key", b"wrong")], key) is not None
+    assert credentials_refused([(b"x-api-key", key), (b"x-api-key", key)], key) is not None
+    assert credentials_refused([], key) is not None
 
-    from minisgl.ext.serving.metrics import Metrics
-    from minisgl.message import SchedulerStats
+
+class Responses(RequestObserver):
+    """The responses the gate counted, as (path, status)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def response(self, path: str, status: int) -> None:
+        self.seen.append((path, status))
+
+
+def gated(body_timeout: float = 30.0, max_requests: int = 2048, api_key: str | None = None) -> Any:
+    """A FastAPI app under the gate: /slow waits until `app.state.release` (a threading.Event,
+    set from any thread) is set, /boom fails; `app.state.responses`: what the gate counted."""
+    from fastapi import FastAPI
 
     app = FastAPI()
     app.state.release = threading.Event()
+    app.state.responses = Responses()
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
 
     @app.get("/slow")
     async def slow() -> dict[str, str]:
@@ -93,14 +117,67 @@ def gated(body_timeout: float = 30.0, max_requests: int = 2048) -> Any:
     from minisgl.ext.serving.options import ServingOptions
     from minisgl.server.args import ServerArgs
 
-    frontend: Any = SimpleNamespace(metrics=Metrics(SchedulerStats, lambda: 0), api_count=1)
+    frontend: Any = SimpleNamespace(metrics=app.state.responses, api_count=1)
     options = ServingOptions(
-        timeout_body_read=body_timeout, max_connections=max_requests, max_request_bytes=1000
+        api_key=api_key,
+        timeout_body_read=body_timeout,
+        max_connections=max_requests,
+        max_request_bytes=1000,
     )
     args = ServerArgs(extras={"serving": options})
-    paths = frozenset({"/slow", "/health"})
+    paths = frozenset({"/slow", "/health", "/boom"})
     app.add_middleware(ServingGate, args=args, frontend=frontend, paths=paths)
     return app
+
+
+def test_the_api_key_and_every_response_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--api-key: without it, or a wrong one, 401 asking for Bearer (/health open); Bearer or
+    x-api-key pass. Every response is counted by path and status, the gate's own refusals and
+    its 500 included, a path not the app's as "other"."""
+    monkeypatch.delenv("MINISGL_API_KEY", raising=False)
+    app = gated(api_key="sk-1")
+    app.state.release.set()
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/health")).status_code == 200
+            for headers in ({}, {"authorization": "Bearer wrong"}):
+                r = await client.get("/slow", headers=headers)
+                assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+                assert r.json()["error"]["code"] == "invalid_api_key"
+            for headers in ({"authorization": "Bearer sk-1"}, {"x-api-key": "sk-1"}):
+                assert (await client.get("/slow", headers=headers)).status_code == 200
+            key = {"x-api-key": "sk-1"}
+            r = await client.get("/boom", headers=key)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+            assert (await client.get("/nowhere", headers=key)).status_code == 404
+            assert (await client.get("/nowhere")).status_code == 401
+
+    asyncio.run(run())
+    assert sorted(app.state.responses.seen) == [
+        ("/boom", 500),
+        ("/health", 200),
+        ("/slow", 200),
+        ("/slow", 200),
+        ("/slow", 401),
+        ("/slow", 401),
+        ("other", 401),
+        ("other", 404),
+    ]
+
+
+def test_no_key_lets_every_request_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MINISGL_API_KEY", raising=False)
+    app = gated()
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/nowhere")).status_code == 404
+
+    asyncio.run(run())
 
 
 def test_requests_beyond_the_limit_get_503_but_health_is_answered() -> None:

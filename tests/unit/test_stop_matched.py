@@ -1,13 +1,12 @@
-"""Core pieces the agent APIs read, without any extension: the stop string that ended a reply
-(`UserReply.matched`, set by the detokenizer; the chat's `stop_reason`) and the API key in an
-`x-api-key` header (Anthropic's clients) beside `Authorization: Bearer`."""
+"""A core piece the agent APIs read, without any extension: the stop string that ended a reply
+(`UserReply.matched`, set by the detokenizer; the chat's `stop_reason`). The API key in an
+`x-api-key` header is the serving extension's (tests/unit/test_gate_unit.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from minisgl.message import DetokenizeMsg, DetokInitMsg, UserReply
-from minisgl.server.gate import credentials_refused
 from minisgl.tokenizer.detokenize import Detokenizer
 from support.tokenizer import build_tiny_tokenizer
 
@@ -49,12 +48,3 @@ def test_no_stop_string_matched() -> None:
     for reason in ("stop", "length"):  # EOS, max_tokens
         *_, last = replies(["xyz"], reason)
         assert last.finish_reason == reason and last.matched is None
-
-
-def test_x_api_key() -> None:
-    key = b"k3y"
-    assert credentials_refused([(b"x-api-key", key)], key) is None
-    assert credentials_refused([(b"authorization", b"Bearer k3y")], key) is None
-    assert credentials_refused([(b"x-api-key", b"wrong")], key) is not None
-    assert credentials_refused([(b"x-api-key", key), (b"x-api-key", key)], key) is not None
-    assert credentials_refused([], key) is not None

@@ -5,11 +5,11 @@ field's help text. A bad value exits with code 2 and one line naming the flag.""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
 
-from minisgl import env
 from minisgl.engine.config import EngineConfig
 from minisgl.extension import ExtensionMissing, check_extension_options, extensions
 from minisgl.scheduler.config import SchedulerConfig
@@ -53,11 +53,6 @@ class ServerArgs:
         False, "serve without the warm-up (on a GPU: short requests that compile the kernels)"
     )
     shell: bool = option(False, "interactive terminal chat instead of a server")
-    api_key: str | None = option(
-        None,
-        "require 'Authorization: Bearer KEY' (unset: $MINISGL_API_KEY, which other local users "
-        "cannot read, unlike a command line)",
-    )
     shutdown_timeout: float = option(
         30.0,
         "seconds SIGTERM waits for in-flight requests to finish",
@@ -184,8 +179,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     scheduler = {k: options.pop(k) for k in list(options) if k in sched_names}
     configs = (EngineConfig, ServerArgs, *extras.values())
     engine, server, *own = split_options(options, *configs)
-    if server["api_key"] is None:  # --api-key wins over the environment
-        server["api_key"] = env.api_key()
+    if "serving" not in extras and os.environ.get("MINISGL_API_KEY"):  # never serve it open
+        parser.error(str(ExtensionMissing("MINISGL_API_KEY", "serving")))
     try:
         server["extras"] = {name: cls(**o) for (name, cls), o in zip(extras.items(), own)}
         sched = SchedulerConfig.from_options(scheduler)

@@ -1,13 +1,10 @@
-"""What every HTTP request passes before FastAPI (`Gate`): the API key."""
-
-# Each refusal, and an exception the app did not answer, is an OpenAI-shaped JSON error counted
-# by status like every other response. The serving extension's gate (the `gate` point) reads the
-# body whole first (`body`) for the checks of its size and text, and adds the limit on requests
-# in progress and the body's read timeout.
+"""What every HTTP request passes before FastAPI (`Gate`): two hooks with do-nothing defaults
+(`check_head`, `body`), refusals as JSON errors, and the last resort for an exception the app
+did not answer. The serving extension's gate (the `gate` point) fills the hooks: the API key,
+the limits on the body and on requests in progress, and counts every response."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -32,51 +29,29 @@ class Refusal(NamedTuple):
     headers: dict[str, str] | None = None
 
 
-def credentials_refused(headers: list[tuple[bytes, bytes]], key: bytes) -> str | None:
-    """Why a request's credentials do not carry the API key, or None when they do."""
-    # RFC 7235: exactly one Authorization header, `auth-scheme 1*SP token`, the scheme in any
-    # case; or the key alone in one x-api-key header, as Anthropic's clients send it.
-    x_api_key = [value for name, value in headers if name == b"x-api-key"]
-    if len(x_api_key) == 1 and hmac.compare_digest(x_api_key[0], key):
-        return None
-    given = [value for name, value in headers if name == b"authorization"]  # names: lower case
-    scheme, _, token = (given[0] if given else b"").partition(b" ")
-    matches = hmac.compare_digest(token.lstrip(b" "), key)  # always made: constant time
-    if len(given) > 1:
-        return f"{len(given)} Authorization headers: send exactly one ('Bearer KEY')"
-    if scheme.lower() != b"bearer" or not matches:
-        return "invalid or missing API key"
-    return None
-
-
 class Gate:
-    """Pure ASGI middleware (not BaseHTTPMiddleware: an endpoint still sees its client leave);
-    `paths`: the app's own (responses elsewhere are counted as "other")."""
+    """Pure ASGI middleware (not BaseHTTPMiddleware: an endpoint still sees its client leave).
+    `args`, `frontend` and `paths` (the app's own) are for a subclass's checks."""
 
     def __init__(
         self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
     ) -> None:
-        self.app, self.paths = app, paths
-        self.api_key = None if args.api_key is None else args.api_key.encode()
-        self.observer = frontend.metrics
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"] if scope["path"] in self.paths else "other"
         started = False
 
-        async def counted(message: Message) -> None:
+        async def watched(message: Message) -> None:
             nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                self.observer.response(path, message["status"])
+            started = started or message["type"] == "http.response.start"
             await send(message)
 
         async def refuse(r: Refusal) -> None:
             shape = extensions().error_bodies.get(scope["path"], error_body)  # another API's?
             body = shape(r.status, r.message, r.param, r.code)
-            await JSONResponse(body, r.status, headers=r.headers)(scope, receive, counted)
+            await JSONResponse(body, r.status, headers=r.headers)(scope, receive, send)
 
         if (refusal := self.check_head(scope)) is not None:
             return await refuse(refusal)
@@ -86,7 +61,7 @@ class Gate:
         if body is None:
             return  # the client left before sending all of its body
         try:
-            await self.serve(scope, body, counted)
+            await self.serve(scope, body, watched)
         except Exception as e:
             if started:  # too late for a status: the connection is cut (uvicorn logs it)
                 raise
@@ -101,10 +76,7 @@ class Gate:
         await self.app(scope, receive, send)
 
     def check_head(self, scope: Scope) -> Refusal | None:
-        if self.api_key is not None and scope["path"] != "/health":
-            if (why := credentials_refused(scope["headers"], self.api_key)) is not None:
-                # RFC 7235: a 401 names the scheme it wants
-                return Refusal(401, why, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        """A refusal of the request from its head alone (here none)."""
         return None
 
     async def body(self, scope: Scope, receive: Receive) -> Receive | Refusal | None:

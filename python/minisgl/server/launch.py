@@ -255,7 +255,6 @@ class Launcher:
 def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], int]) -> int:
     """Start the children, run `front_end` until it returns or SIGTERM, stop them; exit code."""
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    hide_api_key()
     # The default SIGTERM action would kill this process at once and orphan the children.
     signal.signal(signal.SIGTERM, _on_sigterm)
     launcher = (extensions().launcher or Launcher)(args)
@@ -281,21 +280,6 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
         print(f"minisgl: {launcher.failure}", file=sys.stderr)
         return 1
     return code
-
-
-def hide_api_key() -> None:
-    """Mask --api-key's value in this process's command line (`ps`, /proc/PID/cmdline), which
-    other users can read (MINISGL_API_KEY keeps it private)."""
-    argv = list(sys.orig_argv)
-    for i, arg in enumerate(argv):
-        if arg == "--api-key" and i + 1 < len(argv):
-            argv[i + 1] = "***"
-        elif arg.startswith("--api-key="):
-            argv[i] = "--api-key=***"
-    if argv != sys.orig_argv:
-        import setproctitle
-
-        setproctitle.setproctitle(" ".join(argv))
 
 
 def http_server(

@@ -121,15 +121,17 @@ def _block_m(tokens: int) -> int:
 
 
 _BLOCK_K = 128
-_PROGRAMS = 256  # split the shrink's K until about this many programs run per slot
 _MAX_SPLIT = 8  # the expand adds the partial sums: each of its programs reads them all
+_SPLIT_TOKENS = 256  # batches up to this size split K (decode steps); larger ones do not
 
 
-def _split_k(k: int, tiles: int) -> tuple[int, int]:
-    """(splits, K per split) of the shrink: a decode step has one or two token tiles and a
-    few rank tiles, so without splitting K a handful of programs would each loop over all of
-    K (latency-bound); a prefill has tiles enough."""
-    split = max(1, min(triton.cdiv(k, 2 * _BLOCK_K), _PROGRAMS // tiles, _MAX_SPLIT))
+def _split_k(k: int, tokens: int) -> tuple[int, int]:
+    """(splits, K per split) of the shrink. A decode step has one or a few token tiles, so
+    without splitting K a handful of programs would each loop over all of K (latency-bound);
+    a prefill has tiles enough. Two choices only, not one per batch size: SPLIT is a
+    compile-time constant, and every new value compiled Triton variants in the middle of
+    serving (on the H200 about 4 s of a 21 s run, measured with `bench.py --profile`)."""
+    split = min(triton.cdiv(k, 2 * _BLOCK_K), _MAX_SPLIT) if tokens <= _SPLIT_TOKENS else 1
     per = triton.cdiv(triton.cdiv(k, split), _BLOCK_K) * _BLOCK_K
     return triton.cdiv(k, per), per
 
@@ -157,7 +159,7 @@ def lora_add(
     bm = _block_m(tokens)
     bn = min(64, max(16, triton.next_power_of_2(r_total)))
     m_tiles, n_tiles = triton.cdiv(tokens, bm), triton.cdiv(r_total, bn)
-    split, per = _split_k(k, m_tiles * n_tiles)
+    split, per = _split_k(k, tokens)
     inter = torch.empty((split, tokens, r_total), dtype=torch.float32, device=x.device)
     _shrink_kernel[(slots_n, m_tiles, n_tiles * split)](
         x, slots, a, inter, tokens, k, r_total, per,

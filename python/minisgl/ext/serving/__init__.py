@@ -20,8 +20,8 @@
   core's); `openapi.py`: the error statuses in the OpenAPI document;
 - `options.py`: its flags (the `options` point), e.g. --max-connections;
 - `http.py`, `connections.py`: the limits on requests in progress and on connections, the body
-  read timeout and size (--max-request-bytes), and a drain that ends its requests with an error
-  (the `gate` and `http_server` points); `frontend.py`: --max-queued-requests and
+  read timeout and size (--max-request-bytes), every response counted, and a drain that ends
+  its requests with an error (the `gate` and `http_server` points); `auth.py`: --api-key; `frontend.py`: --max-queued-requests and
   --request-timeout (the `launcher` point's Frontend);
 - `warmup.py`: the start-up warm-up where kernels compile (the `warm_up` point);
 - `scale.py`: --dp's replicas, --api-server-count's API processes and --nnodes' nodes (the
@@ -32,7 +32,7 @@
 Importing this package fills its points of `minisgl.extension.Extensions`; without it those
 routes answer 404, /health?generate=1 is a 400, every API path refuses the fields it does not
 declare, and --dp > 1, `LLM(dp=N > 1)`, a request's `priority` or `data_parallel_rank` and
---schedule-policy priority / lpm are refused."""
+--schedule-policy priority / lpm are refused, and so are --api-key and MINISGL_API_KEY."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """An API process's HTTP serving under load and at its stop (the `gate` and `http_server`
 points):
 
-- `ServingGate`: the core's Gate plus the body read whole, checked and replayed to the app:
-  --max-request-bytes (413), text that is not valid Unicode (400, `text.py`),
-  --timeout-body-read (408); and the limit on requests in progress (this process's share of
-  --max-connections; beyond it 503, never for /health);
+- `ServingGate`: the core's Gate plus the API key (--api-key: 401, never for /health,
+  `auth.py`); the body read whole, checked and replayed to the app: --max-request-bytes (413),
+  text that is not valid Unicode (400, `text.py`), --timeout-body-read (408); the limit on
+  requests in progress (this process's share of --max-connections; beyond it 503, never for
+  /health); and every response counted by path and status (/metrics), refusals included;
 - `serving_http_server`: uvicorn bounded by `ConnectionLimits` (--max-connections,
   --timeout-keep-alive), whose drain (SIGTERM, --shutdown-timeout) ends the requests still
   running with an error event just before it runs out, and whose exits log no traceback."""
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from minisgl.ext.serving.auth import credentials_refused
 from minisgl.ext.serving.connections import ConnectionLimits, connection_budget
 from minisgl.ext.serving.options import serving_options
 from minisgl.ext.serving.text import invalid_text_path
@@ -45,21 +47,36 @@ def expects_body(scope: Scope) -> bool:
 
 
 class ServingGate(Gate):
-    """The Gate, with the body read whole within --timeout-body-read (408) and checked: at
-    most --max-request-bytes (413), valid Unicode (400); and this API process's share of
-    --max-connections as the requests it serves at once (others than /health beyond it 503)."""
+    """The Gate, with the API key (401); the body read whole within --timeout-body-read (408)
+    and checked: at most --max-request-bytes (413), valid Unicode (400); this API process's
+    share of --max-connections as the requests it serves at once (others than /health beyond
+    it 503); and every response counted (`paths`: the app's own, others counted as "other")."""
 
     def __init__(
         self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
     ) -> None:
         super().__init__(app, args, frontend, paths)
+        self.paths, self.metrics = paths, frontend.metrics
         options = serving_options(args)
+        self.api_key = None if options.api_key is None else options.api_key.encode()
         self.body_timeout, self.max_body = options.timeout_body_read, options.max_request_bytes
         self.max_requests = -(-options.max_connections // frontend.api_count)
         # Requests passed to the app, /health included. Not those whose body is still coming:
         # they cost nothing but a connection, which ConnectionLimits sheds when needed (one
         # shed a moment ago still counted would refuse the request that took its place).
         self.serving = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in self.paths else "other"
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.response(path, message["status"])
+            await send(message)
+
+        await super().__call__(scope, receive, counted)
 
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.serving += 1
@@ -75,9 +92,18 @@ class ServingGate(Gate):
             return Refusal(503, message, "overloaded", headers={"Retry-After": "1"})
         return None
 
+    def check_key(self, scope: Scope) -> Refusal | None:
+        if self.api_key is None or scope["path"] == "/health":
+            return None
+        if (why := credentials_refused(scope["headers"], self.api_key)) is None:
+            return None
+        # RFC 7235: a 401 names the scheme it wants
+        return Refusal(401, why, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
     def check_head(self, scope: Scope) -> Refusal | None:
-        """Overloaded: refused before anything else (no body read)."""
-        if (refusal := self.over_limit(scope) or super().check_head(scope)) is not None:
+        """Overloaded: refused before anything else (no body read); then the API key."""
+        refusal = self.over_limit(scope) or self.check_key(scope) or super().check_head(scope)
+        if refusal is not None:
             return refusal
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:

@@ -7,6 +7,7 @@ import argparse
 import socket
 from dataclasses import dataclass
 
+from minisgl.ext.serving.auth import env_api_key
 from minisgl.server.args import ServerArgs, seconds
 from minisgl.utils.options import OptionError, int_range, option
 
@@ -23,6 +24,11 @@ def _host_port(value: str) -> str:
 
 @dataclass
 class ServingOptions:
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' (unset: $MINISGL_API_KEY, which other local users "
+        "cannot read, unlike a command line)",
+    )
     dp: int = option(
         1,
         "data-parallel replicas behind this API server, each a TP group (dp x tp GPUs in all)",
@@ -130,6 +136,10 @@ class ServingOptions:
     max_request_bytes: int = option(
         16 * 2**20, "largest HTTP request body accepted (larger ones get 413)", type=int_range(1)
     )
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:  # --api-key wins over the environment
+            self.api_key = env_api_key()
 
     def check(self, args: ServerArgs) -> None:
         """Against the server's options (`ServerArgs.__post_init__`): OptionError naming the

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from minisgl.distributed import Rendezvous, rendezvous_file
 from minisgl.engine.config import EngineConfig
 from minisgl.ext.serving.apis import ApiQueues
+from minisgl.ext.serving.auth import hide_api_key
 from minisgl.ext.serving.collector import export_gc_settings
 from minisgl.ext.serving.frontend import ApiFailMsg, ServingFrontend
 from minisgl.ext.serving.nodes import TcpRendezvous
@@ -121,6 +122,7 @@ class ServingLauncher(Launcher):
 
     def __init__(self, args: ServerArgs) -> None:
         self.options = options = serving_options(args)
+        hide_api_key()  # in this process's command line only: the children show their titles
         export_gc_settings(args)  # before any child starts: they read it once ready
         self.api_server_count = options.api_server_count
         super().__init__(
