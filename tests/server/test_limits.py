@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +24,8 @@ from support.server import Server, make_tiny_model, run_server, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 MAX_QUEUED = 4
+# a small request held this long waited behind a huge prompt (the old stall was ~8 s per one)
+STALL_S = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +163,11 @@ def test_prompt_far_beyond_the_context_is_refused_before_tokenizing(server: Serv
 
 
 def test_a_10_mb_prompt_does_not_hold_up_small_requests(server: Server) -> None:
-    """The median latency of small requests sent while 10 MB prompts arrive, one every ~0.6 s,
-    stays within 2x of the same requests' alone (before: each huge prompt was tokenized whole
-    first, ~8 s during which every request behind it waited). Each refused 10 MB body still
-    costs ~75 ms of JSON parsing on the API process's event loop on this CPU; the spacing keeps
-    that from being what is measured on a loaded 2-core machine."""
+    """Small requests sent while 10 MB prompts arrive all answer, none held up behind a huge
+    one: each huge prompt is refused by its length in characters, never tokenized (before: it
+    was tokenized whole first, ~8 s during which every request behind it waited). Each refused
+    10 MB body still costs ~75 ms of JSON parsing on the API process's event loop; the bound is
+    against the stall, far above what load costs (a 2x-of-alone bound failed on a busy machine)."""
     huge = json.dumps({"prompt": "hello world " * 870_000, "max_tokens": 2}).encode()
     assert len(huge) > 10_000_000
     small = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
@@ -182,15 +183,14 @@ def test_a_10_mb_prompt_does_not_hold_up_small_requests(server: Server) -> None:
         return out
 
     latencies(lambda out: len(out) == 3)  # warm up
-    baseline = statistics.median(latencies(lambda out: len(out) == 15))
-    statuses: list[int] = []
+    refusals: list[tuple[int, str]] = []
 
     def send_huge() -> None:
         with httpx.Client(timeout=120) as client:
             for _ in range(6):
                 headers = {"content-type": "application/json"}
                 r = client.post(f"{server.url}/v1/completions", content=huge, headers=headers)
-                statuses.append(r.status_code)
+                refusals.append((r.status_code, r.json()["error"]["message"]))
                 time.sleep(0.5)  # one at a time: a stall, not CPU contention, is what is measured
 
     sender = threading.Thread(target=send_huge)
@@ -199,8 +199,9 @@ def test_a_10_mb_prompt_does_not_hold_up_small_requests(server: Server) -> None:
         loaded = latencies(lambda out: not sender.is_alive() and len(out) >= 15)
     finally:
         sender.join(300)
-    assert statuses == [400] * 6, statuses
-    assert statistics.median(loaded) < 2 * baseline, (loaded, baseline)
+    assert [status for status, _ in refusals] == [400] * 6, refusals
+    assert all("characters" in message for _, message in refusals), refusals
+    assert max(loaded) < STALL_S, loaded
     assert_nothing_in_flight(server)
 
 
@@ -251,8 +252,8 @@ def test_unexpected_exception_is_a_counted_json_500() -> None:
     from fastapi import FastAPI
 
     from minisgl.ext.serving.metrics import Metrics
+    from minisgl.ext.serving.http import ServingGate
     from minisgl.message import SchedulerStats
-    from minisgl.server.api_server import Gate
     from minisgl.server.args import ServerArgs
 
     app = FastAPI()
@@ -261,11 +262,11 @@ def test_unexpected_exception_is_a_counted_json_500() -> None:
     async def boom() -> None:
         raise RuntimeError("a bug")
 
-    frontend: Any = SimpleNamespace(metrics=Metrics(SchedulerStats, lambda: 0))
+    frontend: Any = SimpleNamespace(metrics=Metrics(SchedulerStats, lambda: 0), api_count=1)
     paths = frozenset({"/boom"})
     # as create_app does: inside Starlette's outermost error middleware
     args = ServerArgs()
-    app.add_middleware(Gate, args=args, frontend=frontend, paths=paths)
+    app.add_middleware(ServingGate, args=args, frontend=frontend, paths=paths)
 
     async def run() -> None:
         transport = httpx.ASGITransport(app, raise_app_exceptions=False)
