@@ -6,8 +6,8 @@ needs CUDA carries `@pytest.mark.gpu` and nothing else: here it is skipped witho
 No orphans (issue 47): however pytest ends, the servers its tests started end too. Servers a
 test left running are killed after the session's teardown, at interpreter exit and on SIGTERM /
 SIGHUP (then every other process below pytest gets SIGTERM, and pytest dies of the signal as it
-would have); servers run with --exit-with-parent for a pytest killed outright
-(`support/server.py`)."""
+would have); servers run with --exit-with-parent (the serving extension's) for a pytest killed
+outright (`support/server.py`)."""
 
 import importlib.util
 import os
@@ -87,6 +87,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 CORE_MODULES = frozenset(
     {
         "unit/test_core_boundary.py",
+        "unit/test_light_processes.py",
         "unit/test_kvcache.py",
         "unit/test_scheduler.py",
         "unit/test_message.py",

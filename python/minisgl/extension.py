@@ -369,6 +369,9 @@ class Extensions:
     # () -> None, in each server process (and `LLM(tp=N)`'s ranks) once it is ready: ext/serving
     # freezes the start-up heap for the garbage collector (None: Python's collector as it is)
     process_ready: Callable[[], None] | None = None
+    # a message type the scheduler process does not know -> (its `scheduler.io.SchedulerServer`,
+    # the message) -> None: ext/serving's /flush_cache (none: each is logged and dropped)
+    scheduler_messages: dict[type, Callable[[Any, Any], None]] = field(default_factory=dict)
     # -- points -- (new points go above this line)
     loaded: bool = False  # bookkeeping, not a point: minisgl.ext was imported (extensions())
 
@@ -395,6 +398,25 @@ def require(value: T | None, what: str, extension: str) -> T:
     return value
 
 
+class Lazy:
+    """A callable point's value named by module and attribute, imported at its first call: an
+    extension registers its scheduler's parts so (those whose modules import torch), and the
+    processes that load the registry but never call them (tokenizer, detokenizer, API) start
+    without torch (issue 47)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def resolve(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Lazy({self.module}.{self.name})"
+
+
 # The options of the extensions that the core knows by name (a prefix), so that without the
 # extension `LLM(...)` and the command line refuse them naming it, not as unknown.
 EXTENSION_OPTIONS = {
@@ -412,6 +434,7 @@ EXTENSION_OPTIONS = {
     "request_timeout": "serving",
     "max_request_bytes": "serving",
     "data_parallel": "serving",  # --data-parallel-size
+    "exit_with_parent": "serving",
     "quantization": "cpu",
     "enable_torch_compile": "cpu",
 }

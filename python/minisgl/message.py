@@ -71,9 +71,8 @@ class AdmitBackendMsg:
 
 @dataclass
 class FlushCacheMsg:
-    """Empty the prefix cache unless requests run (`FlushCacheReply` answers)."""
-
-    api_rank: int = 0  # the API process (--api-server-count) that waits for the reply
+    """Rank 0 -> ranks > 0: empty the prefix cache (`Scheduler.flush_cache` checked that no
+    request runs)."""
 
 
 @dataclass
@@ -126,15 +125,6 @@ class SchedulerStats:
     cached_tokens: int = 0  # of those, found in the prefix cache
     counts: dict[str, int] = field(default_factory=dict)  # the extensions' (speculation's)
     dp_rank: int = 0  # the replica (--dp) this snapshot is of
-
-
-@dataclass
-class FlushCacheReply:
-    """One replica's answer to `FlushCacheMsg` (`error` None: its prefix cache is empty)."""
-
-    dp_rank: int
-    error: str | None = None
-    api_rank: int = 0  # the API process that asked (`FlushCacheMsg.api_rank`)
 
 
 # ---- detokenizer / tokenizer worker -> api server ----

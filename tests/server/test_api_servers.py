@@ -36,7 +36,8 @@ class SentList:
 # ---- the parts, without a server ------------------------------------------------------------
 def test_replies_go_back_to_the_process_that_took_the_request() -> None:
     from minisgl.ext.serving.apis import ApiQueues
-    from minisgl.message import BatchMsg, FlushCacheReply, SchedulerStats, UserReply
+    from minisgl.ext.serving.flush import FlushCacheReply
+    from minisgl.message import BatchMsg, SchedulerStats, UserReply
 
     queues = [SentList(), SentList(), SentList()]
     to_api = ApiQueues(queues)

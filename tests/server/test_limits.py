@@ -251,8 +251,8 @@ def test_openapi_says_400_and_405_says_allow(server: Server) -> None:
 def test_unexpected_exception_is_a_counted_json_500() -> None:
     from fastapi import FastAPI
 
-    from minisgl.ext.serving.metrics import Metrics
     from minisgl.ext.serving.http import ServingGate
+    from minisgl.ext.serving.metrics import Metrics
     from minisgl.message import SchedulerStats
     from minisgl.server.args import ServerArgs
 

@@ -220,7 +220,7 @@ def test_server_exits_when_its_parent_is_killed(model_dir: str, tmp_path: Path) 
 # action: it just dies), started from a thread of its parent that ends at once.
 WATCHER = """
 import sys, time
-from minisgl.utils.procs import exit_with_parent
+from minisgl.ext.serving.parent import exit_with_parent
 exit_with_parent(kernel_signal=sys.argv[1] == "1")
 print("watching", flush=True)
 time.sleep(120)

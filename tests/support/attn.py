@@ -7,7 +7,8 @@ import random
 
 import torch
 
-from minisgl.attention import BaseAttnBackend, create_attention_backend
+from minisgl.attention import create_attention_backend
+from minisgl.attention.base import BaseAttnBackend
 from minisgl.context import Context, get_global_ctx, set_global_ctx
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.kvcache import MHAKVCache

@@ -7,8 +7,8 @@ A process is identified by (pid, start time), so a recycled pid is not taken for
 
 No orphans (issue 47): every server is tracked until it is seen stopped; `kill_tracked` (run by
 tests/conftest.py at the session's end, on SIGTERM / SIGHUP, and here at interpreter exit)
-kills whatever a test left running. Servers also get --exit-with-parent, for a pytest killed
-outright (SIGKILL, os._exit), where nothing of it runs."""
+kills whatever a test left running. Servers with the serving extension also get
+--exit-with-parent, for a pytest killed outright (SIGKILL, os._exit), where nothing of it runs."""
 
 from __future__ import annotations
 
@@ -196,6 +196,12 @@ atexit.register(kill_tracked)  # an ending interpreter (after pytest's own clean
 
 
 # ---- the server ---------------------------------------------------------------------------
+def with_extensions(env: dict[str, str]) -> bool:
+    """Whether a server started with `env` loads minisgl/ext (as `minisgl.extension` decides)."""
+    off = env.get("MINISGL_DISABLE_EXTENSIONS", "").strip().lower() in ("1", "true", "yes", "on")
+    return os.path.isdir(os.path.join(REPO, "python", "minisgl", "ext")) and not off
+
+
 class Server:
     """One `python -m minisgl` process; output goes to a log file (a pipe could fill up)."""
 
@@ -215,13 +221,14 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "minisgl", "--port", str(self.port)]
-        # should this pytest be killed outright (no clean-up of its runs), the server goes too
-        cmd += ["--exit-with-parent"] if exit_with_parent else []
-        cmd += ["--model", model] if model is not None else []
         extra_env = extra_env or {}
         env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), PYTHONUNBUFFERED="1")
         env.update(extra_env)
+        cmd = [sys.executable, "-m", "minisgl", "--port", str(self.port)]
+        # should this pytest be killed outright (no clean-up of its runs), the server goes too
+        # (the serving extension's flag: the core alone would refuse it)
+        cmd += ["--exit-with-parent"] if exit_with_parent and with_extensions(env) else []
+        cmd += ["--model", model] if model is not None else []
         self._log = open(log_path, "wb")  # closed by stop() or kill_all()
         # A session of its own: a signal to its group is what a terminal's Ctrl-C does.
         self.proc = subprocess.Popen(

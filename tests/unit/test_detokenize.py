@@ -1,8 +1,12 @@
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from minisgl.extension import ExtensionMissing
+from minisgl.message import BatchMsg, DetokInitMsg, ExitMsg, SchedulerStats
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, request_detokenizer
 from support.tokenizer import build_tiny_tokenizer
 
@@ -345,3 +349,32 @@ def test_min_tokens_stop_straddling_the_boundary_cuts_where_it_starts():
     assert "".join(deltas) == "hel" and detok.stop_reason == "lo wo"
     deltas, detok = run(ids, stop=["ell"], min_tokens=1)  # wholly within token 1: ignored
     assert "".join(deltas) == "hello world" and not detok.stopped
+
+
+@dataclass
+class ExtensionAnswer:
+    """A message the detokenizer does not know (as ext/serving's /flush_cache answer)."""
+
+    api_rank: int
+
+
+def test_the_detokenizer_passes_on_what_it_does_not_know_in_order(monkeypatch):
+    """The detokenizer process's loop: a request's init with nothing to say sends nothing, the
+    stats go on, then a message of a type it does not know goes on unchanged after them (the
+    order /flush_cache's answer relies on: /stats read after it shows the emptied cache)."""
+    from minisgl.models import hf
+    from minisgl.tokenizer import detokenize as detok_mod
+
+    stats, answer = SchedulerStats(free_pages=7), ExtensionAnswer(1)
+    inbox = [DetokInitMsg(5, 3, [1, 2]), BatchMsg([], stats), answer, ExitMsg()]
+    sent: list[object] = []
+    monkeypatch.setattr(hf, "load_tokenizer", lambda path: TOK)
+    monkeypatch.setattr(detok_mod, "freeze_startup_heap", lambda: 0)
+    monkeypatch.setattr(detok_mod, "ZmqPushQueue", lambda addr, create: None)
+    monkeypatch.setattr(
+        detok_mod, "ZmqPullQueue", lambda addr, create: SimpleNamespace(get=lambda: inbox.pop(0))
+    )
+    to_api = SimpleNamespace(put=sent.append)
+    ready = SimpleNamespace(send=lambda msg: None)
+    detok_mod.run_detokenizer("model", "ipc://in", lambda: to_api, ["ipc://sched"], ready)
+    assert sent == [BatchMsg([], stats), answer]

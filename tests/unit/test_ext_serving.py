@@ -2,8 +2,9 @@
 core without it (issue 46): the extension fills its points; with MINISGL_DISABLE_EXTENSIONS=1 a
 real server answers SGLang's endpoints and /metrics 404 as it does any unknown route, refuses
 every undeclared /generate field with a 400 naming it, counts nothing, and still serves /stats
-and /generate; `--dp 2`, `LLM(dp=2)`, --api-key and MINISGL_API_KEY are refused as needing the
-extension. The core-alone tests carry the `core` mark (.ci/run runs them without ext/)."""
+and /generate (its /v1/models without vocab_size); `--dp 2`, `LLM(dp=2)`, --api-key,
+MINISGL_API_KEY and --exit-with-parent are refused as needing the extension. The core-alone
+tests carry the `core` mark (.ci/run runs them without ext/)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -236,3 +238,98 @@ def test_llm_dp_is_refused_without_it(core_alone: None, tmp_path: Any) -> None:
         LLM(str(tmp_path), dp=2, device="cpu")
     assert refused.value.name == "dp" and isinstance(refused.value, ValueError)
     assert extension.extensions().replicas is None
+
+
+# ---- --exit-with-parent, /v1/models' vocab_size, /flush_cache's messages --------------------
+def test_exit_with_parent_is_its_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsed into its options; `ServingLauncher.start` starts the watch before anything else
+    (in the main process, before the model loads, inside `launch_server`'s stop)."""
+    from minisgl.ext.serving import scale
+    from minisgl.ext.serving.options import serving_options
+    from minisgl.server.args import ServerArgs, parse_args
+
+    assert serving_options(parse_args(["--exit-with-parent"])).exit_with_parent is True
+    assert serving_options(parse_args([])).exit_with_parent is False
+    assert not hasattr(ServerArgs(), "exit_with_parent")  # not the core's
+
+    class Started(Exception):
+        pass
+
+    def watch() -> None:
+        raise Started  # the rest of `start` (listening, loading the model) must not run first
+
+    monkeypatch.setattr(scale, "exit_with_parent", watch)
+    launcher = scale.ServingLauncher.__new__(scale.ServingLauncher)
+    launcher.options = serving_options(parse_args(["--exit-with-parent"]))
+    with pytest.raises(Started):
+        launcher.start()
+
+
+@pytest.mark.core
+def test_exit_with_parent_is_refused_without_it(
+    core_alone: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from minisgl.server.args import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--exit-with-parent"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: --exit-with-parent {NEEDS_SERVING} (minisgl/ext/serving)\n"), err
+
+
+@pytest.mark.core
+def test_models_has_no_vocab_size_without_it(core_server: Server) -> None:
+    card = httpx.get(f"{core_server.url}/v1/models", timeout=30).json()["data"][0]
+    assert card["max_model_len"] > 0 and "vocab_size" not in card, card
+
+
+def test_model_cards_add_the_vocab_size() -> None:
+    """Every card (an adapter's too) gets the tokenizer's size; a model without a tokenizer
+    gets the core's cards."""
+    import asyncio
+
+    from minisgl.ext.serving.model_card import model_cards
+    from minisgl.server.protocol import APIError
+
+    plain: list[dict[str, Any]] = [{"id": "base"}, {"id": "lora", "parent": "base"}]
+
+    class Api:
+        def __init__(self, tokenizer: Any) -> None:
+            self.tokenizer = tokenizer
+
+        async def models(self) -> dict[str, Any]:
+            return {"object": "list", "data": [dict(card) for card in plain]}
+
+        async def with_tokenizer(self, work: Any, param: str) -> Any:
+            try:
+                return work(self.tokenizer)
+            except ValueError as e:
+                raise APIError(400, str(e), param) from None
+
+    cards = asyncio.run(model_cards(Api(list(range(300)))))["data"]
+    assert cards == [card | {"vocab_size": 300} for card in plain]
+    assert asyncio.run(model_cards(Api(None)))["data"] == plain
+
+
+def test_flush_cache_reaches_the_scheduler_process_through_its_point() -> None:
+    """The scheduler process hands ext/serving's request to its handler, which flushes and
+    sends the stats before the answer on the same ordered path (a /stats read after the answer
+    shows the emptied cache)."""
+    from minisgl.ext.serving.flush import FlushCacheReply, FlushCacheRequest, handle_flush
+    from minisgl.message import BatchMsg, SchedulerStats, decode, encode
+    from minisgl.scheduler.io import SchedulerServer
+
+    assert extension.extensions().scheduler_messages[FlushCacheRequest] is handle_flush
+    assert decode(encode(FlushCacheRequest(3))) == FlushCacheRequest(3)
+    sent: list[Any] = []
+    server = SchedulerServer.__new__(SchedulerServer)
+    server.scheduler = SimpleNamespace(flush_cache=lambda: "cache_busy: 1 requests are running")
+    server.send, server.dp_rank = SimpleNamespace(put=sent.append), 1
+    server.stats = lambda: SchedulerStats(free_pages=9, dp_rank=1)  # type: ignore[method-assign]
+    assert server.handle(FlushCacheRequest(api_rank=2)) is True
+    error = "cache_busy: 1 requests are running"
+    assert sent == [
+        BatchMsg([], SchedulerStats(free_pages=9, dp_rank=1)),
+        FlushCacheReply(1, error, 2),
+    ]

@@ -23,9 +23,10 @@ from minisgl.ext.structured import grammar as grammar_mod
 from minisgl.ext.structured.grammar import CompileJob, GrammarError, GrammarState, TokenMask
 from minisgl.ext.structured.grammar_feature import grammar_state
 from minisgl.message import decode
-from minisgl.scheduler import Scheduler, SchedulerConfig, TokenOutput
+from minisgl.scheduler import SchedulerConfig
 from minisgl.scheduler import io as io_mod
 from minisgl.scheduler import tp as tp_mod
+from minisgl.scheduler.scheduler import Scheduler, TokenOutput
 from support.invariants import check_no_leak
 from support.tokenizer import build_tiny_tokenizer
 

@@ -228,6 +228,7 @@ def test_api_server_freezes_what_its_tokenizer_load_brings(tmp_path, monkeypatch
     import asyncio
     import gc
 
+    from minisgl.ext.serving.model_card import model_cards
     from minisgl.server import api_server
     from minisgl.server.args import parse_args
     from support.server import make_tiny_model
@@ -240,9 +241,9 @@ def test_api_server_freezes_what_its_tokenizer_load_brings(tmp_path, monkeypatch
     gc.collect()
     before = gc.get_freeze_count()
     try:
-        card = asyncio.run(api.models())["data"][0]
+        card = asyncio.run(model_cards(api))["data"][0]
         assert card["vocab_size"] > 0 and gc.get_freeze_count() > before
-        asyncio.run(api.models())  # loaded once: no second freeze
+        asyncio.run(model_cards(api))  # loaded once: no second freeze
         # (counted by the calls: the frozen count itself falls when a frozen object dies,
         # which other tests' leftovers did on CI)
         assert len(freezes) == 1

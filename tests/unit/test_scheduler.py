@@ -5,6 +5,7 @@ script of (uid, position)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -13,10 +14,10 @@ import torch
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.extension import extensions
 from minisgl.message import BatchMsg, ExitMsg, decode
-from minisgl.scheduler import Scheduler, SchedulerConfig, TokenOutput
+from minisgl.scheduler import SchedulerConfig
 from minisgl.scheduler import tp as tp_mod
 from minisgl.scheduler.planner import reaches_length
-from minisgl.scheduler.scheduler import PLACEHOLDER
+from minisgl.scheduler.scheduler import PLACEHOLDER, Scheduler, TokenOutput
 from support.invariants import check_no_leak
 
 EOS = 2
@@ -471,3 +472,36 @@ def test_followers_plan_priority_and_mixed_steps_alike(make, monkeypatch, overla
     lead.stop_followers()
     follower.follow()
     assert follower.engine.batches == lead.engine.batches
+
+
+# ---- the scheduler process's messages -----------------------------------------------------
+@dataclass
+class UnknownMsg:
+    uid: int
+
+
+@dataclass
+class ExtensionMsg:
+    uid: int
+
+
+def test_the_scheduler_process_hands_extension_messages_on_and_drops_unknown_ones(
+    monkeypatch, caplog
+):
+    """`SchedulerServer.handle`: a message type the core does not know goes to its handler in
+    the `scheduler_messages` point (ext/serving's /flush_cache); any other is logged, dropped,
+    and the process serves on."""
+    from minisgl import extension
+    from minisgl.scheduler import io as io_mod
+
+    monkeypatch.setattr(extension, "_EXTENSIONS", extension.Extensions(loaded=True))
+    seen: list[tuple[object, object]] = []
+    extension.extensions().scheduler_messages[ExtensionMsg] = lambda s, m: seen.append((s, m))
+    server = io_mod.SchedulerServer.__new__(io_mod.SchedulerServer)
+    assert server.handle(ExtensionMsg(1)) is True
+    assert seen == [(server, ExtensionMsg(1))]
+    with caplog.at_level("WARNING", logger=io_mod.__name__):
+        assert server.handle(UnknownMsg(2)) is True
+    assert "scheduler ignores unexpected message 'UnknownMsg'" in caplog.text
+    assert seen == [(server, ExtensionMsg(1))]
+    assert server.handle(ExitMsg()) is False

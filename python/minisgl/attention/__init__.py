@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
-import torch
-
-from minisgl.attention.base import BaseAttnBackend
-from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.extension import extensions, require
+
+if TYPE_CHECKING:  # the backends (torch) are imported where made: EngineConfig checks names only
+    import torch
+
+    from minisgl.attention.base import BaseAttnBackend
 
 BACKENDS = ("fi", "triton", "torch")
 
@@ -77,6 +79,8 @@ def create_attention_backend(
             from minisgl.attention.triton_backend import TritonAttnBackend
 
             return TritonAttnBackend(sliding_window)
+        from minisgl.attention.torch_backend import TorchAttnBackend
+
         return TorchAttnBackend(sliding_window)
 
     # fi made first: its refusals (dtypes, CUDA) name the fix whatever the other backend is

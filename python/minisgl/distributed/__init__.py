@@ -8,6 +8,8 @@ the single-process path never touches torch.distributed."""
 # through a file in a private directory (not a TCP store, which listens on every interface) and
 # gloo's and NCCL's sockets stay on the loopback interface unless the user chose one
 # (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME). The serving extension meets across machines.
+# torch is imported inside the functions that use it: the API process names a Rendezvous
+# (server/launch.py) and must not load torch (issue 47).
 
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ def get_tp_info() -> DistributedInfo:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the TP ranks, in place."""
     if _TP_INFO.size > 1:
+        import torch.distributed as dist
+
         dist.all_reduce(x)
     return x
 
@@ -56,6 +60,9 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's `x` along the last dimension (vocab-parallel logits)."""
     if _TP_INFO.size == 1:
         return x
+    import torch
+    import torch.distributed as dist
+
     parts = [torch.empty_like(x) for _ in range(_TP_INFO.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
@@ -77,6 +84,8 @@ class Rendezvous:
     device_shift: int = 0
 
     def join(self, rank: int, size: int, backend: str) -> None:
+        import torch.distributed as dist
+
         stay_on_loopback(backend)
         timeout = timedelta(seconds=START_TIMEOUT_S)
         dist.init_process_group(backend, f"file://{self.path}", timeout, world_size=size, rank=rank)
@@ -98,11 +107,15 @@ def rendezvous_file(directory: str, name: str = "tp-rendezvous", shift: int = 0)
 def select_device(rank: int, meet: Rendezvous | None) -> None:
     """CUDA: make rank's GPU the current device, before NCCL and the engine use it."""
     if meet is not None and (rank or meet.device_shift):
+        import torch
+
         torch.cuda.set_device(rank + meet.device_shift)
 
 
 def init_tp(rank: int, size: int, meet: Rendezvous, device_type: str) -> None:
     """Join the TP group of `size` processes, which meet at `meet`."""
+    import torch.distributed as dist
+
     global _CONTROL
     meet.join(rank, size, "nccl" if device_type == "cuda" else "gloo")
     _CONTROL = dist.new_group(backend="gloo", timeout=timedelta(days=3650))
@@ -110,6 +123,8 @@ def init_tp(rank: int, size: int, meet: Rendezvous, device_type: str) -> None:
 
 
 def destroy_tp() -> None:
+    import torch.distributed as dist
+
     global _CONTROL
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -119,6 +134,8 @@ def destroy_tp() -> None:
 
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (any picklable value; the others pass None)."""
+    import torch.distributed as dist
+
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=_CONTROL)
     return box[0]
@@ -128,21 +145,26 @@ def all_reduce_min(value: int) -> int:
     """The smallest of every rank's `value` (KV pool sizes must agree)."""
     if _TP_INFO.size == 1:
         return value
+    import torch
+    import torch.distributed as dist
+
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL)
     return int(t.item())
 
 
 def check_tp_size(
-    size: int, num_heads: int, num_kv_heads: int, device_type: str, gpus: int | None = None
+    size: int, num_heads: int, num_kv_heads: int, device: str, gpus: int | None = None
 ) -> None:
-    """Clear errors for a TP size the model or the machine cannot take (`gpus`: what this
-    machine needs, when not `size`)."""
+    """Clear errors for a TP size the model or the machine cannot take (`device`: the option,
+    e.g. "auto"; `gpus`: what this machine needs, when not `size`)."""
+    from minisgl.utils.device import gpus_short
+
     if size < 1:
         raise ValueError(f"invalid TP size {size}: must be >= 1")
     need = size if gpus is None else gpus
-    if device_type == "cuda" and need > torch.cuda.device_count():
-        raise ValueError(f"TP size {size} needs {need} GPUs, found {torch.cuda.device_count()}")
+    if (found := gpus_short(device, need)) is not None:
+        raise ValueError(f"TP size {size} needs {need} GPUs, found {found}")
     if num_heads % size:
         raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by TP size {size}")
     if num_kv_heads % size and size % num_kv_heads:

@@ -1,4 +1,5 @@
+# Engine itself: `minisgl.engine.engine` (torch), imported where used; EngineConfig is read by
+# processes without torch (issue 47)
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.engine import Engine
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["EngineConfig"]

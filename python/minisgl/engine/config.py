@@ -6,23 +6,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from minisgl.attention import BACKENDS as ATTN_BACKENDS
 from minisgl.attention import parse_attn
+from minisgl.distributed import check_tp_size
 from minisgl.kernel import MOE_BACKENDS, resolve_moe_backend
+from minisgl.models import ModelConfig, resolve_model_path
+from minisgl.models.hf import load_hf_config
 from minisgl.utils.device import device_type
 from minisgl.utils.options import OptionError, check_options, int_range, option, ratio
 
 DEVICES = ("auto", "cuda", "cpu")  # LLM(device=...) also takes "cuda:N"
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # vLLM's last two
 # --kv-cache-dtype: the pool stores K and V in this type (no scales: values are cast as they
-# are, like vLLM's fp8 cache without calibration) and the kernels widen them on load
-KV_CACHE_DTYPES = {
+# are, like vLLM's fp8 cache without calibration) and the kernels widen them on load. The
+# torch dtype's name (the engine resolves it): this module is imported by processes without torch
+KV_CACHE_DTYPES: dict[str, str | None] = {
     "auto": None,
-    "fp8": torch.float8_e4m3fn,  # vLLM's name for it
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
+    "fp8": "float8_e4m3fn",  # vLLM's name for it
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
 }
 
 
@@ -95,7 +97,9 @@ class EngineConfig:
             raise OptionError(
                 "device", f"invalid device {self.device!r}: expected auto, cuda or cpu"
             )
-        resolve_moe_backend(self.moe_backend, device_type(self.device))  # before any process starts
+        if self.moe_backend == "triton":  # before any process starts; only triton can fail
+            # (and probing the device imports torch, which the API process does without)
+            resolve_moe_backend(self.moe_backend, device_type(self.device))
         check_options(self, skip={"device"})  # "cuda:N" is no choice of the flag
         try:
             prefill, decode = parse_attn(self.attn)  # a bad name fails before the model loads
@@ -108,3 +112,28 @@ class EngineConfig:
         """(prefill backend, decode backend); "auto" leaves the choice to the engine."""
         prefill, _, decode = self.attn.partition(",")
         return prefill, decode or prefill
+
+
+def config_model_path(config: EngineConfig) -> str:
+    """The local directory of the config's model (downloaded, or converted, once)."""
+    if config.model is None:  # LLM() and the CLI put the embedded model's path there first
+        raise ValueError("EngineConfig.model is unset: give a directory, .gguf file or hub id")
+    return resolve_model_path(config.model)
+
+
+def check_model(config: EngineConfig, size: int = 1, gpus: int | None = None) -> None:
+    """Fail before any rank starts on a TP `size` the model or the machine (`gpus` it needs)
+    cannot take, or a --max-model-len above the model's context. Reads the model's config
+    only (no torch: the API process runs it)."""
+    cfg = ModelConfig.from_hf(load_hf_config(config_model_path(config)))
+    check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, config.device, gpus)
+    model_len(config, cfg)
+
+
+def model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    """--max-model-len, or the model's context (above it: refused, never trained there)."""
+    context = cfg.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > context:
+        message = f"{config.max_model_len} is above the model's context of {context} tokens"
+        raise OptionError("max_model_len", f"{message} (max_position_embeddings)")
+    return config.max_model_len or context

@@ -12,8 +12,8 @@ import torch
 from minisgl.attention import create_attention_backend
 from minisgl.context import Context, set_global_ctx
 from minisgl.core import Batch, Req
-from minisgl.distributed import all_reduce_min, check_tp_size, get_tp_info
-from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig
+from minisgl.distributed import all_reduce_min, get_tp_info
+from minisgl.engine.config import KV_CACHE_DTYPES, EngineConfig, config_model_path, model_len
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import Filters, any_filter, greedy, sample
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
@@ -26,13 +26,11 @@ from minisgl.models import (
     get_model_class,
     init_dummy_weights,
     load_weights,
-    resolve_model_path,
 )
 from minisgl.models.hf import load_hf_config
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.weight import iter_checkpoint
-from minisgl.utils.device import device_type, resolve_device
-from minisgl.utils.options import OptionError
+from minisgl.utils.device import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -48,43 +46,21 @@ def _resolve_dtype(config: EngineConfig, hf_config, device: torch.device, path: 
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
 
 
-def _model_path(config: EngineConfig) -> str:
-    if config.model is None:  # LLM() and the CLI put the embedded model's path there first
-        raise ValueError("EngineConfig.model is unset: give a directory, .gguf file or hub id")
-    return resolve_model_path(config.model)
-
-
-def check_model(config: EngineConfig, size: int = 1, gpus: int | None = None) -> None:
-    """Fail before any rank starts on a TP `size` the model or the machine (`gpus` it needs)
-    cannot take, or a --max-model-len above the model's context."""
-    cfg = ModelConfig.from_hf(load_hf_config(_model_path(config)))
-    check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, device_type(config.device), gpus)
-    model_len(config, cfg)
-
-
-def model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    """--max-model-len, or the model's context (above it: refused, never trained there)."""
-    context = cfg.max_position_embeddings
-    if config.max_model_len is not None and config.max_model_len > context:
-        message = f"{config.max_model_len} is above the model's context of {context} tokens"
-        raise OptionError("max_model_len", f"{message} (max_position_embeddings)")
-    return config.max_model_len or context
-
-
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model_path = _model_path(config)
+        self.model_path = config_model_path(config)
         self.hf_config = load_hf_config(self.model_path)
         self.model_config = ModelConfig.from_hf(self.hf_config)
         if (moe := self.model_config.moe) is not None:
             backend = resolve_moe_backend(config.moe_backend, self.device.type)
             self.model_config = replace(self.model_config, moe=replace(moe, backend=backend))
         self.dtype = _resolve_dtype(config, self.hf_config, self.device, self.model_path)
-        self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
+        kv_name = KV_CACHE_DTYPES[config.kv_cache_dtype]
+        self.kv_dtype = getattr(torch, kv_name) if kv_name is not None else self.dtype
         make = extensions().model_transform  # e.g. ext/cpu's quantized layers
         self.model_transform = make(self) if make is not None else None
         self.quantization = "none" if self.model_transform is None else self.model_transform.name

@@ -6,11 +6,12 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from minisgl import env
+
+if TYPE_CHECKING:  # torch where used: EngineConfig reads MOE_BACKENDS in processes without it
+    import torch
 
 
 class DecodeRope(NamedTuple):
@@ -43,7 +44,14 @@ def fused_ops(x: torch.Tensor, module: str = "fused") -> ModuleType | None:
 # GEMV_KERNEL_MAX_M, the most rows gemv.py takes (tensor-core tiles of up to 64 rows).
 GEMV_MAX_M = 8
 GEMV_KERNEL_MAX_M = 64
-GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def gemv_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes the GEMV takes."""
+    import torch
+
+    return (torch.bfloat16, torch.float16, torch.float32)
 
 
 def gemv_max_m() -> int:
@@ -73,7 +81,7 @@ def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.shape[1] == k
         and weight.device == x.device
         and x.dtype == weight.dtype
-        and x.dtype in GEMV_DTYPES
+        and x.dtype in gemv_dtypes()
         and weight.is_contiguous()
         and not env.disable_gemv()
         and not env.disable_fused_ops()

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from minisgl import env
-from minisgl.kernel import GEMV_DTYPES, GEMV_KERNEL_MAX_M, pdl
+from minisgl.kernel import GEMV_KERNEL_MAX_M, gemv_dtypes, pdl
 from minisgl.kernel.pdl import wait_for_previous
 
 
@@ -329,8 +329,8 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     )
     rows, k = weight.shape
     assert x.shape[-1] == k and k > 0, f"{what}: x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
-    assert x.dtype == weight.dtype and x.dtype in GEMV_DTYPES, (
-        f"{what}: x {x.dtype} and weight {weight.dtype} must share one of {GEMV_DTYPES}"
+    assert x.dtype == weight.dtype and x.dtype in gemv_dtypes(), (
+        f"{what}: x {x.dtype} and weight {weight.dtype} must share one of {gemv_dtypes()}"
     )
     assert not silu or rows % 2 == 0, f"{what}: the gate_up weight has an odd {rows} rows"
     assert bias is None or (bias.shape == (rows,) and bias.is_contiguous()), (

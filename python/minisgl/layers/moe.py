@@ -3,7 +3,6 @@ split across TP ranks (so every rank holds every expert's slice, and one all-red
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,17 +12,8 @@ from torch import nn
 from minisgl.distributed import all_reduce, divide, get_tp_info
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.base import Module
+from minisgl.layers.config import MoEConfig
 from minisgl.layers.linear import ReplicatedLinear, copy_checked, narrow, set_weight_loader
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    norm_topk_prob: bool
-    sparse_layers: tuple[int, ...]  # layer ids using experts; the rest use the dense MLP
-    backend: str = "torch"  # expert kernel: torch | triton; the engine sets it (--moe-backend)
 
 
 class FusedExperts(Module):

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
 from minisgl.layers.base import Module
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    head_dim: int
-    base: float = 10000.0
-    max_position: int = 4096
-    scaling: dict = field(default_factory=dict)  # HF rope_scaling / rope_parameters
+from minisgl.layers.config import RopeConfig
 
 
 def inv_freq(cfg: RopeConfig) -> torch.Tensor:

@@ -17,12 +17,12 @@ from tqdm import tqdm
 from minisgl.core import Req, SamplingParams
 from minisgl.distributed import destroy_tp, get_tp_info, rendezvous_file
 from minisgl.engine import EngineConfig
-from minisgl.engine.engine import check_model
+from minisgl.engine.config import check_model
 from minisgl.extension import ExtensionMissing, extensions, require
 from minisgl.models import default_model, resolve_model_path
-from minisgl.scheduler import Scheduler, SchedulerConfig
+from minisgl.scheduler import SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, start_followers
-from minisgl.scheduler.scheduler import TokenOutput
+from minisgl.scheduler.scheduler import Scheduler, TokenOutput
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, request_detokenizer
 from minisgl.tokenizer.server import encode_chat, needed
 from minisgl.utils.options import OptionError

@@ -1,11 +1,17 @@
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from minisgl.models.config import ModelConfig
-from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.weight import (
     default_model,
     init_dummy_weights,
     load_weights,
     resolve_model_path,
 )
+
+if TYPE_CHECKING:  # the model (torch) where it is built: ModelConfig is read without it
+    from minisgl.models.llama import LlamaForCausalLM
 
 __all__ = [
     "ModelConfig",
@@ -20,4 +26,6 @@ __all__ = [
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     """Every architecture `ModelConfig.from_hf` accepts (`config.ARCHITECTURES`) is the Llama
     decoder as its ModelConfig specialises it."""
+    from minisgl.models.llama import LlamaForCausalLM
+
     return LlamaForCausalLM

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.layers.moe import MoEConfig
-from minisgl.layers.rotary import RopeConfig
+from minisgl.layers.config import MoEConfig, RopeConfig
 
 ARCHITECTURES = (  # HF `architectures` names: each is models/llama.py's decoder
     "LlamaForCausalLM",

@@ -8,14 +8,16 @@ import json
 import os
 import re
 from collections.abc import Collection, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
-from torch import nn
 
 from minisgl.extension import ExtensionMissing, extensions, require
 from minisgl.utils.options import OptionError
+
+if TYPE_CHECKING:  # torch where weights are loaded: the processes that only resolve a model's
+    # path (tokenizer workers, the API process) do without it
+    from torch import nn
 
 # checkpoint name fragment -> (our fragment, shard id) for weights we merge into one matmul
 _STACKED = {
@@ -108,6 +110,8 @@ def load_weights(
 ) -> None:
     """Copy the checkpoint into the model's parameters; those in `skip` (replaced by a model
     transform, e.g. by quantized layers) are neither read nor required."""
+    import torch
+
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
     missing = {n for n in params if not (tied and n == "lm_head.weight") and n not in skip}
@@ -130,6 +134,8 @@ def load_weights(
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights with realistic magnitudes: norms at 1, everything else N(0, 0.02)."""
+    import torch
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -1,4 +1,5 @@
+# Scheduler itself: `minisgl.scheduler.scheduler` (torch), imported where used; SchedulerConfig
+# is read by processes without torch (issue 47)
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.scheduler import Scheduler, TokenOutput
 
-__all__ = ["Scheduler", "SchedulerConfig", "TokenOutput"]
+__all__ = ["SchedulerConfig"]

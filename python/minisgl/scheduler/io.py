@@ -8,29 +8,28 @@ import signal
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from minisgl.distributed import Rendezvous, destroy_tp, init_tp, select_device
-from minisgl.engine import Engine, EngineConfig
+from minisgl.engine.config import EngineConfig
 from minisgl.extension import extensions
 from minisgl.message import (
     AbortBackendMsg,
     BatchMsg,
     DetokenizeMsg,
     ExitMsg,
-    FlushCacheMsg,
-    FlushCacheReply,
     SchedulerStats,
     UserMsg,
 )
 from minisgl.models.hf import eos_token_ids, load_tokenizer
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.scheduler import Scheduler, TokenOutput
 from minisgl.utils.device import device_type
 from minisgl.utils.procs import build_or_report, die_with_parent, freeze_startup_heap, set_title
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
+
+if TYPE_CHECKING:  # the engine (torch) in build_scheduler: the API process, which names this
+    # module's entry points for its children, starts without torch (issue 47)
+    from minisgl.scheduler.scheduler import Scheduler, TokenOutput
 
 logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.2
@@ -73,12 +72,6 @@ class SchedulerServer:
             return False
         if isinstance(msg, AbortBackendMsg):
             self.scheduler.abort(msg.uid)
-        elif isinstance(msg, FlushCacheMsg):
-            error = self.scheduler.flush_cache()
-            # the stats first, on the same ordered path: a /stats read after the flush's
-            # answer shows the emptied cache (the other order raced under load)
-            self.send.put(BatchMsg([], self.stats()))
-            self.send.put(FlushCacheReply(self.dp_rank, error, msg.api_rank))
         elif isinstance(msg, UserMsg):
             try:
                 req = self.scheduler.make_request(msg.input_ids, msg.params, uid=msg.uid)
@@ -86,6 +79,8 @@ class SchedulerServer:
                 self.send.put(BatchMsg([DetokenizeMsg(msg.uid, [], True, "error", str(e))]))
             else:
                 self.scheduler.add_request(req)
+        elif (handler := extensions().scheduler_messages.get(type(msg))) is not None:
+            handler(self, msg)  # an extension's request, e.g. ext/serving's /flush_cache
         else:
             logger.warning("scheduler ignores unexpected message %r", type(msg).__name__)
         return True
@@ -132,6 +127,11 @@ def build_scheduler(
 ) -> Scheduler:
     """Join the TP group (tp > 1, at `rendezvous`), build this rank's engine and scheduler.
     `sharing`: processes sharing the CPU cores (--dp replicas; TP ranks > 0 with their group)."""
+    import torch
+
+    from minisgl.engine.engine import Engine
+    from minisgl.scheduler.scheduler import Scheduler
+
     share = sharing * (tp if rank > 0 else 1)  # rank 0 may be the user's own process
     if share > 1:
         threads = max(1, torch.get_num_threads() // share)

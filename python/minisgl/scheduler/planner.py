@@ -4,7 +4,7 @@ chunks within a token budget), the pages they compute into, and preemption."""
 from __future__ import annotations
 
 from minisgl.core import Batch, Req
-from minisgl.engine import Engine
+from minisgl.engine.engine import Engine
 from minisgl.extension import ForwardPath, Speculator, StepFeature
 from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig

@@ -6,10 +6,13 @@ when pages run out (another --schedule-policy is an extension's subclass)."""
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from minisgl.core import PLACEHOLDER, Req
 from minisgl.extension import extensions
-from minisgl.kvcache import KVCacheManager
+
+if TYPE_CHECKING:  # torch: ext/serving's policies subclass WaitingQueue in the API process too
+    from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 
 

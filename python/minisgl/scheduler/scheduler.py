@@ -15,8 +15,7 @@ from typing import Any
 from minisgl import env
 from minisgl.core import PLACEHOLDER, Batch, Req, SamplingParams, check_token_ids
 from minisgl.distributed import get_tp_info
-from minisgl.engine import Engine
-from minisgl.engine.engine import StepOutput
+from minisgl.engine.engine import Engine, StepOutput
 from minisgl.extension import StepFeature, extensions
 from minisgl.kvcache import KVCacheManager
 from minisgl.message import (

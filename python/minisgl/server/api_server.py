@@ -44,7 +44,7 @@ from minisgl.server.protocol import (
     request_extensions,
     sampling_params,
 )
-from minisgl.tokenizer.server import load_chat_tokenizer, needed
+from minisgl.tokenizer.server import load_chat_tokenizer
 from minisgl.utils.procs import freeze_startup_heap
 
 T = TypeVar("T")
@@ -533,11 +533,7 @@ class ApiServer:
             "created": 0,
             "owned_by": "minisgl",
             "max_model_len": self.max_seq_len,
-        }
-        try:  # benchmarks draw random prompt ids below it (the tokenizer's, loaded once)
-            card["vocab_size"] = await self.with_tokenizer(lambda tok: len(needed(tok)), "model")
-        except APIError:
-            pass  # a model without a tokenizer: no vocab_size
+        }  # ext/serving adds the tokenizer's vocab_size
         loras = [{**card, "id": name, **fields} for name, fields in self.adapters.items()]
         return {"object": "list", "data": [card, *loras]}
 

@@ -58,9 +58,6 @@ class ServerArgs:
         "seconds SIGTERM waits for in-flight requests to finish",
         type=seconds(allow_zero=True),
     )
-    exit_with_parent: bool = option(
-        False, "stop when the process that started the server dies, however it dies"
-    )
     log_level: str = option(
         "info",
         "logging level of every process",

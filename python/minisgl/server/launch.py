@@ -30,7 +30,7 @@ from minisgl.extension import extensions
 from minisgl.server.args import ServerArgs, option_error
 from minisgl.utils import procs
 from minisgl.utils.options import OptionError
-from minisgl.utils.procs import die_with_parent, exit_with_parent, set_title, wait_ready
+from minisgl.utils.procs import die_with_parent, set_title, wait_ready
 
 if TYPE_CHECKING:
     from minisgl.server.frontend import Frontend
@@ -139,7 +139,7 @@ class Launcher:
 
     def check(self, config: EngineConfig) -> None:
         """Before any process starts: a --tp or --max-model-len the model or GPUs cannot take."""
-        from minisgl.engine.engine import check_model
+        from minisgl.engine.config import check_model
 
         check_model(config, self.args.tp)
 
@@ -259,9 +259,7 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
     signal.signal(signal.SIGTERM, _on_sigterm)
     launcher = (extensions().launcher or Launcher)(args)
     try:
-        if args.exit_with_parent:  # its SIGTERM then unwinds here, through launcher.stop()
-            exit_with_parent()
-        try:
+        try:  # a SIGTERM from here on (ext/serving's --exit-with-parent) unwinds to the stop
             launcher.start()
         except OptionError as e:  # found only now, e.g. a --model the hub cannot provide
             print(f"minisgl: {option_error(e)}", file=sys.stderr)

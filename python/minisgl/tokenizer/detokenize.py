@@ -15,7 +15,6 @@ from minisgl.message import (
     DetokenizeMsg,
     DetokInitMsg,
     ExitMsg,
-    FlushCacheReply,
     UserReply,
 )
 from minisgl.tokenizer.server import PROMPT_CONTEXT
@@ -216,7 +215,9 @@ def run_detokenizer(
     sched_addrs: list[str],
     ready: Any,
 ) -> None:
-    from minisgl.models.hf import load_tokenizer
+    from minisgl.models.hf import load_tokenizer, transformers_without_torch
+
+    transformers_without_torch()  # a process without torch (issue 47)
 
     def build() -> tuple[ZmqPullQueue, Detokenizer]:
         scheds = [ZmqPushQueue(a, create=False) for a in sched_addrs]
@@ -227,11 +228,12 @@ def run_detokenizer(
     freeze_startup_heap()
     ready.send(("ready", None))
     while not isinstance(msg := recv.get(), ExitMsg):
-        if isinstance(msg, DetokInitMsg) and (replies := worker.init(msg)):
-            worker.to_api.put(BatchMsg(replies))
+        if isinstance(msg, DetokInitMsg):
+            if replies := worker.init(msg):
+                worker.to_api.put(BatchMsg(replies))
         elif isinstance(msg, BatchMsg):
             replies = [r for m in msg.msgs if (r := worker.guarded(m))]
             if replies or msg.stats is not None:
                 worker.to_api.put(BatchMsg(replies, msg.stats))
-        elif isinstance(msg, FlushCacheReply):
+        else:  # an extension's answer (ext/serving's /flush_cache), in order after the stats
             worker.to_api.put(msg)

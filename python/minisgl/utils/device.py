@@ -1,11 +1,17 @@
-"""The `device` option ("auto" | "cuda" | "cpu" | "cuda:N"), resolved once at start."""
+"""The `device` option ("auto" | "cuda" | "cpu" | "cuda:N"), resolved once at start. torch is
+imported only where a question needs it: the API process checks the option without torch."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
@@ -19,4 +25,22 @@ def resolve_device(name: str) -> torch.device:
 def device_type(name: str) -> str:
     """ "cuda" or "cpu", without initialising CUDA (the caller may be a launcher)."""
     name = name.split(":")[0]
-    return "cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu"
+    if name != "auto":
+        return "cuda" if name == "cuda" else "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gpus_short(name: str, need: int) -> int | None:
+    """The GPUs this machine has when the device `name` runs on CUDA and they are fewer than
+    `need`; else None. "auto" with `need` <= 1 asks torch nothing: it picks CUDA only where a
+    GPU is (so the API process starts without torch, issue 47)."""
+    if name.split(":")[0] == "cpu" or (name == "auto" and need <= 1):
+        return None
+    if device_type(name) != "cuda":
+        return None
+    import torch
+
+    found = torch.cuda.device_count()
+    return found if found < need else None

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import gc
-import logging
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -16,7 +14,6 @@ import setproctitle
 
 from minisgl.extension import extensions
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TITLE_PREFIX = "minisgl::"
@@ -35,7 +32,7 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def _parent_death_signal(sig: int) -> bool:
+def parent_death_signal(sig: int) -> bool:
     """Linux: the kernel sends `sig` when the parent dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
     import ctypes
 
@@ -47,39 +44,11 @@ def _parent_death_signal(sig: int) -> bool:
 
 def die_with_parent() -> None:
     """Linux: have the kernel kill this child when its parent dies, even by SIGKILL."""
-    if not _parent_death_signal(signal.SIGKILL):
+    if not parent_death_signal(signal.SIGKILL):
         return
     parent = mp.parent_process()
     if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
         os._exit(1)
-
-
-# The parent as early as this process can tell (when the launcher's modules load, before any
-# model work): one that dies before `exit_with_parent` runs is then still seen as gone.
-_FIRST_PARENT = os.getppid()
-
-
-def exit_with_parent(kernel_signal: bool = True, interval: float = 0.5) -> None:
-    """--exit-with-parent: SIGTERM this process (its usual stop) once the process that started
-    it is gone, however it died, so that a killed test runner leaves no server behind."""
-    # A thread polls os.getppid() every `interval` s (portable: an orphan gets a new parent);
-    # on Linux the kernel's signal (`kernel_signal`, main thread only) wakes it at once. That
-    # signal is SIGUSR1, not SIGTERM: PR_SET_PDEATHSIG also fires when only the *thread* that
-    # started this process ends, which an unchanged parent pid tells apart.
-    parent, wake = _FIRST_PARENT, threading.Event()
-    if kernel_signal and threading.current_thread() is threading.main_thread():
-        # the handler only wakes the watch: logging from a signal handler could re-enter I/O
-        signal.signal(signal.SIGUSR1, lambda signum, frame: wake.set())
-        _parent_death_signal(signal.SIGUSR1)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            wake.wait(interval)
-            wake.clear()
-        logger.warning("parent process %d is gone (--exit-with-parent): shutting down", parent)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def build_or_report(what: str, ready: Any, build: Callable[[], T]) -> T:

@@ -18,15 +18,16 @@ refuses a `.gguf` model, the default model, `--quantization gguf|int8` and
 
 from __future__ import annotations
 
-from minisgl.ext.cpu import gguf, options, policy, quantize, speed
-from minisgl.extension import extensions
+from minisgl.ext.cpu import gguf, options
+from minisgl.extension import Lazy, extensions
 
 _points = extensions()
 _points.gguf_model = gguf.resolve_gguf
 _points.default_model = gguf.announce_default_model
 _points.default_model_name = gguf.DEFAULT_NAME
-_points.cpu_dtype = policy.auto_dtype
-_points.model_transform = quantize.model_transform
-_points.decoder_transform = speed.cpu_engine
+# the engine's parts (torch), imported when an engine is built: other processes go without
+_points.cpu_dtype = Lazy("minisgl.ext.cpu.policy", "auto_dtype")
+_points.model_transform = Lazy("minisgl.ext.cpu.quantize", "model_transform")
+_points.decoder_transform = Lazy("minisgl.ext.cpu.speed", "cpu_engine")
 _points.scheduler_options["cpu"] = options.CpuOptions
 _points.engine_config.append(options.engine_options)

@@ -17,12 +17,13 @@ import json
 import os
 import shutil
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from minisgl.ext.cpu.gguf_quant import QUANTIZED_FILE, blocks_to_tensors, split_blocks
+if TYPE_CHECKING:  # torch in the conversion only: the processes that just look a converted
+    # model up (tokenizer workers, the API process) do not load it
+    import torch
 
 # GGUF general.architecture -> our model class
 ARCHITECTURES = {
@@ -185,6 +186,7 @@ def _field(reader: Any, key: str) -> Any:
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:
+    import torch
     from gguf.quants import dequantize
 
     try:
@@ -211,6 +213,8 @@ def convert(path: str, out: str) -> None:
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer
+
+    from minisgl.ext.cpu.gguf_quant import QUANTIZED_FILE, blocks_to_tensors, split_blocks
 
     reader = _open(path)
     arch = _field(reader, "general.architecture")
@@ -270,6 +274,8 @@ def _llama3_scaling(config: Any, rope_freqs: torch.Tensor) -> dict[str, Any]:
     """llama.cpp stores Llama 3.1 rope scaling as per-frequency divisors (rope_freqs), made
     with its defaults: original context 8192, low/high frequency factors 1 and 4. Rebuild those
     parameters, and refuse divisors they do not reproduce."""
+    import torch
+
     from minisgl.layers.rotary import RopeConfig, inv_freq
 
     params = getattr(config, "rope_parameters", None) or {}

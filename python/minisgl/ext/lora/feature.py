@@ -16,15 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisgl.core import CONSTRAINT_KINDS, Req, SamplingParams
-from minisgl.ext.lora.adapter import AdapterError
-from minisgl.ext.lora.layers import LoraModelTransform
-from minisgl.ext.lora.manager import LoraManager
 from minisgl.ext.lora.options import LoraOptions, lora_options
-from minisgl.ext.lora.weights import SlotsBusy
 from minisgl.extension import ModelTransform, StepFeature
+
+# The adapters' modules (torch) are imported where a scheduler or an engine uses them: the
+# package registers this module in processes without torch (tokenizer, detokenizer, API).
+if TYPE_CHECKING:
+    from minisgl.ext.lora.layers import LoraModelTransform
 
 NAME = "lora"
 
@@ -42,6 +43,8 @@ class LoraFeature(StepFeature):
     name = NAME
 
     def __init__(self, scheduler: Any, transform: LoraModelTransform, options: LoraOptions):
+        from minisgl.ext.lora.manager import LoraManager
+
         assert transform.stack is not None  # built with the model
         self.transform = transform
         self.manager = LoraManager(options, scheduler.engine.model_config, transform.stack)
@@ -61,6 +64,9 @@ class LoraFeature(StepFeature):
         return True  # until its adapter has a slot (`poll`)
 
     def poll(self, held: list[Req]) -> tuple[list[Req], list[tuple[Req, str]]]:
+        from minisgl.ext.lora.adapter import AdapterError
+        from minisgl.ext.lora.weights import SlotsBusy
+
         ready: list[Req] = []
         failed: list[tuple[Req, str]] = []
         for req in held:
@@ -90,6 +96,8 @@ class LoraFeature(StepFeature):
         return req.ext[NAME].namespace
 
     def _pin(self, req: Req) -> None:
+        from minisgl.ext.lora.adapter import AdapterError
+
         choice = req.ext[NAME]
         if self.manager.ids.get(choice.name) != choice.namespace:
             raise AdapterError(f"LoRA adapter {choice.name!r} was unloaded")
@@ -109,6 +117,8 @@ class LoraOff(StepFeature):
 
 def make_feature(scheduler: Any) -> StepFeature:
     """The `step_features` factory."""
+    from minisgl.ext.lora.layers import LoraModelTransform
+
     options = lora_options(scheduler.config)
     if not options.enable_lora:
         return LoraOff()
@@ -144,6 +154,8 @@ def wrap_transform(inner: Any) -> Any:
     quantization, which LoraStack refuses) for an engine built with --enable-lora."""
 
     def make(engine: Any) -> ModelTransform | None:
+        from minisgl.ext.lora.layers import LoraModelTransform
+
         base = inner(engine) if inner is not None else None
         options = EngineOptions.take()
         if options is None:

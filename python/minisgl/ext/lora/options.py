@@ -93,10 +93,12 @@ class LoraOptions:
         """The launcher, once, before any scheduler starts: the adapters downloaded (hub ids) and
         read, so that a bad one fails the start naming its flag (--max-lora-rank for a rank over
         it, else --lora-modules); -> the options with local paths."""
+        if not (modules := self.modules()):  # the adapters' module imports torch: only for some
+            return dataclasses.replace(self, lora_modules=())
         from minisgl.ext.lora.adapter import AdapterError, RankTooLarge, inspect_adapter
 
         resolved = []
-        for m in self.modules():
+        for m in modules:
             try:
                 path = inspect_adapter(m.name, m.path, self.max_lora_rank)
             except RankTooLarge as e:

@@ -5,16 +5,14 @@ by --disable-prefill-graphs (`options.py`, the `scheduler_options` point); `hybr
 `--attn PREFILL,DECODE` (the `hybrid_attention` point); `tables.py` sends a step's page- and
 token-table writes in one copy at its head (the `table_writes` point). Without this package
 every prefill runs eagerly, each table write is a copy of its own, and the flag and a backend
-pair are refused naming it."""
+pair are refused naming it. The engine's parts (torch) are imported when the engine makes them
+(`Lazy`): the processes without an engine load this registry without torch."""
 
-from minisgl.ext.perf.hybrid import HybridAttnBackend
 from minisgl.ext.perf.options import PerfOptions
-from minisgl.ext.perf.prefill_rows import make_prefill_rows
-from minisgl.ext.perf.tables import QueuedTableWrites
-from minisgl.extension import extensions
+from minisgl.extension import Lazy, extensions
 
 _points = extensions()
 _points.scheduler_options["perf"] = PerfOptions
-_points.forward_paths.append(make_prefill_rows)
-_points.table_writes = QueuedTableWrites
-_points.hybrid_attention = HybridAttnBackend
+_points.forward_paths.append(Lazy("minisgl.ext.perf.prefill_rows", "make_prefill_rows"))
+_points.table_writes = Lazy("minisgl.ext.perf.tables", "QueuedTableWrites")
+_points.hybrid_attention = Lazy("minisgl.ext.perf.hybrid", "HybridAttnBackend")

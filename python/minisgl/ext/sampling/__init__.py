@@ -5,18 +5,23 @@ logits and of a prefill's hidden states, with `logprobs_kernel.py`); min_tokens'
 strings and the log-probabilities' token texts in the detokenizer (`detokenize.py`); their HTTP
 fields and the responses' `logprobs` (`http.py`). Registered as the `sampling_params` checks of
 their SamplingParams fields, as `step_features`, `detokenize` and `request_fields`: without this
-package a request that sets one of those fields is refused, naming it."""
+package a request that sets one of those fields is refused, naming it. The step features
+(torch) are imported when a scheduler makes them (`Lazy`): the processes without one load this
+registry without torch."""
 
 from minisgl.ext.sampling import http
-from minisgl.ext.sampling.adjust import LogitAdjust
 from minisgl.ext.sampling.detokenize import SamplingDetokenize
-from minisgl.ext.sampling.logprobs import Logprobs, PromptScoring
 from minisgl.ext.sampling.params import FIELDS, check_sampling
-from minisgl.extension import extensions
+from minisgl.extension import Lazy, extensions
 
+_LOGPROBS = "minisgl.ext.sampling.logprobs"
 _points = extensions()
 _points.sampling_params.update(dict.fromkeys(FIELDS, check_sampling))
-_points.step_features += [LogitAdjust, lambda _: Logprobs(), lambda _: PromptScoring()]
+_points.step_features += [
+    Lazy("minisgl.ext.sampling.adjust", "LogitAdjust"),
+    lambda _: Lazy(_LOGPROBS, "Logprobs")(),
+    lambda _: Lazy(_LOGPROBS, "PromptScoring")(),
+]
 _points.detokenize = SamplingDetokenize()
 for _path, _models in http.FIELDS.items():
     _points.request_fields.setdefault(_path, []).extend(_models)

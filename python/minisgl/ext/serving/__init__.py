@@ -2,7 +2,9 @@
 
 - `sglang.py`: SGLang's native endpoints that sglang-router and SGLang's tools call on a worker
   (/model_info, /server_info, /get_load, /flush_cache) and SGLang's extra
-  /generate fields at their defaults;
+  /generate fields at their defaults; `flush.py`: /flush_cache's messages and its handling in
+  the scheduler process (the `scheduler_messages` point);
+- `model_card.py`: /v1/models with the tokenizer's `vocab_size` (benchmarks read it);
 - `metrics.py`: Prometheus metrics (`GET /metrics`), counted as the API process sees its
   requests (the `request_observer` point) and read from the schedulers' snapshots;
 - `dispatch.py`, `worker.py`: which --dp replica a request goes to (longest prefix), chosen by
@@ -27,20 +29,23 @@
 - `scale.py`: --dp's replicas, --api-server-count's API processes and --nnodes' nodes (the
   `launcher` point), whose pipeline routes each reply to its API process (`apis.py`);
   `collector.py`: the garbage collector of every server process, frozen once
-  ready, and its flags (the `process_ready` point).
+  ready, and its flags (the `process_ready` point); `parent.py`: --exit-with-parent.
 
 Importing this package fills its points of `minisgl.extension.Extensions`; without it those
 routes answer 404, /health?generate=1 is a 400, every API path refuses the fields it does not
 declare, and --dp > 1, `LLM(dp=N > 1)`, a request's `priority` or `data_parallel_rank` and
---schedule-policy priority / lpm are refused, and so are --api-key and MINISGL_API_KEY."""
+--schedule-policy priority / lpm are refused, and so are --api-key, MINISGL_API_KEY and
+--exit-with-parent; /v1/models has no vocab_size."""
 
 from __future__ import annotations
 
 from minisgl.ext.serving import (
     collector,
     fields,
+    flush,
     http,
     metrics,
+    model_card,
     openapi,
     options,
     policy,
@@ -59,6 +64,7 @@ _points.routes += [sglang.add_sglang_routes, metrics.add_metrics_route, openapi.
 _points.routes.append(status.add_status_routes)
 _points.routes.append(tokenizer_info.add_tokenizer_info_route)
 _points.routes.append(tokenize.add_tokenize_routes)
+_points.routes.append(model_card.add_models_route)
 _points.unknown_fields = fields.UnknownFields()
 _points.request_checks.append(fields.check_limits)
 for _path in ("/v1/chat/completions", "/v1/completions", "/generate"):
@@ -75,3 +81,4 @@ _points.admission_policies.update(priority=policy.PriorityQueue, lpm=policy.Long
 _points.sampling_params["priority"] = policy.check_priority
 _points.process_ready = collector.on_ready
 _points.warm_up = warmup.warm_up
+_points.scheduler_messages[flush.FlushCacheRequest] = flush.handle_flush

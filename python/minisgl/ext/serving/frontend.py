@@ -21,17 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.ext.serving.flush import FlushCacheReply, FlushCacheRequest
 from minisgl.ext.serving.metrics import ApiViewMsg, total_stats, tree_rss_bytes
 from minisgl.ext.serving.worker import DoneMsg
-from minisgl.message import (
-    AbortMsg,
-    FlushCacheMsg,
-    FlushCacheReply,
-    SchedulerStats,
-    TokenizeMsg,
-    UserReply,
-    register,
-)
+from minisgl.message import AbortMsg, SchedulerStats, TokenizeMsg, UserReply, register
 from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import APIError
 from minisgl.utils.zmq import ZmqAsyncPushQueue
@@ -240,7 +233,7 @@ class ServingFrontend(Frontend):
             for addr in self.scheduler_addrs:
                 queue = ZmqAsyncPushQueue(addr, create=False)
                 try:
-                    await queue.put(FlushCacheMsg(self.api_rank))
+                    await queue.put(FlushCacheRequest(self.api_rank))
                 finally:
                     queue.close()  # lingers until the message is out
             errors: list[str] = []

@@ -8,10 +8,12 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from minisgl.distributed import START_TIMEOUT_S, Rendezvous, stay_on_loopback
+
+if TYPE_CHECKING:  # torch in the ranks that join: the API process names a rendezvous only
+    import torch.distributed as dist
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -41,6 +43,8 @@ class TcpRendezvous(Rendezvous):
             return False
 
     def _store(self, rank: int, size: int) -> dist.TCPStore:
+        import torch.distributed as dist
+
         host, port = split_addr(self.addr)
         timeout = timedelta(seconds=self.timeout_s)
         try:
@@ -56,6 +60,8 @@ class TcpRendezvous(Rendezvous):
             ) from None
 
     def join(self, rank: int, size: int, backend: str) -> None:
+        import torch.distributed as dist
+
         if self.local:
             stay_on_loopback(backend)
         store = self._store(rank, size)

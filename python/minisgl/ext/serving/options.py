@@ -136,6 +136,9 @@ class ServingOptions:
     max_request_bytes: int = option(
         16 * 2**20, "largest HTTP request body accepted (larger ones get 413)", type=int_range(1)
     )
+    exit_with_parent: bool = option(
+        False, "stop when the process that started the server dies, however it dies"
+    )
 
     def __post_init__(self) -> None:
         if self.api_key is None:  # --api-key wins over the environment

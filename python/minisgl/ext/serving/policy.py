@@ -13,13 +13,16 @@ naming them. Every TP rank orders alike: arrival is a count, not a clock."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
 from minisgl.core import Req, SamplingParams
-from minisgl.kvcache import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.utils.options import int_range, option
+
+if TYPE_CHECKING:  # torch: this module registers in processes without it (the API process)
+    from minisgl.kvcache import KVCacheManager
 
 LPM_MAX_QUEUE = 128  # lpm ranks at most this many waiting requests (as SGLang): beyond, fcfs
 PRIORITY_RANGE = (-(2**31), 2**31)  # vLLM's and SGLang's int32

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
-import torch
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
@@ -30,6 +29,8 @@ def replica_placements(dp: int, tp: int, device: str) -> list[dict[str, str]]:
             f"LLM(dp=..., device={device!r}): replicas take the visible GPUs in order; "
             "choose them with CUDA_VISIBLE_DEVICES"
         )
+    import torch  # here: the package registers this module in processes without torch
+
     on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if not on_gpu:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
@@ -62,6 +63,8 @@ def serve_replica(
     """A replica's process: build its LLM, then answer (method name, args) calls until told to
     stop or until the parent is gone (its end of the pipe closes)."""
     os.environ.update(env)  # before anything touches CUDA
+    import torch  # here: the package registers this module in processes without torch
+
     if "OMP_NUM_THREADS" in env:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:

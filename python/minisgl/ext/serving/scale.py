@@ -3,8 +3,9 @@
 GPUs after the previous one's; its tokenizer workers pick a replica per request),
 --api-server-count's API processes (each with its own SO_REUSEPORT socket of the port; SIGTERM
 drains them all), the nodes of --nnodes (the TP ranks meet at --dist-init-addr; a node other
-than 0 runs only its ranks and exits when rank 0 does), and the collector's settings of every
-server process (--gc-threshold, --gc-warning-threshold-secs: `collector.py`)."""
+than 0 runs only its ranks and exits when rank 0 does), the collector's settings of every
+server process (--gc-threshold, --gc-warning-threshold-secs: `collector.py`) and
+--exit-with-parent's watch (`parent.py`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from minisgl.ext.serving.collector import export_gc_settings
 from minisgl.ext.serving.frontend import ApiFailMsg, ServingFrontend
 from minisgl.ext.serving.nodes import TcpRendezvous
 from minisgl.ext.serving.options import serving_options
+from minisgl.ext.serving.parent import exit_with_parent
 from minisgl.ext.serving.reaper import Reaper
 from minisgl.ext.serving.worker import tokenizer_worker
 from minisgl.message import ExitMsg
@@ -41,20 +43,17 @@ STOP_OTHER_NODES_S = 3.0  # rank 0's wait, on a clean stop, for the other nodes'
 def check_scale_out(args: ServerArgs, config: EngineConfig) -> None:
     """Before any process starts: a TP size or --max-model-len the model cannot take, or GPUs
     this machine does not have (--dp x --tp / --nnodes)."""
-    from minisgl.engine.engine import check_model
-    from minisgl.utils.device import device_type
+    from minisgl.engine.config import check_model
+    from minisgl.utils.device import gpus_short
 
     options = serving_options(args)
     gpus = options.dp * args.tp // options.nnodes
-    if device_type(config.device) == "cuda":
-        import torch
-
-        if gpus > (found := torch.cuda.device_count()):
-            nodes = f" / --nnodes {options.nnodes}" if options.nnodes > 1 else ""
-            raise ValueError(
-                f"--dp {options.dp} x --tp {args.tp}{nodes} needs {gpus} GPUs on this machine, "
-                f"found {found}"
-            )
+    if (found := gpus_short(config.device, gpus)) is not None:  # torch only when it may be
+        nodes = f" / --nnodes {options.nnodes}" if options.nnodes > 1 else ""
+        raise ValueError(
+            f"--dp {options.dp} x --tp {args.tp}{nodes} needs {gpus} GPUs on this machine, "
+            f"found {found}"
+        )
     check_model(config, args.tp, gpus)
 
 
@@ -142,6 +141,8 @@ class ServingLauncher(Launcher):
         return started
 
     def start(self) -> None:
+        if self.options.exit_with_parent:  # first: its SIGTERM then unwinds through `stop`
+            exit_with_parent()
         if self.options.node_rank == 0:
             return super().start()
         # scheduler ranks only: no front end on this node

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from minisgl.context import Context, get_global_ctx, set_global_ctx
 from minisgl.core import Batch, Req
-from minisgl.engine import Engine, EngineConfig
+from minisgl.engine import EngineConfig
+from minisgl.engine.engine import Engine
 from minisgl.ext.perf.prefill_rows import samples_plainly
 from minisgl.ext.spec.options import DRAFT_OPTION, spec_options
 from minisgl.ext.spec.verify import VerifyRows

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-if TYPE_CHECKING:  # only names: a compiler process runs this file without importing minisgl
+if TYPE_CHECKING:  # only names: a compiler process runs this file without importing minisgl,
+    # and the API process (grammar_key) without torch
+    import torch
     import xgrammar
 
     from minisgl.core import Req, SamplingParams
@@ -85,6 +85,7 @@ class TokenMask:
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> None:
     """Set to -inf, in the mask's rows of `logits`, the tokens whose bit is 0."""
+    import torch
     import xgrammar as xgr
 
     from minisgl.core import to_device
@@ -539,6 +540,7 @@ class GrammarState:
         if not rows:
             return None
         if self.bitmask is None:
+            import torch
             import xgrammar as xgr
 
             shape = xgr.get_bitmask_shape(self.max_rows, self.vocab_size)
