@@ -97,7 +97,7 @@ class EngineConfig:
             raise OptionError(
                 "device", f"invalid device {self.device!r}: expected auto, cuda or cpu"
             )
-        if self.moe_backend == "triton":  # before any process starts; only triton can fail
+        if self.moe_backend not in ("auto", "torch"):  # before any process starts (triton, typos)
             # (and probing the device imports torch, which the API process does without)
             resolve_moe_backend(self.moe_backend, device_type(self.device))
         check_options(self, skip={"device"})  # "cuda:N" is no choice of the flag
