@@ -372,6 +372,10 @@ class Extensions:
     # a message type the scheduler process does not know -> (its `scheduler.io.SchedulerServer`,
     # the message) -> None: ext/serving's /flush_cache (none: each is logged and dropped)
     scheduler_messages: dict[type, Callable[[Any, Any], None]] = field(default_factory=dict)
+    # a change type rank 0 tells its TP followers (`Scheduler._tell`) that the core does not
+    # know -> (the follower's Scheduler, the change) -> None, applied before the step it came
+    # with: ext/lora's runtime adapter loads and unloads (none: a follower could not follow)
+    tp_changes: dict[type, Callable[[Any, Any], None]] = field(default_factory=dict)
     # -- points -- (new points go above this line)
     loaded: bool = False  # bookkeeping, not a point: minisgl.ext was imported (extensions())
 

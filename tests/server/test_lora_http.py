@@ -2,12 +2,15 @@
 OpenAI client, /generate's `lora_path` too, each answer the offline one (which
 tests/engine/test_lora.py checks against PEFT); /v1/models lists the adapters with their
 parent; an unknown adapter is a 404; an adapter over --max-lora-rank stops the start with a
-CLI error naming the flag."""
+CLI error naming the flag. /v1/load_lora_adapter and /v1/unload_lora_adapter change the served
+adapters at run time (a bad load changes nothing; an unload waits for the adapter's requests),
+behind the API key, and only with --enable-lora."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +20,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.ext.lora import LoRARequest
-from support.lora import save_adapter
+from support.lora import edit_config, save_adapter
 from support.server import REPO, free_port, make_tiny_model, run_server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
@@ -108,3 +111,90 @@ def test_rank_over_max_lora_rank_stops_the_start(setup, tmp_path):
     assert done.returncode == 2, done.stderr
     assert "argument --max-lora-rank: LoRA adapter 'a1'" in done.stderr
     assert "rank 8 is over max_lora_rank 4" in done.stderr
+
+
+def lora_route(server, action: str, **body):
+    return httpx.post(f"{server.url}/v1/{action}_lora_adapter", json=body, timeout=90)
+
+
+def model_ids(server) -> set[str]:
+    return {c["id"] for c in httpx.get(f"{server.url}/v1/models").json()["data"]}
+
+
+def complete(server, model: str):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+def test_load_and_unload_at_runtime(setup):
+    """a1's files loaded as "rt" answer as a1 served from --lora-modules; unloaded, a 404."""
+    server, texts, _, (_, a1) = setup
+    r = lora_route(server, "load", lora_name="rt", lora_path=a1)
+    assert r.status_code == 200 and "rt" in r.text, r.text
+    cards = {c["id"]: c for c in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert cards["rt"]["parent"] == "tiny" and cards["rt"]["root"] == a1
+    assert complete(server, "rt").json()["choices"][0]["text"] == texts["a1"]
+    r = lora_route(server, "unload", lora_name="rt", lora_int_id=1)
+    assert r.status_code == 200, r.text
+    # /flush_cache asks the schedulers through the same helper, its answers kept apart
+    assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
+    assert model_ids(server) == {"tiny", "a1", "a2"}
+    r = complete(server, "rt")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = lora_route(server, "unload", lora_name="rt")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+
+
+def test_bad_loads_change_nothing(setup, tmp_path):
+    server, texts, _, (_, a1) = setup
+    wide, dora = str(tmp_path / "wide"), str(tmp_path / "dora")
+    save_adapter("qwen3", wide, seed=3, r=16)
+    shutil.copytree(a1, dora)
+    edit_config(dora, use_dora=True)
+    bad = [
+        ("a1", a1, "lora_name", "already loaded"),
+        ("x", str(tmp_path / "missing"), "lora_path", "is not a directory"),
+        ("x", wide, "lora_path", "max_lora_rank 8"),
+        ("x", dora, "lora_path", "use_dora"),
+    ]
+    for name, path, field, why in bad:
+        r = lora_route(server, "load", lora_name=name, lora_path=path)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and why in r.json()["error"]["message"]
+    r = lora_route(server, "load", lora_name="a1", lora_path=a1, load_inplace=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "load_inplace"
+    assert model_ids(server) == {"tiny", "a1", "a2"}
+    assert complete(server, "x").status_code == 404
+    assert complete(server, "a1").json()["choices"][0]["text"] == texts["a1"]
+    # the failed "x" took no name in the scheduler: it loads now, and unloads
+    assert lora_route(server, "load", lora_name="x", lora_path=a1).status_code == 200
+    assert lora_route(server, "unload", lora_name="x").status_code == 200
+
+
+def test_unload_waits_for_running_requests(setup):
+    """The adapter's long request ends normally; the unload answers once it has."""
+    server, _, _, (_, a1) = setup
+    assert lora_route(server, "load", lora_name="long", lora_path=a1).status_code == 200
+    body = {"model": "long", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    body |= {"stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=90) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # it runs
+        r = lora_route(server, "unload", lora_name="long")
+        events = [first, *(line for line in lines if line.startswith("data: "))]
+    assert r.status_code == 200, r.text
+    assert events[-1] == "data: [DONE]"
+    ends = [json.loads(e[6:])["choices"][0].get("finish_reason") for e in events[:-1]]
+    assert ends[-1] == "length", events[-2]
+    assert "long" not in model_ids(server)
+
+
+def test_routes_need_the_key_and_enable_lora(tmp_path):
+    model = make_tiny_model(str(tmp_path / "tiny"))
+    args = ("--page-size", "4", "--api-key", "k")
+    with run_server(model, *args, log_path=str(tmp_path / "server.log")) as server:
+        url = f"{server.url}/v1/load_lora_adapter"
+        body = {"lora_name": "a", "lora_path": str(tmp_path)}
+        assert httpx.post(url, json=body).status_code == 401
+        r = httpx.post(url, json=body, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]

@@ -109,8 +109,9 @@ class Scheduler:
     def features_of(self, req: Req) -> list[StepFeature]:  # those that set its `ext`
         return [f for f in self.features if f.name in req.ext] if req.ext else []
 
-    def _tell(self, change: UserMsg | AdmitBackendMsg | AbortBackendMsg | FlushCacheMsg) -> None:
-        """TP rank 0: a change to replay on the other ranks, sent with its next step."""
+    def _tell(self, change: Any) -> None:
+        """TP rank 0: a change to replay on the other ranks, sent with its next step (a core
+        message, or an extension's that its `tp_changes` handler applies)."""
         if self.leader is not None:
             self.leader.changes.append(change)
 
@@ -212,6 +213,8 @@ class Scheduler:
                     self._admit(self.requests[change.uid])
                 elif isinstance(change, FlushCacheMsg):
                     self.cache.reset_cache()  # rank 0 checked that nothing runs
+                elif (apply := extensions().tp_changes.get(type(change))) is not None:
+                    apply(self, change)  # an extension's, e.g. ext/lora's adapter (un)loads
                 else:
                     self.add_request(self.make_request(change.input_ids, change.params, change.uid))
             if not (msg.msgs and all(isinstance(c, FlushCacheMsg) for c in msg.msgs)):

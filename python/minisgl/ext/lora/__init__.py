@@ -29,6 +29,8 @@ from minisgl.ext.lora.feature import (
 )
 from minisgl.ext.lora.http import LoraFields, served_adapters
 from minisgl.ext.lora.options import LoraOptions
+from minisgl.ext.lora.routes import add_lora_routes
+from minisgl.ext.lora.runtime import LoraChange, LoraUpdateRequest, follow_change, handle_update
 from minisgl.extension import extensions
 
 __all__ = ["LoRARequest", "LoraOptions", "served_adapters"]
@@ -49,5 +51,8 @@ _points.model_transform = wrap_transform(_points.model_transform)  # around the 
 _points.step_features.append(make_feature)
 _points.lora_adapters = served_adapters
 _points.lora_request = offline_lora
+_points.routes.append(add_lora_routes)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+_points.scheduler_messages[LoraUpdateRequest] = handle_update
+_points.tp_changes[LoraChange] = follow_change
 for _path in ("/v1/completions", "/v1/chat/completions", "/generate"):
     _points.request_fields.setdefault(_path, []).append(LoraFields)

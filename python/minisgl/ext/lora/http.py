@@ -1,7 +1,7 @@
 """The LoRA extension's HTTP side: the adapters the API server serves (`lora_adapters`: a
 request's `model` names one, /v1/models lists them) and the body fields that name one
 (`request_fields`: SGLang's `lora_path`, at /generate's top level or in its sampling_params,
-and `lora_name`)."""
+and `lora_name`); `serve`: the runtime loads and unloads (`routes.py`) update both."""
 
 from __future__ import annotations
 
@@ -22,6 +22,19 @@ def served_adapters(args: Any) -> dict[str, dict[str, Any]]:
     modules = options.modules() if options.enable_lora else []
     _served = {m.name for m in modules}
     return {m.name: {"root": m.path, "parent": m.base_model_name or base} for m in modules}
+
+
+def serve(name: str, fields: dict[str, Any] | None, api: Any) -> None:
+    """Adapter `name` loaded (with its /v1/models card's `fields`) or, None, unloaded at run
+    time (`routes.py`): a request's `model` and /v1/models follow in this API process."""
+    global _served
+    _served = _served if _served is not None else set()
+    if fields is None:
+        _served.discard(name)
+        api.adapters.pop(name, None)
+    else:
+        _served.add(name)
+        api.adapters[name] = fields
 
 
 class LoraFields(ExtensionFields):

@@ -3,7 +3,8 @@
 - the watchdog: while a request is unfinished, some message must come back from the pipeline
   at least every --watchdog-timeout seconds (the scheduler sends its stats every 0.2 s while it
   has work), or the pipeline is taken for hung and `on_hang(reason)` is called;
-- /flush_cache: every --dp replica's scheduler empties its prefix cache;
+- /flush_cache: every --dp replica's scheduler empties its prefix cache (`ask_schedulers`, which
+  ext/lora's runtime adapter routes use too);
 - with --api-server-count N, the API processes' views of each other (`views`: /stats and
   /metrics add them up) and a failure passed on (`ApiFailMsg`: rank 0's launcher fails the
   server; the others fail their own requests);
@@ -19,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from minisgl.ext.serving.flush import FlushCacheReply, FlushCacheRequest
 from minisgl.ext.serving.metrics import ApiViewMsg, total_stats, tree_rss_bytes
@@ -29,6 +30,7 @@ from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import APIError
 from minisgl.utils.zmq import ZmqAsyncPushQueue
 
+R = TypeVar("R")
 FLUSH_TIMEOUT_S = 10.0  # for every replica's answer to /flush_cache
 VIEW_TIMEOUT_S = 5.0  # for the other API processes' views (/stats, /metrics)
 
@@ -68,7 +70,7 @@ class ServingFrontend(Frontend):
         """`watchdog_timeout` 0: no watchdog; else `on_hang(reason)` is called (on a thread of
         its own) once the pipeline has been silent that long with a request unfinished, or
         when another API process reports a failure to rank 0.
-        `scheduler_addrs`: one per --dp replica (for /flush_cache; none: it is refused).
+        `scheduler_addrs`: one per --dp replica (`ask_schedulers`; none: /flush_cache is refused).
         `api_addrs`: every API process's `recv_addr`, by rank (None: this one alone).
         `max_queued_requests`, `request_timeout`: the server's flags (None: no limit)."""
         self.api_rank, self.api_count = api_rank, len(api_addrs or [recv_addr])
@@ -83,8 +85,8 @@ class ServingFrontend(Frontend):
         }
         self._views: dict[int, asyncio.Queue[ApiViewMsg]] = {}  # by query number
         self._view_seqs = itertools.count()
-        self._flushes: asyncio.Queue[FlushCacheReply] | None = None
-        self._flush_lock: asyncio.Lock | None = None
+        self._asks: dict[type, asyncio.Queue[Any]] = {}  # `ask_schedulers`' replies, by type
+        self._ask_lock: asyncio.Lock | None = None
         self.watchdog_timeout, self.on_hang = watchdog_timeout, on_hang
         self.max_queued = max_queued_requests  # this process's share of them (None: no limit)
         if max_queued_requests is not None:
@@ -127,8 +129,8 @@ class ServingFrontend(Frontend):
                 return
 
     async def received(self, msg: Any) -> bool:
-        if isinstance(msg, FlushCacheReply) and self._flushes is not None:
-            self._flushes.put_nowait(msg)
+        if (answers := self._asks.get(type(msg))) is not None:  # `ask_schedulers`'
+            answers.put_nowait(msg)
         elif isinstance(msg, ApiQueryMsg):
             if msg.rank in self.to_peers:
                 await self.to_peers[msg.rank].put(self.view(msg.seq, msg.metrics))
@@ -224,24 +226,36 @@ class ServingFrontend(Frontend):
         """Empty every replica's prefix cache (each refuses while requests run); the errors."""
         if not self.scheduler_addrs:
             return ["this front end has no scheduler to flush"]
-        if self._flush_lock is None:
-            self._flush_lock, self._flushes = asyncio.Lock(), asyncio.Queue()
-        assert self._flushes is not None
-        async with self._flush_lock:  # one flush at a time: the replies are not tagged
-            while not self._flushes.empty():  # late answers of a flush that timed out
-                self._flushes.get_nowait()
+        replies = await self.ask_schedulers(FlushCacheRequest, FlushCacheReply, FLUSH_TIMEOUT_S)
+        errors = [f"replica {r.dp_rank}: {r.error}" for r in replies if r.error is not None]
+        if len(replies) < len(self.scheduler_addrs):
+            errors.append(f"no answer from the schedulers in {FLUSH_TIMEOUT_S:g} s")
+        return errors
+
+    async def ask_schedulers(
+        self, make_msg: Callable[[int], Any], reply_type: type[R], timeout: float
+    ) -> list[R]:
+        """Send `make_msg(api_rank)` to every --dp replica's scheduler (an extension's
+        `scheduler_messages` handler answers it through the detokenizer) -> their replies of
+        `reply_type`, fewer than the replicas when one does not answer within `timeout` s."""
+        if self._ask_lock is None:
+            self._ask_lock = asyncio.Lock()
+        queue = self._asks.setdefault(reply_type, asyncio.Queue())
+        async with self._ask_lock:  # one question at a time: the replies are not tagged
+            while not queue.empty():  # late answers of a question that timed out
+                queue.get_nowait()
             for addr in self.scheduler_addrs:
-                queue = ZmqAsyncPushQueue(addr, create=False)
+                push = ZmqAsyncPushQueue(addr, create=False)
                 try:
-                    await queue.put(FlushCacheRequest(self.api_rank))
+                    await push.put(make_msg(self.api_rank))
                 finally:
-                    queue.close()  # lingers until the message is out
-            errors: list[str] = []
+                    push.close()  # lingers until the message is out
+            replies: list[R] = []
+            deadline = time.monotonic() + timeout
             for _ in self.scheduler_addrs:
+                left = deadline - time.monotonic()
                 try:
-                    reply = await asyncio.wait_for(self._flushes.get(), FLUSH_TIMEOUT_S)
+                    replies.append(await asyncio.wait_for(queue.get(), left))
                 except asyncio.TimeoutError:
-                    return errors + [f"no answer from the schedulers in {FLUSH_TIMEOUT_S:g} s"]
-                if reply.error is not None:
-                    errors.append(f"replica {reply.dp_rank}: {reply.error}")
-            return errors
+                    break
+            return replies
