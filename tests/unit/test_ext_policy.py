@@ -98,10 +98,25 @@ def test_priority_orders_by_aged_rank_and_preempts_only_later_ranks() -> None:
     assert q.victim_for(mid, []) is None
     assert q.decode_victim([high], low) is low  # the half-prefilled one ranks last here
     assert q.decode_victim([low, high], None) is low  # not the newest: the last ranked
-    # aging: a request queued `aging` requests later ranks one level lower
-    reqs = [request(1), *[request(0) for _ in range(3)]]
-    aged = queue("priority", 2, None, *reqs)
-    assert [aged.rank(r) for r in reqs] == [(1.0, 0), (0.5, 1), (1.0, 2), (1.5, 3)]
+    # aging: a request queued after `aging` more admissions ranks one level lower
+    reqs, aged = [], queue("priority", 2, None)
+    for priority in (1, 0, 0, 0):  # each queued one admission after the one before
+        reqs.append(request(priority))
+        aged.append(reqs[-1])
+        admitted = request()
+        aged.append(admitted)
+        admitted.table_idx = 0  # given a row: its removal is an admission
+        aged.remove(admitted)
+    assert [aged.rank(r) for r in reqs] == [(1.0, 0), (0.5, 2), (1.0, 4), (1.5, 6)]
+    dropped = request()  # a request dropped while waiting (no row) is no admission
+    aged.append(dropped)
+    aged.remove(dropped)
+    assert aged.num_admitted == 4  # type: ignore[attr-defined]
+    # a burst queued between two admissions keeps its priorities, however long
+    burst = [request(i % 2) for i in range(10)]
+    assert [queue("priority", 2, None, *burst).rank(r) for r in burst] == [
+        (i % 2, i) for i in range(10)
+    ]
     assert aged.first() is reqs[1]
     assert aged.victim_for(reqs[0], reqs[1:]) is reqs[3]  # 1.5 after 1.0
     assert aged.victim_for(reqs[0], reqs[1:3]) is reqs[2]  # a tie: the later arrival
@@ -110,9 +125,12 @@ def test_priority_orders_by_aged_rank_and_preempts_only_later_ranks() -> None:
 
 def test_a_preempted_request_keeps_its_arrival() -> None:
     first, second = request(0), request(0)
-    q = queue("priority", 1, None, first, second)
-    q.remove(first)  # admitted, later preempted: back in front with its number
-    q.appendleft(first)
+    q = queue("priority", 1, None, first)
+    first.table_idx = 0
+    q.remove(first)  # admitted
+    q.append(second)  # queued one admission later: a level lower
+    first.table_idx = -1
+    q.appendleft(first)  # preempted: back in front with its arrival and age
     assert [q.rank(r) for r in q] == [(0.0, 0), (1.0, 1)]
     assert q.first() is first
 

@@ -388,11 +388,36 @@ def test_priority_aging_bounds_how_often_a_request_is_overtaken(make):
     sched = make(max_running_requests=1, config=config)
     first = add(sched, 4, 3)
     sched.step()
-    low = add(sched, 4, 2, first=10, priority=1)  # arrival 1: ranks 1 + 1/2
-    highs = [add(sched, 4, 2, first=20 + 10 * i, priority=0) for i in range(4)]  # i + 2 over 2
+    low = add(sched, 4, 2, first=10, priority=1)  # queued after 1 admission: ranks 1 + 1/2
+    highs = []
+    for i in range(4):  # each queued one admission after the one before: ranks (i + 1) / 2
+        highs.append(add(sched, 4, 2, first=20 + 10 * i, priority=0))
+        while highs[-1].table_idx < 0 and low.table_idx < 0:
+            sched.step()
     run(sched)
-    # the first high one (rank 1) goes before it; the next (rank 1.5) ties and arrived later
-    assert admissions(sched) == [first.uid, highs[0].uid, low.uid, *[h.uid for h in highs[1:]]]
+    # two high ones (ranks 0.5, 1) go before it; the third (rank 1.5) ties and came later
+    assert admissions(sched) == [
+        first.uid,
+        *[h.uid for h in highs[:2]],
+        low.uid,
+        highs[2].uid,
+        highs[3].uid,
+    ]
+
+
+@pytest.mark.ext  # the serving extension's policies
+def test_priority_burst_keeps_its_order_however_long(make):
+    """Aging counts admissions, not arrivals: a burst queued at once (here five times the
+    aging) runs all its high-priority requests first (by arrivals, the early low ones ranked
+    before the late high ones)."""
+    config = {"schedule_policy": "priority", "priority_aging": 2}
+    sched = make(max_running_requests=1, config=config)
+    first = add(sched, 4, 3)
+    sched.step()
+    mixed = [add(sched, 4, 2, first=10 + 10 * i, priority=i % 2) for i in range(10)]
+    run(sched)
+    highs, lows = mixed[0::2], mixed[1::2]
+    assert admissions(sched) == [first.uid, *[r.uid for r in highs + lows]]
 
 
 @pytest.mark.ext  # the serving extension's policies

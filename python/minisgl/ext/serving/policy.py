@@ -1,14 +1,14 @@
 """The waiting queue's other orders (the `admission_policies` point: --schedule-policy) and the
 request field one of them reads (`priority`, checked through the `sampling_params` point):
 
-- `priority`: the lowest `priority` first, aged by arrival (--priority-aging); a request that
-  does not fit preempts the running one ranked last if that one ranks after it, and a decode
-  short of pages preempts the admitted request ranked last;
+- `priority`: the lowest `priority` first, aged by admissions (--priority-aging); a request
+  that does not fit preempts the running one ranked last if that one ranks after it, and a
+  decode short of pages preempts the admitted request ranked last;
 - `lpm`: the longest cached prefix first (the oldest among equals), fcfs beyond LPM_MAX_QUEUE
   waiting; it preempts as fcfs does.
 
 Without this module `priority` in a request and any --schedule-policy but fcfs are refused,
-naming them. Every TP rank orders alike: arrival is a count, not a clock."""
+naming them. Every TP rank orders alike: arrival and age are counts, not a clock."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ class PolicyOptions:
 
     priority_aging: int = option(
         256,
-        "priority policy: a request queued this many requests later ranks one priority level"
-        " lower, so no request is overtaken forever (0: no aging)",
+        "priority policy: a request queued after this many more admissions ranks one priority"
+        " level lower, so no request is overtaken forever (0: no aging)",
         type=int_range(0),
     )
 
@@ -71,13 +71,28 @@ class PriorityQueue(ArrivalQueue):
         if not isinstance(options, PolicyOptions):  # a config built without the extension
             options = PolicyOptions()
         self.aging = options.priority_aging
+        self.num_admitted = 0
+        self.admitted_before: WeakKeyDictionary[Req, int] = WeakKeyDictionary()
+
+    def append(self, req: Req) -> None:
+        self.admitted_before[req] = self.num_admitted
+        super().append(req)
+
+    def remove(self, req: Req) -> None:
+        super().remove(req)
+        if req.table_idx >= 0:  # admitted (a request dropped while waiting holds no row)
+            self.num_admitted += 1
 
     def rank(self, req: Req) -> tuple[float, int]:
-        """Lower goes first: the priority, aged by arrival (a request queued `aging` requests
-        later counts one level lower: a fixed order, so no two requests preempt each other back
-        and forth, and a request is overtaken by a bounded number of later ones)."""
+        """Lower goes first: the priority, aged by admissions (a request queued after `aging`
+        more admissions counts one level lower). A fixed order, so no two requests preempt
+        each other back and forth; a request is overtaken only by those queued within `aging`
+        admissions after it (per level), and a burst queued at once keeps its priorities however
+        long it is (aging by arrivals let the early low ones of a burst of 600 overtake the late
+        high ones)."""
         priority, arrival = req.params.get("priority"), self.arrival[req]
-        return (priority + arrival / self.aging if self.aging else priority, arrival)
+        age = self.admitted_before[req]
+        return (priority + age / self.aging if self.aging else priority, arrival)
 
     def first(self) -> Req | None:
         return self.ready(min(self, key=self.rank)) if self else None
