@@ -62,7 +62,9 @@ class GemvConfig:
 
 # (rows of W, K, BLOCK_M = M rounded up to a power of two) -> config. Rows of W: 2I for the
 # gate_up weight of gemv_silu_and_mul. Measured for Qwen3-0.6B on an H100 (2026-11-22) with
-# benchmark/kernels/gemv_bench.py, whose output is pasted here; `heuristic` covers the rest.
+# benchmark/kernels/gemv_bench.py, whose output is pasted here, and Qwen3-8B's at M = 1 on an
+# H200 (2026-11-29: the layers' 3.98 ms a token under `heuristic` -> 3.43 ms); `heuristic`
+# covers the rest.
 G = GemvConfig
 CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
     (4096, 1024, 1): G(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=1, dot=False),
@@ -85,6 +87,11 @@ CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
     (151936, 1024, 2): G(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
     (151936, 1024, 4): G(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
     (151936, 1024, 8): G(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3, dot=True),
+    (6144, 4096, 1): G(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=2, dot=False),
+    (4096, 4096, 1): G(block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=2, dot=False),
+    (24576, 4096, 1): G(block_n=1, block_k=1024, split_k=1, num_warps=4, num_stages=1, dot=False),
+    (4096, 12288, 1): G(block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=2, dot=False),
+    (151936, 4096, 1): G(block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=1, dot=False),
 }
 del G
 
