@@ -178,8 +178,9 @@ def minisgl_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """`shared_server(*args, extra_env=...)`: the session's tiny server started with these
-    arguments, one for every module that asks for the same (support/server.py's SharedServers:
+    """`shared_server(*args, extra_env=..., script=...)`: the session's tiny server (random, or
+    scripted) started with these arguments, one for every module that asks for the same
+    (support/server.py's SharedServers:
     only for tests that leave it running and undisturbed), stopped and checked at the end."""
     servers = SharedServers(tmp_path_factory)
     yield servers.get

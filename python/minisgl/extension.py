@@ -119,12 +119,9 @@ class StepFeature:
         """Check the request (ValueError); set req.ext[name] if the feature acts on it."""
 
     def holds(self, req: Any) -> bool:
-        """Its: keep it out of the planner's queue until `poll` releases it."""
+        """Its, added: True keeps it out of the planner's queue, which the feature puts it in
+        later (ext/held.py), or ends it."""
         return False
-
-    def poll(self, held: list[Any]) -> tuple[list[Any], list[tuple[Any, str]]]:
-        """Rank 0, its held requests: those to admit now, (request, error) for those that end."""
-        return [], []
 
     def settle(self, req: Any) -> None:
         """Offline, its: wait for what holds the request; raise its error (ValueError)."""
@@ -166,8 +163,10 @@ class StepFeature:
         """Host input of `process`, built while the forward runs (None: nothing to do)."""
         return None
 
-    def observe(self, engine: Any, batch: Any, logits: torch.Tensor, changes: bool) -> Any:
-        """The raw logits [B, V] before any processor: an `Observation`, or None."""
+    def observe(
+        self, engine: Any, batch: Any, logits: torch.Tensor, changes: bool
+    ) -> Observation | None:
+        """The raw logits [B, V] before any processor (None: nothing to observe)."""
         return None
 
     def observe_prompt(self, engine: Any, batch: Any, hidden: torch.Tensor) -> Any:
@@ -184,14 +183,14 @@ class StepFeature:
         return None
 
     def output(self, req: Any, value: Any, output: Any) -> None:
-        """Its row's `read` value into the request's TokenOutput."""
+        """Its row's `read` value into the request's output (a DetokenizeMsg's `ext`)."""
 
     def accept(self, req: Any, token: int, reason: str | None) -> tuple[str | None, str | None]:
         """Its token, with the core's finish reason: (finish reason, error)."""
         return reason, None
 
     def result(self, req: Any, outputs: list[Any]) -> dict[str, Any]:
-        """Offline (`LLM.generate`), its: what its result adds, from its TokenOutputs."""
+        """Offline (`LLM.generate`), its: what its result adds, from its outputs."""
         return {}
 
 
@@ -348,9 +347,6 @@ class Extensions:
     proposer: Callable[[Any], Speculator | None] | None = None
     # (scheduler) -> a speed path of its engine's forward and planner, or None (off)
     forward_paths: list[Callable[[Any], ForwardPath | None]] = field(default_factory=list)
-    # (ServerArgs) -> the LoRA adapters served: name -> the extra fields of its /v1/models card
-    # (`parent`, `root`); a request's `model` (or /generate's lora_path) naming one runs on it
-    lora_adapters: Callable[[Any], dict[str, dict[str, Any]]] | None = None
     # (LLM, lora_request: one or one per prompt, params per prompt) -> the params naming each
     # prompt's adapter (vLLM's LoRARequest; one not served yet is read now); None: refused
     lora_request: Callable[[Any, Any, Any], list[Any]] | None = None
@@ -400,25 +396,6 @@ def require(value: T | None, what: str, extension: str) -> T:
     if value is None:
         raise ExtensionMissing(what, extension)
     return value
-
-
-class Lazy:
-    """A callable point's value named by module and attribute, imported at its first call: an
-    extension registers its scheduler's parts so (those whose modules import torch), and the
-    processes that load the registry but never call them (tokenizer, detokenizer, API) start
-    without torch (issue 47)."""
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
-
-    def resolve(self) -> Any:
-        return getattr(importlib.import_module(self.module), self.name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.resolve()(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"Lazy({self.module}.{self.name})"
 
 
 # The options of the extensions that the core knows by name (a prefix), so that without the

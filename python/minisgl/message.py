@@ -63,13 +63,6 @@ class AbortBackendMsg:
 
 
 @dataclass
-class AdmitBackendMsg:
-    """Rank 0 -> ranks > 0: the request a step feature held (its grammar compiling) is admitted."""
-
-    uid: int
-
-
-@dataclass
 class FlushCacheMsg:
     """Rank 0 -> ranks > 0: empty the prefix cache (`Scheduler.flush_cache` checked that no
     request runs)."""
@@ -83,7 +76,8 @@ class ExitMsg:
 # ---- scheduler -> detokenizer ----
 @dataclass
 class DetokenizeMsg:
-    """The tokens generated for `uid` since its previous message."""
+    """The tokens generated for `uid` since its previous message (a scheduler step's output:
+    one at most; `LLM` reads them in its process)."""
 
     uid: int
     token_ids: list[int]
@@ -92,7 +86,7 @@ class DetokenizeMsg:
     error: str | None = None  # why the scheduler refused the request
     queue_time: float | None = None  # with the first token: seconds queued before its prefill
     cached_tokens: int | None = None  # with the first token: prompt tokens from the prefix cache
-    # the step features' values for it (TokenOutput.ext: ext/sampling's log-probabilities)
+    # the step features' values for it (`StepFeature.output`: ext/sampling's log-probabilities)
     ext: dict[str, Any] = field(default_factory=dict)
 
 

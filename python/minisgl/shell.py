@@ -36,12 +36,13 @@ Printers = Callable[[list[dict[str, str]]], Printer]  # a history -> its answer'
 
 async def _print_answer(frontend: Frontend, msg: TokenizeMsg, printer: Printer) -> None:
     try:
-        async for reply in frontend.stream(msg):
-            if reply.error:
-                printer.close()
-                print(f"[error] {reply.error}", flush=True)
-                return
-            printer.feed(reply.text_delta)
+        async for batch in frontend.batches(msg):  # left early (Ctrl-C): aborted
+            for reply in batch:
+                if reply.error:
+                    printer.close()
+                    print(f"[error] {reply.error}", flush=True)
+                    return
+                printer.feed(reply.text_delta)
     finally:
         printer.close()  # also when Ctrl-C stops the answer
 

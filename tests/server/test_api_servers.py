@@ -23,6 +23,9 @@ from support.server import Server, make_tiny_model, run_server, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 CONTEXT = 8192
+# the module server's streams: long enough to be seen in flight on both processes at once
+# (the poll is every 0.1 s), short enough to be cheap (issue 47: every token is an SSE event)
+STREAM_TOKENS = 200
 
 
 class SentList:
@@ -238,15 +241,15 @@ def metric(server: Server, name: str) -> float:
 
 def test_streams_spread_over_both_processes_and_every_count_adds_up(server: Server) -> None:
     before = metric(server, "minisgl_generation_tokens_total")
-    threads, outs = streams_on_both(server, 12, 600)
+    threads, outs = streams_on_both(server, 12, STREAM_TOKENS)
     for t in threads:
         t.join(120)
     usages = [o[-1].get("usage") for o in outs]
-    assert all(u is not None and u["completion_tokens"] == 600 for u in usages), outs[0][-1]
+    assert all(u is not None and u["completion_tokens"] == STREAM_TOKENS for u in usages), outs[0]
     stats = server.wait_idle()
     assert stats["leaked_pages"] == 0 and stats["in_flight"] == 0
     assert [p["rank"] for p in stats["api_servers"]] == [0, 1]
-    assert metric(server, "minisgl_generation_tokens_total") - before == len(outs) * 600
+    assert metric(server, "minisgl_generation_tokens_total") - before == len(outs) * STREAM_TOKENS
     for _ in range(4):  # new connections, so both processes ask; each gets its own answer
         r = httpx.post(f"{server.url}/flush_cache", timeout=30)
         assert r.status_code == 200, r.text
@@ -283,7 +286,7 @@ def test_sigterm_drains_the_streams_of_both_processes(server: Server) -> None:
         return False
 
     scheduler = server.child_pid("scheduler_0")
-    threads, outs = streams_on_both(server, 8, 600)
+    threads, outs = streams_on_both(server, 8, STREAM_TOKENS)
     os.kill(scheduler, signal.SIGSTOP)  # (children ignore SIGTERM: the launcher drains them)
     try:
         server.proc.send_signal(signal.SIGTERM)
@@ -294,7 +297,7 @@ def test_sigterm_drains_the_streams_of_both_processes(server: Server) -> None:
     for t in threads:
         t.join(600)
     for out in outs:
-        assert out[-1].get("usage", {}).get("completion_tokens") == 600, out[-1]
+        assert out[-1].get("usage", {}).get("completion_tokens") == STREAM_TOKENS, out[-1]
     assert server.wait_exit(60) == 0
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -15,11 +15,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from support.server import Server, make_tiny_model, run_server
+from support.server import SHORT_SERVER, Server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 CASES_PER_ENDPOINT = 70
-CONTEXT = 48  # every accepted request is short
 
 # Numbers at the edges of what msgpack, int64 tensors and floats hold.
 EXTREMES = st.sampled_from(
@@ -142,12 +141,8 @@ FOUND = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
-    log = str(tmp_path_factory.mktemp("logs") / "fuzz.log")
-    args = ("--page-size", "4", "--max-model-len", str(CONTEXT))
-    with run_server(model, *args, log_path=log) as s:
-        yield s
+def server(shared_server: Callable[..., Server]) -> Server:
+    return shared_server(*SHORT_SERVER)  # test_schemathesis's too: a 64-token context
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anthropic
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from support.scripted import build_scripted_model
-from support.server import Server, make_tiny_model, run_server
+from support.server import TINY_SERVER, Server, run_server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 
@@ -276,11 +276,8 @@ def test_api_key(server: Server) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
-    log = str(tmp_path_factory.mktemp("logs") / "tiny.log")
-    with run_server(model, "--served-model-name", "tiny", log_path=log) as s:
-        yield s
+def tiny(shared_server: Callable[..., Server]) -> Server:
+    return shared_server(*TINY_SERVER)
 
 
 def test_text_on_plain_model(tiny: Server) -> None:

@@ -350,6 +350,23 @@ def test_connection_budget_fits_the_open_file_limit(files: int, expected: tuple[
     assert out.stdout.strip() == str(expected), out.stderr
 
 
+def test_gc_threshold_reaches_every_worker(server: Server) -> None:
+    """The server's GC thresholds (its default, 700 10 1000, as --gc-threshold would set them)
+    reach every server process: each says, once ready, the thresholds it set (the API server's
+    main process, the tokenizer, the detokenizer and the scheduler), in the server's log format
+    (spawned workers log at --log-level too). (The shared server: none of its flags touches
+    the collector.)"""
+    log = server.log()
+    said = re.findall(
+        r"(main process|minisgl::\S+) \(pid \d+\): garbage-collection thresholds \((.*)\)", log
+    )
+    names = {name for name, _ in said}
+    assert {"main process", "minisgl::scheduler_0", "minisgl::detokenizer"} <= names, said
+    assert any(name.startswith("minisgl::tokenizer") for name in names), said
+    assert {counts for _, counts in said} == {"700, 10, 1000"}
+    assert "INFO KV cache:" in log  # --log-level reaches the workers' own logging (info here)
+
+
 def test_sigkill_of_the_main_process_removes_its_temp_directory(server: Server) -> None:
     """The shared server's last test: killed outright, it cannot clean up; its children die
     with it (PR_SET_PDEATHSIG) and the reaper removes the directory of its sockets."""
@@ -363,59 +380,53 @@ def test_sigkill_of_the_main_process_removes_its_temp_directory(server: Server) 
 
 
 # ---- tensor parallelism -------------------------------------------------------------------
-def test_gc_warning_threshold_reaches_every_worker(model_dir: str, tmp_path: Any) -> None:
+@pytest.fixture(scope="module")
+def tp_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`--tp 2 --device cpu` with an API key, and --gc-warning-threshold-secs 1e-9 (one start
+    for two tests: the warnings only add log lines, which the TP test does not read)."""
+    args = ("--tp", "2", "--device", "cpu", "--page-size", "4", "--api-key", KEY)
+    args += ("--gc-warning-threshold-secs", "1e-9")
+    with run_server(
+        model_dir, *args, log_path=str(tmp_path_factory.mktemp("logs") / "tp.log")
+    ) as s:
+        yield s
+
+
+def test_gc_warning_threshold_reaches_every_worker(tp_server: Server) -> None:
     """--gc-warning-threshold-secs reaches the spawned workers: the scheduler, busy while a
     request runs, logs its collections over it under its own name. (Whether a process
     collects at all while one request runs depends on its net allocations: the API process
     may not; the threshold's own checks are in tests/unit/test_procs.py.)"""
-    path = str(tmp_path / "gc.log")
-    with run_server(model_dir, "--gc-warning-threshold-secs", "1e-9", log_path=path) as server:
-        body = {"prompt": list(range(5, 60)), "max_tokens": 40, "ignore_eos": True}
-        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
-        log = server.log()
-    warned = re.findall(r"(main process|minisgl::\S+) \(pid \d+\): a generation-\d garbage", log)
+    server = tp_server
+    body = {"prompt": list(range(5, 60)), "max_tokens": 40, "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    warned = re.findall(
+        r"(main process|minisgl::\S+) \(pid \d+\): a generation-\d garbage", server.log()
+    )
     assert "minisgl::scheduler_0" in warned, set(warned)
 
 
-def test_gc_threshold_reaches_every_worker(model_dir: str, tmp_path: Any) -> None:
-    """The server's GC thresholds (its default, 700 10 1000, as --gc-threshold would set them)
-    reach every server process: each says, once ready, the thresholds it set (the API server's
-    main process, the tokenizer, the detokenizer and the scheduler), in the server's log format
-    (spawned workers log at --log-level too)."""
-    path = str(tmp_path / "gc.log")
-    with run_server(model_dir, log_path=path) as server:
-        log = server.log()
-    said = re.findall(
-        r"(main process|minisgl::\S+) \(pid \d+\): garbage-collection thresholds \((.*)\)", log
-    )
-    names = {name for name, _ in said}
-    assert {"main process", "minisgl::scheduler_0", "minisgl::detokenizer"} <= names, said
-    assert any(name.startswith("minisgl::tokenizer") for name in names), said
-    assert {counts for _, counts in said} == {"700, 10, 1000"}
-    assert "INFO KV cache:" in log  # --log-level reaches the workers' own logging (info here)
-
-
-def test_tp_listens_on_loopback_only(model_dir: str, tmp_path: Any) -> None:
+def test_tp_listens_on_loopback_only(tp_server: Server) -> None:
     """`--tp 2 --device cpu`: the ranks meet through a file, gloo binds to loopback; the only
     listener is the HTTP server on --host. --api-key is masked in the command line."""
     import psutil
 
-    args = ("--tp", "2", "--device", "cpu", "--page-size", "4", "--api-key", KEY)
-    with run_server(model_dir, *args, log_path=str(tmp_path / "tp.log")) as server:
-        r = httpx.post(
-            f"{server.url}/v1/completions", json=completion(3), headers=server.headers, timeout=60
-        )
-        assert r.status_code == 200, r.text
-        pids = [server.proc.pid, *(pid for pid, _ in descendants(server.proc.pid))]
-        assert {"minisgl::scheduler_0", "minisgl::scheduler_1"} <= {title(p) for p in pids}
-        bound = [
-            (pid, c.laddr.ip, c.laddr.port)
-            for pid in pids
-            for c in psutil.Process(pid).net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)
-        ]
-        assert (server.proc.pid, "127.0.0.1", server.port) in bound, bound
-        assert all(ipaddress.ip_address(ip).is_loopback for _, ip, _ in bound), bound
-        with open(f"/proc/{server.proc.pid}/cmdline", "rb") as f:
-            command = f.read()
-        assert KEY.encode() not in command and b"--api-key ***" in command, command
+    server = tp_server
+    r = httpx.post(
+        f"{server.url}/v1/completions", json=completion(3), headers=server.headers, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    pids = [server.proc.pid, *(pid for pid, _ in descendants(server.proc.pid))]
+    assert {"minisgl::scheduler_0", "minisgl::scheduler_1"} <= {title(p) for p in pids}
+    bound = [
+        (pid, c.laddr.ip, c.laddr.port)
+        for pid in pids
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)
+    ]
+    assert (server.proc.pid, "127.0.0.1", server.port) in bound, bound
+    assert all(ipaddress.ip_address(ip).is_loopback for _, ip, _ in bound), bound
+    with open(f"/proc/{server.proc.pid}/cmdline", "rb") as f:
+        command = f.read()
+    assert KEY.encode() not in command and b"--api-key ***" in command, command

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -29,8 +29,7 @@ from minisgl.ext.agent.responses import (
 )
 from minisgl.ext.agent.responses_output import ResponseOutput
 from minisgl.server.protocol import APIError, ChatRequest
-from support.scripted import build_scripted_model
-from support.server import TINY_SERVER, Server, run_server
+from support.server import TINY_SERVER, Server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 
@@ -59,12 +58,10 @@ EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = build_scripted_model(str(tmp_path_factory.mktemp("scripted")), SCRIPT, ANSWER)
-    log = str(tmp_path_factory.mktemp("logs") / "scripted.log")
+def scripted(shared_server: Callable[..., Server]) -> Server:
+    # test_tools_http's too (the same script and flags)
     parsers = ("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    with run_server(model, *parsers, "--served-model-name", "x", log_path=log) as s:
-        yield s
+    return shared_server(*parsers, "--served-model-name", "x", script=(SCRIPT, ANSWER))
 
 
 @pytest.fixture(scope="module")

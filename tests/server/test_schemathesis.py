@@ -9,11 +9,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 
-from support.server import Server, make_tiny_model, run_server
+from support.server import SHORT_SERVER, Server
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 EXAMPLES_PER_OPERATION = 25
@@ -31,12 +31,9 @@ expected-statuses = ["2xx", "400", "404", "413"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
-    log = str(tmp_path_factory.mktemp("logs") / "schemathesis.log")
-    # a short context: every accepted request generates little
-    with run_server(model, "--page-size", "4", "--max-model-len", "64", log_path=log) as s:
-        yield s
+def server(shared_server: Callable[..., Server]) -> Server:
+    # a short context: every accepted request generates little (test_fuzz's server too)
+    return shared_server(*SHORT_SERVER)
 
 
 @pytest.mark.skipif(shutil.which("schemathesis") is None, reason="schemathesis not installed")

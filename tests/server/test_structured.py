@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -22,7 +22,7 @@ from minisgl.ext.structured import grammar as grammar_mod
 from minisgl.ext.structured.grammar import TokenMask, apply_token_bitmask
 from minisgl.ext.structured.grammar_feature import constraint_of, grammar_state
 from support.invariants import check_no_leak
-from support.server import Server, make_tiny_model, run_server
+from support.server import TINY_SERVER, Server, make_tiny_model
 
 # Bounded schemas: a random model would otherwise write one endless string. Strings are bounded
 # with a pattern, not maxLength: xgrammar 0.2.8 lets control characters into maxLength strings.
@@ -121,39 +121,41 @@ def run_and_check(llm: LLM, items: list[tuple[list[int], SamplingParams, Any]]) 
     return outs
 
 
-@pytest.mark.parametrize(
-    "overlap,num_pages,long_prompts",
-    [(True, None, True), (False, None, True), (True, 40, False)],
-    ids=["overlap", "no-overlap", "tiny-pool-overlap"],
-)
-def test_mixed_batch_validates_and_leaves_free_requests_alone(
-    model_dir: str, monkeypatch: pytest.MonkeyPatch, overlap: bool, num_pages: int | None,
-    long_prompts: bool,
-) -> None:  # fmt: skip
-    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
-    llm = LLM(model_dir, page_size=4, max_prefill_tokens=16, num_pages=num_pages)
-    items = workload(0, long_prompts)
+def mixed_batch(llm: LLM, items: list[tuple[list[int], SamplingParams, Any]]) -> list[Any]:
+    """Constrained outputs validate; requests without a grammar come out exactly as in a run
+    without any grammar; the shared prompt hit the prefix cache. The token ids of the run."""
     outs = run_and_check(llm, items)
     assert llm.scheduler.planner.num_cached_tokens > 0  # the shared prompt hit the prefix cache
-    if num_pages is not None:
-        assert llm.scheduler.planner.num_preemptions > 0
-    # requests without a grammar come out exactly as in a run without any grammar
     free = [item for item in items if item[2] is None]
     alone = run(llm, free)
     assert [o["token_ids"] for o in alone] == [
         o["token_ids"] for item, o in zip(items, outs) if item[2] is None
     ]
-    llm.shutdown()
+    return [o["token_ids"] for o in outs]
 
 
-def test_same_output_with_overlap_on_and_off(model_dir: str, monkeypatch: pytest.MonkeyPatch):
+def test_mixed_batch_validates_and_leaves_free_requests_alone_with_overlap_on_and_off(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mixed batch with overlap scheduling on and off: each validates and leaves free
+    requests alone, and both give the same tokens."""
     results = []
     for overlap in (True, False):
         monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0" if overlap else "1")
         llm = LLM(model_dir, page_size=4, max_prefill_tokens=16)
-        results.append([o["token_ids"] for o in run(llm, workload(1, True))])
+        results.append(mixed_batch(llm, workload(0, True)))
         llm.shutdown()
     assert results[0] == results[1]
+
+
+def test_mixed_batch_in_a_tiny_pool_preempts(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0")
+    llm = LLM(model_dir, page_size=4, max_prefill_tokens=16, num_pages=40)
+    mixed_batch(llm, workload(0, False))
+    assert llm.scheduler.planner.num_preemptions > 0
+    llm.shutdown()
 
 
 def test_tensor_parallel_equals_single(model_dir: str) -> None:
@@ -262,10 +264,8 @@ def test_bitmask_applies_to_the_given_rows_only(dtype: torch.dtype) -> None:
 
 # ---- the server ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = str(tmp_path_factory.mktemp("logs") / "structured.log")
-    with run_server(model_dir, "--page-size", "4", log_path=log) as s:
-        yield s
+def server(shared_server: Callable[..., Server]) -> Server:
+    return shared_server(*TINY_SERVER)  # the same random weights and tokenizer as model_dir's
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:

@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -21,7 +21,6 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from support.scripted import build_scripted_model
 from support.server import REPO, Server, run_server
 from support.tool_model import FORECAST, SCHEMAS, make_random_tool_model
 from support.tool_model import TOOLS as RANDOM_TOOLS
@@ -53,12 +52,10 @@ TOOLS = [WEATHER]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = build_scripted_model(str(tmp_path_factory.mktemp("scripted")), SCRIPT, ANSWER)
-    log = str(tmp_path_factory.mktemp("logs") / "s.log")
+def server(shared_server: Callable[..., Server]) -> Server:
+    # test_responses_http's too (the same script and flags)
     parsers = ("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    with run_server(model, *parsers, "--served-model-name", "x", log_path=log) as s:
-        yield s
+    return shared_server(*parsers, "--served-model-name", "x", script=(SCRIPT, ANSWER))
 
 
 @pytest.fixture(scope="module")

@@ -381,6 +381,8 @@ def run_server(
 
 # the plain tiny server that test modules share (`shared_server(*TINY_SERVER)`, tests/conftest.py)
 TINY_SERVER = ("--page-size", "4", "--served-model-name", "tiny")
+# the fuzzers' (test_fuzz, test_schemathesis): a short context, so every accepted request is short
+SHORT_SERVER = ("--page-size", "4", "--max-model-len", "64")
 
 
 class SharedServers:
@@ -392,12 +394,25 @@ class SharedServers:
 
     def __init__(self, factory: Any) -> None:
         self.factory = factory  # pytest's tmp_path_factory
-        self.servers: dict[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], Server] = {}
+        self.servers: dict[tuple[Any, ...], Server] = {}
 
-    def get(self, *args: str, extra_env: dict[str, str] | None = None) -> Server:
-        key = (args, tuple(sorted((extra_env or {}).items())))
+    def get(
+        self,
+        *args: str,
+        extra_env: dict[str, str] | None = None,
+        script: tuple[str, str] | None = None,
+    ) -> Server:
+        """`script`: (the answer, the answer after a tool's result) of a scripted tiny model
+        (support/scripted.py) instead of the random one."""
+        key = (args, tuple(sorted((extra_env or {}).items())), script)
         if key not in self.servers:
-            model = make_tiny_model(str(self.factory.mktemp("models") / "tiny"))
+            path = str(self.factory.mktemp("models") / "tiny")
+            if script is None:
+                model = make_tiny_model(path)
+            else:
+                from support.scripted import build_scripted_model
+
+                model = build_scripted_model(path, *script)
             log = str(self.factory.mktemp("logs") / "shared.log")
             server = Server(model, *args, log_path=log, extra_env=extra_env)
             try:

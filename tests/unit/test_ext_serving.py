@@ -284,11 +284,12 @@ def test_models_has_no_vocab_size_without_it(core_server: Server) -> None:
     assert card["max_model_len"] > 0 and "vocab_size" not in card, card
 
 
-def test_model_cards_add_the_vocab_size() -> None:
+def test_model_cards_add_the_vocab_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every card (an adapter's too) gets the tokenizer's size; a model without a tokenizer
     gets the core's cards."""
     import asyncio
 
+    from minisgl.ext.serving import model_card
     from minisgl.ext.serving.model_card import model_cards
     from minisgl.server.protocol import APIError
 
@@ -307,6 +308,7 @@ def test_model_cards_add_the_vocab_size() -> None:
             except ValueError as e:
                 raise APIError(400, str(e), param) from None
 
+    monkeypatch.setattr(model_card, "with_tokenizer", lambda api, *work: api.with_tokenizer(*work))
     cards = asyncio.run(model_cards(Api(list(range(300)))))["data"]
     assert cards == [card | {"vocab_size": 300} for card in plain]
     assert asyncio.run(model_cards(Api(None)))["data"] == plain

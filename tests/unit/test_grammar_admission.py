@@ -19,14 +19,15 @@ import torch
 import xgrammar as xgr
 
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.ext import held as held_mod
 from minisgl.ext.structured import grammar as grammar_mod
 from minisgl.ext.structured.grammar import CompileJob, GrammarError, GrammarState, TokenMask
 from minisgl.ext.structured.grammar_feature import grammar_state
-from minisgl.message import decode
+from minisgl.message import DetokenizeMsg, decode
 from minisgl.scheduler import SchedulerConfig
 from minisgl.scheduler import io as io_mod
 from minisgl.scheduler import tp as tp_mod
-from minisgl.scheduler.scheduler import Scheduler, TokenOutput
+from minisgl.scheduler.scheduler import Scheduler
 from support.invariants import check_no_leak
 from support.tokenizer import build_tiny_tokenizer
 
@@ -151,11 +152,15 @@ def add(sched: Scheduler, first: int, **constraint: str) -> Req:
     return req
 
 
-def run(sched: Scheduler) -> list[TokenOutput]:
+def run(sched: Scheduler) -> list[DetokenizeMsg]:
     outputs = []
     while sched.has_work:
         outputs += sched.step()
     return outputs
+
+
+def runnable(sched: Scheduler) -> bool:  # work other than the held requests
+    return bool(sched.planner.busy or sched.pending or sched.in_flight)
 
 
 def text(tokenizer: Any, req: Req) -> str:
@@ -167,7 +172,7 @@ def test_a_request_is_admitted_only_once_its_grammar_is_compiled(make, tokenizer
     sched = make()
     constrained, plain = add(sched, 10, regex=REGEX), add(sched, 20)
     future = grammar_state(sched).compiler.futures[("regex", REGEX)]
-    while sched.runnable:  # the plain request runs to its end meanwhile; no step waits
+    while runnable(sched):  # the plain request runs to its end meanwhile; no step waits
         sched.step()
     assert plain.finish_reason == "length" and len(plain.output_ids) == 6
     assert sched.has_work and grammar_state(sched).compiling == [constrained]
@@ -209,7 +214,7 @@ def test_failed_and_overdue_grammars_end_with_an_error(make):
     assert outputs[bad.uid].finish_reason == "error" and bad.error == "invalid regex: Unclosed '['"
     assert outputs[overdue.uid].error == "grammar compilation took longer than 3 s"
     assert queued.uid not in outputs and grammar_state(sched).compiling == [queued]
-    assert sched.engine.batches == [] and not sched.runnable
+    assert sched.engine.batches == [] and not runnable(sched)
     queued.ext["grammar"].future.started_at = time.monotonic() - 4  # type: ignore[union-attr]
     assert [o.error for o in sched.step()] == ["grammar compilation took longer than 3 s"]
     assert grammar_state(sched).num_constrained == 0 and not sched.has_work
@@ -257,19 +262,23 @@ class Recv:
         self.calls.append("nowait")
 
 
-def test_server_loop_polls_while_only_grammars_compile(make, compiled) -> None:
-    """Idle: block; work to step: don't wait; only grammars compiling: a short blocking wait
+def test_server_loop_polls_while_only_grammars_compile(make, compiled, monkeypatch) -> None:
+    """Idle: block; work to step: don't wait; only grammars compiling: a step waits a little
     (neither a hot loop nor a long sleep)."""
-    sched = make()
+    sched, sleeps = make(), []
+    monkeypatch.setattr(held_mod, "sleep", sleeps.append)
     server = io_mod.SchedulerServer.__new__(io_mod.SchedulerServer)
     server.scheduler, server.recv = sched, Recv()  # type: ignore[assignment]
     server._next_message()
     req = add(sched, 10, regex=REGEX)
     server._next_message()
+    sched.step()
+    assert sleeps == [held_mod.HOLD_POLL_S]
     add(sched, 20)
     server._next_message()
-    assert server.recv.calls == [("get", None), ("get", io_mod.GRAMMAR_POLL_S), "nowait"]
-    assert 0.005 <= io_mod.GRAMMAR_POLL_S <= 0.05
+    sched.step()
+    assert server.recv.calls == [("get", None), "nowait", "nowait"]
+    assert sleeps == [held_mod.HOLD_POLL_S] and 0.005 <= held_mod.HOLD_POLL_S <= 0.05
     grammar_state(sched).compiler.futures[("regex", REGEX)].set_result(compiled)
     run(sched)
     assert req.finish_reason == "stop"

@@ -2,7 +2,7 @@
 every start): a tokenizer worker, the detokenizer and the API process (`python -m minisgl`'s
 main process) import their modules, load the registry of the extensions and tokenize, render
 chat templates and detokenize with torch's import refused. The scheduler's parts that the
-extensions register are imported when a scheduler makes them (`extension.Lazy`)."""
+extensions register are imported when a scheduler makes them (`ext/lazy.py`)."""
 
 from __future__ import annotations
 
@@ -78,12 +78,14 @@ def test_the_extensions_import_no_torch_in_light_processes(tokenizer_dir: str) -
     assert run_light(tokenizer_dir, core_alone=False) == "loaded False"
 
 
-def lazy_values(value: Any) -> list[extension.Lazy]:
+def lazy_values(value: Any) -> list[Any]:
     """The Lazy values in a point's value (itself, or in its list or dict)."""
+    from minisgl.ext.lazy import Lazy
+
     items = value.values() if isinstance(value, dict) else value
     if isinstance(items, (list, type({}.values()))):
-        return [v for v in items if isinstance(v, extension.Lazy)]
-    return [value] if isinstance(value, extension.Lazy) else []
+        return [v for v in items if isinstance(v, Lazy)]
+    return [value] if isinstance(value, Lazy) else []
 
 
 @pytest.mark.ext

@@ -1,6 +1,6 @@
 """ext/lora's flags on the command line (the `scheduler_options` point): vLLM's names and
 SGLang's --lora-paths, parsed into SchedulerConfig.extras["lora"]; bad combinations exit 2
-naming the flag; the adapters the API server serves (`lora_adapters`) and their cards; the
+naming the flag; the adapters the API server serves (`served_adapters`) and their cards; the
 start's check of the adapters (--max-lora-rank); the prefix cache's key per adapter."""
 
 from __future__ import annotations

@@ -228,6 +228,7 @@ def test_api_server_freezes_what_its_tokenizer_load_brings(tmp_path, monkeypatch
     import asyncio
     import gc
 
+    from minisgl.ext.serving import api_tokenizer
     from minisgl.ext.serving.model_card import model_cards
     from minisgl.server import api_server
     from minisgl.server.args import parse_args
@@ -236,8 +237,8 @@ def test_api_server_freezes_what_its_tokenizer_load_brings(tmp_path, monkeypatch
     model = make_tiny_model(str(tmp_path / "tiny"))
     api = api_server.ApiServer(None, parse_args(["--model", model, "--device", "cpu"]), 128)  # type: ignore[arg-type]
     freezes: list[int] = []
-    real = api_server.freeze_startup_heap
-    monkeypatch.setattr(api_server, "freeze_startup_heap", lambda: freezes.append(real()))
+    real = api_tokenizer.freeze_startup_heap
+    monkeypatch.setattr(api_tokenizer, "freeze_startup_heap", lambda: freezes.append(real()))
     gc.collect()
     before = gc.get_freeze_count()
     try:

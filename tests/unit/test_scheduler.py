@@ -13,11 +13,11 @@ import torch
 
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.extension import extensions
-from minisgl.message import BatchMsg, ExitMsg, decode
+from minisgl.message import BatchMsg, DetokenizeMsg, ExitMsg, decode
 from minisgl.scheduler import SchedulerConfig
 from minisgl.scheduler import tp as tp_mod
 from minisgl.scheduler.planner import reaches_length
-from minisgl.scheduler.scheduler import PLACEHOLDER, Scheduler, TokenOutput
+from minisgl.scheduler.scheduler import PLACEHOLDER, Scheduler
 from support.invariants import check_no_leak
 
 EOS = 2
@@ -151,7 +151,7 @@ def run(sched: Scheduler) -> dict[int, tuple[list[int], str | None]]:
     while sched.has_work:
         for o in sched.step():
             tokens, _ = out.get(o.uid, ([], None))
-            out[o.uid] = (tokens + ([] if o.token is None else [o.token]), o.finish_reason)
+            out[o.uid] = (tokens + o.token_ids, o.finish_reason)
     return out
 
 
@@ -260,13 +260,13 @@ def test_abort_while_its_step_is_in_flight(make):
     a, b = add(sched, 5, 10), add(sched, 6, 4, first=40)
     assert sched.step() == []
     first = sched.step()
-    assert [o.token for o in first] == [script(a.uid, 5), script(b.uid, 6)]
+    assert [o.token_ids for o in first] == [[script(a.uid, 5)], [script(b.uid, 6)]]
     sched.abort(a.uid)  # its second token is being computed
     assert a.tokens == [*range(3, 8), script(a.uid, 5)]  # the placeholder is gone
     outputs = sched.step()
     assert outputs == [
-        TokenOutput(a.uid, None, True, "abort"),
-        TokenOutput(b.uid, script(b.uid, 7), False),
+        DetokenizeMsg(a.uid, [], True, "abort"),
+        DetokenizeMsg(b.uid, [script(b.uid, 7)], False, None),
     ]
     out = run(sched)
     assert a.uid not in out and out[b.uid] == (expected(b, 4)[2:], "length")
@@ -277,7 +277,7 @@ def test_abort_while_its_step_is_in_flight(make):
 def test_max_tokens_zero_ends_without_a_forward(make, overlap):
     sched = make(overlap)
     req = add(sched, 5, 0)
-    assert sched.step() == [TokenOutput(req.uid, None, True, "length")]
+    assert sched.step() == [DetokenizeMsg(req.uid, [], True, "length")]
     assert not sched.has_work and sched.engine.batches == [] and req.output_ids == []
 
 
@@ -287,7 +287,7 @@ def test_overlap_returns_the_previous_steps_tokens(make, overlap):
     req = add(sched, 3, 3)
     steps = []
     while sched.has_work:
-        steps.append([(o.token, o.finished) for o in sched.step()])
+        steps.append([(*o.token_ids, o.finished) for o in sched.step()])
     t0, t1, t2 = expected(req, 3)
     if overlap:  # step N launches its forward, then reads step N-1's tokens
         assert steps == [[], [(t0, False)], [(t1, False)], [(t2, True)]]

@@ -28,10 +28,6 @@ class DistributedInfo:
     rank: int = 0
     size: int = 1
 
-    @property
-    def is_primary(self) -> bool:
-        return self.rank == 0
-
 
 _TP_INFO = DistributedInfo()
 _CONTROL: Any = None  # the gloo group of rank 0's control messages

@@ -13,16 +13,12 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.step import ForwardOutput, StepEngine, StepInputs, run_step
 
 
-def graph_batch_sizes(max_bs: int) -> list[int]:
-    sizes = [bs for bs in (1, 2, 4) if bs < max_bs] + list(range(8, max_bs, 8))
-    return sorted(set(sizes + [max_bs]))
-
-
 class GraphRunner:
     def __init__(self, engine: StepEngine, max_bs: int, capture: bool = True) -> None:
         """capture=False runs the same steps eagerly, without graphs (tests on CPU)."""
         self.engine = engine
-        self.sizes = graph_batch_sizes(max_bs)
+        sizes = [bs for bs in (1, 2, 4) if bs < max_bs] + list(range(8, max_bs, 8))
+        self.sizes = sorted(set(sizes + [max_bs]))
         self.max_bs = max_bs
         self.padding = [
             Req([0], 1, SamplingParams(seed=0), 2, table_idx=engine.dummy_row, extend_len=1)

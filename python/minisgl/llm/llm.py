@@ -19,10 +19,11 @@ from minisgl.distributed import destroy_tp, get_tp_info, rendezvous_file
 from minisgl.engine import EngineConfig
 from minisgl.engine.config import check_model
 from minisgl.extension import ExtensionMissing, extensions, require
+from minisgl.message import DetokenizeMsg
 from minisgl.models import default_model, resolve_model_path
 from minisgl.scheduler import SchedulerConfig
 from minisgl.scheduler.io import build_scheduler, start_followers
-from minisgl.scheduler.scheduler import Scheduler, TokenOutput
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, request_detokenizer
 from minisgl.tokenizer.server import encode_chat, needed
 from minisgl.utils.options import OptionError
@@ -39,7 +40,7 @@ class _Sample:
     req: Req
     detok: IncrementalDetokenizer | None = None
     text: str = ""
-    outputs: list[TokenOutput] = field(default_factory=list)  # for the step features' results
+    outputs: list[DetokenizeMsg] = field(default_factory=list)  # for the step features' results
 
 
 def per_prompt(
@@ -205,8 +206,8 @@ class LLM:
                     if sample.req.ext:  # the step features make the result of its outputs
                         sample.outputs.append(out)
                     detok = sample.detok
-                    if detok is not None and out.token is not None and not detok.stopped:
-                        sample.text += detok.add([out.token])
+                    if detok is not None and out.token_ids and not detok.stopped:
+                        sample.text += detok.add(out.token_ids)
                         if detok.stopped and not out.finished:
                             self.scheduler.abort(out.uid)  # as the server does: "stop"
                     if out.finished:

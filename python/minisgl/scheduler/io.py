@@ -29,12 +29,10 @@ from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 if TYPE_CHECKING:  # the engine (torch) in build_scheduler: the API process, which names this
     # module's entry points for its children, starts without torch (issue 47)
-    from minisgl.scheduler.scheduler import Scheduler, TokenOutput
+    from minisgl.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.2
-# while the only work is held requests (grammars compiling), wait this long for a message
-GRAMMAR_POLL_S = 0.02
 
 
 class SchedulerServer:
@@ -49,11 +47,11 @@ class SchedulerServer:
 
     def stats(self) -> SchedulerStats:
         s, cache = self.scheduler.planner, self.scheduler.cache
-        owned = len(s.owned_pages())
+        owned, running = len(s.owned_pages()), len(s.admitted())
         free, cached = cache.allocator.num_free, cache.prefix_cache.num_pages
         return SchedulerStats(
-            running=len(s.admitted()),
-            waiting=len(s.waiting) + len(self.scheduler.held),
+            running=running,
+            waiting=len(self.scheduler.requests) - running,  # queued, or held by a feature
             total_pages=cache.num_pages,
             free_pages=free,
             cached_pages=cached,
@@ -93,8 +91,7 @@ class SchedulerServer:
                 if not self.handle(msg):
                     return
                 msg = self.recv.get_nowait()
-            outputs = self.scheduler.step() if self.scheduler.has_work else []
-            out = [detokenize_msg(o) for o in outputs]
+            out = self.scheduler.step() if self.scheduler.has_work else []
             now, stats = time.monotonic(), None
             if not self.scheduler.has_work or now - self.last_stats > STATS_INTERVAL_S:
                 stats, self.last_stats = self.stats(), now
@@ -102,19 +99,9 @@ class SchedulerServer:
                 self.send.put(BatchMsg(out, stats))
 
     def _next_message(self) -> Any:
-        """Block when idle; wait a little while only held requests wait; else never."""
-        if self.scheduler.runnable:
-            return self.recv.get_nowait()
-        if self.scheduler.has_work:
-            return self.recv.get(timeout=GRAMMAR_POLL_S)
-        return self.recv.get()
-
-
-def detokenize_msg(o: TokenOutput) -> DetokenizeMsg:
-    """A TokenOutput as the detokenizer's message (a list of tokens: it may carry several)."""
-    token = [] if o.token is None else [o.token]
-    args = (o.error, o.queue_time, o.cached_tokens, o.ext)
-    return DetokenizeMsg(o.uid, token, o.finished, o.finish_reason, *args)
+        """Block when idle, else never (while only held requests wait, a step waits a little:
+        ext/held.py)."""
+        return self.recv.get_nowait() if self.scheduler.has_work else self.recv.get()
 
 
 def build_scheduler(

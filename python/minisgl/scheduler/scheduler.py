@@ -9,7 +9,8 @@ and sampled tokens turned into results (what a step computes is planner.py's).""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from minisgl import env
@@ -18,29 +19,10 @@ from minisgl.distributed import get_tp_info
 from minisgl.engine.engine import Engine, StepOutput
 from minisgl.extension import StepFeature, extensions
 from minisgl.kvcache import KVCacheManager
-from minisgl.message import (
-    AbortBackendMsg,
-    AdmitBackendMsg,
-    BatchMsg,
-    FlushCacheMsg,
-    UserMsg,
-)
+from minisgl.message import AbortBackendMsg, BatchMsg, DetokenizeMsg, FlushCacheMsg, UserMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.planner import BatchPlanner, reaches_length
 from minisgl.scheduler.tp import TPLeader, receive_step
-
-
-@dataclass
-class TokenOutput:
-    uid: int
-    token: int | None  # None when the request ends without a new token (abort, max_tokens=0)
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None  # with finish_reason "error"
-    queue_time: float | None = None  # with the first output: seconds queued before its prefill
-    cached_tokens: int | None = None  # with the first output: prompt tokens the cache supplied
-    # the step features' values (`StepFeature.output`: ext/sampling's log-probabilities)
-    ext: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,11 +48,12 @@ class Scheduler:
         self.cache = KVCacheManager(engine.num_pages, engine.page_size, config.cache)
         self.planner = BatchPlanner(engine, self.cache, config)
         tp = get_tp_info()
-        self.leader = TPLeader() if tp.size > 1 and tp.is_primary else None
-        self.follower = tp.size > 1 and not tp.is_primary  # admits what rank 0 admits
-        self.requests: dict[int, Req] = {}
-        self.held: list[Req] = []  # held by a feature before admission (grammars compiling)
-        self.pending: list[TokenOutput] = []  # results produced outside a forward (abort...)
+        self.leader = TPLeader() if tp.size > 1 and tp.rank == 0 else None
+        self.follower = tp.size > 1 and tp.rank > 0  # admits what rank 0 admits
+        self.requests: dict[int, Req] = {}  # those queued, running, or held by a feature
+        # rank 0, at each step's start: extensions' work (ext/held.py: admit held requests)
+        self.before_step: list[Callable[[], None]] = []
+        self.pending: list[DetokenizeMsg] = []  # results produced outside a forward (abort...)
         self.overlap = not env.disable_overlap_scheduling()
         self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
         # the extensions: step features, speculative decoding (None: off), speed paths
@@ -124,32 +107,15 @@ class Scheduler:
         features = self.features_of(req)
         if req.params.max_tokens == 0 and not any(f.scores_prompt(req) for f in features):
             self._finish(req, "length")  # (scoring a prompt runs its prefill, then ends)
-        elif any(f.holds(req) for f in features):  # admitted once released (`step`)
-            self.held.append(req)
-        else:
+        elif not any(f.holds(req) for f in features):  # a feature that holds it queues it later
             self.planner.waiting.append(req)
 
-    def _admit(self, req: Req) -> None:
-        """A held request joins the planner's queue (every rank alike)."""
-        self._tell(AdmitBackendMsg(req.uid))
-        self.held.remove(req)
-        self.planner.waiting.append(req)
-
-    def _admit_held(self) -> None:
-        """Rank 0: admit the held requests their features release, end those that fail."""
-        for f in self.features:
-            ready, failed = f.poll([r for r in self.held if f.name in r.ext])
-            for req in ready:
-                self._admit(req)
-            for req, error in failed:  # the other ranks drop it as aborted
-                self._tell(AbortBackendMsg(req.uid))
-                self._finish(req, "error", error=error)
-
-    def abort(self, uid: int) -> None:
+    def abort(self, uid: int, error: str | None = None) -> None:
+        """End the request: "abort", or "error" with `error` (other ranks: "abort")."""
         self._tell(AbortBackendMsg(uid))
         req = self.requests.get(uid)
         if req is not None:
-            self._finish(req, "abort")
+            self._finish(req, "abort" if error is None else "error", error=error)
 
     def warm_up(self) -> None:
         """Compile the kernels before the first user's request (the server's start-up)."""
@@ -168,17 +134,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return self.runnable or bool(self.held)
+        return bool(self.requests or self.pending or self.in_flight)
 
-    @property
-    def runnable(self) -> bool:  # work other than held requests (io.py polls for those)
-        return bool(self.planner.busy or self.pending or self.in_flight)
-
-    def step(self) -> list[TokenOutput]:
+    def step(self) -> list[DetokenizeMsg]:
         """Launch the next batch, then process the tokens that are ready (with overlap, the
         previous step's, which ran on the device while this one was built)."""
-        if self.held and not self.follower:
-            self._admit_held()
+        for hook in self.before_step:
+            hook()
         if self.leader is not None:
             self.leader.send()
         # speculation: a step that proposes waits for the step in flight (the proposals
@@ -209,12 +171,10 @@ class Scheduler:
             for change in msg.msgs:
                 if isinstance(change, AbortBackendMsg):
                     self.abort(change.uid)
-                elif isinstance(change, AdmitBackendMsg):
-                    self._admit(self.requests[change.uid])
                 elif isinstance(change, FlushCacheMsg):
                     self.cache.reset_cache()  # rank 0 checked that nothing runs
                 elif (apply := extensions().tp_changes.get(type(change))) is not None:
-                    apply(self, change)  # an extension's, e.g. ext/lora's adapter (un)loads
+                    apply(self, change)  # an extension's: ext/held.py's admissions, ext/lora's...
                 else:
                     self.add_request(self.make_request(change.input_ids, change.params, change.uid))
             if not (msg.msgs and all(isinstance(c, FlushCacheMsg) for c in msg.msgs)):
@@ -270,7 +230,7 @@ class Scheduler:
                 req.tokens.append(PLACEHOLDER)
         return slots
 
-    def _process(self, step: InFlight) -> list[TokenOutput]:
+    def _process(self, step: InFlight) -> list[DetokenizeMsg]:
         outputs = []
         out, reqs = step.output, step.batch.reqs
         tokens = out.tokens()  # waits for the copies (the features' results' too)
@@ -296,7 +256,7 @@ class Scheduler:
                     break
         return outputs
 
-    def _output(self, req: Req, slot: int, token: int, values: dict[str, Any]) -> TokenOutput:
+    def _output(self, req: Req, slot: int, token: int, values: dict[str, Any]) -> DetokenizeMsg:
         """The request's token at `slot` is known: its output, and its end if it ends it."""
         req.tokens[slot] = token
         eos = token in self.eos_token_ids and not req.params.ignore_eos
@@ -313,7 +273,8 @@ class Scheduler:
                 reason, error = f.accept(req, token, reason)
                 if error is not None:
                     break
-        output = TokenOutput(req.uid, None if scored else token, reason is not None, reason, error)
+        tokens = [] if scored else [token]
+        output = DetokenizeMsg(req.uid, tokens, reason is not None, reason, error)
         for f in features:
             f.output(req, values.get(f.name), output)
         if slot == req.prompt_len:  # the first output
@@ -327,14 +288,12 @@ class Scheduler:
             for f in self.features_of(req):
                 f.finished(req)
         req.finish_reason, req.error = reason, error  # type: ignore[assignment]
-        if req in self.held:
-            self.held.remove(req)
         self.planner.drop(req)
         while req.tokens and req.tokens[-1] == PLACEHOLDER:
             req.tokens.pop()  # tokens of steps launched past the end
         self.requests.pop(req.uid, None)
         if report:
-            self.pending.append(TokenOutput(req.uid, None, True, reason, error))
+            self.pending.append(DetokenizeMsg(req.uid, [], True, reason, error))
 
     def shutdown(self) -> None:
         for f in self.features:

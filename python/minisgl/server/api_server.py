@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,10 +43,7 @@ from minisgl.server.protocol import (
     request_extensions,
     sampling_params,
 )
-from minisgl.tokenizer.server import load_chat_tokenizer
 from minisgl.utils.procs import freeze_startup_heap
-
-T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by anyone
@@ -236,10 +232,7 @@ class ApiServer:
         path = args.engine.model or ""
         self.model_name = args.served_model_name or path  # what /v1/models lists
         self.served = {self.model_name, path, path.rstrip("/").split("/")[-1]}
-        adapters = extensions().lora_adapters  # name -> its /v1/models card's fields
-        self.adapters = adapters(args) if adapters is not None else {}
-        self.tokenizer: Any = None  # with_tokenizer's, loaded on first use
-        self.tokenizer_lock = threading.Lock()
+        self.adapters: dict[str, dict[str, Any]] = {}  # ext/lora's: name -> its card's fields
 
     def check_model(self, name: str | None) -> None:
         """404 unless `model` names the model or a LoRA adapter served (which then runs it)."""
@@ -267,21 +260,17 @@ class ApiServer:
             raise APIError(503, reason, code="server_unavailable")
         self.frontend.admit()
 
-    async def first_reply(self, msg: TokenizeMsg) -> Started:
-        """Start a request and wait for its first reply, so refusals become HTTP errors."""
-        stream = self.frontend.batches(msg)
-        first = await stream.__anext__()
-        if first[0].error is not None:
-            await stream.aclose()
-            raise self.reply_error(first[0], first=True)
-        return stream, first
-
     async def start_choices(self, msgs: list[TokenizeMsg]) -> list[Started]:
+        """Start each choice's request and wait for its first reply: a refusal is an HTTP error."""
         self.admit()
         started: list[Started] = []
         try:
             for m in msgs:
-                started.append(await self.first_reply(m))
+                stream = self.frontend.batches(m)
+                first = await stream.__anext__()
+                started.append((stream, first))  # closed below if this one or a later one fails
+                if first[0].error is not None:
+                    raise self.reply_error(first[0], first=True)
         except BaseException:
             for stream, _ in started:
                 await stream.aclose()
@@ -323,13 +312,13 @@ class ApiServer:
     async def complete(self, req: CompletionRequest) -> Any:
         self.check_model(req.model)
         taken = request_extensions(req, "/v1/completions")
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        params = sampling_params(req, max_tokens, taken)
-        sources = completion_sources(req)
-        # choice k * n + j: prompt k's j-th sample (OpenAI's order)
+        params = sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, taken)
         given = req.max_tokens is not None
+        # choice k * n + j: prompt k's j-th sample (OpenAI's order)
         msgs = [
-            m for source in sources for m in self.make_msgs(req, params, given, taken, **source)
+            m
+            for source in completion_sources(req)
+            for m in self.make_msgs(req, params, given, taken, **source)
         ]
         shape = Shape(False, req.n, shapers=await shapers(taken, False, msgs, self))
         return await self.respond(req, msgs, shape)
@@ -446,17 +435,13 @@ class ApiServer:
                 return None
             if plain and r.matched is None:
                 return chunk.plain(i, text, reason)
-            choice = shape.choice(i, text, reason, r.matched, delta=True)
-            return chunk(
-                choice, token_counts(r.prompt_tokens, r.completion_tokens) if continuous else None
-            )
+            counts = token_counts(r.prompt_tokens, r.completion_tokens) if continuous else None
+            return chunk(shape.choice(i, text, reason, r.matched, delta=True), counts)
 
         def closing() -> str:
-            return (
-                sse({**head, "choices": [], "usage": usage(first, last, shape.n)})
-                if include_usage
-                else ""
-            )
+            if not include_usage:
+                return ""
+            return sse({**head, "choices": [], "usage": usage(first, last, shape.n)})
 
         opening = ""
         if shape.chat:  # every choice's role; with continuous usage, the prompts' tokens
@@ -493,25 +478,6 @@ class ApiServer:
         body = {"output_ids": ids[0], "text": texts[0], "finish_reason": r.finish_reason}
         counts = {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
         return body | counts | shape.fields(0)
-
-    async def with_tokenizer(self, work: Callable[[Any], T], param: str) -> T:
-        """`work(tokenizer)` in a thread, with the workers' tokenizer loaded here once (its
-        objects then join the frozen heap); its failure is the client's (400)."""
-
-        def run() -> T:
-            with self.tokenizer_lock:
-                if self.tokenizer is None:
-                    from minisgl.models.weight import resolve_model_path
-
-                    path = resolve_model_path(self.args.engine.model or "")
-                    self.tokenizer = load_chat_tokenizer(path, self.args.chat_template)
-                    freeze_startup_heap()
-            return work(self.tokenizer)
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(None, run)
-        except Exception as e:
-            raise APIError(400, str(e), param) from None
 
     async def stats(self) -> dict[str, Any]:
         """The scheduler's last snapshot, and this API process's requests in flight and queued."""

@@ -12,7 +12,6 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,13 +123,6 @@ class Frontend:
         if self.requests.pop(uid, None) is not None:
             self.metrics.ended("abort")
             await self._tokenizer(uid).put(AbortMsg(uid))
-
-    async def stream(self, msg: TokenizeMsg) -> AsyncGenerator[UserReply, None]:
-        """Replies of one request until it finishes (see `batches`)."""
-        async with aclosing(self.batches(msg)) as batches:
-            async for batch in batches:
-                for reply in batch:
-                    yield reply
 
     async def batches(self, msg: TokenizeMsg) -> AsyncGenerator[list[UserReply], None]:
         """Replies of one request until it finishes, each time all that have come (a handler

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from minisgl.core import EXTENSION_PARAMS, SamplingParams
-from minisgl.extension import ExtensionMissing, extensions, require
+from minisgl.extension import ExtensionMissing, extensions
 
 MAX_CHOICES = 1024  # prompts x n of one completion request (n alone: at most 64)
 
@@ -305,42 +305,34 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template takes them (earlier `tool_calls`: ext/structured's)."""
     chat = []
     for i, m in enumerate(messages):
-        role = CHAT_ROLES.get(m.role)
-        if role is None:
-            known = ", ".join(CHAT_ROLES)
-            message = f"messages[{i}].role: unknown role {m.role!r} (known: {known})"
+        where = f"messages[{i}]"
+        if (role := CHAT_ROLES.get(m.role)) is None:
+            message = f"{where}.role: unknown role {m.role!r} (known: {', '.join(CHAT_ROLES)})"
             raise APIError(400, message, "messages")
-        entry: dict[str, Any] = {"role": role, "content": chat_content(m, i)}
+        entry: dict[str, Any] = {"role": role, "content": chat_content(m, where)}
         entry |= m.model_dump(include={"tool_call_id", "name"}, exclude_none=True)
-        extra = m.model_extra or {}
-        if extra.get("tool_calls"):
+        if calls := (m.model_extra or {}).get("tool_calls"):
             if role != "assistant":
-                message = f"messages[{i}].tool_calls: only assistant messages make tool calls"
+                message = f"{where}.tool_calls: only assistant messages make tool calls"
                 raise APIError(400, message, "messages")
-            where = f"messages[{i}]"
-            try:
-                features = require(extensions().chat_features, f"{where}.tool_calls", "structured")
-            except ExtensionMissing as e:
-                raise APIError(400, str(e), "messages") from None
-            entry["tool_calls"] = features.history_calls(extra["tool_calls"], where)
+            if (features := extensions().chat_features) is None:
+                missing = ExtensionMissing(f"{where}.tool_calls", "structured")
+                raise APIError(400, str(missing), "messages")
+            entry["tool_calls"] = features.history_calls(calls, where)
         chat.append(entry)
     return chat
 
 
-def chat_content(m: ChatMessage, i: int) -> str:
+def chat_content(m: ChatMessage, where: str) -> str:
     if not isinstance(m.content, list):
         return m.content or ""
-    texts = []  # OpenAI content parts: the models served here read text only
-    for part in m.content:
+    for part in m.content:  # OpenAI content parts: the models served here read text only
         if part.get("type") != "text":
-            message = (
-                f"messages[{i}].content: {part.get('type')!r} parts are not supported (text only)"
-            )
+            message = f"{where}.content: {part.get('type')!r} parts are not supported (text only)"
             raise APIError(400, message, "messages")
         if not isinstance(part.get("text"), str):
             raise APIError(400, "messages: a text content part needs a string 'text'", "messages")
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(part["text"] for part in m.content)
 
 
 # the request fields an error found past the API server may name (the message's first word)

@@ -22,6 +22,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ConfigDict, Field, ValidationError
 
 from minisgl.ext.agent.responses_output import ResponseOutput
+from minisgl.ext.serving.api_tokenizer import with_tokenizer
 from minisgl.server.protocol import APIError, Body, ChatRequest
 from minisgl.tokenizer.server import needed
 
@@ -334,7 +335,7 @@ class Responses:
         }
         effort = req.reasoning.effort if req.reasoning is not None else None
         if effort is not None:
-            template = await self.api.with_tokenizer(chat_template, "reasoning")
+            template = await with_tokenizer(self.api, chat_template, "reasoning")
             body["chat_template_kwargs"] = template_kwargs(effort, template)
         body.update(
             {k: getattr(req, k) for k in ("temperature", "top_p") if getattr(req, k) is not None}
@@ -378,7 +379,7 @@ class Responses:
             def encode(tokenizer: Any) -> int:
                 return len(needed(tokenizer).encode(reasoning, add_special_tokens=False))
 
-            count = min(await self.api.with_tokenizer(encode, "input"), usage["completion_tokens"])
+            count = min(await with_tokenizer(self.api, encode, "input"), usage["completion_tokens"])
         response = output.response(usage, count)
         if output.req.store:
             plain = [input_item(item, "output") for item in response["output"]]

@@ -19,7 +19,8 @@ refuses a `.gguf` model, the default model, `--quantization gguf|int8` and
 from __future__ import annotations
 
 from minisgl.ext.cpu import gguf, options
-from minisgl.extension import Lazy, extensions
+from minisgl.ext.lazy import Lazy
+from minisgl.extension import extensions
 
 _points = extensions()
 _points.gguf_model = gguf.resolve_gguf

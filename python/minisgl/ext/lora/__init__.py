@@ -14,7 +14,7 @@ and for several adapters mixed in every batch.
 - `manager.py`: the served adapters by name;
 - `feature.py`: the step feature (a request's adapter in `Req.ext`, its slot pinned while it
   runs, the prefix cache's namespace), the offline `lora_request` (`LoRARequest`).
-- `http.py`: the server's side: a request's `model` (`lora_adapters`), or /generate's
+- `http.py`: the server's side: a request's `model` (`ApiServer.adapters`), or /generate's
   `lora_path` / `lora_name` (`request_fields`), names an adapter; /v1/models lists them."""
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ _points.sampling_params["lora_name"] = check_lora_name
 _points.engine_config.append(EngineOptions.keep)
 _points.model_transform = wrap_transform(_points.model_transform)  # around the cpu one
 _points.step_features.append(make_feature)
-_points.lora_adapters = served_adapters
 _points.lora_request = offline_lora
-_points.routes.append(add_lora_routes)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+# the adapters served (ApiServer.adapters); /v1/load_lora_adapter, /v1/unload_lora_adapter
+_points.routes.append(add_lora_routes)
 _points.scheduler_messages[LoraUpdateRequest] = handle_update
 _points.tp_changes[LoraChange] = follow_change
 for _path in ("/v1/completions", "/v1/chat/completions", "/generate"):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from minisgl.core import CONSTRAINT_KINDS, Req, SamplingParams
+from minisgl.ext.held import Holding
 from minisgl.ext.lora.options import LoraOptions, lora_options
 from minisgl.extension import ModelTransform, StepFeature
 
@@ -39,12 +40,13 @@ class LoraChoice:
     slot: int | None = None  # its device slot while pinned
 
 
-class LoraFeature(StepFeature):
+class LoraFeature(Holding):
     name = NAME
 
     def __init__(self, scheduler: Any, transform: LoraModelTransform, options: LoraOptions):
         from minisgl.ext.lora.manager import LoraManager
 
+        super().__init__(scheduler)  # each request held until its adapter has a slot (`poll`)
         assert transform.stack is not None  # built with the model
         self.transform = transform
         self.manager = LoraManager(options, scheduler.engine.model_config, transform.stack)
@@ -59,9 +61,6 @@ class LoraFeature(StepFeature):
             # a grammar holds the request too, and may release it before its adapter has a slot
             raise ValueError(f"{constraint} with a LoRA adapter ({name!r}) is not supported yet")
         req.ext[NAME] = LoraChoice(name, namespace)
-
-    def holds(self, req: Req) -> bool:
-        return True  # until its adapter has a slot (`poll`)
 
     def poll(self, held: list[Req]) -> tuple[list[Req], list[tuple[Req, str]]]:
         from minisgl.ext.lora.adapter import AdapterError
@@ -87,6 +86,7 @@ class LoraFeature(StepFeature):
         self.transform.set_row(req.table_idx, choice.slot if choice is not None else 0)
 
     def finished(self, req: Req) -> None:
+        super().finished(req)
         choice = req.ext[NAME]
         if choice.slot is not None:
             self.manager.release(choice.name)

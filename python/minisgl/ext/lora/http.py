@@ -1,4 +1,4 @@
-"""The LoRA extension's HTTP side: the adapters the API server serves (`lora_adapters`: a
+"""The LoRA extension's HTTP side: the adapters the API server serves (`ApiServer.adapters`: a
 request's `model` names one, /v1/models lists them) and the body fields that name one
 (`request_fields`: SGLang's `lora_path`, at /generate's top level or in its sampling_params,
 and `lora_name`); `serve`: the runtime loads and unloads (`routes.py`) update both."""
@@ -15,7 +15,7 @@ _served: set[str] | None = None
 
 
 def served_adapters(args: Any) -> dict[str, dict[str, Any]]:
-    """The `lora_adapters` point: the adapters of --lora-modules, with vLLM's card fields."""
+    """The adapters of --lora-modules, with vLLM's card fields (`ApiServer.adapters`)."""
     global _served
     options = lora_options(args.scheduler)
     base = args.served_model_name or args.engine.model

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import ConfigDict
 
-from minisgl.ext.lora.http import serve
+from minisgl.ext.lora.http import serve, served_adapters
 from minisgl.ext.lora.options import lora_options
 from minisgl.ext.lora.runtime import LoraChange, LoraUpdateReply, LoraUpdateRequest
 from minisgl.ext.serving.frontend import ServingFrontend
@@ -44,7 +44,9 @@ class UnloadLoraBody(Body):
 
 
 def add_lora_routes(app: FastAPI, api: Any, info: dict[str, Any]) -> None:
-    """`api`: the core's ApiServer, whose `adapters` (/v1/models, `model`) follow the changes."""
+    """`api`: the core's ApiServer, whose `adapters` (/v1/models, `model`): --lora-modules'
+    and those loaded here."""
+    api.adapters.update(served_adapters(api.args))
     enabled = lora_options(api.args.scheduler).enable_lora
     base = api.args.served_model_name or api.args.engine.model
 

@@ -8,8 +8,9 @@ every prefill runs eagerly, each table write is a copy of its own, and the flag 
 pair are refused naming it. The engine's parts (torch) are imported when the engine makes them
 (`Lazy`): the processes without an engine load this registry without torch."""
 
+from minisgl.ext.lazy import Lazy
 from minisgl.ext.perf.options import PerfOptions
-from minisgl.extension import Lazy, extensions
+from minisgl.extension import extensions
 
 _points = extensions()
 _points.scheduler_options["perf"] = PerfOptions

@@ -9,10 +9,11 @@ package a request that sets one of those fields is refused, naming it. The step 
 (torch) are imported when a scheduler makes them (`Lazy`): the processes without one load this
 registry without torch."""
 
+from minisgl.ext.lazy import Lazy
 from minisgl.ext.sampling import http
 from minisgl.ext.sampling.detokenize import SamplingDetokenize
 from minisgl.ext.sampling.params import FIELDS, check_sampling
-from minisgl.extension import Lazy, extensions
+from minisgl.extension import extensions
 
 _LOGPROBS = "minisgl.ext.sampling.logprobs"
 _points = extensions()

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from minisgl.ext.sampling.params import MAX_LOGPROBS
+from minisgl.ext.serving.api_tokenizer import with_tokenizer
 from minisgl.server.protocol import APIError, ExtensionFields, Int64
 from minisgl.tokenizer.server import needed
 
@@ -74,7 +75,7 @@ async def prompt_texts(msgs: list[Any], api: Any) -> list[str]:
     for m in msgs:
         if m.text is None and id(m.input_ids) not in decoded:
             decode = functools.partial(_decode, ids=m.input_ids)
-            decoded[id(m.input_ids)] = await api.with_tokenizer(decode, "prompt")
+            decoded[id(m.input_ids)] = await with_tokenizer(api, decode, "prompt")
     return [m.text if m.text is not None else decoded[id(m.input_ids)] for m in msgs]
 
 

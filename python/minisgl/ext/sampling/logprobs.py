@@ -199,7 +199,8 @@ class Logprobs(StepFeature):
         output.ext["logprob"] = value
 
     def result(self, req: Req, outputs: list[Any]) -> dict[str, Any]:
-        entries = [[o.token, *e] for o in outputs if (e := o.ext.get("logprob")) is not None]
+        outputs = [o for o in outputs if o.ext.get("logprob") is not None]
+        entries = [[(o.token_ids or [None])[0], *o.ext["logprob"]] for o in outputs]
         return {"logprobs": logprob_dicts(entries)}
 
 

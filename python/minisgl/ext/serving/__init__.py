@@ -13,7 +13,8 @@
 - `policy.py`: --schedule-policy priority (the request's `priority`, aged, preempting) and lpm
   (the `admission_policies` and `sampling_params` points);
 - `tokenizer_info.py`: vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it);
-  `tokenize.py`: vLLM's /tokenize and /detokenize;
+  `tokenize.py`: vLLM's /tokenize and /detokenize; `api_tokenizer.py`: the API process's
+  tokenizer, loaded on first use (for these and the other extensions' HTTP work);
 - `fields.py`: a request's fields no one declares (OpenAI's of no effect or unsupported, vLLM's
   warning about the others; the `unknown_fields` point), its `priority` and SGLang's
   `data_parallel_rank` (`request_fields`) and the bounds on its stop strings and messages

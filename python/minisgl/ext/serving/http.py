@@ -24,7 +24,7 @@ from minisgl.ext.serving.auth import credentials_refused
 from minisgl.ext.serving.connections import ConnectionLimits, connection_budget
 from minisgl.ext.serving.options import serving_options
 from minisgl.ext.serving.text import invalid_text_path
-from minisgl.server.gate import Gate, Refusal
+from minisgl.server.gate import Gate, Refusal, refuse
 
 if TYPE_CHECKING:
     from minisgl.server.args import ServerArgs
@@ -76,12 +76,15 @@ class ServingGate(Gate):
                 self.metrics.response(path, message["status"])
             await send(message)
 
-        await super().__call__(scope, receive, counted)
-
-    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self.check_head(scope)
+        body = await self.body(scope, receive) if refusal is None else refusal
+        if isinstance(body, Refusal):
+            return await refuse(body, scope, receive, counted)
+        if body is None:
+            return  # the client left before sending all of its body
         self.serving += 1
-        try:
-            await super().serve(scope, receive, send)
+        try:  # the core's Gate: an exception the app did not answer as a JSON error
+            await super().__call__(scope, body, counted)
         finally:
             self.serving -= 1
 
@@ -102,8 +105,7 @@ class ServingGate(Gate):
 
     def check_head(self, scope: Scope) -> Refusal | None:
         """Overloaded: refused before anything else (no body read); then the API key."""
-        refusal = self.over_limit(scope) or self.check_key(scope) or super().check_head(scope)
-        if refusal is not None:
+        if (refusal := self.over_limit(scope) or self.check_key(scope)) is not None:
             return refusal
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from minisgl.ext.serving.api_tokenizer import with_tokenizer
 from minisgl.server.protocol import APIError
 from minisgl.tokenizer.server import needed
 
@@ -16,7 +17,7 @@ async def model_cards(api: Any) -> dict[str, Any]:
     """The core's `ApiServer.models`, each card with the tokenizer's vocab_size."""
     models = await api.models()
     try:
-        vocab = await api.with_tokenizer(lambda tok: len(needed(tok)), "model")
+        vocab = await with_tokenizer(api, lambda tok: len(needed(tok)), "model")
     except APIError:  # a model without a tokenizer: no vocab_size
         return models
     models["data"] = [card | {"vocab_size": vocab} for card in models["data"]]

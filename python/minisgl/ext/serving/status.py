@@ -39,10 +39,11 @@ class HealthProbe:
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
         async def error_of(msg: TokenizeMsg) -> str | None:
-            async with aclosing(frontend.stream(msg)) as replies:
-                async for r in replies:
-                    if r.error is not None:
-                        return r.error
+            async with aclosing(frontend.batches(msg)) as batches:
+                async for batch in batches:
+                    for r in batch:
+                        if r.error is not None:
+                            return r.error
             return None
 
         async def one(replica: int | None) -> str | None:

@@ -1,5 +1,5 @@
 """vLLM's /tokenize and /detokenize (the `routes` point), with the API process's tokenizer
-(`ApiServer.with_tokenizer`: the workers' files and --chat-template), under the completions'
+(`api_tokenizer.py`: the workers' files and --chat-template), under the completions'
 size limits."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from pydantic import Field
 
 from minisgl.core import SamplingParams, check_token_ids
+from minisgl.ext.serving.api_tokenizer import with_tokenizer
 from minisgl.ext.serving.fields import check_limits
 from minisgl.ext.serving.worker import check_prompt_size, prompt_chars
 from minisgl.extension import ExtensionMissing, extensions, require
@@ -61,7 +62,7 @@ async def tokenize(api: ApiServer, req: TokenizeRequest) -> dict[str, Any]:
             check_prompt_size(tok, len(text), limit)
             return needed(tok).encode(text, add_special_tokens=special is not False)
 
-        return tokens(api, await api.with_tokenizer(encode, "prompt"))
+        return tokens(api, await with_tokenizer(api, encode, "prompt"))
     chat, kwargs, tools = chat_messages(req.messages), req.chat_template_kwargs, None
     msg = TokenizeMsg(-1, None, None, chat, SamplingParams())
     check_limits(msg)
@@ -80,7 +81,7 @@ async def tokenize(api: ApiServer, req: TokenizeRequest) -> dict[str, Any]:
             render_chat(tok, chat, kwargs, tools), add_special_tokens=bool(special)
         )
 
-    return tokens(api, await api.with_tokenizer(encode_messages, "messages"))
+    return tokens(api, await with_tokenizer(api, encode_messages, "messages"))
 
 
 def tokens(api: ApiServer, ids: list[int]) -> dict[str, Any]:
@@ -97,7 +98,7 @@ async def detokenize(api: ApiServer, req: DetokenizeRequest) -> dict[str, Any]:
         check_token_ids(len(needed(tok)), tokens=req.tokens)
         return tok.decode(req.tokens)
 
-    return {"prompt": await api.with_tokenizer(decode, "tokens")}
+    return {"prompt": await with_tokenizer(api, decode, "tokens")}
 
 
 def add_tokenize_routes(app: FastAPI, api: ApiServer, info: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from minisgl.ext.serving.api_tokenizer import with_tokenizer
 from minisgl.server.protocol import APIError
 from minisgl.tokenizer.server import needed
 
@@ -46,7 +47,7 @@ def add_tokenizer_info_route(app: FastAPI, api: Any, info: dict[str, Any]) -> No
 
     async def get_tokenizer_info() -> dict[str, Any]:
         try:
-            return await api.with_tokenizer(tokenizer_info, "model")
+            return await with_tokenizer(api, tokenizer_info, "model")
         except APIError as e:  # a model without a tokenizer: nothing to describe
             raise APIError(404, e.message, code="not_found") from None
 

@@ -10,8 +10,9 @@ without torch."""
 
 from typing import Any
 
+from minisgl.ext.lazy import Lazy
 from minisgl.ext.spec.options import SpecOptions, spec_options
-from minisgl.extension import ForwardPath, Lazy, extensions
+from minisgl.extension import ForwardPath, extensions
 
 
 def _verify_rows(scheduler: Any) -> ForwardPath | None:

@@ -518,8 +518,6 @@ class GrammarState:
         deadline. They stay in `compiling` until admitted or finished."""
         ready, failed = [], []
         for req in self.compiling:
-            if GRAMMAR not in req.ext:  # held by another feature (a LoRA adapter's slot)
-                continue
             grammar: Constraint = req.ext[GRAMMAR]
             failure = grammar.failure()
             if failure is not None:

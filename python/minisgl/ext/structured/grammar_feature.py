@@ -1,6 +1,7 @@
 """Grammars as a step feature of the scheduler: a constrained request (json_schema, regex, ebnf
 or structural_tag) holds its `Constraint` in `req.ext["grammar"]`, waits in the scheduler's
-`held` list while its grammar compiles (TP rank 0 decides when it is admitted), has its logits
+`held` list while its grammar compiles (ext/held.py: TP rank 0 decides when it is admitted), has
+its logits
 masked by the grammar (stage 0: before the sampling extension's adjustments) and ends when
 its matcher refuses a token or terminates. The compile workers are `grammar.py`'s."""
 
@@ -10,6 +11,7 @@ import json
 from typing import Any
 
 from minisgl.core import CONSTRAINT_KINDS, Batch, Req, SamplingParams
+from minisgl.ext.held import Holding
 from minisgl.ext.structured.grammar import (
     GRAMMAR,
     Constraint,
@@ -18,7 +20,6 @@ from minisgl.ext.structured.grammar import (
     apply_token_bitmask,
 )
 from minisgl.ext.structured.options import structured_options
-from minisgl.extension import StepFeature
 
 
 def check_constraint(p: SamplingParams) -> None:
@@ -39,14 +40,14 @@ def check_constraint(p: SamplingParams) -> None:
         raise ValueError(f"{given[0]} must be a string")
 
 
-class GrammarFeature(StepFeature):
-    """The scheduler's grammars: a `GrammarState` over the scheduler's `held` list."""
+class GrammarFeature(Holding):
+    """The scheduler's grammars: a `GrammarState` over the requests held while compiling."""
 
     name, stage = GRAMMAR, 0
 
     def __init__(self, scheduler: Any) -> None:
+        super().__init__(scheduler)  # its tokenizer at each request (a benchmark swaps it in)
         engine, options = scheduler.engine, structured_options(scheduler.config)
-        self.scheduler = scheduler  # its tokenizer at each request (a benchmark swaps it in)
         self.state = GrammarState(
             engine.model_config.vocab_size,
             engine.config.max_running_requests,
@@ -55,7 +56,7 @@ class GrammarFeature(StepFeature):
             options.grammar_compile_timeout,
             leads=not scheduler.follower,
         )
-        self.state.compiling = scheduler.held  # the held requests are those compiling
+        self.state.compiling = self.held  # the held requests are those compiling
         self.counted: set[int] = set()  # uids of the constrained requests added, not ended
 
     def request(self, req: Req) -> None:
@@ -67,7 +68,7 @@ class GrammarFeature(StepFeature):
     def holds(self, req: Req) -> bool:
         self.counted.add(req.uid)
         self.state.num_constrained = len(self.counted)
-        return True
+        return super().holds(req)
 
     def poll(self, held: list[Req]) -> tuple[list[Req], list[tuple[Req, str]]]:
         return self.state.poll()
@@ -76,6 +77,7 @@ class GrammarFeature(StepFeature):
         req.ext[self.name].wait()  # raises GrammarError (a ValueError) for a bad grammar
 
     def finished(self, req: Req) -> None:
+        super().finished(req)
         self.counted.discard(req.uid)
         self.state.num_constrained = len(self.counted)
 

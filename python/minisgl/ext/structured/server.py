@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 
 from minisgl.core import SamplingParams
+from minisgl.ext.serving.api_tokenizer import with_tokenizer
 from minisgl.ext.structured.detect import AUTO, resolve
 from minisgl.ext.structured.fields import MAX_GRAMMAR_CHARS, ToolFields, tool_fields
 from minisgl.ext.structured.options import chat_options, structured_options
@@ -213,19 +214,20 @@ async def output_parser(api: Any) -> tuple[OutputParser, tuple[str, ...]]:
     if api not in _PARSERS:
         options = chat_options(api.args)
         if AUTO in (options.tool_call_parser, options.reasoning_parser):
-            chosen = await api.with_tokenizer(
+            chosen = await with_tokenizer(
+                api,
                 lambda tok: resolve(options.tool_call_parser, options.reasoning_parser, tok),
                 "model",
             )
             options.tool_call_parser, options.reasoning_parser = chosen
         name, reasoning = options.tool_call_parser, options.reasoning_parser
-        tools, special_tokens = None, ()
+        tools, special_tokens = None, tuple[str, ...]()
         if name is not None:
 
             def vocabulary(tok: Any) -> tuple[set[str], tuple[str, ...]]:
                 return set(needed(tok).get_vocab()), tuple(tok.all_special_tokens)
 
-            vocab, special_tokens = await api.with_tokenizer(vocabulary, "model")
+            vocab, special_tokens = await with_tokenizer(api, vocabulary, "model")
             tools = get_tool_parser(name, vocab)
         parser = OutputParser(get_reasoning_parser(reasoning) if reasoning else None, tools)
         _PARSERS[api] = (parser, special_tokens)
@@ -272,7 +274,7 @@ async def chat_parsing(
         return None
     in_reasoning = None
     if parser.reasoning is not None and not parser.reasoning.starts_in_reasoning:
-        prompt = await api.with_tokenizer(render, "messages")
+        prompt = await with_tokenizer(api, render, "messages")
         in_reasoning = parser.reasoning.prompt_reasoning(prompt)
     tags = parser.tools.special_tokens if parser.tools is not None and not named else ()
     keep = tool_choice is not None and bool(tags)  # the format's tags must survive the decode
