@@ -48,12 +48,19 @@ def model_shapes(config_dir: str) -> dict[str, tuple[int, int, bool, int]]:
 
 
 def candidates(
-    rows: int, k: int, m: int, silu: bool, smoke: bool = False, fma_stages: tuple = (1,)
+    rows: int,
+    k: int,
+    m: int,
+    silu: bool,
+    smoke: bool = False,
+    fma_stages: tuple = (1,),
+    wide: bool = False,
 ) -> list:
     """Configs worth timing for a weight [rows, K] at M rows: the heuristic's; FMA tiles of
     2048, 4096 and 8192 accumulators (8 warps for the largest) with K split as the heuristic
     would and unsplit, at each of `fma_stages` where K takes several tiles; tensor-core tiles
-    likewise."""
+    likewise. `wide`: also K tiles of 2048, 16384 accumulators and 8 warps for 4096 (more
+    bytes in flight a program, for GPUs of more bandwidth)."""
     from minisgl.kernel.gemv import GemvConfig, block_m, heuristic, split_for
 
     bm, tiles, sms = block_m(m), 2 if silu else 1, 132
@@ -65,8 +72,11 @@ def candidates(
         split = split_for(-(-rows // tiles // cfg.block_n), k, cfg.block_k, sms)
         return [replace(cfg, split_k=s) for s in sorted({split, 1})]
 
-    for block_k in (256, 512, 1024):
-        for product, warps in ((2048, 4), (4096, 4), (8192, 8)):
+    shapes = ((2048, 4), (4096, 4), (8192, 8))
+    if wide:
+        shapes += ((4096, 8), (16384, 8))
+    for block_k in (256, 512, 1024, 2048) if wide else (256, 512, 1024):
+        for product, warps in shapes:
             block_n = product // (bm * block_k * tiles)
             if block_k <= k and 1 <= block_n <= 64:
                 for stages in fma_stages if block_k < k else (1,):
@@ -126,7 +136,7 @@ def bench_case(
     base = time_us(baseline, len(ws), cuda)
     now = time_us(lambda i: op(x, ws[i]), len(ws), cuda)
     results = []
-    for cfg in candidates(rows, k, m, silu, args.smoke, args.fma_stages):
+    for cfg in candidates(rows, k, m, silu, args.smoke, args.fma_stages, args.wide):
         err = (op(x, w0, config=cfg).float() - ref).abs().max().item()
         if err > 3e-2 * scale:
             print(f"  WRONG {cfg}: max error {err:.3g}")
@@ -155,6 +165,7 @@ def main() -> None:
     p.add_argument(
         "--fma-stages", default="1", help="num_stages for the FMA candidates (e.g. 1,2,3)"
     )
+    p.add_argument("--wide", action="store_true", help="also K tiles of 2048 and 8-warp FMA tiles")
     args = p.parse_args()
     args.fma_stages = tuple(int(v) for v in args.fma_stages.split(","))
     if args.smoke:  # before anything imports triton
