@@ -52,6 +52,16 @@ def _stop_on_signal(signum: int, frame: Any) -> None:
         os.kill(os.getpid(), signum)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Byte-compile the package once: with PYTHONDONTWRITEBYTECODE set (as on CI's machine)
+    every server process and subprocess the tests start would compile its modules again."""
+    import compileall
+
+    import minisgl
+
+    compileall.compile_dir(os.path.dirname(minisgl.__file__), quiet=1, workers=1)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if threading.current_thread() is not threading.main_thread():
         return  # signal handlers can only be set from the main thread (pytester, some runners)

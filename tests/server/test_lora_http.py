@@ -4,7 +4,8 @@ tests/engine/test_lora.py checks against PEFT); /v1/models lists the adapters wi
 parent; an unknown adapter is a 404; an adapter over --max-lora-rank stops the start with a
 CLI error naming the flag. /v1/load_lora_adapter and /v1/unload_lora_adapter change the served
 adapters at run time (a bad load changes nothing; an unload waits for the adapter's requests),
-behind the API key, and only with --enable-lora."""
+behind the API key, and only with --enable-lora; with --tp 2 on every rank, with --dp 2 on
+both replicas (tests/unit/test_lora_runtime.py: a partial failure, the unload's timeout)."""
 
 from __future__ import annotations
 
@@ -198,3 +199,62 @@ def test_routes_need_the_key_and_enable_lora(tmp_path):
         assert httpx.post(url, json=body).status_code == 401
         r = httpx.post(url, json=body, headers={"Authorization": "Bearer k"})
         assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+
+
+def lora_server(setup, tmp_path, *args: str):
+    """A server on the setup's model with a1 served from the start, and `args`."""
+    _, _, _, (model, a1) = setup
+    lora = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules")
+    lora += (f"a1={a1}",)
+    engine = ("--page-size", "4", "--num-pages", "64", "--served-model-name", "tiny")
+    return run_server(model, *engine, *lora, *args, log_path=str(tmp_path / "server.log"))
+
+
+def test_tp2_runtime_changes_reach_every_rank(setup, tmp_path):
+    """--tp 2: an adapter loaded at run time answers as the same files served from the start
+    and offline (TP 1), so rank 1 loaded it too; once unloaded, the name loads other files
+    (rank 1 dropped the first ones: else it would keep computing with them)."""
+    _, texts, _, (_, a1) = setup
+    a2 = os.path.join(os.path.dirname(a1), "a2")
+    with lora_server(setup, tmp_path, "--tp", "2") as server:
+        assert "scheduler_1 process started" in server.log()
+        assert lora_route(server, "load", lora_name="rt", lora_path=a1).status_code == 200
+        for name, expected in [("rt", "a1"), ("a1", "a1"), ("tiny", "base")]:
+            r = complete(server, name)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == texts[expected]
+        assert lora_route(server, "unload", lora_name="rt").status_code == 200
+        r = complete(server, "rt")
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        assert lora_route(server, "load", lora_name="rt", lora_path=a2).status_code == 200
+        assert complete(server, "rt").json()["choices"][0]["text"] == texts["a2"]
+        assert complete(server, "a1").json()["choices"][0]["text"] == texts["a1"]
+        assert lora_route(server, "unload", lora_name="rt").status_code == 200
+        assert server.wait_idle()["leaked_pages"] == 0
+
+
+def test_dp2_runtime_changes_reach_both_replicas(setup, tmp_path):
+    """--dp 2: a loaded adapter serves on each replica (`data_parallel_rank`); a bad load
+    leaves both without the name (it loads after); an unload drops it from both (the name
+    then loads other files on each)."""
+    _, _, ids, (_, a1) = setup
+    a2 = os.path.join(os.path.dirname(a1), "a2")
+
+    def generate(server, replica: int, name: str):
+        body = {"input_ids": IDS, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        body |= {"lora_path": name, "data_parallel_rank": replica}
+        return httpx.post(f"{server.url}/generate", json=body, timeout=60)
+
+    with lora_server(setup, tmp_path, "--dp", "2") as server:
+        r = lora_route(server, "load", lora_name="rt", lora_path=str(tmp_path / "missing"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+        assert "rt" not in model_ids(server)
+        for path, expected in [(a1, "a1"), (a2, "a2")]:
+            r = lora_route(server, "load", lora_name="rt", lora_path=path)
+            assert r.status_code == 200, r.text
+            for replica in (0, 1):
+                r = generate(server, replica, "rt")
+                assert r.status_code == 200 and r.json()["output_ids"] == ids[expected], r.text
+                assert generate(server, replica, "a1").json()["output_ids"] == ids["a1"]
+            assert lora_route(server, "unload", lora_name="rt").status_code == 200
+            assert generate(server, 1, "rt").status_code == 404
+        assert server.wait_idle()["leaked_pages"] == 0

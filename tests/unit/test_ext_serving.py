@@ -47,18 +47,28 @@ def core_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield s
 
 
+def resolved(value: Any) -> Any:
+    """A point's value; one registered by name (`Lazy`: the API process's parts) imported."""
+    from minisgl.ext.lazy import Lazy
+
+    return value.resolve() if isinstance(value, Lazy) else value
+
+
 def test_the_extension_fills_its_points() -> None:
     from minisgl.ext.serving import fields, metrics, sglang
 
     points = extension.extensions()
-    assert sglang.add_sglang_routes in points.routes
-    assert metrics.add_metrics_route in points.routes
+    routes = [resolved(add) for add in points.routes]
+    assert sglang.add_sglang_routes in routes
+    assert metrics.add_metrics_route in routes
     assert isinstance(points.unknown_fields, fields.UnknownFields)  # SGLang's on /generate
-    assert points.request_observer is metrics.frontend_metrics
+    assert resolved(points.request_observer) is metrics.frontend_metrics
     from minisgl.ext.serving import llm_dp, replicas, scale, worker
 
-    assert points.replicas is replicas.replicated_llm and points.replicas() is llm_dp.ReplicatedLLM
-    assert points.launcher is scale.ServingLauncher  # its tokenizer workers pick the --dp replica
+    assert resolved(points.replicas) is replicas.replicated_llm
+    assert points.replicas() is llm_dp.ReplicatedLLM
+    # its tokenizer workers pick the --dp replica
+    assert resolved(points.launcher) is scale.ServingLauncher
     made = worker.tokenizer_worker(16, "prefix", 8)([], [1, 2], None, [])  # two replicas
     assert isinstance(made, worker.ServingTokenizerWorker) and made.dispatcher is not None
     made.background.shutdown()
@@ -66,7 +76,7 @@ def test_the_extension_fills_its_points() -> None:
 
     assert points.options["serving"] is options.ServingOptions
     assert points.gate is http.ServingGate and points.http_server is http.serving_http_server
-    assert status.add_status_routes in points.routes
+    assert status.add_status_routes in routes
 
 
 MOVED_FLAGS = [  # the serving extension's: its `options` point declares them (flag, value, parsed)

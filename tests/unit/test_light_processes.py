@@ -51,12 +51,56 @@ print("loaded" if exts.loaded else "core", "torch" in sys.modules)
 """
 
 
-def run_light(model: str, core_alone: bool) -> str:
+# A tokenizer worker's and the detokenizer's own work, as their processes do it: the modules a
+# spawned child imports (the launcher's `_child_main`, its target, the worker the launcher hands
+# it), then a chat tokenized and its tokens detokenized (stop strings, min_tokens,
+# log-probabilities' texts) through the worker classes, the queues faked. Neither process may
+# import the API process's fastapi or prometheus_client, nor numpy before transformers does
+# (ext/cpu's GGUF reader needs it; issue 47: ~0.4 s of CPU each at every start).
+WORKERS_SCRIPT = """
+import sys
+import minisgl.server.launch, minisgl.tokenizer.server, minisgl.tokenizer.detokenize
+from minisgl.extension import extensions
+from minisgl.tokenizer.server import TokenizerWorker
+from minisgl.tokenizer.detokenize import Detokenizer
+
+exts = extensions()
+if exts.loaded:  # the serving launcher's worker, unpickled in the tokenizer process
+    from minisgl.ext.serving.worker import ServingTokenizerWorker as TokenizerWorker
+HEAVY = ("fastapi", "numpy", "prometheus_client", "transformers")
+print(sorted(m for m in HEAVY if m in sys.modules))
+
+from minisgl.core import SamplingParams
+from minisgl.message import DetokenizeMsg, TokenizeMsg
+from minisgl.models.hf import load_tokenizer, transformers_without_torch
+from minisgl.tokenizer.server import load_chat_tokenizer
+
+class Sent(list):
+    put = list.append
+
+transformers_without_torch()
+sched, detok_q, api = Sent(), Sent(), Sent()
+worker = TokenizerWorker(load_chat_tokenizer(sys.argv[1], None), [sched], detok_q, api)
+extra = {"min_tokens": 1, "logprobs": 1} if exts.loaded else {}
+chat = [{"role": "user", "content": "hello"}]
+worker.handle(TokenizeMsg(1, None, None, chat, SamplingParams(stop=["zz"], **extra)))
+assert sched and detok_q and not api, api
+detok = Detokenizer(load_tokenizer(sys.argv[1]), Sent(), [Sent()])
+assert not detok.init(detok_q[0])
+logprob = {"logprob": [-0.5, [5], [-0.5]]} if exts.loaded else {}
+reply = detok.guarded(DetokenizeMsg(1, [5], True, "length", ext=logprob))
+assert reply is not None and reply.error is None, reply
+assert ("logprobs" in reply.ext) == exts.loaded, reply
+print(sorted(m for m in ("fastapi", "prometheus_client") if m in sys.modules))
+"""
+
+
+def run_light(model: str, core_alone: bool, script: str = SCRIPT) -> str:
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
     env.pop("MINISGL_DISABLE_EXTENSIONS", None)
     if core_alone:
         env["MINISGL_DISABLE_EXTENSIONS"] = "1"
-    cmd = [sys.executable, "-c", SCRIPT, model]
+    cmd = [sys.executable, "-c", script, model]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
@@ -76,6 +120,13 @@ def test_the_core_alone_imports_no_torch_in_light_processes(tokenizer_dir: str) 
 @pytest.mark.ext
 def test_the_extensions_import_no_torch_in_light_processes(tokenizer_dir: str) -> None:
     assert run_light(tokenizer_dir, core_alone=False) == "loaded False"
+
+
+@pytest.mark.parametrize("core_alone", [True, pytest.param(False, marks=pytest.mark.ext)])
+def test_tokenizer_and_detokenizer_import_no_api_modules(
+    tokenizer_dir: str, core_alone: bool
+) -> None:
+    assert run_light(tokenizer_dir, core_alone, WORKERS_SCRIPT).splitlines() == ["[]", "[]"]
 
 
 def lazy_values(value: Any) -> list[Any]:

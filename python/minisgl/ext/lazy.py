@@ -1,4 +1,4 @@
-"""`Lazy`: how an extension registers the parts that import torch."""
+"""`Lazy`: how an extension registers the parts that import torch, or fastapi."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ class Lazy:
     """A callable point's value named by module and attribute, imported at its first call: an
     extension registers its scheduler's parts so (those whose modules import torch), and the
     processes that load the registry but never call them (tokenizer, detokenizer, API) start
-    without torch (issue 47)."""
+    without torch (issue 47); and its API process's parts (routes, metrics, the launcher:
+    fastapi, prometheus_client), which the tokenizer, detokenizer and schedulers never call."""
 
     def __init__(self, module: str, name: str) -> None:
         self.module, self.name = module, name

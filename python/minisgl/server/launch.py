@@ -172,11 +172,25 @@ class Launcher:
             tok = (model_path, args.chat_template, addr, a.schedulers, a.detokenizer, detok[2])
             worker = self.tokenizer_worker(config)
             starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok, worker=worker))
+        self.preload_front_end()
         for payload in wait_ready(*_split(starters + followers)):
             if payload:  # a TP rank 0 (one per --dp replica)
                 self.info["num_pages"] = self.info.get("num_pages", 0) + payload["num_pages"]
                 self.info["max_seq_len"] = payload["max_seq_len"]
         wait_ready(*_split(followers))
+
+    def preload_front_end(self) -> None:
+        """While the children start: import what the HTTP front end runs on (fastapi, uvicorn,
+        the extensions' routes), which would otherwise wait for them to be ready (issue 47)."""
+        if self.args.shell:
+            return
+        import uvicorn  # noqa: F401
+
+        import minisgl.server.api_server  # noqa: F401
+
+        for add_routes in extensions().routes:
+            if (resolve := getattr(add_routes, "resolve", None)) is not None:
+                resolve()  # an extension's route registered by name (ext/lazy.py): imported now
 
     def api_queue(self) -> Callable[[], Any]:
         """() -> the queue, in a tokenizer worker or the detokenizer, of the replies to the API

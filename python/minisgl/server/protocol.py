@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Protocol, TypeVar
 
 import msgpack
-from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from starlette.responses import JSONResponse  # fastapi's is it; fastapi's package is heavy
 
 from minisgl.core import EXTENSION_PARAMS, SamplingParams
 from minisgl.extension import ExtensionMissing, extensions

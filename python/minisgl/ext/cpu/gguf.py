@@ -19,8 +19,6 @@ import shutil
 import sys
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:  # torch in the conversion only: the processes that just look a converted
     # model up (tokenizer workers, the API process) do not load it
     import torch
@@ -186,6 +184,7 @@ def _field(reader: Any, key: str) -> Any:
 
 
 def _dequantize(tensor: Any) -> torch.Tensor:
+    import numpy as np  # here: the registry (every process) imports this module
     import torch
     from gguf.quants import dequantize
 

@@ -20,6 +20,7 @@ and for several adapters mixed in every batch.
 from __future__ import annotations
 
 from minisgl.core import SamplingParams
+from minisgl.ext.lazy import Lazy
 from minisgl.ext.lora.feature import (
     EngineOptions,
     LoRARequest,
@@ -29,7 +30,6 @@ from minisgl.ext.lora.feature import (
 )
 from minisgl.ext.lora.http import LoraFields, served_adapters
 from minisgl.ext.lora.options import LoraOptions
-from minisgl.ext.lora.routes import add_lora_routes
 from minisgl.ext.lora.runtime import LoraChange, LoraUpdateRequest, follow_change, handle_update
 from minisgl.extension import extensions
 
@@ -50,8 +50,9 @@ _points.engine_config.append(EngineOptions.keep)
 _points.model_transform = wrap_transform(_points.model_transform)  # around the cpu one
 _points.step_features.append(make_feature)
 _points.lora_request = offline_lora
-# the adapters served (ApiServer.adapters); /v1/load_lora_adapter, /v1/unload_lora_adapter
-_points.routes.append(add_lora_routes)
+# the adapters served (ApiServer.adapters); /v1/load_lora_adapter, /v1/unload_lora_adapter (the
+# API process's: fastapi, imported there)
+_points.routes.append(Lazy("minisgl.ext.lora.routes", "add_lora_routes"))
 _points.scheduler_messages[LoraUpdateRequest] = handle_update
 _points.tp_changes[LoraChange] = follow_change
 for _path in ("/v1/completions", "/v1/chat/completions", "/generate"):

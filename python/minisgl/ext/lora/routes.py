@@ -5,13 +5,17 @@ with a short text, as vLLM's; errors are OpenAI-shaped: 400 naming the field for
 or an adapter that cannot be served (unreadable, rank over --max-lora-rank, modules not
 supported: nothing changes), 404 for unloading an adapter not loaded. Unloading an adapter that
 running requests use refuses new ones for it and waits for those (up to `UNLOAD_WAIT_S`),
-then answers 400 `lora_in_use` saying how many still run (the adapter served again).
+then answers 400 `lora_in_use` saying how many still run (the adapter served again: with --dp,
+the replicas that had dropped it load it again). With --dp a load is done on every replica or
+on none (those that loaded it unload it when another could not).
 Available with --enable-lora (vLLM gates them behind VLLM_ALLOW_RUNTIME_LORA_UPDATING);
 refused with --api-server-count > 1, whose other API processes would not know the change."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from typing import Any
 
@@ -28,6 +32,7 @@ from minisgl.server.protocol import APIError, Body
 ASK_TIMEOUT_S = 60.0  # for every replica's answer (a load reads the adapter from disk)
 UNLOAD_WAIT_S = 30.0  # how long an unload waits for the requests that use the adapter
 UNLOAD_POLL_S = 0.2
+logger = logging.getLogger(__name__)
 
 
 class LoadLoraBody(Body):
@@ -60,12 +65,7 @@ def add_lora_routes(app: FastAPI, api: Any, info: dict[str, Any]) -> None:
             raise APIError(400, f"lora_name {name!r} {why}", "lora_name")
         if not path:
             raise APIError(400, "lora_path is empty", "lora_path")
-        replies = await _ask(frontend, LoraChange(name, path))
-        if errors := [r for r in replies if r.error is not None]:
-            if len(errors) < len(replies):  # --dp: the replicas that loaded it unload it
-                await _ask(frontend, LoraChange(name))
-            field = "lora_name" if "already loaded" in str(errors[0].error) else "lora_path"
-            raise APIError(400, "; ".join(_said(r) for r in errors), field)
+        await _load(frontend, name, path)
         serve(name, {"root": path, "parent": base}, api)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -74,9 +74,11 @@ def add_lora_routes(app: FastAPI, api: Any, info: dict[str, Any]) -> None:
         fields = api.adapters.get(name)
         serve(name, None, api)  # new requests for it: 404 while its running ones end
         try:
-            await _unload(frontend, name)
+            await _unload(frontend, name, fields["root"] if fields is not None else None)
+        except Unserved:
+            raise  # some replica lost it: no longer served (unload again to finish)
         except BaseException:
-            if fields is not None:  # still served
+            if fields is not None:  # still served, on every replica
                 serve(name, fields, api)
             raise
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
@@ -113,26 +115,78 @@ async def _ask(frontend: ServingFrontend, change: LoraChange) -> list[LoraUpdate
     return replies
 
 
-async def _unload(frontend: ServingFrontend, name: str) -> None:
+async def _load(frontend: ServingFrontend, name: str, path: str) -> None:
+    """Load `name` on every replica, or on none (the APIError, 400 naming the field): with
+    --dp, the replicas that loaded it unload it again when another could not."""
+    replies = await _ask(frontend, LoraChange(name, path))
+    errors = [r for r in replies if r.error is not None]
+    if not errors:
+        return
+    if len(errors) < len(replies):  # roll back (the name is not served yet: none uses it)
+        loaded = {r.dp_rank for r in replies if r.error is None}
+        undone = await _ask(frontend, LoraChange(name))
+        if kept := [r for r in undone if r.dp_rank in loaded and r.error is not None]:
+            logger.error("LoRA adapter %r: rollback failed: %s", name, "; ".join(map(_said, kept)))
+    field = "lora_name" if "already loaded" in str(errors[0].error) else "lora_path"
+    raise APIError(400, "; ".join(_said(r) for r in errors), field)
+
+
+class Unserved(APIError):
+    """An unload that failed after some replicas dropped the adapter, which they could not
+    load again: the adapter is no longer served."""
+
+
+async def _unload(frontend: ServingFrontend, name: str, path: str | None) -> None:
     """Unload `name` from every replica, waiting while requests use it (the APIError: 404 not
-    loaded, 400 `lora_in_use` after `UNLOAD_WAIT_S`)."""
+    loaded, 400 `lora_in_use` after `UNLOAD_WAIT_S`). On an error, with --dp, the replicas
+    that already dropped it load it again from `path`, so that it is served by all as before
+    (`Unserved` when that fails)."""
     removed: set[int] = set()  # the replicas that unloaded it
     deadline = time.monotonic() + UNLOAD_WAIT_S
     while True:
         replies = await _ask(frontend, LoraChange(name))
         removed |= {r.dp_rank for r in replies if r.error is None}
-        left = [r for r in replies if r.error is not None and r.dp_rank not in removed]
-        if not left:
+        failed = [r for r in replies if r.error is not None and r.dp_rank not in removed]
+        # 404: a replica without it (all of them: not loaded; some: a past `Unserved`'s)
+        left = [r for r in failed if r.status != 404]
+        if not left and (removed or not failed):
             return
-        if any(r.status != 409 for r in left) or time.monotonic() > deadline:
-            status = next((r.status for r in left if r.status != 409), 409)
-            message = "; ".join(_said(r) for r in left)
-            if status == 404:
-                raise APIError(404, message, "lora_name", "model_not_found")
-            if status == 409:  # a 400 (the statuses every POST route documents)
-                message += f", still after waiting {UNLOAD_WAIT_S:g} s"
-            raise APIError(400, message, "lora_name", "lora_in_use" if status == 409 else None)
+        if not left or any(r.status != 409 for r in left) or time.monotonic() > deadline:
+            error = _unload_error(left or failed)
+            if removed:
+                await _restore(frontend, name, path, removed, error)
+            raise error
         await asyncio.sleep(UNLOAD_POLL_S)  # its requests run on: ask again
+
+
+def _unload_error(left: list[LoraUpdateReply]) -> APIError:
+    """The failed unload's error, from the replicas that kept the adapter."""
+    status = next((r.status for r in left if r.status != 409), 409)
+    message = "; ".join(_said(r) for r in left)
+    if status == 404:
+        return APIError(404, message, "lora_name", "model_not_found")
+    if status == 409:  # a 400 (the statuses every POST route documents)
+        message += f", still after waiting {UNLOAD_WAIT_S:g} s"
+    return APIError(400, message, "lora_name", "lora_in_use" if status == 409 else None)
+
+
+async def _restore(
+    frontend: ServingFrontend, name: str, path: str | None, removed: set[int], error: APIError
+) -> None:
+    """The replicas in `removed` load `name` again from `path` (the others still have it and
+    answer that it is loaded); `Unserved` with `error`'s reply when one cannot."""
+    replies: list[LoraUpdateReply] = []
+    with contextlib.suppress(APIError):  # a 503: no answer, so not loaded again
+        replies = await _ask(frontend, LoraChange(name, path)) if path is not None else []
+    done = {r.dp_rank for r in replies if r.error is None}
+    if lost := sorted(removed - done):
+        why = {r.dp_rank: f": {r.error}" for r in replies if r.error is not None}
+        failed = ", ".join(f"{rank}{why.get(rank, '')}" for rank in lost)
+        message = (
+            f"{error.message}; replica {failed} dropped it and could not load it again: it is"
+            " no longer served (unload it again to finish)"
+        )
+        raise Unserved(error.status, message, error.param, error.code) from error
 
 
 def _said(reply: LoraUpdateReply) -> str:

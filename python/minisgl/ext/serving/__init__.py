@@ -40,43 +40,35 @@ declare, and --dp > 1, `LLM(dp=N > 1)`, a request's `priority` or `data_parallel
 
 from __future__ import annotations
 
-from minisgl.ext.serving import (
-    collector,
-    fields,
-    flush,
-    http,
-    metrics,
-    model_card,
-    openapi,
-    options,
-    policy,
-    replicas,
-    scale,
-    sglang,
-    status,
-    tokenize,
-    tokenizer_info,
-    warmup,
-)
+from minisgl.ext.lazy import Lazy
+from minisgl.ext.serving import collector, fields, flush, http, options, policy, sglang, warmup
 from minisgl.extension import extensions
 
+# The API process's parts (fastapi, prometheus_client, the launcher) and `LLM(dp=N)`'s are
+# imported when called (`Lazy`): the tokenizer workers, the detokenizer and the schedulers load
+# this registry without them (issue 47).
+_SERVING = "minisgl.ext.serving"
 _points = extensions()
-_points.routes += [sglang.add_sglang_routes, metrics.add_metrics_route, openapi.add_openapi_errors]
-_points.routes.append(status.add_status_routes)
-_points.routes.append(tokenizer_info.add_tokenizer_info_route)
-_points.routes.append(tokenize.add_tokenize_routes)
-_points.routes.append(model_card.add_models_route)
+_points.routes += [
+    sglang.add_sglang_routes,
+    Lazy(f"{_SERVING}.metrics", "add_metrics_route"),
+    Lazy(f"{_SERVING}.openapi", "add_openapi_errors"),
+]
+_points.routes.append(Lazy(f"{_SERVING}.status", "add_status_routes"))
+_points.routes.append(Lazy(f"{_SERVING}.tokenizer_info", "add_tokenizer_info_route"))
+_points.routes.append(Lazy(f"{_SERVING}.tokenize", "add_tokenize_routes"))
+_points.routes.append(Lazy(f"{_SERVING}.model_card", "add_models_route"))
 _points.unknown_fields = fields.UnknownFields()
 _points.request_checks.append(fields.check_limits)
 for _path in ("/v1/chat/completions", "/v1/completions", "/generate"):
     _points.request_fields.setdefault(_path, []).append(fields.PriorityFields)
 _points.request_fields["/generate"] += [sglang.MetaInfoFields, fields.DataParallelFields]
-_points.request_observer = metrics.frontend_metrics
-_points.replicas = replicas.replicated_llm
+_points.request_observer = Lazy(f"{_SERVING}.metrics", "frontend_metrics")
+_points.replicas = Lazy(f"{_SERVING}.replicas", "replicated_llm")
 _points.options["serving"] = options.ServingOptions
 _points.gate = http.ServingGate
 _points.http_server = http.serving_http_server
-_points.launcher = scale.ServingLauncher
+_points.launcher = Lazy(f"{_SERVING}.scale", "ServingLauncher")
 _points.scheduler_options["serving"] = policy.PolicyOptions  # --priority-aging
 _points.admission_policies.update(priority=policy.PriorityQueue, lpm=policy.LongestPrefixQueue)
 _points.sampling_params["priority"] = policy.check_priority

@@ -20,20 +20,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
 
-from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+from starlette.responses import PlainTextResponse, Response  # fastapi's: its package is heavy
 
 from minisgl.extension import RequestObserver
 from minisgl.message import SchedulerStats, UserReply, register
 from minisgl.server.protocol import APIError
 
 if TYPE_CHECKING:  # types only: the extension loads while the api server module may be loading
+    from fastapi import FastAPI
+
     from minisgl.ext.serving.frontend import ServingFrontend
     from minisgl.server.api_server import ApiServer
     from minisgl.server.frontend import Frontend

@@ -11,15 +11,15 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from starlette.responses import JSONResponse  # fastapi's is it (fastapi: only in the API process)
 
-from minisgl.ext.serving.frontend import ServingFrontend
 from minisgl.ext.serving.options import serving_options
 from minisgl.server.args import ServerArgs
 from minisgl.server.protocol import APIError, ExtensionFields, error_response
 
 if TYPE_CHECKING:  # types only: the extension loads while the api server module may be loading
+    from fastapi import FastAPI
+
     from minisgl.server.api_server import ApiServer
 
 # SGLang's GenerateReqInput fields that change nothing at these values ("rid" names a request:
@@ -127,6 +127,8 @@ def _public_options(args: ServerArgs) -> dict[str, Any]:
 
 def add_sglang_routes(app: FastAPI, api: ApiServer, info: dict) -> None:
     """The routes, on `app`; `info`: what the schedulers reported once ready."""
+    from minisgl.ext.serving.frontend import ServingFrontend  # the API process's (prometheus)
+
     frontend, args = api.frontend, api.args
     model = args.engine.model or ""
     page_size = args.engine.page_size
