@@ -477,6 +477,13 @@ def parse_args() -> argparse.Namespace:
         help="time the workload this many times in one process; tok/s is the median run",
     )
     p.add_argument(
+        "--warmup",
+        type=int,
+        default=24,
+        help="short requests run before the clock (kernels compile at first use); 0: none"
+        " (CPU smoke tests: nothing compiles there)",
+    )
+    p.add_argument(
         "--json",
         help="append the result as one JSON line to this file (with the date, commit, command"
         " and --note; with --profile the GPU's kernel time)",
@@ -511,6 +518,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.gemv_max_m is not None and not 1 <= args.gemv_max_m <= 64:
         p.error(f"--gemv-max-m {args.gemv_max_m}: the GEMV kernels take 1 to 64 rows")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: must be >= 0")
     if args.lora_adapters < 0 or args.lora_rank < 1:
         p.error("--lora-adapters must be >= 0 and --lora-rank >= 1")
     return args
@@ -584,14 +593,15 @@ def make_requests(llm: Any, args: argparse.Namespace) -> tuple[list, list[int], 
     ]
     # Warm-up: Triton compiles a kernel variant per argument pattern (an int divisible by 16 or
     # not, ...) on first use; varied prompt lengths and batch sizes meet them before the clock.
-    warm_prompts = shifted(workload(24, 300, 100)[0], 5000)  # shares no prefix with the run
-    warm_params = [
-        SamplingParams(
-            temperature=0.6, max_tokens=4 + i % 5, **grammar(i), **features(i), **lora(i)
-        )
-        for i in range(24)
-    ]
-    llm.generate(warm_prompts, warm_params, use_tqdm=False)
+    if args.warmup > 0:
+        warm_prompts = shifted(workload(args.warmup, 300, 100)[0], 5000)  # no prefix of the run
+        warm_params = [
+            SamplingParams(
+                temperature=0.6, max_tokens=4 + i % 5, **grammar(i), **features(i), **lora(i)
+            )
+            for i in range(args.warmup)
+        ]
+        llm.generate(warm_prompts, warm_params, use_tqdm=False)
     return prompts, max_tokens, params
 
 
@@ -693,6 +703,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "features_frac": args.features_frac,
         "lora_adapters": args.lora_adapters,
         "lora_rank": args.lora_rank if args.lora_adapters else None,
+        "warmup": args.warmup,
     }
 
 

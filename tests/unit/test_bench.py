@@ -1,14 +1,21 @@
 """The offline benchmark script: its roofline model and a CPU smoke run on a tiny model."""
 
+import contextlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
 
+import bench  # noqa: E402
 from bench import GPU_PEAKS, TINY_QWEN3, roofline_tok_s, workload  # noqa: E402
 
 
@@ -51,7 +58,8 @@ def test_moe_roofline_counts_the_experts_a_step_reads():
     assert abs(moe - dense) / dense < 1e-12
 
 
-def run_bench(args: list[str], out) -> tuple[dict, str]:
+def run_bench(args: list[str], out: Path) -> tuple[dict, str]:
+    """bench.py as its own process: the script whole (its command line, __main__, --json)."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmark", "offline", "bench.py"), *args]
     cmd += ["--device", "cpu", "--json", str(out)]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
@@ -60,9 +68,36 @@ def run_bench(args: list[str], out) -> tuple[dict, str]:
     return json.loads(out.read_text()), proc.stdout
 
 
-def test_cpu_smoke_run(tmp_path):
+def in_process(main: Callable[[], None], argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """A benchmark script's `main` with `argv` as its command line, in this process: the same
+    code as the script's own process below its entry, without the seconds a new process spends
+    importing torch and minisgl (issue 47); the environment is restored after (bench.py's
+    ablation switches set variables). What it printed."""
+    monkeypatch.setattr(sys, "argv", [main.__module__ + ".py", *argv])
+    env, printed = dict(os.environ), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            main()
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    return printed.getvalue()
+
+
+def bench_main(args: list[str], out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """bench.py's main on the CPU without warm-up (no kernel compiles there), in this process;
+    its --json line."""
+    in_process(
+        bench.main, [*args, "--device", "cpu", "--warmup", "0", "--json", str(out)], monkeypatch
+    )
+    return json.loads(out.read_text())
+
+
+def test_cpu_smoke_run(tmp_path: Path) -> None:
+    """The script as a process, with the warm-up, two timed runs and random LoRA adapters."""
     args = ["--tiny", "--num-seqs", "3", "--max-input-len", "110", "--max-output-len", "104"]
-    result, stdout = run_bench([*args, "--repeat", "2", "--note", "x"], tmp_path / "result.jsonl")
+    args += ["--repeat", "2", "--note", "x", "--lora-adapters", "2", "--lora-rank", "8"]
+    result, stdout = run_bench(args, tmp_path / "result.jsonl")
     assert result["output_tokens"] == sum(workload(3, 110, 104)[1])
     # the line says when, on what and how it ran (results.jsonl's fields)
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", result["date"]) and result["note"] == "x"
@@ -73,53 +108,53 @@ def test_cpu_smoke_run(tmp_path):
     assert result["tok_s"] > 0 and "tok/s" in stdout
     assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny", 1, None)
     assert result["mixed_steps"] is True and result["max_num_batched_tokens"] == 8192
-    assert result["prefill_graphs"] is True
+    assert result["prefill_graphs"] is True and result["warmup"] == 24
     assert result["gemv_max_m"] is None  # --gemv-max-m not given: the default bound
-    assert (result["lora_adapters"], result["lora_rank"]) == (0, None)  # no LoRA by default
+    # --lora-adapters: the requests ran on random adapters served with enable_lora
+    assert (result["lora_adapters"], result["lora_rank"]) == (2, 8)
 
 
-def test_cpu_smoke_run_speculative(tmp_path):
+def test_cpu_smoke_run_speculative(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--speculative-algorithm: the target drafting for itself accepts every proposal (the
     accept length is K + 1 but where max_tokens cuts a step short); random proposals none."""
     args = ["--tiny", "--single", "--max-output-len", "100", "--speculative-num-draft-tokens"]
-    result, _ = run_bench([*args, "4", "--speculative-algorithm", "standalone"], tmp_path / "a")
+    standalone = [*args, "4", "--speculative-algorithm", "standalone"]
+    result = bench_main(standalone, tmp_path / "a", monkeypatch)
     assert result["output_tokens"] == 100 and result["speculative"] == "standalone"
     assert result["spec_accepted_tokens"] == result["spec_draft_tokens"] > 0
     assert 4.5 < result["spec_accept_length"] <= 5 and result["overlap"] is True
     random = [*args, "2", "--speculative-algorithm", "random"]
-    result, _ = run_bench([*random, "--speculative-max-backoff", "0"], tmp_path / "b")
+    result = bench_main([*random, "--speculative-max-backoff", "0"], tmp_path / "b", monkeypatch)
     assert result["output_tokens"] == 100 and result["spec_draft_tokens"] >= 2 * 90
     assert result["spec_accept_length"] < 1.1  # a random id matches the target's ~1 in 10^4
     assert result["overlap"] is False and result["max_backoff"] == 0
-    result, _ = run_bench(random, tmp_path / "d")  # backing off: a proposal every 17 steps
+    result = bench_main(random, tmp_path / "d", monkeypatch)  # backing off: every 17 steps
     assert result["max_backoff"] == 16 and 2 * 6 <= result["spec_draft_tokens"] <= 2 * 12
-    result, _ = run_bench([*args, "4", "--speculative-algorithm", "oracle"], tmp_path / "c")
+    oracle = [*args, "4", "--speculative-algorithm", "oracle"]
+    result = bench_main(oracle, tmp_path / "c", monkeypatch)
     assert result["output_tokens"] == 100 and result["prefix_cached_tokens"] == 0
     assert result["spec_accepted_tokens"] == result["spec_draft_tokens"] > 0  # all, free
     assert 4.5 < result["spec_accept_length"] <= 5
 
 
-def test_cpu_smoke_run_half_constrained(tmp_path):
+def test_cpu_smoke_run_half_constrained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--grammar-frac: a dummy model without tokenizer gets a synthetic xgrammar vocabulary;
     every other request writes JSON under BENCH_SCHEMA (the rest run unconstrained)."""
     args = ["--tiny", "--num-seqs", "4", "--max-input-len", "110", "--max-output-len", "104"]
     args += ["--grammar-frac", "0.5", "--disable-mixed-steps", "--disable-prefill-graphs"]
-    result, _ = run_bench(args, tmp_path / "result.jsonl")
+    result = bench_main(args, tmp_path / "result.jsonl", monkeypatch)
     assert result["grammar_frac"] == 0.5 and result["mixed_steps"] is False
     assert result["prefill_graphs"] is False
     # at most the two constrained requests end early, when the random text closes the JSON
     assert 0 <= result["ended_by_grammar"] <= 2
     assert result["output_tokens"] <= sum(workload(4, 110, 104)[1])
+    assert (result["lora_adapters"], result["lora_rank"]) == (0, None)  # no LoRA by default
 
 
-def test_cpu_smoke_run_lora(tmp_path):
-    """--lora-adapters: the requests run on random adapters served with enable_lora."""
-    args = ["--tiny", "--num-seqs", "3", "--max-input-len", "110", "--max-output-len", "104"]
-    result, _ = run_bench([*args, "--lora-adapters", "2", "--lora-rank", "8"], tmp_path / "r")
-    assert result["output_tokens"] == sum(workload(3, 110, 104)[1])
-    assert (result["lora_adapters"], result["lora_rank"]) == (2, 8)
+def test_cpu_smoke_run_lora(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--single --lora-adapters 1: the one request on adapter 0, of the default rank."""
     single = ["--tiny", "--single", "--max-output-len", "100", "--lora-adapters", "1"]
-    result, _ = run_bench(single, tmp_path / "s")  # the one request on adapter 0
+    result = bench_main(single, tmp_path / "s", monkeypatch)
     assert (result["output_tokens"], result["lora_adapters"], result["lora_rank"]) == (100, 1, 16)
 
 
@@ -144,7 +179,7 @@ def test_bench_lora_adapters_are_random_peft_adapters_of_the_model(tmp_path):
     assert adapted(0)(5) == {} and write_adapters(model, 0, 8) == []
 
 
-def test_cpu_smoke_run_moe_config_tp2(tmp_path):
+def test_cpu_smoke_run_moe_config_tp2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--config DIR (config.json only, dummy weights), --tp and --moe-backend reach the engine."""
     from transformers import Qwen3MoeConfig
 
@@ -156,7 +191,7 @@ def test_cpu_smoke_run_moe_config_tp2(tmp_path):
     config.save_pretrained(model)
     args = ["--config", str(model), "--tp", "2", "--moe-backend", "torch", "--num-seqs", "2"]
     args += ["--max-input-len", "104", "--max-output-len", "102"]
-    result, _ = run_bench(args, tmp_path / "result.jsonl")
+    result = bench_main(args, tmp_path / "result.jsonl", monkeypatch)
     assert result["output_tokens"] == sum(workload(2, 104, 102)[1])
     assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny-moe", 2, "torch")
 
@@ -177,22 +212,15 @@ def test_benchmark_configs_are_the_published_ones():
     assert moe.moe.norm_topk_prob and moe.rope.base == 1e6 == dense.rope.base
 
 
-def test_first_token_bench_on_cpu(tmp_path):
+def test_first_token_bench_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """bench_ttft.py: one line per prompt length, with and without prefill graphs."""
+    import bench_ttft
+
     out = tmp_path / "ttft.jsonl"
-    script = os.path.join(ROOT, "benchmark", "offline", "bench_ttft.py")
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
     for ablation in ([], ["--disable-prefill-graphs"]):
-        cmd = [sys.executable, script, "--tiny", "--device", "cpu", "--lens", "4,40", "--runs", "2"]
-        proc = subprocess.run(
-            [*cmd, *ablation, "--json", str(out)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "prompt 40: first token" in proc.stdout
+        argv = ["--tiny", "--device", "cpu", "--lens", "4,40", "--runs", "2", *ablation]
+        printed = in_process(bench_ttft.main, [*argv, "--json", str(out)], monkeypatch)
+        assert "prompt 40: first token" in printed
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(x["prompt_tokens"], x["prefill_graphs"]) for x in lines] == [
         (4, True),
@@ -204,8 +232,8 @@ def test_first_token_bench_on_cpu(tmp_path):
 
 
 def test_gemv_max_m_out_of_range_is_refused():
-    """--gemv-max-m outside the GEMV's 1..64 rows: a usage error naming the flag, before any
-    model loads."""
+    """--gemv-max-m outside the GEMV's 1..64 rows, a negative --warmup: a usage error naming
+    the flag, before any model loads."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmark", "offline", "bench.py")]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
     for bad in ("0", "65"):
@@ -213,6 +241,9 @@ def test_gemv_max_m_out_of_range_is_refused():
             [*cmd, "--tiny", "--gemv-max-m", bad], capture_output=True, text=True, env=env
         )
         assert proc.returncode == 2 and f"--gemv-max-m {bad}:" in proc.stderr, proc.stderr
+    warmup = [*cmd, "--tiny", "--warmup", "-1"]
+    proc = subprocess.run(warmup, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "--warmup -1: must be >= 0" in proc.stderr, proc.stderr
 
 
 def test_gemm_first_call_bench_reads_the_layer_shapes_from_the_config():
