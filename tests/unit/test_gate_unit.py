@@ -263,6 +263,55 @@ def test_a_body_that_never_ends_is_shed_for_a_new_connection() -> None:
         busy.join(10)
 
 
+def test_a_request_unread_at_the_keep_alive_timeout_is_not_cut() -> None:
+    """A kept-alive connection's next request came in time, but the loop was held up (a loaded
+    machine) between reading the sockets and running the due timers: at the timeout its bytes
+    still wait unread. The connection is looked at again, not closed (closing it with unread
+    bytes resets it: a soak run saw four ReadErrors at once). A silent one is closed."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from minisgl.ext.serving.connections import RECHECK_S, ConnectionLimits
+
+    class Transport:
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock, self.closed = sock, False
+
+        def get_extra_info(self, name: str) -> Any:
+            return self.sock if name == "socket" else None
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+    limits = ConnectionLimits(8, head_timeout=5.0)
+    config = uvicorn.Config(gated(), http=limits.protocol(), log_level="error")
+    loop = asyncio.new_event_loop()
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        conns = []
+        for server_side, _ in pairs:
+            protocol = limits.protocol()
+            conn: Any = protocol(config, server_state=ServerState(), app_state={}, _loop=loop)
+            conn.transport, conn.connections, conn.cycle = Transport(server_side), {conn}, None
+            conns.append(conn)
+        pairs[0][1].sendall(b"GET /health HTTP/1.1\r\n")  # sent, not yet read
+        for conn in conns:
+            conn.timeout_keep_alive_handler()  # uvicorn's timer: left to the limits
+            assert not conn.transport.closed
+            conn._head_overdue()
+        assert not conns[0].transport.closed and conns[1].transport.closed
+        timer = conns[0]._head_timer
+        assert timer is not None and timer.when() - loop.time() <= RECHECK_S
+    finally:
+        loop.close()
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+
+
 def test_a_request_cut_by_the_exit_logs_one_line() -> None:
     from minisgl.ext.serving.http import _CutShort
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import time
 from collections import OrderedDict
 from typing import Any
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 FD_RESERVE = 256  # file descriptors kept for everything but client connections
 MAX_BACKLOG = 2048  # uvicorn's default listen backlog
 BURSTS = 3  # backlogs of connections accepted before the first of them is seen (and closed)
+RECHECK_S = 0.1  # a connection with unread bytes at its timeout: looked at again this soon
 WARN_INTERVAL_S = 10.0  # shedding is logged at most this often: a flood must not fill the log
 
 
@@ -53,6 +55,20 @@ def connection_budget(max_connections: int) -> tuple[int, int]:
             soft,
         )
     return min(fits, max_connections), backlog
+
+
+def unread_bytes(transport: Any) -> bool:
+    """Whether the client's bytes wait in the socket, not yet read by the loop. After the loop
+    was held up (a loaded machine), uvloop runs due timers before it reads the sockets: a
+    request sent in time must not be taken for a silent client."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):  # closed meanwhile
+        return False
+    return bool(readable)
 
 
 class ConnectionLimits:
@@ -186,9 +202,17 @@ class ConnectionLimits:
                 self._head_timer = self.loop.call_later(limits.head_timeout, self._head_overdue)
                 limits.waiting(self)
 
+            def timeout_keep_alive_handler(self) -> None:
+                """uvicorn's own keep-alive timeout: `_head_overdue` times that wait instead,
+                and looks for unread bytes first."""
+
             def _head_overdue(self) -> None:
                 self._head_timer = None
-                if self.waiting_for_head and not self.transport.is_closing():
-                    limits.close(self)
+                if not self.waiting_for_head or self.transport.is_closing():
+                    return
+                if unread_bytes(self.transport):  # it came while the loop was held up
+                    self._head_timer = self.loop.call_later(RECHECK_S, self._head_overdue)
+                    return
+                limits.close(self)
 
         return BoundedProtocol
