@@ -296,3 +296,20 @@ def test_text_on_plain_model(tiny: Server) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(**body, thinking={"type": "adaptive"})
     assert "--reasoning-parser" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+def test_events_split_into_lines_only_at_their_own_line_ends(kind: str) -> None:
+    """Text with characters JSON keeps raw but str.splitlines takes for line ends, in each
+    API's event: httpx's iter_lines (which splits there) reads the event whole (a test client
+    once read half an event, crashed, and its stream's abort left the watchdog nothing to do)."""
+    from httpx._decoders import LineDecoder
+
+    from minisgl.ext.agent.messages_reply import event
+    from minisgl.ext.agent.responses_output import sse_event
+    from minisgl.server.api_server import sse
+
+    text = "a\u2028b\x85c\u2029d"
+    make = {"chat": sse, "responses": sse_event, "messages": lambda body: event("x", body)}
+    lines = LineDecoder().decode(make[kind]({"type": "x", "text": text}))
+    assert lines[-1] == "" and json.loads(lines[-2].removeprefix("data: "))["text"] == text

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from httpx._decoders import LineDecoder
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -110,6 +111,9 @@ def test_plain_chunks_equal_the_encoded_choice(chat: bool, index: int, text: str
     choice = shape.choice(index, text, reason, delta=True)
     assert chunks.plain(index, text, reason) == chunks(choice)
     assert json.loads(chunks.plain(index, text, reason)[len("data: ") :])["choices"] == [choice]
+    # split into lines as httpx's iter_lines does (str.splitlines: U+2028, U+0085... too)
+    lines = LineDecoder().decode(chunks.plain(index, text + "\u2028\x85\u2029", reason))
+    assert len(lines) == 2 and lines[1] == "", lines  # the event's line, then the blank one
 
 
 def test_bench_api_runs() -> None:

@@ -89,8 +89,20 @@ def error_event(e: APIError) -> str:
     return f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
 
 
+# Characters JSON leaves as they are but str.splitlines (so httpx's `iter_lines`) ends lines at:
+# escaped in events, so that a stream splits only at the events' own line ends.
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def one_line(text: str) -> str:
+    """JSON `text` with those characters escaped (the same JSON value)."""
+    if "\x85" in text or "\u2028" in text or "\u2029" in text:
+        return text.translate(_LINE_ENDS)
+    return text
+
+
 def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"data: {one_line(json.dumps(body, ensure_ascii=False))}\n\n"
 
 
 class Chunks:
@@ -101,7 +113,7 @@ class Chunks:
         self.chat = chat
 
     def __call__(self, choice: dict[str, Any], usage: dict[str, int] | None = None) -> str:
-        body = json.dumps(choice, ensure_ascii=False)
+        body = one_line(json.dumps(choice, ensure_ascii=False))
         if usage is None:
             return f"{self.prefix}{body}]}}\n\n"
         return f'{self.prefix}{body}], "usage": {json.dumps(usage)}}}\n\n'
@@ -110,10 +122,11 @@ class Chunks:
         """`Shape.choice`'s chunk of a choice no extension shapes, as one format (building and
         encoding the dict took ~4 us of the API process's ~40 per streamed token)."""
         reason = "null" if finish_reason is None else encode_basestring(finish_reason)
+        encoded = one_line(encode_basestring(text))
         if not self.chat:
-            body = f'"text": {encode_basestring(text)}'
+            body = f'"text": {encoded}'
         else:
-            body = f'"delta": {{"content": {encode_basestring(text)}}}' if text else '"delta": {}'
+            body = f'"delta": {{"content": {encoded}}}' if text else '"delta": {}'
         choice = f'{{"index": {index}, {body}, "logprobs": null, "finish_reason": {reason}}}'
         return f"{self.prefix}{choice}]}}\n\n"
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from minisgl.server.api_server import one_line
 from minisgl.server.protocol import APIError
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -120,7 +121,8 @@ def message_body(chat: dict[str, Any], shape: ReplyShape) -> dict[str, Any]:
 
 
 def event(kind: str, body: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **body}, ensure_ascii=False)}\n\n"
+    data = one_line(json.dumps({"type": kind, **body}, ensure_ascii=False))
+    return f"event: {kind}\ndata: {data}\n\n"
 
 
 def block_delta(index: int, delta: dict[str, Any]) -> str:

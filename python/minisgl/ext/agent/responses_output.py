@@ -10,6 +10,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from minisgl.server.api_server import one_line
+
 if TYPE_CHECKING:
     from minisgl.ext.agent.responses import ResponsesRequest
     from minisgl.server.protocol import ChatRequest
@@ -20,7 +22,7 @@ def new_id(prefix: str) -> str:
 
 
 def sse_event(body: dict[str, Any]) -> str:
-    return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"event: {body['type']}\ndata: {one_line(json.dumps(body, ensure_ascii=False))}\n\n"
 
 
 class ResponseOutput:
