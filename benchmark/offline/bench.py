@@ -301,12 +301,12 @@ def speculate(llm: Any, args: argparse.Namespace, runs: list[list[list[int]]], p
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_adapters(model: str, count: int, rank: int) -> list[str]:
+def write_adapters(model: str, count: int, rank: int, b_scale: float = 0.02) -> list[str]:
     """`count` random PEFT LoRA adapters of rank `rank` on every projection of the model in
     directory `model` (its config.json's shapes), written once (bf16 safetensors) to a temp
     directory removed at exit; -> their directories. A and B are both random (PEFT starts B at
     zero, which would make an adapter a no-op that a fast path could skip), small enough that
-    the dummy model's activations stay finite."""
+    the dummy model's activations stay finite (B's entries ~ `b_scale`)."""
     if count == 0:  # (nothing of ext/lora imported: an A/B against an older tree)
         return []
     import torch
@@ -329,7 +329,7 @@ def write_adapters(model: str, count: int, rank: int) -> list[str]:
                 block = "mlp" if module in LORA_MODULES[4:] else "self_attn"
                 name = f"base_model.model.model.layers.{layer}.{block}.{module}"
                 a = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
-                b = torch.randn(fan_out, rank, generator=gen) * 0.02
+                b = torch.randn(fan_out, rank, generator=gen) * b_scale
                 tensors[f"{name}.lora_A.weight"] = a.to(torch.bfloat16)
                 tensors[f"{name}.lora_B.weight"] = b.to(torch.bfloat16)
         path = os.path.join(root, f"adapter{n}")

@@ -382,3 +382,45 @@ def test_speculative_decoding_equals_plain_on_gpu(
     assert_equal_up_to_near_ties(
         plain_outs, greedy_with_logprobs(path, monkeypatch, attn=attn, **spec)
     )
+
+
+@pytest.mark.parametrize("pdl", ["on", "off"])
+def test_lora_kernels_equal_the_torch_reference(model_dirs, monkeypatch, pdl):
+    """ext/lora's Triton shrink and expand (PDL on and off), in CUDA-graph decode with the base
+    model and two adapters in one batch, float32: the same tokens as the torch reference
+    (MINISGL_DISABLE_FUSED_OPS=1). A LoRA kernel that read its input before the kernel that
+    writes it had finished would change them."""
+    import os
+    import sys
+
+    from minisgl.ext.lora import LoRARequest
+    from minisgl.kernel import pdl as pdl_module
+
+    if pdl == "on" and not pdl_module.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs an sm_90+ GPU")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmark", "offline"))
+    from bench import write_adapters
+
+    path, _ = model_dirs("qwen3_hd128")
+    paths = write_adapters(path, 2, rank=8, b_scale=1.0)  # large enough to change tokens
+    adapters = [None] + [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    monkeypatch.setenv("MINISGL_DISABLE_PDL", "0" if pdl == "on" else "1")
+
+    def run(fused: bool) -> list[list[int]]:
+        monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "0" if fused else "1")
+        llm = LLM(path, device="cuda:0", dtype="float32", page_size=16, num_pages=256,
+                  cuda_graph_max_bs=16, enable_lora=True, max_loras=2, max_lora_rank=8)  # fmt: skip
+        try:
+            assert llm.engine.graphs is not None
+            params = SamplingParams(max_tokens=12, temperature=0)
+            each = [p for p in prompts(4) for _ in adapters]  # every prompt under all three
+            outs = llm.generate(each, params, use_tqdm=False, lora_request=adapters * 4)
+            check_no_leak(llm.scheduler)
+            return [o["token_ids"] for o in outs]
+        finally:
+            llm.shutdown()
+
+    fused = run(True)
+    assert fused == run(False)
+    assert len({tuple(t) for t in fused[:3]}) == 3  # each adapter changes the answer

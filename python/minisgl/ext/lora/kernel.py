@@ -18,9 +18,14 @@ Imported only for CUDA tensors (`kernel.fused_ops`) and by the interpreter tests
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from minisgl.kernel import pdl
+from minisgl.kernel.pdl import wait_for_previous
 
 
 @triton.jit
@@ -52,6 +57,7 @@ def _shrink_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EXACT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     s = tl.program_id(0) + 1
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,6 +69,7 @@ def _shrink_kernel(
     a_row = a + s.to(tl.int64) * stride_as + cols[None, :].to(tl.int64) * stride_ar
     x_row = x + rows[:, None].to(tl.int64) * stride_xt
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    wait_for_previous(PDL)  # x: the kernel before wrote it (slots come from the step's start)
     for k0 in range(split * K_SPLIT, tl.minimum(K, (split + 1) * K_SPLIT), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_row + ks[None, :], mask=hit[:, None] & (ks[None, :] < K), other=0.0)
@@ -92,6 +99,7 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     EXACT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     s = tl.program_id(0) + 1
     part = tl.program_id(2) // TILES
@@ -104,12 +112,13 @@ def _expand_kernel(
     cols = start + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     row_ok, col_ok, rank_ok = hit[:, None], cols[None, :] < end, ranks < RANK
+    b_ptr = b + s.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn
+    bt = tl.load(b_ptr + ranks[:, None], mask=col_ok & rank_ok[:, None], other=0.0)
+    wait_for_previous(PDL)  # B is no kernel's output; inter and y are
     it_ptr = inter + rows[:, None].to(tl.int64) * stride_it + part * RANK + ranks[None, :]
     it = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for split in range(SPLIT):
         it += tl.load(it_ptr + split * stride_is, mask=row_ok & rank_ok[None, :], other=0.0)
-    b_ptr = b + s.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn
-    bt = tl.load(b_ptr + ranks[:, None], mask=col_ok & rank_ok[:, None], other=0.0)
     acc = _dot(it, bt, EXACT)
     y_ptr = y + rows[:, None].to(tl.int64) * stride_yt + cols[None, :]
     base = tl.load(y_ptr, mask=row_ok & col_ok, other=0.0)
@@ -120,20 +129,88 @@ def _block_m(tokens: int) -> int:
     return 16 if tokens <= 16 else 32 if tokens <= 256 else 64
 
 
-_BLOCK_K = 128
-_MAX_SPLIT = 8  # the expand adds the partial sums: each of its programs reads them all
+@dataclass(frozen=True)
+class Tiles:
+    """The launches' tiles (benchmark/kernels/lora_bench.py sweeps them on a GPU)."""
+
+    block_k: int = 128  # the shrink's K step
+    max_split: int = 32  # K ranges of a decode step's shrink; the expand adds them all
+    shrink_warps: int = 4
+    expand_block_n: int = 64
+    wide_block_n: int = 256  # the expand's tile at 1-2 rows where a part has WIDE outputs (gate/up)
+    expand_warps: int = 4
+
+
+TILES = Tiles()
+WIDE = 8192
 _SPLIT_TOKENS = 256  # batches up to this size split K (decode steps); larger ones do not
 
 
-def _split_k(k: int, tokens: int) -> tuple[int, int]:
+def _split_k(k: int, tokens: int, tiles: Tiles) -> tuple[int, int]:
     """(splits, K per split) of the shrink. A decode step has one or a few token tiles, so
     without splitting K a handful of programs would each loop over all of K (latency-bound);
     a prefill has tiles enough. Two choices only, not one per batch size: SPLIT is a
     compile-time constant, and every new value compiled Triton variants in the middle of
     serving (on the H200 about 4 s of a 21 s run, measured with `bench.py --profile`)."""
-    split = min(triton.cdiv(k, 2 * _BLOCK_K), _MAX_SPLIT) if tokens <= _SPLIT_TOKENS else 1
-    per = triton.cdiv(triton.cdiv(k, split), _BLOCK_K) * _BLOCK_K
+    step = tiles.block_k
+    split = min(triton.cdiv(k, 2 * step), tiles.max_split) if tokens <= _SPLIT_TOKENS else 1
+    per = triton.cdiv(triton.cdiv(k, split), step) * step
     return triton.cdiv(k, per), per
+
+
+def lora_shrink(
+    x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, tiles: Tiles = TILES
+) -> torch.Tensor | None:
+    """The first launch: x [T, K] A_s^T for each token's slot s (slots [T], 0: none; a
+    [S + 1, parts * rank, K]) -> [SPLIT, T, parts * rank] float32 partial sums; None when
+    there is nothing to add (no token, or no adapter slot)."""
+    tokens, k = x.shape
+    slots_n, r_total = a.shape[0] - 1, a.shape[1]
+    if tokens == 0 or slots_n == 0:
+        return None
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    assert a.is_contiguous()
+    bm = _block_m(tokens)
+    bn = min(64, max(16, triton.next_power_of_2(r_total)))
+    split, per = _split_k(k, tokens, tiles)
+    inter = torch.empty((split, tokens, r_total), dtype=torch.float32, device=x.device)
+    grid = (slots_n, triton.cdiv(tokens, bm), triton.cdiv(r_total, bn) * split)
+    _shrink_kernel[grid](
+        x, slots, a, inter, tokens, k, r_total, per,
+        x.stride(0), a.stride(0), a.stride(1), inter.stride(0), inter.stride(1),
+        SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=tiles.block_k,
+        EXACT=x.dtype == torch.float32, num_warps=tiles.shrink_warps, **pdl.options(x.device),
+    )  # fmt: skip
+    return inter
+
+
+def lora_expand(
+    y: torch.Tensor,
+    inter: torch.Tensor,
+    slots: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    bounds: list[int],
+    tiles: Tiles = TILES,
+) -> torch.Tensor:
+    """The second launch: y [T, N] += the shrink's `inter` B_s^T, in place -> y. b [S + 1, N,
+    rank]; offsets = bounds (the parts' first output rows, then N) on the device."""
+    tokens, slots_n, rank = y.shape[0], b.shape[0] - 1, b.shape[2]
+    assert y.stride(-1) == 1 and b.is_contiguous()
+    bm = _block_m(tokens)
+    widest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+    # (a wide tile pays on one or two rows: 0.8 us less on gate/up; on 8 rows, 0.9 us more)
+    wide = widest >= WIDE and tokens <= 2
+    bn = tiles.wide_block_n if wide else tiles.expand_block_n
+    n_tiles = triton.cdiv(widest, bn)
+    _expand_kernel[(slots_n, triton.cdiv(tokens, bm), (len(bounds) - 1) * n_tiles)](
+        inter, slots, b, y, offsets, tokens, rank,
+        inter.stride(0), inter.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        SPLIT=inter.shape[0], TILES=n_tiles, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)), EXACT=y.dtype == torch.float32,
+        num_warps=tiles.expand_warps, **pdl.options(y.device),
+    )  # fmt: skip
+    return y
 
 
 def lora_add(
@@ -144,35 +221,8 @@ def lora_add(
     b: torch.Tensor,
     offsets: torch.Tensor,
     bounds: list[int],
+    tiles: Tiles = TILES,
 ) -> torch.Tensor:
-    """y [T, N] += each token's LoRA delta, in place -> y. x [T, K]; slots [T] (0: none);
-    a [S + 1, parts * rank, K]; b [S + 1, N, rank]; offsets = bounds (the parts' first output
-    rows, then N) on the device."""
-    tokens, k = x.shape
-    slots_n, r_total = a.shape[0] - 1, a.shape[1]
-    rank, parts = b.shape[2], len(bounds) - 1
-    if tokens == 0 or slots_n == 0:
-        return y
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    assert y.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
-    exact = y.dtype == torch.float32
-    bm = _block_m(tokens)
-    bn = min(64, max(16, triton.next_power_of_2(r_total)))
-    m_tiles, n_tiles = triton.cdiv(tokens, bm), triton.cdiv(r_total, bn)
-    split, per = _split_k(k, tokens)
-    inter = torch.empty((split, tokens, r_total), dtype=torch.float32, device=x.device)
-    _shrink_kernel[(slots_n, m_tiles, n_tiles * split)](
-        x, slots, a, inter, tokens, k, r_total, per,
-        x.stride(0), a.stride(0), a.stride(1), inter.stride(0), inter.stride(1),
-        SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_BLOCK_K, EXACT=exact,
-    )  # fmt: skip
-    widest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
-    bn = 64
-    tiles = triton.cdiv(widest, bn)
-    _expand_kernel[(slots_n, m_tiles, parts * tiles)](
-        inter, slots, b, y, offsets, tokens, rank,
-        inter.stride(0), inter.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        SPLIT=split, TILES=tiles, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), EXACT=exact,
-    )  # fmt: skip
-    return y
+    """y [T, N] += each token's LoRA delta, in place -> y: the two launches back to back."""
+    inter = lora_shrink(x, slots, a, tiles)
+    return y if inter is None else lora_expand(y, inter, slots, b, offsets, bounds, tiles)

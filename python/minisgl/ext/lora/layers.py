@@ -59,15 +59,24 @@ def lora_reference(
 
 
 def add_lora(
-    y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, proj: ProjectionLora
+    base: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    proj: ProjectionLora,
 ) -> torch.Tensor:
-    """y + the LoRA delta of each token's slot: the Triton kernel on CUDA (in place), else the
+    """base(x) + the LoRA delta of each token's slot. On CUDA the Triton shrink runs before
+    base: its GEMV then reads its first weights while the shrink runs (PDL), where after it
+    the shrink's whole latency would add to the step; the expand adds in place. Elsewhere the
     torch reference."""
     if x.shape[0] != slots.shape[0]:
         raise ValueError(f"LoRA: {x.shape[0]} tokens but {slots.shape[0]} slot indices")
-    if (ops := kernel.fused_ops(x, KERNEL)) is not None:
-        return ops.lora_add(y, x, slots, proj.a, proj.b, proj.offsets, proj.bounds)
-    return lora_reference(y, x, slots, proj)
+    if (ops := kernel.fused_ops(x, KERNEL)) is None:
+        return lora_reference(base(x), x, slots, proj)
+    inter = ops.lora_shrink(x, slots, proj.a)
+    y = base(x)
+    if inter is None:
+        return y
+    return ops.lora_expand(y, inter, slots, proj.b, proj.offsets, proj.bounds)
 
 
 class LoraModelTransform:
@@ -138,7 +147,7 @@ def _with_lora(
     slots: Callable[[int], torch.Tensor],
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return add_lora(base(x), x, slots(x.shape[0]), proj)
+        return add_lora(base, x, slots(x.shape[0]), proj)
 
     return forward
 
