@@ -118,3 +118,20 @@ def test_kernel_replays_in_a_cuda_graph_with_new_slots(ops):
         graph.replay()
         expected = lora_reference(y0, x, slots, proj)
         torch.testing.assert_close(out, expected, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU one")
+def test_benchmark_smoke() -> None:
+    """benchmark/kernels/lora_bench.py --smoke checks the default tiles and a swept one
+    against the torch reference, interpreted."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, os.path.join(root, "benchmark", "kernels", "lora_bench.py"), "--smoke"]
+    cmd += ["--tokens", "3", "--shapes", "o", "--rank", "4", "--slots", "2", "--max-split", "0,4"]
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count(": checked") == 2 and "WRONG" not in proc.stdout, proc.stdout
