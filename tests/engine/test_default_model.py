@@ -40,7 +40,11 @@ def converted() -> str:
     SmolLM2 reuses it (issue 47: one conversion a session, not one a module)."""
     from minisgl.models import resolve_model_path
 
-    return resolve_model_path(DEFAULT)
+    out = resolve_model_path(DEFAULT)
+    # config, tokenizer and the norms: the quantized tensors stay in the GGUF until a path
+    # needs them (the packed layers, or the float32 copy; test_quantized checks those sizes)
+    assert sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)) < 10e6
+    return out
 
 
 def test_greedy_equals_transformers_on_the_same_gguf(capsys: pytest.CaptureFixture) -> None:

@@ -114,23 +114,36 @@ def test_tokenizer_and_chat_template_come_from_the_gguf(gguf_models, model):
     )
 
 
+def checkpoint(out: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the files a converted directory's index lists."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    return {k: t for file in files for k, t in load_file(os.path.join(out, file)).items()}
+
+
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
 def test_converted_weights_equal_the_dequantized_tensors(gguf_models, model):
     """Tensor by tensor, for every quantization type the file holds: the converted checkpoint
     holds exactly gguf's dequantization of the written tensor, under the HF name and (Llama
-    q/k) in HF's row order."""
-    from safetensors.torch import load_file
-
+    q/k) in HF's row order; those of the kinds `--quantization gguf` keeps (Q4_0 / Q4_1 /
+    Q8_0) only once a path needs their float32 copy."""
     path, hf = gguf_models(model)
     types = {t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert types == {Q.F32, *QTYPES[model]}
     out = resolve_model_path(path)
-    converted = load_file(os.path.join(out, "model.safetensors"))
     expected = {
         name: w
         for name, w in hf.state_dict().items()
         if not (name == "lm_head.weight" and hf.config.tie_word_embeddings)
     }
+    quantized = mg.quantized_names(out)
+    kinds = {q.name for q in QTYPES[model]} & {"Q4_0", "Q4_1", "Q8_0"}
+    assert set(quantized.values()) == kinds and set(quantized) < set(expected)
+    assert sorted(checkpoint(out)) == sorted(set(expected) - set(quantized))
+    mg.ensure_float_copy(out)
+    converted = checkpoint(out)
     assert sorted(converted) == sorted(expected)
     for name, w in expected.items():
         assert converted[name].dtype == torch.float32 and torch.equal(converted[name], w), name
@@ -146,6 +159,11 @@ def test_large_models_are_written_in_shards(gguf_models, monkeypatch):
         f for f in os.listdir(out) if f.endswith(".safetensors")
     )
     assert minisgl_greedy(path) == [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        more = set(json.load(f)["weight_map"].values())  # the float32 copy's shards added
+    assert len(more) > len(files) and sorted(more) == sorted(
+        f for f in os.listdir(out) if f.endswith(".safetensors")
+    )
 
 
 def test_unpermute_inverts_llama_cpp():
@@ -157,13 +175,15 @@ def test_unpermute_inverts_llama_cpp():
 def test_conversion_is_cached_and_atomic(gguf_models, cache_dir, monkeypatch, capsys):
     path, _ = gguf_models("qwen3")
     out = resolve_model_path(path)
-    assert out.startswith(cache_dir) and os.path.isfile(os.path.join(out, "model.safetensors"))
+    index = os.path.join(out, "model.safetensors.index.json")
+    assert out.startswith(cache_dir) and os.path.isfile(index)
     # the first start shows a progress bar that reaches its end: one step per tensor, plus
     # config and tokenizer
     steps = len(gguf.GGUFReader(path).tensors) + 2
     err = capsys.readouterr().err
     assert f"converting {path} into {out} (once)" in err
     assert re.search(rf"converting tiny-qwen3\.gguf: 100%\|.*\| {steps}/{steps} ", err), err
+    assert re.search(rf"converted tiny-qwen3\.gguf into {re.escape(out)} \(0\.\d MB\)", err), err
     monkeypatch.setattr(mg, "convert", lambda *a: pytest.fail("converted twice"))
     assert resolve_model_path(path) == out  # second start: the cache, no conversion
     assert capsys.readouterr().err == ""  # and no notice, no bar
@@ -180,13 +200,19 @@ def test_conversion_is_cached_and_atomic(gguf_models, cache_dir, monkeypatch, ca
     assert os.listdir(os.path.dirname(out)) == [os.path.basename(out)]  # nothing half-written
 
 
-def test_conversions_of_changed_or_deleted_files_are_removed(gguf_models, cache_dir, tmp_path):
-    """Each conversion is a float32 copy of the model: the cache keeps one per GGUF file that
-    still exists unchanged, not one per path and mtime ever seen (a reinstalled package, a
-    deleted virtual environment)."""
+def test_conversions_of_changed_or_deleted_files_are_removed(
+    gguf_models, cache_dir, tmp_path, monkeypatch
+):
+    """A conversion can hold a float32 copy of the model: the cache keeps one per GGUF file
+    that still exists unchanged, in the current format, not one per path, mtime and format ever
+    seen (a reinstalled package, a deleted virtual environment, an update)."""
     first = str(tmp_path / "a.gguf")
     shutil.copy(gguf_models("qwen3")[0], first)
+    with monkeypatch.context() as m:
+        m.setattr(mg, "_FORMAT", mg._FORMAT - 1)  # an older minisgl's entry
+        older = resolve_model_path(first)
     old = resolve_model_path(first)
+    assert old != older and not os.path.exists(older)
     foreign = os.path.join(os.path.dirname(old), "no-record")  # not attributable: kept
     os.makedirs(foreign)
     st = os.stat(first)

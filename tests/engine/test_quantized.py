@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.ext.cpu.gguf import DefaultModelMissing, default_model
+from minisgl.ext.cpu.gguf import DefaultModelMissing, default_model, quantized_names
 from minisgl.ext.cpu.gguf_quant import Blocks, split_blocks
 from minisgl.ext.cpu.policy import cpu_auto_dtype, resolve_quantization
 from minisgl.ext.cpu.quantize import from_blocks, int4_from_blocks, split_from_blocks
 from minisgl.ext.cpu.quantized import Int4Linear, Int8Linear, Int8SplitLinear, QuantizedLinear
 from support.gguf_files import write_gguf
+from support.models import hf_greedy
 
 Q = gguf.GGMLQuantizationType
 BF16_EPS = 2.0**-8  # bfloat16's unit roundoff bound: 8 significant bits
@@ -125,7 +126,7 @@ def test_int4_merges_parts_of_both_kinds():
 
 
 def test_auto_quantizes_only_a_gguf_on_cpu_in_16_bits(tmp_path):
-    (tmp_path / "gguf-blocks.st").touch()
+    (tmp_path / "gguf-blocks.json").touch()
     plain = str(tmp_path / "plain")
     bf16, f32 = torch.bfloat16, torch.float32
     assert resolve_quantization("auto", CPU, bf16, str(tmp_path), 1) == "gguf"
@@ -147,7 +148,7 @@ def test_auto_quantizes_only_a_gguf_on_cpu_in_16_bits(tmp_path):
 def test_cpu_dtype_auto_is_bf16_only_for_quantized_weights(tmp_path, monkeypatch):
     from minisgl.ext.cpu.policy import cpu_bf16_flag
 
-    (tmp_path / "gguf-blocks.st").touch()
+    (tmp_path / "gguf-blocks.json").touch()
     gguf_dir, plain = str(tmp_path), str(tmp_path / "plain")
     assert cpu_auto_dtype("auto", gguf_dir, 1) == torch.float32  # conftest: MINISGL_CPU_FLOAT32
     monkeypatch.setenv("MINISGL_CPU_FLOAT32", "0")
@@ -193,6 +194,40 @@ def test_tiny_gguf_runs_quantized(tmp_path, monkeypatch):
     assert (got["int8"] - got["none"]).abs().max() < 0.05
 
 
+def entry_bytes(model_dir: str, but: str = "float32-") -> int:
+    """What a converted model's directory holds on disk, but the float32 copy's files."""
+    files = [f for f in os.listdir(model_dir) if not f.startswith(but)]
+    return sum(os.path.getsize(os.path.join(model_dir, f)) for f in files)
+
+
+def test_quantized_path_writes_no_float32_copy(tmp_path, monkeypatch, capsys):
+    """A tiny GGUF quantized as SmolLM2's (a Q8_0 embedding, tied, then Q4_1): the conversion
+    and the quantized path's first start leave no float32 copy of a quantized tensor, and the
+    entry then holds at most twice the GGUF (packed layers and the dense embedding); the exact
+    path asked afterwards writes that copy then and equals the weights the file holds."""
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "tiny.gguf")
+    hf = write_gguf("qwen3", path, qtypes=[Q.Q8_0, *[Q.Q4_1] * 16])
+    llm = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=32)
+    out = llm.engine.model_path
+    assert sorted(f for f in os.listdir(out) if f.endswith((".safetensors", ".st"))) == [
+        "dense-00001-of-00001.safetensors",  # the norms
+        os.path.basename(glob.glob(os.path.join(out, "packed-*-bfloat16-*.st"))[0]),
+    ]
+    size = entry_bytes(out)
+    assert size <= 2 * os.path.getsize(path), (size, os.path.getsize(path))
+    assert f"({size / 1e6:.1f} MB)" in capsys.readouterr().err  # the start line names it
+    del llm
+    exact = LLM(path, quantization="none", dtype="float32", page_size=4, num_pages=32)
+    quantized = quantized_names(out)  # every 2-D tensor
+    copy = sum(os.path.getsize(f) for f in glob.glob(os.path.join(out, "float32-*")))
+    assert len(quantized) == 15 and copy > 4 * sum(hf.state_dict()[n].numel() for n in quantized)
+    prompt = [5, 77, 300, 12, 400, 3, 9, 81]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ids = exact.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    assert ids == hf_greedy(hf, prompt, 8)
+
+
 def test_embedded_smollm2_quantized_agrees_with_dequantized(capsys):
     """The issue's agreement check, teacher-forced: the dequantized float32 path's greedy
     continuations of fixed chat prompts, scored by the quantized path; its top token must be the
@@ -212,6 +247,10 @@ def test_embedded_smollm2_quantized_agrees_with_dequantized(capsys):
     outs = exact.chat(chats, params, use_tqdm=False)
     del exact
     quant = LLM(quantization="gguf", dtype="bfloat16")
+    # the issue's bound on the default path's cache entry: at most 200 MB, without the float32
+    # copy that the exact path above needed
+    size, gguf_size = entry_bytes(quant.engine.model_path), os.path.getsize(default_model())
+    assert size <= min(200e6, 2 * gguf_size), size
     same = total = 0
     for chat, out in zip(chats, outs):
         prompt = quant.apply_chat_template(chat)

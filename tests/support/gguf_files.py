@@ -69,10 +69,12 @@ def llama_cpp_rope_freqs(cfg, head_dim: int) -> np.ndarray:
     return np.where(wavelen < old / high, 1.0, factors).astype(np.float32)
 
 
-def write_gguf(model: str, path: str, with_tokenizer: bool = False) -> torch.nn.Module:
+def write_gguf(
+    model: str, path: str, with_tokenizer: bool = False, qtypes: list[Q] | None = None
+) -> torch.nn.Module:
     """Write a tiny random model (a name from models.py) as a GGUF file; returns the
     transformers model holding exactly the weights the file holds (each tensor quantized and
-    dequantized)."""
+    dequantized). `qtypes`: the types of the 2-D tensors in turn (default: QTYPES')."""
     arch = "llama" if model.startswith(("llama", "mistral")) else model  # as llama.cpp names them
     hf = build_hf_model(model)
     cfg = hf.config
@@ -96,7 +98,7 @@ def write_gguf(model: str, path: str, with_tokenizer: bool = False) -> torch.nn.
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(cfg, head_dim))
     names = gguf.get_tensor_name_map(GGUF_ARCH[arch], cfg.num_hidden_layers)
-    qtypes = QTYPES[arch]
+    qtypes = qtypes or QTYPES[arch]
     state = hf.state_dict()
     count = 0
     for name, tensor in state.items():

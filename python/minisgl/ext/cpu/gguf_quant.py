@@ -1,7 +1,7 @@
 """GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1 and Q8_0,
-split out of llama.cpp's block layout once at conversion and stored next to the dequantized
-weights (`gguf-blocks.st`), so that `--quantization gguf` builds its int4 / int8 layers
-from the file's own codes at start without reading the GGUF again.
+split out of llama.cpp's block layout, read from the GGUF file itself (the conversion lists
+these tensors in `gguf-blocks.json` and writes no copy of them), so that `--quantization gguf`
+builds its int4 / int8 layers from the file's own codes: once, as it then caches them packed.
 
 Block layouts (32 weights each, little endian):
 - Q4_0: float16 d, 16 bytes of nibbles; w = d (q - 8)
@@ -11,15 +11,15 @@ Nibbles: byte j holds weight j in its low half and weight j + 16 in its high hal
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from minisgl.ext.cpu.gguf import quantized_names, source_tensors, unpermute
+
 BLOCK = 32
-QUANTIZED_FILE = "gguf-blocks.st"  # safetensors; not *.safetensors: no checkpoint part
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 
@@ -71,31 +71,13 @@ def split_blocks(tensor: Any) -> Blocks | None:
     return Blocks(kind, codes, scales, mins)
 
 
-def blocks_to_tensors(name: str, blocks: Blocks) -> dict[str, torch.Tensor]:
-    kind = torch.tensor([KINDS.index(blocks.kind)], dtype=torch.uint8)
-    out = {f"{name}.codes": blocks.codes, f"{name}.scales": blocks.scales, f"{name}.kind": kind}
-    if blocks.mins is not None:
-        out[f"{name}.mins"] = blocks.mins
-    return out
-
-
 def load_blocks(model_dir: str) -> dict[str, Blocks]:
-    """HF parameter name -> its GGUF blocks; empty when the model has none (not a GGUF, or
-    no tensor of a kind in KINDS)."""
-    path = os.path.join(model_dir, QUANTIZED_FILE)
-    if not os.path.isfile(path):
-        return {}
-    from safetensors.torch import load_file
-
-    tensors = load_file(path)
+    """HF parameter name -> its GGUF blocks, read from the GGUF file of a conversion (in HF's
+    row order); empty when the model has none (not a GGUF, or no tensor of a kind in KINDS)."""
+    names = quantized_names(model_dir)
     out = {}
-    for key, kind in tensors.items():
-        if key.endswith(".kind"):
-            name = key[: -len(".kind")]
-            out[name] = Blocks(
-                KINDS[int(kind[0])],
-                tensors[f"{name}.codes"],
-                tensors[f"{name}.scales"],
-                tensors.get(f"{name}.mins"),
-            )
+    for name, tensor, heads in source_tensors(model_dir) if names else []:
+        blocks = split_blocks(tensor) if name in names else None
+        if blocks is not None:
+            out[name] = blocks.permute_rows(lambda t, h=heads: unpermute(t, h)) if heads else blocks
     return out

@@ -13,7 +13,7 @@ import torch
 
 from minisgl import env
 from minisgl.distributed import get_tp_info
-from minisgl.ext.cpu.gguf_quant import QUANTIZED_FILE
+from minisgl.ext.cpu.gguf import BLOCKS_FILE
 from minisgl.ext.cpu.options import cpu_options
 
 # /proc/cpuinfo flags of x86 CPUs that compute bf16 dot products natively
@@ -35,7 +35,7 @@ def cpu_bf16_flag() -> str | None:
 
 
 def has_gguf_blocks(model_dir: str) -> bool:
-    return os.path.isfile(os.path.join(model_dir, QUANTIZED_FILE))
+    return os.path.isfile(os.path.join(model_dir, BLOCKS_FILE))
 
 
 def cpu_auto_dtype(quantization: str, model_dir: str, tp_size: int) -> torch.dtype:
@@ -80,14 +80,18 @@ def resolve_quantization(
     return mode
 
 
-def announce(dtype: torch.dtype, quantization: str, layers: int, compiled: bool) -> None:
-    """The start line on stderr: what this CPU engine computes with, and how fast it can."""
+def announce(
+    dtype: torch.dtype, quantization: str, layers: int, compiled: bool, entry: str | None = None
+) -> None:
+    """The start line on stderr: what this CPU engine computes with, how fast it can, and the
+    cache entry (a GGUF's conversion, with its size) its weights come from."""
     flag = cpu_bf16_flag()
     why = f" ({flag})" if dtype == torch.bfloat16 and flag else ""
     quant = f", {layers} projections quantized ({quantization})" if layers else ""
     compile_note = ", decode compiled (torch.compile: the first decode step waits)"
     print(
         f"minisgl: cpu, {str(dtype).removeprefix('torch.')}{why}, "
-        f"{torch.get_num_threads()} threads{quant}{compile_note if compiled else ''}",
+        f"{torch.get_num_threads()} threads{quant}{compile_note if compiled else ''}"
+        f"{f', weights from {entry}' if entry else ''}",
         file=sys.stderr,
     )

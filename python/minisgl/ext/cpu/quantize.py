@@ -6,11 +6,13 @@
   are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
   (Q8_0, or Q8_0 with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
   `Int8Linear` quantized per row from the exact float32 values where the rows do not fit the
-  packing); one with a float part stays dense. The quantized layers are cached next to the
+  packing); one with a float part stays dense. The quantized layers, with the dense weights
+  that the GGUF holds quantized (the embedding beside a tied LM head), are cached next to the
   converted checkpoint (`packed-...st`, per torch version and dtype), so later starts read them
-  without packing, and the dense copies of quantized weights are never read.
+  without packing and without the GGUF, and no float32 copy of a quantized tensor is written.
 - `int8`, after loading: every projection an `Int8Linear`, quantized per row from the loaded
-  weights.
+  weights; it, like every path but `gguf`, loads the float32 copy of the GGUF's quantized
+  tensors, written at its first need (`gguf.ensure_float_copy`).
 The embedding table stays dense (a lookup reads one row per token). The core's layers know
 nothing of this: each projection gets a `quantized` member (None: dense) and, when quantized,
 instance attributes `forward` / `matmul` that compute through it (`_route_through`)."""
@@ -18,6 +20,7 @@ instance attributes `forward` / `matmul` that compute through it (`_route_throug
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, get_tp_info
+from minisgl.ext.cpu.gguf import conversion_size, dense_names, ensure_float_copy
 from minisgl.ext.cpu.gguf_quant import BLOCK, Blocks, load_blocks
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.policy import announce, resolve_quantization
@@ -38,9 +42,11 @@ from minisgl.ext.cpu.quantized import (
 )
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import LinearBase, RowParallelLinear
+from minisgl.models.weight import load_weights, map_checkpoint_name
 
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_CACHE_FORMAT = 2  # bump when the cached layers change
+_CACHE_FORMAT = 3  # bump when the cached layers change
+_DENSE = "dense/"  # the cache's keys of the checkpoint tensors kept dense (in the dtype)
 _KINDS: tuple[type[QuantizedLinear], ...] = (Int4Linear, Int8Linear, Int8SplitLinear)
 
 
@@ -101,12 +107,15 @@ def _attach(model: nn.Module, layers: dict[str, QuantizedLinear]) -> set[str]:
     """Give every projection its quantized layer (None where it stays dense); -> the parameter
     names no longer used."""
     dropped = set()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, module in _projections(model):
         layer = layers.get(name)
         _route_through(module, layer)
-        # the dense weight goes (not the LM head's: it may be the embedding's too)
-        if layer is not None and isinstance(module, LinearBase):
-            module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        # the dense weight goes (not a tied LM head's: it is the embedding's too)
+        if layer is not None and (isinstance(module, LinearBase) or not tied):
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor)
+            module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
             dropped.add(f"{name}.weight")
     return dropped
 
@@ -143,12 +152,15 @@ def cache_file(model_dir: str, dtype: torch.dtype) -> str:
     return os.path.join(model_dir, f"packed-{_CACHE_FORMAT}-{name}-torch{version}.st")
 
 
-def _load_cached(path: str) -> dict[str, QuantizedLinear]:
+def _load_cached(path: str) -> tuple[dict[str, QuantizedLinear], dict[str, torch.Tensor]]:
+    """-> (module name -> its layer, checkpoint name -> a dense weight)."""
     from safetensors.torch import load_file
 
-    # copies: the kernels' vector loads want aligned memory, which tensors straight out of a
-    # safetensors file need not be (a segfault in _weight_int8pack_mm otherwise)
-    tensors = {k: t.clone() for k, t in load_file(path).items()}
+    # the layers' copies: the kernels' vector loads want aligned memory, which tensors straight
+    # out of a safetensors file need not be (a segfault in _weight_int8pack_mm otherwise)
+    tensors = load_file(path)
+    dense = {k.removeprefix(_DENSE): t for k, t in tensors.items() if k.startswith(_DENSE)}
+    tensors = {k: t.clone() for k, t in tensors.items() if not k.startswith(_DENSE)}
     layers: dict[str, QuantizedLinear] = {}
     for key in tensors:
         name, _, buf = key.rpartition(".")
@@ -156,15 +168,18 @@ def _load_cached(path: str) -> dict[str, QuantizedLinear]:
             prefix = f"{name}."
             state = {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}
             layers[name] = _KINDS[int(tensors[key][0])].from_state(state)
-    return layers
+    return layers, dense
 
 
-def _save_cached(path: str, layers: dict[str, QuantizedLinear]) -> None:
+def _save_cached(
+    path: str, layers: dict[str, QuantizedLinear], dense: dict[str, torch.Tensor]
+) -> None:
     from safetensors.torch import save_file
 
     tensors = {f"{n}.{k}": t for n, layer in layers.items() for k, t in layer.state_dict().items()}
     for name, layer in layers.items():
         tensors[f"{name}.kind"] = torch.tensor([_KINDS.index(type(layer))], dtype=torch.uint8)
+    tensors.update({_DENSE + name: t.contiguous() for name, t in dense.items()})
     tmp = f"{path}.tmp-{os.getpid()}"
     try:  # a read-only cache only costs the packing at every start
         save_file(tensors, tmp)
@@ -172,23 +187,47 @@ def _save_cached(path: str, layers: dict[str, QuantizedLinear]) -> None:
     except OSError:
         if os.path.exists(tmp):
             os.remove(tmp)
+        return
+    size = f"{os.path.getsize(path) / 1e6:.0f} MB"
+    entry = conversion_size(os.path.dirname(path))
+    print(f"minisgl: cached the packed layers ({size}) in {entry}", file=sys.stderr)
+
+
+def _load_dense(
+    model: nn.Module, tensors: dict[str, torch.Tensor], in_files: list[str]
+) -> set[str]:
+    """Loads the dense weights whose tensors the GGUF holds quantized (not in the checkpoint's
+    files); -> the parameters they fill whole, which the files' loading skips."""
+    targets = {map_checkpoint_name(name)[0] for name in tensors}
+    others = {n for n, _ in model.named_parameters(remove_duplicate=False)} - targets
+    load_weights(model, iter(tensors.items()), skip=others)
+    return targets - {map_checkpoint_name(name)[0] for name in in_files}
 
 
 def quantize_gguf(model: nn.Module, model_dir: str, dtype: torch.dtype) -> set[str]:
-    """`gguf` mode, before loading: quantized layers from the cache or the GGUF's blocks;
-    -> the parameter names that loading must skip."""
+    """`gguf` mode, before loading: quantized layers, and the dense weights the GGUF holds
+    quantized, from the cache or the GGUF's blocks; -> the parameter names that loading must
+    skip."""
     path = cache_file(model_dir, dtype)
     if os.path.isfile(path):
-        return _attach(model, _load_cached(path))
-    blocks = load_blocks(model_dir)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    layers = {}
-    for name, _ in _projections(model):
-        layer = from_blocks([blocks.get(p) for p in checkpoint_parts(name, tied)], dtype)
-        if layer is not None:
-            layers[name] = layer
-    _save_cached(path, layers)
-    return _attach(model, layers)
+        layers, dense = _load_cached(path)
+        dropped = _attach(model, layers)
+    else:
+        blocks = load_blocks(model_dir)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        layers = {}
+        for name, _ in _projections(model):
+            layer = from_blocks([blocks.get(p) for p in checkpoint_parts(name, tied)], dtype)
+            if layer is not None:
+                layers[name] = layer
+        dropped = _attach(model, layers)
+        dense = {
+            name: b.dequantize().to(dtype)  # bit for bit the float32 copy's values, rounded
+            for name, b in blocks.items()
+            if map_checkpoint_name(name)[0] not in dropped
+        }
+        _save_cached(path, layers, dense)
+    return dropped | _load_dense(model, dense, dense_names(model_dir))
 
 
 def quantize_int8(model: nn.Module, dtype: torch.dtype) -> None:
@@ -224,7 +263,8 @@ class CpuModelTransform:
     def after_load(self, model: nn.Module) -> None:
         if self.name == "int8":
             quantize_int8(model, self.dtype)
-        announce(self.dtype, self.name, count_quantized(model), self.compiled)
+        entry = conversion_size(self.model_dir)
+        announce(self.dtype, self.name, count_quantized(model), self.compiled, entry)
 
 
 def set_cpu_threads() -> None:
@@ -241,6 +281,8 @@ def model_transform(engine: Any) -> CpuModelTransform | None:
     tp, device, dtype, path = get_tp_info().size, engine.device, engine.dtype, engine.model_path
     options = cpu_options(engine.config)
     mode = resolve_quantization(options.quantization, device, dtype, path, tp)
+    if mode != "gguf" and not engine.config.dummy_weights:
+        ensure_float_copy(path)  # a GGUF's quantized tensors, dequantized: once, if not yet
     if device.type != "cpu" or tp != 1:
         return None
     set_cpu_threads()
