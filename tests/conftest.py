@@ -18,12 +18,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import torch
+
+# One compute thread per process: the tests' models are tiny, so a second thread only spins in
+# barriers, and with two pytest workers (README: `-n 2`) and the servers they start, spinning
+# threads took the cores from work (the suite: 750 s serially with 2 threads, 527 s with -n 2
+# and 1). Server children inherit it. A run may still choose: OMP_NUM_THREADS=2 pytest ...
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
 
 from support.models import save_model
 from support.server import Server, SharedServers, alive, descendants, kill_tracked
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # The exact path: `--dtype auto` on a CPU with bf16 instructions would pick bfloat16 (and the
 # quantized GGUF layers); tests compare float32 with transformers. Server children inherit it.
 os.environ["MINISGL_CPU_FLOAT32"] = "1"

@@ -131,16 +131,17 @@ def cleanup(leader: subprocess.Popen[bytes]) -> Iterator[list[Proc]]:
 
 
 @pytest.mark.parametrize(
-    ("sig", "flag", "code"),
+    ("sig", "flag", "code", "workers"),
     [
-        (signal.SIGTERM, True, -signal.SIGTERM),  # as the issue saw it (servers carry the flag)
-        (signal.SIGTERM, False, -signal.SIGTERM),  # conftest's handler alone
-        (signal.SIGINT, False, 2),  # KeyboardInterrupt: the session's finalizer alone
+        (signal.SIGTERM, True, -signal.SIGTERM, 0),  # as the issue saw it (the flag on servers)
+        (signal.SIGTERM, False, -signal.SIGTERM, 0),  # conftest's handler alone
+        (signal.SIGINT, False, 2, 0),  # KeyboardInterrupt: the session's finalizer alone
+        (signal.SIGTERM, True, -signal.SIGTERM, 2),  # README's run: xdist workers (-n 2)
     ],
-    ids=["sigterm", "sigterm-without-flag", "sigint-without-flag"],
+    ids=["sigterm", "sigterm-without-flag", "sigint-without-flag", "sigterm-xdist"],
 )
 def test_stopped_pytest_leaves_no_server(
-    model_dir: str, tmp_path: Path, sig: int, flag: bool, code: int
+    model_dir: str, tmp_path: Path, sig: int, flag: bool, code: int, workers: int
 ) -> None:
     (tmp_path / "test_inner.py").write_text(INNER_TEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
@@ -154,6 +155,7 @@ def test_stopped_pytest_leaves_no_server(
     # through exec, and Python then leaves it ignored (no KeyboardInterrupt)
     cmd = [sys.executable, "-c", SIGINT_DEFAULT, "-p", "conftest", "-p", "no:cacheprovider", "-q"]
     cmd += ["-c", str(tmp_path / "pytest.ini"), "--basetemp", str(tmp_path / "inner")]
+    cmd += ["-n", str(workers)] if workers else []
     with open(log, "wb") as out:
         inner = subprocess.Popen(
             [*cmd, str(tmp_path / "test_inner.py")],
