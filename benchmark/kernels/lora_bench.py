@@ -18,7 +18,6 @@ import dataclasses
 import itertools
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,31 +30,13 @@ SHAPES = {
     "gate_up": ([12288, 12288], 4096),
     "down": ([4096], 12288),
 }
+from decode_attention_bench import time_us  # noqa: E402  (this directory)
+
 SWEPT = ("block_k", "max_split", "shrink_warps", "expand_block_n", "wide_block_n", "expand_warps")
 
 
 def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
-
-
-def time_us(fn: Callable[[int], object], calls: int, reps: int) -> float:
-    """Mean time of one call in a CUDA graph of fn(0) .. fn(calls - 1), replayed `reps` times."""
-    import torch
-
-    fn(0)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    for _ in range(3):
-        graph.replay()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) * 1e3 / (reps * calls)
 
 
 def configs(args: argparse.Namespace) -> list[Any]:
@@ -112,7 +93,8 @@ def bench_shape(name: str, tokens: int, args: argparse.Namespace) -> None:
         def call(i: int, out: Any = out, tiles: Any = tiles) -> object:  # y stays as it was
             return kernel.lora_add(out, x, slots, *copies[i], offsets, bounds, tiles)
 
-        us = time_us(call, args.calls, args.reps)
+        # one CUDA graph of every call (each layer its own weights), replayed: us per call
+        us = time_us(lambda: [call(i) for i in range(args.calls)], args.reps, True) / args.calls
         print(f"{name:8s} tokens={tokens:3d} {us:7.2f} us/call  {label}", flush=True)
 
 
