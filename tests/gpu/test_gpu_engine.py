@@ -385,11 +385,12 @@ def test_speculative_decoding_equals_plain_on_gpu(
 
 
 @pytest.mark.parametrize("pdl", ["on", "off"])
-def test_lora_kernels_equal_the_torch_reference(model_dirs, monkeypatch, pdl):
+@pytest.mark.parametrize("num_prompts", [1, 4])
+def test_lora_kernels_equal_the_torch_reference(model_dirs, monkeypatch, pdl, num_prompts):
     """ext/lora's Triton shrink and expand (PDL on and off), in CUDA-graph decode with the base
     model and two adapters in one batch, float32: the same tokens as the torch reference
-    (MINISGL_DISABLE_FUSED_OPS=1). A LoRA kernel that read its input before the kernel that
-    writes it had finished would change them."""
+    (MINISGL_DISABLE_FUSED_OPS=1); 3 rows decode through the GEMV, 12 through cuBLAS. A LoRA
+    kernel that read its input before the kernel that writes it had finished would change them."""
     import os
     import sys
 
@@ -414,8 +415,9 @@ def test_lora_kernels_equal_the_torch_reference(model_dirs, monkeypatch, pdl):
         try:
             assert llm.engine.graphs is not None
             params = SamplingParams(max_tokens=12, temperature=0)
-            each = [p for p in prompts(4) for _ in adapters]  # every prompt under all three
-            outs = llm.generate(each, params, use_tqdm=False, lora_request=adapters * 4)
+            each = [p for p in prompts(num_prompts) for _ in adapters]  # under all three
+            requests = adapters * num_prompts
+            outs = llm.generate(each, params, use_tqdm=False, lora_request=requests)
             check_no_leak(llm.scheduler)
             return [o["token_ids"] for o in outs]
         finally:
