@@ -1,8 +1,10 @@
 """CPU speed of one GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1) in minisgl and,
-when llama-cpp-python is available, in llama.cpp on the same file with the same threads: decode
+when llama-cpp-python is available, in llama.cpp on the same file with the same cores: decode
 tok/s (batch 1, greedy, `--decode-tokens` after a short prompt) and prefill tok/s (one prompt of
 `--prompt-tokens` random token ids, a new one each time so no prefix cache helps), printed side
-by side with the ratio minisgl / llama.cpp.
+by side with the ratio minisgl / llama.cpp. By default llama.cpp runs a thread per core and
+minisgl as it does by default (its decode moves between every core and one, `--cpu-threads`);
+`--threads N` fixes both at N.
 
 The two engines run back to back, `--repeats` rounds, each round minisgl then llama.cpp; the
 median of the rounds is reported. llama.cpp runs in a child process: this script's interpreter
@@ -63,8 +65,9 @@ def llama_cpp_child(args: argparse.Namespace, seed: int) -> dict | None:
         if not args.llama_cpp_python:
             return None
         python = args.llama_cpp_python
+    threads = args.threads or len(os.sched_getaffinity(0))
     cmd = [python, __file__, "--llama-cpp-round", "--model", args.model, "--threads"]
-    cmd += [str(args.threads), "--decode-tokens", str(args.decode_tokens)]
+    cmd += [str(threads), "--decode-tokens", str(args.decode_tokens)]
     cmd += ["--prompt-tokens", str(args.prompt_tokens), "--seed", str(seed)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -103,7 +106,11 @@ def minisgl_round(llm: Any, args: argparse.Namespace, seed: int) -> dict:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", help="GGUF file (default: the embedded SmolLM2)")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument(
+        "--threads", type=int,
+        help="both engines' threads (minisgl's --cpu-threads); default: llama.cpp every core "
+        "of the affinity mask, minisgl its default (--cpu-threads 0: OMP_NUM_THREADS if set)",
+    )  # fmt: skip
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
@@ -120,7 +127,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-cpp-round", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     for name in ("threads", "decode_tokens", "prompt_tokens", "repeats"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
@@ -150,19 +157,15 @@ def main() -> None:
         )
         print(json.dumps(r))
         return
-    import torch
-
     from minisgl import LLM
     from minisgl.ext.cpu.gguf import default_model
 
     args.model = args.model or default_model()
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    torch.set_num_threads(args.threads)
     limit = args.prompt_tokens + args.decode_tokens + 64
     compiled = args.enable_torch_compile
     llm = LLM(
         args.model, quantization=args.quantization, dtype=args.dtype, max_model_len=limit,
-        enable_torch_compile=compiled,
+        enable_torch_compile=compiled, cpu_threads=args.threads or 0,
     )  # fmt: skip
     start = time.perf_counter()
     llm.generate([DECODE_PROMPT], None, False)  # warm-up (and the compile, if asked)
@@ -186,7 +189,8 @@ def main() -> None:
             "commit": commit.stdout.strip(),
             "model": os.path.basename(args.model),
             "device": "cpu",
-            "threads": args.threads,
+            "threads": args.threads or len(os.sched_getaffinity(0)),
+            "threads_auto": args.threads is None,  # minisgl's --cpu-threads 0
             "quantization": llm.engine.quantization,
             "dtype": str(llm.engine.dtype).removeprefix("torch."),
             "torch_compile": compiled,

@@ -116,6 +116,28 @@ def test_quantized_linear_equals_the_float_matmul_of_its_weights(qtype, tokens):
     assert ((y - x.float() @ w.t()).abs() <= matmul_tolerance(x, w)).all()
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, "int8"])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_quantized_linear_is_the_same_on_one_thread_and_two(qtype, tokens):
+    """ext/cpu/threads.py moves decode steps between thread counts: each count must give the
+    layer's output bit for bit (the kernels split the output rows, never a dot product)."""
+    blocks, _ = gguf_blocks(Q.Q8_0 if qtype == "int8" else qtype, rows=1536, cols=576)  # SmolLM2's
+    if qtype == "int8":
+        layer: QuantizedLinear = Int8Linear.from_float(blocks.dequantize(), torch.bfloat16)
+    else:
+        layer = from_blocks([blocks], torch.bfloat16)  # type: ignore[assignment]
+    x = torch.randn(tokens, 576, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(layer(x))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_int4_merges_parts_of_both_kinds():
     """q/k/v or gate/up of different 4-bit kinds in one layer: rows concatenated in order."""
     parts = [gguf_blocks(Q.Q4_0, rows=16)[0], gguf_blocks(Q.Q4_1, rows=32, seed=1)[0]]

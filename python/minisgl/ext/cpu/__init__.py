@@ -10,11 +10,13 @@
 - `speed.py`: the torch path's CPU speed paths (RoPE from a table, looked up once a forward;
   attention widened to float32), each bit for bit the core's plain path, in every cpu engine;
 - `torch_compile.py`: `--enable-torch-compile`, the compiled decoder of one-request decode steps;
-- `options.py`: those two flags (`scheduler_options`), handed to each engine (`engine_config`).
+- `threads.py`: `--cpu-threads`, the thread count of a cpu engine's steps (by default decode
+  steps move between every core and one, whichever is faster: a busy core stalls two threads);
+- `options.py`: those three flags (`scheduler_options`), handed to each engine (`engine_config`).
 
 Importing this package fills its points of `minisgl.extension.Extensions`; without it the core
-refuses a `.gguf` model, the default model, `--quantization gguf|int8` and
-`--enable-torch-compile`, saying that they need this extension."""
+refuses a `.gguf` model, the default model, `--quantization gguf|int8`,
+`--enable-torch-compile` and `--cpu-threads`, saying that they need this extension."""
 
 from __future__ import annotations
 
@@ -32,3 +34,5 @@ _points.model_transform = Lazy("minisgl.ext.cpu.quantize", "model_transform")
 _points.decoder_transform = Lazy("minisgl.ext.cpu.speed", "cpu_engine")
 _points.scheduler_options["cpu"] = options.CpuOptions
 _points.engine_config.append(options.engine_options)
+# first: it sets the thread count of every step, which the other paths may then run
+_points.forward_paths.insert(0, Lazy("minisgl.ext.cpu.threads", "governed_threads"))

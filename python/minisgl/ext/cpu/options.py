@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.utils.options import check_options, option
+from minisgl.utils.options import check_options, int_range, option
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 
@@ -26,6 +26,14 @@ class CpuOptions:
         False,
         "cpu: compile one-request decode steps with torch.compile (decode ~1.2x, a compile of "
         "~30 s at the first); batches stay eager",
+    )
+
+    cpu_threads: int = option(
+        0,
+        "cpu: intra-op threads of the engine; 0 (auto): OMP_NUM_THREADS if set, else decode "
+        "steps move between every core and one, whichever is measurably faster (a busy core "
+        "stalls threads that wait for each other), prompts on every core",
+        type=int_range(0),
     )
 
     def __post_init__(self) -> None:

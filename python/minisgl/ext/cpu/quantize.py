@@ -40,6 +40,7 @@ from minisgl.ext.cpu.quantized import (
     QuantizedLinear,
     int4_fits,
 )
+from minisgl.ext.cpu.threads import set_cpu_threads
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import LinearBase, RowParallelLinear
 from minisgl.models.weight import load_weights, map_checkpoint_name
@@ -267,23 +268,17 @@ class CpuModelTransform:
         announce(self.dtype, self.name, count_quantized(model), self.compiled, entry)
 
 
-def set_cpu_threads() -> None:
-    """Every core of this process's affinity mask, unless OMP_NUM_THREADS chose already."""
-    if "OMP_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
-
-
 def model_transform(engine: Any) -> CpuModelTransform | None:
     """The `model_transform` point, for an engine being built (`engine.Engine`: device, dtype,
-    model path, config): on cpu at TP 1 the transform of its `--quantization`, with every core
-    of the process's affinity mask at work; elsewhere None (the mode is none there: auto
-    resolves to it and an explicit mode is refused)."""
+    model path, config): on cpu at TP 1 the transform of its `--quantization`; elsewhere None
+    (the mode is none there: auto resolves to it and an explicit mode is refused). It sets the
+    starting thread count (`threads.set_cpu_threads`)."""
     tp, device, dtype, path = get_tp_info().size, engine.device, engine.dtype, engine.model_path
     options = cpu_options(engine.config)
     mode = resolve_quantization(options.quantization, device, dtype, path, tp)
     if mode != "gguf" and not engine.config.dummy_weights:
         ensure_float_copy(path)  # a GGUF's quantized tensors, dequantized: once, if not yet
+    set_cpu_threads(engine.config, every_core=device.type == "cpu" and tp == 1)
     if device.type != "cpu" or tp != 1:
         return None
-    set_cpu_threads()
     return CpuModelTransform(mode, path, dtype, options.enable_torch_compile)
