@@ -2,7 +2,6 @@
 
 import sys
 
-from minisgl.models.hf import transformers_without_torch
 from minisgl.server.args import parse_args
 from minisgl.server.launch import launch_server, serve_http
 
@@ -25,9 +24,6 @@ def main() -> int:
 
         # a short id in /v1/models, not a path inside site-packages (the path is accepted too)
         args.served_model_name = args.served_model_name or extensions().default_model_name
-    # the API process runs no model: transformers without torch (after a GGUF default model's
-    # conversion above, which needs both; issue 47)
-    transformers_without_torch()
     if args.shell:
         from minisgl.shell import run_shell
 

@@ -13,9 +13,9 @@ from minisgl.models.config import token_ids
 
 def transformers_without_torch() -> None:
     """Import transformers as where torch is not installed, at the start of a process that
-    only reads tokenizers, chat templates and configs (a tokenizer worker, the detokenizer, the
-    API process): transformers imports torch whenever it is installed (~2 s and ~190 MB a
-    process, issue 47). Its tokenizers and configs are the same; its models are unavailable in
+    reads only tokenizers, chat templates and configs with it (every child of the launcher: the
+    schedulers run their own models; the launcher once its models are resolved): transformers
+    imports torch whenever it is installed (~2 s and ~190 MB a process, issues 47 and 51). Its tokenizers and configs are the same; its models are unavailable in
     this process, and torch itself stays importable. A no-op once either is imported."""
     if "transformers" in sys.modules or "torch" in sys.modules:
         return

@@ -10,6 +10,7 @@ each is ready, run the front end (HTTP, or the shell), stop every child on exit.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -25,8 +26,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from minisgl.distributed import rendezvous_file
-from minisgl.engine.config import EngineConfig
+from minisgl.engine.config import EngineConfig, config_model_path
 from minisgl.extension import extensions
+from minisgl.models.hf import transformers_without_torch
 from minisgl.server.args import ServerArgs, option_error
 from minisgl.utils import procs
 from minisgl.utils.options import OptionError
@@ -81,6 +83,12 @@ def _child_main(
     die_with_parent()
     set_title(name)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)  # a spawned child has none
+    # Start-up makes ~10^6 objects that live as long as the process (imports, the model): the
+    # collector's full passes over them cost a scheduler ~0.3 s; `freeze_startup_heap` turns
+    # it back on once ready (issue 51). And no child runs a transformers model (the engine has
+    # its own): none pays for transformers' torch side (~1 s); torch stays importable.
+    gc.disable()
+    transformers_without_torch()
     target(*args, ready, **kwargs)
 
 
@@ -150,12 +158,13 @@ class Launcher:
         args = self.args
         assert args.engine.model is not None  # __main__ resolves the default model
         path = resolve_model_path(args.engine.model)
-        if (features := extensions().chat_features) is not None:  # the parsers' `auto`
-            features.resolve_parsers(args, path)
         extras = args.scheduler.extras
         for name, options in extras.items():
             if (resolve := getattr(options, "resolve_models", None)) is not None:
                 extras[name] = resolve()
+        # this process runs no model: transformers without torch (issue 47), but only now,
+        # after a GGUF's conversion, which needs both
+        transformers_without_torch()
         return replace(args.engine, model=path)
 
     def start_pipeline(self, config: EngineConfig) -> None:
@@ -164,7 +173,7 @@ class Launcher:
         from minisgl.tokenizer.detokenize import run_detokenizer
         from minisgl.tokenizer.server import run_tokenizer
 
-        args, a, model_path = self.args, self.addrs, config.model
+        args, a, model_path = self.args, self.addrs, config_model_path(config)
         starters, followers = self.start_schedulers(config)
         detok = (model_path, a.detokenizer, self.api_queue(), a.schedulers)
         starters.append(self._spawn("detokenizer", run_detokenizer, *detok))
@@ -172,6 +181,9 @@ class Launcher:
             tok = (model_path, args.chat_template, addr, a.schedulers, a.detokenizer, detok[2])
             worker = self.tokenizer_worker(config)
             starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok, worker=worker))
+        # only the front end reads the parsers' `auto`: a tokenizer loads while the children start
+        if (features := extensions().chat_features) is not None:
+            features.resolve_parsers(args, model_path)
         self.preload_front_end()
         for payload in wait_ready(*_split(starters + followers)):
             if payload:  # a TP rank 0 (one per --dp replica)
@@ -180,9 +192,11 @@ class Launcher:
         wait_ready(*_split(followers))
 
     def preload_front_end(self) -> None:
-        """While the children start: import what the HTTP front end runs on (fastapi, uvicorn,
-        the extensions' routes), which would otherwise wait for them to be ready (issue 47)."""
+        """While the children start: import what the front end runs on (prompt_toolkit; fastapi,
+        uvicorn, the extensions' routes), which would otherwise wait for them (issues 47, 51)."""
         if self.args.shell:
+            import prompt_toolkit  # noqa: F401  (~0.1 s)
+
             return
         import uvicorn  # noqa: F401
 

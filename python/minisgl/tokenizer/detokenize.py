@@ -215,9 +215,7 @@ def run_detokenizer(
     sched_addrs: list[str],
     ready: Any,
 ) -> None:
-    from minisgl.models.hf import load_tokenizer, transformers_without_torch
-
-    transformers_without_torch()  # a process without torch (issue 47)
+    from minisgl.models.hf import load_tokenizer  # without torch (launch's `_child_main`)
 
     def build() -> tuple[ZmqPullQueue, Detokenizer]:
         scheds = [ZmqPushQueue(a, create=False) for a in sched_addrs]

@@ -146,9 +146,6 @@ def run_tokenizer(
     worker: Callable[..., TokenizerWorker] = TokenizerWorker,
 ) -> None:
     """`sched_addrs`: one per --dp replica; `api_queue`, `worker`: the launcher's."""
-    from minisgl.models.hf import transformers_without_torch
-
-    transformers_without_torch()  # a process without torch (issue 47)
 
     def build() -> tuple[ZmqPullQueue, TokenizerWorker]:
         tokenizer = load_chat_tokenizer(model_path, chat_template)
