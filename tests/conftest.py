@@ -33,6 +33,9 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # The exact path: `--dtype auto` on a CPU with bf16 instructions would pick bfloat16 (and the
 # quantized GGUF layers); tests compare float32 with transformers. Server children inherit it.
 os.environ["MINISGL_CPU_FLOAT32"] = "1"
+# No decoder compiled ahead of time (~15 s for each quantized model a test builds): the tests
+# of that path (tests/engine/test_cpu_aot.py) turn it on.
+os.environ.setdefault("MINISGL_CPU_AOT", "0")
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

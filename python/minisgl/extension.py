@@ -418,6 +418,7 @@ EXTENSION_OPTIONS = {
     "exit_with_parent": "serving",
     "quantization": "cpu",
     "enable_torch_compile": "cpu",
+    "cpu_compile": "cpu",
     "cpu_threads": "cpu",
 }
 

@@ -157,8 +157,11 @@ class Engine:
 
     @property
     def needs_warm_up(self) -> bool:
-        """Kernels compile at first use: on CUDA, or under --enable-torch-compile."""
-        return self.device.type == "cuda" or self.compiled_decoder is not None
+        """Kernels compile at first use: on CUDA, or in a compiled decoder that says so
+        (--enable-torch-compile's; one compiled ahead of time does not)."""
+        compiled = self.compiled_decoder
+        warm = compiled is not None and getattr(compiled, "needs_warm_up", True)
+        return self.device.type == "cuda" or warm
 
     def decoder(self, batch: Batch) -> torch.nn.Module:
         """The compiled decoder for a one-request decode step, else the model's own."""

@@ -9,10 +9,13 @@
   quantized), the `--quantization` rule, the start line;
 - `speed.py`: the torch path's CPU speed paths (RoPE from a table, looked up once a forward;
   attention widened to float32), each bit for bit the core's plain path, in every cpu engine;
-- `torch_compile.py`: `--enable-torch-compile`, the compiled decoder of one-request decode steps;
+- `aot.py`: `--cpu-compile`, the decoder layers of one-request decode steps compiled ahead of
+  time (AOTInductor) once and kept in the cache: the default for a quantized model;
+- `torch_compile.py`: `--enable-torch-compile`, the decoder of those steps compiled by
+  torch.compile at run time instead;
 - `threads.py`: `--cpu-threads`, the thread count of a cpu engine's steps (by default decode
   steps move between every core and one, whichever is faster: a busy core stalls two threads);
-- `options.py`: those three flags (`scheduler_options`), handed to each engine (`engine_config`).
+- `options.py`: those four flags (`scheduler_options`), handed to each engine (`engine_config`).
 
 Importing this package fills its points of `minisgl.extension.Extensions`; without it the core
 refuses a `.gguf` model, the default model, `--quantization gguf|int8`,

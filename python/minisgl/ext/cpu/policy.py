@@ -21,17 +21,21 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @functools.cache
-def cpu_bf16_flag() -> str | None:
-    """The first of BF16_FLAGS this CPU has, or None (also off Linux)."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's /proc/cpuinfo flags (none off Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return next((flag for flag in BF16_FLAGS if flag in flags), None)
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return None
+    return frozenset()
+
+
+def cpu_bf16_flag() -> str | None:
+    """The first of BF16_FLAGS this CPU has, or None (also off Linux)."""
+    return next((flag for flag in BF16_FLAGS if flag in cpu_flags()), None)
 
 
 def has_gguf_blocks(model_dir: str) -> bool:

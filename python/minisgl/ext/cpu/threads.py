@@ -10,7 +10,9 @@ the cores of the affinity mask and one whenever the other is measurably faster, 
 and then (more rarely while the choice stands, at once when the steps slow down) so that a load
 that comes and goes is followed. Prompts (prefill and mixed steps) always use every core (large
 matrix products gain from them even beside a busy process), and so do the steps of the decoder
-that --enable-torch-compile compiled (dynamo guards on the count: another one compiles again).
+that --enable-torch-compile compiled (dynamo guards on the count: another one compiles again);
+the layers compiled ahead of time (`aot.py`) are governed as eager ones (no guards; their
+kernels read the count at each call, and give the same tokens on one thread and two).
 An explicit count (`--cpu-threads N`, or OMP_NUM_THREADS) is kept for every step. libgomp reads
 its wait policy (OMP_WAIT_POLICY, GOMP_SPINCOUNT) when torch is imported, before any option is
 known, so waiting is left as it is. The count changes no output: the quantized layers give the
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from minisgl.distributed import get_tp_info
+from minisgl.ext.cpu.aot import AotDecoder
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.extension import ForwardPath
 
@@ -151,10 +154,11 @@ class GovernedThreads(ForwardPath):
         self.governor = governor
 
     def forward(self, engine: Any, batch: Any, samples: list[bool], resample: bool) -> None:
-        # a step of the compiled decoder (--enable-torch-compile) keeps every core: dynamo
+        # a step of the decoder --enable-torch-compile compiled keeps every core: dynamo
         # guards on the count, and another count would compile the decoder again mid-decode
-        eager = engine.decoder(batch) is engine.model.model
-        self.governor.step(batch.size if batch.is_decode and eager else None)
+        decoder = engine.decoder(batch)
+        governed = decoder is engine.model.model or isinstance(decoder, AotDecoder)
+        self.governor.step(batch.size if batch.is_decode and governed else None)
         return None
 
 

@@ -13,6 +13,7 @@ from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
+from minisgl.ext.cpu.aot import aot_decoder
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.utils.options import OptionError
 
@@ -20,9 +21,10 @@ from minisgl.utils.options import OptionError
 def compiled_decoder(engine: Any) -> torch.nn.Module | None:
     """For the `decoder_transform` point: under --enable-torch-compile the built engine's
     (`engine.Engine`) decoder, compiled, once the checks pass and its attention backend marks
-    the KV length dynamic; else None."""
+    the KV length dynamic; else the step compiled ahead of time (`aot.aot_decoder`), or
+    None."""
     if not cpu_options(engine.config).enable_torch_compile:
-        return None
+        return aot_decoder(engine)
     moe = engine.model_config.moe is not None
     check_torch_compile(engine.device, get_tp_info().size, moe)
     mark_kv_len_dynamic(engine.attn_backend)

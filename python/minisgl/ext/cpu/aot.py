@@ -1,0 +1,370 @@
+"""The decoder layer compiled ahead of time (AOTInductor), run by one-request decode steps on
+CPU by default on a quantized model (`--cpu-compile auto`): built once per model, dtype, quantization, torch
+version, CPU and minisgl source (`torch.export` + `aoti_compile_and_package`: ~17 s on 2 cores
+for SmolLM2-135M, 2 MB), kept in the cache (beside a GGUF's conversion), loaded at later starts
+in ~0.01 s. Batches, prompts and any failure stay eager, the failure said in one line.
+
+One layer, not the whole step: the layers of a model are alike, so one artifact (one for each
+distinct kind of layer: a GGUF may quantize layers differently) serves all of them, called
+once a layer. The whole decoder as one graph decoded as fast (SmolLM2 on 2 cores: 83-90 tok/s
+against 74-91 layer by layer, eager 46-51) but took 95 s to compile instead of 17.
+
+The exported layer is a function of plain tensors: the position, hidden state and residual, the
+request's new KV slot and KV slots, the RoPE table, the layer's K and V pools and its weights.
+The weights are inputs, not constants, so the artifact holds no copy of the model (the group
+sizes of the int4 layers, which inductor makes constants, are the only ones); the pools are
+the per-layer views the engine holds (one KV buffer as a single input made export write each
+layer's K and V through a copy of the whole buffer: 0.7 tok/s). The first layer, which has no
+residual yet, gets zeros (x + 0 is x). The compiled layers give the same tokens as
+`--enable-torch-compile` (the same inductor code); like it, not always eager's bits in
+bfloat16. Their kernels read the thread count at each call: the thread governor
+(`threads.py`) moves their steps between every core and one as it does eager ones."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from minisgl import env
+from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
+from minisgl.context import Context, get_global_ctx, set_global_ctx
+from minisgl.core import Batch
+from minisgl.distributed import get_tp_info
+from minisgl.ext.cpu.gguf import cache_root, conversion_size
+from minisgl.ext.cpu.options import cpu_options
+from minisgl.ext.cpu.policy import cpu_flags
+from minisgl.kvcache.pool import MHAKVCache
+
+FORMAT = 1  # bump when the exported step's inputs change
+PREFIX = "decode-aot-"
+# the dtypes of the step's index inputs as `run_step` makes them
+INDEX_DTYPES = {"positions": torch.int64, "out_loc": torch.int64}
+Run = Callable[[list[torch.Tensor]], list[torch.Tensor]]  # a compiled layer's entry point
+# 16-bit values rounded where eager rounds them (a fused sum kept in float32 otherwise)
+INDUCTOR = {"emulate_precision_casts": True}
+RETRY_S = 86400  # a failed build is tried again after this long
+UNUSED_S = 7 * 86400  # an artifact of another key unused this long is removed
+MAX_LEN = 1 << 24  # the largest KV length and pool the exported step accepts
+
+
+def say(message: str) -> None:
+    print(f"minisgl: {message}", file=sys.stderr)
+
+
+def aot_decoder(engine: Any) -> nn.Module | None:
+    """The decoder of one-request decode steps with compiled layers for this `engine`
+    (`engine.Engine`, after the speed paths): built at the first start, loaded at later ones;
+    None (eager) where they do not apply (no line: cuda, TP > 1, MoE, another attention
+    backend, --cpu-compile off, MINISGL_CPU_AOT=0) or where one cannot be built or loaded (one
+    line saying why)."""
+    if not aot_applies(engine):
+        return None
+    try:
+        steps = layer_steps(engine)
+        paths = {id(step): artifact_path(engine, step) for step in steps}
+    except Exception as e:  # noqa: BLE001 (a model the step does not know: eager)
+        say(f"eager decode: cannot compile this model's layers ({first_line(e)})")
+        return None
+    runs: dict[int, Run] = {}
+    for step in dict.fromkeys(steps):  # each kind of layer once, in order
+        run = compiled_layer(step, paths[id(step)])
+        if run is None:
+            return None
+        runs[id(step)] = run
+    prune(list(paths.values()))
+    return AotDecoder(engine.model.model, [runs[id(step)] for step in steps], steps[0])
+
+
+def compiled_layer(step: LayerStep, path: str) -> Run | None:
+    """The compiled layer at `path`, built first if absent; None after one line saying why."""
+    failed = f"{path}.failed"
+    # an earlier start could not build it: not every start again (tried again after a day)
+    if os.path.isfile(failed) and unused_for(Path(failed)) < RETRY_S:
+        say(f"eager decode: building {path} failed earlier ({Path(failed).read_text().strip()})")
+        return None
+    if not os.path.isfile(path):
+        try:
+            build(step, path)
+        except Exception as e:  # noqa: BLE001 (any failure of export or inductor: eager)
+            why = first_line(e)
+            say(f"eager decode: could not compile the decoder layer ({why})")
+            write_quietly(failed, why)
+            return None
+    try:
+        run = load(path)
+    except Exception as e:  # noqa: BLE001 (a corrupt or foreign artifact: built again next time)
+        say(f"eager decode: could not load {path} ({first_line(e)}); removed it")
+        remove_quietly(path)
+        return None
+    try:
+        os.utime(path)  # used: `prune` keeps it
+    except OSError:  # a read-only cache
+        pass
+    return run
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+def aot_applies(engine: Any) -> bool:
+    """--cpu-compile aot, or auto on a quantized model (the exact path, float32 without
+    --quantization, keeps transformers' tokens: compiled sums round differently), unless
+    MINISGL_CPU_AOT=0 (e.g. tests that build many engines), on a cpu engine whose layers one
+    graph can hold (--enable-torch-compile's checks) with the speed paths' RoPE table
+    (`speed.TableRotary`: its `tables`)."""
+    mode, moe = cpu_options(engine.config).cpu_compile, engine.model_config.moe is not None
+    return (
+        (mode == "aot" or (mode == "auto" and engine.quantization != "none"))
+        and ("MINISGL_CPU_AOT" not in os.environ or env.flag("MINISGL_CPU_AOT"))
+        and engine.device.type == "cpu"
+        and get_tp_info().size == 1
+        and not moe
+        and isinstance(engine.attn_backend, TorchAttnBackend)
+        and isinstance(getattr(engine.model.model.rotary, "tables", None), dict)
+    )
+
+
+class TracedPools(MHAKVCache):
+    """The KV pools as the exported step sees them: its inputs, one per layer and K / V."""
+
+    def __init__(self, like: MHAKVCache, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]):
+        self.num_layers, self.page_size = like.num_layers, like.page_size
+        self.num_kv_heads, self.head_dim, self.dtype = like.num_kv_heads, like.head_dim, like.dtype
+        self.device, self._k_flat, self._v_flat = like.device, k_pools, v_pools
+
+
+class LayerStep(nn.Module):
+    """One decoder layer on one request's decode step as a function of plain tensors (the
+    module `torch.export` traces): the layer reads its batch and KV pools from the global
+    context, so the trace sets a context of its inputs around the call."""
+
+    def __init__(self, engine: Any, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.dtype: torch.dtype = engine.dtype
+        self.kv_cache: MHAKVCache = engine.kv_cache
+        self.attn_backend = engine.attn_backend
+        self.page_size: int = engine.page_size
+        self.hidden_size: int = engine.model_config.hidden_size
+        self.weight_names = [name for name, _ in named_weights(layer)]
+        rotary = engine.model.model.rotary  # speed.TableRotary (not imported: speed imports this)
+        self.rotary = [rotary]  # held, not registered: the table is an input
+        self.rope_table: torch.Tensor = rotary.tables[self.dtype]
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        out_loc: torch.Tensor,
+        kv_slots: torch.Tensor,
+        rope_table: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        weights: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        md = TorchAttnMetadata(kv_slots, None, kv_slots.new_zeros(1), 1)
+        batch = Batch([], "decode", out_loc=out_loc, attn_metadata=md)
+        layers = self.kv_cache.num_layers  # whatever its layer id, the layer reads these pools
+        pools = TracedPools(self.kv_cache, [k_pool] * layers, [v_pool] * layers)
+        unused_page_table = kv_slots  # the step's slots come in whole
+        ctx = Context(self.page_size, unused_page_table, pools, self.attn_backend, batch)
+        rotary, saved_tables = self.rotary[0], self.rotary[0].tables
+        rotary.tables = {self.dtype: rope_table}
+        set_global_ctx(ctx)
+        try:
+            state = dict(zip(self.weight_names, weights, strict=True))
+            args = (positions, hidden, residual)
+            return torch.func.functional_call(self.layer, state, args, tie_weights=False)
+        finally:
+            rotary.tables = saved_tables
+
+    def example(self) -> tuple[Any, ...]:
+        """Example inputs at KV length 3 (the length and the pools' slots are dynamic)."""
+        pos = torch.full((1,), 2, dtype=INDEX_DTYPES["positions"])
+        hidden = torch.zeros(1, self.hidden_size, dtype=self.dtype)
+        out_loc = torch.full((1,), 2, dtype=INDEX_DTYPES["out_loc"])
+        kv_slots = torch.arange(3).unsqueeze(0)
+        pools = self.kv_cache
+        weights = [w for _, w in named_weights(self.layer)]
+        args = (pos, hidden, hidden.clone(), out_loc, kv_slots, self.rope_table)
+        return (*args, pools.k_flat(0), pools.v_flat(0), weights)
+
+    def signature(self) -> list[Any]:
+        """What the compiled layer depends on besides torch, the CPU, minisgl's source and the
+        model's config: its modules' kinds, its weights' shapes, the pools', the backend."""
+        modules = [(name, type(m).__name__) for name, m in self.layer.named_modules()]
+        weights = [(n, list(w.shape), str(w.dtype)) for n, w in named_weights(self.layer)]
+        pools = self.kv_cache
+        pool_shape = [pools.num_kv_heads, pools.head_dim, str(pools.dtype)]
+        return [type(self.attn_backend).__name__, str(self.dtype), pool_shape, modules, weights]
+
+
+def named_weights(layer: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(layer.named_parameters()) + list(layer.named_buffers())
+
+
+def layer_steps(engine: Any) -> list[LayerStep]:
+    """The step of each decoder layer: one object for the layers of one signature."""
+    by_signature: dict[str, LayerStep] = {}
+    steps = []
+    for layer in engine.model.model.layers:
+        step = LayerStep(engine, layer)
+        steps.append(by_signature.setdefault(json.dumps(step.signature()), step))
+    return steps
+
+
+def artifact_path(engine: Any, step: LayerStep) -> str:
+    """`decode-aot-<key>.pt2` beside the model's GGUF conversion, else in the cache's `aot/`
+    (a directory per checkpoint), keyed by everything the compiled layer depends on."""
+    key = json.dumps(
+        [FORMAT, torch.__version__, sorted(cpu_flags()), source_digest(), engine.quantization,
+         repr(engine.model_config), step.signature()],
+        default=str,
+    )  # fmt: skip
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    model_dir = engine.model_path
+    if conversion_size(model_dir) is None:
+        checkpoint = hashlib.sha256(os.path.abspath(model_dir).encode()).hexdigest()[:16]
+        model_dir = os.path.join(cache_root(), "aot", checkpoint)
+    return os.path.join(model_dir, f"{PREFIX}{digest}.pt2")
+
+
+def source_digest() -> str:
+    """minisgl's Python source (the traced code runs through the core's layers): a change
+    compiles again."""
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def build(step: LayerStep, path: str) -> None:
+    """Exports and compiles the layer into `path` (written whole or not at all)."""
+    from torch._inductor import aoti_compile_and_package
+
+    say(f"compiling the decoder layer once (~20 s on 2 cores) into {path}")
+    start = time.perf_counter()
+    length, slots = torch.export.Dim("kv_len", min=2, max=MAX_LEN), torch.export.Dim("slots")
+    weights = [None] * len(step.weight_names)
+    dynamic = (None, None, None, None, {1: length}, None, {0: slots}, {0: slots}, weights)
+    saved_ctx = get_or_none()
+    try:
+        with torch.no_grad():
+            example = step.example()
+            program = torch.export.export(step, example, dynamic_shapes=dynamic, strict=False)
+    finally:
+        set_global_ctx(saved_ctx)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}.pt2"  # the packager wants the suffix
+    try:
+        aoti_compile_and_package(program, package_path=tmp, inductor_configs=INDUCTOR)
+        os.replace(tmp, path)
+    finally:
+        remove_quietly(tmp)
+    size = os.path.getsize(path) / 1e6
+    say(f"compiled the decoder layer in {time.perf_counter() - start:.0f} s ({size:.0f} MB)")
+
+
+def prune(paths: list[str]) -> None:
+    """Removes the artifacts (and failure notes) beside `paths` of other keys unused for a
+    week (another torch, an earlier source; a load touches its file): another dtype of the
+    model used now and then is kept."""
+    keep = {os.path.basename(p) for p in paths}
+    for folder in {os.path.dirname(p) for p in paths}:
+        for other in Path(folder).glob(f"{PREFIX}*"):
+            if other.name.split(".pt2")[0] + ".pt2" not in keep and unused_for(other) > UNUSED_S:
+                remove_quietly(str(other))
+
+
+def unused_for(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0
+
+
+def get_or_none() -> Context | None:
+    try:
+        return get_global_ctx()
+    except RuntimeError:
+        return None
+
+
+def load(path: str) -> Run:
+    """The compiled step's entry point (torch's C++ package loader: `aoti_load_package` would
+    import inductor, ~2 s, for nothing)."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+    return loader.run  # type: ignore[no-any-return]
+
+
+class AotDecoder(nn.Module):
+    """`Engine.decoder(batch)` of one-request decode steps: the decoder with its layers run
+    compiled (`runs`, one a layer), or eager for a step they do not hold (a masked one: a
+    sliding window shorter than the KV)."""
+
+    # nothing compiles at its first call: a server need not warm it up (Engine.needs_warm_up
+    # reads it: a core change asked for; until then the warm-up runs, ~9 s on 2 cores)
+    needs_warm_up = False
+
+    def __init__(self, decoder: Any, runs: list[Run], step: LayerStep) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.runs = runs
+        self.kv_cache = step.kv_cache
+        self.rope_table = step.rope_table
+        self.weights = [[w for _, w in named_weights(layer)] for layer in decoder.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        batch = get_global_ctx().batch
+        assert batch is not None
+        md = TorchAttnMetadata.of(batch)
+        out_loc = batch.out_loc
+        if out_loc is None or md.mask is not None or not self.fits(positions, out_loc, md):
+            return self.decoder(input_ids, positions)  # type: ignore[no-any-return]
+        hidden = self.decoder.embed_tokens(input_ids)
+        residual = torch.zeros_like(hidden)
+        pools, table, kv_slots = self.kv_cache, self.rope_table, md.kv_slots
+        for i, run in enumerate(self.runs):
+            k, v = pools.k_flat(i), pools.v_flat(i)
+            inputs = [positions, hidden, residual, out_loc, kv_slots, table, k, v]
+            hidden, residual = run(inputs + self.weights[i])
+        return self.decoder.norm(hidden, residual)[0]  # type: ignore[no-any-return]
+
+    @staticmethod
+    def fits(positions: torch.Tensor, out_loc: torch.Tensor, md: TorchAttnMetadata) -> bool:
+        """The step's index inputs as the layers were exported with (the compiled code reads
+        them as such): one token, these dtypes."""
+        kv_slots = md.kv_slots
+        return (
+            md.max_q_len == 1 and positions.shape == (1,) and kv_slots.shape[0] == 1
+            and positions.dtype == INDEX_DTYPES["positions"]
+            and out_loc.dtype == INDEX_DTYPES["out_loc"] and kv_slots.dtype == torch.int64
+        )  # fmt: skip
+
+
+def write_quietly(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text + "\n")
+    except OSError:
+        pass
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -1,0 +1,149 @@
+"""--cpu-compile aot (the default on CPU): one-request decode steps run a step compiled ahead of
+time, built at the first start into the cache and loaded at later ones, with eager's greedy
+tokens on the quantized path; a corrupt artifact or a failed build falls back to eager with one
+line saying why."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.ext.cpu import aot
+from support.invariants import check_no_leak
+
+PROMPT = [5, 77, 300, 12, 400, 3, 9, 81]
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    """A tiny GGUF (Q4_0 / Q4_1 / Q8_0 / F16 parts) in a fresh cache, the step turned on."""
+    from support.gguf_files import write_gguf
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MINISGL_CPU_AOT", "1")
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf("llama", path)
+    return path
+
+
+def generate(path: str, **options) -> tuple[LLM, list[int]]:
+    llm = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=64, **options)
+    tokens = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]["token_ids"]
+    check_no_leak(llm.scheduler)
+    return llm, tokens
+
+
+def artifacts(llm: LLM) -> list[str]:
+    model_dir = llm.engine.model_path
+    return sorted(f for f in os.listdir(model_dir) if f.startswith(aot.PREFIX))
+
+
+def test_built_once_then_loaded_with_eagers_tokens(tiny_gguf, capfd):
+    eager, want = generate(tiny_gguf, cpu_compile="off")
+    assert eager.engine.compiled_decoder is None
+    llm, got = generate(tiny_gguf)
+    assert isinstance(llm.engine.compiled_decoder, aot.AotDecoder)
+    assert got == want
+    assert "compiling the decoder layer once" in capfd.readouterr().err
+    names = artifacts(llm)  # beside the conversion: one for each kind of layer
+    kinds = {id(step) for step in aot.layer_steps(llm.engine)}
+    assert len(names) == len(kinds) and all(n.endswith(".pt2") for n in names)
+    again, got = generate(tiny_gguf)  # a later start: loaded, not compiled
+    assert isinstance(again.engine.compiled_decoder, aot.AotDecoder) and got == want
+    assert "compiling" not in capfd.readouterr().err
+    # a batch of two decodes eagerly, the longer one's lone steps through the compiled layers
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = again.generate([PROMPT, PROMPT[:5]], [PARAMS, short], use_tqdm=False)
+    assert outs[0]["token_ids"] == want
+    threads = torch.get_num_threads()
+    try:  # the thread governor moves the steps between counts: the same tokens on two
+        torch.set_num_threads(2)
+        assert again.generate([PROMPT], PARAMS, use_tqdm=False)[0]["token_ids"] == want
+    finally:
+        torch.set_num_threads(threads)
+    check_no_leak(again.scheduler)
+
+
+def test_the_thread_governor_governs_the_compiled_layers():
+    from minisgl.ext.cpu.threads import GovernedThreads
+
+    keys = []
+    governor = SimpleNamespace(step=keys.append)
+    model = SimpleNamespace(model=object())
+    batch = SimpleNamespace(size=1, is_decode=True)
+    compiled = object.__new__(aot.AotDecoder)  # its kind is what counts
+    for decoder in (model.model, compiled, object()):  # eager, AOT, torch.compile's
+        engine = SimpleNamespace(model=model, decoder=lambda batch, d=decoder: d)
+        GovernedThreads(governor).forward(engine, batch, [False], False)
+    assert keys == [1, 1, None]  # None: every core
+
+
+def test_corrupt_artifact_falls_back_to_eager(tiny_gguf, capfd, monkeypatch):
+    eager, want = generate(tiny_gguf, cpu_compile="off")
+    path = aot.artifact_path(eager.engine, aot.layer_steps(eager.engine)[0])
+    with open(path, "wb") as f:
+        f.write(b"not a package")
+    monkeypatch.setattr(aot, "build", lambda step, path: pytest.fail("built instead of loaded"))
+    llm, got = generate(tiny_gguf)
+    assert llm.engine.compiled_decoder is None and got == want
+    err = capfd.readouterr().err
+    assert f"eager decode: could not load {path}" in err and "removed it" in err
+    assert not os.path.exists(path)  # the next start builds it again
+
+
+def test_failed_build_falls_back_to_eager_once(tiny_gguf, capfd, monkeypatch):
+    def fail(step, path):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(aot, "build", fail)
+    eager, want = generate(tiny_gguf, cpu_compile="off")
+    llm, got = generate(tiny_gguf)
+    assert llm.engine.compiled_decoder is None and got == want
+    err = capfd.readouterr().err
+    assert (
+        "eager decode: could not compile the decoder layer (RuntimeError: no C++ compiler)" in err
+    )
+    monkeypatch.setattr(aot, "build", lambda step, path: pytest.fail("built again"))
+    generate(tiny_gguf)  # a later start does not try again, and says so
+    assert "failed earlier (RuntimeError: no C++ compiler)" in capfd.readouterr().err
+
+
+def test_off_by_flag_environment_or_on_the_exact_path(tiny_gguf, monkeypatch):
+    monkeypatch.setattr(aot, "build", lambda step, path: pytest.fail("built"))
+    options = {"quantization": "gguf", "dtype": "bfloat16"}
+    assert LLM(tiny_gguf, cpu_compile="off", **options).engine.compiled_decoder is None
+    exact = LLM(tiny_gguf, quantization="none", dtype="float32")  # auto: transformers' tokens
+    assert exact.engine.compiled_decoder is None
+    monkeypatch.setenv("MINISGL_CPU_AOT", "0")
+    assert LLM(tiny_gguf, cpu_compile="aot", **options).engine.compiled_decoder is None
+
+
+def test_float32_layers_on_request_give_transformers_tokens(model_dirs, monkeypatch):
+    """--cpu-compile aot compiles the dense float32 layers too (a checkpoint directory: the
+    artifact goes to the cache's aot/)."""
+    from support.models import hf_greedy
+
+    monkeypatch.setenv("MINISGL_CPU_AOT", "1")
+    path, hf = model_dirs("llama")
+    llm = LLM(path, page_size=4, num_pages=128, cpu_compile="aot")
+    assert isinstance(llm.engine.compiled_decoder, aot.AotDecoder)
+    step = aot.layer_steps(llm.engine)[0]
+    assert os.path.dirname(aot.artifact_path(llm.engine, step)).startswith(aot.cache_root())
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(
+        hf, prompt, 12
+    )
+    check_no_leak(llm.scheduler)
+
+
+def test_flag():
+    from minisgl.server.args import parse_args
+
+    assert parse_args([]).scheduler.extras["cpu"].cpu_compile == "auto"
+    assert parse_args(["--cpu-compile", "off"]).scheduler.extras["cpu"].cpu_compile == "off"
