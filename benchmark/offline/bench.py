@@ -407,8 +407,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         "--gemv-max-m", type=int, help="MINISGL_GEMV_MAX_M: batches up to N rows take the GEMV"
     )
     p.add_argument("--no-pdl", action="store_true", help="MINISGL_DISABLE_PDL")
-    p.add_argument("--max-prefill-tokens", type=int, default=8192)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="a step's tokens")
+    p.add_argument(
+        "--max-prefill-tokens", type=int, help="default: LLM's (8192; 32768 on >= 70 GiB)"
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, help="a step's tokens (default: LLM's)")
     p.add_argument(
         "--disable-mixed-steps", action="store_true", help="decodes wait for prefill steps"
     )
@@ -545,6 +547,10 @@ def set_env(args: argparse.Namespace) -> None:
 def make_llm(args: argparse.Namespace, model: str, lora_paths: list[str]) -> Any:
     from minisgl import LLM
 
+    chunks = dict(
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )  # unset: LLM's defaults
     return LLM(
         model,
         dummy_weights=True,
@@ -555,8 +561,7 @@ def make_llm(args: argparse.Namespace, model: str, lora_paths: list[str]) -> Any
         moe_backend=args.moe_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         kv_cache_dtype=args.kv_cache_dtype,
-        max_prefill_tokens=args.max_prefill_tokens,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        **{k: v for k, v in chunks.items() if v is not None},
         disable_mixed_steps=args.disable_mixed_steps,
         disable_prefill_graphs=args.disable_prefill_graphs,
         **spec_options(args, model),
@@ -748,6 +753,10 @@ def main() -> None:
         "ended_by_grammar": sum(o["finish_reason"] == "stop" for o in outputs),
         **timed["spec"],
     }
+    if engine is not None:  # the step budgets in effect (LLM's defaults where none was given)
+        planner = llm.scheduler.planner
+        result["max_prefill_tokens"] = planner.max_prefill_tokens
+        result["max_num_batched_tokens"] = planner.max_batched_tokens
     if timed["kernel_s"] is not None:  # the summed kernel time over the timed runs' wall time
         result["gpu_kernel_s"] = round(timed["kernel_s"], 3)
         result["gpu_busy"] = round(timed["kernel_s"] / sum(runs), 3)

@@ -13,7 +13,7 @@ def main() -> int:
         print(f"minisgl: {e}", file=sys.stderr)
         return 1
     if args.engine.model is None:
-        from minisgl.models import default_model
+        from minisgl.models.weight import default_model
 
         try:
             args.engine.model = default_model()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -154,8 +155,8 @@ class Req:
     error: str | None = None  # why it ended when finish_reason is "error"
     # the extensions' state of this request (a grammar, logprobs...), by StepFeature name
     ext: dict[str, Any] = field(default_factory=dict)
-    queued_at: float = 0.0  # time.monotonic() when it was queued
-    queue_time: float | None = None  # seconds from queued to its first forward
+    queued_at: float = field(default_factory=time.monotonic)  # made, and queued right after
+    queue_time: float | None = None  # seconds from queued to its first admission (forward)
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied to its first forward
 
     def __post_init__(self) -> None:

@@ -99,7 +99,7 @@ class ModelTransform(Protocol):
 
 
 class Observation(Protocol):
-    """What a `StepFeature` reads of a step's raw logits, on its way to the host."""
+    """What a `StepFeature` reads of a step's raw outputs, on its way to the host."""
 
     # the step's sampled ids [B] are queued: compute what needs them, queue the host copies
     def finish(self, next_ids: torch.Tensor) -> None: ...
@@ -119,8 +119,7 @@ class StepFeature:
         """Check the request (ValueError); set req.ext[name] if the feature acts on it."""
 
     def holds(self, req: Any) -> bool:
-        """Its, added: True keeps it out of the planner's queue, which the feature puts it in
-        later (ext/held.py), or ends it."""
+        """Its, added: True keeps it out of the queue until the feature queues or ends it."""
         return False
 
     def settle(self, req: Any) -> None:
@@ -163,14 +162,9 @@ class StepFeature:
         """Host input of `process`, built while the forward runs (None: nothing to do)."""
         return None
 
-    def observe(
-        self, engine: Any, batch: Any, logits: torch.Tensor, changes: bool
-    ) -> Observation | None:
-        """The raw logits [B, V] before any processor (None: nothing to observe)."""
-        return None
-
-    def observe_prompt(self, engine: Any, batch: Any, hidden: torch.Tensor) -> Any:
-        """An eager prefill's hidden states [num_tokens, H]: a result queued to the host."""
+    def observe(self, engine: Any, batch: Any, out: Any) -> Observation | None:
+        """The step's ForwardOutput before any processor: its raw logits [B, V] and, in an
+        eager prefill, every token's hidden states (None: nothing to observe)."""
         return None
 
     def process(self, engine: Any, batch: Any, out: Any, prepared: Any, masked: bool) -> bool:
@@ -230,9 +224,6 @@ class Speculator:
     def counts(self) -> dict[str, int]:
         """Running totals for the server's stats (`SchedulerStats.counts`)."""
         return {}
-
-    def reset_counts(self) -> None:
-        """The totals back to zero (after the warm-up)."""
 
     def release(self, req: Any) -> None:
         """The request leaves the running set (ends, or is preempted)."""
@@ -356,8 +347,9 @@ class Extensions:
     # (prefill backend, decode backend) -> the attention backend of `--attn PREFILL,DECODE`
     # (None: a pair of two backends is refused)
     hybrid_attention: Callable[[Any, Any], Any] | None = None
-    # (scheduler) -> None: synthetic requests served at the server's start so that kernels
-    # compile before the first user's request (None: they compile in the first requests)
+    # (scheduler) -> None: synthetic requests served at the server's start, where kernels
+    # compile at first use, so that they compile before the first user's request (None: they
+    # compile in the first requests; --skip-server-warmup: not called)
     warm_up: Callable[[Any], None] | None = None
     # (page table, token table) -> the engine's writer of them, an `engine.tables.TableWrites`
     # subclass (ext/perf: held back and sent at each step's head in one copy; None: each sent)
@@ -372,6 +364,9 @@ class Extensions:
     # know -> (the follower's Scheduler, the change) -> None, applied before the step it came
     # with: ext/lora's runtime adapter loads and unloads (none: a follower could not follow)
     tp_changes: dict[type, Callable[[Any, Any], None]] = field(default_factory=dict)
+    # (head, shape) -> the writer of a stream's OpenAI chunks, a `server.api_server.Chunks`
+    # subclass (ext/perf's formats a choice no extension shapes directly; None: the Chunks)
+    stream_chunks: Callable[[dict[str, Any], Any], Any] | None = None
     # -- points -- (new points go above this line)
     loaded: bool = False  # bookkeeping, not a point: minisgl.ext was imported (extensions())
 
@@ -416,6 +411,8 @@ EXTENSION_OPTIONS = {
     "max_request_bytes": "serving",
     "data_parallel": "serving",  # --data-parallel-size
     "exit_with_parent": "serving",
+    "skip_server_warmup": "serving",
+    "chat_template": "serving",
     "quantization": "cpu",
     "enable_torch_compile": "cpu",
     "cpu_compile": "cpu",
@@ -424,8 +421,7 @@ EXTENSION_OPTIONS = {
 
 
 def check_extension_options(names: list[str], flag: bool = False) -> None:
-    """ExtensionMissing (naming the option, or its `--flag`) for the first of `names` that an
-    extension missing here would take."""
+    """ExtensionMissing for the first of `names` (or its `--flag`) a missing extension takes."""
     for name in names:
         key = name.lstrip("-").replace("-", "_")
         for prefix, extension in EXTENSION_OPTIONS.items():

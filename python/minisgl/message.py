@@ -64,8 +64,7 @@ class AbortBackendMsg:
 
 @dataclass
 class FlushCacheMsg:
-    """Rank 0 -> ranks > 0: empty the prefix cache (`Scheduler.flush_cache` checked that no
-    request runs)."""
+    """Rank 0 -> ranks > 0: empty the prefix cache (no request runs: `Scheduler.flush_cache`)."""
 
 
 @dataclass

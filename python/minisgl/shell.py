@@ -36,8 +36,8 @@ Printers = Callable[[list[dict[str, str]]], Printer]  # a history -> its answer'
 
 async def _print_answer(frontend: Frontend, msg: TokenizeMsg, printer: Printer) -> None:
     try:
-        async for batch in frontend.batches(msg):  # left early (Ctrl-C): aborted
-            for reply in batch:
+        async for batch in frontend.batches([msg]):  # left early (Ctrl-C): aborted
+            for _, reply in batch:
                 if reply.error:
                     printer.close()
                     print(f"[error] {reply.error}", flush=True)
@@ -89,8 +89,7 @@ async def _chat(frontend: Frontend, max_tokens: int, printers: Printers) -> int:
 
 
 def make_printers(launcher: Launcher) -> Printers:
-    """Each answer's printer: its text as it comes, or the structured extension's
-    (--reasoning-parser)."""
+    """Each answer's printer: its text as it comes, or ext/structured's (--reasoning-parser)."""
     features = extensions().chat_features
     printers = features.shell_printers(launcher.args) if features is not None else None
     return printers or (lambda history: Printer())

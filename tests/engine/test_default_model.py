@@ -39,7 +39,7 @@ def converted() -> str:
     inherited by the servers started here, removed at the end): test_quantized's dequantized
     SmolLM2 reuses it (issue 47: one conversion a session, not one a module)."""
     from minisgl.ext.cpu.gguf import converted_dir
-    from minisgl.models import resolve_model_path
+    from minisgl.models.weight import resolve_model_path
 
     fresh = not os.path.isdir(converted_dir(DEFAULT))  # else an earlier module converted it
     out = resolve_model_path(DEFAULT)

@@ -20,7 +20,7 @@ import torch
 
 import minisgl.ext.cpu.gguf as mg
 from minisgl import LLM, SamplingParams
-from minisgl.models import resolve_model_path
+from minisgl.models.weight import resolve_model_path
 from support.gguf_files import QTYPES, llama_cpp_permute, llama_cpp_rope_freqs, write_gguf
 from support.invariants import check_no_leak
 from support.models import hf_greedy

@@ -108,3 +108,26 @@ def test_auto_attention_and_fi_with_an_fp8_pool(monkeypatch):
             create_attention_backend(
                 name, cuda, dtype=torch.bfloat16, num_qo_heads=8, kv_dtype=torch.float8_e5m2
             )
+
+
+@pytest.mark.ext
+def test_auto_prefill_is_fi_on_hopper_only(monkeypatch):
+    """--attn auto's prefill: fi (FA3) on a Hopper GPU with flashinfer, a 16-bit KV cache and
+    ext/perf's pair; triton's otherwise (the decode's)."""
+    import minisgl.attention as attn
+    from minisgl.extension import extensions
+
+    cuda = torch.device("cuda", 0)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(attn, "flashinfer_available", lambda: True)
+    assert attn.hopper_prefill(cuda, torch.bfloat16)
+    assert not attn.hopper_prefill(cuda, torch.float8_e4m3fn)  # fi reads 16-bit KV only
+    capability[0] = (8, 0)
+    assert not attn.hopper_prefill(cuda, torch.bfloat16)  # FA3 is Hopper's
+    capability[0] = (9, 0)
+    monkeypatch.setattr(extensions(), "hybrid_attention", None)  # the core alone: no pair
+    assert not attn.hopper_prefill(cuda, torch.bfloat16)
+    monkeypatch.setattr(attn, "flashinfer_available", lambda: False)
+    assert not attn.hopper_prefill(cuda, None)

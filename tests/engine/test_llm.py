@@ -247,3 +247,18 @@ def test_grammar_end_wins_over_min_tokens(chat_model):
             assert out["finish_reason"] == "stop" and len(out["text"]) == 8, out
     finally:
         llm.shutdown()
+
+
+def test_offline_chunks_are_longer_on_a_big_gpu(monkeypatch):
+    """LLM on a GPU of >= 70 GiB computes prompt chunks of 32k tokens (the server keeps 8192);
+    a budget given keeps both as given, and a CPU is no big GPU."""
+    import minisgl.llm.llm as llm_mod
+
+    assert not llm_mod.big_gpu("cpu") and (torch.cuda.is_available() or not llm_mod.big_gpu("cuda"))
+    _, sched = LLM.configs("m", {})
+    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (8192, 8192)
+    monkeypatch.setattr(llm_mod, "big_gpu", lambda device: True)
+    _, sched = LLM.configs("m", {})
+    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (32768, 32768)
+    _, sched = LLM.configs("m", {"max_num_batched_tokens": 4096})
+    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (8192, 4096)

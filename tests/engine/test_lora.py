@@ -17,8 +17,9 @@ from minisgl.ext.lora.layers import install
 from minisgl.ext.lora.manager import LoraManager
 from minisgl.ext.lora.options import LoraOptions
 from minisgl.ext.lora.weights import LoraStack, part_bounds
-from minisgl.models import ModelConfig, get_model_class
+from minisgl.models.config import ModelConfig
 from minisgl.models.hf import load_hf_config
+from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.weight import iter_checkpoint, load_weights
 from support.invariants import check_no_leak
 from support.lora import save_adapter
@@ -199,7 +200,7 @@ def _rank_model(path: str, rank: int, size: int, adapters: list[str]):
     set_tp_info(DistributedInfo(rank, size))
     try:
         cfg = ModelConfig.from_hf(load_hf_config(path))
-        model = get_model_class(cfg.architecture)(cfg)
+        model = LlamaForCausalLM(cfg)
         load_weights(model, iter_checkpoint(path))
         stack = LoraStack(model, len(adapters), 16)
         options = LoraOptions(True, tuple(adapters), max_loras=len(adapters), max_lora_rank=16)

@@ -9,6 +9,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.ext.cpu.torch_compile import check_torch_compile
+from minisgl.ext.serving.warmup import needs_warm_up, warm_up_when_needed
 from minisgl.utils.options import OptionError
 from support.invariants import check_no_leak
 from support.models import hf_greedy
@@ -68,12 +69,12 @@ def test_server_warm_up_compiles_the_graph(model_dirs):
     from torch._dynamo.utils import counters
 
     path, _ = model_dirs("llama")
-    assert not LLM(path, page_size=4, num_pages=128).engine.needs_warm_up
+    assert not needs_warm_up(LLM(path, page_size=4, num_pages=128).engine)
     torch._dynamo.reset()
     counters.clear()
     llm = LLM(path, page_size=4, num_pages=128, enable_torch_compile=True)
-    assert llm.engine.needs_warm_up
-    llm.scheduler.warm_up()
+    assert needs_warm_up(llm.engine)
+    warm_up_when_needed(llm.scheduler)
     assert counters["stats"]["unique_graphs"] == 1
     check_no_leak(llm.scheduler)
 

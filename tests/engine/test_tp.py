@@ -62,6 +62,25 @@ def test_unseeded_sampling_seed_comes_from_rank_0(model_dirs):
         llm.shutdown()
 
 
+def test_tp2_prefix_cache_flush_reaches_every_rank(model_dirs):
+    """`LLM.reset_prefix_cache` empties every rank's cache before their next step: a follower
+    that kept its cache would match a longer prefix than rank 0, and the ranks' batches (and
+    collectives) would differ."""
+    llm = LLM(model_dirs("llama")[0], tp=2, **ENGINE)
+    params = SamplingParams(max_tokens=6)
+    try:
+        first = llm.generate(PROMPTS, params, use_tqdm=False)
+        llm.reset_prefix_cache()
+        assert llm.scheduler.cache.prefix_cache.num_pages == 0
+        again = llm.generate(PROMPTS, params, use_tqdm=False)
+        check_no_leak(llm.scheduler)
+    finally:
+        workers = list(llm.workers)
+        llm.shutdown()
+    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in first]
+    assert [w.exitcode for w in workers] == [0]
+
+
 @pytest.mark.ext  # grammars: the structured extension
 def test_tp2_admits_a_compiled_grammar_on_every_rank_at_once(tmp_path):
     """Issue 52: each rank compiles a constrained request's grammar from its add; rank 0 admits

@@ -1,4 +1,4 @@
-"""The server's start-up warm-up (`Scheduler.warm_up`, run on a GPU or a compiled CPU engine
+"""The server's start-up warm-up (ext/serving's `warm_up`, run on a GPU or a compiled CPU engine
 unless --skip-server-warmup): it leaves no trace — no page held, an empty prefix cache,
 counters at zero — and the requests after it get the same tokens as on a fresh engine."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.ext.serving.warmup import warm_up
 from minisgl.server.args import parse_args
 from support.invariants import check_no_leak
 from support.server import make_tiny_model
@@ -26,7 +27,7 @@ def test_warm_up_leaves_no_trace(model_dir: str) -> None:
     llm = LLM(model_dir, device="cpu", page_size=4, num_pages=600)
     try:
         scheduler = llm.scheduler
-        scheduler.warm_up()
+        warm_up(scheduler)
         planner = scheduler.planner
         assert planner.num_prefill_tokens == planner.num_cached_tokens == 0
         assert scheduler.cache.prefix_cache.num_pages == 0 and not scheduler.has_work
@@ -37,5 +38,7 @@ def test_warm_up_leaves_no_trace(model_dir: str) -> None:
 
 
 def test_skip_server_warmup_flag() -> None:
-    assert parse_args(["--skip-server-warmup"]).skip_server_warmup
-    assert not parse_args([]).skip_server_warmup
+    from minisgl.ext.serving.options import serving_options
+
+    assert serving_options(parse_args(["--skip-server-warmup"])).skip_server_warmup
+    assert not serving_options(parse_args([])).skip_server_warmup

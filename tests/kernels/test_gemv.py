@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl import env, kernel
+from minisgl import kernel
+from minisgl.kernel import flags
 from minisgl.layers.activation import silu_and_mul_torch
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import ReplicatedLinear, RowParallelLinear
@@ -173,13 +174,13 @@ def test_eligibility_rule(monkeypatch):
     assert not kernel.gemv_eligible(torch.zeros(1, 15), w)  # F.linear raises its own error
     assert kernel.gemv_ops(torch.zeros(1, 16), w) is None  # CPU: F.linear
     monkeypatch.setenv("MINISGL_DISABLE_GEMV", "1")
-    assert env.disable_gemv() and not kernel.gemv_eligible(torch.zeros(1, 16), w)
+    assert flags.disable_gemv() and not kernel.gemv_eligible(torch.zeros(1, 16), w)
     monkeypatch.setenv("MINISGL_DISABLE_GEMV", "0")
     monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "yes")
     assert not kernel.gemv_eligible(torch.zeros(1, 16), w)
     monkeypatch.setenv("MINISGL_DISABLE_GEMV", "sometimes")
     with pytest.raises(ValueError, match="MINISGL_DISABLE_GEMV='sometimes'"):
-        env.disable_gemv()
+        flags.disable_gemv()
 
 
 def test_gemv_max_m(monkeypatch):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minisgl import env, kernel
+from minisgl.kernel import flags
 from minisgl.kvcache.pool import store_kv_torch
 from minisgl.layers.activation import silu_and_mul_torch
 from minisgl.layers.norm import RMSNorm, rms_norm_torch
@@ -290,15 +291,15 @@ def test_write_table_entries_like_indexing(ops, n_pages, n_tokens):
 
 def test_env_flags(monkeypatch):
     monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS", raising=False)
-    assert not env.disable_fused_ops()
+    assert not flags.disable_fused_ops()
     for value, expected in [("1", True), ("true", True), (" ON ", True), ("0", False)]:
         monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", value)
-        assert env.disable_fused_ops() is expected
+        assert flags.disable_fused_ops() is expected
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "yes")
     assert env.disable_overlap_scheduling()
     monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "maybe")
     with pytest.raises(ValueError, match="MINISGL_DISABLE_FUSED_OPS='maybe'"):
-        env.disable_fused_ops()
+        flags.disable_fused_ops()
 
 
 def test_pdl_rule(monkeypatch):

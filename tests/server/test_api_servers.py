@@ -117,7 +117,8 @@ def test_api_processes_number_their_requests_apart_and_answer_each_other(tmp_pat
             f.start()
         assert [fronts[1].new_uid() for _ in range(3)] == [1, 4, 7]
         msg = TokenizeMsg(fronts[1].new_uid(), "hi", None, None, SamplingParams())
-        queue = await fronts[1].submit(msg)
+        queue: asyncio.Queue = asyncio.Queue()
+        await fronts[1].submit(msg, queue)
         views = await fronts[0].views()
         assert [(v.rank, v.in_flight, v.queued) for v in views] == [(0, 0, 0), (1, 1, 1), (2, 0, 0)]
         assert views[0].pid == os.getpid() and not views[2].metrics  # /stats: counts only
@@ -155,7 +156,7 @@ def test_each_api_process_admits_its_share_of_the_queue_limit(tmp_path: Any) -> 
         for queued in range(3):
             assert frontend.num_queued == queued
             api.admit()
-            frontend.requests[queued] = _InFlight()  # waiting for its first token
+            frontend.requests[queued] = _InFlight(asyncio.Queue())  # waiting for its first token
         with pytest.raises(APIError, match=r"limit 3\)"):
             api.admit()
         frontend.requests[0].last_token = 1.0  # one started: room for one more

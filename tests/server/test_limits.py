@@ -290,7 +290,7 @@ def test_a_message_that_cannot_be_sent_takes_no_slot(tmp_path: Any) -> None:
         frontend = Frontend([f"ipc://{tmp_path}/tok"], f"ipc://{tmp_path}/api")
         msg = TokenizeMsg(1, "\ud800", None, None, SamplingParams())
         with pytest.raises(UnicodeEncodeError):
-            await frontend.submit(msg)
+            await frontend.submit(msg, asyncio.Queue())
         assert frontend.requests == {} and frontend.num_queued == 0
         frontend.recv.close()
         for q in frontend.to_tokenizers:
@@ -317,8 +317,8 @@ def test_a_request_past_its_timeout_ends_with_the_error_and_is_aborted(tmp_path:
         frontend = ServingFrontend([tok_addr], api_addr, request_timeout=0.2)
         frontend.start()
         msg = TokenizeMsg(frontend.new_uid(), "hi", None, None, SamplingParams())
-        async with aclosing(frontend.batches(msg)) as batches:
-            (reply,) = await asyncio.wait_for(batches.__anext__(), 10)
+        async with aclosing(frontend.batches([msg])) as batches:
+            ((_, reply),) = await asyncio.wait_for(batches.__anext__(), 10)
             assert (reply.finished, reply.finish_reason) == (True, "timeout")
             assert reply.error == "request timed out after 0.2 s"
         assert isinstance(await tok.get(), TokenizeMsg)
@@ -327,9 +327,9 @@ def test_a_request_past_its_timeout_ends_with_the_error_and_is_aborted(tmp_path:
         api = ZmqAsyncPushQueue(api_addr, create=False)
         await api.put(BatchMsg([UserReply(msg.uid, "late", [1], True, "stop", 1, 1)]))
         ok = TokenizeMsg(frontend.new_uid(), "hi", None, None, SamplingParams())
-        async with aclosing(frontend.batches(ok)) as batches:
+        async with aclosing(frontend.batches([ok])) as batches:
             await api.put(BatchMsg([UserReply(ok.uid, "a", [1], True, "stop", 1, 1)]))
-            (reply,) = await asyncio.wait_for(batches.__anext__(), 10)
+            ((_, reply),) = await asyncio.wait_for(batches.__anext__(), 10)
             assert reply.uid == ok.uid and reply.finish_reason == "stop"  # not the late one
         assert frontend.requests == {} and frontend._timers == {}
         for q in (tok, api, frontend.recv, *frontend.to_tokenizers):

@@ -264,11 +264,12 @@ def test_max_tokens_beyond_the_context(server: Server, tokenizer: Any) -> None:
 
 # ---- without a server --------------------------------------------------------------------
 def test_chat_template_flag_takes_a_file_or_the_text(model_dir: str, tmp_path: Any) -> None:
+    from minisgl.ext.serving.options import serving_options
+    from minisgl.ext.serving.template import load_chat_tokenizer
     from minisgl.server.args import parse_args
-    from minisgl.tokenizer.server import load_chat_tokenizer
 
     args = parse_args(["--served-model-name", "x", "--chat-template", "{{ 1 }}"])
-    assert (args.served_model_name, args.chat_template) == ("x", "{{ 1 }}")
+    assert (args.served_model_name, serving_options(args).chat_template) == ("x", "{{ 1 }}")
     assert load_chat_tokenizer(model_dir, "{{ 'inline' }}").chat_template == "{{ 'inline' }}"
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)

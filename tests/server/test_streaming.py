@@ -1,7 +1,7 @@
 """A streamed response's handler that fell behind writes every reply that has come in one write
 (issue 22: at GPU rates the API process would otherwise spend a send per token per stream and
-fall further behind), with the same events as one write per reply; a plain chunk's one-format
-encoding equals the dict's; and `bench_api.py`, which measures the API process alone, runs."""
+fall further behind), with the same events as one write per reply; and `bench_api.py`, which
+measures the API process alone, runs (ext/perf's one-format chunk: tests/unit/test_perf_chunks.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-from httpx._decoders import LineDecoder
-from hypothesis import given
-from hypothesis import strategies as st
 
 from minisgl.message import BatchMsg, TokenizeMsg, UserReply
-from minisgl.server.api_server import Chunks, Shape, create_app
+from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
@@ -94,26 +91,6 @@ def test_replies_that_came_together_are_written_together(tmp_path: Any, n: int) 
     # the first replies, the LATER x n replies, then [DONE]: one write each
     assert len(writes) == 3, [w[:60] for w in writes]
     assert [w.count(b"data: ") for w in writes] == [n, LATER * n, 1]
-
-
-@given(
-    chat=st.booleans(),
-    index=st.integers(0, 300),
-    text=st.text(),
-    reason=st.sampled_from([None, "stop", "length", "abort", 'a "quoted" \\ reason']),
-)
-def test_plain_chunks_equal_the_encoded_choice(chat: bool, index: int, text: str, reason) -> None:
-    """`Chunks.plain` (the streamed chunk of a choice no extension shapes, formatted
-    directly) is byte for byte the event `Shape.choice`'s dict gives through `json.dumps`: any
-    text (quotes, backslashes, control characters, non-ASCII, lone surrogates)."""
-    head = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
-    chunks, shape = Chunks(head, chat), Shape(chat=chat, n=1)
-    choice = shape.choice(index, text, reason, delta=True)
-    assert chunks.plain(index, text, reason) == chunks(choice)
-    assert json.loads(chunks.plain(index, text, reason)[len("data: ") :])["choices"] == [choice]
-    # split into lines as httpx's iter_lines does (str.splitlines: U+2028, U+0085... too)
-    lines = LineDecoder().decode(chunks.plain(index, text + "\u2028\x85\u2029", reason))
-    assert len(lines) == 2 and lines[1] == "", lines  # the event's line, then the blank one
 
 
 def test_bench_api_runs() -> None:

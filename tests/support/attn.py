@@ -11,7 +11,7 @@ from minisgl.attention import create_attention_backend
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.context import Context, get_global_ctx, set_global_ctx
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.kvcache import MHAKVCache
+from minisgl.kvcache.pool import MHAKVCache
 
 
 def make_problem(

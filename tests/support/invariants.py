@@ -8,7 +8,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from minisgl.kvcache import KVCacheManager, RadixPrefixCache
+from minisgl.kvcache.manager import KVCacheManager
+from minisgl.kvcache.prefix_cache import RadixPrefixCache
 
 
 def check_integrity(cache: RadixPrefixCache) -> None:

@@ -164,7 +164,7 @@ def test_bench_lora_adapters_are_random_peft_adapters_of_the_model(tmp_path):
     from transformers import AutoConfig
 
     from minisgl.ext.lora.adapter import TARGETS, load_adapter
-    from minisgl.models import ModelConfig
+    from minisgl.models.config import ModelConfig
 
     model = tiny_model_dir()
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(model))
@@ -199,7 +199,7 @@ def test_cpu_smoke_run_moe_config_tp2(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_benchmark_configs_are_the_published_ones():
     from transformers import AutoConfig
 
-    from minisgl.models import ModelConfig
+    from minisgl.models.config import ModelConfig
 
     dense = ModelConfig.from_hf(AutoConfig.from_pretrained(f"{ROOT}/benchmark/qwen3-8b"))
     assert (dense.hidden_size, dense.num_layers, dense.intermediate_size) == (4096, 36, 12288)

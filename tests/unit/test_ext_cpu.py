@@ -20,10 +20,10 @@ from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.context import Context, get_global_ctx, set_global_ctx
 from minisgl.engine.config import EngineConfig
 from minisgl.extension import ExtensionMissing, Extensions
-from minisgl.kvcache import MHAKVCache
+from minisgl.kvcache.pool import MHAKVCache
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.rotary import RopeConfig, RotaryEmbedding
-from minisgl.models import default_model, resolve_model_path
+from minisgl.models.weight import default_model, resolve_model_path
 from minisgl.utils.options import OptionError
 from support.attn import make_problem
 from support.invariants import check_no_leak

@@ -72,11 +72,12 @@ def test_the_extension_fills_its_points() -> None:
     made = worker.tokenizer_worker(16, "prefix", 8)([], [1, 2], None, [])  # two replicas
     assert isinstance(made, worker.ServingTokenizerWorker) and made.dispatcher is not None
     made.background.shutdown()
-    from minisgl.ext.serving import http, options, status
+    from minisgl.ext.serving import disconnect, http, options, status
 
     assert points.options["serving"] is options.ServingOptions
     assert points.gate is http.ServingGate and points.http_server is http.serving_http_server
     assert status.add_status_routes in routes
+    assert disconnect.add_disconnect_routes in routes  # a plain response's client leaving
 
 
 MOVED_FLAGS = [  # the serving extension's: its `options` point declares them (flag, value, parsed)
@@ -92,13 +93,14 @@ MOVED_FLAGS = [  # the serving extension's: its `options` point declares them (f
     ("--gc-threshold", "7", [7]),
     ("--gc-warning-threshold-secs", "1", 1.0),
 ]
-# the request limits and the API key, once the core's: without it refused naming it
-# (EXTENSION_OPTIONS)
+# the request limits, the API key and the chat template, once the core's: without it refused
+# naming it (EXTENSION_OPTIONS)
 LIMIT_FLAGS = [
     ("--max-queued-requests", "4", 4),
     ("--request-timeout", "2.5", 2.5),
     ("--max-request-bytes", "1000", 1000),
     ("--api-key", "sk-1", "sk-1"),
+    ("--chat-template", "{{ 1 }}", "{{ 1 }}"),
 ]
 
 
@@ -276,16 +278,18 @@ def test_exit_with_parent_is_its_flag(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.core
-def test_exit_with_parent_is_refused_without_it(
-    core_alone: None, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("flag", ["--exit-with-parent", "--skip-server-warmup"])
+def test_its_switches_are_refused_without_it(
+    core_alone: None, flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Value-less flags (--skip-server-warmup: the warm-up is the extension's) exit 2 naming it."""
     from minisgl.server.args import parse_args
 
     with pytest.raises(SystemExit) as exc:
-        parse_args(["--exit-with-parent"])
+        parse_args([flag])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.endswith(f"error: --exit-with-parent {NEEDS_SERVING} (minisgl/ext/serving)\n"), err
+    assert err.endswith(f"error: {flag} {NEEDS_SERVING} (minisgl/ext/serving)\n"), err
 
 
 @pytest.mark.core

@@ -18,14 +18,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from minisgl.kvcache import (
-    CacheHandle,
-    KVCacheManager,
-    MHAKVCache,
-    NaivePrefixCache,
-    PageAllocator,
-    RadixPrefixCache,
-)
+from minisgl.kvcache.allocator import PageAllocator
+from minisgl.kvcache.manager import KVCacheManager
+from minisgl.kvcache.pool import MHAKVCache
+from minisgl.kvcache.prefix_cache import CacheHandle, NaivePrefixCache, RadixPrefixCache
 from support.invariants import check_integrity, check_invariants
 
 # ---------------------------------------------------------------------------------------------

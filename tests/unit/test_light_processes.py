@@ -38,13 +38,13 @@ from minisgl.extension import extensions
 from minisgl.core import SamplingParams
 from minisgl.server.args import parse_args
 from minisgl.tokenizer.detokenize import request_detokenizer
-from minisgl.tokenizer.server import load_chat_tokenizer
+from minisgl.models.hf import load_tokenizer
 
 exts = extensions()
 params = {"temperature": 0.5, **({"logprobs": 2, "min_tokens": 2} if exts.loaded else {})}
 SamplingParams(**params)
 parse_args(["--model", sys.argv[1]])
-tok = load_chat_tokenizer(sys.argv[1], None)
+tok = load_tokenizer(sys.argv[1])
 ids = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=True)
 detok = request_detokenizer(tok, [], True, ["zz"], params.get("min_tokens", 0))
 print("loaded" if exts.loaded else "core", "torch" in sys.modules)
@@ -73,14 +73,13 @@ print(sorted(m for m in HEAVY if m in sys.modules))
 from minisgl.core import SamplingParams
 from minisgl.message import DetokenizeMsg, TokenizeMsg
 from minisgl.models.hf import load_tokenizer, transformers_without_torch
-from minisgl.tokenizer.server import load_chat_tokenizer
 
 class Sent(list):
     put = list.append
 
 transformers_without_torch()
 sched, detok_q, api = Sent(), Sent(), Sent()
-worker = TokenizerWorker(load_chat_tokenizer(sys.argv[1], None), [sched], detok_q, api)
+worker = TokenizerWorker(load_tokenizer(sys.argv[1]), [sched], detok_q, api)
 extra = {"min_tokens": 1, "logprobs": 1} if exts.loaded else {}
 chat = [{"role": "user", "content": "hello"}]
 worker.handle(TokenizeMsg(1, None, None, chat, SamplingParams(stop=["zz"], **extra)))

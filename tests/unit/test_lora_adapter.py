@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from minisgl.ext.lora.adapter import AdapterError, load_adapter
 from minisgl.ext.lora.options import LoraOptions, parse_lora_module
-from minisgl.models import ModelConfig
+from minisgl.models.config import ModelConfig
 from minisgl.models.hf import load_hf_config
 from minisgl.utils.options import OptionError
 from support.lora import edit_config, save_adapter

@@ -14,9 +14,9 @@ import huggingface_hub
 import pytest
 from huggingface_hub import errors
 
-from minisgl.models import resolve_model_path
+from minisgl.ext.serving.template import read_chat_template
+from minisgl.models.weight import resolve_model_path
 from minisgl.server.args import parse_args
-from minisgl.tokenizer.server import read_chat_template
 from minisgl.utils.options import OptionError
 
 

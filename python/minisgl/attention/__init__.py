@@ -58,6 +58,18 @@ def auto_backend(
     return "fi" if sixteen_bit and flashinfer_available() else "torch"
 
 
+def hopper_prefill(device: torch.device, kv_dtype: torch.dtype | None) -> bool:
+    """--attn auto's prefill on a Hopper GPU: fi, whose FA3 kernel computes an extend 1.6x as
+    fast as the Triton one (H200, 8k tokens after 8k), with a 16-bit KV cache and ext/perf's
+    pair of backends (decode stays Triton's: faster than fi's there)."""
+    import torch
+
+    sixteen_bit = kv_dtype is None or kv_dtype.itemsize == 2
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+    paired = extensions().hybrid_attention is not None
+    return sixteen_bit and hopper and paired and flashinfer_available()
+
+
 def create_attention_backend(
     name: str | tuple[str, str],  # as --attn reads, or (prefill, decode) already parsed
     device: torch.device,
@@ -69,6 +81,8 @@ def create_attention_backend(
     prefill, decode = parse_attn(name) if isinstance(name, str) else name
     if prefill == "auto":
         prefill = decode = auto_backend(device, dtype, sliding_window, kv_dtype)
+        if decode == "triton" and hopper_prefill(device, kv_dtype or dtype):
+            prefill = "fi"
 
     def make(one: str) -> BaseAttnBackend:
         if one == "fi":

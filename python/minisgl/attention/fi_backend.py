@@ -1,5 +1,6 @@
-"""FlashInfer attention: paged prefill (FA2, causal) and paged decode, each batch planned once
-in `prepare` for every layer; the pool's `k_cache` / `v_cache` are its NHD layout (no copy)."""
+"""FlashInfer attention: paged prefill (causal; FA3 on Hopper, else FA2) and paged decode, each
+batch planned once in `prepare` for every layer; the pool's `k_cache` / `v_cache` are its NHD
+layout (no copy)."""
 
 # Decode CUDA graphs: one graph-mode wrapper per captured batch size over shared buffers,
 # re-planned before each replay unless the batch holds the same pages as the last plan (single
@@ -70,9 +71,10 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.window_left = -1 if sliding_window is None else sliding_window - 1
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # fa2: the JIT-compiled FA2 kernels (fa3 would be a second, slower-to-build module)
+        # auto: FA3 on Hopper (1.6x the Triton extend at 8k after 8k on an H200; its JIT build
+        # takes ~80 s on 16 cores, once per machine), else FA2
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2"
+            self.workspace, "NHD", backend="auto"
         )
         self.prefill_wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
         self.decode_wrapper: Any = None  # built at the first decode (needs kv heads)
@@ -152,45 +154,37 @@ class FlashInferAttnBackend(BaseAttnBackend):
             last_host = torch.tensor(last, dtype=torch.int32, pin_memory=True)
             self.graph_bufs[2][: batch.size].copy_(last_host, non_blocking=True)
             return
-        indptr, pages, last_host = _kv_pages(batch, num_pages, last)
-        head_dim = ctx.kv_cache.head_dim
-        self._plan(wrapper, indptr, pages, last_host, head_dim=head_dim, **self._plan_args())
-        self.planned_key = key if graph and not wrapper.use_tensor_cores else None
+        kv_pages = _kv_pages(batch, num_pages, last)
+        self._plan(wrapper, *kv_pages, head_dim=ctx.kv_cache.head_dim)
+        if graph and not wrapper.use_tensor_cores:
+            self.planned_key = key
 
     def _plan_prefill(self, batch: Batch) -> None:
         ctx = get_global_ctx()
-        indptr, pages, last = _kv_pages(batch, *_page_counts(batch, ctx.page_size))
+        kv_pages = _kv_pages(batch, *_page_counts(batch, ctx.page_size))
         qo_indptr = [0, *accumulate(r.extend_len for r in batch.reqs)]
         qo_host = torch.tensor(qo_indptr, dtype=torch.int32)
         head_dim, wrapper = ctx.kv_cache.head_dim, self.prefill_wrapper
-        args = self._plan_args()
-        self._plan(wrapper, qo_host, indptr, pages, last, head_dim_qk=head_dim, causal=True, **args)
-        self.planned_key = None  # this plan overwrote the shared int workspace
+        self._plan(wrapper, qo_host, *kv_pages, head_dim_qk=head_dim, causal=True)
         batch.attn_metadata = FiAttnMetadata(wrapper)
 
-    def _plan_args(self) -> dict[str, Any]:
-        kv_cache = get_global_ctx().kv_cache
-        return dict(
-            num_qo_heads=self.num_qo_heads,
-            num_kv_heads=kv_cache.num_kv_heads,
-            page_size=get_global_ctx().page_size,
-            window_left=self.window_left,
-            sm_scale=kv_cache.head_dim**-0.5,
-            q_data_type=kv_cache.dtype,
-            kv_data_type=kv_cache.dtype,
-        )
-
     def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """`wrapper.plan` of a batch's pages (`args`, `kwargs`) and the layers' shapes."""
         # plan() stages metadata in the wrapper's pinned host buffer and copies it to the
         # device asynchronously: wait until the previous plan's copy ran before overwriting it
         # (the scheduler may prepare batch N+1 while batch N is still queued).
-        done = self.plan_done.get(id(wrapper))
-        if done is not None:
+        if (done := self.plan_done.get(id(wrapper))) is not None:
             done.synchronize()
-        wrapper.plan(*args, **kwargs)
-        done = torch.cuda.Event()
+        ctx = get_global_ctx()
+        kv = ctx.kv_cache
+        wrapper.plan(
+            *args, num_qo_heads=self.num_qo_heads, num_kv_heads=kv.num_kv_heads,
+            page_size=ctx.page_size, window_left=self.window_left, sm_scale=kv.head_dim**-0.5,
+            q_data_type=kv.dtype, kv_data_type=kv.dtype, **kwargs,
+        )  # fmt: skip
+        self.plan_done[id(wrapper)] = done = torch.cuda.Event()
         done.record()
-        self.plan_done[id(wrapper)] = done
+        self.planned_key = None  # this plan overwrote the shared int workspace
 
 
 def _page_counts(batch: Batch, page_size: int) -> tuple[list[int], list[int]]:

@@ -86,16 +86,11 @@ class TritonAttnBackend(BaseAttnBackend):
         # kernel is measured faster (H100, session 24: -0.5 % bf16, -2 % fp8 tok/s fused).
         return batch.is_decode and batch.size == 1 and not env.disable_decode_rope()
 
-    def forward_rope(
-        self, q: torch.Tensor, rope: DecodeRope, layer_id: int, scale: float, batch: Batch
-    ) -> torch.Tensor:
-        return self._run(q, layer_id, scale, batch, rope)
-
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
-        return self._run(q, layer_id, scale, batch, None)
+        return self.forward_rope(q, None, layer_id, scale, batch)
 
-    def _run(
-        self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch, rope: DecodeRope | None
+    def forward_rope(
+        self, q: torch.Tensor, rope: DecodeRope | None, layer_id: int, scale: float, batch: Batch
     ) -> torch.Tensor:
         md, ctx = TritonAttnMetadata.of(batch), get_global_ctx()
         k_pool, v_pool = ctx.kv_cache.k_flat(layer_id), ctx.kv_cache.v_flat(layer_id)

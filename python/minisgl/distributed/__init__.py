@@ -72,9 +72,8 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where a TP group's ranks meet: the file `path` (which must not exist yet) in a private
-    directory of this machine. Rank r drives GPU r + `device_shift` (a --dp replica's GPUs
-    follow the previous replica's)."""
+    """Where a TP group's ranks meet: the file `path` (not there yet) in a private directory.
+    Rank r drives GPU r + `device_shift` (a --dp replica's GPUs follow the previous one's)."""
 
     path: str = ""
     device_shift: int = 0

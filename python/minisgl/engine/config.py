@@ -10,8 +10,9 @@ from minisgl.attention import BACKENDS as ATTN_BACKENDS
 from minisgl.attention import parse_attn
 from minisgl.distributed import check_tp_size
 from minisgl.kernel import MOE_BACKENDS, resolve_moe_backend
-from minisgl.models import ModelConfig, resolve_model_path
+from minisgl.models.config import ModelConfig
 from minisgl.models.hf import load_hf_config
+from minisgl.models.weight import resolve_model_path
 from minisgl.utils.device import device_type
 from minisgl.utils.options import OptionError, check_options, int_range, option, ratio
 

@@ -20,16 +20,11 @@ from minisgl.engine.step import ForwardOutput, StepInputs, run_step
 from minisgl.engine.tables import TableWrites
 from minisgl.extension import ForwardPath, Speculator, StepFeature, extensions
 from minisgl.kernel import resolve_moe_backend
-from minisgl.kvcache import MHAKVCache
-from minisgl.models import (
-    ModelConfig,
-    get_model_class,
-    init_dummy_weights,
-    load_weights,
-)
+from minisgl.kvcache.pool import MHAKVCache
+from minisgl.models.config import ModelConfig
 from minisgl.models.hf import load_hf_config
 from minisgl.models.llama import LlamaForCausalLM
-from minisgl.models.weight import iter_checkpoint
+from minisgl.models.weight import init_dummy_weights, iter_checkpoint, load_weights
 from minisgl.utils.device import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -105,12 +100,11 @@ class Engine:
         self.forward_paths: list[ForwardPath] = []
 
     def _build_model(self) -> LlamaForCausalLM:
-        cls = get_model_class(self.model_config.architecture)
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.model_config)
+                model = LlamaForCausalLM(self.model_config)  # every architecture's decoder
         finally:
             torch.set_default_dtype(old_dtype)
         transform = self.model_transform
@@ -155,14 +149,6 @@ class Engine:
         """Token ids of row table_idx from position `start`, sent at the next step's head."""
         self.table_writes.write_tokens(table_idx, start, tokens)
 
-    @property
-    def needs_warm_up(self) -> bool:
-        """Kernels compile at first use: on CUDA, or in a compiled decoder that says so
-        (--enable-torch-compile's; one compiled ahead of time does not)."""
-        compiled = self.compiled_decoder
-        warm = compiled is not None and getattr(compiled, "needs_warm_up", True)
-        return self.device.type == "cuda" or warm
-
     def decoder(self, batch: Batch) -> torch.nn.Module:
         """The compiled decoder for a one-request decode step, else the model's own."""
         if self.compiled_decoder is not None and batch.is_decode and batch.size == 1:
@@ -182,15 +168,13 @@ class Engine:
         changes = any(f.changes_logits(r) for f in features for r in reqs if f.name in r.ext)
         filtered = any_filter(reqs, self.model_config.vocab_size)
         resample = changes or filtered  # `sample` draws these ids again: the graph skips them
-        out = self._run(batch, samples, resample, features)
+        out = self._run(batch, samples, resample)
         out.features, out.changes, out.filtered = features, changes, filtered
         if resample:
             out.sampled = None
         return out
 
-    def _run(
-        self, batch: Batch, samples: list[bool], resample: bool, features: list[StepFeature]
-    ) -> ForwardOutput:
+    def _run(self, batch: Batch, samples: list[bool], resample: bool) -> ForwardOutput:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch, samples, resample)
         for path in self.forward_paths:  # a verify step or a small prefill as graph rows
@@ -199,12 +183,7 @@ class Engine:
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
         inputs = StepInputs.unpack(host.to(self.device, non_blocking=True), batch.size)
         self.attn_backend.prepare(batch)
-        out = run_step(self, batch, inputs, sample=False)
-        if not batch.is_decode and out.hidden is not None:
-            for f in features:  # observers of the hidden states (prompt log-probabilities)
-                if (seen := f.observe_prompt(self, batch, out.hidden)) is not None:
-                    out.results[f.name] = seen
-        return out
+        return run_step(self, batch, inputs, sample=False)
 
     @torch.inference_mode()
     def sample(
@@ -225,10 +204,10 @@ class Engine:
     def _sample_rows(
         self, batch: Batch, out: ForwardOutput, prepared: dict[str, Any]
     ) -> torch.Tensor:
-        """Observers read the raw logits, processors change them in stage order, then the rows
-        the graph did not sample are drawn into the token table."""
+        """Observers read the raw outputs, processors change the logits in stage order, then
+        the rows the graph did not sample are drawn into the token table."""
         next_ids, features = out.sampled, out.features
-        observed = [(f, f.observe(self, batch, out.logits, out.changes)) for f in features]
+        observed = [(f, f.observe(self, batch, out)) for f in features]
         if next_ids is None:  # (always None when some feature changes logits or filters)
             masked = False
             for f in sorted(features, key=lambda f: f.stage):

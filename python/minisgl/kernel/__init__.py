@@ -8,7 +8,7 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING, NamedTuple
 
-from minisgl import env
+from minisgl.kernel import flags
 
 if TYPE_CHECKING:  # torch where used: EngineConfig reads MOE_BACKENDS in processes without it
     import torch
@@ -34,7 +34,7 @@ def fused_ops(x: torch.Tensor, module: str = "fused") -> ModuleType | None:
     """The Triton module `kernel/<module>.py` (the fused ops; "sampling": the Gumbel-max
     sampler), or an extension's kernel module by its dotted name, when `x` is on CUDA, triton
     imports and MINISGL_DISABLE_FUSED_OPS is unset; None means: run the torch reference."""
-    if not x.is_cuda or env.disable_fused_ops():
+    if not x.is_cuda or flags.disable_fused_ops():
         return None
     return _import(module)
 
@@ -56,7 +56,7 @@ def gemv_dtypes() -> tuple[torch.dtype, ...]:
 
 def gemv_max_m() -> int:
     """The most rows of x that take the GEMV: MINISGL_GEMV_MAX_M, else GEMV_MAX_M."""
-    rows = env.gemv_max_m()
+    rows = flags.gemv_max_m()
     if rows is None:
         return GEMV_MAX_M
     if rows > GEMV_KERNEL_MAX_M:
@@ -83,8 +83,8 @@ def gemv_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype == weight.dtype
         and x.dtype in gemv_dtypes()
         and weight.is_contiguous()
-        and not env.disable_gemv()
-        and not env.disable_fused_ops()
+        and not flags.disable_gemv()
+        and not flags.disable_fused_ops()
     )
 
 

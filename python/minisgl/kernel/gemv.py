@@ -35,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl import env
-from minisgl.kernel import GEMV_KERNEL_MAX_M, gemv_dtypes, pdl
+from minisgl.kernel import GEMV_KERNEL_MAX_M, flags, gemv_dtypes, pdl
 from minisgl.kernel.pdl import wait_for_previous
 
 
@@ -400,7 +399,7 @@ def _launch(
         # fp32 stays exact (the GPU would round its inputs to tf32); 16-bit inputs ignore it
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # the CPU interpreter multiplies bf16 dot tiles as raw bits (see kernel/moe.py)
-        UPCAST=env.triton_interpret() and x.dtype == torch.bfloat16,
+        UPCAST=flags.triton_interpret() and x.dtype == torch.bfloat16,
         **launch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl import env
+from minisgl.kernel import flags
 from minisgl.kernel.fused import silu_and_mul
 
 
@@ -124,7 +124,7 @@ def _gemm(
     sorted_ids, expert_ids, num_post_padded = routing
     _, n, k = w.shape
     grid = (expert_ids.numel(), triton.cdiv(n, config["BLOCK_N"]))
-    interpret = env.triton_interpret()
+    interpret = flags.triton_interpret()
     _moe_gemm_kernel[grid](
         a,
         w,

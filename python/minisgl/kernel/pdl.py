@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl import env
+from minisgl.kernel import flags
 
 
 @triton.jit
@@ -39,10 +39,10 @@ def _supported(index: int) -> bool:
 def enabled(device: torch.device) -> bool:
     """Launch with PDL on this device: CUDA sm_90+, not the interpreter, MINISGL_DISABLE_PDL
     unset (read at every launch, like the other flags: launches are captured once per graph)."""
-    if device.type != "cuda" or env.triton_interpret():
+    if device.type != "cuda" or flags.triton_interpret():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _supported(index) and not env.disable_pdl()
+    return _supported(index) and not flags.disable_pdl()
 
 
 def options(device: torch.device) -> dict[str, bool]:

@@ -13,8 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from minisgl import env
-from minisgl.kernel import pdl
+from minisgl.kernel import flags, pdl
 from minisgl.kernel.pdl import wait_for_previous
 
 _MASK32 = tl.constexpr(0xFFFFFFFF)
@@ -182,7 +181,7 @@ def _noise_kernel(u, out, n, BLOCK: tl.constexpr, FAST: tl.constexpr):
 
 def _fast_logs() -> bool:
     """Approximate logs where compiled: the interpreter has none."""
-    return not env.triton_interpret()
+    return not flags.triton_interpret()
 
 
 def gumbel_noise(u: torch.Tensor) -> torch.Tensor:

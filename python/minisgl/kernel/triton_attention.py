@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl import env
-from minisgl.kernel import DecodeRope, pdl
+from minisgl.kernel import DecodeRope, flags, pdl
 from minisgl.kernel.fused import kv_slots, rope_halves
 from minisgl.kernel.pdl import wait_for_previous
 
@@ -593,7 +592,7 @@ def decode_attention(
         NORM=rope is not None and rope.qk_norm is not None,
         HAS_ORDER=order is not None,
         PAIRS=e4m3_pairs(q, k_pool, rope is not None),
-        PTX=q.is_cuda and not env.triton_interpret() and native_fp8(q.device.index),
+        PTX=q.is_cuda and not flags.triton_interpret() and native_fp8(q.device.index),
         **launch,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
         num_warps=num_warps,

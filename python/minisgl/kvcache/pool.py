@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from minisgl import kernel
-
 
 class MHAKVCache:
     """buffer[0 = K | 1 = V, layer, page, offset in page, kv_head, head_dim].
@@ -46,10 +44,9 @@ class MHAKVCache:
 
     def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [T, kv_heads, head_dim] at the flat slots out_loc [T]."""
-        if (ops := kernel.fused_ops(k)) is not None:  # one kernel for K and V
-            ops.store_kv(self.k_flat(layer), self.v_flat(layer), out_loc, k, v)
-        else:
-            store_kv_torch(self.k_flat(layer), self.v_flat(layer), out_loc, k, v)
+        # The attention layer's path without the fused ops: with them (CUDA) its RoPE kernel
+        # stores K and V itself (`rotary_store_kv`), or the triton decode kernel does.
+        store_kv_torch(self.k_flat(layer), self.v_flat(layer), out_loc, k, v)
 
     @staticmethod
     def bytes_per_page(

@@ -76,45 +76,40 @@ class MergedColumnParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
         tp = get_tp_info()
-        self.local_sizes = [divide(n, tp.size, "output features") for n in out_sizes]
-        super().__init__(in_features, sum(self.local_sizes), bias)
+        local_sizes = [divide(n, tp.size, "output features") for n in out_sizes]
+        self._init_parts(in_features, local_sizes, [tp.rank] * len(out_sizes), bias)
+
+    def _init_parts(
+        self, in_features: int, local_sizes: list[int], blocks: list[int], bias: bool
+    ) -> None:
+        """Part i: this rank's `local_sizes[i]` rows, block `blocks[i]` of its checkpoint tensor."""
+        self.local_sizes, self.blocks = local_sizes, blocks
+        super().__init__(in_features, sum(local_sizes), bias)
         self.set_loaders(self.load_shard, self.load_shard)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
         size, offset = self.local_sizes[shard_id], sum(self.local_sizes[:shard_id])
-        src = narrow(loaded, 0, get_tp_info().rank * size, size)
+        src = narrow(loaded, 0, self.blocks[shard_id] * size, size)
         copy_checked(param.data.narrow(0, offset, size), src)
 
 
-class QKVParallelLinear(LinearBase):
-    """Q, K and V in one matmul. KV heads are split across ranks, or replicated when there are
-    fewer KV heads than ranks."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Q, K and V (shard ids 0, 1, 2) in one matmul. KV heads are split across ranks, or
+    replicated when there are fewer KV heads than ranks."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
     ) -> None:
         tp = get_tp_info()
-        self.head_dim = head_dim
-        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        self.q_size = divide(num_heads, tp.size, "num_attention_heads") * head_dim
         if num_kv_heads >= tp.size:
-            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
-            self.kv_shard = tp.rank
-        else:
+            self.kv_size = divide(num_kv_heads, tp.size, "num_key_value_heads") * head_dim
+            kv_block = tp.rank
+        else:  # one KV head a rank, the same for each group of tp.size // num_kv_heads ranks
             divide(tp.size, num_kv_heads, "TP size over num_key_value_heads")
-            self.num_kv_heads = 1
-            self.kv_shard = tp.rank // (tp.size // num_kv_heads)
-        self.q_size = self.num_heads * head_dim
-        self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
-        self.set_loaders(self.load_shard, self.load_shard)
-
-    def load_shard(self, param: nn.Parameter, loaded: Any, shard_id: str) -> None:
-        if shard_id == "q":
-            offset, size, index = 0, self.q_size, get_tp_info().rank
-        else:
-            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size, index = self.kv_size, self.kv_shard
-        copy_checked(param.data.narrow(0, offset, size), narrow(loaded, 0, index * size, size))
+            self.kv_size, kv_block = head_dim, tp.rank // (tp.size // num_kv_heads)
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        self._init_parts(hidden_size, sizes, [tp.rank, kv_block, kv_block], bias)
 
 
 class RowParallelLinear(LinearBase):

@@ -38,9 +38,8 @@ class RotaryEmbedding(Module):
         super().__init__()
         positions = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq(cfg)[None, :]
-        self.register_buffer(
-            "cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False
-        )
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -1,5 +1,4 @@
-"""What minisgl reads from a Hugging Face model directory besides the weights: the config,
-the tokenizer and the end-of-sequence ids."""
+"""A Hugging Face model directory's config, tokenizer and end-of-sequence ids (not weights)."""
 
 from __future__ import annotations
 
@@ -12,11 +11,11 @@ from minisgl.models.config import token_ids
 
 
 def transformers_without_torch() -> None:
-    """Import transformers as where torch is not installed, at the start of a process that
-    reads only tokenizers, chat templates and configs with it (every child of the launcher: the
-    schedulers run their own models; the launcher once its models are resolved): transformers
-    imports torch whenever it is installed (~2 s and ~190 MB a process, issues 47 and 51). Its tokenizers and configs are the same; its models are unavailable in
-    this process, and torch itself stays importable. A no-op once either is imported."""
+    """Import transformers as if torch were absent, first thing in a process that reads only its
+    tokenizers, chat templates and configs (the launcher's children: the schedulers run their own
+    models; the launcher once its models are resolved): else it imports torch (~2 s and ~190 MB a
+    process, issues 47 and 51). Its models are then unavailable here; torch stays importable.
+    A no-op once either is imported."""
     if "transformers" in sys.modules or "torch" in sys.modules:
         return
     quiet = "TRANSFORMERS_NO_ADVISORY_WARNINGS"  # its notice that models are unavailable

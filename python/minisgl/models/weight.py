@@ -21,9 +21,9 @@ if TYPE_CHECKING:  # torch where weights are loaded: the processes that only res
 
 # checkpoint name fragment -> (our fragment, shard id) for weights we merge into one matmul
 _STACKED = {
-    ".q_proj.": (".qkv_proj.", "q"),
-    ".k_proj.": (".qkv_proj.", "k"),
-    ".v_proj.": (".qkv_proj.", "v"),
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
@@ -116,10 +116,8 @@ def load_weights(
     tied = getattr(model.config, "tie_word_embeddings", False)
     missing = {n for n in params if not (tied and n == "lm_head.weight") and n not in skip}
     for ckpt_name, loaded in weights:
-        if "rotary_emb.inv_freq" in ckpt_name or (tied and ckpt_name == "lm_head.weight"):
-            continue
         name, shard = map_checkpoint_name(ckpt_name)
-        if name in skip:
+        if name in skip or "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         if name not in params:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter")

@@ -99,8 +99,7 @@ class SchedulerServer:
                 self.send.put(BatchMsg(out, stats))
 
     def _next_message(self) -> Any:
-        """Block when idle, else never (while only held requests wait, a step waits a little:
-        ext/held.py)."""
+        """Block when idle, else never (held requests alone: a step waits a little, held.py)."""
         return self.recv.get_nowait() if self.scheduler.has_work else self.recv.get()
 
 
@@ -197,8 +196,8 @@ def run_scheduler_process(
 
     def build() -> SchedulerServer:
         scheduler = build_scheduler(engine_config, sched_config, 0, tp, rendezvous, dp_size)
-        if warm_up and scheduler.engine.needs_warm_up:
-            scheduler.warm_up()
+        if warm_up and (warm := extensions().warm_up) is not None:
+            warm(scheduler)  # ext/serving's, where kernels compile at first use
         return SchedulerServer(scheduler, recv_addr, send_addr, dp_rank)
 
     server = build_or_report("scheduler", ready, build)

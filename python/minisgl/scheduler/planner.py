@@ -3,10 +3,12 @@ chunks within a token budget), the pages they compute into, and preemption."""
 
 from __future__ import annotations
 
+import time
+
 from minisgl.core import Batch, Req
 from minisgl.engine.engine import Engine
 from minisgl.extension import ForwardPath, Speculator, StepFeature
-from minisgl.kvcache import KVCacheManager
+from minisgl.kvcache.manager import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.queue import make_queue
 
@@ -44,9 +46,7 @@ class BatchPlanner:
         self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
-        self.reset_counters()
-
-    def reset_counters(self) -> None:  # the totals the server reports (/metrics, /stats)
+        # the totals the server reports (/metrics, /stats; zeroed after ext/serving's warm-up)
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens scheduled (for the prefix-cache hit rate)
         self.num_cached_tokens = 0  # of those, found in the prefix cache
@@ -111,6 +111,8 @@ class BatchPlanner:
         self.waiting.remove(req)
         self.num_prefill_tokens += len(req.tokens)
         self.num_cached_tokens += req.cached_len
+        if req.queue_time is None:  # its first admission: the cache supplied cached_len
+            req.queue_time, req.cached_tokens = time.monotonic() - req.queued_at, req.cached_len
         return n
 
     def _preempt_for(self, req: Req) -> bool:

@@ -12,7 +12,7 @@ from minisgl.core import PLACEHOLDER, Req
 from minisgl.extension import extensions
 
 if TYPE_CHECKING:  # torch: ext/serving's policies subclass WaitingQueue in the API process too
-    from minisgl.kvcache import KVCacheManager
+    from minisgl.kvcache.manager import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 
 

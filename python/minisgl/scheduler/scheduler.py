@@ -8,7 +8,6 @@ and sampled tokens turned into results (what a step computes is planner.py's).""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,7 +17,7 @@ from minisgl.core import PLACEHOLDER, Batch, Req, SamplingParams, check_token_id
 from minisgl.distributed import get_tp_info
 from minisgl.engine.engine import Engine, StepOutput
 from minisgl.extension import StepFeature, extensions
-from minisgl.kvcache import KVCacheManager
+from minisgl.kvcache.manager import KVCacheManager
 from minisgl.message import AbortBackendMsg, BatchMsg, DetokenizeMsg, FlushCacheMsg, UserMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.planner import BatchPlanner, reaches_length
@@ -93,8 +92,7 @@ class Scheduler:
         return [f for f in self.features if f.name in req.ext] if req.ext else []
 
     def _tell(self, change: Any) -> None:
-        """TP rank 0: a change to replay on the other ranks, sent with its next step (a core
-        message, or an extension's that its `tp_changes` handler applies)."""
+        """TP rank 0: a change the other ranks replay with the next step (extensions' too)."""
         if self.leader is not None:
             self.leader.changes.append(change)
 
@@ -103,7 +101,6 @@ class Scheduler:
             params = replace(req.params, seed=req.seed)
             self._tell(UserMsg(req.uid, req.tokens[: req.prompt_len], params))
         self.requests[req.uid] = req
-        req.queued_at = time.monotonic()
         features = self.features_of(req)
         if req.params.max_tokens == 0 and not any(f.scores_prompt(req) for f in features):
             self._finish(req, "length")  # (scoring a prompt runs its prefill, then ends)
@@ -117,18 +114,11 @@ class Scheduler:
         if req is not None:
             self._finish(req, "abort" if error is None else "error", error=error)
 
-    def warm_up(self) -> None:
-        """Compile the kernels before the first user's request (the server's start-up)."""
-        if (warm_up := extensions().warm_up) is not None:
-            warm_up(self)
-
     def flush_cache(self) -> str | None:
         """Empty the prefix cache (SGLang's /flush_cache); why not, while requests run."""
         if self.has_work or self.cache.prefix_cache.locked_pages:
             return f"cache_busy: {len(self.requests)} requests are running; flush when idle"
-        self._tell(FlushCacheMsg())
-        if self.leader is not None:  # now: an idle rank 0 does not step
-            self.leader.send()
+        self._tell(FlushCacheMsg())  # the other ranks flush before their next step
         self.cache.reset_cache()
         return None
 
@@ -177,8 +167,7 @@ class Scheduler:
                     apply(self, change)  # an extension's: ext/held.py's admissions, ext/lora's...
                 else:
                     self.add_request(self.make_request(change.input_ids, change.params, change.uid))
-            if not (msg.msgs and all(isinstance(c, FlushCacheMsg) for c in msg.msgs)):
-                self.step()  # a flush alone is sent outside rank 0's steps
+            self.step()
 
     def stop_followers(self) -> None:
         if self.leader is not None:
@@ -211,12 +200,6 @@ class Scheduler:
 
     def _advance(self, batch: Batch, samples: list[bool]) -> list[int]:
         """KV covers the computed tokens; a request that samples gets a placeholder: its slot."""
-        if not batch.is_decode:
-            now = time.monotonic()
-            for req in batch.reqs[batch.num_decodes :]:
-                if req.queue_time is None:
-                    req.queue_time = now - req.queued_at
-                    req.cached_tokens = req.cached_len  # before this forward: the cache's
         slots = []
         for i, (req, sampled) in enumerate(zip(batch.reqs, samples)):
             if req.finished:  # by the step in flight, processed in `_prepare`
@@ -264,17 +247,11 @@ class Scheduler:
         reason = "stop" if stop else "length" if reaches_length(req, slot + 1) else None
         error = None
         features = self.features_of(req)
-        scored = req.params.max_tokens == 0  # a prompt scored: its sampled token is dropped
-        if scored:
-            reason = "length"
-            del req.tokens[slot:]
-        else:
-            for f in features:  # a grammar's matcher takes the token, or ends the request
-                reason, error = f.accept(req, token, reason)
-                if error is not None:
-                    break
-        tokens = [] if scored else [token]
-        output = DetokenizeMsg(req.uid, tokens, reason is not None, reason, error)
+        for f in features:  # a grammar's matcher takes the token, or ends the request
+            reason, error = f.accept(req, token, reason)
+            if error is not None:
+                break
+        output = DetokenizeMsg(req.uid, [token], reason is not None, reason, error)
         for f in features:
             f.output(req, values.get(f.name), output)
         if slot == req.prompt_len:  # the first output

@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.core import SamplingParams
@@ -45,25 +43,8 @@ from minisgl.server.protocol import (
 )
 from minisgl.utils.procs import freeze_startup_heap
 
-DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
-CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never seen by anyone
-# one request's batches of replies (Frontend.batches), and its first batch (already taken)
-Started = tuple[AsyncGenerator[list[UserReply], None], list[UserReply]]
-
-
-async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work` unless the client leaves first; then cancel it, which aborts its requests
-    (a streamed response notices the disconnect itself; a plain one would run to the end)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return Response(status_code=CLIENT_GONE)
-    finally:
-        task.cancel()  # no-op when done
+# a response's tagged replies to come (Frontend.batches), and each choice's replies so far
+Started = tuple[AsyncGenerator[list[tuple[int, UserReply]], None], list[list[UserReply]]]
 
 
 async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -108,9 +89,9 @@ def sse(body: dict[str, Any]) -> str:
 class Chunks:
     """`sse({**head, "choices": [choice]})`, byte for byte, the head encoded once per response."""
 
-    def __init__(self, head: dict[str, Any], chat: bool) -> None:
+    def __init__(self, head: dict[str, Any], shape: Shape) -> None:
         self.prefix = sse({**head, "choices": []})[:-4]  # without ']}' and the blank line
-        self.chat = chat
+        self.shape = shape
 
     def __call__(self, choice: dict[str, Any], usage: dict[str, int] | None = None) -> str:
         body = one_line(json.dumps(choice, ensure_ascii=False))
@@ -118,17 +99,9 @@ class Chunks:
             return f"{self.prefix}{body}]}}\n\n"
         return f'{self.prefix}{body}], "usage": {json.dumps(usage)}}}\n\n'
 
-    def plain(self, index: int, text: str, finish_reason: str | None) -> str:
-        """`Shape.choice`'s chunk of a choice no extension shapes, as one format (building and
-        encoding the dict took ~4 us of the API process's ~40 per streamed token)."""
-        reason = "null" if finish_reason is None else encode_basestring(finish_reason)
-        encoded = one_line(encode_basestring(text))
-        if not self.chat:
-            body = f'"text": {encoded}'
-        else:
-            body = f'"delta": {{"content": {encoded}}}' if text else '"delta": {}'
-        choice = f'{{"index": {index}, {body}, "logprobs": null, "finish_reason": {reason}}}'
-        return f"{self.prefix}{choice}]}}\n\n"
+    def delta(self, index: int, text: str, reason: str | None, matched: str | None) -> str:
+        """Choice `index`'s stream chunk for its next `text` (ext/perf's formats a plain one)."""
+        return self(self.shape.choice(index, text, reason, matched, delta=True))
 
 
 def token_counts(prompt: int, completion: int) -> dict[str, int]:
@@ -137,9 +110,8 @@ def token_counts(prompt: int, completion: int) -> dict[str, int]:
 
 
 def usage(first: list[UserReply], last: list[UserReply], n: int) -> dict[str, Any]:
-    """OpenAI's usage of choices whose first and last replies these are (choice k * n + j is
-    prompt k's j-th sample): each prompt once, every sample's completion, and the prompt tokens
-    the prefix cache supplied (told with the first reply)."""
+    """OpenAI's usage of choices whose first and last replies these are (choice k * n + j: prompt
+    k's j-th sample): each prompt once, every completion, the cached prompt tokens (the first's)."""
     counts = token_counts(
         sum(r.prompt_tokens for r in last[::n]), sum(r.completion_tokens for r in last)
     )
@@ -147,44 +119,13 @@ def usage(first: list[UserReply], last: list[UserReply], n: int) -> dict[str, An
     return counts | {"prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def merged(started: list[Started]) -> AsyncGenerator[list[tuple[int, UserReply]], None]:
-    """Replies of all choices as they come, tagged with the choice index: each time all that
-    have come, so that a handler that fell behind writes them at once."""
-    if len(started) == 1:  # one choice: its batches as they are, without a pump task
-        stream, first = started[0]
-        try:
-            yield [(0, r) for r in first]
-            if not first[-1].finished:
-                async for batch in stream:
-                    yield [(0, r) for r in batch]
-        finally:
-            await stream.aclose()
-        return
-    queue: asyncio.Queue[tuple[int, list[UserReply]]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[list[UserReply]], first: list[UserReply]) -> None:
-        queue.put_nowait((i, first))
-        if not first[-1].finished:
-            async for batch in stream:
-                queue.put_nowait((i, batch))
-
-    tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(started)]
-    try:
-        done = 0
-        while done < len(tasks):
-            ready = [await queue.get()]
-            while not queue.empty():
-                ready.append(queue.get_nowait())
-            tagged = [(i, r) for i, batch in ready for r in batch]
-            done += sum(r.finished for _, r in tagged)
-            yield tagged
-    finally:
-        for t in tasks:
-            t.cancel()
-        # a stream must be left by its pump before it can be closed here
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s, _ in started:
-            await s.aclose()
+async def tagged(started: Started) -> AsyncGenerator[list[tuple[int, UserReply]], None]:
+    """The replies of started choices (`Frontend.batches`): those so far, then as they come."""
+    batches, so_far = started
+    async with aclosing(batches):
+        yield [(i, r) for i, replies in enumerate(so_far) for r in replies]
+        async for batch in batches:
+            yield batch
 
 
 @dataclass
@@ -237,8 +178,7 @@ class Shape:
 
 
 class ApiServer:
-    """The endpoints' work for one app: admission, starting the requests of all choices, and
-    their replies as one JSON response or as server-sent events."""
+    """The endpoints' work: admission, every choice's request, the replies as JSON or as SSE."""
 
     def __init__(self, frontend: Frontend, args: ServerArgs, max_seq_len: int) -> None:
         self.frontend, self.args, self.max_seq_len = frontend, args, max_seq_len
@@ -273,22 +213,20 @@ class ApiServer:
             raise APIError(503, reason, code="server_unavailable")
         self.frontend.admit()
 
-    async def start_choices(self, msgs: list[TokenizeMsg]) -> list[Started]:
+    async def start_choices(self, msgs: list[TokenizeMsg]) -> Started:
         """Start each choice's request and wait for its first reply: a refusal is an HTTP error."""
         self.admit()
-        started: list[Started] = []
+        batches, so_far = self.frontend.batches(msgs), [list[UserReply]() for _ in msgs]
         try:
-            for m in msgs:
-                stream = self.frontend.batches(m)
-                first = await stream.__anext__()
-                started.append((stream, first))  # closed below if this one or a later one fails
-                if first[0].error is not None:
-                    raise self.reply_error(first[0], first=True)
+            while not all(so_far):
+                for i, r in await batches.__anext__():
+                    if not so_far[i] and r.error is not None:
+                        raise self.reply_error(r, first=True)
+                    so_far[i].append(r)
         except BaseException:
-            for stream, _ in started:
-                await stream.aclose()
+            await batches.aclose()
             raise
-        return started
+        return batches, so_far
 
     def make_msgs(
         self,
@@ -299,8 +237,7 @@ class ApiServer:
         **source: Any,
     ) -> list[TokenizeMsg]:
         """One message per choice, sample j seeded seed + j, as the extensions' fields set them;
-        `given`: the client set max_tokens (a prompt plus it longer than the context is refused).
-        `request_checks` see the first."""
+        `given`: the client set max_tokens (a prompt plus it longer than the context is refused)."""
         skip_special_tokens = source.pop("skip_special_tokens", req.skip_special_tokens)
         ids = source.get("input_ids") or []
         if any(not 0 <= t < 2**31 for t in ids):  # the detokenizer could not even decode them
@@ -381,16 +318,16 @@ class ApiServer:
             shape.choice(i, text, r.finish_reason, r.matched)
             for i, (text, r) in enumerate(zip(texts, last))
         ]
-        first = [replies[0] for _, replies in started]
+        first = [replies[0] for replies in started[1]]
         return {**head, "choices": choices, "usage": usage(first, last, shape.n)}
 
     async def collect(
-        self, started: list[Started], shape: Shape
+        self, started: Started, shape: Shape
     ) -> tuple[list[str], list[list[int]], list[UserReply]]:
         """Every choice's text, token ids and last reply, once all have finished."""
-        texts, ids = [""] * len(started), [list[int]() for _ in started]
-        last = [replies[-1] for _, replies in started]
-        async with aclosing(merged(started)) as batches:
+        texts, ids = [""] * len(started[1]), [list[int]() for _ in started[1]]
+        last = [replies[-1] for replies in started[1]]
+        async with aclosing(tagged(started)) as batches:
             async for batch in batches:
                 for i, r in batch:
                     if r.error is not None:
@@ -402,7 +339,7 @@ class ApiServer:
 
     async def stream(
         self,
-        started: list[Started],
+        started: Started,
         shape: Shape,
         event: Callable[[int, UserReply, str], str | None],
         opening: str = "",
@@ -413,7 +350,7 @@ class ApiServer:
         it with an error event: the client sees an error, not a truncated answer."""
         if opening:
             yield opening
-        async with aclosing(merged(started)) as batches:
+        async with aclosing(tagged(started)) as batches:
             async for batch in batches:
                 events: list[str] = []
                 for i, r in batch:
@@ -428,7 +365,7 @@ class ApiServer:
 
     def events(
         self,
-        started: list[Started],
+        started: Started,
         head: dict[str, Any],
         shape: Shape,
         options: StreamOptions | None,
@@ -437,18 +374,17 @@ class ApiServer:
         (with `continuous_usage_stats`, its choice's usage so far), the usage last if asked."""
         include_usage = options is not None and options.include_usage
         continuous = include_usage and options is not None and options.continuous_usage_stats
-        first = [replies[0] for _, replies in started]
+        first = [replies[0] for replies in started[1]]
         last = list(first)
-        chunk = Chunks(head, shape.chat)
-        plain = not shape.shapers and shape.shaping is None and not continuous
+        chunk: Chunks = (extensions().stream_chunks or Chunks)(head, shape)
 
         def event(i: int, r: UserReply, text: str) -> str | None:
             last[i], reason = r, r.finish_reason if r.finished else None
             if not text and not r.token_ids and reason is None:
                 return None
-            if plain and r.matched is None:
-                return chunk.plain(i, text, reason)
-            counts = token_counts(r.prompt_tokens, r.completion_tokens) if continuous else None
+            if not continuous:
+                return chunk.delta(i, text, reason, r.matched)
+            counts = token_counts(r.prompt_tokens, r.completion_tokens)
             return chunk(shape.choice(i, text, reason, r.matched, delta=True), counts)
 
         def closing() -> str:
@@ -506,13 +442,8 @@ class ApiServer:
         return JSONResponse({"status": "ok"})
 
     async def models(self) -> dict[str, Any]:
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "minisgl",
-            "max_model_len": self.max_seq_len,
-        }  # ext/serving adds the tokenizer's vocab_size
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "minisgl"}
+        card["max_model_len"] = self.max_seq_len  # vLLM's (ext/serving adds the vocab_size)
         loras = [{**card, "id": name, **fields} for name, fields in self.adapters.items()]
         return {"object": "list", "data": [card, *loras]}
 
@@ -541,20 +472,10 @@ def create_app(
     app.get("/health")(api.health)
     app.get("/stats")(api.stats)
     app.get("/v1/models")(api.models)
-
-    # a plain (not streamed) response stops when its client leaves
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Any:
-        return await unless_disconnected(request, api.complete(req))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request) -> Any:
-        return await unless_disconnected(request, api.chat_complete(req))
-
-    @app.post("/generate")
-    async def generate(req: GenerateRequest, request: Request) -> Any:
-        return await unless_disconnected(request, api.generate(req))
-
+    # ext/serving serves these ahead: a plain (not streamed) response stops when its client leaves
+    app.post("/v1/completions")(api.complete)
+    app.post("/v1/chat/completions")(api.chat_complete)
+    app.post("/generate")(api.generate)
     paths = frozenset(getattr(r, "path", "") for r in app.routes)
     gate = extensions().gate or Gate  # the serving extension's limits requests in progress
     app.add_middleware(gate, args=args, frontend=frontend, paths=paths)

@@ -1,6 +1,5 @@
-"""Command line of `python -m minisgl`: a flag `--field-name` for every option field of
-EngineConfig, SchedulerConfig, ServerArgs and the extensions' option dataclasses, with the
-field's help text. A bad value exits with code 2 and one line naming the flag."""
+"""`python -m minisgl`'s command line: a flag `--field-name` with its help for every option field
+of the configs (the extensions' too). A bad value exits with code 2 and one line naming the flag."""
 
 from __future__ import annotations
 
@@ -46,12 +45,6 @@ class ServerArgs:
     served_model_name: str | None = option(
         None, "model id that /v1/models lists and requests may name (unset: the --model value)"
     )
-    chat_template: str | None = option(
-        None, "chat template replacing the tokenizer's: a file's path, or the Jinja text itself"
-    )
-    skip_server_warmup: bool = option(
-        False, "serve without the warm-up (on a GPU: short requests that compile the kernels)"
-    )
     shell: bool = option(False, "interactive terminal chat instead of a server")
     shutdown_timeout: float = option(
         30.0,
@@ -73,10 +66,6 @@ class ServerArgs:
             self.extras.setdefault(name, options())
             if (check := getattr(self.extras[name], "check", None)) is not None:
                 check(self)
-        if self.chat_template is not None:  # a mistyped path fails here, not as a template
-            from minisgl.tokenizer.server import read_chat_template
-
-            read_chat_template(self.chat_template)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,7 +109,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # EngineConfig's to engine, SchedulerConfig's to scheduler, ServerArgs' to server.
 _GROUPS = {EngineConfig: "engine", SchedulerConfig: "scheduler", ServerArgs: "server"}
 _GROUP_OF = {
-    "model": "model dtype max_model_len dummy_weights seed served_model_name chat_template".split(),
+    "model": "model dtype max_model_len dummy_weights seed served_model_name".split(),
     "engine": ["tp"],
     "scheduler": ["max_running_requests"],
 }

@@ -16,14 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.extension import RequestObserver, extensions
-from minisgl.message import (
-    AbortMsg,
-    BatchMsg,
-    SchedulerStats,
-    TokenizeMsg,
-    UserReply,
-    encode,
-)
+from minisgl.message import AbortMsg, BatchMsg, SchedulerStats, TokenizeMsg, UserReply, encode
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
 logger = logging.getLogger(__name__)
@@ -31,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _InFlight:
-    queue: asyncio.Queue[UserReply] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[UserReply]  # its response's: shared by the choices (`batches`)
     submitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # None until the first token: the request is queued
     priority: int = 0  # (its metrics label)
@@ -101,48 +94,58 @@ class Frontend:
         return next(self.uids)
 
     def admit(self) -> None:
-        """Raise (an APIError) to refuse a new request; the core admits every one while the
-        pipeline lives (the serving extension bounds the requests waiting to start)."""
+        """Raise an APIError to refuse a request (the core admits all; ext/serving bounds them)."""
 
     def _tokenizer(self, uid: int) -> ZmqAsyncPushQueue:
         return self.to_tokenizers[uid % len(self.to_tokenizers)]
 
-    async def submit(self, msg: TokenizeMsg) -> asyncio.Queue[UserReply]:
-        """Hand a request to its tokenizer worker; only then is it in flight (a message that
-        cannot be encoded takes nothing)."""
+    async def submit(self, msg: TokenizeMsg, queue: asyncio.Queue[UserReply]) -> None:
+        """Hand a request to its tokenizer worker, its replies to go to `queue`; only then is it
+        in flight (if encodable)."""
         data = encode(msg)
-        req = self.requests[msg.uid] = _InFlight(priority=msg.params.get("priority"))
+        self.requests[msg.uid] = _InFlight(queue, priority=msg.params.get("priority"))
         try:
             await self._tokenizer(msg.uid).put_encoded(data)
         except BaseException:
             self.requests.pop(msg.uid, None)
             raise
-        return req.queue
 
     async def abort(self, uid: int) -> None:
         if self.requests.pop(uid, None) is not None:
             self.metrics.ended("abort")
             await self._tokenizer(uid).put(AbortMsg(uid))
 
-    async def batches(self, msg: TokenizeMsg) -> AsyncGenerator[list[UserReply], None]:
-        """Replies of one request until it finishes, each time all that have come (a handler
-        that fell behind catches up in one write); aborted when left early."""
-        queue = await self.submit(msg)
-        finished = False
+    async def batches(
+        self, msgs: list[TokenizeMsg]
+    ) -> AsyncGenerator[list[tuple[int, UserReply]], None]:
+        """Replies of requests `msgs` (a response's choices) tagged with their index, each time
+        all that have come (a handler that fell behind catches up in one write); each submitted
+        once the one before has answered, unless with an error; the unfinished aborted when left."""
+        queue: asyncio.Queue[UserReply] = asyncio.Queue()
+        index = {m.uid: i for i, m in enumerate(msgs)}
+        await self.submit(msgs[0], queue)
+        submitted, unfinished = [msgs[0].uid], {msgs[0].uid}
         try:
-            while not finished:
-                reply = await queue.get()
-                batch = [reply]
-                while not reply.finished and not queue.empty():
-                    reply = queue.get_nowait()
-                    batch.append(reply)
-                finished = reply.finished
-                yield batch
-        finally:
-            if finished:
-                await self.done(msg.uid)
-            else:
-                await asyncio.shield(self.abort(msg.uid))
+            while unfinished:
+                batch, tagged = [await queue.get()], list[tuple[int, UserReply]]()
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for r in batch:
+                    if r.uid not in unfinished:
+                        continue  # after its last reply (`fail` may add one): dropped
+                    tagged.append((index[r.uid], r))
+                    if r.finished:
+                        unfinished.discard(r.uid)
+                if len(submitted) < len(msgs) and any(  # the last one's first reply, no error
+                    r.uid == submitted[-1] and r.error is None for _, r in tagged
+                ):
+                    await self.submit(msgs[len(submitted)], queue)
+                    submitted.append(msgs[len(submitted)].uid)
+                    unfinished.add(submitted[-1])
+                yield tagged
+        finally:  # each one, even in a handler cancelled again at every await (a client left)
+            ends = [self.abort(u) if u in unfinished else self.done(u) for u in submitted]
+            await asyncio.shield(asyncio.gather(*ends))
 
     async def done(self, uid: int) -> None:
         """Request `uid`'s last reply was taken."""

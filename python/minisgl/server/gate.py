@@ -1,7 +1,6 @@
 """What every HTTP request passes before FastAPI (`Gate`): the last resort for an exception the
-app did not answer, a JSON error in the path's API's shape. The serving extension's gate (the
-`gate` point, a subclass) adds its checks ahead of it: the API key, the limits on the body and
-on requests in progress, and counts every response."""
+app did not answer, a JSON error in the path's API's shape. ext/serving's subclass (the `gate`
+point) adds its checks ahead: the API key, limits on the body and on requests, response counts."""
 
 from __future__ import annotations
 

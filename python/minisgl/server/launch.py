@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from minisgl.distributed import rendezvous_file
-from minisgl.engine.config import EngineConfig, config_model_path
+from minisgl.engine.config import EngineConfig, check_model, config_model_path
 from minisgl.extension import extensions
 from minisgl.models.hf import transformers_without_torch
 from minisgl.server.args import ServerArgs, option_error
@@ -109,8 +109,7 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
 
 
 class Launcher:
-    """The server's processes on one machine: the scheduler's TP ranks, the detokenizer and the
-    tokenizer workers, started, watched and stopped."""
+    """The server's child processes on one machine: started, watched and stopped."""
 
     def __init__(self, args: ServerArgs, addrs: Addresses | None = None) -> None:
         self.args = args
@@ -147,8 +146,6 @@ class Launcher:
 
     def check(self, config: EngineConfig) -> None:
         """Before any process starts: a --tp or --max-model-len the model or GPUs cannot take."""
-        from minisgl.engine.config import check_model
-
         check_model(config, self.args.tp)
 
     def resolve_models(self) -> EngineConfig:
@@ -178,7 +175,7 @@ class Launcher:
         detok = (model_path, a.detokenizer, self.api_queue(), a.schedulers)
         starters.append(self._spawn("detokenizer", run_detokenizer, *detok))
         for i, addr in enumerate(a.tokenizers):
-            tok = (model_path, args.chat_template, addr, a.schedulers, a.detokenizer, detok[2])
+            tok = (model_path, addr, a.schedulers, a.detokenizer, detok[2])
             worker = self.tokenizer_worker(config)
             starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok, worker=worker))
         # only the front end reads the parsers' `auto`: a tokenizer loads while the children start
@@ -192,23 +189,10 @@ class Launcher:
         wait_ready(*_split(followers))
 
     def preload_front_end(self) -> None:
-        """While the children start: import what the front end runs on (prompt_toolkit; fastapi,
-        uvicorn, the extensions' routes), which would otherwise wait for them (issues 47, 51)."""
-        if self.args.shell:
-            import prompt_toolkit  # noqa: F401  (~0.1 s)
-
-            return
-        import uvicorn  # noqa: F401
-
-        import minisgl.server.api_server  # noqa: F401
-
-        for add_routes in extensions().routes:
-            if (resolve := getattr(add_routes, "resolve", None)) is not None:
-                resolve()  # an extension's route registered by name (ext/lazy.py): imported now
+        """While the children start (the serving extension's: import the front end's modules)."""
 
     def api_queue(self) -> Callable[[], Any]:
-        """() -> the queue, in a tokenizer worker or the detokenizer, of the replies to the API
-        process (sent to each of those processes)."""
+        """() -> the API process's reply queue (made in a tokenizer worker or the detokenizer)."""
         from minisgl.utils.zmq import ZmqPushQueue
 
         return functools.partial(ZmqPushQueue, self.addrs.apis[0], create=False)
@@ -224,7 +208,8 @@ class Launcher:
         from minisgl.scheduler.io import run_scheduler_process, start_followers
 
         args, a, meet = self.args, self.addrs, rendezvous_file(self.addrs.root)
-        io = (a.schedulers[0], a.detokenizer, (0, 1), not args.skip_server_warmup)
+        # warm up: the `warm_up` point's, where one is (ext/serving's launcher reads its flag)
+        io = (a.schedulers[0], a.detokenizer, (0, 1), True)
         rank0 = self._spawn(
             "scheduler_0", run_scheduler_process, config, args.scheduler, args.tp, meet, *io
         )
@@ -265,8 +250,7 @@ class Launcher:
         """`front_end` (`serve_http`, or the shell) on this process's Frontend; its exit code."""
         from minisgl.server.frontend import Frontend
 
-        a = self.addrs
-        return front_end(self, Frontend(a.tokenizers, a.apis[0]))
+        return front_end(self, Frontend(self.addrs.tokenizers, self.addrs.apis[0]))
 
     def drain(self) -> None:
         """SIGTERM reached this process (the serving extension's API processes drain too)."""
@@ -314,8 +298,7 @@ def http_server(
     frontend: Frontend,
     on_shutdown: Callable[[], None] | None = None,
 ) -> Any:
-    """The app under uvicorn, as one API process serves it (or the `http_server` point's, which
-    calls `on_shutdown` as its drain begins)."""
+    """The app under uvicorn, or the `http_server` point's server (`on_shutdown`: as it drains)."""
     # plain uvicorn: SIGTERM stops taking connections, waits up to --shutdown-timeout for the
     # requests in progress, then cancels them
     import uvicorn

@@ -89,8 +89,7 @@ class ExtensionFields(Body):
         return {}
 
     async def shaper(self, chat: bool, msgs: list[Any], api: Any) -> ChoiceShaper | None:
-        """What they add to each choice of the response (`msgs`: the choices' TokenizeMsgs;
-        `api`: the ApiServer), or None."""
+        """What they add to each choice (`msgs`: TokenizeMsgs; `api`: the ApiServer), or None."""
         return None
 
     def allows_no_tokens(self) -> bool:

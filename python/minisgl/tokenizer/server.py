@@ -4,7 +4,6 @@ and the scheduler; and the chat template, rendered here for the server and `LLM`
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,38 +17,11 @@ from minisgl.message import (
     UserMsg,
     UserReply,
 )
-from minisgl.utils.options import OptionError
 from minisgl.utils.procs import build_or_report, freeze_startup_heap
 from minisgl.utils.zmq import ZmqPullQueue, ZmqPushQueue
 
 logger = logging.getLogger(__name__)
 PROMPT_CONTEXT = 5  # prompt tokens decoded before the output, the context of its first word
-
-
-def read_chat_template(value: str) -> str:
-    """--chat-template's text: a file's, or the value itself when it looks like a template
-    (vLLM's rule: it holds a brace or a newline); a path that does not exist is refused."""
-    if os.path.isfile(value):
-        try:
-            with open(value) as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise OptionError("chat_template", f"cannot read {value!r}: {e}") from None
-    if os.path.isdir(value):
-        raise OptionError("chat_template", f"{value!r} is a directory, not a template file")
-    if not any(c in value for c in "{}\n"):
-        raise OptionError("chat_template", f"no such file {value!r}, and no template tags in it")
-    return value
-
-
-def load_chat_tokenizer(model_path: str, chat_template: str | None) -> Any | None:
-    """The model's tokenizer (None: it has none) with --chat-template applied."""
-    from minisgl.models.hf import load_tokenizer
-
-    tokenizer = load_tokenizer(model_path)
-    if tokenizer is not None and chat_template is not None:
-        tokenizer.chat_template = read_chat_template(chat_template)
-    return tokenizer
 
 
 def needed(tokenizer: Any | None) -> Any:
@@ -137,7 +109,6 @@ class TokenizerWorker:
 
 def run_tokenizer(
     model_path: str,
-    chat_template: str | None,
     recv_addr: str,
     sched_addrs: list[str],
     detok_addr: str,
@@ -146,9 +117,10 @@ def run_tokenizer(
     worker: Callable[..., TokenizerWorker] = TokenizerWorker,
 ) -> None:
     """`sched_addrs`: one per --dp replica; `api_queue`, `worker`: the launcher's."""
+    from minisgl.models.hf import load_tokenizer
 
     def build() -> tuple[ZmqPullQueue, TokenizerWorker]:
-        tokenizer = load_chat_tokenizer(model_path, chat_template)
+        tokenizer = load_tokenizer(model_path)
         scheds = [ZmqPushQueue(a, create=False) for a in sched_addrs]
         detok = ZmqPushQueue(detok_addr, create=False)
         return ZmqPullQueue(recv_addr, create=True), worker(tokenizer, scheds, detok, api_queue())

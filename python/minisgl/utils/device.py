@@ -34,11 +34,9 @@ def device_type(name: str) -> str:
 
 def gpus_short(name: str, need: int) -> int | None:
     """The GPUs this machine has when the device `name` runs on CUDA and they are fewer than
-    `need`; else None. "auto" with `need` <= 1 asks torch nothing: it picks CUDA only where a
-    GPU is (so the API process starts without torch, issue 47)."""
-    if name.split(":")[0] == "cpu" or (name == "auto" and need <= 1):
-        return None
-    if device_type(name) != "cuda":
+    `need`, else None; torch only where it may be (the API process starts without it, issue 47):
+    "auto" with `need` <= 1 picks CUDA only where a GPU is."""
+    if (name == "auto" and need <= 1) or device_type(name) != "cuda":
         return None
     import torch
 

@@ -25,9 +25,8 @@ def set_title(name: str) -> None:
 
 
 def freeze_startup_heap() -> int:
-    """A serving process is ready: the collector back on (the launcher's children start without
-    it), the `process_ready` point (ext/serving freezes the start-up heap for the garbage
-    collector); the objects frozen."""
+    """A serving process is ready: the collector back on (its children start without it), the
+    `process_ready` point (ext/serving freezes the start-up heap); the objects frozen."""
     gc.enable()
     if (ready := extensions().process_ready) is not None:
         ready()

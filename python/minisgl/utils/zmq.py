@@ -1,6 +1,5 @@
-"""PUSH/PULL queues over ZMQ that carry `minisgl.message` objects. `create=True` binds the
-address (the endpoint's long-lived owner), else connects. A message that does not decode is
-logged and dropped: one malformed message must not take a process (and the server) down."""
+"""PUSH/PULL ZMQ queues of `minisgl.message` objects; `create=True` binds (the endpoint's owner),
+else connects. A message that does not decode is logged and dropped: it takes no process down."""
 
 from __future__ import annotations
 

@@ -19,10 +19,11 @@ from minisgl.ext.agent.messages_reply import (
     message_events,
     new_message_id,
 )
+from minisgl.ext.serving.disconnect import unless_disconnected
 from minisgl.ext.serving.tokenize import TokenizeRequest, tokenize
 from minisgl.ext.structured.options import chat_options
 from minisgl.extension import extensions
-from minisgl.server.api_server import ApiServer, unless_disconnected
+from minisgl.server.api_server import ApiServer
 from minisgl.server.protocol import APIError, Body, ChatRequest
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")

@@ -427,7 +427,7 @@ def chat_template(tokenizer: Any) -> str:
 
 
 def add_routes(app: Any, api: ApiServer, info: dict[str, Any]) -> None:
-    from minisgl.server.api_server import unless_disconnected
+    from minisgl.ext.serving.disconnect import unless_disconnected
 
     responses = Responses(api)
 

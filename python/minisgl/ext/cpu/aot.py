@@ -316,7 +316,7 @@ class AotDecoder(nn.Module):
     compiled (`runs`, one a layer), or eager for a step they do not hold (a masked one: a
     sliding window shorter than the KV)."""
 
-    # nothing compiles at its first call: a server need not warm it up (Engine.needs_warm_up)
+    # nothing compiles at its first call: a server need not warm it up (ext/serving's needs_warm_up)
     needs_warm_up = False
 
     def __init__(self, decoder: Any, runs: list[Run], step: LayerStep) -> None:

@@ -31,12 +31,7 @@ import torch
 from torch import nn
 
 from minisgl.ext.lora.adapter import MODULES, LoraAdapter, LoraWeights
-from minisgl.layers.linear import (
-    LinearBase,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from minisgl.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 
 T = TypeVar("T")
 _PROJECTION = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
@@ -162,9 +157,7 @@ class ProjectionLora:
                     b[:, :r].copy_(scaled)
                     continue
                 a[j * self.rank : j * self.rank + r].copy_(w.a)
-                if isinstance(module, QKVParallelLinear):  # B: this rank's output rows
-                    module.load_shard(b[:, :r], scaled, ("q", "k", "v")[j])  # type: ignore[arg-type]
-                elif isinstance(module, MergedColumnParallelLinear):
+                if isinstance(module, MergedColumnParallelLinear):  # B: this rank's output rows
                     module.load_shard(b[:, :r], scaled, j)  # type: ignore[arg-type]
                 else:
                     b[:, :r].copy_(scaled)
@@ -172,9 +165,7 @@ class ProjectionLora:
 
 def part_bounds(module: LinearBase) -> list[int]:
     """Where each part's output rows start in the layer (this rank's), then its end."""
-    if isinstance(module, QKVParallelLinear):
-        sizes = [module.q_size, module.kv_size, module.kv_size]
-    elif isinstance(module, MergedColumnParallelLinear):
+    if isinstance(module, MergedColumnParallelLinear):  # gate+up; q, k, v
         sizes = list(module.local_sizes)
     else:
         sizes = [module.weight.shape[0]]

@@ -3,9 +3,10 @@ prefill or mixed step in the decode CUDA graphs, one row per position, instead o
 step (the `forward_paths` point, with the prompt budget that makes steps fit it), switched off
 by --disable-prefill-graphs (`options.py`, the `scheduler_options` point); `hybrid.py` runs
 `--attn PREFILL,DECODE` (the `hybrid_attention` point); `tables.py` sends a step's page- and
-token-table writes in one copy at its head (the `table_writes` point). Without this package
-every prefill runs eagerly, each table write is a copy of its own, and the flag and a backend
-pair are refused naming it. The engine's parts (torch) are imported when the engine makes them
+token-table writes in one copy at its head (the `table_writes` point); `chunks.py` writes a
+stream's chunk of a choice no extension shapes as one format (the `stream_chunks` point).
+Without this package every prefill runs eagerly, each table write is a copy of its own, each
+chunk is a dict encoded, and the flag and a backend pair are refused naming it. The engine's parts (torch) are imported when the engine makes them
 (`Lazy`): the processes without an engine load this registry without torch."""
 
 from minisgl.ext.lazy import Lazy
@@ -17,3 +18,4 @@ _points.scheduler_options["perf"] = PerfOptions
 _points.forward_paths.append(Lazy("minisgl.ext.perf.prefill_rows", "make_prefill_rows"))
 _points.table_writes = Lazy("minisgl.ext.perf.tables", "QueuedTableWrites")
 _points.hybrid_attention = Lazy("minisgl.ext.perf.hybrid", "HybridAttnBackend")
+_points.stream_chunks = Lazy("minisgl.ext.perf.chunks", "PlainChunks")

@@ -20,6 +20,7 @@ from minisgl.extension import StepFeature
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
+    from minisgl.engine.step import ForwardOutput
 
 PROMPT_SLICE = 512  # prompt positions projected onto the vocabulary at once (bounds memory)
 # one position on the host: (log-probability of its token, top ids, their log-probabilities)
@@ -124,6 +125,9 @@ class PromptLogprobs:
     ks: list[int]  # per target position
     result: LogprobRows
 
+    def finish(self, next_ids: torch.Tensor) -> None:
+        """Queued already: the sampled ids play no part (an `Observation`)."""
+
     @staticmethod
     def compute(engine: Engine, batch: Batch, hidden: torch.Tensor) -> PromptLogprobs | None:
         """For each request that asks, the positions of its prompt whose logits this step
@@ -178,10 +182,8 @@ class Logprobs(StepFeature):
         if "logprobs" in req.params.ext:
             req.ext[self.name] = True
 
-    def observe(
-        self, engine: Any, batch: Batch, logits: torch.Tensor, changes: bool
-    ) -> SampledLogprobs | None:
-        return SampledLogprobs.start(batch, logits, changes)
+    def observe(self, engine: Any, batch: Batch, out: ForwardOutput) -> SampledLogprobs | None:
+        return SampledLogprobs.start(batch, out.logits, out.changes)
 
     def read(self, reqs: list[Req], result: SampledLogprobs) -> list[Entry | None] | None:
         """Per batch row, the sampled token's entry when the request asked for logprobs."""
@@ -230,6 +232,10 @@ class PromptScoring(StepFeature):
     def scores_prompt(self, req: Req) -> bool:
         return True
 
+    def accept(self, req: Req, token: int, reason: str | None) -> tuple[str | None, str | None]:
+        """max_tokens=0 (a prompt scored): its prefill's sampled token ends it, dropped."""
+        return ("length" if req.params.max_tokens == 0 else reason), None
+
     def prefix_limit(self, req: Req) -> int:
         return req.ext[self.name].next - 1
 
@@ -237,8 +243,11 @@ class PromptScoring(StepFeature):
         state = req.ext[self.name]
         state.next = max(state.next, min(req.cached_len + req.extend_len + 1, req.prompt_len))
 
-    def observe_prompt(self, engine: Any, batch: Batch, hidden: torch.Tensor) -> Any:
-        return PromptLogprobs.compute(engine, batch, hidden)
+    def observe(self, engine: Any, batch: Batch, out: ForwardOutput) -> PromptLogprobs | None:
+        """An eager prefill's (the one step that keeps every token's hidden states)."""
+        if batch.is_decode or out.hidden is None:
+            return None
+        return PromptLogprobs.compute(engine, batch, out.hidden)
 
     def read(self, reqs: list[Req], result: PromptLogprobs) -> None:
         for i, entries in result.by_row().items():  # prompt positions this step scored
@@ -246,6 +255,9 @@ class PromptScoring(StepFeature):
         return None
 
     def output(self, req: Req, value: Any, output: Any) -> None:
+        if req.params.max_tokens == 0:  # the sampled token is not the request's
+            output.token_ids = []
+            del req.tokens[req.prompt_len :]
         state = req.ext[self.name]
         if state.sent:
             return

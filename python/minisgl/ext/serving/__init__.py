@@ -21,7 +21,9 @@
   (`request_checks`);
 - `status.py`: /health with SGLang's `generate` (and /health_generate), /stats of every API process (ahead of the
   core's); `openapi.py`: the error statuses in the OpenAPI document;
-- `options.py`: its flags (the `options` point), e.g. --max-connections;
+- `disconnect.py`: a plain (not streamed) response cancelled when its client leaves;
+- `options.py`: its flags (the `options` point), e.g. --max-connections; `template.py`:
+  --chat-template (vLLM's), applied by its tokenizer workers;
 - `http.py`, `connections.py`: the limits on requests in progress and on connections, the body
   read timeout and size (--max-request-bytes), every response counted, and a drain that ends
   its requests with an error (the `gate` and `http_server` points); `auth.py`: --api-key; `frontend.py`: --max-queued-requests and
@@ -35,8 +37,8 @@
 Importing this package fills its points of `minisgl.extension.Extensions`; without it those
 routes answer 404, /health?generate=1 is a 400, every API path refuses the fields it does not
 declare, and --dp > 1, `LLM(dp=N > 1)`, a request's `priority` or `data_parallel_rank` and
---schedule-policy priority / lpm are refused, and so are --api-key, MINISGL_API_KEY and
---exit-with-parent; /v1/models has no vocab_size."""
+--schedule-policy priority / lpm are refused, and so are --api-key, MINISGL_API_KEY,
+--exit-with-parent, --chat-template and --skip-server-warmup; /v1/models has no vocab_size."""
 
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ _points.routes += [
     Lazy(f"{_SERVING}.openapi", "add_openapi_errors"),
 ]
 _points.routes.append(Lazy(f"{_SERVING}.status", "add_status_routes"))
+_points.routes.append(Lazy(f"{_SERVING}.disconnect", "add_disconnect_routes"))
 _points.routes.append(Lazy(f"{_SERVING}.tokenizer_info", "add_tokenizer_info_route"))
 _points.routes.append(Lazy(f"{_SERVING}.tokenize", "add_tokenize_routes"))
 _points.routes.append(Lazy(f"{_SERVING}.model_card", "add_models_route"))
@@ -73,5 +76,5 @@ _points.scheduler_options["serving"] = policy.PolicyOptions  # --priority-aging
 _points.admission_policies.update(priority=policy.PriorityQueue, lpm=policy.LongestPrefixQueue)
 _points.sampling_params["priority"] = policy.check_priority
 _points.process_ready = collector.on_ready
-_points.warm_up = warmup.warm_up
+_points.warm_up = warmup.warm_up_when_needed
 _points.scheduler_messages[flush.FlushCacheRequest] = flush.handle_flush

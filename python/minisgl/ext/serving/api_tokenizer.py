@@ -10,8 +10,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from minisgl.ext.serving.options import serving_options
+from minisgl.ext.serving.template import load_chat_tokenizer
 from minisgl.server.protocol import APIError
-from minisgl.tokenizer.server import load_chat_tokenizer
 from minisgl.utils.procs import freeze_startup_heap
 
 T = TypeVar("T")
@@ -30,7 +31,7 @@ async def with_tokenizer(api: Any, work: Callable[[Any], T], param: str) -> T:
                 from minisgl.models.weight import resolve_model_path
 
                 path = resolve_model_path(api.args.engine.model or "")
-                _loaded[api] = load_chat_tokenizer(path, api.args.chat_template)
+                _loaded[api] = load_chat_tokenizer(path, serving_options(api.args).chat_template)
                 freeze_startup_heap()
         return work(_loaded[api])
 

@@ -155,13 +155,12 @@ class ServingFrontend(Frontend):
             retry = {"Retry-After": "1"}
             raise APIError(503, message + "; retry later", code="overloaded", headers=retry)
 
-    async def submit(self, msg: TokenizeMsg) -> asyncio.Queue[UserReply]:
+    async def submit(self, msg: TokenizeMsg, queue: asyncio.Queue[UserReply]) -> None:
         """The core's, with the request's `expire` due after --request-timeout."""
-        queue = await super().submit(msg)
+        await super().submit(msg, queue)
         if self.request_timeout is not None:
             loop = asyncio.get_running_loop()
             self._timers[msg.uid] = loop.call_later(self.request_timeout, self.expire, msg.uid)
-        return queue
 
     def expire(self, uid: int) -> None:
         """Request `uid` ran past --request-timeout: its last reply is a timeout error (504, or

@@ -11,8 +11,8 @@ from minisgl.core import SamplingParams
 from minisgl.ext.serving.dispatch import Dispatcher
 from minisgl.ext.serving.replicas import Replicas
 from minisgl.llm.llm import LLM
-from minisgl.models import default_model, resolve_model_path
 from minisgl.models.hf import load_tokenizer
+from minisgl.models.weight import default_model, resolve_model_path
 
 
 class ReplicatedLLM(LLM):

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass
 
 from minisgl.ext.serving.auth import env_api_key
+from minisgl.ext.serving.template import read_chat_template
 from minisgl.server.args import ServerArgs, seconds
 from minisgl.utils.options import OptionError, int_range, option
 
@@ -24,6 +25,9 @@ def _host_port(value: str) -> str:
 
 @dataclass
 class ServingOptions:
+    chat_template: str | None = option(
+        None, "chat template replacing the tokenizer's: a file's path, or the Jinja text itself"
+    )
     api_key: str | None = option(
         None,
         "require 'Authorization: Bearer KEY' (unset: $MINISGL_API_KEY, which other local users "
@@ -136,6 +140,9 @@ class ServingOptions:
     max_request_bytes: int = option(
         16 * 2**20, "largest HTTP request body accepted (larger ones get 413)", type=int_range(1)
     )
+    skip_server_warmup: bool = option(
+        False, "serve without the warm-up (on a GPU: short requests that compile the kernels)"
+    )
     exit_with_parent: bool = option(
         False, "stop when the process that started the server dies, however it dies"
     )
@@ -147,6 +154,8 @@ class ServingOptions:
     def check(self, args: ServerArgs) -> None:
         """Against the server's options (`ServerArgs.__post_init__`): OptionError naming the
         flag of a combination that cannot run."""
+        if self.chat_template is not None:  # a mistyped path fails here, not as a template
+            read_chat_template(self.chat_template)
         if self.gc_threshold is not None and not 1 <= len(self.gc_threshold) <= 3:
             raise OptionError(
                 "gc_threshold", f"takes one to three counts, got {len(self.gc_threshold)}"

@@ -22,7 +22,7 @@ from minisgl.scheduler.queue import WaitingQueue
 from minisgl.utils.options import int_range, option
 
 if TYPE_CHECKING:  # torch: this module registers in processes without it (the API process)
-    from minisgl.kvcache import KVCacheManager
+    from minisgl.kvcache.manager import KVCacheManager
 
 LPM_MAX_QUEUE = 128  # lpm ranks at most this many waiting requests (as SGLang): beyond, fcfs
 PRIORITY_RANGE = (-(2**31), 2**31)  # vLLM's and SGLang's int32

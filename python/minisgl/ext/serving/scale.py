@@ -29,6 +29,7 @@ from minisgl.ext.serving.options import serving_options
 from minisgl.ext.serving.parent import exit_with_parent
 from minisgl.ext.serving.reaper import Reaper
 from minisgl.ext.serving.worker import tokenizer_worker
+from minisgl.extension import extensions
 from minisgl.message import ExitMsg
 from minisgl.server.launch import DEATH_GRACE_S, Addresses, Launcher, Started, _split, http_server
 from minisgl.utils.procs import wait_ready
@@ -175,6 +176,21 @@ class ServingLauncher(Launcher):
                 sock.close()  # it (drain) or dies, the kernel sends its connections elsewhere
             del self.listeners[1:]
 
+    def preload_front_end(self) -> None:
+        """While the children start: import what the front end runs on (prompt_toolkit; fastapi,
+        uvicorn, the extensions' routes), which would otherwise wait for them (issues 47, 51)."""
+        if self.args.shell:
+            import prompt_toolkit  # noqa: F401  (~0.1 s)
+
+            return
+        import uvicorn  # noqa: F401
+
+        import minisgl.server.api_server  # noqa: F401
+
+        for add_routes in extensions().routes:
+            if (resolve := getattr(add_routes, "resolve", None)) is not None:
+                resolve()  # an extension's route registered by name (ext/lazy.py): imported now
+
     def api_queue(self) -> Callable[[], Any]:
         if self.api_server_count == 1:
             return super().api_queue()
@@ -182,7 +198,9 @@ class ServingLauncher(Launcher):
 
     def tokenizer_worker(self, config: EngineConfig) -> Any:
         options = self.options
-        return tokenizer_worker(config.page_size, options.dp_dispatch, options.dp_load_threshold)
+        return tokenizer_worker(
+            config.page_size, options.dp_dispatch, options.dp_load_threshold, options.chat_template
+        )
 
     def start_schedulers(self, config: EngineConfig) -> tuple[list[Started], list[Started]]:
         """Each replica's TP rank 0 and its other ranks (this node's)."""
@@ -211,7 +229,7 @@ class ServingLauncher(Launcher):
 
         args, a = self.args, self.addrs
         io = (a.schedulers[replica], a.detokenizer, (replica, self.options.dp))
-        meet, warm_up = self._rendezvous(replica), not args.skip_server_warmup
+        meet, warm_up = self._rendezvous(replica), not self.options.skip_server_warmup
         entry = (run_scheduler_process, config, args.scheduler, args.tp, meet, *io, warm_up)
         return self._spawn(self._name(replica, 0), *entry)
 

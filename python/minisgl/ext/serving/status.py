@@ -39,9 +39,9 @@ class HealthProbe:
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
         async def error_of(msg: TokenizeMsg) -> str | None:
-            async with aclosing(frontend.batches(msg)) as batches:
+            async with aclosing(frontend.batches([msg])) as batches:
                 async for batch in batches:
-                    for r in batch:
+                    for _, r in batch:
                         if r.error is not None:
                             return r.error
             return None

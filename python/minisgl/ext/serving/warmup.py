@@ -1,5 +1,5 @@
-"""The server's start-up warm-up (the `warm_up` point): a few synthetic requests so that the
-kernels compile before the first user's request, not in it."""
+"""The server's start-up warm-up (the `warm_up` point, `warm_up_when_needed`): a few synthetic
+requests so that the kernels compile before the first user's request, not in it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,20 @@ from minisgl.core import SamplingParams
 # the warm-up's prompt lengths: short and long, off and on multiples of 16 (Triton specializes
 # integer arguments on divisibility by 16), over a page or several
 WARMUP_PROMPT_LENS = (5, 16, 33, 64, 130, 250, 513, 1000)
+
+
+def needs_warm_up(engine: Any) -> bool:
+    """Kernels compile at first use: on CUDA, or in a compiled decoder that says so
+    (--enable-torch-compile's; one compiled ahead of time does not)."""
+    compiled = engine.compiled_decoder
+    warm = compiled is not None and getattr(compiled, "needs_warm_up", True)
+    return engine.device.type == "cuda" or warm
+
+
+def warm_up_when_needed(scheduler: Any) -> None:
+    """The `warm_up` point: `warm_up` where the engine's kernels compile at first use."""
+    if needs_warm_up(scheduler.engine):
+        warm_up(scheduler)
 
 
 def warm_up(scheduler: Any) -> None:
@@ -33,6 +47,7 @@ def warm_up(scheduler: Any) -> None:
     while scheduler.has_work:
         scheduler.step()
     scheduler.flush_cache()
-    scheduler.planner.reset_counters()
+    planner = scheduler.planner
+    planner.num_preemptions = planner.num_prefill_tokens = planner.num_cached_tokens = 0
     if scheduler.spec is not None:
         scheduler.spec.reset_counts()

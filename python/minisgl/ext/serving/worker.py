@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl.ext.serving.dispatch import Dispatcher
+from minisgl.ext.serving.template import with_chat_template
 from minisgl.message import AbortBackendMsg, AbortMsg, ExitMsg, TokenizeMsg, register
 from minisgl.tokenizer.server import TokenizerWorker, tokenize
 
@@ -66,7 +67,8 @@ def prompt_chars(msg: TokenizeMsg) -> int:
 
 
 class ServingTokenizerWorker(TokenizerWorker):
-    """`dispatch`: (page size, --dp-dispatch, --dp-load-threshold), used with several replicas."""
+    """`dispatch`: (page size, --dp-dispatch, --dp-load-threshold), used with several replicas;
+    `chat_template`: --chat-template's."""
 
     def __init__(
         self,
@@ -75,7 +77,9 @@ class ServingTokenizerWorker(TokenizerWorker):
         to_detok: Any,
         to_api: Any,
         dispatch: tuple[int, str, int] = (16, "prefix", 8),
+        chat_template: str | None = None,
     ) -> None:
+        tokenizer = with_chat_template(tokenizer, chat_template)
         super().__init__(tokenizer, to_sched, to_detok, to_api)
         self.dispatcher = Dispatcher(len(to_sched), *dispatch) if len(to_sched) > 1 else None
         self.background = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -132,6 +136,9 @@ class ServingTokenizerWorker(TokenizerWorker):
         self.background.shutdown(wait=False, cancel_futures=True)
 
 
-def tokenizer_worker(page_size: int, dp_dispatch: str, threshold: int) -> Callable[..., Any]:
+def tokenizer_worker(
+    page_size: int, dp_dispatch: str, threshold: int, chat_template: str | None = None
+) -> Callable[..., Any]:
     """The serving launcher's maker of tokenizer workers (sent to each worker's process)."""
-    return functools.partial(ServingTokenizerWorker, dispatch=(page_size, dp_dispatch, threshold))
+    dispatch = (page_size, dp_dispatch, threshold)
+    return functools.partial(ServingTokenizerWorker, dispatch=dispatch, chat_template=chat_template)

@@ -63,7 +63,7 @@ class SpecOptions:
     def resolve_models(self) -> Any:
         """The options with the draft model downloaded (the launcher, once, before any
         scheduler process starts: a bad path fails naming its flag)."""
-        from minisgl.models import resolve_model_path
+        from minisgl.models.weight import resolve_model_path
 
         if self.speculative_draft_model_path is None:
             return self

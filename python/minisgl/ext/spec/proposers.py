@@ -17,8 +17,9 @@ from minisgl.ext.perf.prefill_rows import samples_plainly
 from minisgl.ext.spec.options import DRAFT_OPTION, spec_options
 from minisgl.ext.spec.verify import VerifyRows
 from minisgl.kvcache.allocator import PageAllocator
-from minisgl.models import ModelConfig, resolve_model_path
+from minisgl.models.config import ModelConfig
 from minisgl.models.hf import load_hf_config
+from minisgl.models.weight import resolve_model_path
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.options import OptionError
 

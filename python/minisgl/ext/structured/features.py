@@ -20,14 +20,15 @@ class StructuredChat:
     """Tool calls and reasoning for the API server, `LLM.chat` and the shell."""
 
     def resolve_parsers(self, args: Any, model_path: str) -> None:
+        from minisgl.ext.serving.options import serving_options
+        from minisgl.ext.serving.template import load_chat_tokenizer
         from minisgl.ext.structured.detect import resolve
-        from minisgl.tokenizer.server import load_chat_tokenizer
 
         options = chat_options(args)
         tool, reasoning = options.tool_call_parser, options.reasoning_parser
         tokenizer = None
         if AUTO in (tool, reasoning):
-            tokenizer = load_chat_tokenizer(model_path, args.chat_template)
+            tokenizer = load_chat_tokenizer(model_path, serving_options(args).chat_template)
         options.tool_call_parser, options.reasoning_parser = resolve(tool, reasoning, tokenizer)
         if options.shell_hide_reasoning and options.reasoning_parser is None:
             message = "needs --shell and --reasoning-parser (auto found no think tags in the "

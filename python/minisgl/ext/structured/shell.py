@@ -68,11 +68,12 @@ def shell_printers(args: Any) -> Callable[[list[dict[str, str]]], Printer]:
     hide, ansi = options.shell_hide_reasoning, sys.stdout.isatty()
     tokenizer = None
     if not reasoning.starts_in_reasoning:
+        from minisgl.ext.serving.options import serving_options
+        from minisgl.ext.serving.template import load_chat_tokenizer
         from minisgl.models.weight import resolve_model_path
-        from minisgl.tokenizer.server import load_chat_tokenizer
 
         path = resolve_model_path(args.engine.model or "")
-        tokenizer = load_chat_tokenizer(path, args.chat_template)
+        tokenizer = load_chat_tokenizer(path, serving_options(args).chat_template)
 
     def printer(history: list[dict[str, str]]) -> Printer:
         opened = False
