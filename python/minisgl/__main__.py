@@ -2,8 +2,11 @@
 
 import sys
 
+from minisgl.extension import extensions
+from minisgl.models.weight import default_model
 from minisgl.server.args import parse_args
 from minisgl.server.launch import launch_server, serve_http
+from minisgl.shell import run_shell
 
 
 def main() -> int:
@@ -13,22 +16,14 @@ def main() -> int:
         print(f"minisgl: {e}", file=sys.stderr)
         return 1
     if args.engine.model is None:
-        from minisgl.models.weight import default_model
-
         try:
             args.engine.model = default_model()
         except ValueError as e:  # not installed, or no cpu extension to read it
             print(f"python -m minisgl: {e}", file=sys.stderr)
             return 2
-        from minisgl.extension import extensions
-
         # a short id in /v1/models, not a path inside site-packages (the path is accepted too)
         args.served_model_name = args.served_model_name or extensions().default_model_name
-    if args.shell:
-        from minisgl.shell import run_shell
-
-        return launch_server(args, run_shell)
-    return launch_server(args, serve_http)
+    return launch_server(args, run_shell if args.shell else serve_http)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,7 @@ EXTENSION_PARAMS: dict[str, tuple[str, Any]] = {
     "repetition_penalty": ("sampling", 1.0),
     "logit_bias": ("sampling", {}),
     "min_tokens": ("sampling", 0),
-    "logprobs": ("sampling", None),
-    "prompt_logprobs": ("sampling", None),
+    **dict.fromkeys(("logprobs", "prompt_logprobs"), ("sampling", None)),
     "lora_name": ("lora", None),
     "priority": ("serving", 0),
 }

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # types only: torch is not imported to load the registry
     import torch
 
 T = TypeVar("T")
+Shaped = tuple[dict[str, Any], str | None]  # (a message or delta, its finish_reason)
 
 
 class ExtensionMissing(ValueError):
@@ -39,14 +40,10 @@ class ChatShaping(Protocol):
     def constrain(self, params: Any) -> Any: ...  # SamplingParams with a forced call's grammar
 
     # (message: content, reasoning_content, tool_calls; finish_reason) of a whole response
-    def message(
-        self, text: str, finish_reason: str | None
-    ) -> tuple[dict[str, Any], str | None]: ...
+    def message(self, text: str, finish_reason: str | None) -> Shaped: ...
 
     # the stream delta of choice `index` for its next text (the last has finish_reason set)
-    def delta(
-        self, index: int, text: str, finish_reason: str | None
-    ) -> tuple[dict[str, Any], str | None]: ...
+    def delta(self, index: int, text: str, finish_reason: str | None) -> Shaped: ...
 
 
 class ChatFeatures(Protocol):
@@ -113,6 +110,9 @@ class StepFeature:
 
     name = ""  # its key in Req.ext and in a step's results
     stage = 0  # processors run in stage order: a mask (0) before the adjustments (1) it bounds
+    scores_prompt = False  # max_tokens=0 still runs its requests' prefill (prompt logprobs)
+    changes_logits = False  # `process` may change its requests' logits (sampled eagerly after)
+    needs_tokens = False  # `prepare` reads the tokens of the step in flight (no overlap then)
 
     # ---- requests (Scheduler) ----
     def request(self, req: Any) -> None:
@@ -122,16 +122,15 @@ class StepFeature:
         """Its, added: True keeps it out of the queue until the feature queues or ends it."""
         return False
 
+    def before_step(self) -> None:
+        """Each step's start, before it is planned (ext/held.py: admit the requests it held)."""
+
     def settle(self, req: Any) -> None:
         """Offline, its: wait for what holds the request; raise its error (ValueError)."""
 
-    def scores_prompt(self, req: Any) -> bool:
-        """Its: max_tokens=0 still runs the prompt's prefill (prompt log-probabilities)."""
-        return False
-
-    def prefix_limit(self, req: Any) -> int | None:
+    def prefix_limit(self, req: Any) -> int:
         """Its: how many leading tokens the prefix cache may supply at most."""
-        return None
+        return len(req.tokens)
 
     def cache_namespace(self, req: Any) -> int:
         """Its: the prefix cache's namespace of its KV, < 2**31 (0: shared with all; LoRA)."""
@@ -140,9 +139,6 @@ class StepFeature:
     def admitted(self, req: Any) -> None:
         """Every request given a page-table row: the row's previous state is the feature's."""
 
-    def launched(self, req: Any) -> None:
-        """Its forward is queued (cached_len / extend_len not advanced yet)."""
-
     def finished(self, req: Any) -> None:
         """Its end (once; before the core releases it)."""
 
@@ -150,14 +146,6 @@ class StepFeature:
         """The scheduler stops."""
 
     # ---- a step's logits (Engine) ----
-    def changes_logits(self, req: Any) -> bool:
-        """Its: `process` may change its logits (its rows sample eagerly after)."""
-        return False
-
-    def needs_tokens(self) -> bool:
-        """`prepare` reads the tokens of the step in flight (no overlap for such a step)."""
-        return False
-
     def prepare(self, batch: Any, samples: list[bool]) -> Any:
         """Host input of `process`, built while the forward runs (None: nothing to do)."""
         return None
@@ -188,36 +176,25 @@ class StepFeature:
         return {}
 
 
-class Speculator:
-    """Speculative decoding (ext/spec), one per Scheduler (`proposer`). Running requests
-    propose tokens after their last; the step computes them as an extend (1 + proposals), the
-    engine samples the target at each position (`verify`) and the scheduler outputs the run
-    the target agrees with (`accept`). A proposing step waits for the step in flight; a
-    verifying one is read before the next is planned."""
+class Speculator(StepFeature):
+    """Speculative decoding (ext/spec), a step feature of every running request: they propose
+    tokens past their last, the step computes them as an extend, its forward path samples the
+    target at each position, the scheduler outputs the run the target agrees with (`accept_run`)."""
 
-    name = "spec"  # its key in a step's results
+    # its key in a step's results: the target's tokens, which `read` gives to each batch row
+    # that verifies (None: the others)
+    name = "spec"
 
-    def wants(self, running: list[Any]) -> bool:
-        """Whether the next decode step proposes for some running request."""
-        return False
+    def propose(self, planner: Any, decodes: list[Any]) -> None:
+        """Once per decode step planned, its decode rows (each with the pages of its next token):
+        proposals past some, each where pages are left (`planner.grow`; extend_len 1 + them)."""
 
-    def propose(self, running: list[Any]) -> dict[int, list[int]]:
-        """uid -> proposals for the next decode step (once per decode step planned)."""
-        return {}
-
-    def verify(self, engine: Any, batch: Any, out: Any) -> None:
-        """An extend step: the target's tokens of the verifying rows into `out.results`."""
-
-    def verified(self, result: Any) -> dict[int, list[int]]:
-        """The result on the host: batch row -> the target's token at each position."""
-        return {}
-
-    def accept(self, engine: Any, req: Any, slot: int, targets: list[int]) -> list[int]:
+    def accept_run(self, engine: Any, req: Any, slot: int, targets: list[int]) -> list[int]:
         """The run the scheduler outputs (the proposals up to the first the target rejects,
         then the target's token): the rest's KV dropped, req.tokens cut to `slot`."""
         return targets[:1]
 
-    def result(self, req: Any) -> dict[str, Any]:
+    def result(self, req: Any, outputs: list[Any] | None = None) -> dict[str, Any]:
         """Its counts in the request's offline result (`LLM.generate`)."""
         return {}
 
@@ -227,9 +204,6 @@ class Speculator:
 
     def release(self, req: Any) -> None:
         """The request leaves the running set (ends, or is preempted)."""
-
-    def shutdown(self) -> None:
-        """The scheduler stops."""
 
 
 class ForwardPath:
@@ -248,23 +222,6 @@ class ForwardPath:
         return budget
 
 
-class RequestObserver:
-    """What an API process sees of its requests, counted (ext/serving's metrics)."""
-
-    # one UserReply of a request submitted at `submitted`, its previous token at `last_token`
-    def reply(
-        self, priority: int, submitted: float, last_token: float | None, reply: Any, now: float
-    ) -> None: ...
-
-    def ended(self, reason: str) -> None: ...  # ended before its last reply (abort, timeout)
-
-    def response(self, path: str, status: int) -> None: ...  # answered `path` with `status`
-
-    def text(self) -> str:
-        """This process's counts for the process that answers for all ("": none)."""
-        return ""
-
-
 @dataclass
 class Extensions:
     """Every point, with its do-nothing default."""
@@ -279,8 +236,6 @@ class Extensions:
     default_model: Callable[[], str] | None = None
     # the short id the server gives default_model's model (/v1/models; None: its path)
     default_model_name: str | None = None
-    # (EngineConfig, model dir) -> what --dtype auto means on cpu (None: float32)
-    cpu_dtype: Callable[[Any, str], torch.dtype] | None = None
     # (engine being built) -> the transform of its model around the weights' loading, or None
     model_transform: Callable[[Any], ModelTransform | None] | None = None
     # (engine, built) -> the decoder one-request decode steps run (--enable-torch-compile), or None;
@@ -294,8 +249,6 @@ class Extensions:
     request_fields: dict[str, list[Any]] = field(default_factory=dict)
     # (an HTTP request's first TokenizeMsg) -> None or an APIError: bounds on its work
     request_checks: list[Callable[[Any], None]] = field(default_factory=list)
-    # (the API process's Frontend) -> the observer of its requests (None: nothing counted)
-    request_observer: Callable[[Any], RequestObserver] | None = None
     # () -> the `LLM` subclass that `LLM(dp=N, dp_dispatch=..., dp_load_threshold=...)` makes
     # (replica processes); None: those options are refused
     replicas: Callable[[], type] | None = None
@@ -306,13 +259,14 @@ class Extensions:
     # (app, args, frontend, paths) -> the ASGI middleware every HTTP request passes: a
     # `server.gate.Gate` subclass (None: the Gate, which checks nothing)
     gate: Callable[..., Any] | None = None
-    # (args, app, frontend, on_shutdown) -> the uvicorn server an API process runs `app` with
-    # (None: plain uvicorn, in `server.launch.http_server`)
+    # (args, app, frontend) -> the uvicorn server an API process runs `app` with (None: plain
+    # uvicorn, in `server.launch.http_server`)
     http_server: Callable[..., Any] | None = None
     # an extension's SamplingParams parameter (kept in `SamplingParams.ext`) -> its check
     # (normalizes `ext` in place, ValueError); one set without it is refused (EXTENSION_PARAMS)
     sampling_params: dict[str, Callable[[Any], None]] = field(default_factory=dict)
-    # (scheduler) -> a feature of its steps, or None when it has nothing to do there
+    # (scheduler) -> a feature of its steps, or None when it has nothing to do there (a
+    # `Speculator` among them: its speculative decoding; none: the core proposes nothing)
     step_features: list[Callable[[Any], StepFeature | None]] = field(default_factory=list)
     # (path) -> the JSON body of an error answered there, (status, message, param, code) ->
     # body: the Gate's refusals on the paths of an API whose clients expect another shape than
@@ -334,8 +288,6 @@ class Extensions:
     # (engine config, scheduler config) -> the EngineConfig a scheduler builds its engine with
     # (e.g. with an extension's options in `EngineConfig.extras`)
     engine_config: list[Callable[[Any, Any], Any]] = field(default_factory=list)
-    # (scheduler) -> its speculative decoding, or None when off (the core then proposes nothing)
-    proposer: Callable[[Any], Speculator | None] | None = None
     # (scheduler) -> a speed path of its engine's forward and planner, or None (off)
     forward_paths: list[Callable[[Any], ForwardPath | None]] = field(default_factory=list)
     # (LLM, lora_request: one or one per prompt, params per prompt) -> the params naming each
@@ -347,6 +299,9 @@ class Extensions:
     # (prefill backend, decode backend) -> the attention backend of `--attn PREFILL,DECODE`
     # (None: a pair of two backends is refused)
     hybrid_attention: Callable[[Any, Any], Any] | None = None
+    # (device, KV cache dtype) -> the prefill backend `--attn auto` pairs with Triton's decode
+    # (ext/perf's: fi on Hopper; None: Triton's own)
+    auto_prefill: Callable[[Any, Any], str] | None = None
     # (scheduler) -> None: synthetic requests served at the server's start, where kernels
     # compile at first use, so that they compile before the first user's request (None: they
     # compile in the first requests; --skip-server-warmup: not called)
@@ -367,6 +322,13 @@ class Extensions:
     # (head, shape) -> the writer of a stream's OpenAI chunks, a `server.api_server.Chunks`
     # subclass (ext/perf's formats a choice no extension shapes directly; None: the Chunks)
     stream_chunks: Callable[[dict[str, Any], Any], Any] | None = None
+    # (EngineConfig, `LLM`'s scheduler options) -> those options with the extension's defaults
+    # for the ones not given (ext/perf: 32k-token prompt chunks on a GPU of >= 70 GiB; None: as
+    # given, the server's defaults otherwise)
+    llm_defaults: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
+    # () -> the context manager `LLM.generate` steps its requests in (ext/perf: no automatic
+    # garbage collection meanwhile; None: the collector as it is)
+    offline_run: Callable[[], Any] | None = None
     # -- points -- (new points go above this line)
     loaded: bool = False  # bookkeeping, not a point: minisgl.ext was imported (extensions())
 
@@ -393,30 +355,17 @@ def require(value: T | None, what: str, extension: str) -> T:
     return value
 
 
-# The options of the extensions that the core knows by name (a prefix), so that without the
-# extension `LLM(...)` and the command line refuse them naming it, not as unknown.
+# The options of the extensions that the core knows by name (prefixes, by extension), so that
+# without the extension `LLM(...)` and the command line refuse them naming it, not as unknown.
+# "dp": --dp, --dp-size, --dp-dispatch, --dp-load-threshold; "data_parallel": --data-parallel-size
 EXTENSION_OPTIONS = {
-    "speculative_": "spec",
-    "disable_prefill_graphs": "perf",
-    "json_any_whitespace": "structured",
-    "tool_call_parser": "structured",
-    "reasoning_parser": "structured",
-    "shell_hide_reasoning": "structured",
-    "grammar_compile_timeout": "structured",
-    "priority_aging": "serving",
-    "api_key": "serving",
-    "dp": "serving",  # --dp, --dp-size, --dp-dispatch, --dp-load-threshold
-    "max_queued_requests": "serving",
-    "request_timeout": "serving",
-    "max_request_bytes": "serving",
-    "data_parallel": "serving",  # --data-parallel-size
-    "exit_with_parent": "serving",
-    "skip_server_warmup": "serving",
-    "chat_template": "serving",
-    "quantization": "cpu",
-    "enable_torch_compile": "cpu",
-    "cpu_compile": "cpu",
-    "cpu_threads": "cpu",
+    "spec": "speculative_",
+    "perf": "disable_prefill_graphs",
+    "structured": "json_any_whitespace tool_call_parser reasoning_parser shell_hide_reasoning "
+    "grammar_compile_timeout",
+    "serving": "priority_aging api_key dp max_queued_requests request_timeout max_request_bytes "
+    "data_parallel exit_with_parent skip_server_warmup chat_template",
+    "cpu": "quantization enable_torch_compile cpu_compile cpu_threads",
 }
 
 
@@ -424,6 +373,6 @@ def check_extension_options(names: list[str], flag: bool = False) -> None:
     """ExtensionMissing for the first of `names` (or its `--flag`) a missing extension takes."""
     for name in names:
         key = name.lstrip("-").replace("-", "_")
-        for prefix, extension in EXTENSION_OPTIONS.items():
-            if key.startswith(prefix):
+        for extension, prefixes in EXTENSION_OPTIONS.items():
+            if key.startswith(tuple(prefixes.split())):
                 raise ExtensionMissing("--" + key.replace("_", "-") if flag else key, extension)

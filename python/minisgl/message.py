@@ -200,7 +200,6 @@ def decode(data: bytes) -> Any:
         raise ValueError(f"malformed message: {type(e).__name__}: {e}") from e
 
 
-for _cls in [
-    c for c in list(globals().values()) if isinstance(c, type) and dataclasses.is_dataclass(c)
-]:
-    register(_cls)  # every message above, and SamplingParams
+for _cls in list(globals().values()):
+    if isinstance(_cls, type) and dataclasses.is_dataclass(_cls):
+        register(_cls)  # every message above, and SamplingParams

@@ -5,6 +5,8 @@ the plain run."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -99,10 +101,13 @@ def test_auto_attention_and_fi_with_an_fp8_pool(monkeypatch):
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(attn, "flashinfer_available", lambda: True)
-    assert auto_backend(cuda, torch.bfloat16, None, torch.bfloat16) == "triton"
-    assert auto_backend(cuda, torch.bfloat16, None, torch.float8_e4m3fn) == "triton"
-    assert auto_backend(cuda, torch.bfloat16, 4096, torch.bfloat16) == "fi"  # sliding window
-    assert auto_backend(cuda, torch.bfloat16, 4096, torch.float8_e4m3fn) == "torch"
+    assert auto_backend(cuda, torch.bfloat16, None) == "triton"
+    assert auto_backend(cuda, torch.float8_e4m3fn, None) == "triton"
+    assert auto_backend(cuda, torch.bfloat16, 4096) == "fi"  # sliding window
+    assert auto_backend(cuda, torch.float8_e4m3fn, 4096) == "torch"
+    # the pool's dtype, not the model's, decides
+    backend = create_attention_backend("auto", cuda, 4096, torch.bfloat16, 8, torch.float8_e4m3fn)
+    assert backend.name == "torch"
     for name in ("fi", "fi,triton", "triton,fi"):
         with pytest.raises(ValueError, match="needs a 16-bit KV cache.*--attn triton"):
             create_attention_backend(
@@ -115,6 +120,7 @@ def test_auto_prefill_is_fi_on_hopper_only(monkeypatch):
     """--attn auto's prefill: fi (FA3) on a Hopper GPU with flashinfer, a 16-bit KV cache and
     ext/perf's pair; triton's otherwise (the decode's)."""
     import minisgl.attention as attn
+    from minisgl.ext.perf.hybrid import hopper_prefill
     from minisgl.extension import extensions
 
     cuda = torch.device("cuda", 0)
@@ -122,12 +128,14 @@ def test_auto_prefill_is_fi_on_hopper_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(attn, "flashinfer_available", lambda: True)
-    assert attn.hopper_prefill(cuda, torch.bfloat16)
-    assert not attn.hopper_prefill(cuda, torch.float8_e4m3fn)  # fi reads 16-bit KV only
+    assert extensions().auto_prefill(cuda, torch.bfloat16) == "fi"  # the point is ext/perf's
+    assert hopper_prefill(cuda, torch.float8_e4m3fn) == "triton"  # fi reads 16-bit KV only
     capability[0] = (8, 0)
-    assert not attn.hopper_prefill(cuda, torch.bfloat16)  # FA3 is Hopper's
+    assert hopper_prefill(cuda, torch.bfloat16) == "triton"  # FA3 is Hopper's
     capability[0] = (9, 0)
-    monkeypatch.setattr(extensions(), "hybrid_attention", None)  # the core alone: no pair
-    assert not attn.hopper_prefill(cuda, torch.bfloat16)
     monkeypatch.setattr(attn, "flashinfer_available", lambda: False)
-    assert not attn.hopper_prefill(cuda, None)
+    assert hopper_prefill(cuda, None) == "triton"
+    monkeypatch.setattr(attn, "flashinfer_available", lambda: True)
+    monkeypatch.setattr(extensions(), "auto_prefill", None)  # the core alone: no pair
+    if importlib.util.find_spec("triton") is not None:
+        assert create_attention_backend("auto", cuda, dtype=torch.bfloat16).name == "triton"

@@ -249,16 +249,45 @@ def test_grammar_end_wins_over_min_tokens(chat_model):
         llm.shutdown()
 
 
+@pytest.mark.ext  # ext/perf's (the llm_defaults point)
 def test_offline_chunks_are_longer_on_a_big_gpu(monkeypatch):
     """LLM on a GPU of >= 70 GiB computes prompt chunks of 32k tokens (the server keeps 8192);
     a budget given keeps both as given, and a CPU is no big GPU."""
-    import minisgl.llm.llm as llm_mod
+    import minisgl.ext.perf.offline as offline
 
-    assert not llm_mod.big_gpu("cpu") and (torch.cuda.is_available() or not llm_mod.big_gpu("cuda"))
+    assert not offline.big_gpu("cpu") and (torch.cuda.is_available() or not offline.big_gpu("cuda"))
     _, sched = LLM.configs("m", {})
     assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (8192, 8192)
-    monkeypatch.setattr(llm_mod, "big_gpu", lambda device: True)
+    monkeypatch.setattr(offline, "big_gpu", lambda device: True)
     _, sched = LLM.configs("m", {})
     assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (32768, 32768)
     _, sched = LLM.configs("m", {"max_num_batched_tokens": 4096})
     assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (8192, 4096)
+
+
+def test_offline_chunks_are_the_servers_without_the_extension(core_alone):
+    """The core alone has no big-GPU rule: LLM's budgets are the server's 8192 on any device."""
+    from minisgl.extension import extensions
+
+    assert extensions().llm_defaults is None
+    _, sched = LLM.configs("m", {"device": "cuda"})
+    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (8192, 8192)
+
+
+@pytest.mark.ext  # ext/perf's (the offline_run point)
+def test_generate_steps_without_automatic_collection(model_dirs, monkeypatch):
+    """While `generate` steps, the collector is off (a full collection would walk every output
+    gathered so far); after it, on again as it was."""
+    import gc
+
+    path, _ = model_dirs("llama")
+    llm = LLM(path, page_size=4, num_pages=64)
+    step, collecting = llm.scheduler.step, []
+
+    def recording_step():
+        collecting.append(gc.isenabled())
+        return step()
+
+    monkeypatch.setattr(llm.scheduler, "step", recording_step)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert collecting and not any(collecting) and gc.isenabled()

@@ -178,7 +178,7 @@ def test_same_batch_duplicate_pages_go_back(references):
     sched.step()
     a, b, c = reqs
     assert sched.planner.running == [a, b] and b.pages[:12] == a.pages[:12]
-    freed = sched.cache.allocator.free_pages()[-12:]
+    freed = sched.cache.allocator._free[-12:]
     sched.step()
     assert set(freed) <= set(c.pages), "the freed copies were meant to be reused at once"
     while sched.has_work:

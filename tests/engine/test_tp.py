@@ -136,6 +136,9 @@ def test_bad_tp_sizes_fail_before_spawning(model_dirs, tmp_path):
     )
     with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) and TP size 2"):
         LLM(odd, tp=2, **ENGINE)
+    fewer = _config_only(path, str(tmp_path / "fewer"), num_attention_heads=6, hidden_size=96)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\) and TP size 3: one must"):
+        LLM(fewer, tp=3, **ENGINE)  # fewer KV heads than ranks, and 3 not a multiple of 2
     with pytest.raises(ValueError, match="invalid TP size 0"):
         LLM(path, tp=0, **ENGINE)
     assert mp.active_children() == [] and get_tp_info().size == 1

@@ -125,7 +125,7 @@ def test_auto_on_cuda():
     from minisgl.extension import extensions
 
     hopper = torch.cuda.get_device_capability(DEVICE)[0] == 9
-    if hopper and flashinfer_available() and extensions().hybrid_attention is not None:
+    if hopper and flashinfer_available() and extensions().auto_prefill is not None:
         assert auto(torch.bfloat16).name == "fi,triton"  # FA3's prefill, Triton's decode
     else:
         assert isinstance(auto(torch.bfloat16), TritonAttnBackend)  # measured faster than fi

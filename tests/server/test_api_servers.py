@@ -139,28 +139,22 @@ def test_api_processes_number_their_requests_apart_and_answer_each_other(tmp_pat
 def test_each_api_process_admits_its_share_of_the_queue_limit(tmp_path: Any) -> None:
     """--max-queued-requests 5 over 2 API processes: each admits 3 waiting requests."""
     from minisgl.ext.serving.frontend import ServingFrontend
-    from minisgl.ext.serving.options import ServingOptions
-    from minisgl.server.api_server import ApiServer
-    from minisgl.server.args import ServerArgs
     from minisgl.server.frontend import _InFlight
     from minisgl.server.protocol import APIError
 
-    options = ServingOptions(api_server_count=2, max_queued_requests=5)
-    args = ServerArgs(extras={"serving": options})
     addrs = [f"ipc://{tmp_path}/api{k}" for k in range(2)]
 
     async def main() -> None:
         tok = [f"ipc://{tmp_path}/tok"]
         frontend = ServingFrontend(tok, addrs[0], api_addrs=addrs, max_queued_requests=5)
-        api = ApiServer(frontend, args, 64)
         for queued in range(3):
             assert frontend.num_queued == queued
-            api.admit()
+            frontend.admit()
             frontend.requests[queued] = _InFlight(asyncio.Queue())  # waiting for its first token
         with pytest.raises(APIError, match=r"limit 3\)"):
-            api.admit()
+            frontend.admit()
         frontend.requests[0].last_token = 1.0  # one started: room for one more
-        api.admit()
+        frontend.admit()
         for q in (frontend.recv, *frontend.to_tokenizers, *frontend.to_peers.values()):
             q.close()
 

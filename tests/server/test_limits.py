@@ -321,6 +321,7 @@ def test_a_request_past_its_timeout_ends_with_the_error_and_is_aborted(tmp_path:
             ((_, reply),) = await asyncio.wait_for(batches.__anext__(), 10)
             assert (reply.finished, reply.finish_reason) == (True, "timeout")
             assert reply.error == "request timed out after 0.2 s"
+        assert frontend.metrics.finished.labels("timeout")._value.get() == 1  # counted
         assert isinstance(await tok.get(), TokenizeMsg)
         assert await asyncio.wait_for(tok.get(), 10) == AbortMsg(msg.uid)
         assert frontend.requests == {} and frontend.num_queued == 0

@@ -24,6 +24,11 @@ from support.server import REPO
 
 LATER = 5  # replies that reach the handler together, after each choice's first
 
+try:  # the server's: the serving extension's Gate counts responses in its Frontend's metrics
+    from minisgl.ext.serving.frontend import ServingFrontend as front_end
+except ModuleNotFoundError:  # the core alone
+    front_end = Frontend
+
 
 async def fake_pipeline(
     tok: ZmqAsyncPullQueue, api: ZmqAsyncPushQueue, n: int, writes: list[bytes]
@@ -53,7 +58,7 @@ def test_replies_that_came_together_are_written_together(tmp_path: Any, n: int) 
 
     async def run() -> str:
         tok = ZmqAsyncPullQueue(tok_addr, create=True)
-        frontend = Frontend([tok_addr], api_addr)
+        frontend = front_end([tok_addr], api_addr)
         api = ZmqAsyncPushQueue(api_addr, create=False)
         app = create_app(frontend, ServerArgs(), 1 << 16)
 
@@ -99,3 +104,20 @@ def test_bench_api_runs() -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "4 streams x 8 tokens" in out.stdout and "delivered" in out.stdout, out.stdout
+
+
+def test_a_dead_pipeline_refuses_new_requests(tmp_path: Any) -> None:
+    """Once the pipeline is gone (`Frontend.fail`), a new request is a 503 naming why."""
+    from minisgl.server.protocol import APIError
+
+    frontend = Frontend([f"ipc://{tmp_path}/tok"], f"ipc://{tmp_path}/api")
+    frontend.admit()  # alive: admitted
+    frontend.fail("scheduler_0 process died (exit code 1)")
+    with pytest.raises(APIError) as refused:
+        frontend.admit()
+    assert (refused.value.status, refused.value.code) == (503, "server_unavailable")
+    assert (
+        refused.value.message == "server is shutting down: scheduler_0 process died (exit code 1)"
+    )
+    for q in (frontend.recv, *frontend.to_tokenizers):
+        q.close()

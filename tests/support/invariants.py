@@ -33,7 +33,7 @@ def check_invariants(manager: KVCacheManager, owned_by_requests: Sequence[int] =
     cache = manager.prefix_cache
     check_integrity(cache)
     cached = cache.owned_pages()
-    counts = Counter(manager.allocator.free_pages() + cached + list(owned_by_requests))
+    counts = Counter(manager.allocator._free + cached + list(owned_by_requests))
     twice = [page for page, n in counts.items() if n > 1]
     assert not twice, f"pages in two places (free, cached, a request's): {twice[:10]}"
     lost = set(range(manager.num_pages)).symmetric_difference(counts)

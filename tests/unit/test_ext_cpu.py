@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -35,7 +35,9 @@ NEEDS = "needs the cpu extension (minisgl/ext/cpu)"
 def test_the_extension_fills_its_points() -> None:
     points = extension.extensions()
     assert points.gguf_model is not None and points.default_model is not None
-    assert points.cpu_dtype is not None and points.model_transform is not None
+    from minisgl.ext.cpu.options import engine_options  # (also --dtype auto's choice)
+
+    assert engine_options in points.engine_config and points.model_transform is not None
     assert points.decoder_transform is not None
 
 
@@ -68,6 +70,22 @@ def test_the_extension_hands_its_options_to_the_engine() -> None:
     with pytest.raises(OptionError, match="invalid quantization 'int4'") as info:
         LLM.configs("model", {"quantization": "int4"})
     assert info.value.name == "quantization"
+
+
+@pytest.mark.ext
+def test_dtype_auto_on_cpu_is_the_extensions_choice(monkeypatch) -> None:
+    """--dtype auto on cpu: bfloat16 for quantized weights on a bf16 CPU (`engine_options`,
+    which the core's float32 then never sees), float32 under MINISGL_CPU_FLOAT32=1."""
+    from minisgl.ext.cpu import policy
+    from minisgl.ext.cpu.options import engine_options
+
+    engine, sched = LLM.configs("model", {"quantization": "int8", "device": "cpu"})
+    monkeypatch.setattr(policy, "cpu_bf16_flag", lambda: "avx512_bf16")
+    assert engine_options(engine, sched).dtype == "float32"  # conftest: MINISGL_CPU_FLOAT32
+    monkeypatch.setenv("MINISGL_CPU_FLOAT32", "0")
+    assert engine_options(engine, sched).dtype == "bfloat16"
+    given = replace(engine, dtype="float16")
+    assert engine_options(given, sched).dtype == "float16"
 
 
 def test_gguf_and_default_models_are_refused(core_alone, tmp_path) -> None:

@@ -8,6 +8,7 @@ tests carry the `core` mark (.ci/run runs them without ext/)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -20,9 +21,8 @@ import httpx
 import pytest
 
 from minisgl import LLM, extension
-from minisgl.extension import RequestObserver
 from minisgl.message import UserReply
-from minisgl.server.frontend import Frontend
+from minisgl.server.frontend import Frontend, _InFlight
 from minisgl.utils.options import OptionError
 from support.server import Server, make_tiny_model, run_server
 
@@ -62,7 +62,6 @@ def test_the_extension_fills_its_points() -> None:
     assert sglang.add_sglang_routes in routes
     assert metrics.add_metrics_route in routes
     assert isinstance(points.unknown_fields, fields.UnknownFields)  # SGLang's on /generate
-    assert resolved(points.request_observer) is metrics.frontend_metrics
     from minisgl.ext.serving import llm_dp, replicas, scale, worker
 
     assert resolved(points.replicas) is replicas.replicated_llm
@@ -160,12 +159,17 @@ def test_an_api_key_in_the_environment_is_refused_without_it(
 
 @pytest.mark.core
 def test_the_core_alone_counts_nothing(core_alone: None, tmp_path: Any) -> None:
-    """The Frontend's observer is the do-nothing default: it gives no metrics text."""
+    """The core's Frontend keeps no metrics (the serving extension's Frontend counts them) and
+    observes a reply all the same."""
     addr = f"ipc://{tmp_path}/api"
     frontend = Frontend([f"ipc://{tmp_path}/tok"], addr)
-    assert type(frontend.metrics) is RequestObserver
-    frontend.metrics.reply(0, 0.0, None, UserReply(0, "x", [1], True, "stop", 1, 1), 1.0)
-    assert frontend.metrics.text() == ""
+    assert not hasattr(frontend, "metrics")
+    req = _InFlight(asyncio.Queue())
+    frontend._observe(req, UserReply(0, "x", [1], True, "stop", 1, 1), 1.0)
+    assert (req.last_token, req.finished) == (1.0, True)
+    frontend.recv.close()
+    for q in frontend.to_tokenizers:
+        q.close()
 
 
 @pytest.mark.core

@@ -1,8 +1,8 @@
 """The spec (speculative decoding) and perf (prompts as CUDA-graph rows) extensions as the core
 sees them (issue 46): with them their options are flags and `LLM(...)` keywords, parsed into
-`SchedulerConfig.extras`, and they fill the `proposer` and `forward_paths` points; the core
-alone refuses those options naming the flag and the extension. Their behaviour:
-tests/engine/test_spec.py, tests/engine/test_prefill_rows.py."""
+`SchedulerConfig.extras`, and they fill the `step_features` (the speculation) and
+`forward_paths` points; the core alone refuses those options naming the flag and the extension.
+Their behaviour: tests/engine/test_spec.py, tests/engine/test_prefill_rows.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ REFUSED = [
 def test_the_extensions_fill_their_points() -> None:
     points = extension.extensions()
     assert {"spec", "perf"} <= set(points.scheduler_options)
-    assert points.proposer is not None and len(points.forward_paths) >= 2
+    from minisgl.ext.spec.speculator import make_speculation
+
+    makers = [getattr(m, "resolve", lambda m=m: m)() for m in points.step_features]
+    assert make_speculation in makers and len(points.forward_paths) >= 2
     config = parse_args(["--speculative-algorithm", "ngram", "--disable-prefill-graphs"])
     spec, perf = config.scheduler.extras["spec"], config.scheduler.extras["perf"]
     assert spec.speculative_algorithm == "ngram" and perf.disable_prefill_graphs

@@ -20,7 +20,6 @@ import pytest
 
 from minisgl.ext.serving.auth import credentials_refused
 from minisgl.ext.serving.text import LONE_SURROGATE, NOT_UTF8, invalid_text_path
-from minisgl.extension import RequestObserver
 
 # (body, what invalid_text_path finds)
 BODIES: list[tuple[bytes, tuple[str | None, str] | None]] = [
@@ -80,7 +79,7 @@ def test_x_api_key() -> None:
     assert credentials_refused([], key) is not None
 
 
-class Responses(RequestObserver):
+class Responses:
     """The responses the gate counted, as (path, status)."""
 
     def __init__(self) -> None:

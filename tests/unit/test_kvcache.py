@@ -53,7 +53,7 @@ def test_allocator_errors_leave_state_intact() -> None:
     a = PageAllocator(4)
     p = a.alloc(2)
     assert p is not None
-    free_before = sorted(a.free_pages())
+    free_before = sorted(a._free)
     with pytest.raises(ValueError):
         a.free([p[0], free_before[0]])  # second one is already free
     with pytest.raises(ValueError):
@@ -62,7 +62,7 @@ def test_allocator_errors_leave_state_intact() -> None:
         a.free([p[0], -1])
     with pytest.raises(ValueError):
         a.free([p[0], p[0]])  # duplicate in one call
-    assert sorted(a.free_pages()) == free_before
+    assert sorted(a._free) == free_before
     a.free(p)
     with pytest.raises(ValueError):
         a.free([p[1]])  # double free
@@ -430,7 +430,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for j, page in enumerate(pages[: aligned // self.P]):
             # The cache's pages (maybe another request's) hold the same tokens as the duplicates.
             assert self.content[page] == tuple(computed[j * self.P : (j + 1) * self.P])
-        assert set(old) - set(pages) <= set(self.m.allocator.free_pages())
+        assert set(old) - set(pages) <= set(self.m.allocator._free)
         if self.radix:
             assert self.m.prefix_cache.match_prefix(computed)[0].length == aligned
         r.handle, r.pages, r.num_matched = handle, pages, handle.length // self.P
@@ -466,7 +466,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         own = [p for r in self.live for p in r.own]
         check_invariants(self.m, own)
-        free = set(self.m.allocator.free_pages())
+        free = set(self.m.allocator._free)
         cached = set(self.m.prefix_cache.owned_pages())
         for r in self.live:
             matched = r.pages[: r.num_matched]

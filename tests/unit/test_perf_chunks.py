@@ -37,6 +37,8 @@ def test_plain_chunks_equal_the_encoded_choice(chat: bool, index: int, text: str
     assert json.loads(plain.delta(index, text, reason, None)[len("data: ") :])["choices"] == [
         choice
     ]
+    usage = {"prompt_tokens": 3, "completion_tokens": index, "total_tokens": 3 + index}
+    assert plain(choice, usage) == chunks(choice, usage)  # continuous_usage_stats' chunk
     # split into lines as httpx's iter_lines does (str.splitlines: U+2028, U+0085... too)
     lines = LineDecoder().decode(plain.delta(index, text + "\u2028\x85\u2029", reason, None))
     assert len(lines) == 2 and lines[1] == "", lines  # the event's line, then the blank one

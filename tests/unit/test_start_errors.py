@@ -148,9 +148,9 @@ def test_max_model_len_above_the_context_is_refused(tmp_path, model_dirs):
 def test_one_api_process_s_socket_refuses_until_uvicorn_listens():
     """Bound early (the port is this server's), listening late: during the model's load a
     client is refused at once instead of waiting in a backlog nobody serves yet."""
-    from minisgl.server.launch import listen_sockets
+    from minisgl.ext.serving.scale import listen_sockets
 
-    (sock,) = listen_sockets("127.0.0.1", 0)
+    (sock,) = listen_sockets("127.0.0.1", 0, 1)
     port = sock.getsockname()[1]
     try:
         with pytest.raises(ConnectionRefusedError):

@@ -41,33 +41,18 @@ def flashinfer_available() -> bool:
 
 
 def auto_backend(
-    device: torch.device,
-    dtype: torch.dtype | None,
-    sliding_window: int | None,
-    kv_dtype: torch.dtype | None = None,
+    device: torch.device, kv_dtype: torch.dtype | None, sliding_window: int | None
 ) -> str:
     """--attn auto: triton on CUDA, torch elsewhere; for a sliding window fi or torch."""
     # triton: measured faster than fi on the H100 (docs/benchmarks.md, session 11); it has no
-    # sliding windows: fi then, when flashinfer imports and the KV cache is 16-bit
+    # sliding windows: fi then, when flashinfer imports and the KV cache is 16-bit (None:
+    # unknown, taken as 16-bit); ext/perf may pair fi's prefill with triton's decode
     if device.type != "cuda":
         return "torch"
     if sliding_window is None:
         return "triton"
-    kv_dtype = kv_dtype or dtype
     sixteen_bit = kv_dtype is None or kv_dtype.itemsize == 2
     return "fi" if sixteen_bit and flashinfer_available() else "torch"
-
-
-def hopper_prefill(device: torch.device, kv_dtype: torch.dtype | None) -> bool:
-    """--attn auto's prefill on a Hopper GPU: fi, whose FA3 kernel computes an extend 1.6x as
-    fast as the Triton one (H200, 8k tokens after 8k), with a 16-bit KV cache and ext/perf's
-    pair of backends (decode stays Triton's: faster than fi's there)."""
-    import torch
-
-    sixteen_bit = kv_dtype is None or kv_dtype.itemsize == 2
-    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
-    paired = extensions().hybrid_attention is not None
-    return sixteen_bit and hopper and paired and flashinfer_available()
 
 
 def create_attention_backend(
@@ -80,9 +65,9 @@ def create_attention_backend(
 ) -> BaseAttnBackend:
     prefill, decode = parse_attn(name) if isinstance(name, str) else name
     if prefill == "auto":
-        prefill = decode = auto_backend(device, dtype, sliding_window, kv_dtype)
-        if decode == "triton" and hopper_prefill(device, kv_dtype or dtype):
-            prefill = "fi"
+        prefill = decode = auto_backend(device, kv_dtype or dtype, sliding_window)
+        if decode == "triton" and (pick := extensions().auto_prefill) is not None:
+            prefill = pick(device, kv_dtype or dtype)  # ext/perf's: fi on Hopper
 
     def make(one: str) -> BaseAttnBackend:
         if one == "fi":

@@ -1,6 +1,5 @@
-"""FlashInfer attention: paged prefill (causal; FA3 on Hopper, else FA2) and paged decode, each
-batch planned once in `prepare` for every layer; the pool's `k_cache` / `v_cache` are its NHD
-layout (no copy)."""
+"""FlashInfer attention: paged prefill (causal; FA3 on Hopper, else FA2) and decode, planned once
+a batch in `prepare` for every layer, on the pool's `k_cache` / `v_cache` (its NHD layout)."""
 
 # Decode CUDA graphs: one graph-mode wrapper per captured batch size over shared buffers,
 # re-planned before each replay unless the batch holds the same pages as the last plan (single
@@ -85,12 +84,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.planned_key: tuple | None = None
 
     def prepare(self, batch: Batch) -> None:
-        if batch.is_decode:
-            if self.decode_wrapper is None:
-                self.decode_wrapper = self._new_decode_wrapper()
-            self._plan_decode(self.decode_wrapper, batch)
-        else:
-            self._plan_prefill(batch)
+        if batch.is_decode and self.decode_wrapper is None:
+            self.decode_wrapper = self._new_decode_wrapper()
+        self._plan(self.decode_wrapper if batch.is_decode else self.prefill_wrapper, batch)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
         # `scale` is head_dim ** -0.5, as planned
@@ -114,15 +110,13 @@ class FlashInferAttnBackend(BaseAttnBackend):
         bs, (indptr, pages, last) = batch.size, self.graph_bufs
         if bs not in self.graph_wrappers:
             self.graph_wrappers[bs] = self._new_decode_wrapper(
-                use_cuda_graph=True,
-                paged_kv_indptr_buffer=indptr[: bs + 1],
-                paged_kv_indices_buffer=pages,
-                paged_kv_last_page_len_buffer=last[:bs],
-            )
+                use_cuda_graph=True, paged_kv_indptr_buffer=indptr[: bs + 1],
+                paged_kv_indices_buffer=pages, paged_kv_last_page_len_buffer=last[:bs],
+            )  # fmt: skip
         self.prepare_for_replay(batch)
 
     def prepare_for_replay(self, batch: Batch) -> None:
-        self._plan_decode(self.graph_wrappers[batch.size], batch, graph=True)
+        self._plan(self.graph_wrappers[batch.size], batch, graph=True)
 
     def _new_decode_wrapper(self, **graph_args: Any) -> Any:
         kv_heads = get_global_ctx().kv_cache.num_kv_heads
@@ -140,12 +134,17 @@ class FlashInferAttnBackend(BaseAttnBackend):
         wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
         return wrapper
 
-    def _plan_decode(self, wrapper: Any, batch: Batch, graph: bool = False) -> None:
+    def _plan(self, wrapper: Any, batch: Batch, graph: bool = False) -> None:
+        """`wrapper.plan` of the batch's pages and the layers' shapes (`graph`: a graph's decode
+        wrapper, whose last plan may still hold)."""
         ctx = get_global_ctx()
+        kv = ctx.kv_cache
         batch.attn_metadata = FiAttnMetadata(wrapper)
-        num_pages, last = _page_counts(batch, ctx.page_size)
-        rows = tuple(r.table_idx for r in batch.reqs)
-        key = (id(wrapper), ctx.page_table_version, rows, tuple(num_pages))
+        kv_lens = [r.cached_len + r.extend_len for r in batch.reqs]  # this forward's included
+        num_pages = [-(-n // ctx.page_size) for n in kv_lens]
+        last = [n - (p - 1) * ctx.page_size for n, p in zip(kv_lens, num_pages)]  # in last pages
+        rows = [r.table_idx for r in batch.reqs]
+        key = (id(wrapper), ctx.page_table_version, tuple(rows), tuple(num_pages))
         if graph and key == self.planned_key:
             # flashinfer's CUDA-core decode plan reads the page counts only (its indptr), and
             # the page table is unchanged since: the plan, the page list and the indptr in the
@@ -154,53 +153,35 @@ class FlashInferAttnBackend(BaseAttnBackend):
             last_host = torch.tensor(last, dtype=torch.int32, pin_memory=True)
             self.graph_bufs[2][: batch.size].copy_(last_host, non_blocking=True)
             return
-        kv_pages = _kv_pages(batch, num_pages, last)
-        self._plan(wrapper, *kv_pages, head_dim=ctx.kv_cache.head_dim)
-        if graph and not wrapper.use_tensor_cores:
-            self.planned_key = key
-
-    def _plan_prefill(self, batch: Batch) -> None:
-        ctx = get_global_ctx()
-        kv_pages = _kv_pages(batch, *_page_counts(batch, ctx.page_size))
-        qo_indptr = [0, *accumulate(r.extend_len for r in batch.reqs)]
-        qo_host = torch.tensor(qo_indptr, dtype=torch.int32)
-        head_dim, wrapper = ctx.kv_cache.head_dim, self.prefill_wrapper
-        self._plan(wrapper, qo_host, *kv_pages, head_dim_qk=head_dim, causal=True)
-        batch.attn_metadata = FiAttnMetadata(wrapper)
-
-    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
-        """`wrapper.plan` of a batch's pages (`args`, `kwargs`) and the layers' shapes."""
+        args: tuple[Any, ...] = _kv_pages(rows, num_pages, last)
+        shape: dict[str, Any] = {"head_dim": kv.head_dim}
+        if not batch.is_decode:  # prefill: each request's new tokens attend causally
+            qo_indptr = [0, *accumulate(r.extend_len for r in batch.reqs)]
+            args = (torch.tensor(qo_indptr, dtype=torch.int32), *args)
+            shape = {"head_dim_qk": kv.head_dim, "causal": True}
         # plan() stages metadata in the wrapper's pinned host buffer and copies it to the
         # device asynchronously: wait until the previous plan's copy ran before overwriting it
         # (the scheduler may prepare batch N+1 while batch N is still queued).
         if (done := self.plan_done.get(id(wrapper))) is not None:
             done.synchronize()
-        ctx = get_global_ctx()
-        kv = ctx.kv_cache
         wrapper.plan(
             *args, num_qo_heads=self.num_qo_heads, num_kv_heads=kv.num_kv_heads,
             page_size=ctx.page_size, window_left=self.window_left, sm_scale=kv.head_dim**-0.5,
-            q_data_type=kv.dtype, kv_data_type=kv.dtype, **kwargs,
+            q_data_type=kv.dtype, kv_data_type=kv.dtype, **shape,
         )  # fmt: skip
         self.plan_done[id(wrapper)] = done = torch.cuda.Event()
         done.record()
-        self.planned_key = None  # this plan overwrote the shared int workspace
-
-
-def _page_counts(batch: Batch, page_size: int) -> tuple[list[int], list[int]]:
-    """(pages, tokens in the last page) of each request's KV, this forward's included."""
-    kv_lens = [r.cached_len + r.extend_len for r in batch.reqs]
-    num_pages = [-(-n // page_size) for n in kv_lens]
-    return num_pages, [n - (p - 1) * page_size for n, p in zip(kv_lens, num_pages)]
+        # this plan overwrote the shared int workspace: it holds for the next replay of the same
+        # pages only where flashinfer's plan reads page counts alone (CUDA-core decode)
+        self.planned_key = key if graph and not wrapper.use_tensor_cores else None
 
 
 def _kv_pages(
-    batch: Batch, num_pages: list[int], last: list[int]
+    rows: list[int], num_pages: list[int], last: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(kv page indptr, flat page ids on the device, last page lengths) of `_page_counts`."""
+    """(kv page indptr, flat page ids on the device, last page lengths) of page-table `rows`."""
     page_table = get_global_ctx().page_table
     indptr = [0, *accumulate(num_pages)]
-    rows = [r.table_idx for r in batch.reqs]
     host = torch.tensor([indptr, [*rows, 0]], dtype=torch.int32, pin_memory=True)
     dev = host.to(page_table.device, non_blocking=True)  # pinned: no wait for the device
     pages = page_indices(page_table, dev[1, :-1], dev[0], indptr[-1])

@@ -17,14 +17,15 @@ from minisgl.kernel import DecodeRope
 
 @dataclass
 class TritonAttnMetadata(AttnMetadata):
+    max_extend_len: int  # prefill only: sizes the extend grid
+    num_splits: int  # decode only: KV chunks per request, from the batch size alone
+    # the rows of `_host_metadata`, on the device, in its order
     rows: torch.Tensor  # [B] int32 page-table row of each request
     cached_lens: torch.Tensor  # [B] int32 KV already in the pool before this forward
     extend_lens: torch.Tensor  # [B] int32 tokens this forward computes
     kv_lens: torch.Tensor  # [B] int32 cached + extend
     q_starts: torch.Tensor  # [B] int32 first token of each request in the flat q
     order: torch.Tensor  # [B] int32 the requests by KV length, longest first (decode's programs)
-    max_extend_len: int  # prefill only: sizes the extend grid
-    num_splits: int  # decode only: KV chunks per request, from the batch size alone
 
 
 class TritonAttnBackend(BaseAttnBackend):
@@ -75,10 +76,7 @@ class TritonAttnBackend(BaseAttnBackend):
             kv_heads = get_global_ctx().kv_cache.num_kv_heads
             splits = self.kernels.decode_splits(batch.size, kv_heads, self.sm_count)
         max_extend = max(r.extend_len for r in batch.reqs)
-        rows, cached, extend, kv_lens, q_starts, order = dev
-        return TritonAttnMetadata(
-            rows, cached, extend, kv_lens, q_starts, order, max_extend, splits
-        )
+        return TritonAttnMetadata(max_extend, splits, *dev)
 
     def fuses_rope(self, batch: Batch) -> bool:
         # One request only: rows of one request (verification, prompts as rows) would read the

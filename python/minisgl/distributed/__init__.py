@@ -1,5 +1,4 @@
-"""Tensor-parallel info, group and collectives. World size 1 makes every collective a no-op:
-the single-process path never touches torch.distributed."""
+"""Tensor-parallel info, group and collectives; at world size 1 none touches torch.distributed."""
 
 # With TP size N every rank runs the same scheduler and engine; the model's collectives go over
 # the default group (NCCL on CUDA, gloo on CPU) and rank 0's small control messages (new
@@ -140,12 +139,11 @@ def all_reduce_min(value: int) -> int:
     """The smallest of every rank's `value` (KV pool sizes must agree)."""
     if _TP_INFO.size == 1:
         return value
-    import torch
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL)
-    return int(t.item())
+    values = [0] * _TP_INFO.size
+    dist.all_gather_object(values, value, group=_CONTROL)
+    return min(values)
 
 
 def check_tp_size(

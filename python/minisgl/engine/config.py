@@ -95,9 +95,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in DEVICES:
-            raise OptionError(
-                "device", f"invalid device {self.device!r}: expected auto, cuda or cpu"
-            )
+            message = f"invalid device {self.device!r}: expected auto, cuda or cpu"
+            raise OptionError("device", message)
         if self.moe_backend not in ("auto", "torch"):  # before any process starts (triton, typos)
             # (and probing the device imports torch, which the API process does without)
             resolve_moe_backend(self.moe_backend, device_type(self.device))
@@ -123,9 +122,8 @@ def config_model_path(config: EngineConfig) -> str:
 
 
 def check_model(config: EngineConfig, size: int = 1, gpus: int | None = None) -> None:
-    """Fail before any rank starts on a TP `size` the model or the machine (`gpus` it needs)
-    cannot take, or a --max-model-len above the model's context. Reads the model's config
-    only (no torch: the API process runs it)."""
+    """Before any rank starts, fail on a TP `size` the model or the machine (`gpus`) cannot take
+    or a --max-model-len above the model's context (reads its config only: no torch, API side)."""
     cfg = ModelConfig.from_hf(load_hf_config(config_model_path(config)))
     check_tp_size(size, cfg.num_heads, cfg.num_kv_heads, config.device, gpus)
     model_len(config, cfg)

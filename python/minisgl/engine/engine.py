@@ -18,7 +18,7 @@ from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import Filters, any_filter, greedy, sample
 from minisgl.engine.step import ForwardOutput, StepInputs, run_step
 from minisgl.engine.tables import TableWrites
-from minisgl.extension import ForwardPath, Speculator, StepFeature, extensions
+from minisgl.extension import ForwardPath, StepFeature, extensions
 from minisgl.kernel import resolve_moe_backend
 from minisgl.kvcache.pool import MHAKVCache
 from minisgl.models.config import ModelConfig
@@ -30,12 +30,11 @@ from minisgl.utils.device import resolve_device
 logger = logging.getLogger(__name__)
 
 
-def _resolve_dtype(config: EngineConfig, hf_config, device: torch.device, path: str) -> torch.dtype:
+def _resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
         return getattr(torch, config.dtype)
-    if device.type == "cpu":  # float32, the exact path, unless the cpu extension chooses
-        choose = extensions().cpu_dtype
-        return choose(config, path) if choose is not None else torch.float32
+    if device.type == "cpu":  # float32, the exact path (ext/cpu chooses first: `engine_config`)
+        return torch.float32
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     return torch.bfloat16 if dtype in (None, torch.float32) else dtype
@@ -53,7 +52,7 @@ class Engine:
         if (moe := self.model_config.moe) is not None:
             backend = resolve_moe_backend(config.moe_backend, self.device.type)
             self.model_config = replace(self.model_config, moe=replace(moe, backend=backend))
-        self.dtype = _resolve_dtype(config, self.hf_config, self.device, self.model_path)
+        self.dtype = _resolve_dtype(config, self.hf_config, self.device)
         kv_name = KV_CACHE_DTYPES[config.kv_cache_dtype]
         self.kv_dtype = getattr(torch, kv_name) if kv_name is not None else self.dtype
         make = extensions().model_transform  # e.g. ext/cpu's quantized layers
@@ -65,8 +64,7 @@ class Engine:
         self.kv_cache = self._build_kv_cache()
         # The pool's last page and the page table's last row are never handed out: padded
         # CUDA-graph entries and unsampled tokens write there instead of into a request's KV.
-        self.num_pages = self.kv_cache.num_pages - 1
-        self.dummy_page = self.num_pages
+        self.num_pages = self.kv_cache.num_pages - 1  # (and the dummy page's index)
         self.dummy_row = config.max_running_requests
         self.page_size = config.page_size
         # a request never holds more tokens than the model's context or the whole pool
@@ -74,7 +72,7 @@ class Engine:
         pages_per_req = -(-self.max_seq_len // self.page_size)
         rows = config.max_running_requests + 1
         self.page_table = torch.full(
-            (rows, pages_per_req), self.dummy_page, dtype=torch.int32, device=self.device
+            (rows, pages_per_req), self.num_pages, dtype=torch.int32, device=self.device
         )
         # token ids by (row, position): a step reads its inputs here, so the tokens sampled by
         # the step still running on the device need no trip through the host (overlap)
@@ -93,10 +91,9 @@ class Engine:
         self.ctx = Context(config.page_size, self.page_table, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
         self.graphs = self._build_graphs()
-        # set by the scheduler: processors and observers of the logits, the verification of
-        # speculative decoding, speed paths for batches the graphs cannot replay as they are
+        # set by the scheduler: processors and observers of the logits, speed paths (and
+        # speculative decoding's verification) for batches the graphs cannot replay as they are
         self.features: list[StepFeature] = []
-        self.speculator: Speculator | None = None
         self.forward_paths: list[ForwardPath] = []
 
     def _build_model(self) -> LlamaForCausalLM:
@@ -165,7 +162,7 @@ class Engine:
         features = []  # those acting on some request of the batch (usually none)
         if self.features and any(r.ext for r in reqs):
             features = [f for f in self.features if any(f.name in r.ext for r in reqs)]
-        changes = any(f.changes_logits(r) for f in features for r in reqs if f.name in r.ext)
+        changes = any(f.changes_logits for f in features)
         filtered = any_filter(reqs, self.model_config.vocab_size)
         resample = changes or filtered  # `sample` draws these ids again: the graph skips them
         out = self._run(batch, samples, resample)
@@ -177,9 +174,13 @@ class Engine:
     def _run(self, batch: Batch, samples: list[bool], resample: bool) -> ForwardOutput:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch, samples, resample)
-        for path in self.forward_paths:  # a verify step or a small prefill as graph rows
+        for path in self.forward_paths:  # a verify step, a small prefill as graph rows...
             if (out := path.forward(self, batch, samples, resample)) is not None:
                 return out
+        return self.eager(batch, samples)
+
+    def eager(self, batch: Batch, samples: list[bool]) -> ForwardOutput:
+        """The step run without graphs, keeping every computed token's hidden states."""
         host = StepInputs.pack(batch.reqs, samples, self.dummy_row, self.device)
         inputs = StepInputs.unpack(host.to(self.device, non_blocking=True), batch.size)
         self.attn_backend.prepare(batch)
@@ -192,13 +193,10 @@ class Engine:
         """Phase 2: sample what the forward did not (filters, processed logits, eager batches)
         into the token table, and queue the ids' copy to the host."""
         self.table_writes.flush()  # token writes since the forward land before this step's ids
-        if out.regroup is not None:  # a speed path ran other rows: their ids -> the batch's
-            assert out.rows is not None
-            next_ids = out.regroup(self._sample_rows(out.rows, out, {}))
-        else:
-            next_ids = self._sample_rows(batch, out, prepared or {})
-            if self.speculator is not None and not batch.is_decode:  # verifying rows extend
-                self.speculator.verify(self, batch, out)
+        rows = batch if out.rows is None else out.rows  # a speed path may have run other rows
+        next_ids = self._sample_rows(rows, out, prepared or {})
+        if out.regroup is not None:  # their ids -> the batch's (and the path's work with them)
+            next_ids = out.regroup(next_ids)
         return StepOutput(next_ids, out.results)
 
     def _sample_rows(

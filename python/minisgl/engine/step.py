@@ -105,7 +105,8 @@ class ForwardOutput:
     sampled: torch.Tensor | None  # [B] or None
     hidden: torch.Tensor | None = None  # [num_tokens, hidden]: every computed token's
     rows: Batch | None = None  # the rows computed, when not the batch's own
-    regroup: Callable[[torch.Tensor], torch.Tensor] | None = None  # rows' ids -> the batch's
+    # the sampled ids -> the batch's (of `rows`; and what the path computes from them)
+    regroup: Callable[[torch.Tensor], torch.Tensor] | None = None
     features: list[StepFeature] = field(default_factory=list)  # acting on some request
     changes: bool = False  # some feature changes some request's logits (resampled eagerly)
     filtered: bool = False  # some request samples with top-k, top-p or min-p

@@ -35,7 +35,6 @@ class Holding(StepFeature):
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self.held: list[Req] = []  # in arrival order
-        scheduler.before_step.append(self._release)
 
     def poll(self, held: list[Req]) -> tuple[list[Req], list[tuple[Req, str]]]:
         """Rank 0, without waiting: those to admit now, (request, error) for those that end."""
@@ -55,7 +54,8 @@ class Holding(StepFeature):
         self.held.remove(req)
         self.scheduler.planner.waiting.append(req)
 
-    def _release(self) -> None:
+    def before_step(self) -> None:
+        """Rank 0: admit those `poll` releases, end those that failed."""
         sched = self.scheduler
         if not self.held or sched.follower:  # followers admit at rank 0's word
             return

@@ -20,10 +20,6 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    def free_pages(self) -> list[int]:
-        """A copy of the free page ids (for invariant checks)."""
-        return list(self._free)
-
     def alloc(self, n: int) -> list[int] | None:
         """n page ids, or None (nothing changed) when fewer are free."""
         if n > len(self._free):

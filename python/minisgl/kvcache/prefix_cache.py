@@ -158,13 +158,7 @@ class RadixPrefixCache:
 
     def evict(self, num_pages: int) -> list[int]:
         """At least `num_pages` pages (fewer if fewer are unlocked), least recently used first."""
-        heap: list[tuple[int, int, _Node]] = []
-        stack = [self._root]
-        while stack and num_pages > 0:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if not node.children and node.ref == 0:
-                heap.append((node.last_access, id(node), node))
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.ref == 0]
         heapq.heapify(heap)
         evicted: list[int] = []
         while heap and len(evicted) < num_pages:
@@ -193,13 +187,14 @@ class RadixPrefixCache:
 
     def owned_pages(self) -> list[int]:
         """Every page in the tree (O(cache size))."""
-        pages: list[int] = []
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            pages += node.pages
-            stack.extend(node.children.values())
-        return pages
+        return [page for node in self._nodes() for page in node.pages]
+
+    def _nodes(self) -> list[_Node]:
+        """Every node of the tree, the root first."""
+        nodes = [self._root]
+        for node in nodes:  # the list grows as it is read: each node's children join its end
+            nodes.extend(node.children.values())
+        return nodes
 
 
 class NaivePrefixCache(RadixPrefixCache):

@@ -6,8 +6,7 @@ from minisgl import kernel
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """Reference: x = [gate | up] along the last dim -> silu(gate) * up; the CPU path."""
-    half = x.shape[-1] // 2
-    gate, up = x[..., :half], x[..., half:]
+    gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

@@ -1,6 +1,5 @@
-"""The layers' configurations, read from a model's config (`models.config.ModelConfig`): plain
-dataclasses apart from the layers' modules, so that ModelConfig is built without torch (the
-tokenizer workers and the API process read it)."""
+"""The layers' configurations, read from a model's config (`models.config.ModelConfig`), apart
+from the layers' modules: the tokenizer workers and the API process build them without torch."""
 
 from __future__ import annotations
 

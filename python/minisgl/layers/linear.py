@@ -106,7 +106,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             self.kv_size = divide(num_kv_heads, tp.size, "num_key_value_heads") * head_dim
             kv_block = tp.rank
         else:  # one KV head a rank, the same for each group of tp.size // num_kv_heads ranks
-            divide(tp.size, num_kv_heads, "TP size over num_key_value_heads")
+            # (check_tp_size, before any rank starts, refuses a TP size they do not divide)
             self.kv_size, kv_block = head_dim, tp.rank // (tp.size // num_kv_heads)
         sizes = [self.q_size, self.kv_size, self.kv_size]
         self._init_parts(hidden_size, sizes, [tp.rank, kv_block, kv_block], bias)

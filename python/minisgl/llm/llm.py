@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import atexit
-import gc
+import contextlib
 import multiprocessing as mp
 import shutil
 import tempfile
@@ -26,17 +26,11 @@ from minisgl.scheduler.io import build_scheduler, start_followers
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, request_detokenizer
 from minisgl.tokenizer.server import encode_chat, needed
-from minisgl.utils.device import device_type, resolve_device
 from minisgl.utils.options import OptionError
 from minisgl.utils.procs import spawn, stop_children, wait_ready
 
 Prompt = str | list[int]
 CHAT_TOOLS = ("tools", "tool_choice", "parallel_tool_calls", "tool_call_parser", "reasoning_parser")
-# Offline on a GPU of >= 70 GiB, prompt chunks (and a step's tokens) of 32k rather than the
-# server's 8192, whose decodes wait for each chunk (vLLM's rule, 16k there; 32k measured faster
-# on an H200: long prompts +11 %, bench.py's default workload +3.7 %, docs/benchmarks.md)
-OFFLINE_BIG_GPU_CHUNK = 32768
-CHUNK_OPTIONS = ("max_prefill_tokens", "max_num_batched_tokens")
 
 
 @dataclass
@@ -58,15 +52,6 @@ def per_prompt(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return params
-
-
-def big_gpu(device: str) -> bool:
-    """Whether `device` is a CUDA GPU of at least 70 GiB (an H100, H200, B200...)."""
-    import torch
-
-    if device_type(device) != "cuda" or not torch.cuda.is_available():
-        return False  # (no CUDA: the engine says so)
-    return torch.cuda.get_device_properties(resolve_device(device)).total_memory >= 70 << 30
 
 
 class LLM:
@@ -107,8 +92,8 @@ class LLM:
         engine_names = {f.name for f in fields(EngineConfig)}
         config = EngineConfig(model=model, **{k: options[k] for k in engine_names & options.keys()})
         rest = {k: v for k, v in options.items() if k not in engine_names}
-        if not rest.keys() & set(CHUNK_OPTIONS) and big_gpu(config.device):
-            rest |= dict.fromkeys(CHUNK_OPTIONS, OFFLINE_BIG_GPU_CHUNK)
+        if (defaults := extensions().llm_defaults) is not None:  # ext/perf's 32k chunks
+            rest = defaults(config, rest)
         return config, SchedulerConfig.from_options(rest)
 
     def _start_tp(self, config: EngineConfig, tp: int) -> Scheduler:
@@ -193,14 +178,9 @@ class LLM:
                 feature.settle(s.req)
         for s in samples:
             self.scheduler.add_request(s.req)
-        # no automatic collection meanwhile: each would walk every output gathered so far
-        paused = gc.isenabled()
-        gc.disable()
-        try:
+        running = extensions().offline_run or contextlib.nullcontext  # ext/perf's: no gc
+        with running():
             results = self._run(samples, use_tqdm)
-        finally:
-            if paused:
-                gc.enable()
         shaped = [[results[s.req.uid] for s in group] for group in groups]
         return [group[0] if len(group) == 1 else {"outputs": group} for group in shaped]
 
@@ -269,10 +249,8 @@ class LLM:
         self.scheduler.shutdown()
         self.engine.shutdown()
         if self.workers:
-            try:
+            with contextlib.suppress(RuntimeError):  # a rank already died: nothing to tell it
                 self.scheduler.stop_followers()
-            except RuntimeError:
-                pass  # a rank already died: nothing to tell it
             self._stop_workers(timeout=15)  # a loaded machine takes seconds to end a rank
             destroy_tp()
 

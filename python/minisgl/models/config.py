@@ -8,17 +8,13 @@ from typing import Any
 from minisgl.layers.config import MoEConfig, RopeConfig
 
 ARCHITECTURES = (  # HF `architectures` names: each is models/llama.py's decoder
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
-)
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,7 +49,6 @@ class ModelConfig:
         if arch.startswith("Qwen") and not getattr(hf, "use_sliding_window", False):
             window = None
         return ModelConfig(
-            architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,

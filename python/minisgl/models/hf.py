@@ -11,11 +11,10 @@ from minisgl.models.config import token_ids
 
 
 def transformers_without_torch() -> None:
-    """Import transformers as if torch were absent, first thing in a process that reads only its
-    tokenizers, chat templates and configs (the launcher's children: the schedulers run their own
-    models; the launcher once its models are resolved): else it imports torch (~2 s and ~190 MB a
-    process, issues 47 and 51). Its models are then unavailable here; torch stays importable.
-    A no-op once either is imported."""
+    """Import transformers as if torch were absent (else it imports torch: ~2 s and ~190 MB a
+    process, issues 47 and 51), first thing in a process that runs none of its models: the
+    launcher's children (the schedulers run minisgl's), the launcher once its models are resolved.
+    Its models are then unavailable, torch stays importable; a no-op once either is imported."""
     if "transformers" in sys.modules or "torch" in sys.modules:
         return
     quiet = "TRANSFORMERS_NO_ADVISORY_WARNINGS"  # its notice that models are unavailable

@@ -89,6 +89,8 @@ class DecoderModel(Module):
 
 
 class LlamaForCausalLM(Module):
+    """The decoder (`model`) and the LM head (`compute_logits`), which the engine runs apart."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -96,12 +98,6 @@ class LlamaForCausalLM(Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
-    ) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] for the selected token positions only."""
-        return self.compute_logits(self.model(input_ids, positions)[logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [N, hidden] (the model's output, normed) -> logits [N, vocab]."""

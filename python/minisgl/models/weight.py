@@ -21,12 +21,9 @@ if TYPE_CHECKING:  # torch where weights are loaded: the processes that only res
 
 # checkpoint name fragment -> (our fragment, shard id) for weights we merge into one matmul
 _STACKED = {
-    ".q_proj.": (".qkv_proj.", 0),
-    ".k_proj.": (".qkv_proj.", 1),
-    ".v_proj.": (".qkv_proj.", 2),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
-}
+    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}  # fmt: skip
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_SHARD = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
 
@@ -78,8 +75,7 @@ def _download(model: str, option: str) -> str:
 
 def map_checkpoint_name(name: str) -> tuple[str, Any]:
     """Checkpoint tensor name -> (parameter name, shard id or None)."""
-    m = _EXPERT.search(name)
-    if m:
+    if m := _EXPERT.search(name):
         target, which = _EXPERT_SHARD[m.group(2)]
         expert = int(m.group(1))
         shard = expert if which is None else (expert, which)

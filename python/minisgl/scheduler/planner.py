@@ -7,7 +7,7 @@ import time
 
 from minisgl.core import Batch, Req
 from minisgl.engine.engine import Engine
-from minisgl.extension import ForwardPath, Speculator, StepFeature
+from minisgl.extension import Speculator, StepFeature
 from minisgl.kvcache.manager import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.queue import make_queue
@@ -29,12 +29,7 @@ def decode_batch(reqs: list[Req]) -> Batch | None:
 
 
 class BatchPlanner:
-    def __init__(
-        self,
-        engine: Engine,
-        cache: KVCacheManager,
-        config: SchedulerConfig,
-    ) -> None:
+    def __init__(self, engine: Engine, cache: KVCacheManager, config: SchedulerConfig) -> None:
         self.engine, self.cache, self.page_size = engine, cache, engine.page_size
         self.features: list[StepFeature] = []  # the scheduler's (admission hooks)
         self.max_prefill_tokens = config.max_prefill_tokens
@@ -42,7 +37,6 @@ class BatchPlanner:
         self.mixed = not config.disable_mixed_steps
         self.waiting = make_queue(config, cache)  # its order and who gives way to whom
         self.spec: Speculator | None = None  # the scheduler's speculative decoding
-        self.paths: list[ForwardPath] = []  # the engine's speed paths (their prompt budgets)
         self.running: list[Req] = []  # fully prefilled, in admission order (newest last)
         self.prefilling: Req | None = None  # the request whose prompt is half-way through chunks
         self.free_rows = list(range(engine.config.max_running_requests - 1, -1, -1))
@@ -59,9 +53,8 @@ class BatchPlanner:
         """Every running request's next token, then prompt chunks in what is left of the budget."""
         if not self.mixed or not self.running:
             budget = self._budget(self.max_prefill_tokens, [], 0)
-            return self._schedule_prefill(budget) or self._schedule_decode()
-        decode = self._schedule_decode()
-        decodes = decode.reqs if decode is not None else []
+            return self._schedule_prefill(budget) or decode_batch(self._schedule_decode())
+        decodes = self._schedule_decode()
         num_decode_tokens = sum(r.extend_len for r in decodes)  # proposals count too
         budget = min(self.max_prefill_tokens, self.max_batched_tokens - num_decode_tokens)
         budget = self._budget(budget, decodes, num_decode_tokens)
@@ -72,7 +65,7 @@ class BatchPlanner:
         return Batch(decodes + prefill.reqs, "prefill", num_decodes=len(decodes))
 
     def _budget(self, budget: int, decodes: list[Req], num_decode_tokens: int) -> int:
-        for path in self.paths:
+        for path in self.engine.forward_paths:  # the speed paths' prompt budgets
             budget = path.prefill_budget(self, budget, decodes, num_decode_tokens)
         return budget
 
@@ -122,15 +115,15 @@ class BatchPlanner:
             self._preempt(victim)
         return victim is not None
 
-    def _schedule_decode(self) -> Batch | None:
+    def _schedule_decode(self) -> list[Req]:  # the running requests that decode in the step
         i, reqs = 0, []
-        proposals = self.spec.propose(self.running) if self.spec is not None else {}
         while i < len(self.running):
             req = self.running[i]
             if reaches_length(req, len(req.tokens)):
                 i += 1  # its last token is still in flight and ends it
                 continue
-            if self._grow_decode(req, proposals.get(req.uid, [])):
+            if self.grow(req, 1):
+                req.extend_len = 1
                 reqs.append(req)
                 i += 1
                 continue
@@ -138,27 +131,16 @@ class BatchPlanner:
             self._preempt(victim)  # if the victim is `req` itself, index i now holds the next one
             if victim in reqs:
                 reqs.remove(victim)
-        return decode_batch(reqs)
-
-    def _grow_decode(self, req: Req, drafts: list[int]) -> bool:
-        """Pages for the request's next token and its proposals (without room: one token)."""
-        if drafts and not self.grow(req, 1 + len(drafts)):
-            drafts = []
-        if not drafts and not self.grow(req, 1):
-            return False
-        req.extend_len = 1 + len(drafts)
-        if drafts:
-            self.engine.set_tokens(req.table_idx, drafts, start=len(req.tokens))
-        return True
+        if self.spec is not None:  # proposals past their next tokens, where pages are left
+            self.spec.propose(self, reqs)
+        return reqs
 
     def admit(self, req: Req) -> None:
         """A page-table row and the longest cached prefix, locked (never the last prompt token,
         whose logits are needed)."""
         req.table_idx = self.free_rows.pop()
-        matched = len(req.tokens) - 1
-        for f in self.features:
-            if f.name in req.ext and (limit := f.prefix_limit(req)) is not None:
-                matched = min(matched, limit)
+        limits = [f.prefix_limit(req) for f in self.features if f.name in req.ext]
+        matched = min([len(req.tokens) - 1, *limits])
         handle, pages = self.cache.match_and_lock(self._cache_key(req, matched))
         req.cache_handle, req.pages, req.cached_len = handle, list(pages), handle.length
         self.engine.set_pages(req.table_idx, 0, req.pages)

@@ -8,7 +8,6 @@ and sampled tokens turned into results (what a step computes is planner.py's).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,7 +15,7 @@ from minisgl import env
 from minisgl.core import PLACEHOLDER, Batch, Req, SamplingParams, check_token_ids
 from minisgl.distributed import get_tp_info
 from minisgl.engine.engine import Engine, StepOutput
-from minisgl.extension import StepFeature, extensions
+from minisgl.extension import Speculator, StepFeature, extensions
 from minisgl.kvcache.manager import KVCacheManager
 from minisgl.message import AbortBackendMsg, BatchMsg, DetokenizeMsg, FlushCacheMsg, UserMsg
 from minisgl.scheduler.config import SchedulerConfig
@@ -50,26 +49,22 @@ class Scheduler:
         self.leader = TPLeader() if tp.size > 1 and tp.rank == 0 else None
         self.follower = tp.size > 1 and tp.rank > 0  # admits what rank 0 admits
         self.requests: dict[int, Req] = {}  # those queued, running, or held by a feature
-        # rank 0, at each step's start: extensions' work (ext/held.py: admit held requests)
-        self.before_step: list[Callable[[], None]] = []
         self.pending: list[DetokenizeMsg] = []  # results produced outside a forward (abort...)
         self.overlap = not env.disable_overlap_scheduling()
         self.in_flight: InFlight | None = None  # launched step whose tokens are not read yet
-        # the extensions: step features, speculative decoding (None: off), speed paths
+        # the extensions: step features (speculative decoding's among them: None, off), speed paths
         exts = extensions()
         self.features: list[StepFeature] = [f for m in exts.step_features if (f := m(self))]
-        self.spec = exts.proposer(self) if exts.proposer is not None else None
-        paths = [p for make in exts.forward_paths if (p := make(self)) is not None]
+        self.spec = next((f for f in self.features if isinstance(f, Speculator)), None)
         engine.features = self.planner.features = self.features
-        engine.speculator = self.planner.spec = self.spec
-        engine.forward_paths = self.planner.paths = paths
+        self.planner.spec = self.spec
+        engine.forward_paths = [p for make in exts.forward_paths if (p := make(self)) is not None]
 
     # ---- requests in and out -------------------------------------------------------------
     def make_request(
         self, input_ids: list[int], params: SamplingParams, uid: int | None = None
     ) -> Req:
-        """Validate and build a request (not yet queued)."""
-        params.validate()
+        """Validate and build a request (not yet queued; `params` checked themselves when made)."""
         engine, limit = self.engine, self.engine.max_seq_len
         if not input_ids:
             raise ValueError("prompt is empty")
@@ -102,7 +97,7 @@ class Scheduler:
             self._tell(UserMsg(req.uid, req.tokens[: req.prompt_len], params))
         self.requests[req.uid] = req
         features = self.features_of(req)
-        if req.params.max_tokens == 0 and not any(f.scores_prompt(req) for f in features):
+        if req.params.max_tokens == 0 and not any(f.scores_prompt for f in features):
             self._finish(req, "length")  # (scoring a prompt runs its prefill, then ends)
         elif not any(f.holds(req) for f in features):  # a feature that holds it queues it later
             self.planner.waiting.append(req)
@@ -110,8 +105,7 @@ class Scheduler:
     def abort(self, uid: int, error: str | None = None) -> None:
         """End the request: "abort", or "error" with `error` (other ranks: "abort")."""
         self._tell(AbortBackendMsg(uid))
-        req = self.requests.get(uid)
-        if req is not None:
+        if (req := self.requests.get(uid)) is not None:
             self._finish(req, "abort" if error is None else "error", error=error)
 
     def flush_cache(self) -> str | None:
@@ -129,16 +123,14 @@ class Scheduler:
     def step(self) -> list[DetokenizeMsg]:
         """Launch the next batch, then process the tokens that are ready (with overlap, the
         previous step's, which ran on the device while this one was built)."""
-        for hook in self.before_step:
-            hook()
+        # the features' work at its start (admit held requests; speculation: a step that
+        # proposes reads the step in flight first, the proposals continue its tokens)
+        for f in self.features:
+            f.before_step()
         if self.leader is not None:
             self.leader.send()
-        # speculation: a step that proposes waits for the step in flight (the proposals
-        # continue its tokens), one that verifies is read at once (its accepted run sets
-        # where the next starts); the steps between overlap as plain decoding does
-        if self.in_flight is not None and self.spec is not None:
-            if self.spec.wants(self.planner.running):
-                self._read_in_flight()
+        # speculation: a step that verifies is read at once (its accepted run sets where the
+        # next starts); the steps between overlap as plain decoding does
         batch = self.planner.schedule()
         launched = self._launch(batch) if batch is not None else None
         previous, self.in_flight = self.in_flight, None
@@ -194,7 +186,7 @@ class Scheduler:
         flight's tokens (a grammar's matchers) has it read first."""
         features = [f for f in self.features if any(f.name in r.ext for r in batch.reqs)]
         flight = self.in_flight.batch.reqs if self.in_flight is not None else []
-        if any(f.needs_tokens() and any(f.name in r.ext for r in flight) for f in features):
+        if any(f.needs_tokens and any(f.name in r.ext for r in flight) for f in features):
             self._read_in_flight()
         return {f.name: p for f in features if (p := f.prepare(batch, samples)) is not None}
 
@@ -205,8 +197,6 @@ class Scheduler:
             if req.finished:  # by the step in flight, processed in `_prepare`
                 slots.append(-1)
                 continue
-            for f in self.features_of(req):
-                f.launched(req)
             self.planner.launched(req, batch.is_decode or i < batch.num_decodes, sampled)
             slots.append(len(req.tokens) if sampled else -1)
             if sampled:
@@ -221,18 +211,16 @@ class Scheduler:
         for f in self.features:
             if f.name in out.results and (per_row := f.read(reqs, out.results[f.name])) is not None:
                 values[f.name] = per_row
-        verified = {}  # rows that verify proposals: the target's token at each position
-        if self.spec is not None and (result := out.results.get(self.spec.name)) is not None:
-            verified = self.spec.verified(result)
         for i, (req, slot, token) in enumerate(zip(reqs, step.slots, tokens)):
             if slot < 0 or req.finished:
                 continue  # a prompt chunk that is not the last, or ended meanwhile
-            if self.spec is None or i not in verified:
-                row = {name: v[i] for name, v in values.items()}
+            row = {name: v[i] for name, v in values.items()}
+            if self.spec is None or (targets := row.get(self.spec.name)) is None:
                 outputs.append(self._output(req, slot, token, row))
                 continue
-            # the accepted run (tokens from `slot` on), each output as if decoded alone
-            for token in self.spec.accept(self.engine, req, slot, verified[i]):
+            # it verified proposals: the accepted run (tokens from `slot` on), each output as if
+            # decoded alone
+            for token in self.spec.accept_run(self.engine, req, slot, targets):
                 req.tokens.append(PLACEHOLDER)
                 outputs.append(self._output(req, len(req.tokens) - 1, token, {}))
                 if req.finished:  # a stop ends the run
@@ -275,5 +263,3 @@ class Scheduler:
     def shutdown(self) -> None:
         for f in self.features:
             f.shutdown()
-        if self.spec is not None:
-            self.spec.shutdown()

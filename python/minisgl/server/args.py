@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, NoReturn
 
@@ -15,18 +14,12 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.utils.options import OptionError, int_range, number, option, split_options
 
 
-def seconds(allow_zero: bool) -> Callable[[str], float]:
-    """A finite number of seconds > 0 (>= 0 with `allow_zero`)."""
-
-    def parse(value: str) -> float:
-        x = number(value, float, "seconds")
-        if not (x >= 0 if allow_zero else x > 0) or x == float("inf"):  # also rejects nan
-            raise argparse.ArgumentTypeError(
-                f"must be a finite number {'>=' if allow_zero else '>'} 0, got {value}"
-            )
-        return x
-
-    return parse
+def seconds(value: str) -> float:
+    """A finite number of seconds >= 0."""
+    x = number(value, float, "seconds")
+    if not 0 <= x < float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return x
 
 
 @dataclass
@@ -47,9 +40,7 @@ class ServerArgs:
     )
     shell: bool = option(False, "interactive terminal chat instead of a server")
     shutdown_timeout: float = option(
-        30.0,
-        "seconds SIGTERM waits for in-flight requests to finish",
-        type=seconds(allow_zero=True),
+        30.0, "seconds SIGTERM waits for in-flight requests to finish", type=seconds
     )
     log_level: str = option(
         "info",

@@ -1,9 +1,9 @@
 """The API server's side of the pipeline: submit requests to the tokenizer workers, route
 the detokenizer's replies to one asyncio queue per request, fail them all if the pipeline dies."""
 
-# Each reply is shown to `metrics` (the `request_observer` point). The serving extension's
-# Frontend (`ext/serving/frontend.py`) adds the watchdog, /flush_cache, the --dp replicas, the
-# API processes' views of each other, --max-queued-requests (`admit`) and --request-timeout.
+# The serving extension's Frontend (`ext/serving/frontend.py`) adds the metrics, the watchdog,
+# /flush_cache, the --dp replicas, the API processes' views of each other,
+# --max-queued-requests (`admit`) and --request-timeout.
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.extension import RequestObserver, extensions
 from minisgl.message import AbortMsg, BatchMsg, SchedulerStats, TokenizeMsg, UserReply, encode
 from minisgl.utils.zmq import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
@@ -25,25 +24,19 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _InFlight:
     queue: asyncio.Queue[UserReply]  # its response's: shared by the choices (`batches`)
-    submitted: float = field(default_factory=time.monotonic)
+    submitted: float = field(default_factory=time.monotonic)  # (for the serving metrics)
     last_token: float | None = None  # None until the first token: the request is queued
-    priority: int = 0  # (its metrics label)
+    priority: int = 0  # (the serving metrics' label)
     finished: bool = False  # its last reply came (the handler may not have collected it yet)
 
 
 class Frontend:
-    # API process `api_rank` of `api_count` (--api-server-count, the serving extension's)
-    # numbers its requests api_rank, api_rank + api_count... (their replies come back by uid)
-    api_rank, api_count = 0, 1
-
     def __init__(self, tokenizer_addrs: list[str], recv_addr: str) -> None:
         self.to_tokenizers = [ZmqAsyncPushQueue(a, create=False) for a in tokenizer_addrs]
         self.recv = ZmqAsyncPullQueue(recv_addr, create=True)
         self.requests: dict[int, _InFlight] = {}
-        self.uids = itertools.count(self.api_rank, self.api_count)
-        self.replica_stats = [SchedulerStats()]  # the scheduler's snapshots, one per --dp replica
-        observer = extensions().request_observer
-        self.metrics = RequestObserver() if observer is None else observer(self)
+        self.uids = itertools.count()  # (the replies come back by uid)
+        self.stats = SchedulerStats()  # the scheduler's last snapshot
         self.dead: str | None = None  # set when the pipeline can no longer answer
         self.last_progress = time.monotonic()  # of the last message (the watchdog's)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -52,10 +45,6 @@ class Frontend:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._tasks.append(self._loop.create_task(self._dispatch()))
-
-    @property
-    def stats(self) -> SchedulerStats:
-        return self.replica_stats[0]
 
     @property
     def num_queued(self) -> int:
@@ -70,9 +59,8 @@ class Frontend:
                 if not await self.received(batch):
                     logger.error("api server: dropped an unexpected %s", type(batch).__name__)
                 continue
-            stats = batch.stats
-            if stats is not None and 0 <= stats.dp_rank < len(self.replica_stats):
-                self.replica_stats[stats.dp_rank] = stats
+            if batch.stats is not None:
+                self.stats = batch.stats
             now = time.monotonic()
             for reply in batch.msgs:
                 if (req := self.requests.get(reply.uid)) is not None:
@@ -84,7 +72,6 @@ class Frontend:
         return False
 
     def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
-        self.metrics.reply(req.priority, req.submitted, req.last_token, reply, now)
         if reply.token_ids:
             req.last_token = now
         if reply.finished:
@@ -94,14 +81,17 @@ class Frontend:
         return next(self.uids)
 
     def admit(self) -> None:
-        """Raise an APIError to refuse a request (the core admits all; ext/serving bounds them)."""
+        """An APIError refuses a request: 503 once the pipeline is dead (ext/serving bounds them)."""
+        if self.dead is not None:
+            from minisgl.server.protocol import APIError  # the HTTP front end's (pydantic)
+
+            raise APIError(503, f"server is shutting down: {self.dead}", code="server_unavailable")
 
     def _tokenizer(self, uid: int) -> ZmqAsyncPushQueue:
         return self.to_tokenizers[uid % len(self.to_tokenizers)]
 
     async def submit(self, msg: TokenizeMsg, queue: asyncio.Queue[UserReply]) -> None:
-        """Hand a request to its tokenizer worker, its replies to go to `queue`; only then is it
-        in flight (if encodable)."""
+        """Hand a request to its tokenizer worker, its replies to `queue`: in flight once sent."""
         data = encode(msg)
         self.requests[msg.uid] = _InFlight(queue, priority=msg.params.get("priority"))
         try:
@@ -112,7 +102,6 @@ class Frontend:
 
     async def abort(self, uid: int) -> None:
         if self.requests.pop(uid, None) is not None:
-            self.metrics.ended("abort")
             await self._tokenizer(uid).put(AbortMsg(uid))
 
     async def batches(

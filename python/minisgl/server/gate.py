@@ -5,43 +5,29 @@ point) adds its checks ahead: the API key, limits on the body and on requests, r
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.extension import extensions
-from minisgl.server.protocol import error_body
-
-if TYPE_CHECKING:
-    from minisgl.server.args import ServerArgs
-    from minisgl.server.frontend import Frontend
+from minisgl.server.protocol import APIError, error_body
 
 logger = logging.getLogger(__name__)
 
 
-class Refusal(NamedTuple):
-    status: int
-    message: str
-    code: str
-    param: str | None = None
-    headers: dict[str, str] | None = None
-
-
-async def refuse(r: Refusal, scope: Scope, receive: Receive, send: Send) -> None:
-    """Answer `r` as the JSON error of the path's API (OpenAI's unless `error_bodies` says)."""
+async def refuse(e: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer `e` as the JSON error of the path's API (OpenAI's unless `error_bodies` says)."""
     shape = extensions().error_bodies.get(scope["path"], error_body)
-    body = shape(r.status, r.message, r.param, r.code)
-    await JSONResponse(body, r.status, headers=r.headers)(scope, receive, send)
+    body = shape(e.status, e.message, e.param, e.code)
+    await JSONResponse(body, e.status, headers=e.headers)(scope, receive, send)
 
 
 class Gate:
     """Pure ASGI middleware (not BaseHTTPMiddleware: an endpoint still sees its client leave).
-    `args`, `frontend` and `paths` (the app's own) are for a subclass's checks."""
+    `create_app` passes `args`, `frontend` and `paths` (the app's own): for a subclass's checks."""
 
-    def __init__(
-        self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
-    ) -> None:
+    def __init__(self, app: ASGIApp, **for_subclass: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -61,7 +47,8 @@ class Gate:
                 raise
             if isinstance(e, UnicodeEncodeError):  # a lone surrogate cannot travel (msgpack)
                 why = "the request's text is not valid Unicode (an unpaired surrogate)"
-                return await refuse(Refusal(400, why, "invalid_unicode"), scope, receive, send)
+                refusal = APIError(400, why, code="invalid_unicode")
+                return await refuse(refusal, scope, receive, send)
             logger.exception("%s %s failed", scope["method"], scope["path"])
             message = f"internal server error ({type(e).__name__}); see the server log"
-            await refuse(Refusal(500, message, "internal_error"), scope, receive, send)
+            await refuse(APIError(500, message, code="internal_error"), scope, receive, send)

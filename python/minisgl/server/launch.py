@@ -92,22 +92,6 @@ def _child_main(
     target(*args, ready, **kwargs)
 
 
-def listen_sockets(host: str, port: int) -> list[socket.socket]:
-    """The HTTP port's socket, bound before the model loads: a taken port fails at once."""
-    # It listens only once uvicorn serves it: until then a client is refused at once rather
-    # than left waiting in a backlog.
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(
-            f"cannot listen on {host}:{port} (--host, --port): {e.strerror}"
-        ) from None
-    return [sock]
-
-
 class Launcher:
     """The server's child processes on one machine: started, watched and stopped."""
 
@@ -117,13 +101,19 @@ class Launcher:
         logger.info("sockets in %s", self.addrs.root)
         self.ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
-        self.listeners: list[socket.socket] = []  # the HTTP port's sockets
+        # the HTTP port's sockets, bound early by the serving extension's launcher (none: uvicorn
+        # binds the port itself)
+        self.listeners: list[socket.socket] = []
         self.stopping = False
         self.failure: str | None = None  # why the server stops with code 1
         self._fail_lock = threading.Lock()
         self.info: dict[str, Any] = {}  # what the schedulers reported once ready (max_seq_len)
         # called (on a thread of its own) with the reason of a failure; None: SIGTERM self
         self.on_failure: Callable[[str], None] | None = None
+        # the serving extension's launcher sets these: its tokenizer worker (None: the core's)
+        # and the API processes' reply queues, made in the children (None: this process's)
+        self.tokenizer_worker: Callable[..., Any] | None = None
+        self.api_queue: Callable[[], Any] | None = None
 
     def _spawn(self, name: str, target: Any, *target_args: Any, **kwargs: Any) -> Started:
         """Start `target(*target_args, ready, **kwargs)` in a child titled `minisgl::NAME`."""
@@ -134,15 +124,10 @@ class Launcher:
         return parent, proc
 
     def start(self) -> None:
-        if not self.args.shell:  # a taken port fails here, before a download
-            self.listeners = self.listen()
         config = self.resolve_models()
         self.check(config)
         self.start_pipeline(config)
         threading.Thread(target=self._watch, daemon=True).start()
-
-    def listen(self) -> list[socket.socket]:
-        return listen_sockets(self.args.host, self.args.port)
 
     def check(self, config: EngineConfig) -> None:
         """Before any process starts: a --tp or --max-model-len the model or GPUs cannot take."""
@@ -168,15 +153,17 @@ class Launcher:
         """The schedulers, the detokenizer and the tokenizer workers, until all are ready (TP
         ranks > 0 say hello first, then ready once built: rank 0 only after them)."""
         from minisgl.tokenizer.detokenize import run_detokenizer
-        from minisgl.tokenizer.server import run_tokenizer
+        from minisgl.tokenizer.server import TokenizerWorker, run_tokenizer
+        from minisgl.utils.zmq import ZmqPushQueue
 
         args, a, model_path = self.args, self.addrs, config_model_path(config)
         starters, followers = self.start_schedulers(config)
-        detok = (model_path, a.detokenizer, self.api_queue(), a.schedulers)
+        api_queue = self.api_queue or functools.partial(ZmqPushQueue, a.apis[0], create=False)
+        detok = (model_path, a.detokenizer, api_queue, a.schedulers)
         starters.append(self._spawn("detokenizer", run_detokenizer, *detok))
+        worker = self.tokenizer_worker or TokenizerWorker
         for i, addr in enumerate(a.tokenizers):
-            tok = (model_path, addr, a.schedulers, a.detokenizer, detok[2])
-            worker = self.tokenizer_worker(config)
+            tok = (model_path, addr, a.schedulers, a.detokenizer, api_queue)
             starters.append(self._spawn(f"tokenizer_{i}", run_tokenizer, *tok, worker=worker))
         # only the front end reads the parsers' `auto`: a tokenizer loads while the children start
         if (features := extensions().chat_features) is not None:
@@ -190,18 +177,6 @@ class Launcher:
 
     def preload_front_end(self) -> None:
         """While the children start (the serving extension's: import the front end's modules)."""
-
-    def api_queue(self) -> Callable[[], Any]:
-        """() -> the API process's reply queue (made in a tokenizer worker or the detokenizer)."""
-        from minisgl.utils.zmq import ZmqPushQueue
-
-        return functools.partial(ZmqPushQueue, self.addrs.apis[0], create=False)
-
-    def tokenizer_worker(self, config: EngineConfig) -> Callable[..., Any]:
-        """(tokenizer, scheduler queues, detokenizer queue, API queues) -> a tokenizer worker."""
-        from minisgl.tokenizer.server import TokenizerWorker
-
-        return TokenizerWorker
 
     def start_schedulers(self, config: EngineConfig) -> tuple[list[Started], list[Started]]:
         """TP rank 0 (ready with the engine's sizes) and the other ranks, which meet at a file."""
@@ -252,9 +227,6 @@ class Launcher:
 
         return front_end(self, Frontend(self.addrs.tokenizers, self.addrs.apis[0]))
 
-    def drain(self) -> None:
-        """SIGTERM reached this process (the serving extension's API processes drain too)."""
-
     def stop(self) -> None:
         self.stopping = True
         for sock in self.listeners:
@@ -292,13 +264,8 @@ def launch_server(args: ServerArgs, front_end: Callable[[Launcher, Frontend], in
     return code
 
 
-def http_server(
-    args: ServerArgs,
-    info: dict[str, Any],
-    frontend: Frontend,
-    on_shutdown: Callable[[], None] | None = None,
-) -> Any:
-    """The app under uvicorn, or the `http_server` point's server (`on_shutdown`: as it drains)."""
+def http_server(args: ServerArgs, info: dict[str, Any], frontend: Frontend) -> Any:
+    """The app under uvicorn, or the `http_server` point's server."""
     # plain uvicorn: SIGTERM stops taking connections, waits up to --shutdown-timeout for the
     # requests in progress, then cancels them
     import uvicorn
@@ -307,20 +274,16 @@ def http_server(
 
     app = create_app(frontend, args, info["max_seq_len"], info)
     if (make := extensions().http_server) is not None:
-        return make(args, app, frontend, on_shutdown)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]  # float works
-    )
+        return make(args, app, frontend)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    # --shutdown-timeout (uvicorn types it int; a float works)
+    config.timeout_graceful_shutdown = args.shutdown_timeout  # type: ignore[assignment]
     return uvicorn.Server(config)
 
 
 def serve_http(launcher: Launcher, frontend: Frontend) -> int:
     args = launcher.args
-    server = http_server(args, launcher.info, frontend, launcher.drain)
+    server = http_server(args, launcher.info, frontend)
 
     def on_failure(reason: str) -> None:
         frontend.fail_threadsafe(reason)  # in-flight requests end with an error, /health 503

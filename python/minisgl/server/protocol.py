@@ -65,9 +65,8 @@ def parse(model: type[B], data: dict[str, Any], where: str | None = None) -> B:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        if where is not None:
-            raise APIError(400, f"{where}.{loc}: {err['msg']}", where) from None
-        raise APIError(400, f"{loc}: {err['msg']}", loc) from None
+        named = loc if where is None else f"{where}.{loc}"
+        raise APIError(400, f"{named}: {err['msg']}", where or loc) from None
 
 
 class ChoiceShaper(Protocol):

@@ -38,12 +38,9 @@ def partial_suffix(text: str, tags: tuple[str, ...]) -> int:
 def find_stop(text: str, stops: list[str], after: int = 0) -> tuple[int, str] | None:
     """The stop string that completes first past text[:after] (on a tie, the one that starts
     earlier): (where it starts, the stop string), or None."""
-    best: tuple[int, int, str] | None = None  # (end, start, stop)
-    for s in stops:
-        i = text.find(s, max(0, after - len(s) + 1))  # ends past `after`
-        if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
-            best = (i + len(s), i, s)
-    return None if best is None else (best[1], best[2])
+    starts = ((text.find(s, max(0, after - len(s) + 1)), s) for s in stops)  # ends past `after`
+    found = [(i + len(s), i, s) for i, s in starts if i >= 0]  # (end, start, stop)
+    return min(found)[1:] if found else None
 
 
 class IncrementalDetokenizer:

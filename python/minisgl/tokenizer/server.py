@@ -30,23 +30,17 @@ def needed(tokenizer: Any | None) -> Any:
     return tokenizer
 
 
-def render_chat(
-    tokenizer: Any, chat: list[dict], template_kwargs: dict | None = None, tools: Any = None
-) -> str:
-    """The chat as the template renders it, ready for the assistant's turn unless
-    `template_kwargs` (e.g. enable_thinking) say add_generation_prompt=False."""
+def render_chat(tokenizer: Any, chat: list[dict], template_kwargs: dict | None = None) -> str:
+    """The chat as the template renders it with `template_kwargs` (e.g. tools, enable_thinking),
+    ready for the assistant's turn unless they say add_generation_prompt=False."""
     if not getattr(needed(tokenizer), "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
     kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
-    if tools:
-        kwargs["tools"] = tools
     return tokenizer.apply_chat_template(chat, **kwargs, tokenize=False)
 
 
-def encode_chat(
-    tokenizer: Any, chat: list[dict], template_kwargs: dict | None = None, tools: Any = None
-) -> list[int]:
-    text = render_chat(tokenizer, chat, template_kwargs, tools)
+def encode_chat(tokenizer: Any, chat: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    text = render_chat(tokenizer, chat, template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)  # the template has its own
 
 
@@ -54,7 +48,8 @@ def tokenize(tokenizer: Any, msg: TokenizeMsg) -> list[int]:
     if msg.input_ids is not None:
         ids = list(msg.input_ids)
     elif msg.chat is not None:
-        ids = encode_chat(tokenizer, msg.chat, msg.chat_template_kwargs, msg.tools)
+        tools = {"tools": msg.tools} if msg.tools else {}  # rendered by the template
+        ids = encode_chat(tokenizer, msg.chat, {**(msg.chat_template_kwargs or {}), **tools})
     else:
         ids = needed(tokenizer).encode(msg.text)
     # vLLM's refusal (a prompt too long by itself is the scheduler's, which knows the limit)
@@ -92,11 +87,9 @@ class TokenizerWorker:
 
     def send(self, msg: TokenizeMsg, ids: list[int], rank: int) -> None:
         """The tokenized request to replica `rank`'s scheduler, and how to detokenize it."""
-        params, tail = msg.params, ids[-PROMPT_CONTEXT:]
-        stop, skip = list(params.stop), msg.skip_special_tokens
-        self.to_detok.put(
-            DetokInitMsg(msg.uid, len(ids), tail, stop, skip, params.get("min_tokens"), rank)
-        )
+        params, tail, skip = msg.params, ids[-PROMPT_CONTEXT:], msg.skip_special_tokens
+        stop, min_tokens = list(params.stop), params.get("min_tokens")
+        self.to_detok.put(DetokInitMsg(msg.uid, len(ids), tail, stop, skip, min_tokens, rank))
         self.to_scheds[rank].put(UserMsg(msg.uid, ids, params))
 
     def fail(self, uid: int, error: Exception) -> None:

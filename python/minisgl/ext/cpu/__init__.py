@@ -32,7 +32,6 @@ _points.gguf_model = gguf.resolve_gguf
 _points.default_model = gguf.announce_default_model
 _points.default_model_name = gguf.DEFAULT_NAME
 # the engine's parts (torch), imported when an engine is built: other processes go without
-_points.cpu_dtype = Lazy("minisgl.ext.cpu.policy", "auto_dtype")
 _points.model_transform = Lazy("minisgl.ext.cpu.quantize", "model_transform")
 _points.decoder_transform = Lazy("minisgl.ext.cpu.speed", "cpu_engine")
 _points.scheduler_options["cpu"] = options.CpuOptions

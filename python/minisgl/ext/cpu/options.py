@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.utils.device import device_type
 from minisgl.utils.options import check_options, int_range, option
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
@@ -57,5 +58,11 @@ def cpu_options(config: Any) -> CpuOptions:
 
 
 def engine_options(config: Any, sched: Any) -> Any:
-    """The `engine_config` point: `config` with the scheduler's cpu options."""
-    return dataclasses.replace(config, extras={**config.extras, "cpu": cpu_options(sched)})
+    """The `engine_config` point: `config` with the scheduler's cpu options and, on cpu, what its
+    --dtype auto means (`policy.auto_dtype`; the core's is float32)."""
+    config = dataclasses.replace(config, extras={**config.extras, "cpu": cpu_options(sched)})
+    if config.dtype != "auto" or device_type(config.device) != "cpu":
+        return config
+    from minisgl.ext.cpu.policy import auto_dtype  # torch: only the schedulers get here
+
+    return dataclasses.replace(config, dtype=auto_dtype(config))

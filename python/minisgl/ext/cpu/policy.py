@@ -7,12 +7,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from minisgl import env
 from minisgl.distributed import get_tp_info
+from minisgl.engine.config import config_model_path
 from minisgl.ext.cpu.gguf import BLOCKS_FILE
 from minisgl.ext.cpu.options import cpu_options
 
@@ -42,20 +44,29 @@ def has_gguf_blocks(model_dir: str) -> bool:
     return os.path.isfile(os.path.join(model_dir, BLOCKS_FILE))
 
 
-def cpu_auto_dtype(quantization: str, model_dir: str, tp_size: int) -> torch.dtype:
+def cpu_auto_dtype(
+    quantization: str, model_dir: str | Callable[[], str], tp_size: int
+) -> torch.dtype:
     """`--dtype auto` on CPU: bfloat16 when the weights will be quantized (the kernels are fast
     only in 16 bits) and the CPU has bf16 instructions; float32 otherwise (the exact path, and
-    faster than bf16 for dense decode). MINISGL_CPU_FLOAT32=1 keeps float32."""
+    faster than bf16 for dense decode). MINISGL_CPU_FLOAT32=1 keeps float32. `model_dir` may be
+    a function, called only when the model's GGUF blocks decide."""
     if env.flag("MINISGL_CPU_FLOAT32") or cpu_bf16_flag() is None or quantization == "none":
         return torch.float32
-    if quantization == "auto" and (tp_size != 1 or not has_gguf_blocks(model_dir)):
-        return torch.float32
+    if quantization == "auto":  # a GGUF's quantized tensors, at TP 1
+        if tp_size != 1:
+            return torch.float32
+        directory = model_dir if isinstance(model_dir, str) else model_dir()
+        return torch.bfloat16 if has_gguf_blocks(directory) else torch.float32
     return torch.bfloat16
 
 
-def auto_dtype(config: Any, model_dir: str) -> torch.dtype:
-    """The `cpu_dtype` point: `cpu_auto_dtype` of an EngineConfig at this process's TP size."""
-    return cpu_auto_dtype(cpu_options(config).quantization, model_dir, get_tp_info().size)
+def auto_dtype(config: Any) -> str:
+    """What --dtype auto means for an EngineConfig on cpu at this process's TP size (the name of
+    `cpu_auto_dtype`'s: "float32" or "bfloat16"), for `options.engine_options`."""
+    model_dir = functools.partial(config_model_path, config)
+    dtype = cpu_auto_dtype(cpu_options(config).quantization, model_dir, get_tp_info().size)
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_quantization(

@@ -2,12 +2,16 @@
 prefill or mixed step in the decode CUDA graphs, one row per position, instead of the eager
 step (the `forward_paths` point, with the prompt budget that makes steps fit it), switched off
 by --disable-prefill-graphs (`options.py`, the `scheduler_options` point); `hybrid.py` runs
-`--attn PREFILL,DECODE` (the `hybrid_attention` point); `tables.py` sends a step's page- and
-token-table writes in one copy at its head (the `table_writes` point); `chunks.py` writes a
-stream's chunk of a choice no extension shapes as one format (the `stream_chunks` point).
-Without this package every prefill runs eagerly, each table write is a copy of its own, each
-chunk is a dict encoded, and the flag and a backend pair are refused naming it. The engine's parts (torch) are imported when the engine makes them
-(`Lazy`): the processes without an engine load this registry without torch."""
+`--attn PREFILL,DECODE` (the `hybrid_attention` point) and picks --attn auto's prefill on
+Hopper (`auto_prefill`); `tables.py` sends a step's page- and token-table writes in one copy
+at its head (the `table_writes` point); `chunks.py` writes a stream's chunk of a choice no
+extension shapes as one format (the `stream_chunks` point); `offline.py` gives `LLM` 32k-token
+prompt chunks on a GPU of >= 70 GiB (the `llm_defaults` point) and no automatic garbage
+collection while it steps (the `offline_run` point). Without this package every prefill runs
+eagerly, each table write is a copy of its own, each chunk is a dict encoded, `LLM` keeps the
+server's 8192-token chunks and the collector, --attn auto's prefill stays Triton's, and the
+flag and a backend pair are refused naming it. The engine's parts (torch) are imported when the engine makes them (`Lazy`): the
+processes without an engine load this registry without torch."""
 
 from minisgl.ext.lazy import Lazy
 from minisgl.ext.perf.options import PerfOptions
@@ -18,4 +22,7 @@ _points.scheduler_options["perf"] = PerfOptions
 _points.forward_paths.append(Lazy("minisgl.ext.perf.prefill_rows", "make_prefill_rows"))
 _points.table_writes = Lazy("minisgl.ext.perf.tables", "QueuedTableWrites")
 _points.hybrid_attention = Lazy("minisgl.ext.perf.hybrid", "HybridAttnBackend")
+_points.auto_prefill = Lazy("minisgl.ext.perf.hybrid", "hopper_prefill")
 _points.stream_chunks = Lazy("minisgl.ext.perf.chunks", "PlainChunks")
+_points.llm_defaults = Lazy("minisgl.ext.perf.offline", "offline_defaults")
+_points.offline_run = Lazy("minisgl.ext.perf.offline", "no_collection")

@@ -184,7 +184,7 @@ class LogitAdjust(StepFeature):
     go into the table when it is admitted, and a step with one adjusts all its rows (neutral
     rows come out unchanged) after any mask (stage 1)."""
 
-    name, stage = "adjust", 1
+    name, stage, changes_logits = "adjust", 1, True
 
     def __init__(self, scheduler: Any) -> None:
         engine = scheduler.engine
@@ -199,9 +199,6 @@ class LogitAdjust(StepFeature):
 
     def admitted(self, req: Req) -> None:
         self.table.write(req.table_idx, req, self.scheduler.eos_token_ids)
-
-    def changes_logits(self, req: Req) -> bool:
-        return True
 
     def process(self, engine: Any, batch: Any, out: Any, prepared: Any, masked: bool) -> bool:
         """`masked`: a grammar masked some rows first; a row these adjustments leave with no

@@ -148,6 +148,7 @@ class PromptLogprobs:
             first = max(c + 1, state.next)
             end = min(c + req.extend_len + 1, req.prompt_len)
             if k is not None and first < end:
+                state.next = end  # known once queued: a re-prefill (preemption) skips them
                 spans.append((i, first, end - first))
                 flat += range(offset + first - 1 - c, offset + end - 1 - c)
                 targets += req.tokens[first:end]
@@ -223,14 +224,11 @@ class PromptScoring(StepFeature):
     and the prefix cache never supplies a position still to compute); sent with the first
     output, as [token id, logprob | None, top ids, top logprobs] per prompt token."""
 
-    name = "prompt_logprobs"
+    name, scores_prompt = "prompt_logprobs", True
 
     def request(self, req: Req) -> None:
         if "prompt_logprobs" in req.params.ext:
             req.ext[self.name] = PromptState()
-
-    def scores_prompt(self, req: Req) -> bool:
-        return True
 
     def accept(self, req: Req, token: int, reason: str | None) -> tuple[str | None, str | None]:
         """max_tokens=0 (a prompt scored): its prefill's sampled token ends it, dropped."""
@@ -238,10 +236,6 @@ class PromptScoring(StepFeature):
 
     def prefix_limit(self, req: Req) -> int:
         return req.ext[self.name].next - 1
-
-    def launched(self, req: Req) -> None:
-        state = req.ext[self.name]
-        state.next = max(state.next, min(req.cached_len + req.extend_len + 1, req.prompt_len))
 
     def observe(self, engine: Any, batch: Batch, out: ForwardOutput) -> PromptLogprobs | None:
         """An eager prefill's (the one step that keeps every token's hidden states)."""

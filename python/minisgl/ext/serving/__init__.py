@@ -6,7 +6,7 @@
   the scheduler process (the `scheduler_messages` point);
 - `model_card.py`: /v1/models with the tokenizer's `vocab_size` (benchmarks read it);
 - `metrics.py`: Prometheus metrics (`GET /metrics`), counted as the API process sees its
-  requests (the `request_observer` point) and read from the schedulers' snapshots;
+  requests (its Frontend's `metrics`) and read from the schedulers' snapshots;
 - `dispatch.py`, `worker.py`: which --dp replica a request goes to (longest prefix), chosen by
   its tokenizer worker (the `launcher` point's), which also bounds and backgrounds long prompts;
 - `replicas.py`, `llm_dp.py`: `LLM(dp=N)`, one process per replica (the `replicas` point);
@@ -66,7 +66,6 @@ _points.request_checks.append(fields.check_limits)
 for _path in ("/v1/chat/completions", "/v1/completions", "/generate"):
     _points.request_fields.setdefault(_path, []).append(fields.PriorityFields)
 _points.request_fields["/generate"] += [sglang.MetaInfoFields, fields.DataParallelFields]
-_points.request_observer = Lazy(f"{_SERVING}.metrics", "frontend_metrics")
 _points.replicas = Lazy(f"{_SERVING}.replicas", "replicated_llm")
 _points.options["serving"] = options.ServingOptions
 _points.gate = http.ServingGate

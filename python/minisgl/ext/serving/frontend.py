@@ -1,5 +1,7 @@
 """The serving extension's Frontend (made by its launcher, `scale.py`): the core's, plus
 
+- the metrics (`metrics.py`): every reply and every request ended early counted, the --dp
+  replicas' scheduler snapshots kept apart (`replica_stats`; `stats` sums them);
 - the watchdog: while a request is unfinished, some message must come back from the pipeline
   at least every --watchdog-timeout seconds (the scheduler sends its stats every 0.2 s while it
   has work), or the pipeline is taken for hung and `on_hang(reason)` is called;
@@ -23,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from minisgl.ext.serving.flush import FlushCacheReply, FlushCacheRequest
-from minisgl.ext.serving.metrics import ApiViewMsg, total_stats, tree_rss_bytes
+from minisgl.ext.serving.metrics import ApiViewMsg, frontend_metrics, total_stats, tree_rss_bytes
 from minisgl.ext.serving.worker import DoneMsg
 from minisgl.message import AbortMsg, SchedulerStats, TokenizeMsg, UserReply, register
-from minisgl.server.frontend import Frontend
+from minisgl.server.frontend import Frontend, _InFlight
 from minisgl.server.protocol import APIError
 from minisgl.utils.zmq import ZmqAsyncPushQueue
 
@@ -73,11 +75,15 @@ class ServingFrontend(Frontend):
         `scheduler_addrs`: one per --dp replica (`ask_schedulers`; none: /flush_cache is refused).
         `api_addrs`: every API process's `recv_addr`, by rank (None: this one alone).
         `max_queued_requests`, `request_timeout`: the server's flags (None: no limit)."""
+        # API process `api_rank` of `api_count` numbers its requests api_rank, api_rank +
+        # api_count... (their replies come back by uid)
         self.api_rank, self.api_count = api_rank, len(api_addrs or [recv_addr])
-        super().__init__(tokenizer_addrs, recv_addr)
         self.scheduler_addrs = scheduler_addrs or []
         replicas = max(1, len(self.scheduler_addrs))
         self.replica_stats = [SchedulerStats(dp_rank=r) for r in range(replicas)]
+        super().__init__(tokenizer_addrs, recv_addr)
+        self.uids = itertools.count(api_rank, self.api_count)
+        self.metrics = frontend_metrics(self)
         self.to_peers = {
             rank: ZmqAsyncPushQueue(addr, create=False)
             for rank, addr in enumerate(api_addrs or [])
@@ -88,6 +94,7 @@ class ServingFrontend(Frontend):
         self._asks: dict[type, asyncio.Queue[Any]] = {}  # `ask_schedulers`' replies, by type
         self._ask_lock: asyncio.Lock | None = None
         self.watchdog_timeout, self.on_hang = watchdog_timeout, on_hang
+        self.on_drain: Callable[[], None] | None = None  # SIGTERM: its launcher's `drain`
         self.max_queued = max_queued_requests  # this process's share of them (None: no limit)
         if max_queued_requests is not None:
             self.max_queued = -(-max_queued_requests // self.api_count)
@@ -95,10 +102,20 @@ class ServingFrontend(Frontend):
         self._timers: dict[int, asyncio.TimerHandle] = {}  # by uid: its `expire`
         self._aborts: set[asyncio.Task] = set()  # the aborts of expired requests being sent
 
-    @property
+    @property  # the core's attribute, kept per replica here
     def stats(self) -> SchedulerStats:
         """The scheduler snapshot, summed over the --dp replicas."""
         return total_stats(self.replica_stats)
+
+    @stats.setter
+    def stats(self, snapshot: SchedulerStats) -> None:
+        if 0 <= snapshot.dp_rank < len(self.replica_stats):  # its replica's latest
+            self.replica_stats[snapshot.dp_rank] = snapshot
+
+    def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
+        # first: the metrics read the time of the request's previous token
+        self.metrics.reply(req.priority, req.submitted, req.last_token, reply, now)
+        super()._observe(req, reply, now)
 
     @property
     def num_unfinished(self) -> int:
@@ -185,6 +202,8 @@ class ServingFrontend(Frontend):
 
     async def abort(self, uid: int) -> None:
         self._untime(uid)
+        if uid in self.requests:  # still in flight: ended early
+            self.metrics.ended("abort")
         await super().abort(uid)
 
     async def done(self, uid: int) -> None:

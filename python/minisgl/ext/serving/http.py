@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,9 +24,11 @@ from minisgl.ext.serving.auth import credentials_refused
 from minisgl.ext.serving.connections import ConnectionLimits, connection_budget
 from minisgl.ext.serving.options import serving_options
 from minisgl.ext.serving.text import invalid_text_path
-from minisgl.server.gate import Gate, Refusal, refuse
+from minisgl.server.gate import Gate, refuse
+from minisgl.server.protocol import APIError
 
 if TYPE_CHECKING:
+    from minisgl.ext.serving.frontend import ServingFrontend
     from minisgl.server.args import ServerArgs
     from minisgl.server.frontend import Frontend
 
@@ -55,12 +57,13 @@ class ServingGate(Gate):
     def __init__(
         self, app: ASGIApp, args: ServerArgs, frontend: Frontend, paths: frozenset[str]
     ) -> None:
-        super().__init__(app, args, frontend, paths)
-        self.paths, self.metrics = paths, frontend.metrics
+        super().__init__(app)
+        serving = cast("ServingFrontend", frontend)  # its launcher's
+        self.paths, self.metrics = paths, serving.metrics
         options = serving_options(args)
         self.api_key = None if options.api_key is None else options.api_key.encode()
         self.body_timeout, self.max_body = options.timeout_body_read, options.max_request_bytes
-        self.max_requests = -(-options.max_connections // frontend.api_count)
+        self.max_requests = -(-options.max_connections // serving.api_count)
         # Requests passed to the app, /health included. Not those whose body is still coming:
         # they cost nothing but a connection, which ConnectionLimits sheds when needed (one
         # shed a moment ago still counted would refuse the request that took its place).
@@ -78,7 +81,7 @@ class ServingGate(Gate):
 
         refusal = self.check_head(scope)
         body = await self.body(scope, receive) if refusal is None else refusal
-        if isinstance(body, Refusal):
+        if isinstance(body, APIError):
             return await refuse(body, scope, receive, counted)
         if body is None:
             return  # the client left before sending all of its body
@@ -88,22 +91,22 @@ class ServingGate(Gate):
         finally:
             self.serving -= 1
 
-    def over_limit(self, scope: Scope) -> Refusal | None:
+    def over_limit(self, scope: Scope) -> APIError | None:
         limit = self.max_requests
         if self.serving >= limit and scope["path"] not in HEALTH_PATHS:
             message = f"server overloaded: {limit} requests in progress (the limit); retry later"
-            return Refusal(503, message, "overloaded", headers={"Retry-After": "1"})
+            return APIError(503, message, code="overloaded", headers={"Retry-After": "1"})
         return None
 
-    def check_key(self, scope: Scope) -> Refusal | None:
+    def check_key(self, scope: Scope) -> APIError | None:
         if self.api_key is None or scope["path"] == "/health":
             return None
         if (why := credentials_refused(scope["headers"], self.api_key)) is None:
             return None
         # RFC 7235: a 401 names the scheme it wants
-        return Refusal(401, why, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return APIError(401, why, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    def check_head(self, scope: Scope) -> Refusal | None:
+    def check_head(self, scope: Scope) -> APIError | None:
         """Overloaded: refused before anything else (no body read); then the API key."""
         if (refusal := self.over_limit(scope) or self.check_key(scope)) is not None:
             return refusal
@@ -112,10 +115,10 @@ class ServingGate(Gate):
             return self.too_large()
         return None
 
-    async def body(self, scope: Scope, receive: Receive) -> Receive | Refusal | None:
+    async def body(self, scope: Scope, receive: Receive) -> Receive | APIError | None:
         """The body read whole and checked (`check_body`), replayed to the app."""
         body = await self.receive_body(scope, receive)
-        if body is None or isinstance(body, Refusal):
+        if body is None or isinstance(body, APIError):
             return body
         if (refusal := self.check_body(scope, body)) is not None:
             return refusal
@@ -130,19 +133,20 @@ class ServingGate(Gate):
 
         return replay
 
-    def check_body(self, scope: Scope, body: bytes) -> Refusal | None:
+    def check_body(self, scope: Scope, body: bytes) -> APIError | None:
         if len(body) > self.max_body:  # a false Content-Length, or none
             return self.too_large()
         if (bad := invalid_text_path(body)) is not None:
             where, why = bad
             message = f"{where or 'body'}: text is not valid Unicode ({why})"
-            return Refusal(400, message, "invalid_unicode", where)
+            return APIError(400, message, where, "invalid_unicode")
         return self.over_limit(scope)  # the limit again: others came while this body did
 
-    def too_large(self) -> Refusal:
-        return Refusal(413, f"request body is larger than {self.max_body} bytes", "body_too_large")
+    def too_large(self) -> APIError:
+        message = f"request body is larger than {self.max_body} bytes"
+        return APIError(413, message, code="body_too_large")
 
-    async def receive_body(self, scope: Scope, receive: Receive) -> bytes | Refusal | None:
+    async def receive_body(self, scope: Scope, receive: Receive) -> bytes | APIError | None:
         """The whole body (within --timeout-body-read when one is to come), or None if the
         client left first; reading stops past the limit."""
         if not expects_body(scope):
@@ -162,13 +166,13 @@ class ServingGate(Gate):
             more = message.get("more_body", False)
         return bytes(body)
 
-    def too_slow(self) -> Refusal:
+    def too_slow(self) -> APIError:
         """A body that did not arrive in time: its connection is closed after the answer, so
         that it counts no longer (the rest of a body would otherwise still be read)."""
         message = (
             f"request body did not arrive within {self.body_timeout:g} s (--timeout-body-read)"
         )
-        return Refusal(408, message, "request_timeout", headers={"Connection": "close"})
+        return APIError(408, message, code="request_timeout", headers={"Connection": "close"})
 
 
 class _CutShort(logging.Filter):
@@ -252,14 +256,10 @@ def make_server(
     return Server(config)
 
 
-def serving_http_server(
-    args: ServerArgs,
-    app: Any,
-    frontend: Frontend,
-    on_shutdown: Callable[[], None] | None = None,
-) -> Any:
+def serving_http_server(args: ServerArgs, app: Any, frontend: ServingFrontend) -> Any:
     """The app under bounded uvicorn, as one API process serves it (each of
-    --api-server-count gets its share of --max-connections)."""
+    --api-server-count gets its share of --max-connections; its drain begins with the
+    Frontend's `on_drain`)."""
     import uvicorn
 
     options = serving_options(args)
@@ -277,4 +277,4 @@ def serving_http_server(
         timeout_keep_alive=options.timeout_keep_alive,  # type: ignore[arg-type]  # float works
         timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
     )
-    return make_server(config, frontend, limits, args.shutdown_timeout, on_shutdown)
+    return make_server(config, frontend, limits, args.shutdown_timeout, frontend.on_drain)

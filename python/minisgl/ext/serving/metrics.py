@@ -7,8 +7,8 @@ the --dp replicas, and per replica in the `minisgl_replica_*` series (label `dp_
 --api-server-count N, each API process counts its own requests; the one that answers /metrics
 adds up every process's series (`summed_exposition`).
 
-`Metrics` is the Frontend's `request_observer` (the core calls its plain methods: `reply`,
-`ended`, `response`, `text`); `add_metrics_route` serves it as a `routes` point."""
+`Metrics` is the serving Frontend's `metrics` (it counts each reply, each request ended early;
+the serving Gate each response); `add_metrics_route` serves it as a `routes` point."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 from starlette.responses import PlainTextResponse, Response  # fastapi's: its package is heavy
 
-from minisgl.extension import RequestObserver
 from minisgl.message import SchedulerStats, UserReply, register
 from minisgl.server.protocol import APIError
 
@@ -37,7 +36,6 @@ if TYPE_CHECKING:  # types only: the extension loads while the api server module
 
     from minisgl.ext.serving.frontend import ServingFrontend
     from minisgl.server.api_server import ApiServer
-    from minisgl.server.frontend import Frontend
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -210,7 +208,7 @@ def tree_rss_bytes() -> int:
     return total
 
 
-class Metrics(RequestObserver):
+class Metrics:
     def __init__(
         self,
         replicas: Callable[[], list[SchedulerStats]],
@@ -319,9 +317,9 @@ class Metrics(RequestObserver):
         return self.request_text()
 
 
-def frontend_metrics(frontend: Frontend) -> Metrics:
-    """The `request_observer` point: a Frontend's metrics, reading its replicas' snapshots; the
-    server's RSS is API process 0's to count (its children include the other API processes)."""
+def frontend_metrics(frontend: ServingFrontend) -> Metrics:
+    """A serving Frontend's metrics, reading its replicas' snapshots; the server's RSS is API
+    process 0's to count (its children include the other API processes)."""
     rss = tree_rss_bytes if frontend.api_rank == 0 else lambda: 0
     return Metrics(lambda: frontend.replica_stats, lambda: frontend.num_queued, rss)
 
@@ -341,9 +339,8 @@ def add_metrics_route(app: FastAPI, api: ApiServer, info: dict[str, Any]) -> Non
 
     async def metrics() -> Response:
         views = await all_views(api, metrics=True)
-        peers = [v.metrics for v in views if v.rank != api.frontend.api_rank]
-        own = api.frontend.metrics
-        assert isinstance(own, Metrics)  # this extension's observer (registered with the route)
-        return Response(own.render(peers), media_type=CONTENT_TYPE)
+        frontend = cast("ServingFrontend", api.frontend)  # its launcher's
+        peers = [v.metrics for v in views if v.rank != frontend.api_rank]
+        return Response(frontend.metrics.render(peers), media_type=CONTENT_TYPE)
 
     app.get("/metrics", response_class=PlainTextResponse)(metrics)  # documents text/plain

@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from minisgl.ext.serving.auth import env_api_key
 from minisgl.ext.serving.template import read_chat_template
 from minisgl.server.args import ServerArgs, seconds
-from minisgl.utils.options import OptionError, int_range, option
+from minisgl.utils.options import OptionError, int_range, number, option
+
+
+def positive_seconds(value: str) -> float:
+    """A finite number of seconds > 0 (the core's `seconds`: >= 0)."""
+    x = number(value, float, "seconds")
+    if not 0 < x < float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return x
 
 
 def _host_port(value: str) -> str:
@@ -77,14 +85,14 @@ class ServingOptions:
         60.0,
         "seconds the ranks of several --nnodes wait to meet at --dist-init-addr (and any one "
         "collective) before giving up with an error",
-        type=seconds(allow_zero=False),
+        type=positive_seconds,
     )
     gc_warning_threshold_secs: float = option(
         0.0,
         "log a warning for every garbage collection longer than this many seconds in any "
         "server process once it is ready (a collection stalls the streams that process "
         "serves); 0: off",
-        type=seconds(allow_zero=True),
+        type=seconds,
     )
     gc_threshold: list[int] | None = option(
         None,
@@ -101,12 +109,12 @@ class ServingOptions:
         300.0,
         "seconds the pipeline may stay silent (no step, no reply) while requests are unfinished "
         "before the server fails them, turns /health 503 and exits with code 1; 0: no watchdog",
-        type=seconds(allow_zero=True),
+        type=seconds,
     )
     health_check_timeout: float = option(
         20.0,
         "seconds /health?generate=1 waits for its one-token generation before answering 503",
-        type=seconds(allow_zero=False),
+        type=positive_seconds,
     )
     max_connections: int = option(
         2048,
@@ -119,13 +127,13 @@ class ServingOptions:
         5.0,
         "seconds a connection may take to send a request's headers, from its opening or from the "
         "end of its previous response, before it is closed",
-        type=seconds(allow_zero=False),
+        type=positive_seconds,
     )
     timeout_body_read: float = option(
         30.0,
         "seconds a request's body may take to arrive in full, from the end of its headers; "
         "past it the request gets 408 and its connection is closed",
-        type=seconds(allow_zero=False),
+        type=positive_seconds,
     )
     max_queued_requests: int | None = option(
         None,
@@ -135,7 +143,7 @@ class ServingOptions:
     request_timeout: float | None = option(
         None,
         "seconds after which a request is aborted and answered 504",
-        type=seconds(allow_zero=False),
+        type=positive_seconds,
     )
     max_request_bytes: int = option(
         16 * 2**20, "largest HTTP request body accepted (larger ones get 413)", type=int_range(1)

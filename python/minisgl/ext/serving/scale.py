@@ -15,7 +15,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from minisgl.distributed import Rendezvous, rendezvous_file
@@ -64,11 +63,14 @@ def _send(addr: str, msg: Any) -> None:
     queue.close()  # lingers until the message is out
 
 
-def reuse_port_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` sockets of the HTTP port with SO_REUSEPORT, listening now: the kernel spreads new
-    connections evenly over the listening ones (one socket that all accept from would let
-    whichever process wakes first take a whole burst). A plain bind first makes sure that no
-    other server holds the port: SO_REUSEPORT alone would share it with one of the same user."""
+def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """The HTTP port's socket for each of `count` API processes, bound before the model loads:
+    a taken port fails at once. One socket listens only once uvicorn serves it: until then a
+    client is refused at once rather than left waiting in a backlog. Several have SO_REUSEPORT
+    and listen now: the kernel spreads new connections evenly over the listening ones (one
+    socket that all accept from would let whichever process wakes first take a whole burst). A
+    plain bind first makes sure that no other server holds the port: SO_REUSEPORT alone would
+    share it with one of the same user."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
     def bound(reuse_port: bool) -> socket.socket:
@@ -84,6 +86,8 @@ def reuse_port_sockets(host: str, port: int, count: int) -> list[socket.socket]:
             raise RuntimeError(error) from None
         return sock
 
+    if count == 1:
+        return [bound(reuse_port=False)]
     bound(reuse_port=False).close()
     socks = [bound(reuse_port=True) for _ in range(count)]
     for sock in socks:  # all in the kernel's spread from now on, whichever process serves first
@@ -129,6 +133,14 @@ class ServingLauncher(Launcher):
             args, Addresses.make(args.num_tokenizer, options.dp, options.api_server_count)
         )
         self.reaper = Reaper(self.addrs.root)  # clears up after this process however it dies
+        self.tokenizer_worker = tokenizer_worker(
+            args.engine.page_size,
+            options.dp_dispatch,
+            options.dp_load_threshold,
+            options.chat_template,
+        )
+        if options.api_server_count > 1:  # each reply to the API process of its request
+            self.api_queue = functools.partial(ApiQueues.connect, self.addrs.apis)
         self.api_procs: list[Any] = []  # the API processes other than this one
         self.draining = False  # SIGTERM: the API processes finish their requests, then exit
 
@@ -145,6 +157,10 @@ class ServingLauncher(Launcher):
         if self.options.exit_with_parent:  # first: its SIGTERM then unwinds through `stop`
             exit_with_parent()
         if self.options.node_rank == 0:
+            if not self.args.shell:  # a taken port fails here, before a download
+                self.listeners = listen_sockets(
+                    self.args.host, self.args.port, self.api_server_count
+                )
             return super().start()
         # scheduler ranks only: no front end on this node
         config = self.resolve_models()
@@ -156,11 +172,6 @@ class ServingLauncher(Launcher):
 
     def check(self, config: EngineConfig) -> None:
         check_scale_out(self.args, config)
-
-    def listen(self) -> list[socket.socket]:
-        if self.api_server_count == 1:
-            return super().listen()
-        return reuse_port_sockets(self.args.host, self.args.port, self.api_server_count)
 
     def start_pipeline(self, config: EngineConfig) -> None:
         super().start_pipeline(config)
@@ -190,17 +201,6 @@ class ServingLauncher(Launcher):
         for add_routes in extensions().routes:
             if (resolve := getattr(add_routes, "resolve", None)) is not None:
                 resolve()  # an extension's route registered by name (ext/lazy.py): imported now
-
-    def api_queue(self) -> Callable[[], Any]:
-        if self.api_server_count == 1:
-            return super().api_queue()
-        return functools.partial(ApiQueues.connect, self.addrs.apis)
-
-    def tokenizer_worker(self, config: EngineConfig) -> Any:
-        options = self.options
-        return tokenizer_worker(
-            config.page_size, options.dp_dispatch, options.dp_load_threshold, options.chat_template
-        )
 
     def start_schedulers(self, config: EngineConfig) -> tuple[list[Started], list[Started]]:
         """Each replica's TP rank 0 and its other ranks (this node's)."""
@@ -260,6 +260,7 @@ class ServingLauncher(Launcher):
             max_queued_requests=options.max_queued_requests,
             request_timeout=options.request_timeout,
         )
+        frontend.on_drain = self.drain
         return front_end(self, frontend)
 
     def follow(self) -> int:

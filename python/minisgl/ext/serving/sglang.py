@@ -133,6 +133,12 @@ def add_sglang_routes(app: FastAPI, api: ApiServer, info: dict) -> None:
     model = args.engine.model or ""
     page_size = args.engine.page_size
 
+    def replica_stats() -> list[Any]:
+        """Each --dp replica's scheduler snapshot (an app built without its launcher: one)."""
+        if isinstance(frontend, ServingFrontend):
+            return frontend.replica_stats
+        return [frontend.stats]
+
     async def model_info() -> dict[str, Any]:
         return {
             "model_path": model,
@@ -146,7 +152,7 @@ def add_sglang_routes(app: FastAPI, api: ApiServer, info: dict) -> None:
         }
 
     async def server_info() -> dict[str, Any]:
-        states = [dataclasses.asdict(s) for s in frontend.replica_stats]
+        states = [dataclasses.asdict(s) for s in replica_stats()]
         return _public_options(args) | {
             "version": "minisgl",
             "tp_size": args.tp,
@@ -166,7 +172,7 @@ def add_sglang_routes(app: FastAPI, api: ApiServer, info: dict) -> None:
                 "num_tokens": (s.total_pages - s.free_pages - s.cached_pages + s.locked_pages)
                 * page_size,
             }
-            for s in frontend.replica_stats
+            for s in replica_stats()
         ]
 
     async def flush_cache() -> JSONResponse:

@@ -73,13 +73,13 @@ async def tokenize(api: ApiServer, req: TokenizeRequest) -> dict[str, Any]:
             raise APIError(400, str(e), "tools") from None
         msg.tools = tools = features.template_tools(req.tools)
     kwargs = {"add_generation_prompt": req.add_generation_prompt, **(kwargs or {})}
+    if tools:
+        kwargs["tools"] = tools
 
     def encode_messages(tok: Any) -> list[int]:
         check_prompt_size(tok, prompt_chars(msg), limit)
         # add_special_tokens: the tokenizer's special tokens around the template's text
-        return needed(tok).encode(
-            render_chat(tok, chat, kwargs, tools), add_special_tokens=bool(special)
-        )
+        return needed(tok).encode(render_chat(tok, chat, kwargs), add_special_tokens=bool(special))
 
     return tokens(api, await with_tokenizer(api, encode_messages, "messages"))
 

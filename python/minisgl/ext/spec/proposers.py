@@ -139,7 +139,7 @@ class DraftModelProposer:
             message = f"the draft model's vocabulary has {vocab} tokens, the target's {want}"
             raise OptionError(DRAFT_OPTION, message)
         # a catch-up of running requests replays the graphs as one row per position
-        self.engine.forward_paths = [VerifyRows()]
+        self.engine.forward_paths = [VerifyRows(eager=False)]
         self.allocator = PageAllocator(self.engine.num_pages)
         self.states: dict[int, DraftState] = {}
 

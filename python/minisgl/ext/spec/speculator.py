@@ -1,6 +1,6 @@
-"""Speculative decoding, the scheduler's side (the `proposer` point): which running requests
-propose in a step (`Backoff`), their proposals (proposers.py), and which of them the target
-model accepts (`accept`).
+"""Speculative decoding, the scheduler's side (a `Speculator`, through the `step_features`
+point): which running requests propose in a step (`Backoff`), their proposals (proposers.py),
+and which of them the target model accepts (`accept_run`).
 
 A request with K proposals computes 1 + K tokens in one forward (its last token and the
 proposals, an extend over its paged KV); the engine samples the target's token at each of those
@@ -81,8 +81,8 @@ class Speculation(Speculator):
 
     name = RESULT
 
-    def __init__(self, proposer: Proposer, max_backoff: int) -> None:
-        self.proposer = proposer
+    def __init__(self, scheduler: Any, proposer: Proposer, max_backoff: int) -> None:
+        self.scheduler, self.proposer = scheduler, proposer
         self.backoff = Backoff(max_backoff)
         self.states: WeakKeyDictionary[Req, SpecState] = WeakKeyDictionary()
         self.reset_counts()
@@ -96,28 +96,27 @@ class Speculation(Speculator):
         num_draft = self.proposer.num_draft
         return [r for r in running if self.backoff.due(r, self.state(r), num_draft)]
 
-    def wants(self, running: list[Req]) -> bool:
-        return bool(self._due(running))
+    def before_step(self) -> None:
+        """A step that proposes waits for the step in flight: the proposals continue its tokens."""
+        sched = self.scheduler
+        if sched.in_flight is not None and self._due(sched.planner.running):
+            sched._read_in_flight()
 
-    def propose(self, running: list[Req]) -> dict[int, list[int]]:
-        """Proposals of the requests due; a due request that finds none backs off."""
-        due = self._due(running)
+    def propose(self, planner: Any, decodes: list[Req]) -> None:
+        """Proposals of the requests due, each into the step where pages are left for them (in
+        the token table past the request's tokens); a due request that finds none backs off."""
+        due = self._due(decodes)
         self.backoff.tick()
         proposals = self.proposer.propose_all(due) if due else {}
         for req in due:
-            self.state(req).drafts = proposals.get(req.uid, [])
-            if req.uid not in proposals:
+            drafts = self.state(req).drafts = proposals.get(req.uid, [])
+            if not drafts:
                 self.backoff.result(self.state(req), gained=False)
-        return proposals
+            elif planner.grow(req, 1 + len(drafts)):
+                planner.engine.set_tokens(req.table_idx, drafts, start=len(req.tokens))
+                req.extend_len = 1 + len(drafts)
 
-    def verify(self, engine: Any, batch: Any, out: Any) -> None:
-        if (verification := Verification.start(engine, batch, out)) is not None:
-            out.results[self.name] = verification.to_host()
-
-    def verified(self, result: Any) -> dict[int, list[int]]:
-        return result.by_row() if isinstance(result, Verification) else {}
-
-    def accept(self, engine: Any, req: Req, slot: int, targets: list[int]) -> list[int]:
+    def accept_run(self, engine: Any, req: Req, slot: int, targets: list[int]) -> list[int]:
         """The row computed its last token and len(targets) - 1 of its proposals; the token at
         `slot` is the placeholder of the first. The KV of the rejected ones is dropped, and the
         last token of the run, which the next step reads, goes into the token table."""
@@ -135,7 +134,12 @@ class Speculation(Speculator):
         self.num_verified_rows += 1
         return new
 
-    def result(self, req: Req) -> dict[str, Any]:
+    def read(self, reqs: list[Req], result: Verification) -> list[list[int] | None]:
+        """Per batch row, the target's token at each of its positions if it verified."""
+        by_row = result.by_row()
+        return [by_row.get(i) for i in range(len(reqs))]
+
+    def result(self, req: Req, outputs: list[Any] | None = None) -> dict[str, Any]:
         state = self.state(req)
         return {"num_draft_tokens": state.drafted, "num_accepted_tokens": state.accepted}
 
@@ -170,4 +174,4 @@ def make_speculation(scheduler: Any) -> Speculation | None:
         proposer = DraftModelProposer(scheduler.engine, k, options.speculative_draft_model_path)
     else:
         return None
-    return Speculation(proposer, options.speculative_max_backoff)
+    return Speculation(scheduler, proposer, options.speculative_max_backoff)

@@ -122,14 +122,21 @@ def flat_batch(batch: Batch, max_rows: int) -> Batch | None:
 
 
 class VerifyRows(ForwardPath):
-    """The engine's path for `flat_batch` steps: the decode graphs replay them, every row
-    sampling; `regroup` gives each request its last row's id and queues the verification."""
+    """The engine's path for steps with rows that verify: `flat_batch` steps replay the decode
+    graphs, every row sampling, `regroup` giving each request its last row's id; the others run
+    eagerly (unless not `eager`: a draft model's catch-up) and their regroup samples the target at
+    every position of the rows that verify. Either queues the `Verification` in the results."""
+
+    def __init__(self, eager: bool = True) -> None:
+        self.eager = eager
 
     def forward(
         self, engine: Engine, batch: Batch, samples: list[bool], resample: bool
     ) -> ForwardOutput | None:
-        if engine.graphs is None or (flat := flat_batch(batch, engine.graphs.max_bs)) is None:
+        if not verifying_rows(batch):
             return None
+        if engine.graphs is None or (flat := flat_batch(batch, engine.graphs.max_bs)) is None:
+            return self._eager(engine, batch, samples) if self.eager else None
         out = engine.graphs.replay(flat, [True] * flat.size, resample)
 
         def regroup(ids: torch.Tensor) -> torch.Tensor:
@@ -139,4 +146,16 @@ class VerifyRows(ForwardPath):
             return last
 
         out.rows, out.regroup = flat, regroup
+        return out
+
+    @staticmethod
+    def _eager(engine: Engine, batch: Batch, samples: list[bool]) -> ForwardOutput:
+        out = engine.eager(batch, samples)
+
+        def regroup(ids: torch.Tensor) -> torch.Tensor:  # the ids as they are, then verify
+            if (verification := Verification.start(engine, batch, out)) is not None:
+                out.results[RESULT] = verification.to_host()
+            return ids
+
+        out.regroup = regroup
         return out

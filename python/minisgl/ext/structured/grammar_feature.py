@@ -43,7 +43,7 @@ def check_constraint(p: SamplingParams) -> None:
 class GrammarFeature(Holding):
     """The scheduler's grammars: a `GrammarState` over the requests held while compiling."""
 
-    name, stage = GRAMMAR, 0
+    name, stage, changes_logits, needs_tokens = GRAMMAR, 0, True, True
 
     def __init__(self, scheduler: Any) -> None:
         super().__init__(scheduler)  # its tokenizer at each request (a benchmark swaps it in)
@@ -83,12 +83,6 @@ class GrammarFeature(Holding):
 
     def shutdown(self) -> None:
         self.state.shutdown()
-
-    def changes_logits(self, req: Req) -> bool:
-        return True
-
-    def needs_tokens(self) -> bool:
-        return True
 
     def prepare(self, batch: Batch, samples: list[bool]) -> TokenMask | None:
         return self.state.mask(batch.reqs, samples)

@@ -5,26 +5,19 @@ its scheduler options (the `scheduler_options` point: also keywords of `LLM(...)
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl.ext.serving.options import positive_seconds
 from minisgl.ext.structured.detect import AUTO, NONE
 from minisgl.ext.structured.parsers import REASONING_PARSERS, TOOL_PARSERS
-from minisgl.utils.options import OptionError, number, option
+from minisgl.utils.options import OptionError, option
 
 # the options naming a format, and the formats they may name
 FORMATS: dict[str, dict[str, Any]] = {
     "tool_call_parser": TOOL_PARSERS,
     "reasoning_parser": REASONING_PARSERS,
 }
-
-
-def positive_seconds(value: str) -> float:
-    x = number(value, float, "seconds")
-    if not 0 < x < float("inf"):  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
-    return x
 
 
 @dataclass

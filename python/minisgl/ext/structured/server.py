@@ -242,8 +242,10 @@ async def shape_chat(
     fields = tool_fields(req)
     functions, choice = chat_tools(fields)
     tools = [f.to_openai_tool() for f in functions] or None
-    kwargs = req.chat_template_kwargs
-    render = lambda tok: render_chat(tok, chat, kwargs, tools)  # noqa: E731
+    kwargs = dict(req.chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
+    render = lambda tok: render_chat(tok, chat, kwargs)  # noqa: E731
     return tools, await chat_parsing(api, fields, functions, choice, render)
 
 
