@@ -60,7 +60,7 @@ def test_replies_that_came_together_are_written_together(tmp_path: Any, n: int) 
         tok = ZmqAsyncPullQueue(tok_addr, create=True)
         frontend = front_end([tok_addr], api_addr)
         api = ZmqAsyncPushQueue(api_addr, create=False)
-        app = create_app(frontend, ServerArgs(), 1 << 16)
+        app = create_app(frontend, ServerArgs(), {"max_seq_len": 1 << 16})
 
         async def counting(scope: Any, receive: Any, send: Any) -> None:
             async def counted(message: Any) -> None:

@@ -166,9 +166,29 @@ def test_the_core_alone_counts_nothing(core_alone: None, tmp_path: Any) -> None:
     assert not hasattr(frontend, "metrics")
     req = _InFlight(asyncio.Queue())
     frontend._observe(req, UserReply(0, "x", [1], True, "stop", 1, 1), 1.0)
-    assert (req.last_token, req.finished) == (1.0, True)
+    assert req.last_token == 1.0
     frontend.recv.close()
     for q in frontend.to_tokenizers:
+        q.close()
+
+
+def test_the_serving_frontend_records_what_its_metrics_and_timeout_read(tmp_path: Any) -> None:
+    """Its requests' records (`_in_flight`): the priority and submission time (the metrics'
+    label and latencies), whether the last reply came (--request-timeout, the watchdog)."""
+    from minisgl.core import SamplingParams
+    from minisgl.ext.serving.frontend import ServingFrontend
+    from minisgl.message import TokenizeMsg
+
+    frontend = ServingFrontend([f"ipc://{tmp_path}/tok"], f"ipc://{tmp_path}/api")
+    msg = TokenizeMsg(0, "hi", None, None, SamplingParams(priority=3))
+    req = frontend.requests[0] = frontend._in_flight(msg, asyncio.Queue())
+    assert (req.priority, req.finished, frontend.num_unfinished) == (3, False, 1)
+    frontend._observe(req, UserReply(0, "x", [1], False, None, 1, 1), req.submitted + 0.5)
+    assert (req.last_token, req.finished) == (req.submitted + 0.5, False)
+    assert frontend.metrics.ttft.labels("3")._sum.get() == pytest.approx(0.5)  # from submission
+    frontend._observe(req, UserReply(0, "", [], True, "stop", 1, 1), req.submitted + 1)
+    assert req.finished and frontend.num_unfinished == 0
+    for q in (frontend.recv, *frontend.to_tokenizers):
         q.close()
 
 

@@ -313,7 +313,7 @@ def test_manager_naive() -> None:
     m.release([1, 2], p, h)
     assert m.allocator.num_free == 4
     assert m.match_and_lock([1, 2])[1] == []
-    with pytest.raises(ValueError):
+    with pytest.raises(KeyError):  # (SchedulerConfig's choices refuse it first: test_errors.py)
         KVCacheManager(4, 1, cache="lru")  # type: ignore[arg-type]
 
 

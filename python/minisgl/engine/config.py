@@ -131,7 +131,7 @@ def check_model(config: EngineConfig, size: int = 1, gpus: int | None = None) ->
 
 def model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     """--max-model-len, or the model's context (above it: refused, never trained there)."""
-    context = cfg.max_position_embeddings
+    context = cfg.rope.max_position
     if config.max_model_len is not None and config.max_model_len > context:
         message = f"{config.max_model_len} is above the model's context of {context} tokens"
         raise OptionError("max_model_len", f"{message} (max_position_embeddings)")

@@ -16,12 +16,11 @@ class KVCacheManager:
     def __init__(
         self, num_pages: int, page_size: int, cache: Literal["radix", "naive"] = "radix"
     ) -> None:
-        if cache not in ("radix", "naive"):
-            raise ValueError(f"unknown prefix cache {cache!r} (expected 'radix' or 'naive')")
         self.num_pages, self.page_size = num_pages, page_size
         self.allocator = PageAllocator(num_pages)
-        kind = RadixPrefixCache if cache == "radix" else NaivePrefixCache
-        self.prefix_cache = kind(page_size)
+        # (SchedulerConfig refuses another --cache with its choices; here: a KeyError)
+        kinds = {"radix": RadixPrefixCache, "naive": NaivePrefixCache}
+        self.prefix_cache = kinds[cache](page_size)
 
     def match_and_lock(self, tokens: Sequence[int]) -> tuple[CacheHandle, list[int]]:
         handle, pages = self.prefix_cache.match_prefix(tokens)

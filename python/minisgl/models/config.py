@@ -23,8 +23,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope: RopeConfig
-    max_position_embeddings: int
+    rope: RopeConfig  # rope.max_position: the model's context (HF max_position_embeddings)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
@@ -58,7 +57,6 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             rope=rope,
-            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=arch.startswith("Qwen2") or bool(getattr(hf, "attention_bias", False)),
             qk_norm=arch.startswith("Qwen3"),

@@ -282,8 +282,8 @@ class ApiServer:
         return await self.respond(req, msgs, shape)
 
     async def respond(self, req: SamplingFields, msgs: list[TokenizeMsg], shape: Shape) -> Any:
-        options = req.stream_options
-        if options is not None and options.continuous_usage_stats and not options.include_usage:
+        options = req.stream_options or StreamOptions()
+        if options.continuous_usage_stats and not options.include_usage:
             message = "stream_options.continuous_usage_stats needs include_usage true"
             raise APIError(400, message, "stream_options.continuous_usage_stats")
         started = await self.start_choices(msgs)
@@ -350,12 +350,12 @@ class ApiServer:
         yield closing() + "data: [DONE]\n\n"
 
     def events(
-        self, started: Started, head: dict[str, Any], shape: Shape, options: StreamOptions | None
+        self, started: Started, head: dict[str, Any], shape: Shape, options: StreamOptions
     ) -> AsyncIterator[str]:
         """OpenAI's chunks: a chat's roles first, then one per reply with text or a finish
         (with `continuous_usage_stats`, its choice's usage so far), the usage last if asked."""
-        include_usage = options is not None and options.include_usage
-        continuous = include_usage and options is not None and options.continuous_usage_stats
+        # (continuous usage comes with include_usage: `respond` refuses it alone)
+        include_usage, continuous = options.include_usage, options.continuous_usage_stats
         first = [replies[0] for replies in started[1]]
         last = list(first)
         chunk: Chunks = (extensions().stream_chunks or Chunks)(head, shape)
@@ -438,19 +438,17 @@ async def shapers(
     return [shaper for shaper in made if shaper is not None]
 
 
-def create_app(
-    frontend: Frontend, args: ServerArgs, max_seq_len: int, info: dict | None = None
-) -> FastAPI:
-    """The app; `info`: what the schedulers reported once ready (KV pages, for /server_info)."""
+def create_app(frontend: Frontend, args: ServerArgs, info: dict[str, Any]) -> FastAPI:
+    """The app; `info`: what the schedulers reported once ready (max_seq_len, /server_info's)."""
     # the heap is frozen once the app is built and the backends ready: only serving's objects are
     # left for the garbage collector's full collections to walk
     app = FastAPI(title="minisgl", on_startup=[frontend.start, freeze_startup_heap])
-    api = ApiServer(frontend, args, max_seq_len)
+    api = ApiServer(frontend, args, info["max_seq_len"])
     app.exception_handler(APIError)(api_error)
     app.exception_handler(RequestValidationError)(validation_error)
     app.exception_handler(StarletteHTTPException)(http_error)
     for add_routes in extensions().routes:  # first: e.g. the serving extension's /health
-        add_routes(app, api, info or {})
+        add_routes(app, api, info)
     app.get("/health")(api.health)
     app.get("/stats")(api.stats)
     app.get("/v1/models")(api.models)

@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from minisgl.message import AbortMsg, BatchMsg, SchedulerStats, TokenizeMsg, UserReply, encode
@@ -23,11 +23,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _InFlight:
+    # (the serving extension's `_Served` adds what its metrics and --request-timeout read)
     queue: asyncio.Queue[UserReply]  # its response's: shared by the choices (`batches`)
-    submitted: float = field(default_factory=time.monotonic)  # (for the serving metrics)
     last_token: float | None = None  # None until the first token: the request is queued
-    priority: int = 0  # (the serving metrics' label)
-    finished: bool = False  # its last reply came (the handler may not have collected it yet)
 
 
 class Frontend:
@@ -74,8 +72,6 @@ class Frontend:
     def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
         if reply.token_ids:
             req.last_token = now
-        if reply.finished:
-            req.finished = True
 
     def new_uid(self) -> int:
         return next(self.uids)
@@ -93,12 +89,15 @@ class Frontend:
     async def submit(self, msg: TokenizeMsg, queue: asyncio.Queue[UserReply]) -> None:
         """Hand a request to its tokenizer worker, its replies to `queue`: in flight once sent."""
         data = encode(msg)
-        self.requests[msg.uid] = _InFlight(queue, priority=msg.params.get("priority"))
+        self.requests[msg.uid] = self._in_flight(msg, queue)
         try:
             await self._tokenizer(msg.uid).put_encoded(data)
         except BaseException:
             self.requests.pop(msg.uid, None)
             raise
+
+    def _in_flight(self, msg: TokenizeMsg, queue: asyncio.Queue[UserReply]) -> _InFlight:
+        return _InFlight(queue)  # (the serving extension's record reads `msg`'s priority)
 
     async def abort(self, uid: int) -> None:
         if self.requests.pop(uid, None) is not None:

@@ -272,7 +272,7 @@ def http_server(args: ServerArgs, info: dict[str, Any], frontend: Frontend) -> A
 
     from minisgl.server.api_server import create_app
 
-    app = create_app(frontend, args, info["max_seq_len"], info)
+    app = create_app(frontend, args, info)
     if (make := extensions().http_server) is not None:
         return make(args, app, frontend)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -21,8 +21,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 from minisgl.ext.serving.flush import FlushCacheReply, FlushCacheRequest
 from minisgl.ext.serving.metrics import ApiViewMsg, frontend_metrics, total_stats, tree_rss_bytes
@@ -54,6 +54,15 @@ class ApiFailMsg:
     """The server failed for `reason` (sent to the other API processes)."""
 
     reason: str
+
+
+@dataclass
+class _Served(_InFlight):
+    """A request in flight, with what the metrics and --request-timeout read of it."""
+
+    submitted: float = field(default_factory=time.monotonic)
+    priority: int = 0  # (the metrics' label)
+    finished: bool = False  # its last reply came (the handler may not have collected it yet)
 
 
 class ServingFrontend(Frontend):
@@ -112,15 +121,25 @@ class ServingFrontend(Frontend):
         if 0 <= snapshot.dp_rank < len(self.replica_stats):  # its replica's latest
             self.replica_stats[snapshot.dp_rank] = snapshot
 
+    def _in_flight(self, msg: TokenizeMsg, queue: asyncio.Queue[UserReply]) -> _Served:
+        return _Served(queue, priority=msg.params.get("priority"))
+
+    @property
+    def served(self) -> dict[int, _Served]:
+        return cast(dict[int, _Served], self.requests)  # (`_in_flight` makes them)
+
     def _observe(self, req: _InFlight, reply: UserReply, now: float) -> None:
+        served = cast(_Served, req)
         # first: the metrics read the time of the request's previous token
-        self.metrics.reply(req.priority, req.submitted, req.last_token, reply, now)
+        self.metrics.reply(served.priority, served.submitted, req.last_token, reply, now)
         super()._observe(req, reply, now)
+        if reply.finished:
+            served.finished = True
 
     @property
     def num_unfinished(self) -> int:
         """Requests in flight whose last reply has not come: the pipeline owes them answers."""
-        return sum(not r.finished for r in self.requests.values())
+        return sum(not r.finished for r in self.served.values())
 
     def start(self) -> None:
         super().start()
@@ -183,7 +202,7 @@ class ServingFrontend(Frontend):
         """Request `uid` ran past --request-timeout: its last reply is a timeout error (504, or
         a stream's error event), later ones are dropped, and the pipeline aborts it."""
         self._timers.pop(uid, None)
-        req = self.requests.get(uid)
+        req = self.served.get(uid)
         if req is None or req.finished:  # its last reply came in time
             return
         # ended here, so its handler's `done` sends no DoneMsg (the abort uncounts it at the
