@@ -257,3 +257,29 @@ def test_tp_shards_add_up(model_dirs, tmp_path, size):
         total = sum(m.matmul(p) for m, p in zip(modules, pieces))
         assert not torch.allclose(total, x @ ref.weight.T, atol=1e-3)  # the LoRA counts
         torch.testing.assert_close(total, ref.matmul(x), atol=1e-5, rtol=0)
+
+
+def test_joint_matrix_holds_every_slot_a_then_the_weight(model_dirs, tmp_path):
+    """Each projection's `joint` (the decode GEMV's matrix) is every slot's A, then the layer's
+    weight, which is a view of it with its loaded values: x joint^T is x A_s^T of every slot
+    beside x W^T, what `lora_expand_joint` reads; an adapter's slot fills its A rows there."""
+    path, _ = model_dirs("llama")
+    save_adapter("llama", str(tmp_path / "a1"), seed=1, **ADAPTERS["a1"])
+    model = LlamaForCausalLM(ModelConfig.from_hf(load_hf_config(path)))
+    load_weights(model, iter_checkpoint(path))
+    loaded = {id(m): m.weight.clone() for m in model.modules() if hasattr(m, "weight")}
+    stack = LoraStack(model, 2, 16)
+    options = LoraOptions(True, (f"a1={tmp_path / 'a1'}",), max_loras=2, max_lora_rank=16)
+    LoraManager(options, model.config, stack).acquire("a1")  # slot 1
+    x = torch.randn(3, model.config.hidden_size)
+    for proj in stack.projections.values():
+        weight, joint = proj.module.weight, proj.joint
+        assert joint is not None and weight.data_ptr() == joint[-weight.shape[0] :].data_ptr()
+        assert proj.a.data_ptr() == joint.data_ptr()
+        torch.testing.assert_close(weight, loaded[id(proj.module)], atol=0, rtol=0)
+        assert proj.a[1].abs().sum() > 0 and proj.a[0].abs().sum() == 0 == proj.a[2].abs().sum()
+        if weight.shape[1] == x.shape[1]:
+            out = x @ joint.T
+            lead = proj.a.shape[0] * proj.a.shape[1]
+            torch.testing.assert_close(out[:, lead:], x @ weight.T)
+            torch.testing.assert_close(out[:, :lead], x @ proj.a.flatten(0, 1).T)

@@ -97,6 +97,37 @@ def test_kernel_without_adapter_rows_changes_nothing(ops):
     assert torch.equal(out, y)
 
 
+@on_device
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,silu", [(SHAPES[0], False), (SHAPES[1], True), (SHAPES[2], False)])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_joint_expand_matches_reference(ops, dtype, shape, silu, tokens):
+    """A decode step's one launch after the GEMV over [A of every slot; W]: base + each
+    token's delta (gate_up: then SiLU(gate) * up), against the reference on base = x W^T."""
+    from minisgl.layers.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(tokens + 10 * len(shape[0]))
+    sizes, fan_in = shape
+    proj = _projection(sizes, fan_in, 3, 16, dtype, gen)
+    weight = (torch.randn(proj.bounds[-1], fan_in, generator=gen) / fan_in**0.5).to(DEVICE, dtype)
+    x = torch.randn(tokens, fan_in, generator=gen).to(DEVICE, dtype)
+    joint = torch.cat([proj.a.flatten(0, 1), weight])
+    out = (x.float() @ joint.float().T).to(dtype)  # what the GEMV writes
+    slots = (torch.arange(tokens, dtype=torch.int32) + 1) % 4  # every adapter, then slot 0
+    slots = slots.to(DEVICE)
+    lead = joint.shape[0] - weight.shape[0]
+    expected = lora_reference(out[:, lead:], x, slots, proj)
+    y = ops.lora_expand_joint(out, slots, proj.b, proj.offsets, proj.bounds, silu)
+    if silu:
+        expected = silu_and_mul(expected)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(y, expected, **tol)
+    if not silu:  # rows without an adapter are the GEMV's, bit for bit
+        assert torch.equal(y[slots == 0], out[slots == 0, lead:])
+    plain = silu_and_mul(out[:, lead:]) if silu else out[:, lead:]
+    assert not torch.allclose(y[slots != 0], plain[slots != 0], atol=1e-3)  # the deltas count
+
+
 @pytest.mark.gpu
 def test_kernel_replays_in_a_cuda_graph_with_new_slots(ops):
     """The slot indices are a graph input: a captured launch computes the slots written into

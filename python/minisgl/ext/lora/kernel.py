@@ -14,6 +14,12 @@ once. Every (token, output) is written by the one program of the token's slot: n
 sort, no host sync, shapes fixed by (T, slots): the launches can be captured in CUDA graphs
 with the slot indices as graph input. Slot 0 (no adapter) launches nothing.
 
+A decode step that takes the GEMV (`kernel/gemv.py`: a few rows) needs no shrink: the GEMV
+reads the weight together with every slot's A (`weights._joint`), so its output row holds each
+slot's x A^T beside the base output, and `lora_expand_joint` reads the token's slot from there
+and writes base + delta (or, for gate_up, SiLU(gate) * up) into a new tensor: one launch
+after the GEMV, where the general path takes the shrink, the expand and the activation's own.
+
 Imported only for CUDA tensors (`kernel.fused_ops`) and by the interpreter tests."""
 
 from __future__ import annotations
@@ -125,6 +131,69 @@ def _expand_kernel(
     tl.store(y_ptr, (base.to(tl.float32) + acc).to(base.dtype), mask=row_ok & col_ok)
 
 
+@triton.jit
+def _joint_value(out_row, b_row, cols, ok, inter_col, lead, rank, stride_bn,
+                 BLOCK_R: tl.constexpr):  # fmt: skip
+    """One token's base + LoRA delta at `cols` (float32): the GEMV wrote the base output at
+    lead + col and this part's x A^T of the token's slot at inter_col (`rank` 0: slot 0)."""
+    base = tl.load(out_row + lead + cols, mask=ok, other=0.0).to(tl.float32)
+    ranks = tl.arange(0, BLOCK_R)
+    rank_ok = ranks < rank
+    inter = tl.load(out_row + inter_col + ranks, mask=rank_ok, other=0.0).to(tl.float32)
+    b_ptr = b_row + cols[:, None].to(tl.int64) * stride_bn + ranks[None, :]
+    bt = tl.load(b_ptr, mask=ok[:, None] & rank_ok[None, :], other=0.0).to(tl.float32)
+    return base + tl.sum(bt * inter[None, :], axis=1)
+
+
+@triton.jit
+def _joint_expand_kernel(
+    out,  # [T, lead + N]: the GEMV of x with [A of every slot; W]
+    slots,  # [T] int
+    b,  # [S + 1, N, RANK]
+    y,  # [T, N], or [T, N / 2] with SILU
+    offsets,  # [parts + 1] int32: where each part's output rows start, then N
+    lead,  # the A rows before W: (S + 1) * parts * RANK
+    RANK,
+    stride_ot,
+    stride_bs,
+    stride_bn,
+    stride_yt,
+    TILES: tl.constexpr,  # output tiles per part (of the largest part)
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SILU: tl.constexpr,  # gate_up: y = SiLU(gate) * up, parts 0 and 1 of equal size
+    PDL: tl.constexpr,
+):
+    t = tl.program_id(0)
+    wait_for_previous(PDL)  # out: the GEMV before wrote it
+    s = tl.load(slots + t)
+    out_row = out + t.to(tl.int64) * stride_ot
+    b_row = b + s.to(tl.int64) * stride_bs
+    rank = tl.where(s != 0, RANK, 0)  # slot 0 reads no A^T x nor B
+    tile = tl.program_id(1)
+    if SILU:
+        half = tl.load(offsets + 1)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = cols < half
+        inter_col = s * 2 * RANK
+        gate = _joint_value(out_row, b_row, cols, ok, inter_col, lead, rank, stride_bn, BLOCK_R)
+        up = _joint_value(out_row, b_row, half + cols, ok, inter_col + RANK, lead, rank,
+                          stride_bn, BLOCK_R)  # fmt: skip
+        value = gate * tl.sigmoid(gate) * up
+    else:
+        part = tile // TILES
+        start = tl.load(offsets + part) + (tile % TILES) * BLOCK_N
+        end = tl.load(offsets + part + 1)
+        if start >= end:
+            return
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < end
+        parts = tl.num_programs(1) // TILES
+        inter_col = (s * parts + part) * RANK
+        value = _joint_value(out_row, b_row, cols, ok, inter_col, lead, rank, stride_bn, BLOCK_R)
+    tl.store(y + t.to(tl.int64) * stride_yt + cols, value.to(y.dtype.element_ty), mask=ok)
+
+
 def _block_m(tokens: int) -> int:
     return 16 if tokens <= 16 else 32 if tokens <= 256 else 64
 
@@ -139,6 +208,7 @@ class Tiles:
     expand_block_n: int = 64
     wide_block_n: int = 256  # the expand's tile at 1-2 rows where a part has WIDE outputs (gate/up)
     expand_warps: int = 4
+    joint_block_n: int = 64  # outputs a program of `lora_expand_joint`
 
 
 TILES = Tiles()
@@ -209,6 +279,39 @@ def lora_expand(
         SPLIT=inter.shape[0], TILES=n_tiles, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), EXACT=y.dtype == torch.float32,
         num_warps=tiles.expand_warps, **pdl.options(y.device),
+    )  # fmt: skip
+    return y
+
+
+def lora_expand_joint(
+    out: torch.Tensor,
+    slots: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    bounds: list[int],
+    silu: bool = False,
+    tiles: Tiles = TILES,
+) -> torch.Tensor:
+    """The decode launch after the GEMV of x with [A of every slot; W] (`out` [T, lead + N]):
+    y [T, N] = base + each token's LoRA delta; with `silu` (gate_up: two parts of N / 2)
+    SiLU(gate) * up [T, N / 2]. b [S + 1, N, rank]; offsets = bounds on the device."""
+    tokens, rank, n = out.shape[0], b.shape[2], bounds[-1]
+    parts = len(bounds) - 1
+    lead = out.shape[1] - n
+    assert out.stride(-1) == 1 and b.is_contiguous() and lead == b.shape[0] * parts * rank
+    widest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+    if silu and (parts != 2 or 2 * bounds[1] != n):
+        raise ValueError(f"lora_expand_joint: silu needs two equal parts, got bounds {bounds}")
+    y = torch.empty(tokens, n // 2 if silu else n, dtype=out.dtype, device=out.device)
+    if tokens == 0:
+        return y
+    bn = tiles.joint_block_n
+    n_tiles = triton.cdiv(widest, bn)
+    _joint_expand_kernel[(tokens, n_tiles if silu else parts * n_tiles)](
+        out, slots, b, y, offsets, lead, rank,
+        out.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        TILES=n_tiles, BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(rank)), SILU=silu,
+        num_warps=tiles.expand_warps, **pdl.options(out.device),
     )  # fmt: skip
     return y
 

@@ -63,20 +63,28 @@ def add_lora(
     x: torch.Tensor,
     slots: torch.Tensor,
     proj: ProjectionLora,
+    silu: bool = False,
 ) -> torch.Tensor:
-    """base(x) + the LoRA delta of each token's slot. On CUDA the Triton shrink runs before
-    base: its GEMV then reads its first weights while the shrink runs (PDL), where after it
-    the shrink's whole latency would add to the step; the expand adds in place. Elsewhere the
-    torch reference."""
+    """base(x) + the LoRA delta of each token's slot (`silu`: then SiLU(gate) * up, for
+    gate_up). On CUDA: a decode step's few rows (the GEMV's) take one GEMV over the joint
+    [A; W] and one launch after it (`kernel.lora_expand_joint`); larger batches take the
+    Triton shrink before base (its GEMM then reads its first weights while the shrink runs,
+    PDL) and the expand in place. Elsewhere the torch reference."""
     if x.shape[0] != slots.shape[0]:
         raise ValueError(f"LoRA: {x.shape[0]} tokens but {slots.shape[0]} slot indices")
     if (ops := kernel.fused_ops(x, KERNEL)) is None:
-        return lora_reference(base(x), x, slots, proj)
-    inter = ops.lora_shrink(x, slots, proj.a)
-    y = base(x)
-    if inter is None:
-        return y
-    return ops.lora_expand(y, inter, slots, proj.b, proj.offsets, proj.bounds)
+        y = lora_reference(base(x), x, slots, proj)
+    elif proj.joint is not None and (gemv := kernel.gemv_ops(x, proj.joint)) is not None:
+        rows, k = proj.module.weight.shape  # the base weight's tuned tiles
+        config = gemv.config_for(rows, k, x.shape[0], x.device, False)
+        out = gemv.gemv(x, proj.joint, None, config)
+        return ops.lora_expand_joint(out, slots, proj.b, proj.offsets, proj.bounds, silu)
+    else:
+        inter = ops.lora_shrink(x, slots, proj.a)
+        y = base(x)
+        if inter is not None:
+            y = ops.lora_expand(y, inter, slots, proj.b, proj.offsets, proj.bounds)
+    return silu_and_mul(y) if silu else y
 
 
 class LoraModelTransform:
@@ -132,31 +140,43 @@ def install(model: nn.Module, stack: LoraStack, slots: Callable[[int], torch.Ten
     (the class's method, or a transform's that came before): `forward` of column-parallel
     layers (bias included), `matmul` of row-parallel ones (the partial sum, before the
     all-reduce, so the A shards' partial deltas add up with it)."""
+    bases: dict[nn.Module, Callable[[torch.Tensor], torch.Tensor]] = {}
     for proj in stack.projections.values():
         module = proj.module
         attr = "matmul" if isinstance(module, RowParallelLinear) else "forward"
-        setattr(module, attr, _with_lora(getattr(module, attr), proj, slots))
+        bases[module] = base = getattr(module, attr)
+        # the joint GEMV computes the class's own x W^T: not a column-parallel layer's bias,
+        # nor a method a transform installed before
+        if (attr == "forward" and module.bias is not None) or attr in vars(module):
+            proj.joint = None
+        setattr(module, attr, _with_lora(base, proj, slots))
+    by_module = {proj.module: proj for proj in stack.projections.values()}
     for mlp in model.modules():
-        if isinstance(mlp, MLP):  # the dense MLPs (not MoE layers): their gate_up has a LoRA
-            mlp.forward = _unfused_mlp(mlp)  # type: ignore[method-assign,assignment]
+        # the dense MLPs whose gate_up has a LoRA (not MoE layers, nor their shared experts)
+        if isinstance(mlp, MLP) and (gate_up := by_module.get(mlp.gate_up_proj)) is not None:
+            gate_up_act = _with_lora(bases[gate_up.module], gate_up, slots, silu=True)
+            mlp.forward = _lora_mlp(mlp, gate_up_act)  # type: ignore[method-assign,assignment]
 
 
 def _with_lora(
     base: Callable[[torch.Tensor], torch.Tensor],
     proj: ProjectionLora,
     slots: Callable[[int], torch.Tensor],
+    silu: bool = False,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return add_lora(base, x, slots(x.shape[0]), proj)
+        return add_lora(base, x, slots(x.shape[0]), proj, silu)
 
     return forward
 
 
-def _unfused_mlp(mlp: MLP) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The MLP through gate_up_proj's forward: the core's decode GEMV computes SiLU-and-mul in
-    its epilogue, which would skip the LoRA of gate/up."""
+def _lora_mlp(
+    mlp: MLP, gate_up_act: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP with SiLU-and-mul after gate_up's LoRA (`gate_up_act`): the core's decode GEMV
+    computes it in its epilogue, which would skip the LoRA of gate/up."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))
+        return mlp.down_proj(gate_up_act(x))
 
     return forward

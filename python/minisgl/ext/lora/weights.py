@@ -2,7 +2,9 @@
 
 `LoraStack` holds, per decoder layer and minisgl projection (qkv_proj, o_proj, gate_up_proj,
 down_proj), `ProjectionLora`: A as [slots, parts * r_max, in] and B as [slots, out, r_max]
-(this rank's shard), zero-padded to r_max, scaling folded into B. A merged projection's parts
+(this rank's shard), zero-padded to r_max, scaling folded into B. A's rows and the layer's
+weight share one matrix, `joint` = [A of every slot; W] (the weight becomes a view of its
+last rows), so that one GEMV computes a decode step's base output and every slot's x A^T. A merged projection's parts
 (q/k/v, gate/up) stack their A along the rank dimension and their B along the output rows, so
 part j's output rows read rank block j: one kernel call covers the merged layer. Slot 0 is "no
 adapter": its weights stay zero and the kernel skips its tokens. A part an adapter does not
@@ -138,6 +140,7 @@ class ProjectionLora:
     b: torch.Tensor  # [slots, out, rank], scaling folded in
     bounds: list[int]  # output row where each part starts, and the end: [parts + 1]
     offsets: torch.Tensor  # `bounds` on the device (int32), for the kernel
+    joint: torch.Tensor | None = None  # [A.view(-1, in); W]: `a` and the layer's weight are views
 
     def write(self, slot: int, parts: list[LoraWeights | None]) -> None:
         """Put an adapter's updates of this projection (None: a part it leaves alone) into
@@ -172,6 +175,16 @@ def part_bounds(module: LinearBase) -> list[int]:
     return [sum(sizes[:i]) for i in range(len(sizes) + 1)]
 
 
+def _joint(module: LinearBase, a_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([A; W], A): `a_rows` zero rows, then the layer's weight, which becomes a view of it
+    (the old storage is freed)."""
+    weight = module.weight
+    joint = weight.new_zeros(a_rows + weight.shape[0], weight.shape[1])
+    joint[a_rows:].copy_(weight.data)
+    weight.data = joint[a_rows:]
+    return joint, joint[:a_rows]
+
+
 class LoraStack:
     """The device slots of every adapted projection of a model: `projections[(layer, name)]`
     (name: qkv_proj, o_proj, gate_up_proj or down_proj), `max_loras` slots plus slot 0."""
@@ -186,13 +199,15 @@ class LoraStack:
             parts = MODULES[m.group(2)]
             if module.weight.numel() == 0:  # the cpu extension's quantized layers
                 raise ValueError(f"LoRA on quantized layers is not supported ({name})")
-            inp, dtype, device = module.weight.shape[1], module.weight.dtype, module.weight.device
+            joint, a = _joint(module, (max_loras + 1) * len(parts) * max_rank)
             bounds = part_bounds(module)
-            a = torch.zeros(max_loras + 1, len(parts) * max_rank, inp, dtype=dtype, device=device)
-            b = torch.zeros(max_loras + 1, bounds[-1], max_rank, dtype=dtype, device=device)
-            offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
+            b = torch.zeros(max_loras + 1, bounds[-1], max_rank, dtype=a.dtype, device=a.device)
+            offsets = torch.tensor(bounds, dtype=torch.int32, device=a.device)
             key = (int(m.group(1)), m.group(2))
-            self.projections[key] = ProjectionLora(module, parts, max_rank, a, b, bounds, offsets)
+            a = a.view(max_loras + 1, len(parts) * max_rank, -1)
+            self.projections[key] = ProjectionLora(
+                module, parts, max_rank, a, b, bounds, offsets, joint
+            )
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` into `slot` of every projection (absent parts zero)."""
