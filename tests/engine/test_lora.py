@@ -13,6 +13,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.distributed import DistributedInfo, set_tp_info
 from minisgl.ext.lora import LoRARequest
+from minisgl.ext.lora.adapter import MODULES
 from minisgl.ext.lora.layers import install
 from minisgl.ext.lora.manager import LoraManager
 from minisgl.ext.lora.options import LoraOptions
@@ -283,3 +284,19 @@ def test_joint_matrix_holds_every_slot_a_then_the_weight(model_dirs, tmp_path):
             lead = proj.a.shape[0] * proj.a.shape[1]
             torch.testing.assert_close(out[:, lead:], x @ weight.T)
             torch.testing.assert_close(out[:, :lead], x @ proj.a.flatten(0, 1).T)
+
+
+@pytest.mark.parametrize("max_bytes", [None, 0])
+def test_joint_gemv_only_where_it_computes_the_layer_and_pays(model_dirs, monkeypatch, max_bytes):
+    """Qwen2's qkv has a bias, which the joint GEMV leaves out: its qkv keeps the shrink path,
+    the other projections take the joint one, unless their A is over JOINT_MAX_BYTES."""
+    from minisgl.ext.lora import layers
+
+    if max_bytes is not None:
+        monkeypatch.setattr(layers, "JOINT_MAX_BYTES", max_bytes)
+    path, _ = model_dirs("qwen2")
+    model = LlamaForCausalLM(ModelConfig.from_hf(load_hf_config(path)))
+    stack = LoraStack(model, 2, 16)
+    install(model, stack, lambda n: torch.zeros(n, dtype=torch.int32))
+    joint = {name: proj.joint is not None for (_, name), proj in stack.projections.items()}
+    assert joint == {n: max_bytes is None and n != "qkv_proj" for n in MODULES}
