@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minisgl import LLM, SamplingParams
-from support.server import Server, make_tiny_model, run_server, wait_for
+from support.server import Server, make_tiny_model, run_servers, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 PAGE = 4
@@ -35,22 +35,27 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
 
 
-def dp_server(model_dir: str, tmp_path_factory: Any, dispatch: str) -> Iterator[Server]:
-    log = str(tmp_path_factory.mktemp("logs") / f"dp-{dispatch}.log")
-    args = ["--dp", "2", "--dp-dispatch", dispatch, *ENGINE]
-    with run_server(model_dir, *args, log_path=log) as server:
-        yield server
+@pytest.fixture(scope="module")
+def dp_servers(model_dir: str, tmp_path_factory: Any) -> Iterator[dict[str, Server]]:
+    """A server of each dispatch policy, both started at once (the module uses both)."""
+    logs = tmp_path_factory.mktemp("logs")
+    started = {}
+    for dispatch in ("prefix", "round_robin"):
+        args = ["--dp", "2", "--dp-dispatch", dispatch, *ENGINE]
+        started[dispatch] = Server(model_dir, *args, log_path=str(logs / f"dp-{dispatch}.log"))
+    with run_servers(*started.values()):
+        yield started
 
 
 @pytest.fixture(scope="module")
-def prefix_server(model_dir: str, tmp_path_factory: Any) -> Iterator[Server]:
-    yield from dp_server(model_dir, tmp_path_factory, "prefix")
+def prefix_server(dp_servers: dict[str, Server]) -> Server:
+    return dp_servers["prefix"]
 
 
 @pytest.fixture(scope="module")
-def rr_server(model_dir: str, tmp_path_factory: Any) -> Iterator[Server]:
+def rr_server(dp_servers: dict[str, Server]) -> Server:
     """Its last test kills one of its replicas."""
-    yield from dp_server(model_dir, tmp_path_factory, "round_robin")
+    return dp_servers["round_robin"]
 
 
 def generate(url: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
@@ -210,4 +215,4 @@ def test_dead_replica_fails_requests_and_stops_the_server(rr_server: Server) -> 
     failed = [e for e in errors if "dp1_scheduler_0 process died" in e]
     assert len(errors) == 4 and len(failed) >= 2, errors
     assert all(e in failed or e == "finished" for e in errors), errors
-    rr_server.expect_code = 1  # run_server's stop then checks that no process survived
+    rr_server.expect_code = 1  # run_servers' stop then checks that no process survived

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.server import Server, make_tiny_model, run_server, wait_for
+from support.server import Server, make_tiny_model, run_servers, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 KEY = "sk-gate-3b9e"
@@ -39,23 +39,31 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """No API key; bodies may take 120 s (longer than the /health bound: the flood's bodies
-    are not cut by their timeout during the test). Its last test ends it (the watchdog)."""
-    log = str(tmp_path_factory.mktemp("logs") / "gate.log")
+def servers(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """The module's two servers (`server`, `keyed`), started at once."""
+    logs = tmp_path_factory.mktemp("logs")
     args = ("--page-size", "4", "--timeout-body-read", "120")
     args += ("--watchdog-timeout", str(WATCHDOG_S), "--shutdown-timeout", "2")
-    with run_server(model_dir, *args, log_path=log) as s:
-        yield s
+    keyed = ("--page-size", "4", "--api-key", KEY, "--timeout-body-read", str(BODY_TIMEOUT_S))
+    started = [
+        Server(model_dir, *args, log_path=str(logs / "gate.log")),
+        Server(model_dir, *keyed, "--shutdown-timeout", "1", log_path=str(logs / "keyed.log")),
+    ]
+    with run_servers(*started):
+        yield started
 
 
 @pytest.fixture(scope="module")
-def keyed(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(servers: list[Server]) -> Server:
+    """No API key; bodies may take 120 s (longer than the /health bound: the flood's bodies
+    are not cut by their timeout during the test). Its last test ends it (the watchdog)."""
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def keyed(servers: list[Server]) -> Server:
     """An API key and a short body timeout. Its last test stops it (SIGTERM)."""
-    log = str(tmp_path_factory.mktemp("logs") / "keyed.log")
-    args = ("--page-size", "4", "--api-key", KEY, "--timeout-body-read", str(BODY_TIMEOUT_S))
-    with run_server(model_dir, *args, "--shutdown-timeout", "1", log_path=log) as s:
-        yield s
+    return servers[1]
 
 
 def post_raw(server: Server, path: str, body: bytes) -> httpx.Response:

@@ -173,7 +173,7 @@ def test_stopped_pytest_leaves_no_server(
                 raise AssertionError(f"inner pytest ended early:\n{log.read_text()}")
             return marker.exists()
 
-        wait_for(ready, START_TIMEOUT_S + 60, "the inner test's server", interval=0.2)
+        wait_for(ready, START_TIMEOUT_S + 60, "the inner test's server", interval=0.05)
         port = json.loads(marker.read_text())["port"]
         procs += descendants(inner.pid)  # the server, its workers, its reaper
         assert serving(port), f"no server on port {port}: {procs}"
@@ -208,7 +208,7 @@ def test_server_exits_when_its_parent_is_killed(model_dir: str, tmp_path: Path) 
             except OSError:
                 return False
 
-        wait_for(healthy, START_TIMEOUT_S, "GET /health", interval=0.2)
+        wait_for(healthy, START_TIMEOUT_S, "GET /health", interval=0.05)
         procs += descendants(parent.pid)  # the server (own session), its workers, its reaper
         assert len(procs) >= 6, procs  # server, scheduler, detokenizer, tokenizer, api, reaper
         directory = socket_dir(server_log)

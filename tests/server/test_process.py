@@ -96,11 +96,11 @@ def health(server: Server, query: str = "") -> httpx.Response:
 def test_watchdog_fails_requests_and_exits_when_the_scheduler_hangs(
     model_dir: str, tmp_path: Any
 ) -> None:
-    """SIGSTOP the scheduler under load (--watchdog-timeout 5): the stream ends with an error
-    event, the plain request gets a JSON 503, /health turns 503 and the server exits with code
-    1 within 15 s, leaving no process behind."""
+    """SIGSTOP the scheduler under load (--watchdog-timeout 3, as test_api_servers' hung
+    scheduler): the stream ends with an error event, the plain request gets a JSON 503, /health
+    turns 503 and the server exits with code 1 within 15 s, leaving no process behind."""
     log = str(tmp_path / "watchdog.log")
-    server = Server(model_dir, "--page-size", "4", "--watchdog-timeout", "5", log_path=log)
+    server = Server(model_dir, "--page-size", "4", "--watchdog-timeout", "3", log_path=log)
     scheduler = None
     try:
         server.wait_ready()

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.server import Server, make_tiny_model, run_server, wait_for
+from support.server import Server, make_tiny_model, run_servers, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 CONTEXT = 32768  # LONG then takes 10 s or more even on a fast CPU (~2,000 tokens/s alone)
@@ -43,29 +43,40 @@ def offline(model_dir: str) -> Any:
     return LLM(model_dir, page_size=4)
 
 
-def start(model_dir: str, tmp: pytest.TempPathFactory, name: str, *args: str) -> Iterator[Server]:
-    log = str(tmp.mktemp("logs") / f"{name}.log")
-    with run_server(model_dir, "--page-size", "4", *args, log_path=log) as s:
-        yield s
+@pytest.fixture(scope="module")
+def servers(
+    model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Server]]:
+    """The module's three servers by name, started at once."""
+    logs = tmp_path_factory.mktemp("logs")
+    limits = ("--max-running-requests", "1", "--max-queued-requests", "2")
+    limits += ("--request-timeout", "6", "--max-request-bytes", "4000")
+    args = {
+        "load": ("--shutdown-timeout", "5"),
+        "pressured": ("--num-pages", str(POOL_PAGES)),
+        "limited": limits,
+    }
+    started = {
+        name: Server(model_dir, "--page-size", "4", *extra, log_path=str(logs / f"{name}.log"))
+        for name, extra in args.items()
+    }
+    with run_servers(*started.values()):
+        yield started
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from start(model_dir, tmp_path_factory, "load", "--shutdown-timeout", "5")
+def server(servers: dict[str, Server]) -> Server:
+    return servers["load"]
 
 
 @pytest.fixture(scope="module")
-def pressured(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from start(model_dir, tmp_path_factory, "pressured", "--num-pages", str(POOL_PAGES))
+def pressured(servers: dict[str, Server]) -> Server:
+    return servers["pressured"]
 
 
 @pytest.fixture(scope="module")
-def limited(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    args = ("--max-running-requests", "1", "--max-queued-requests", "2")
-    yield from start(
-        model_dir, tmp_path_factory, "limited", *args, "--request-timeout", "6",
-        "--max-request-bytes", "4000",
-    )  # fmt: skip
+def limited(servers: dict[str, Server]) -> Server:
+    return servers["limited"]
 
 
 def metrics(server: Server) -> dict[str, float]:

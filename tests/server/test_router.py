@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.server import Server, free_port, make_tiny_model, run_server, wait_for
+from support.server import Server, free_port, make_tiny_model, run_servers, wait_for
 
 pytest.importorskip("sglang_router", reason="the router extra: pip install minisgl[router]")
 openai = pytest.importorskip("openai")
@@ -28,9 +28,9 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
     model = make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
     logs = tmp_path_factory.mktemp("logs")
     args = ["--page-size", "4", "--served-model-name", "tiny"]
-    with run_server(model, *args, log_path=str(logs / "w0.log")) as w0:
-        with run_server(model, *args, log_path=str(logs / "w1.log")) as w1:
-            yield [w0, w1]
+    started = [Server(model, *args, log_path=str(logs / f"w{i}.log")) for i in range(2)]
+    with run_servers(*started):  # both start at once
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def router(workers: list[Server], tmp_path_factory: pytest.TempPathFactory) -> I
             except httpx.HTTPError:
                 return False
 
-        wait_for(serving, 60, "the router to reach its workers", interval=0.5)
+        wait_for(serving, 60, "the router to reach its workers")
         yield url
     finally:
         proc.terminate()

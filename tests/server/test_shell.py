@@ -9,12 +9,13 @@ import os
 import re
 import subprocess
 import sys
+import termios
 import time
 
 import pexpect
 import pytest
 
-from support.server import REPO, alive, descendants, make_tiny_model
+from support.server import REPO, alive, descendants, make_tiny_model, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes in /proc")
 HELP = "/exit (or Ctrl-D) quits."
@@ -55,6 +56,12 @@ def ask(child: pexpect.spawn, line: str) -> str:
     # typed right after the prompt, a line may be echoed twice (by the terminal, then by
     # prompt_toolkit once it takes over)
     return answer[len(line) :].strip() if answer.startswith(line) else answer
+
+
+def in_line_mode(child: pexpect.spawn) -> bool:
+    """Whether the terminal is in canonical (line) mode, as before prompt_toolkit reads a line
+    (the pseudo-terminal's master shares the settings of its slave)."""
+    return bool(termios.tcgetattr(child.child_fd)[3] & termios.ICANON)
 
 
 def wait_closed(child: pexpect.spawn, procs: list[tuple[int, int]]) -> int:
@@ -104,7 +111,9 @@ def test_ctrl_c_stops_the_answer_and_ctrl_d_exits(model_dir: str) -> None:
         child.expect_exact("(history cleared)")
         child.expect_exact(PROMPT)
         # The prompt is printed just before prompt_toolkit puts the terminal in raw mode; a
-        # Ctrl-D typed in between is swallowed by the line discipline, so type it until it lands.
+        # Ctrl-D typed in between is swallowed by the line discipline: wait for raw mode (the
+        # first one then lands at once), and type it until it lands all the same.
+        wait_for(lambda: not in_line_mode(child), 30, "the prompt's raw mode", interval=0.01)
         for _ in range(20):
             child.sendeof()
             if child.expect([pexpect.EOF, pexpect.TIMEOUT], timeout=1) == 0:

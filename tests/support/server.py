@@ -267,7 +267,7 @@ class Server:
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         try:
-            wait_for(self._healthy, timeout, "GET /health", interval=0.2)
+            wait_for(self._healthy, timeout, "GET /health", interval=0.05)
         except AssertionError as e:
             if self.proc.poll() is None:
                 self.kill_all()
@@ -424,19 +424,41 @@ class SharedServers:
         return self.servers[key]
 
     def stop_all(self) -> None:
-        """Stop every server (all of them, whatever one of them does); AssertionError naming
-        those that did not exit with 0 or left a process behind."""
-        failures = []
-        for server in self.servers.values():
-            try:
-                code = server.stop()
-            except AssertionError as e:
-                failures.append(str(e))
-                continue
-            if code != 0:
-                failures.append(f"shared server exited with code {code}:\n{server.log()}")
+        """Stop every shared server, as stop_servers does."""
+        servers = list(self.servers.values())
         self.servers.clear()
-        assert not failures, "\n".join(failures)
+        stop_servers(servers)
+
+
+def stop_servers(servers: list[Server]) -> None:
+    """Stop every server (all of them, whatever one of them does); AssertionError naming
+    those that did not exit with 0 (or their `expect_code`) or left a process behind."""
+    failures = []
+    for server in servers:
+        try:
+            code = server.stop()
+        except AssertionError as e:
+            failures.append(str(e))
+            continue
+        if code != server.expect_code:
+            failures.append(f"server exited with code {code}:\n{server.log()}")
+    assert not failures, "\n".join(failures)
+
+
+@contextlib.contextmanager
+def run_servers(*servers: Server) -> Iterator[tuple[Server, ...]]:
+    """`run_server` for servers started together (their starts overlap: a start is mostly
+    imports in five processes): healthy for the `with` block, afterwards each stopped and
+    checked (exit code 0, or its `expect_code`; no process left behind)."""
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    except BaseException:
+        for server in servers:
+            server.kill_all()
+        raise
+    stop_servers(list(servers))
 
 
 @contextlib.contextmanager
