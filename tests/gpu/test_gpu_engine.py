@@ -388,9 +388,10 @@ def test_speculative_decoding_equals_plain_on_gpu(
 @pytest.mark.parametrize("pdl", ["on", "off"])
 @pytest.mark.parametrize("num_prompts", [1, 4])
 def test_lora_kernels_equal_the_torch_reference(model_dirs, monkeypatch, pdl, num_prompts):
-    """ext/lora's Triton shrink and expand (PDL on and off), in CUDA-graph decode with the base
-    model and two adapters in one batch, float32: the same tokens as the torch reference
-    (MINISGL_DISABLE_FUSED_OPS=1); 3 rows decode through the GEMV, 12 through cuBLAS. A LoRA
+    """ext/lora's Triton kernels (PDL on and off), in CUDA-graph decode with the base model
+    and two adapters in one batch, float32: the same tokens as the torch reference
+    (MINISGL_DISABLE_FUSED_OPS=1); 3 rows decode through the joint GEMV of [A; W] and one
+    launch after it, 12 through cuBLAS between the shrink and the expand. A LoRA
     kernel that read its input before the kernel that writes it had finished would change them."""
     import os
     import sys
@@ -415,6 +416,9 @@ def test_lora_kernels_equal_the_torch_reference(model_dirs, monkeypatch, pdl, nu
                   cuda_graph_max_bs=16, enable_lora=True, max_loras=2, max_lora_rank=8)  # fmt: skip
         try:
             assert llm.engine.graphs is not None
+            lora = next(f for f in llm.scheduler.features if f.name == "lora")
+            # the 3-row decode steps take the joint GEMV of [A; W] on every projection
+            assert all(p.joint is not None for p in lora.transform.stack.projections.values())
             params = SamplingParams(max_tokens=12, temperature=0)
             each = [p for p in prompts(num_prompts) for _ in adapters]  # under all three
             requests = adapters * num_prompts
