@@ -5,7 +5,9 @@ of one `--prefill-tokens` prompt of random ids (max_tokens=1, a new prompt each 
 prefix cache helps). Decode rates leave out the prompts: (tokens - 1) / (t(N tokens) - t(1)).
 
 Engines: `vllm` (float32), `minisgl-f32` (`--quantization none --dtype float32`, whose float32
-copy of the GGUF in minisgl's cache is also vLLM's model directory) and `minisgl` (the default
+copy of the GGUF in minisgl's cache is also vLLM's model directory; eager, the exact path),
+`minisgl-f32-aot` (the same with `--cpu-compile aot`: one-request decode steps run compiled
+layers, as vLLM's compiled model; their sums round otherwise) and `minisgl` (the default
 quantized path). Each round runs each engine in its own child process, one after the other,
 `--rounds` times; the load average before each child is printed beside its figures. vLLM runs
 from another venv (`--vllm-python`, its own CPU torch) with VLLM_CPU_KVCACHE_SPACE (GiB) and
@@ -27,7 +29,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-ENGINES = ("vllm", "minisgl-f32", "minisgl")
+# minisgl's engines: their LLM options
+MINISGL: dict[str, dict[str, str]] = {
+    "minisgl-f32": {"quantization": "none", "dtype": "float32"},
+    "minisgl-f32-aot": {"quantization": "none", "dtype": "float32", "cpu_compile": "aot"},
+    "minisgl": {},
+}
+ENGINES = ("vllm", *MINISGL)
 PROMPTS = [
     "Tell me a long story about a cat who learns to sail.",
     "Explain how a bicycle works, part by part.",
@@ -84,10 +92,9 @@ def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
     return workloads(gen, lambda s: tok.encode(s), len(tok), args)
 
 
-def run_minisgl(args: argparse.Namespace, exact: bool) -> dict[str, Any]:
+def run_minisgl(args: argparse.Namespace, opts: dict[str, str]) -> dict[str, Any]:
     from minisgl import LLM, SamplingParams
 
-    opts: dict[str, Any] = {"quantization": "none", "dtype": "float32"} if exact else {}
     llm = LLM(args.gguf, max_model_len=args.prefill_tokens + 256, **opts)
 
     def gen(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -117,7 +124,7 @@ def tree_rss_kib(root: int) -> int:
 
 def child(args: argparse.Namespace) -> None:
     start = time.perf_counter()
-    fig = run_vllm(args) if args.child == "vllm" else run_minisgl(args, args.child != "minisgl")
+    fig = run_vllm(args) if args.child == "vllm" else run_minisgl(args, MINISGL[args.child])
     fig["wall_s"] = time.perf_counter() - start  # start-up and all the workloads
     fig["rss_gib"] = tree_rss_kib(os.getpid()) / 2**20  # vLLM's engine runs in child processes
     print("RESULT " + json.dumps(fig), flush=True)
