@@ -4,11 +4,11 @@
 down_proj), `ProjectionLora`: A as [slots, parts * r_max, in] and B as [slots, out, r_max]
 (this rank's shard), zero-padded to r_max, scaling folded into B. A's rows and the layer's
 weight share one matrix, `joint` = [A of every slot; W] (the weight becomes a view of its
-last rows), so that one GEMV computes a decode step's base output and every slot's x A^T. A merged projection's parts
-(q/k/v, gate/up) stack their A along the rank dimension and their B along the output rows, so
-part j's output rows read rank block j: one kernel call covers the merged layer. Slot 0 is "no
-adapter": its weights stay zero and the kernel skips its tokens. A part an adapter does not
-adapt stays zero too.
+last rows), so that one GEMV computes a decode step's base output and every slot's x A^T. A
+merged projection's parts (q/k/v, gate/up) stack their A along the rank dimension and their B
+along the output rows, so part j's output rows read rank block j: one kernel call covers the
+merged layer. Slot 0 is "no adapter": its weights stay zero and the kernel skips its tokens. A
+part an adapter does not adapt stays zero too.
 
 Sharding follows the layer each projection wraps, through the layer's own weight loaders:
 column-parallel (qkv, gate_up) split B by output rows at the offsets the layer's checkpoint
@@ -140,7 +140,9 @@ class ProjectionLora:
     b: torch.Tensor  # [slots, out, rank], scaling folded in
     bounds: list[int]  # output row where each part starts, and the end: [parts + 1]
     offsets: torch.Tensor  # `bounds` on the device (int32), for the kernel
-    joint: torch.Tensor | None = None  # [A.view(-1, in); W]: `a` and the layer's weight are views
+    # [A.view(-1, in); W]: `a` and the layer's weight are its views; None (set by
+    # `layers.install`): decode steps take the shrink path
+    joint: torch.Tensor | None = None
 
     def write(self, slot: int, parts: list[LoraWeights | None]) -> None:
         """Put an adapter's updates of this projection (None: a part it leaves alone) into
