@@ -213,3 +213,31 @@ def test_wide_attention_equals_the_plain_path_in_float32(decode) -> None:
     set_global_ctx(Context(page_size, ctx.page_table, widened, ctx.attn_backend))
     want = TorchAttnBackend().forward(q.float(), 0, 0.25, batch).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.ext
+@pytest.mark.parametrize(
+    "lens, window, dtype",
+    [
+        ([(0, 9)], None, torch.float32),
+        ([(0, 7), (0, 3), (0, 5)], None, torch.float32),
+        ([(0, 7), (0, 3)], 16, torch.bfloat16),
+        ([(0, 8)], 4, torch.float32),  # a window shorter than the prompt: the mask
+        ([(0, 5), (2, 3)], None, torch.float32),  # a cached prefix: the mask
+    ],
+)
+def test_fresh_prompts_attend_causally_bit_for_bit(lens, window, dtype) -> None:
+    """ext/cpu attends prompts without a cached prefix with SDPA's is_causal instead of the
+    core's mask (padded rows dropped): the same bits as the core's masked path."""
+    from minisgl.ext.cpu.speed import CausalMetadata, WideTorchAttnBackend
+
+    batch, q, _, _ = make_problem(lens, 4, 16, dtype, False, torch.device("cpu"))
+    wide = WideTorchAttnBackend(window)
+    wide.prepare(batch)
+    causal = all(c == 0 for c, _ in lens) and (window is None or window >= max(e for _, e in lens))
+    assert isinstance(batch.attn_metadata, CausalMetadata) == causal
+    got = wide.forward(q, 0, 0.25, batch)
+    plain = TorchAttnBackend(window)
+    plain.prepare(batch)
+    want = plain.forward(q.float(), 0, 0.25, batch).to(dtype)
+    assert got.shape == q.shape and torch.equal(got, want)

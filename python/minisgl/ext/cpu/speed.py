@@ -1,7 +1,9 @@
 """The CPU speed paths of the torch path, each bit for bit the core's plain path it replaces:
 RoPE from a precomputed (cos, cos) / (-sin, sin) table, its rows looked up once a forward for
 every layer and q and k rotated as one view when k follows q in the QKV output; attention in
-float32 for 16-bit models. `cpu_engine` (the `decoder_transform` point) installs them into
+float32 for 16-bit models; prompts without a cached prefix attended with SDPA's `is_causal`
+instead of a mask (the flash kernel then skips the blocks above the diagonal: a 1,000-token
+prompt's attention 1.6x faster, the same bits). `cpu_engine` (the `decoder_transform` point) installs them into
 each built cpu engine before --enable-torch-compile compiles its decoder."""
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
+from minisgl.attention.torch_backend import _gather as gather_kv
+from minisgl.context import get_global_ctx
 from minisgl.core import Batch
 from minisgl.ext.cpu.torch_compile import compiled_decoder
 from minisgl.layers.attention import AttentionLayer
@@ -95,10 +100,47 @@ def rotate(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x * rows[:, 0] + swapped * rows[:, 1]
 
 
+class CausalMetadata(TorchAttnMetadata):
+    """A batch of prompts none of which has a cached prefix: its queries and keys start at one
+    position, so SDPA's top-left `is_causal` masks exactly what the mask would (padded rows
+    see more, and are dropped)."""
+
+
 class WideTorchAttnBackend(TorchAttnBackend):
     """The torch backend with q, K and V widened to float32 (a no-op for float32 models): on
     CPU torch's 16-bit SDPA is 2-3x slower at decode sizes than widening first (widening is
-    exact; the sums were float32 already)."""
+    exact; the sums were float32 already). Fresh prompts take `CausalMetadata`."""
+
+    def prepare(self, batch: Batch) -> None:
+        super().prepare(batch)
+        md = TorchAttnMetadata.of(batch)
+        fresh = all(r.cached_len == 0 for r in batch.reqs)
+        window = self.sliding_window
+        if md.max_q_len > 1 and fresh and (window is None or md.max_q_len <= window):
+            batch.attn_metadata = CausalMetadata(md.kv_slots, None, md.q_index, md.max_q_len)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
-        return super().forward(q.float(), layer_id, scale, batch).to(q.dtype)
+        if not isinstance(batch.attn_metadata, CausalMetadata):
+            return super().forward(q.float(), layer_id, scale, batch).to(q.dtype)
+        return causal_attention(q.float(), layer_id, scale, batch.attn_metadata).to(q.dtype)
+
+
+def causal_attention(
+    q: torch.Tensor, layer_id: int, scale: float, md: CausalMetadata
+) -> torch.Tensor:
+    """`TorchAttnBackend.forward` of a fresh prompt batch, causal by `is_causal`."""
+    pools = get_global_ctx().kv_cache
+    slots, (bsz, length), (_, heads, dim) = md.kv_slots, md.kv_slots.shape, q.shape
+    keys = gather_kv(pools.k_flat(layer_id), slots, q.dtype)
+    values = gather_kv(pools.v_flat(layer_id), slots, q.dtype)
+    if bsz == 1:  # one prompt: no padding to build or drop
+        padded = q.view(1, length, heads, dim)
+    else:
+        padded = q.new_zeros(bsz * length, heads, dim)
+        padded[md.q_index] = q
+        padded = padded.view(bsz, length, heads, dim)
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=True
+    )
+    out = out.transpose(1, 2).reshape(bsz * length, heads, dim)
+    return out if bsz == 1 else out[md.q_index]
