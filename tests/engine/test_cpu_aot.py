@@ -1,6 +1,6 @@
-"""--cpu-compile aot (the default on CPU): one-request decode steps run a step compiled ahead of
-time, built at the first start into the cache and loaded at later ones, with eager's greedy
-tokens on the quantized path; a corrupt artifact or a failed build falls back to eager with one
+"""--cpu-compile aot (the default on CPU): decode steps run layers compiled ahead of time (one
+kind for one request, one for batches), built at the first start into the cache and loaded at
+later ones, with eager's greedy tokens on the quantized path; a corrupt artifact or a failed build falls back to eager with one
 line saying why."""
 
 from __future__ import annotations
@@ -46,20 +46,29 @@ def artifacts(llm: LLM) -> list[str]:
 def test_built_once_then_loaded_with_eagers_tokens(tiny_gguf, capfd):
     eager, want = generate(tiny_gguf, cpu_compile="off")
     assert eager.engine.compiled_decoder is None
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts, params = [PROMPT, PROMPT[:5]], [PARAMS, short]
+    eager_outs = eager.generate(prompts, params, use_tqdm=False)  # (an engine sets the context)
     llm, got = generate(tiny_gguf)
     assert isinstance(llm.engine.compiled_decoder, aot.AotDecoder)
     assert got == want
-    assert "compiling the decoder layer once" in capfd.readouterr().err
-    names = artifacts(llm)  # beside the conversion: one for each kind of layer
+    err = capfd.readouterr().err
+    assert "compiling the decoder layer for decode steps once" in err
+    assert "compiling the decoder layer for batched decode steps once" in err
+    names = artifacts(llm)  # beside the conversion: one for each kind of layer and of step
     kinds = {id(step) for step in aot.layer_steps(llm.engine)}
-    assert len(names) == len(kinds) and all(n.endswith(".pt2") for n in names)
+    assert len(names) == 2 * len(kinds) and all(n.endswith(".pt2") for n in names)
     again, got = generate(tiny_gguf)  # a later start: loaded, not compiled
     assert isinstance(again.engine.compiled_decoder, aot.AotDecoder) and got == want
     assert "compiling" not in capfd.readouterr().err
-    # a batch of two decodes eagerly, the longer one's lone steps through the compiled layers
-    short = SamplingParams(max_tokens=4, ignore_eos=True)
-    outs = again.generate([PROMPT, PROMPT[:5]], [PARAMS, short], use_tqdm=False)
-    assert outs[0]["token_ids"] == want
+    # a batch of two (other lengths: masked) through the batched layers, the longer one's lone
+    # steps through the one-request layers: eager's tokens
+    decoder, steps = again.engine.compiled_decoder, []
+    assert decoder.batched_runs is not None
+    decoder.batched_runs = [counted(run, steps) for run in decoder.batched_runs]
+    outs = again.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in eager_outs]
+    assert outs[0]["token_ids"] == want and len(steps) == 3 * len(decoder.runs)
     threads = torch.get_num_threads()
     try:  # the thread governor moves the steps between counts: the same tokens on two
         torch.set_num_threads(2)
@@ -69,18 +78,29 @@ def test_built_once_then_loaded_with_eagers_tokens(tiny_gguf, capfd):
     check_no_leak(again.scheduler)
 
 
+def counted(run: aot.Run, calls: list[int]) -> aot.Run:
+    def call(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(len(inputs))
+        return run(inputs)
+
+    return call
+
+
 def test_the_thread_governor_governs_the_compiled_layers():
     from minisgl.ext.cpu.threads import GovernedThreads
+    from minisgl.ext.cpu.torch_compile import OneRequestCompiled
 
     keys = []
     governor = SimpleNamespace(step=keys.append)
     model = SimpleNamespace(model=object())
-    batch = SimpleNamespace(size=1, is_decode=True)
     compiled = object.__new__(aot.AotDecoder)  # its kind is what counts
-    for decoder in (model.model, compiled, object()):  # eager, AOT, torch.compile's
-        engine = SimpleNamespace(model=model, decoder=lambda batch, d=decoder: d)
-        GovernedThreads(governor).forward(engine, batch, [False], False)
-    assert keys == [1, 1, None]  # None: every core
+    jit = object.__new__(OneRequestCompiled)  # torch.compile's: compiled for one request
+    for size in (1, 3):
+        batch = SimpleNamespace(size=size, is_decode=True)
+        for decoder in (model.model, compiled, jit):  # eager, AOT, torch.compile's
+            engine = SimpleNamespace(model=model, decoder=lambda batch, d=decoder: d)
+            GovernedThreads(governor).forward(engine, batch, [False], False)
+    assert keys == [1, 1, None, 3, 3, 3]  # None: every core; torch.compile's batches: eager
 
 
 def test_corrupt_artifact_falls_back_to_eager(tiny_gguf, capfd, monkeypatch):
@@ -134,11 +154,13 @@ def test_float32_layers_on_request_give_transformers_tokens(model_dirs, monkeypa
     assert isinstance(llm.engine.compiled_decoder, aot.AotDecoder)
     step = aot.layer_steps(llm.engine)[0]
     assert os.path.dirname(aot.artifact_path(llm.engine, step)).startswith(aot.cache_root())
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(
-        hf, prompt, 12
+    assert llm.generate(prompts[:1], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(
+        hf, prompts[0], 12
     )
+    outs = llm.generate(prompts, params, use_tqdm=False)  # the batched layers
+    assert [o["token_ids"] for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
     check_no_leak(llm.scheduler)
 
 

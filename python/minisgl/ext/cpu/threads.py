@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from minisgl.distributed import get_tp_info
-from minisgl.ext.cpu.aot import AotDecoder
 from minisgl.ext.cpu.options import cpu_options
+from minisgl.ext.cpu.torch_compile import OneRequestCompiled
 from minisgl.extension import ForwardPath
 
 # a tried count whose one step takes this many times the kept count's median loses at once (a
@@ -154,11 +154,11 @@ class GovernedThreads(ForwardPath):
         self.governor = governor
 
     def forward(self, engine: Any, batch: Any, samples: list[bool], resample: bool) -> None:
-        # a step of the decoder --enable-torch-compile compiled keeps every core: dynamo
-        # guards on the count, and another count would compile the decoder again mid-decode
+        # a step of the decoder --enable-torch-compile compiled (one request's) keeps every
+        # core: dynamo guards on the count, and another would compile it again mid-decode
         decoder = engine.decoder(batch)
-        governed = decoder is engine.model.model or isinstance(decoder, AotDecoder)
-        self.governor.step(batch.size if batch.is_decode and governed else None)
+        compiled = isinstance(decoder, OneRequestCompiled) and batch.size == 1
+        self.governor.step(batch.size if batch.is_decode and not compiled else None)
         return None
 
 

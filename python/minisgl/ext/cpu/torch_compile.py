@@ -1,6 +1,6 @@
 """`--enable-torch-compile`: one-request decode steps on CPU run the decoder compiled by
 torch.compile (fused C++ kernels instead of ~60 eager ops a layer); batches stay eager. Through
-the `decoder_transform` point (`speed.cpu_engine`), which `Engine.decoder(batch)` hands those
+the `decoder_transform` point (`speed.cpu_engine`), which `Engine.decoder(batch)` hands decode
 steps."""
 
 from __future__ import annotations
@@ -45,12 +45,25 @@ def check_torch_compile(device: torch.device, tp_size: int, moe: bool) -> None:
 
 
 def compile_decoder(decoder: torch.nn.Module) -> torch.nn.Module:
-    """The decoder for one-request decode steps, compiled at its first call (batches stay
-    eager: a second request never stalls the server with a compile). Only the KV length is
-    dynamic (the attention backend marks it: one graph for every step); dynamic=True would
-    make every weight's shape symbolic too: 85 s to compile on 2 cores instead of 30, and the
-    cached graph's thousands of shape guards cost 40 s to check at the next start (9 s now)."""
-    return torch.compile(decoder, fullgraph=True)  # type: ignore[return-value]
+    """The decoder for one-request decode steps, compiled at its first call."""
+    return OneRequestCompiled(decoder)
+
+
+class OneRequestCompiled(torch.nn.Module):
+    """The decoder compiled for one-request steps; batches run it eagerly (a second request
+    never stalls the server with a compile). Only the KV length is dynamic (the attention
+    backend marks it: one graph for every step); dynamic=True would make every weight's shape
+    symbolic too: 85 s to compile on 2 cores instead of 30, and the cached graph's thousands
+    of shape guards cost 40 s to check at the next start (9 s now)."""
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.compiled = torch.compile(decoder, fullgraph=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        run = self.compiled if input_ids.shape[0] == 1 else self.decoder
+        return run(input_ids, positions)  # type: ignore[no-any-return]
 
 
 def mark_kv_len_dynamic(backend: BaseAttnBackend) -> None:
