@@ -20,7 +20,13 @@ from minisgl.ext.cpu.gguf import DefaultModelMissing, default_model, quantized_n
 from minisgl.ext.cpu.gguf_quant import Blocks, split_blocks
 from minisgl.ext.cpu.policy import cpu_auto_dtype, resolve_quantization
 from minisgl.ext.cpu.quantize import from_blocks, int4_from_blocks, split_from_blocks
-from minisgl.ext.cpu.quantized import Int4Linear, Int8Linear, Int8SplitLinear, QuantizedLinear
+from minisgl.ext.cpu.quantized import (
+    DENSE_MIN_ROWS,
+    Int4Linear,
+    Int8Linear,
+    Int8SplitLinear,
+    QuantizedLinear,
+)
 from support.gguf_files import write_gguf
 from support.models import hf_greedy
 
@@ -98,7 +104,7 @@ def test_int8_per_row_is_within_half_a_step():
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, "int8"])
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens", [1, 5, DENSE_MIN_ROWS + 3])  # the last: a dense GEMM
 def test_quantized_linear_equals_the_float_matmul_of_its_weights(qtype, tokens):
     blocks, ref = gguf_blocks(Q.Q8_0 if qtype == "int8" else qtype, seed=tokens)
     layer: QuantizedLinear
@@ -114,10 +120,18 @@ def test_quantized_linear_equals_the_float_matmul_of_its_weights(qtype, tokens):
     y = layer(x).float()
     assert y.shape == (tokens, blocks.codes.shape[0])
     assert ((y - x.float() @ w.t()).abs() <= matmul_tolerance(x, w)).all()
+    dense = layer.dense  # many rows: the dequantized weight kept (not in the saved state)
+    assert (dense is not None) == (tokens >= DENSE_MIN_ROWS)
+    assert not any(t is dense for t in layer.state_dict().values())
+    if dense is not None:
+        assert torch.equal(dense, w.to(torch.bfloat16))
+        assert torch.equal(layer(x), y.to(torch.bfloat16)) and layer.dense is dense
+        few = x[: DENSE_MIN_ROWS - 1]  # fewer rows: the quantized kernel
+        assert torch.equal(layer(few), layer.kernel_matmul(few))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, "int8"])
-@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("tokens", [1, 7, DENSE_MIN_ROWS + 8])
 def test_quantized_linear_is_the_same_on_one_thread_and_two(qtype, tokens):
     """ext/cpu/threads.py moves decode steps between thread counts: each count must give the
     layer's output bit for bit (the kernels split the output rows, never a dot product)."""
