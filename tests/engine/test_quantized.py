@@ -276,6 +276,11 @@ def test_embedded_smollm2_quantized_agrees_with_dequantized(capsys):
         "What is the capital of France?",
         "Write a haiku about the sea.",
         "How do I reverse a list in Python?",
+        # a longer prompt: over DENSE_MIN_ROWS tokens, scored by the layers' dense GEMMs
+        "Summarise in one sentence: the printing press, developed by Johannes Gutenberg around "
+        "1440, used movable metal type, oil-based ink and a wooden screw press adapted from wine "
+        "making. It cut the cost of books, spread literacy across Europe, standardised spelling "
+        "and helped the Reformation and the Scientific Revolution reach a wide audience.",
     ]
     chats = [[{"role": "user", "content": p}] for p in prompts]
     exact = LLM(quantization="none", dtype="float32")
@@ -298,3 +303,5 @@ def test_embedded_smollm2_quantized_agrees_with_dequantized(capsys):
     with capsys.disabled():
         print(f"\nquantized top-1 agreement with the dequantized path: {same}/{total}")
     assert same >= 0.8 * total
+    layers = [m for m in quant.engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert any(layer.dense is not None for layer in layers)  # the long prompt took them

@@ -18,11 +18,13 @@ that dtype, so they are the GGUF's float16 scales rounded to it; the codes are e
 They are weight readers for a few rows: the int4 kernel dequantizes its weight again for every 4
 rows. From `DENSE_MIN_ROWS` rows on (prompts), a layer multiplies with its weight dequantized
 once into the activation dtype instead, a dense GEMM (oneDNN: AMX or AVX512-BF16), kept after
-the first such call (SmolLM2: +270 MB, ~1 s once). SmolLM2's 120 projections at 1,000 rows on 2
-cores: 1,877 ms int4, 267 ms dense bf16. The dense weight is the dequantized weight rounded to
-the dtype; compiled steps (decode) never take it."""
+the first such call (SmolLM2: +270 MB, 0.8 s once on 2 cores). SmolLM2's 120 projections at
+1,000 rows: 1,877 ms int4, 267 ms dense bf16. The dense weight is the dequantized weight rounded
+to the dtype; compiled steps (decode) never take it."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +33,34 @@ from minisgl.layers.base import Module
 
 INT4_OFFSET = 8  # torch's int4 kernels subtract 8 from every code
 INT4_ROWS = 16  # the CPU packing wants a multiple of 16 output rows
-DENSE_MIN_ROWS = 32  # rows from which a dense GEMM of the dequantized weight is faster
+# rows from which a layer takes a dense GEMM of its dequantized weight: faster from about 16
+# rows, but a short chat turn (the shell's first question) stays under it and so costs no build
+DENSE_MIN_ROWS = 64
 
 
 def int4_fits(out_features: int, in_features: int, group_size: int) -> bool:
     return out_features % INT4_ROWS == 0 and in_features % group_size == 0 and group_size % 2 == 0
+
+
+@functools.cache
+def int4_layout(out_features: int, in_features: int) -> torch.Tensor:
+    """Where each nibble of torch's CPU int4 packing of [out, in] codes comes from: the flat
+    index into the codes of every `nibbles(packed)` entry. The layout is the packer's own
+    (blocked for its kernel), so it is read off the packer: packing each base-16 digit of
+    the indices gives that digit of each nibble's source."""
+    count = out_features * in_features
+    index = torch.arange(count, dtype=torch.int64)
+    source = torch.zeros(count, dtype=torch.int64)
+    for shift in range(0, max(count - 1, 1).bit_length(), 4):
+        digits = ((index >> shift) & 15).to(torch.int32).view(out_features, in_features)
+        packed = torch._convert_weight_to_int4pack_for_cpu(digits, 1)
+        source |= nibbles(packed).to(torch.int64) << shift
+    return source
+
+
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The packed bytes' nibbles, flat: each byte's low one, then its high one."""
+    return torch.stack([packed & 15, packed >> 4], -1).flatten()
 
 
 class QuantizedLinear(Module):
@@ -106,13 +131,11 @@ class Int4Linear(QuantizedLinear):
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, sz)
 
     def codes(self) -> torch.Tensor:
-        """The 4-bit codes back out of the packed layout (int32 [out, packed in]): multiplying
-        the identity with scale 1 and zero 8 gives each code exactly (small integers)."""
-        unit = torch.ones_like(self.scale_zeros)
-        unit[..., 1] = INT4_OFFSET
-        eye = torch.eye(self.packed.shape[1] * 2, dtype=unit.dtype)
-        out = torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, unit)
-        return out.t().round().to(torch.int32)
+        """The 4-bit codes back out of the packed layout (int32 [out, packed in])."""
+        out_features, in_features = self.packed.shape[0], self.packed.shape[1] * 2
+        flat = torch.empty(out_features * in_features, dtype=torch.uint8)
+        flat[int4_layout(out_features, in_features)] = nibbles(self.packed)
+        return flat.view(out_features, in_features).to(torch.int32)
 
     def dequantize(self) -> torch.Tensor:
         scales, zeros = (self.scale_zeros[..., i].t().float() for i in (0, 1))
