@@ -147,8 +147,7 @@ class Engine:
         self.table_writes.write_tokens(table_idx, start, tokens)
 
     def decoder(self, batch: Batch) -> torch.nn.Module:
-        """The compiled decoder for a decode step (it runs what it cannot hold eagerly), else
-        the model's own."""
+        """Decode steps' compiled decoder (eager for what it cannot hold), else the model's own."""
         if self.compiled_decoder is not None and batch.is_decode:
             return self.compiled_decoder
         return self.model.model
