@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from minisgl import env
 from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
@@ -182,33 +182,18 @@ class LayerStep(nn.Module):
         self.rope_table: torch.Tensor = rotary.tables[self.dtype]
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor,
-        out_loc: torch.Tensor,
-        kv_slots: torch.Tensor,
-        rope_table: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        weights: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        args = (positions, hidden, residual, out_loc, kv_slots, None, rope_table)
-        return self.run(*args, k_pool, v_pool, weights)
+        self, positions: Tensor, hidden: Tensor, residual: Tensor, out_loc: Tensor,
+        kv_slots: Tensor, rope_table: Tensor, k_pool: Tensor, v_pool: Tensor, weights: list[Tensor],
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """The exported inputs of one request's step (no mask: every slot)."""
+        inputs = (positions, hidden, residual, out_loc, kv_slots, None, rope_table, k_pool, v_pool)
+        return self.run(*inputs, weights)
 
     def run(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor,
-        out_loc: torch.Tensor,
-        kv_slots: torch.Tensor,
-        mask: torch.Tensor | None,
-        rope_table: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        weights: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, positions: Tensor, hidden: Tensor, residual: Tensor, out_loc: Tensor,
+        kv_slots: Tensor, mask: Tensor | None, rope_table: Tensor, k_pool: Tensor, v_pool: Tensor,
+        weights: list[Tensor],
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """The layer on these inputs, attending under `mask` (None: every slot)."""
         md = TorchAttnMetadata(kv_slots, mask, kv_slots.new_zeros(1), 1)
         batch = Batch([], "decode", out_loc=out_loc, attn_metadata=md)
@@ -266,21 +251,8 @@ class BatchedLayerStep(LayerStep):
 
     steps = "batched decode"
 
-    def forward(  # type: ignore[override]
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor,
-        out_loc: torch.Tensor,
-        kv_slots: torch.Tensor,
-        mask: torch.Tensor,
-        rope_table: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        weights: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        args = (positions, hidden, residual, out_loc, kv_slots, mask, rope_table)
-        return self.run(*args, k_pool, v_pool, weights)
+    # the exported inputs of a batch's step: `run`'s, the mask given
+    forward = LayerStep.run  # type: ignore[assignment]
 
     def example(self) -> tuple[Any, ...]:
         return self.example_of(3)  # not 2: export specializes sizes 0 and 1 only, but be clear
