@@ -8,9 +8,11 @@
 - `policy.py`: `--dtype auto` on cpu (bf16 where the CPU computes it and the weights are
   quantized), the `--quantization` rule, the start line;
 - `speed.py`: the torch path's CPU speed paths (RoPE from a table, looked up once a forward;
-  attention widened to float32), each bit for bit the core's plain path, in every cpu engine;
-- `aot.py`: `--cpu-compile`, the decoder layers of one-request decode steps compiled ahead of
-  time (AOTInductor) once and kept in the cache: the default for a quantized model;
+  attention widened to float32; fresh prompts attended by `is_causal`), each bit for bit the
+  core's plain path, in every cpu engine;
+- `aot.py`: `--cpu-compile`, the decoder layers of decode steps (one request's, a batch's)
+  compiled ahead of time (AOTInductor) once and kept in the cache: the default for a quantized
+  model;
 - `torch_compile.py`: `--enable-torch-compile`, the decoder of those steps compiled by
   torch.compile at run time instead;
 - `threads.py`: `--cpu-threads`, the thread count of a cpu engine's steps (by default decode
