@@ -121,7 +121,10 @@ def test_the_path_governs_eager_decode_steps_only() -> None:
     not governed: they run on every core."""
     keys: list[object] = []
     path = GovernedThreads(SimpleNamespace(step=keys.append))  # type: ignore[arg-type]
-    decoder, compiled = object(), object()
+    from minisgl.ext.cpu.torch_compile import OneRequestCompiled
+
+    decoder = object()
+    compiled = object.__new__(OneRequestCompiled)  # torch.compile's, for one request
     engine = SimpleNamespace(model=SimpleNamespace(model=decoder))
     for is_decode, size, runs in [(True, 3, decoder), (False, 3, decoder), (True, 1, compiled)]:
         engine.decoder = lambda batch, runs=runs: runs
