@@ -56,8 +56,8 @@ class TorchAttnBackend(BaseAttnBackend):
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
         md = TorchAttnMetadata.of(batch)
         kv_cache = get_global_ctx().kv_cache
-        keys = _gather(kv_cache.k_flat(layer_id), md.kv_slots, q.dtype)
-        values = _gather(kv_cache.v_flat(layer_id), md.kv_slots, q.dtype)
+        keys = gather_kv(kv_cache.k_flat(layer_id), md.kv_slots, q.dtype)
+        values = gather_kv(kv_cache.v_flat(layer_id), md.kv_slots, q.dtype)
         bsz, (_, heads, dim) = md.kv_slots.shape[0], q.shape
         if md.max_q_len == 1:  # decode: one token per request, no padding to build
             out = F.scaled_dot_product_attention(
@@ -73,7 +73,7 @@ class TorchAttnBackend(BaseAttnBackend):
         return out.transpose(1, 2).reshape(bsz * md.max_q_len, heads, dim)[md.q_index]
 
 
-def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gather_kv(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, Hk, L, D] of the pool's rows at `slots` [B, L], in `dtype` (an fp8 pool widened)."""
     # Converted while contiguous: a strided conversion costs more than the attention.
     # index_select along dim 0: half the CPU time of advanced indexing at decode sizes, and

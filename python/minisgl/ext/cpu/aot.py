@@ -104,9 +104,8 @@ def compiled_layer(step: LayerStep, path: str) -> Run | None:
     failed = f"{path}.failed"
     # an earlier start could not build it: not every start again (tried again after a day)
     if os.path.isfile(failed) and unused_for(Path(failed)) < RETRY_S:
-        say(
-            f"eager {step.steps}: building {path} failed earlier ({Path(failed).read_text().strip()})"
-        )
+        why = Path(failed).read_text().strip()
+        say(f"eager {step.steps}: building {path} failed earlier ({why})")
         return None
     if not os.path.isfile(path):
         try:
@@ -390,8 +389,7 @@ class AotDecoder(nn.Module):
         assert batch is not None
         md = TorchAttnMetadata.of(batch)
         out_loc = batch.out_loc
-        runs = None if out_loc is None else self.runs_for(positions, out_loc, md)
-        if runs is None or out_loc is None:
+        if out_loc is None or (runs := self.runs_for(positions, out_loc, md)) is None:
             return self.decoder(input_ids, positions)  # type: ignore[no-any-return]
         hidden = self.decoder.embed_tokens(input_ids)
         residual = torch.zeros_like(hidden)

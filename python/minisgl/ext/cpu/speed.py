@@ -3,8 +3,8 @@ RoPE from a precomputed (cos, cos) / (-sin, sin) table, its rows looked up once 
 every layer and q and k rotated as one view when k follows q in the QKV output; attention in
 float32 for 16-bit models; prompts without a cached prefix attended with SDPA's `is_causal`
 instead of a mask (the flash kernel then skips the blocks above the diagonal: a 1,000-token
-prompt's attention 1.6x faster, the same bits). `cpu_engine` (the `decoder_transform` point) installs them into
-each built cpu engine before --enable-torch-compile compiles its decoder."""
+prompt's attention 1.6x faster, the same bits). `cpu_engine` (the `decoder_transform` point)
+installs them into each built cpu engine before --enable-torch-compile compiles its decoder."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
-from minisgl.attention.torch_backend import _gather as gather_kv
+from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata, gather_kv
 from minisgl.context import get_global_ctx
 from minisgl.core import Batch
 from minisgl.ext.cpu.torch_compile import compiled_decoder
