@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from dataclasses import fields, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -241,3 +242,55 @@ def test_fresh_prompts_attend_causally_bit_for_bit(lens, window, dtype) -> None:
     plain.prepare(batch)
     want = plain.forward(q.float(), 0, 0.25, batch).to(dtype)
     assert got.shape == q.shape and torch.equal(got, want)
+
+
+@pytest.mark.ext
+def test_decode_batches_take_packed_float32_projections(model_dirs) -> None:
+    """ext/cpu routes a float32 model's projections through `PackedFloatLinear`: decode steps of
+    4..256 rows compute on oneDNN's packed weight (close to F.linear, and greedy tokens still
+    transformers'); one request's decode and every prompt keep F.linear, bit for bit."""
+    from minisgl.ext.cpu.packed import PACKED_MIN_ROWS, PackedFloatLinear, packs_available
+    from minisgl.ext.cpu.routes import projections
+
+    if not packs_available():
+        pytest.skip("this torch build has no oneDNN")
+    path, hf = model_dirs("llama")
+    llm = LLM(path, page_size=4, num_pages=128)
+    routed = {name: routes_of(m) for name, m in projections(llm.engine.model)}
+    assert routed and all(isinstance(p, PackedFloatLinear) for p in routed.values())
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3], [5, 7, 7, 2, 1]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # one request: no pack made
+    assert all(p.packed is None for p in routed.values())
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(prompts) >= PACKED_MIN_ROWS and all(p.packed is not None for p in routed.values())
+    assert [o["token_ids"] for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+    check_no_leak(llm.scheduler)
+
+    layer = routed["model.layers.0.mlp.gate_up_proj"]
+    assert isinstance(layer, PackedFloatLinear)
+    weight = layer.module.weight
+    x = torch.randn(300, weight.shape[1])
+    for batch, rows, exact in [
+        (None, 8, True),  # outside a step
+        (SimpleNamespace(is_decode=False), 8, True),  # a prompt
+        (SimpleNamespace(is_decode=True), 1, True),
+        (SimpleNamespace(is_decode=True), 3, True),
+        (SimpleNamespace(is_decode=True), 257, True),
+        (SimpleNamespace(is_decode=True), 4, False),
+        (SimpleNamespace(is_decode=True), 256, False),
+    ]:
+        set_global_ctx(replace(llm.engine.ctx, batch=batch))
+        got, want = layer.forward(x[:rows]), torch.nn.functional.linear(x[:rows], weight)
+        assert torch.equal(got, want) if exact else torch.allclose(got, want, 1e-4, 1e-5)
+    set_global_ctx(llm.engine.ctx)
+
+
+def routes_of(module: torch.nn.Module) -> object:
+    """The object whose bound method the cpu extension installed as the projection's route
+    (the LM head's route is a closure over it)."""
+    route = vars(module).get("matmul") or vars(module)["forward"]
+    if hasattr(route, "__self__"):
+        return route.__self__
+    cells = [c.cell_contents for c in route.__closure__ or ()]
+    return next(c.__self__ for c in cells if hasattr(c, "__self__"))

@@ -15,7 +15,7 @@
   tensors, written at its first need (`gguf.ensure_float_copy`).
 The embedding table stays dense (a lookup reads one row per token). The core's layers know
 nothing of this: each projection gets a `quantized` member (None: dense) and, when quantized,
-instance attributes `forward` / `matmul` that compute through it (`_route_through`)."""
+instance attributes `forward` / `matmul` that compute through it (`route_through`)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from minisgl.distributed import all_gather_last_dim, get_tp_info
+from minisgl.distributed import get_tp_info
 from minisgl.ext.cpu.gguf import conversion_size, dense_names, ensure_float_copy
 from minisgl.ext.cpu.gguf_quant import BLOCK, Blocks, load_blocks
 from minisgl.ext.cpu.options import cpu_options
+from minisgl.ext.cpu.packed import pack_float_projections
 from minisgl.ext.cpu.policy import announce, resolve_quantization
 from minisgl.ext.cpu.quantized import (
     INT4_OFFSET,
@@ -40,9 +41,9 @@ from minisgl.ext.cpu.quantized import (
     QuantizedLinear,
     int4_fits,
 )
+from minisgl.ext.cpu.routes import projections, route_through
 from minisgl.ext.cpu.threads import set_cpu_threads
-from minisgl.layers.embedding import ParallelLMHead
-from minisgl.layers.linear import LinearBase, RowParallelLinear
+from minisgl.layers.linear import LinearBase
 from minisgl.models.weight import load_weights, map_checkpoint_name
 
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -100,18 +101,16 @@ def from_blocks(parts: list[Blocks | None], dtype: torch.dtype) -> QuantizedLine
     return Int8Linear.from_float(torch.cat([b.dequantize() for b in blocks]), dtype)
 
 
-def _projections(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-
-
 def _attach(model: nn.Module, layers: dict[str, QuantizedLinear]) -> set[str]:
     """Give every projection its quantized layer (None where it stays dense); -> the parameter
     names no longer used."""
     dropped = set()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    for name, module in _projections(model):
+    for name, module in projections(model):
         layer = layers.get(name)
-        _route_through(module, layer)
+        module.quantized = layer  # type: ignore[assignment]
+        if layer is not None:
+            route_through(module, layer.matmul)
         # the dense weight goes (not a tied LM head's: it is the embedding's too)
         if layer is not None and (isinstance(module, LinearBase) or not tied):
             weight = module.weight
@@ -119,32 +118,6 @@ def _attach(model: nn.Module, layers: dict[str, QuantizedLinear]) -> set[str]:
             module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
             dropped.add(f"{name}.weight")
     return dropped
-
-
-def _route_through(module: Any, layer: QuantizedLinear | None) -> None:
-    """`module.quantized = layer` and, for a layer, x W^T through it: the core's layers compute
-    with their dense weight, so instance attributes (which win over the class's methods)
-    replace `forward` (and `matmul`, which RowParallelLinear.forward calls). The kernel is
-    called straight: no module call per projection, which costs on a CPU decode step."""
-    module.quantized = layer
-    if layer is None:
-        return
-    if isinstance(module, ParallelLMHead):
-        vocab = module.vocab_size
-
-        def logits(hidden: torch.Tensor) -> torch.Tensor:
-            return all_gather_last_dim(layer.matmul(hidden))[..., :vocab]
-
-        module.forward = logits  # type: ignore[method-assign]
-        return
-    module.matmul = layer.matmul  # RowParallelLinear.forward: all_reduce(matmul(x)) + bias
-    if not isinstance(module, RowParallelLinear):
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            y = layer.matmul(x)
-            return y if module.bias is None else y + module.bias
-
-        module.forward = forward
 
 
 def cache_file(model_dir: str, dtype: torch.dtype) -> str:
@@ -217,7 +190,7 @@ def quantize_gguf(model: nn.Module, model_dir: str, dtype: torch.dtype) -> set[s
         blocks = load_blocks(model_dir)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         layers = {}
-        for name, _ in _projections(model):
+        for name, _ in projections(model):
             layer = from_blocks([blocks.get(p) for p in checkpoint_parts(name, tied)], dtype)
             if layer is not None:
                 layers[name] = layer
@@ -235,7 +208,7 @@ def quantize_int8(model: nn.Module, dtype: torch.dtype) -> None:
     """`int8` mode, after loading: every projection per-row int8 from its loaded weight."""
     layers: dict[str, QuantizedLinear] = {}
     with torch.no_grad():
-        for name, module in _projections(model):
+        for name, module in projections(model):
             weight = module.weight
             assert isinstance(weight, torch.Tensor)
             layers[name] = Int8Linear.from_float(weight, dtype)
@@ -243,7 +216,7 @@ def quantize_int8(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def count_quantized(model: nn.Module) -> int:
-    return sum(getattr(m, "quantized", None) is not None for _, m in _projections(model))
+    return sum(getattr(m, "quantized", None) is not None for _, m in projections(model))
 
 
 @dataclass
@@ -264,6 +237,8 @@ class CpuModelTransform:
     def after_load(self, model: nn.Module) -> None:
         if self.name == "int8":
             quantize_int8(model, self.dtype)
+        elif self.name == "none" and self.dtype == torch.float32:
+            pack_float_projections(model)  # decode batches: oneDNN on a weight packed once
         entry = conversion_size(self.model_dir)
         announce(self.dtype, self.name, count_quantized(model), self.compiled, entry)
 
