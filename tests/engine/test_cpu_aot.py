@@ -145,7 +145,9 @@ def test_off_by_flag_environment_or_on_the_exact_path(tiny_gguf, monkeypatch):
 
 def test_float32_layers_on_request_give_transformers_tokens(model_dirs, monkeypatch):
     """--cpu-compile aot compiles the dense float32 layers too (a checkpoint directory: the
-    artifact goes to the cache's aot/)."""
+    artifact goes to the cache's aot/); a batch of 4+ multiplies on oneDNN's packed weights
+    inside the compiled layers (`packed.packed_linear`)."""
+    from minisgl.ext.cpu.packed import PACKED_ATTR, PACKED_MIN_ROWS, packs_available
     from support.models import hf_greedy
 
     monkeypatch.setenv("MINISGL_CPU_AOT", "1")
@@ -154,13 +156,20 @@ def test_float32_layers_on_request_give_transformers_tokens(model_dirs, monkeypa
     assert isinstance(llm.engine.compiled_decoder, aot.AotDecoder)
     step = aot.layer_steps(llm.engine)[0]
     assert os.path.dirname(aot.artifact_path(llm.engine, step)).startswith(aot.cache_root())
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3], [5, 7, 7, 2, 1]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     assert llm.generate(prompts[:1], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(
         hf, prompts[0], 12
     )
-    outs = llm.generate(prompts, params, use_tqdm=False)  # the batched layers
-    assert [o["token_ids"] for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
+    decoder, steps = llm.engine.compiled_decoder, []
+    assert decoder.batched_runs is not None
+    decoder.batched_runs = [counted(run, steps) for run in decoder.batched_runs]
+    for batch in (prompts[:2], prompts):  # the batched layers: F.linear, then packed weights
+        outs = llm.generate(batch, params, use_tqdm=False)
+        assert [o["token_ids"] for o in outs] == [hf_greedy(hf, p, 12) for p in batch]
+    assert len(steps) >= 2 * 11 and len(prompts) >= PACKED_MIN_ROWS
+    qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj.weight
+    assert hasattr(qkv, PACKED_ATTR) == packs_available()
     check_no_leak(llm.scheduler)
 
 

@@ -249,7 +249,12 @@ def test_decode_batches_take_packed_float32_projections(model_dirs) -> None:
     """ext/cpu routes a float32 model's projections through `PackedFloatLinear`: decode steps of
     4..256 rows compute on oneDNN's packed weight (close to F.linear, and greedy tokens still
     transformers'); one request's decode and every prompt keep F.linear, bit for bit."""
-    from minisgl.ext.cpu.packed import PACKED_MIN_ROWS, PackedFloatLinear, packs_available
+    from minisgl.ext.cpu.packed import (
+        PACKED_ATTR,
+        PACKED_MIN_ROWS,
+        PackedFloatLinear,
+        packs_available,
+    )
     from minisgl.ext.cpu.routes import projections
 
     if not packs_available():
@@ -261,9 +266,10 @@ def test_decode_batches_take_packed_float32_projections(model_dirs) -> None:
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3], [5, 7, 7, 2, 1]]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     llm.generate(prompts[:1], params, use_tqdm=False)  # one request: no pack made
-    assert all(p.packed is None for p in routed.values())
+    assert not any(hasattr(p.module.weight, PACKED_ATTR) for p in routed.values())
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert len(prompts) >= PACKED_MIN_ROWS and all(p.packed is not None for p in routed.values())
+    assert len(prompts) >= PACKED_MIN_ROWS
+    assert all(hasattr(p.module.weight, PACKED_ATTR) for p in routed.values())
     assert [o["token_ids"] for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
     check_no_leak(llm.scheduler)
 
