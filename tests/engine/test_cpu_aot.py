@@ -133,44 +133,46 @@ def test_failed_build_falls_back_to_eager_once(tiny_gguf, capfd, monkeypatch):
     assert "failed earlier (RuntimeError: no C++ compiler)" in capfd.readouterr().err
 
 
-def test_off_by_flag_environment_or_on_the_exact_path(tiny_gguf, monkeypatch):
+def test_off_by_flag_or_environment(tiny_gguf, monkeypatch):
     monkeypatch.setattr(aot, "build", lambda step, path: pytest.fail("built"))
     options = {"quantization": "gguf", "dtype": "bfloat16"}
     assert LLM(tiny_gguf, cpu_compile="off", **options).engine.compiled_decoder is None
-    exact = LLM(tiny_gguf, quantization="none", dtype="float32")  # auto: transformers' tokens
+    exact = LLM(tiny_gguf, quantization="none", dtype="float32", cpu_compile="off")
     assert exact.engine.compiled_decoder is None
     monkeypatch.setenv("MINISGL_CPU_AOT", "0")
     assert LLM(tiny_gguf, cpu_compile="aot", **options).engine.compiled_decoder is None
 
 
-def test_float32_layers_on_request_give_transformers_tokens(model_dirs, monkeypatch):
-    """--cpu-compile aot compiles the dense float32 layers too (a checkpoint directory: the
-    artifact goes to the cache's aot/); a batch of 4+ multiplies on oneDNN's packed weights
-    inside the compiled layers (`packed.packed_linear`)."""
+def test_float32_batches_compiled_by_default_every_step_on_request(model_dirs, monkeypatch):
+    """The exact path (float32, dense) compiles only batched steps by default: one request's
+    steps stay eager, transformers' bits. --cpu-compile aot compiles both kinds (a checkpoint
+    directory: the artifacts go to the cache's aot/). A batch of 4+ multiplies on oneDNN's
+    packed weights inside the compiled layers (`packed.packed_linear`). Greedy tokens are
+    transformers' throughout."""
     from minisgl.ext.cpu.packed import PACKED_ATTR, PACKED_MIN_ROWS, packs_available
     from support.models import hf_greedy
 
     monkeypatch.setenv("MINISGL_CPU_AOT", "1")
     path, hf = model_dirs("llama")
-    llm = LLM(path, page_size=4, num_pages=128, cpu_compile="aot")
-    assert isinstance(llm.engine.compiled_decoder, aot.AotDecoder)
-    step = aot.layer_steps(llm.engine)[0]
-    assert os.path.dirname(aot.artifact_path(llm.engine, step)).startswith(aot.cache_root())
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3], [5, 7, 7, 2, 1]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    assert llm.generate(prompts[:1], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(
-        hf, prompts[0], 12
-    )
-    decoder, steps = llm.engine.compiled_decoder, []
-    assert decoder.batched_runs is not None
-    decoder.batched_runs = [counted(run, steps) for run in decoder.batched_runs]
-    for batch in (prompts[:2], prompts):  # the batched layers: F.linear, then packed weights
-        outs = llm.generate(batch, params, use_tqdm=False)
-        assert [o["token_ids"] for o in outs] == [hf_greedy(hf, p, 12) for p in batch]
-    assert len(steps) >= 2 * 11 and len(prompts) >= PACKED_MIN_ROWS
-    qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj.weight
-    assert hasattr(qkv, PACKED_ATTR) == packs_available()
-    check_no_leak(llm.scheduler)
+    want = [hf_greedy(hf, p, 12) for p in prompts]
+    for mode in ("auto", "aot"):
+        llm = LLM(path, page_size=4, num_pages=128, cpu_compile=mode)
+        decoder, steps = llm.engine.compiled_decoder, []
+        assert isinstance(decoder, aot.AotDecoder) and decoder.batched_runs is not None
+        assert (decoder.runs is None) == (mode == "auto")
+        step = aot.layer_steps(llm.engine)[0]
+        assert os.path.dirname(aot.artifact_path(llm.engine, step)).startswith(aot.cache_root())
+        assert llm.generate(prompts[:1], params, use_tqdm=False)[0]["token_ids"] == want[0]
+        decoder.batched_runs = [counted(run, steps) for run in decoder.batched_runs]
+        for batch in (prompts[:2], prompts):  # the batched layers: F.linear, then packed weights
+            outs = llm.generate(batch, params, use_tqdm=False)
+            assert [o["token_ids"] for o in outs] == want[: len(batch)]
+        assert len(steps) >= 2 * 11 and len(prompts) >= PACKED_MIN_ROWS
+        qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj.weight
+        assert hasattr(qkv, PACKED_ATTR) == packs_available()
+        check_no_leak(llm.scheduler)
 
 
 def test_flag():

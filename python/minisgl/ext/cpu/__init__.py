@@ -13,7 +13,7 @@
   core's plain path, in every cpu engine;
 - `aot.py`: `--cpu-compile`, the decoder layers of decode steps (one request's, a batch's)
   compiled ahead of time (AOTInductor) once and kept in the cache: the default for a quantized
-  model;
+  model, and for a dense model's batches;
 - `torch_compile.py`: `--enable-torch-compile`, the decoder of those steps compiled by
   torch.compile at run time instead;
 - `threads.py`: `--cpu-threads`, the thread count of a cpu engine's steps (by default decode

@@ -65,26 +65,28 @@ def say(message: str) -> None:
 
 
 def aot_decoder(engine: Any) -> nn.Module | None:
-    """The decoder of one-request decode steps with compiled layers for this `engine`
-    (`engine.Engine`, after the speed paths): built at the first start, loaded at later ones;
-    None (eager) where they do not apply (no line: cuda, TP > 1, MoE, another attention
-    backend, --cpu-compile off, MINISGL_CPU_AOT=0) or where one cannot be built or loaded (one
-    line saying why)."""
-    if not aot_applies(engine):
+    """The decoder of decode steps with compiled layers for this `engine` (`engine.Engine`,
+    after the speed paths): built at the first start, loaded at later ones; None (eager) where
+    they do not apply (no line: cuda, TP > 1, MoE, another attention backend, --cpu-compile off,
+    MINISGL_CPU_AOT=0) or where none can be built or loaded (one line saying why)."""
+    kinds = aot_kinds(engine)
+    if not kinds:
         return None
     try:
-        steps = layer_steps(engine, LayerStep)
+        steps = layer_steps(engine, LayerStep) if LayerStep in kinds else []
         batched = layer_steps(engine, BatchedLayerStep)
         paths = {id(step): artifact_path(engine, step) for step in steps + batched}
     except Exception as e:  # noqa: BLE001 (a model the step does not know: eager)
         say(f"eager decode: cannot compile this model's layers ({first_line(e)})")
         return None
-    runs = compiled_layers(steps, paths)
-    if runs is None:
+    runs = compiled_layers(steps, paths) if steps else None
+    if steps and runs is None:
         return None
     batched_runs = compiled_layers(batched, paths)  # None: batches eager, one line said why
     prune(list(paths.values()))
-    return AotDecoder(engine.model.model, runs, batched_runs, steps[0])
+    if runs is None and batched_runs is None:
+        return None
+    return AotDecoder(engine.model.model, runs, batched_runs, batched[0])
 
 
 def compiled_layers(steps: list[LayerStep], paths: dict[int, str]) -> list[Run] | None:
@@ -133,15 +135,16 @@ def first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
-def aot_applies(engine: Any) -> bool:
-    """--cpu-compile aot, or auto on a quantized model (the exact path, float32 without
-    --quantization, keeps transformers' tokens: compiled sums round differently), unless
-    MINISGL_CPU_AOT=0 (e.g. tests that build many engines), on a cpu engine whose layers one
-    graph can hold (--enable-torch-compile's checks) with the speed paths' RoPE table
-    (`speed.TableRotary`: its `tables`)."""
+def aot_kinds(engine: Any) -> tuple[type[LayerStep], ...]:
+    """The kinds of decode step whose layers run compiled: both under --cpu-compile aot, or
+    auto on a quantized model; auto on a dense one (`--quantization none`, the exact path in
+    float32) only batches, whose rows round otherwise than one request's under F.linear as
+    well: one request's steps keep transformers' bits. None under MINISGL_CPU_AOT=0 (e.g. tests
+    that build many engines), off a cpu engine whose layers one graph can hold
+    (--enable-torch-compile's checks) with the speed paths' RoPE table (`speed.TableRotary`)."""
     mode, moe = cpu_options(engine.config).cpu_compile, engine.model_config.moe is not None
-    return (
-        (mode == "aot" or (mode == "auto" and engine.quantization != "none"))
+    applies = (
+        mode != "off"
         and ("MINISGL_CPU_AOT" not in os.environ or env.flag("MINISGL_CPU_AOT"))
         and engine.device.type == "cpu"
         and get_tp_info().size == 1
@@ -149,6 +152,11 @@ def aot_applies(engine: Any) -> bool:
         and isinstance(engine.attn_backend, TorchAttnBackend)
         and isinstance(getattr(engine.model.model.rotary, "tables", None), dict)
     )
+    if not applies:
+        return ()
+    if mode == "aot" or engine.quantization != "none":
+        return (LayerStep, BatchedLayerStep)
+    return (BatchedLayerStep,)
 
 
 class TracedPools(MHAKVCache):
@@ -367,14 +375,19 @@ def load(path: str) -> Run:
 
 class AotDecoder(nn.Module):
     """`Engine.decoder(batch)` of decode steps: the decoder with its layers run compiled
-    (`runs`, one a layer; `batched_runs` for several requests, None: those eager), or eager for
-    a step they do not hold (one request's masked step: a sliding window shorter than its KV)."""
+    (`runs`, one a layer, for one request; `batched_runs` for several; None: those eager), or
+    eager for a step they do not hold (one request's masked step: a sliding window shorter than
+    its KV)."""
 
     # nothing compiles at its first call: a server need not warm it up (ext/serving's needs_warm_up)
     needs_warm_up = False
 
     def __init__(
-        self, decoder: Any, runs: list[Run], batched_runs: list[Run] | None, step: LayerStep
+        self,
+        decoder: Any,
+        runs: list[Run] | None,
+        batched_runs: list[Run] | None,
+        step: LayerStep,
     ) -> None:
         super().__init__()
         self.decoder = decoder

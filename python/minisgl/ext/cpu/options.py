@@ -31,11 +31,11 @@ class CpuOptions:
     )
     cpu_compile: str = option(
         "auto",
-        "cpu: aot: one-request decode steps run decoder layers compiled ahead of time "
-        "(AOTInductor; decode ~1.5x eager), built once at a model's first start (~15 s on 2 "
-        "cores) and kept in the cache, eager if they cannot be built or loaded; auto: aot for "
-        "a quantized model (the exact float32 path stays eager); off (or MINISGL_CPU_AOT=0): "
-        "eager",
+        "cpu: aot: decode steps (one request's, a batch's) run decoder layers compiled ahead "
+        "of time (AOTInductor; decode ~1.5x eager), each kind built once at a model's first "
+        "start (~15 s on 2 cores) and kept in the cache, eager if it cannot be built or "
+        "loaded; auto: aot for a quantized model, batches only for a dense one (one request's "
+        "steps on the exact float32 path stay eager); off (or MINISGL_CPU_AOT=0): eager",
         choices=COMPILES,
     )
 
