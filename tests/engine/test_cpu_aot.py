@@ -180,3 +180,14 @@ def test_flag():
 
     assert parse_args([]).scheduler.extras["cpu"].cpu_compile == "auto"
     assert parse_args(["--cpu-compile", "off"]).scheduler.extras["cpu"].cpu_compile == "off"
+
+
+def test_lora_engines_stay_eager(model_dirs, monkeypatch):
+    """LoRA's layers read each step's adapter slots: an exported layer would hold them fixed,
+    so an engine whose model another extension transformed compiles nothing, even on request."""
+    monkeypatch.setenv("MINISGL_CPU_AOT", "1")
+    monkeypatch.setattr(aot, "build", lambda step, path: pytest.fail("built"))
+    path, _ = model_dirs("llama")
+    for mode in ("auto", "aot"):
+        llm = LLM(path, page_size=4, num_pages=64, enable_lora=True, cpu_compile=mode)
+        assert llm.engine.compiled_decoder is None

@@ -45,6 +45,7 @@ from minisgl.distributed import get_tp_info
 from minisgl.ext.cpu.gguf import cache_root, conversion_size
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.policy import cpu_flags
+from minisgl.ext.cpu.quantize import CpuModelTransform
 from minisgl.kvcache.pool import MHAKVCache
 
 FORMAT = 1  # bump when the exported step's inputs change
@@ -141,7 +142,9 @@ def aot_kinds(engine: Any) -> tuple[type[LayerStep], ...]:
     float32) only batches, whose rows round otherwise than one request's under F.linear as
     well: one request's steps keep transformers' bits. None under MINISGL_CPU_AOT=0 (e.g. tests
     that build many engines), off a cpu engine whose layers one graph can hold
-    (--enable-torch-compile's checks) with the speed paths' RoPE table (`speed.TableRotary`)."""
+    (--enable-torch-compile's checks) with the speed paths' RoPE table (`speed.TableRotary`),
+    and where another extension wrapped the model's transform (LoRA's layers read each step's
+    adapter slots, which an exported graph would hold fixed)."""
     mode, moe = cpu_options(engine.config).cpu_compile, engine.model_config.moe is not None
     applies = (
         mode != "off"
@@ -151,6 +154,7 @@ def aot_kinds(engine: Any) -> tuple[type[LayerStep], ...]:
         and not moe
         and isinstance(engine.attn_backend, TorchAttnBackend)
         and isinstance(getattr(engine.model.model.rotary, "tables", None), dict)
+        and isinstance(engine.model_transform, CpuModelTransform)
     )
     if not applies:
         return ()
