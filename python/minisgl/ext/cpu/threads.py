@@ -32,7 +32,6 @@ import torch
 
 from minisgl.distributed import get_tp_info
 from minisgl.ext.cpu.options import cpu_options
-from minisgl.ext.cpu.torch_compile import OneRequestCompiled
 from minisgl.extension import ForwardPath
 
 # a tried count whose one step takes this many times the kept count's median loses at once (a
@@ -157,7 +156,7 @@ class GovernedThreads(ForwardPath):
         # a step of the decoder --enable-torch-compile compiled (one request's) keeps every
         # core: dynamo guards on the count, and another would compile it again mid-decode
         decoder = engine.decoder(batch)
-        compiled = isinstance(decoder, OneRequestCompiled) and batch.size == 1
+        compiled = getattr(decoder, "holds_thread_count", False) and batch.size == 1
         self.governor.step(batch.size if batch.is_decode and not compiled else None)
         return None
 

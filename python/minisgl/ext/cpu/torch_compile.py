@@ -56,6 +56,8 @@ class OneRequestCompiled(torch.nn.Module):
     symbolic too: 85 s to compile on 2 cores instead of 30, and the cached graph's thousands
     of shape guards cost 40 s to check at the next start (9 s now)."""
 
+    holds_thread_count = True  # its graph guards on it (the thread governor leaves it)
+
     def __init__(self, decoder: torch.nn.Module) -> None:
         super().__init__()
         self.decoder = decoder
