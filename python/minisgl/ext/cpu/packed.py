@@ -51,7 +51,8 @@ def rows_pay(rows: int) -> bool:
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b in a compiled batched decode step (its row count known only when it runs):
+    """x W^T + b on the packed weight where the rows pay for it, else F.linear: an eager decode
+    step's, and a compiled batched step's (its row count known only when it runs) through
     `torch.ops.minisgl.packed_linear`, which the compiled step calls back."""
     if rows_pay(x.shape[0]):
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
@@ -93,7 +94,7 @@ class PackedFloatLinear:
             return F.linear(x, weight, bias)
         if not self.takes(x):
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
+        return packed_linear(x, weight, bias)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -104,16 +105,13 @@ class PackedFloatLinear:
         return batch is not None and batch.is_decode
 
 
-def pack_float_projections(model: nn.Module) -> int:
+def pack_float_projections(model: nn.Module) -> None:
     """Route every float32 projection of `model` (a cpu engine's, unquantized) through a
-    `PackedFloatLinear`; -> how many: 0 where oneDNN's ops are missing from the torch build."""
+    `PackedFloatLinear`; none where oneDNN's ops are missing from the torch build."""
     if not packs_available():
-        return 0
-    routed = 0
+        return
     for _, module in projections(model):
         weight = module.weight
         if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.numel():
             layer = PackedFloatLinear(module)
             route_through(module, layer.matmul, layer.forward)
-            routed += 1
-    return routed
