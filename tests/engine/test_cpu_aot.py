@@ -1,7 +1,8 @@
 """--cpu-compile aot (the default on CPU): decode steps run layers compiled ahead of time (one
 kind for one request, one for batches), built at the first start into the cache and loaded at
-later ones, with eager's greedy tokens on the quantized path; a corrupt artifact or a failed build falls back to eager with one
-line saying why."""
+later ones, following eager's greedy tokens on the quantized path (up to near ties: the
+compiled layers round bfloat16 otherwise); a corrupt artifact or a failed build falls back to
+eager with one line saying why."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from minisgl.ext.cpu import aot
 from support.invariants import check_no_leak
 
 PROMPT = [5, 77, 300, 12, 400, 3, 9, 81]
-PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
+# inductor's fused layers round bfloat16 otherwise than eager's ops (aot.py; the tiny model's
+# logprobs differ by up to ~0.03), so compiled tokens follow eager's up to a near tie
+NEAR = 0.05
 
 
 @pytest.fixture
@@ -31,11 +35,22 @@ def tiny_gguf(tmp_path, monkeypatch):
     return path
 
 
-def generate(path: str, **options) -> tuple[LLM, list[int]]:
+def generate(path: str, **options) -> tuple[LLM, dict]:
     llm = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=64, **options)
-    tokens = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]["token_ids"]
+    out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
     check_no_leak(llm.scheduler)
-    return llm, tokens
+    return llm, out
+
+
+def follows(got: dict, want: dict) -> None:
+    """`got`'s greedy tokens are `want`'s, each scored within NEAR, until `want` had a near tie
+    (`got`'s token within NEAR of its top) where they may part."""
+    for i, (g, w) in enumerate(zip(got["token_ids"], want["token_ids"], strict=True)):
+        scores = want["logprobs"][i]
+        if g != w:
+            assert g in scores and scores[w] - scores[g] <= NEAR, (i, got, want)
+            return
+        assert abs(got["logprobs"][i][g] - scores[w]) <= NEAR, (i, got, want)
 
 
 def artifacts(llm: LLM) -> list[str]:
@@ -46,20 +61,20 @@ def artifacts(llm: LLM) -> list[str]:
 def test_built_once_then_loaded_with_eagers_tokens(tiny_gguf, capfd):
     eager, want = generate(tiny_gguf, cpu_compile="off")
     assert eager.engine.compiled_decoder is None
-    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    short = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
     prompts, params = [PROMPT, PROMPT[:5]], [PARAMS, short]
     eager_outs = eager.generate(prompts, params, use_tqdm=False)  # (an engine sets the context)
     llm, got = generate(tiny_gguf)
     assert isinstance(llm.engine.compiled_decoder, aot.AotDecoder)
-    assert got == want
+    follows(got, want)
     err = capfd.readouterr().err
     assert "compiling the decoder layer for decode steps once" in err
     assert "compiling the decoder layer for batched decode steps once" in err
     names = artifacts(llm)  # beside the conversion: one for each kind of layer and of step
     kinds = {id(step) for step in aot.layer_steps(llm.engine)}
     assert len(names) == 2 * len(kinds) and all(n.endswith(".pt2") for n in names)
-    again, got = generate(tiny_gguf)  # a later start: loaded, not compiled
-    assert isinstance(again.engine.compiled_decoder, aot.AotDecoder) and got == want
+    again, loaded = generate(tiny_gguf)  # a later start: loaded, not compiled
+    assert isinstance(again.engine.compiled_decoder, aot.AotDecoder) and loaded == got
     assert "compiling" not in capfd.readouterr().err
     # a batch of two (other lengths: masked) through the batched layers, the longer one's lone
     # steps through the one-request layers: eager's tokens
@@ -67,12 +82,13 @@ def test_built_once_then_loaded_with_eagers_tokens(tiny_gguf, capfd):
     assert decoder.batched_runs is not None
     decoder.batched_runs = [counted(run, steps) for run in decoder.batched_runs]
     outs = again.generate(prompts, params, use_tqdm=False)
-    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in eager_outs]
-    assert outs[0]["token_ids"] == want and len(steps) == 3 * len(decoder.runs)
+    for out, eager_out in zip(outs, eager_outs, strict=True):
+        follows(out, eager_out)
+    assert len(steps) == 3 * len(decoder.runs)
     threads = torch.get_num_threads()
     try:  # the thread governor moves the steps between counts: the same tokens on two
         torch.set_num_threads(2)
-        assert again.generate([PROMPT], PARAMS, use_tqdm=False)[0]["token_ids"] == want
+        assert again.generate([PROMPT], PARAMS, use_tqdm=False)[0] == got
     finally:
         torch.set_num_threads(threads)
     check_no_leak(again.scheduler)

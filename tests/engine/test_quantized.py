@@ -18,6 +18,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.ext.cpu.gguf import DefaultModelMissing, default_model, quantized_names
 from minisgl.ext.cpu.gguf_quant import Blocks, split_blocks
+from minisgl.ext.cpu.native import native_kernel
 from minisgl.ext.cpu.policy import cpu_auto_dtype, resolve_quantization
 from minisgl.ext.cpu.quantize import from_blocks, int4_from_blocks, split_from_blocks
 from minisgl.ext.cpu.quantized import (
@@ -88,7 +89,7 @@ def test_int8_split_keeps_the_gguf_codes_and_scales(qtype):
 
 def test_int8_split_merges_parts_of_every_kind():
     parts = [gguf_blocks(q, rows=16, seed=i)[0] for i, q in enumerate([Q.Q8_0, Q.Q4_0, Q.Q4_1])]
-    layer = from_blocks(list(parts), torch.bfloat16)
+    layer = split_from_blocks(list(parts), torch.bfloat16)
     assert isinstance(layer, Int8SplitLinear) and layer.out_features == 48
     want = torch.cat([p.dequantize() for p in parts])
     assert torch.allclose(layer.dequantize(), want, rtol=2 * BF16_EPS, atol=1e-3)
@@ -216,10 +217,11 @@ def test_tiny_gguf_runs_quantized(tmp_path, monkeypatch):
         llm = LLM(path, quantization=mode[:4], dtype="bfloat16", page_size=4, num_pages=32)
         model = llm.engine.model
         kinds = {type(m.quantized).__name__ for m in model.modules() if hasattr(m, "quantized")}
+        gguf_kinds = {"VnniLinear"} if native_kernel() else {"Int4Linear", "Int8SplitLinear"}
         want = {
             "none": {"NoneType"},
             "int8": {"Int8Linear"},
-        }.get(mode, {"Int4Linear", "Int8SplitLinear", "NoneType"})
+        }.get(mode, gguf_kinds | {"NoneType"})
         assert kinds == want
         got[mode] = prompt_logprobs(llm, prompt)
         if mode == "gguf":

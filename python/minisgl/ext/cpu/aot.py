@@ -42,7 +42,7 @@ from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
 from minisgl.context import Context, get_global_ctx, set_global_ctx
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
-from minisgl.ext.cpu.gguf import cache_root, conversion_size
+from minisgl.ext.cpu.gguf import UNUSED_S, cache_root, conversion_size, unused_for
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.policy import cpu_flags
 from minisgl.ext.cpu.quantize import CpuModelTransform
@@ -56,7 +56,6 @@ Run = Callable[[list[torch.Tensor]], list[torch.Tensor]]  # a compiled layer's e
 # 16-bit values rounded where eager rounds them (a fused sum kept in float32 otherwise)
 INDUCTOR = {"emulate_precision_casts": True}
 RETRY_S = 86400  # a failed build is tried again after this long
-UNUSED_S = 7 * 86400  # an artifact of another key unused this long is removed
 MAX_LEN = 1 << 24  # the largest KV length and pool the exported step accepts
 MAX_BATCH = 1024  # the most requests a batched step takes (more: eager)
 
@@ -354,13 +353,6 @@ def prune(paths: list[str]) -> None:
         for other in Path(folder).glob(f"{PREFIX}*"):
             if other.name.split(".pt2")[0] + ".pt2" not in keep and unused_for(other) > UNUSED_S:
                 remove_quietly(str(other))
-
-
-def unused_for(path: Path) -> float:
-    try:
-        return time.time() - path.stat().st_mtime
-    except OSError:  # removed meanwhile
-        return 0.0
 
 
 def get_or_none() -> Context | None:

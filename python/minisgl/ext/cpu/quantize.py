@@ -19,6 +19,8 @@ instance attributes `forward` / `matmul` that compute through it (`route_through
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import sys
 from dataclasses import dataclass
@@ -28,7 +30,14 @@ import torch
 from torch import nn
 
 from minisgl.distributed import get_tp_info
-from minisgl.ext.cpu.gguf import conversion_size, dense_names, ensure_float_copy
+from minisgl.ext.cpu import native
+from minisgl.ext.cpu.gguf import (
+    UNUSED_S,
+    conversion_size,
+    dense_names,
+    ensure_float_copy,
+    unused_for,
+)
 from minisgl.ext.cpu.gguf_quant import BLOCK, Blocks, load_blocks
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.packed import pack_float_projections
@@ -39,6 +48,7 @@ from minisgl.ext.cpu.quantized import (
     Int8Linear,
     Int8SplitLinear,
     QuantizedLinear,
+    VnniLinear,
     int4_fits,
 )
 from minisgl.ext.cpu.routes import projections, route_through
@@ -47,9 +57,9 @@ from minisgl.layers.linear import LinearBase
 from minisgl.models.weight import load_weights, map_checkpoint_name
 
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_CACHE_FORMAT = 3  # bump when the cached layers change
+_CACHE_FORMAT = 4  # bump when the cached layers change
 _DENSE = "dense/"  # the cache's keys of the checkpoint tensors kept dense (in the dtype)
-_KINDS: tuple[type[QuantizedLinear], ...] = (Int4Linear, Int8Linear, Int8SplitLinear)
+_KINDS: tuple[type[QuantizedLinear], ...] = (Int4Linear, Int8Linear, Int8SplitLinear, VnniLinear)
 
 
 def checkpoint_parts(name: str, tied: bool) -> list[str]:
@@ -87,6 +97,24 @@ def split_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int8SplitLinea
     return Int8SplitLinear.split(codes, scales, mins, dtype)
 
 
+def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear:
+    """Blocks (rows concatenated) in `VnniLinear`'s forms, the file's codes and float16 scales:
+    four-bit parts w = d q + mn (Q4_0: mn = -8 d; Q4_1: its min); otherwise eight-bit codes
+    u = c + 128 with c as in `split_from_blocks`, w = d (u - 128) + mn (mn: a Q4_1 part's min)."""
+    zeros = [torch.zeros_like(b.scales) for b in parts]
+    if four_bit:
+        codes = torch.cat([b.codes for b in parts])
+        mins = [-INT4_OFFSET * b.scales if b.kind == "Q4_0" else b.mins for b in parts]
+    else:
+        codes = torch.cat(
+            [b.codes.to(torch.int32) + 128 - (b.kind == "Q4_0") * INT4_OFFSET for b in parts]
+        )
+        mins = [b.mins for b in parts]
+    minimum = torch.cat([z if m is None else m for m, z in zip(mins, zeros)])
+    scales = torch.cat([b.scales for b in parts])
+    return VnniLinear.tile(codes, scales, minimum, 4 if four_bit else 8)
+
+
 def from_blocks(parts: list[Blocks | None], dtype: torch.dtype) -> QuantizedLinear | None:
     """A projection's layer from its parts' GGUF blocks; None when a part is not quantized."""
     blocks = [b for b in parts if b is not None]
@@ -94,6 +122,8 @@ def from_blocks(parts: list[Blocks | None], dtype: torch.dtype) -> QuantizedLine
         return None
     rows, cols = sum(b.codes.shape[0] for b in blocks), blocks[0].codes.shape[1]
     four_bit = all(b.kind in ("Q4_0", "Q4_1") for b in blocks)
+    if VnniLinear.fits(rows, cols):
+        return vnni_from_blocks(blocks, four_bit)
     if four_bit and int4_fits(rows, cols, BLOCK):
         return int4_from_blocks(blocks, dtype)
     if int4_fits(rows, 2 * cols, BLOCK):
@@ -121,9 +151,11 @@ def _attach(model: nn.Module, layers: dict[str, QuantizedLinear]) -> set[str]:
 
 
 def cache_file(model_dir: str, dtype: torch.dtype) -> str:
+    """Per format, dtype, torch version and kernel family (minisgl's own or torch's)."""
     version = torch.__version__.replace("+", "-")
     name = str(dtype).removeprefix("torch.")
-    return os.path.join(model_dir, f"packed-{_CACHE_FORMAT}-{name}-torch{version}.st")
+    family = "vnni" if native.native_kernel() is not None else "torch"
+    return os.path.join(model_dir, f"packed-{_CACHE_FORMAT}-{family}-{name}-torch{version}.st")
 
 
 def _load_cached(path: str) -> tuple[dict[str, QuantizedLinear], dict[str, torch.Tensor]]:
@@ -178,6 +210,21 @@ def _load_dense(
     return targets - {map_checkpoint_name(name)[0] for name in in_files}
 
 
+def prune_packed(path: str) -> None:
+    """Marks the packed file in use and removes the entry's others (an earlier format, the
+    other kernel family, another torch or dtype) unused for a week, as `aot.prune` does its
+    artifacts: an upgrade does not leave the old file beside the new one."""
+    try:
+        os.utime(path)
+    except OSError:
+        return  # a read-only cache: nothing to tidy either
+    folder = glob.escape(os.path.dirname(path))
+    for other in glob.glob(os.path.join(folder, "packed-*.st")):
+        if other != path and unused_for(other) > UNUSED_S:
+            with contextlib.suppress(OSError):
+                os.remove(other)
+
+
 def quantize_gguf(model: nn.Module, model_dir: str, dtype: torch.dtype) -> set[str]:
     """`gguf` mode, before loading: quantized layers, and the dense weights the GGUF holds
     quantized, from the cache or the GGUF's blocks; -> the parameter names that loading must
@@ -201,6 +248,7 @@ def quantize_gguf(model: nn.Module, model_dir: str, dtype: torch.dtype) -> set[s
             if map_checkpoint_name(name)[0] not in dropped
         }
         _save_cached(path, layers, dense)
+    prune_packed(path)
     return dropped | _load_dense(model, dense, dense_names(model_dir))
 
 

@@ -1,7 +1,9 @@
-"""Weight-only quantized linear layers on PyTorch's own CPU kernels.
+"""Weight-only quantized linear layers on CPU.
 
 `QuantizedLinear` holds the quantized weight of one (possibly merged) projection and computes
-y = x W^T in the activation dtype. Two formats:
+y = x W^T in the activation dtype. Where minisgl's own kernel runs (`native.py`: AVX512-VNNI),
+a GGUF's blocks become a `VnniLinear`: the file's codes and fp16 scales in the kernel's tiled
+layout, 2-4x faster than the formats below at decode sizes. Elsewhere, on PyTorch's kernels:
 
 - `Int4Linear`: 4-bit codes in groups along the input dimension, each group with a scale and a
   zero point: w = (q - 8) * scale + zero, torch's int4 "tinygemm" convention
@@ -29,6 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from minisgl.ext.cpu import native
 from minisgl.layers.base import Module
 
 INT4_OFFSET = 8  # torch's int4 kernels subtract 8 from every code
@@ -206,3 +209,74 @@ class Int8Linear(QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         return self.codes.float() * self.scales.float()[:, None]
+
+
+class VnniLinear(QuantizedLinear):
+    """GGUF blocks of 32 on minisgl's kernel (`native.qdot_mm`): four-bit codes q, w = d q + mn
+    (Q4_0: mn = -8 d; Q4_1: mn = its min), or eight-bit u, w = d (u - 128) + mn (Q8_0, or parts
+    of mixed kinds), d and mn the file's float16 values. codes uint8 [out / 16, in / 32, 256
+    or 512] and scales float16 [out / 16, in / 32, 2, 16] in qdot.cpp's layout; `tile` builds
+    them."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features = codes.shape[0] * native.TILE_ROWS
+        self.in_features = codes.shape[1] * native.BLOCK
+        self.bits = 4 if codes.shape[2] == native.FOUR_BIT_BYTES else 8
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        """The kernel runs here and its tiles fit the shape."""
+        tiles = out_features % native.TILE_ROWS == 0 and in_features % native.BLOCK == 0
+        return tiles and native.native_kernel() is not None
+
+    @classmethod
+    def tile(
+        cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
+    ) -> VnniLinear:
+        """codes [out, in] (0..15 at 4 bits, 0..255 at 8), scales d and mins mn [out, in / 32]
+        (float16 values) -> the layer."""
+        tiles, blocks = codes.shape[0] // native.TILE_ROWS, codes.shape[1] // native.BLOCK
+        q = codes.to(torch.uint8)
+        if bits == 4:  # [t, j, g, c, half, b] -> bytes [t, g, c, j, b]: k = 32g + 8c + 4 half + b
+            q = q.view(tiles, native.TILE_ROWS, blocks, 4, 2, 4)
+            q = q[..., 0, :] | (q[..., 1, :] << 4)
+        else:  # [t, j, g, c, b] -> [t, g, c, j, b]: k = 32g + 4c + b
+            q = q.view(tiles, native.TILE_ROWS, blocks, 8, 4)
+        tiled = q.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1).contiguous()
+        both = torch.stack([scales, mins]).to(torch.float16)  # [2, out, in / 32]
+        both = both.view(2, tiles, native.TILE_ROWS, blocks).permute(1, 3, 0, 2).contiguous()
+        return cls(tiled, both)
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> QuantizedLinear:
+        return cls(state["codes"], state["scales"])
+
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.minisgl.qdot_mm(x, self.codes, self.scales)
+        return native.qdot_mm(x, self.codes, self.scales)
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """The codes [out, in] back out of the layout (int32: 0..15 or 0..255)."""
+        tiles, blocks = self.codes.shape[:2]
+        chunks = 4 if self.bits == 4 else 8
+        q = self.codes.view(tiles, blocks, chunks, native.TILE_ROWS, 4).permute(0, 3, 1, 2, 4)
+        if self.bits == 4:
+            q = torch.stack([q & 15, q >> 4], -2)  # [t, j, g, c, half, b]
+        return q.reshape(self.out_features, self.in_features).to(torch.int32)
+
+    def dequantize(self) -> torch.Tensor:
+        d, mn = (
+            self.scales[:, :, i].permute(0, 2, 1).reshape(self.out_features, -1).float()
+            for i in (0, 1)
+        )
+        q = self.unpacked_codes().float().unflatten(1, (-1, native.BLOCK))
+        if self.bits == 8:
+            q = q - 128
+        return (q * d.unsqueeze(-1) + mn.unsqueeze(-1)).flatten(1)

@@ -1,0 +1,176 @@
+"""minisgl's own CPU kernel (ext/cpu/native.py, qdot.cpp) and its layer `VnniLinear`: the GGUF's
+codes and scales kept exactly, the kernel equal to a torch model of its arithmetic (int8
+activation codes per block of 32, integer dot products), its error within what those codes
+allow, the same bits whatever the threads and the batch, the compiled op, and the fallbacks
+(switched off, no compiler)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import gguf
+import pytest
+import torch
+
+from engine.test_quantized import gguf_blocks
+from minisgl.ext.cpu import native
+from minisgl.ext.cpu.quantize import from_blocks, prune_packed, vnni_from_blocks
+from minisgl.ext.cpu.quantized import Int4Linear, VnniLinear
+
+Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(
+    native.native_kernel() is None, reason="needs AVX512-VNNI and a C++ compiler"
+)
+KINDS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+def layer_of(
+    qtype: Q, rows: int = 48, cols: int = 96, seed: int = 0
+) -> tuple[VnniLinear, torch.Tensor]:
+    blocks, ref = gguf_blocks(qtype, rows=rows, cols=cols, seed=seed)
+    layer = from_blocks([blocks], torch.bfloat16)
+    assert isinstance(layer, VnniLinear) and layer.bits == (8 if qtype == Q.Q8_0 else 4)
+    return layer, torch.from_numpy(ref)
+
+
+def activations(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0  # a block of zeros: dx = 0
+    return x.to(dtype)
+
+
+def int8_model(x: torch.Tensor, layer: VnniLinear) -> torch.Tensor:
+    """qdot.cpp's arithmetic in torch (float64 sums): per row and block, dx = max |x| / 127 and
+    xq = round(x * 127 / max |x|) (float32, to nearest even); y = sum over blocks of
+    d dx sum(c xq) + mn sum(x), c the codes less the eight-bit offset."""
+    xf = x.float().unflatten(1, (-1, 32))
+    amax = xf.abs().amax(-1, keepdim=True)
+    # a true division (127 / tensor is 127 * its reciprocal: another rounding)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    xq = torch.round(xf * inv)
+    dx = (amax / 127).squeeze(-1).double()
+    rows, blocks = layer.out_features, layer.in_features // 32
+    codes = layer.unpacked_codes().unflatten(1, (blocks, 32)).double()
+    if layer.bits == 8:
+        codes = codes - 128
+    d, mn = (layer.scales[:, :, i].permute(0, 2, 1).reshape(rows, blocks).double() for i in (0, 1))
+    dots = torch.einsum("mgk,ngk->mng", xq.double(), codes)
+    sums = xf.double().sum(-1)
+    return (d[None] * dx[:, None] * dots + mn[None] * sums[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("qtype", KINDS)
+def test_keeps_the_gguf_codes_and_scales(qtype):
+    """The layout round-trips: dequantized, the layer is the gguf package's floats bit for bit."""
+    layer, ref = layer_of(qtype)
+    assert torch.equal(layer.dequantize(), ref)
+
+
+def test_merges_parts_of_every_kind():
+    """q/k/v of different kinds in one layer: eight-bit codes, rows concatenated in order; only
+    4-bit parts: four-bit codes."""
+    kinds = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+    parts = [gguf_blocks(q, rows=16, seed=i) for i, q in enumerate(kinds)]
+    layer = vnni_from_blocks([p[0] for p in parts], four_bit=False)
+    assert layer.bits == 8 and layer.out_features == 48
+    assert torch.equal(layer.dequantize(), torch.cat([torch.from_numpy(p[1]) for p in parts]))
+    four = from_blocks([p[0] for p in parts[1:]], torch.bfloat16)
+    assert isinstance(four, VnniLinear) and four.bits == 4
+    assert torch.equal(four.dequantize(), torch.cat([torch.from_numpy(p[1]) for p in parts[1:]]))
+
+
+@pytest.mark.parametrize("qtype", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_kernel_is_its_int8_arithmetic(qtype, dtype, rows):
+    """Against the torch model of its arithmetic: within the output's rounding; and against the
+    float matmul of the weights: within half an activation code per element."""
+    layer, w = layer_of(qtype, rows=64, cols=128, seed=rows)
+    x = activations(rows, 128, dtype, seed=rows)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (rows, 64)
+    model = int8_model(x, layer)
+    eps = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    assert ((y.double() - model).abs() <= eps * model.abs() + 1e-6).all()
+    xf = x.float().unflatten(1, (-1, 32))
+    half_code = (xf.abs().amax(-1) / 127 / 2).repeat_interleave(32, 1)  # [rows, in]
+    bound = half_code @ w.abs().t() + eps * (x.float().abs() @ w.abs().t()) + 1e-6
+    assert ((y.float() - x.float() @ w.t()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_same_bits_on_any_threads_and_in_any_batch(qtype):
+    """Each output tile is one thread's, in a fixed order: one thread or two give the same bits,
+    and a row's output does not depend on the rows beside it (8 rows pass together)."""
+    layer, _ = layer_of(qtype, rows=1536, cols=576)  # SmolLM2's gate/up shape
+    x = activations(11, 576, torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(layer(x))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(11)])
+    assert torch.equal(alone, outs[0])
+
+
+def test_compiled_steps_call_the_op():
+    """Under compilation the layer goes through torch.ops.minisgl.qdot_mm: the same bits."""
+    layer, _ = layer_of(Q.Q4_1)
+    x = activations(5, 96, torch.bfloat16)
+
+    def step(h: torch.Tensor) -> torch.Tensor:
+        return layer.kernel_matmul((h.float() * 0.5).to(torch.bfloat16))
+
+    compiled = torch.compile(step, dynamic=True, fullgraph=True)
+    assert torch.equal(compiled(x), step(x))
+    assert torch.equal(torch.ops.minisgl.qdot_mm(x, layer.codes, layer.scales), layer(x))
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """native_kernel() decided again under this test's environment, and again after it."""
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path))
+    native.native_kernel.cache_clear()
+    yield
+    native.native_kernel.cache_clear()
+
+
+def test_off_by_environment(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("MINISGL_CPU_NATIVE", "0")
+    blocks, _ = gguf_blocks(Q.Q4_1)
+    assert native.native_kernel() is None
+    assert isinstance(from_blocks([blocks], torch.bfloat16), Int4Linear)
+
+
+def test_no_compiler_falls_back_in_one_line(fresh_kernel, monkeypatch, capfd, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert native.native_kernel() is None
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the native CPU kernel did not build" in err[0]
+    assert "torch's int4 kernels instead" in err[0]
+
+
+def test_built_once_into_the_cache(fresh_kernel, tmp_path):
+    assert native.native_kernel() is not None
+    built = list((tmp_path / "kernels").glob("qdot-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    native.native_kernel.cache_clear()
+    assert native.native_kernel() is not None and built[0].stat().st_mtime_ns == stamp
+
+
+def test_prune_packed_removes_other_files_unused_for_a_week(tmp_path):
+    used, recent, old = (tmp_path / f"packed-{n}.st" for n in ("4-vnni", "4-torch", "3"))
+    for path in (used, recent, old):
+        path.write_bytes(b"x")
+    week_ago = time.time() - 8 * 86400
+    for path in (used, old):
+        os.utime(path, (week_ago, week_ago))
+    prune_packed(str(used))
+    assert used.exists() and recent.exists() and not old.exists()
+    assert time.time() - used.stat().st_mtime < 60  # touched: in use
