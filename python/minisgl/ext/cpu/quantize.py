@@ -288,7 +288,9 @@ class CpuModelTransform:
         elif self.name == "none" and self.dtype == torch.float32:
             pack_float_projections(model)  # decode batches: oneDNN on a weight packed once
         entry = conversion_size(self.model_dir)
-        announce(self.dtype, self.name, count_quantized(model), self.compiled, entry)
+        kernel = any(isinstance(m, VnniLinear) for m in model.modules())
+        how = f"{self.name}, VNNI kernel" if kernel else self.name
+        announce(self.dtype, how, count_quantized(model), self.compiled, entry)
 
 
 def model_transform(engine: Any) -> CpuModelTransform | None:
