@@ -1,19 +1,21 @@
-"""minisgl's own CPU kernel (`qdot.cpp`): GGUF-quantized projections at decode sizes on
-AVX512-VNNI, for `quantized.VnniLinear`.
+"""minisgl's own CPU kernel (`qdot.cpp`, `qdot_op.cpp`): GGUF-quantized projections at decode
+sizes on AVX512-VNNI, for `quantized.VnniLinear`, as `torch.ops.minisgl.qdot_mm`.
 
-torch's int4 kernel computes in float32 FMAs and unpacks its weight again for every 4 rows:
-SmolLM2's Q8_0 LM head took 8.4 ms at 8 rows against 2.0 here, a 3072 x 576 Q4_1 layer 0.29
-against 0.11 ms, and one row 2-2.5x less (2 cores, AVX512-VNNI). The kernel quantizes each block
-of 32 activations to int8 as llama.cpp does, so a block's dot product is an integer one
-(qdot.cpp says how); a layer's error stays that of its 4-bit weights (tests bound it).
+torch's int4 kernel dequantizes each weight to float32 and multiplies with FMAs: compute-bound
+from a few rows (this VM: 5 G zmm FMAs/s a core; its output equals such a loop bit for bit).
+Here each block of 32 activations is quantized to int8 as llama.cpp does, so a block's dot
+product is an integer one (vpdpbusd: 64 products an instruction at 4.7 G/s; qdot.cpp says how);
+a layer's error stays that of its 4-bit weights (tests bound it). SmolLM2's Q8_0 LM head took
+8.4 ms at 8 rows against 2.0 here, a 3072 x 576 Q4_1 layer 0.29 against 0.11 ms, one row 2-2.5x
+less (2 cores; weights in cache).
 
-The source is compiled once per source, compiler and flags with the system's C++ compiler (the
-one AOTInductor needs; `CXX` chooses another) into the cache (`kernels/`, 0.1 MB, ~2 s), and
-loaded with ctypes. It runs its OpenMP loop on torch's own runtime (the same libgomp.so.1,
+The sources are compiled once per source, compiler, flags and torch with the system's C++
+compiler (the one AOTInductor needs; `CXX` chooses another) into the cache (`kernels/`, ~10 s on
+2 cores), then loaded: the op's CPU kernel is registered, so eager layers and compiled steps
+call it without Python. Its OpenMP loop runs on torch's own runtime (the same libgomp.so.1,
 already loaded), at torch's thread count. Where the CPU lacks AVX512-VNNI, no compiler works, or
 MINISGL_CPU_NATIVE=0, `native_kernel()` is None and the layers keep torch's int4 kernels; a
-failed build says so in one line. A compiled step calls the kernel back through
-`torch.ops.minisgl.qdot_mm`."""
+failed build says so in one line."""
 
 from __future__ import annotations
 
@@ -33,32 +35,41 @@ from minisgl import env
 from minisgl.ext.cpu.gguf import cache_root
 from minisgl.ext.cpu.policy import cpu_flags
 
-SOURCE = Path(__file__).with_name("qdot.cpp")
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+SOURCES = [Path(__file__).with_name(name) for name in ("qdot.cpp", "qdot_op.cpp")]
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c"]  # fmt: skip
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")  # /proc/cpuinfo's names
 TILE_ROWS, BLOCK = 16, 32  # a tile's output rows; a block's inputs
 FOUR_BIT_BYTES = 256  # a tile's codes of one block at 4 bits (512 at 8)
-PTR, INT = ctypes.c_void_p, ctypes.c_int
+OP = "minisgl::qdot_mm"
 
 
 def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def torch_flags() -> list[str]:
+    """Against the running torch's headers and libraries (qdot_op.cpp registers a kernel)."""
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}", f"-L{root / 'lib'}",
+            "-ltorch_cpu", "-lc10"]  # fmt: skip
+
+
 def library_path(cxx: str) -> str:
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((cxx, FLAGS)).encode()).hexdigest()[:16]
-    return os.path.join(cache_root(), "kernels", f"qdot-{key}.so")
+    text = b"".join(path.read_bytes() for path in SOURCES)
+    key = repr((cxx, FLAGS, torch.__version__)).encode()
+    digest = hashlib.sha256(text + key).hexdigest()[:16]
+    return os.path.join(cache_root(), "kernels", f"qdot-{digest}.so")
 
 
 def build(cxx: str, path: str) -> None:
-    """Compiles the source into `path` (written whole or not at all)."""
+    """Compiles the sources into `path` (written whole or not at all; ~10 s on 2 cores)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
+    command = [cxx, *FLAGS, *map(str, SOURCES), *torch_flags(), "-o", tmp]
     try:
-        subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True
-        )
+        subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -66,11 +77,13 @@ def build(cxx: str, path: str) -> None:
 
 
 def load(path: str) -> ctypes.CDLL | None:
+    """The library, its kernel registered for `OP` (once a process: a second file of the same
+    kernel, another cache directory's, is not registered again); None off a VNNI CPU."""
     lib = ctypes.CDLL(path)
     if not lib.qdot_supported():
         return None
-    lib.qdot_mm.argtypes = [PTR, INT, INT, PTR, PTR, INT, INT, PTR, INT, INT]
-    lib.qdot_mm.restype = None
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CPU"):
+        torch.ops.load_library(path)
     return lib
 
 
@@ -104,28 +117,13 @@ def native_kernel() -> ctypes.CDLL | None:
         return None
 
 
-def qdot_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] (bf16 or fp16) W^T for W in the kernel's layout: codes uint8 [out / 16,
-    in / 32, 256 or 512], scales fp16 [out / 16, in / 32, 2, 16] -> [rows, out] in x's dtype."""
-    lib = native_kernel()
-    assert lib is not None, "qdot_mm without the native kernel"
-    x = x.contiguous()
-    rows, cols = x.shape
-    out = x.new_empty((rows, codes.shape[0] * TILE_ROWS))
-    if rows:
-        bits = 4 if codes.shape[2] == FOUR_BIT_BYTES else 8
-        half = int(x.dtype == torch.float16)
-        lib.qdot_mm(x.data_ptr(), rows, cols, codes.data_ptr(), scales.data_ptr(), bits, half,
-                    out.data_ptr(), out.shape[1], torch.get_num_threads())  # fmt: skip
-    return out
-
-
 def qdot_mm_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], codes.shape[0] * TILE_ROWS))
 
 
-# a plain CPU kernel, as packed.py's (compiled steps call it back)
+# the op's schema; its CPU kernel is qdot_op.cpp's, registered when the library loads: x [rows,
+# in] (bf16 or fp16) W^T for W in qdot.cpp's layout (codes uint8 [out / 16, in / 32, 256 or
+# 512], scales fp16 [out / 16, in / 32, 2, 16]) -> [rows, out] in x's dtype
 _LIBRARY = torch.library.Library("minisgl", "FRAGMENT")
 _LIBRARY.define("qdot_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor")
-_LIBRARY.impl("qdot_mm", qdot_mm, "CPU")
-torch.library.register_fake("minisgl::qdot_mm", qdot_mm_shape, lib=_LIBRARY)
+torch.library.register_fake(OP, qdot_mm_shape, lib=_LIBRARY)

@@ -212,7 +212,7 @@ class Int8Linear(QuantizedLinear):
 
 
 class VnniLinear(QuantizedLinear):
-    """GGUF blocks of 32 on minisgl's kernel (`native.qdot_mm`): four-bit codes q, w = d q + mn
+    """GGUF blocks of 32 on minisgl's kernel (`native.py`: minisgl::qdot_mm): four-bit codes q, w = d q + mn
     (Q4_0: mn = -8 d; Q4_1: mn = its min), or eight-bit u, w = d (u - 128) + mn (Q8_0, or parts
     of mixed kinds), d and mn the file's float16 values. codes uint8 [out / 16, in / 32, 256
     or 512] and scales float16 [out / 16, in / 32, 2, 16] in qdot.cpp's layout; `tile` builds
@@ -258,9 +258,7 @@ class VnniLinear(QuantizedLinear):
         return cls(state["codes"], state["scales"])
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.minisgl.qdot_mm(x, self.codes, self.scales)
-        return native.qdot_mm(x, self.codes, self.scales)
+        return torch.ops.minisgl.qdot_mm(x, self.codes, self.scales)
 
     def unpacked_codes(self) -> torch.Tensor:
         """The codes [out, in] back out of the layout (int32: 0..15 or 0..255)."""
