@@ -12,7 +12,7 @@ from minisgl.ext.cpu.torch_compile import check_torch_compile
 from minisgl.ext.serving.warmup import needs_warm_up, warm_up_when_needed
 from minisgl.utils.options import OptionError
 from support.invariants import check_no_leak
-from support.models import hf_greedy
+from support.models import follows, hf_greedy
 
 
 def test_compiled_decode_equals_transformers(model_dirs):
@@ -47,20 +47,22 @@ def test_refused_where_one_graph_cannot_hold_the_decoder(device, tp, moe, why):
 
 
 def test_compiled_quantized_decode_equals_eager(tmp_path, monkeypatch):
-    """The int4 and split-int8 GGUF layers inside the graph: the same greedy tokens as eager."""
+    """The GGUF layers inside the graph: eager's greedy tokens, up to a near tie (inductor rounds
+    bfloat16 otherwise)."""
     from support.gguf_files import write_gguf
 
     monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
     path = str(tmp_path / "tiny.gguf")
     write_gguf("llama", path)
-    prompt, params = [5, 77, 300, 12, 400, 3, 9, 81], SamplingParams(max_tokens=16, ignore_eos=True)
+    prompt = [5, 77, 300, 12, 400, 3, 9, 81]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
     outs = []
     for compiled in (False, True):
         llm = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=64,
                   enable_torch_compile=compiled)  # fmt: skip
-        outs.append(llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"])
+        outs.append(llm.generate([prompt], params, use_tqdm=False)[0])
         check_no_leak(llm.scheduler)
-    assert outs[0] == outs[1]
+    follows(outs[1], outs[0])
 
 
 def test_server_warm_up_compiles_the_graph(model_dirs):

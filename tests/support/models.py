@@ -108,3 +108,23 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+# inductor's fused layers round bfloat16 otherwise than eager's ops (ext/cpu/aot.py; a tiny
+# model's logprobs differ by up to ~0.03), so compiled tokens follow eager's up to a near tie
+NEAR = 0.05
+
+
+def follows(got: dict, want: dict, near: float = NEAR) -> None:
+    """`got`'s greedy tokens are `want`'s, each scored within `near`, until a near tie (in
+    either run the other's token within `near` of its top) where they may part (both asked
+    logprobs=2)."""
+    for i, (g, w) in enumerate(zip(got["token_ids"], want["token_ids"], strict=True)):
+        mine, theirs = got["logprobs"][i], want["logprobs"][i]
+        if g != w:
+            tie = (g in theirs and theirs[w] - theirs[g] <= near) or (
+                w in mine and mine[g] - mine[w] <= near
+            )
+            assert tie, (i, got, want)
+            return
+        assert abs(mine[g] - theirs[w]) <= near, (i, got, want)
