@@ -151,7 +151,7 @@ def test_no_compiler_falls_back_in_one_line(fresh_kernel, monkeypatch, capfd, tm
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert native.native_kernel() is None
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the native CPU kernel did not build" in err[0]
+    assert len(err) == 1 and "the native CPU kernel did not build or load" in err[0]
     assert "torch's int4 kernels instead" in err[0]
 
 
@@ -162,6 +162,18 @@ def test_built_once_into_the_cache(fresh_kernel, tmp_path):
     stamp = built[0].stat().st_mtime_ns
     native.native_kernel.cache_clear()
     assert native.native_kernel() is not None and built[0].stat().st_mtime_ns == stamp
+
+
+def test_a_file_that_does_not_load_is_removed(fresh_kernel, capfd):
+    """One line, torch's kernels, and the next start builds it again."""
+    compiler = native.compiler()
+    assert compiler is not None
+    path = native.library_path(compiler)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(b"not a library")
+    assert native.native_kernel() is None and not os.path.exists(path)
+    assert "did not build or load" in capfd.readouterr().err
 
 
 def test_prune_packed_removes_other_files_unused_for_a_week(tmp_path):

@@ -19,6 +19,7 @@ failed build says so in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -109,11 +110,13 @@ def native_kernel() -> ctypes.CDLL | None:
         if not os.path.isfile(path):
             build(cxx, path)
         return load(path)
-    except (OSError, subprocess.CalledProcessError) as e:
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(path)  # a file that does not load is built again at the next start
         detail = getattr(e, "stderr", None) or str(e)
         line = detail.strip().splitlines()[0] if detail.strip() else type(e).__name__
-        print(f"minisgl: the native CPU kernel did not build ({line}); torch's int4 kernels "
-              "instead", file=sys.stderr)  # fmt: skip
+        print(f"minisgl: the native CPU kernel did not build or load ({line}); torch's int4 "
+              "kernels instead", file=sys.stderr)  # fmt: skip
         return None
 
 

@@ -1,7 +1,9 @@
 """`--quantization`: give a model's projections (and LM head) weight-only quantized layers
 (`quantized.py`), as the cpu extension's `model_transform` (`CpuModelTransform`).
 
-- `gguf`, before the checkpoint loads: from a GGUF's own blocks (`gguf_quant.py`). A projection
+- `gguf`, before the checkpoint loads: from a GGUF's own blocks (`gguf_quant.py`). Where
+  minisgl's kernel runs (`native.py`: AVX512-VNNI), a projection whose parts are all quantized
+  becomes a `VnniLinear` (the file's codes and float16 scales). Elsewhere a projection
   whose parts are all Q4_0 / Q4_1 becomes an `Int4Linear` with the file's codes (when its rows
   are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
   (Q8_0, or Q8_0 with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
