@@ -13,7 +13,7 @@ import gguf
 import pytest
 import torch
 
-from engine.test_quantized import gguf_blocks
+from engine.test_quantized import gguf_blocks, on_one_thread_and_two
 from minisgl.ext.cpu import native
 from minisgl.ext.cpu.quantize import from_blocks, prune_packed, vnni_from_blocks
 from minisgl.ext.cpu.quantized import Int4Linear, VnniLinear
@@ -105,14 +105,7 @@ def test_same_bits_on_any_threads_and_in_any_batch(qtype):
     and a row's output does not depend on the rows beside it (8 rows pass together)."""
     layer, _ = layer_of(qtype, rows=1536, cols=576)  # SmolLM2's gate/up shape
     x = activations(11, 576, torch.bfloat16)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            outs.append(layer(x))
-    finally:
-        torch.set_num_threads(before)
+    outs = on_one_thread_and_two(layer, x)
     assert torch.equal(outs[0], outs[1])
     alone = torch.cat([layer(x[i : i + 1]) for i in range(11)])
     assert torch.equal(alone, outs[0])

@@ -142,15 +142,20 @@ def test_quantized_linear_is_the_same_on_one_thread_and_two(qtype, tokens):
     else:
         layer = from_blocks([blocks], torch.bfloat16)  # type: ignore[assignment]
     x = torch.randn(tokens, 576, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    outs = on_one_thread_and_two(layer, x)
+    assert torch.equal(outs[0], outs[1])
+
+
+def on_one_thread_and_two(layer: QuantizedLinear, x: torch.Tensor) -> list[torch.Tensor]:
     before = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
             outs.append(layer(x))
+        return outs
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1])
 
 
 def test_int4_merges_parts_of_both_kinds():
