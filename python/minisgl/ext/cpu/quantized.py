@@ -212,11 +212,11 @@ class Int8Linear(QuantizedLinear):
 
 
 class VnniLinear(QuantizedLinear):
-    """GGUF blocks of 32 on minisgl's kernel (`native.py`: minisgl::qdot_mm): four-bit codes q, w = d q + mn
-    (Q4_0: mn = -8 d; Q4_1: mn = its min), or eight-bit u, w = d (u - 128) + mn (Q8_0, or parts
-    of mixed kinds), d and mn the file's float16 values. codes uint8 [out / 16, in / 32, 256
-    or 512] and scales float16 [out / 16, in / 32, 2, 16] in qdot.cpp's layout; `tile` builds
-    them."""
+    """GGUF blocks of 32 on minisgl's kernel (`native.py`: minisgl::qdot_mm): four-bit codes
+    q, w = d q + mn (Q4_0: mn = -8 d; Q4_1: mn = its min), or eight-bit u, w = d (u - 128) + mn
+    (Q8_0, or parts of mixed kinds), d and mn the file's float16 values. codes uint8 [out / 16,
+    in / 32, 256 or 512] and scales float16 [out / 16, in / 32, 2, 16] in qdot.cpp's layout;
+    `tile` builds them."""
 
     codes: torch.Tensor
     scales: torch.Tensor
