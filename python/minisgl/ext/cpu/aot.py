@@ -42,7 +42,13 @@ from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata
 from minisgl.context import Context, get_global_ctx, set_global_ctx
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
-from minisgl.ext.cpu.gguf import UNUSED_S, cache_root, conversion_size, unused_for
+from minisgl.ext.cpu.gguf import (
+    cache_root,
+    conversion_size,
+    prune_unused,
+    remove_quietly,
+    unused_for,
+)
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.policy import cpu_flags
 from minisgl.ext.cpu.quantize import CpuModelTransform
@@ -346,13 +352,10 @@ def build(step: LayerStep, path: str) -> None:
 
 def prune(paths: list[str]) -> None:
     """Removes the artifacts (and failure notes) beside `paths` of other keys unused for a
-    week (another torch, an earlier source; a load touches its file): another dtype of the
-    model used now and then is kept."""
+    week (`gguf.prune_unused`; a load touches its file)."""
     keep = {os.path.basename(p) for p in paths}
     for folder in {os.path.dirname(p) for p in paths}:
-        for other in Path(folder).glob(f"{PREFIX}*"):
-            if other.name.split(".pt2")[0] + ".pt2" not in keep and unused_for(other) > UNUSED_S:
-                remove_quietly(str(other))
+        prune_unused(folder, f"{PREFIX}*", keep)
 
 
 def get_or_none() -> Context | None:
@@ -437,12 +440,5 @@ class AotDecoder(nn.Module):
 def write_quietly(path: str, text: str) -> None:
     try:
         Path(path).write_text(text + "\n")
-    except OSError:
-        pass
-
-
-def remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
     except OSError:
         pass

@@ -168,6 +168,23 @@ def unused_for(path: str | os.PathLike[str]) -> float:
         return 0.0
 
 
+def remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def prune_unused(folder: str, pattern: str, keep: set[str]) -> None:
+    """Removes the files of `folder` matching `pattern` (a glob) unused for UNUSED_S but those
+    whose names start with one in `keep` (the ones in use, and their notes): another torch,
+    source or format's, while another dtype used now and then stays."""
+    for other in glob.glob(os.path.join(glob.escape(folder), pattern)):
+        name = os.path.basename(other)
+        if not any(name.startswith(k) for k in keep) and unused_for(other) > UNUSED_S:
+            remove_quietly(other)
+
+
 def _remove_stale_conversions(root: str) -> None:
     """Drops the conversions whose GGUF file is gone or changed since, or made in another
     format (the directory the file converts into now is another): a reinstalled package (a new

@@ -19,7 +19,6 @@ failed build says so in one line."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 from minisgl import env
-from minisgl.ext.cpu.gguf import cache_root
+from minisgl.ext.cpu.gguf import cache_root, remove_quietly
 from minisgl.ext.cpu.policy import cpu_flags
 
 SOURCES = [Path(__file__).with_name(name) for name in ("qdot.cpp", "qdot_op.cpp")]
@@ -111,8 +110,7 @@ def native_kernel() -> ctypes.CDLL | None:
             build(cxx, path)
         return load(path)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        with contextlib.suppress(OSError):
-            os.remove(path)  # a file that does not load is built again at the next start
+        remove_quietly(path)  # a file that does not load is built again at the next start
         detail = getattr(e, "stderr", None) or str(e)
         line = detail.strip().splitlines()[0] if detail.strip() else type(e).__name__
         print(f"minisgl: the native CPU kernel did not build or load ({line}); torch's int4 "

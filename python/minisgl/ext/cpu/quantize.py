@@ -21,8 +21,6 @@ instance attributes `forward` / `matmul` that compute through it (`route_through
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import os
 import sys
 from dataclasses import dataclass
@@ -33,13 +31,7 @@ from torch import nn
 
 from minisgl.distributed import get_tp_info
 from minisgl.ext.cpu import native
-from minisgl.ext.cpu.gguf import (
-    UNUSED_S,
-    conversion_size,
-    dense_names,
-    ensure_float_copy,
-    unused_for,
-)
+from minisgl.ext.cpu.gguf import conversion_size, dense_names, ensure_float_copy, prune_unused
 from minisgl.ext.cpu.gguf_quant import BLOCK, Blocks, load_blocks
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.packed import pack_float_projections
@@ -214,17 +206,13 @@ def _load_dense(
 
 def prune_packed(path: str) -> None:
     """Marks the packed file in use and removes the entry's others (an earlier format, the
-    other kernel family, another torch or dtype) unused for a week, as `aot.prune` does its
-    artifacts: an upgrade does not leave the old file beside the new one."""
+    other kernel family, another torch or dtype) unused for a week (`gguf.prune_unused`, as
+    `aot.prune` does its artifacts): an upgrade does not leave the old file beside the new one."""
     try:
         os.utime(path)
     except OSError:
         return  # a read-only cache: nothing to tidy either
-    folder = glob.escape(os.path.dirname(path))
-    for other in glob.glob(os.path.join(folder, "packed-*.st")):
-        if other != path and unused_for(other) > UNUSED_S:
-            with contextlib.suppress(OSError):
-                os.remove(other)
+    prune_unused(os.path.dirname(path), "packed-*.st", {os.path.basename(path)})
 
 
 def quantize_gguf(model: nn.Module, model_dir: str, dtype: torch.dtype) -> set[str]:
