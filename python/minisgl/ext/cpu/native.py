@@ -1,5 +1,8 @@
-"""minisgl's own CPU kernel (`qdot.cpp`, `qdot_op.cpp`): GGUF-quantized projections at decode
-sizes on AVX512-VNNI, for `quantized.VnniLinear`, as `torch.ops.minisgl.qdot_mm`.
+"""minisgl's own CPU kernels (`qdot.cpp`, `attention.cpp`, `ops.cpp`), on AVX512-VNNI CPUs:
+GGUF-quantized projections at decode sizes for `quantized.VnniLinear`, as
+`torch.ops.minisgl.qdot_mm`, and fresh prompts' attention in float32 for `speed.py`, as
+`torch.ops.minisgl.causal_attention` (attention.cpp says how; ~1.5-1.9x torch's flash kernel on
+a 1,000-token prompt).
 
 torch's int4 kernel dequantizes each weight to float32 and multiplies with FMAs: compute-bound
 from a few rows (this VM: 5 G zmm FMAs/s a core; its output equals such a loop bit for bit).
@@ -35,13 +38,13 @@ from minisgl import env
 from minisgl.ext.cpu.gguf import cache_root, remove_quietly
 from minisgl.ext.cpu.policy import cpu_flags
 
-SOURCES = [Path(__file__).with_name(name) for name in ("qdot.cpp", "qdot_op.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("qdot.cpp", "attention.cpp", "ops.cpp")]
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c"]  # fmt: skip
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")  # /proc/cpuinfo's names
 TILE_ROWS, BLOCK = 16, 32  # a tile's output rows; a block's inputs
 FOUR_BIT_BYTES = 256  # a tile's codes of one block at 4 bits (512 at 8)
-OP = "minisgl::qdot_mm"
+OP = "minisgl::qdot_mm"  # registered with "minisgl::causal_attention"
 
 
 def compiler() -> str | None:
@@ -77,7 +80,7 @@ def build(cxx: str, path: str) -> None:
 
 
 def load(path: str) -> ctypes.CDLL | None:
-    """The library, its kernel registered for `OP` (once a process: a second file of the same
+    """The library, its kernels registered for `OP` and the attention (once a process: a second file of the same
     kernel, another cache directory's, is not registered again); None off a VNNI CPU."""
     lib = ctypes.CDLL(path)
     if not lib.qdot_supported():
@@ -122,9 +125,20 @@ def qdot_mm_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     return x.new_empty((x.shape[0], codes.shape[0] * TILE_ROWS))
 
 
-# the op's schema; its CPU kernel is qdot_op.cpp's, registered when the library loads: x [rows,
+def causal_attention_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+# the ops' schemas; their CPU kernels are ops.cpp's, registered when the library loads: x [rows,
 # in] (bf16 or fp16) W^T for W in qdot.cpp's layout (codes uint8 [out / 16, in / 32, 256 or
 # 512], scales fp16 [out / 16, in / 32, 2, 16]) -> [rows, out] in x's dtype
 _LIBRARY = torch.library.Library("minisgl", "FRAGMENT")
 _LIBRARY.define("qdot_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 torch.library.register_fake(OP, qdot_mm_shape, lib=_LIBRARY)
+# q [T, Hq, D], k and v [T, Hk, D] float32, starts int64 [B + 1]: T rows of B fresh prompts
+_LIBRARY.define(
+    "causal_attention(Tensor q, Tensor k, Tensor v, Tensor starts, float scale) -> Tensor"
+)
+torch.library.register_fake("minisgl::causal_attention", causal_attention_shape, lib=_LIBRARY)

@@ -3,11 +3,15 @@ RoPE from a precomputed (cos, cos) / (-sin, sin) table, its rows looked up once 
 every layer and q and k rotated as one view when k follows q in the QKV output; attention in
 float32 for 16-bit models; prompts without a cached prefix attended with SDPA's `is_causal`
 instead of a mask (the flash kernel then skips the blocks above the diagonal: a 1,000-token
-prompt's attention 1.6x faster, the same bits). `cpu_engine` (the `decoder_transform` point)
-installs them into each built cpu engine before --enable-torch-compile compiles its decoder."""
+prompt's attention 1.6x faster, the same bits), or, where minisgl's CPU kernels run
+(`native.py`), with its own causal kernel (`attention.cpp`: within float32 rounding of SDPA's,
+not bit for bit; 1.5-1.9x faster again). `cpu_engine` (the `decoder_transform` point) installs
+them into each built cpu engine before --enable-torch-compile compiles its decoder."""
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata, gather_kv
 from minisgl.context import get_global_ctx
 from minisgl.core import Batch
+from minisgl.ext.cpu import native
 from minisgl.ext.cpu.torch_compile import compiled_decoder
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.rotary import RopeConfig, RotaryEmbedding
@@ -99,10 +104,14 @@ def rotate(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x * rows[:, 0] + swapped * rows[:, 1]
 
 
+@dataclass
 class CausalMetadata(TorchAttnMetadata):
     """A batch of prompts none of which has a cached prefix: its queries and keys start at one
     position, so SDPA's top-left `is_causal` masks exactly what the mask would (padded rows
-    see more, and are dropped)."""
+    see more, and are dropped). The native kernel reads the batch packed instead."""
+
+    starts: torch.Tensor  # int64 [B + 1]: each prompt's first row of the batch, then T
+    slots: torch.Tensor  # [T] each row's own KV slot (a fresh prompt's keys are its rows')
 
 
 class WideTorchAttnBackend(TorchAttnBackend):
@@ -116,7 +125,11 @@ class WideTorchAttnBackend(TorchAttnBackend):
         fresh = all(r.cached_len == 0 for r in batch.reqs)
         window = self.sliding_window
         if md.max_q_len > 1 and fresh and (window is None or md.max_q_len <= window):
-            batch.attn_metadata = CausalMetadata(md.kv_slots, None, md.q_index, md.max_q_len)
+            starts = torch.tensor([0, *itertools.accumulate(r.extend_len for r in batch.reqs)])
+            slots = md.kv_slots.reshape(-1)[md.q_index]  # fresh: max_kv_len == max_q_len
+            batch.attn_metadata = CausalMetadata(
+                md.kv_slots, None, md.q_index, md.max_q_len, starts, slots
+            )
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
         if not isinstance(batch.attn_metadata, CausalMetadata):
@@ -127,8 +140,13 @@ class WideTorchAttnBackend(TorchAttnBackend):
 def causal_attention(
     q: torch.Tensor, layer_id: int, scale: float, md: CausalMetadata
 ) -> torch.Tensor:
-    """`TorchAttnBackend.forward` of a fresh prompt batch, causal by `is_causal`."""
+    """`TorchAttnBackend.forward` of a fresh prompt batch, causal by `is_causal`, or by the
+    native kernel where it runs and the head size is a multiple of 64."""
     pools = get_global_ctx().kv_cache
+    if q.shape[2] % 64 == 0 and native.native_kernel() is not None:
+        keys = pools.k_flat(layer_id).index_select(0, md.slots).to(q.dtype)
+        values = pools.v_flat(layer_id).index_select(0, md.slots).to(q.dtype)
+        return torch.ops.minisgl.causal_attention(q, keys, values, md.starts, scale)
     slots, (bsz, length), (_, heads, dim) = md.kv_slots, md.kv_slots.shape, q.shape
     keys = gather_kv(pools.k_flat(layer_id), slots, q.dtype)
     values = gather_kv(pools.v_flat(layer_id), slots, q.dtype)

@@ -1,0 +1,75 @@
+// The CPU kernels of torch.ops.minisgl.qdot_mm and torch.ops.minisgl.causal_attention (their
+// schemas are defined in ext/cpu/native.py): qdot.cpp's and attention.cpp's functions on tensors,
+// so that eager layers and the compiled (AOTInductor) steps call them without going through
+// Python (a Python kernel cost 8 us a call more: 1 ms a SmolLM2 step).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+extern "C" void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes,
+                        const uint16_t* scales, int bits, int half, uint16_t* y, int out,
+                        int threads);
+extern "C" void causal_attention(const float* q, int64_t q_row, const float* k, const float* v,
+                                 int64_t kv_row, float* out, const int64_t* starts, int batch,
+                                 int q_heads, int kv_heads, int dim, float scale, int threads);
+
+namespace {
+
+constexpr int64_t kTile = 16;
+constexpr int64_t kFourBitBytes = 256;  // a tile's codes of one block at 4 bits (512 at 8)
+
+at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2, "qdot_mm: x must be [rows, in]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "qdot_mm: x must be bfloat16 or float16");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(),
+              "qdot_mm: codes must be contiguous uint8 [out / 16, in / 32, bytes]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "qdot_mm: scales must be contiguous float16");
+  TORCH_CHECK(x.size(1) == codes.size(1) * 32, "qdot_mm: x's columns do not fit the codes");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), out = codes.size(0) * kTile;
+  at::Tensor y = at::empty({rows, out}, xc.options());
+  if (rows > 0) {
+    qdot_mm(static_cast<const uint16_t*>(xc.const_data_ptr()), rows, xc.size(1),
+            codes.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()),
+            codes.size(2) == kFourBitBytes ? 4 : 8, xc.scalar_type() == at::kHalf,
+            static_cast<uint16_t*>(y.data_ptr()), out, at::get_num_threads());
+  }
+  return y;
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& starts, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+              "causal_attention: q must be [T, Hq, D], k and v [T, Hk, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat, "causal_attention: q, k and v must be float32");
+  const int64_t tokens = q.size(0), q_heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
+  TORCH_CHECK(k.size(0) == tokens && k.size(2) == dim && dim % 64 == 0 &&
+                  q_heads % kv_heads == 0, "causal_attention: shapes do not fit");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == dim && v.strides() == k.strides(),
+              "causal_attention: k's and v's heads must be dense, with the same strides");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.dim() == 1 && starts.is_contiguous() &&
+                  starts.size(0) >= 2, "causal_attention: starts must be int64 [B + 1]");
+  const int64_t* bounds = starts.const_data_ptr<int64_t>();
+  TORCH_CHECK(bounds[0] == 0 && bounds[starts.size(0) - 1] == tokens,
+              "causal_attention: starts must run from 0 to T");
+  // q may be a view of the QKV projection's output: its positions need not be adjacent
+  const bool dense = q.stride(2) == 1 && q.stride(1) == dim;
+  const at::Tensor qd = dense ? q : q.contiguous();
+  at::Tensor out = at::empty({tokens, q_heads, dim}, q.options());
+  causal_attention(qd.const_data_ptr<float>(), qd.stride(0), k.const_data_ptr<float>(),
+                   v.const_data_ptr<float>(), k.stride(0), out.data_ptr<float>(), bounds,
+                   starts.size(0) - 1, q_heads, kv_heads, dim, static_cast<float>(scale),
+                   at::get_num_threads());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(minisgl, CPU, m) {
+  m.impl("qdot_mm", &qdot);
+  m.impl("causal_attention", &attention);
+}
