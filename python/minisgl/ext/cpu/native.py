@@ -1,8 +1,8 @@
-"""minisgl's own CPU kernels (`qdot.cpp`, `attention.cpp`, `ops.cpp`), on AVX512-VNNI CPUs:
-GGUF-quantized projections at decode sizes for `quantized.VnniLinear`, as
-`torch.ops.minisgl.qdot_mm`, and fresh prompts' attention in float32 for `speed.py`, as
-`torch.ops.minisgl.causal_attention` (attention.cpp says how; ~1.5-1.9x torch's flash kernel on
-a 1,000-token prompt).
+"""minisgl's own CPU kernels (`qdot.cpp`, `attention.cpp`, `fused.cpp`; `ops.cpp` registers
+them as torch.ops.minisgl ops), on AVX512-VNNI CPUs: GGUF-quantized projections at decode sizes
+for `quantized.VnniLinear` (`qdot_mm`), fresh prompts' attention in float32 for `speed.py`
+(`causal_attention`: ~1.5-1.9x torch's flash kernel on a 1,000-token prompt), and float32 RoPE,
+SiLU-and-mul and RMSNorm in one pass each for `fused.py`.
 
 torch's int4 kernel dequantizes each weight to float32 and multiplies with FMAs: compute-bound
 from a few rows (this VM: 5 G zmm FMAs/s a core; its output equals such a loop bit for bit).
@@ -14,11 +14,11 @@ less (2 cores; weights in cache).
 
 The sources are compiled once per source, compiler, flags and torch with the system's C++
 compiler (the one AOTInductor needs; `CXX` chooses another) into the cache (`kernels/`, ~10 s on
-2 cores), then loaded: the op's CPU kernel is registered, so eager layers and compiled steps
-call it without Python. Its OpenMP loop runs on torch's own runtime (the same libgomp.so.1,
+2 cores), then loaded: the ops' CPU kernels are registered, so eager layers and compiled steps
+call them without Python. Their OpenMP loops run on torch's own runtime (the same libgomp.so.1,
 already loaded), at torch's thread count. Where the CPU lacks AVX512-VNNI, no compiler works, or
-MINISGL_CPU_NATIVE=0, `native_kernel()` is None and the layers keep torch's int4 kernels; a
-failed build says so in one line."""
+MINISGL_CPU_NATIVE=0, `native_kernel()` is None and every caller keeps torch's path (int4
+kernels, SDPA, torch's ops); a failed build says so in one line."""
 
 from __future__ import annotations
 
@@ -38,8 +38,11 @@ from minisgl import env
 from minisgl.ext.cpu.gguf import cache_root, remove_quietly
 from minisgl.ext.cpu.policy import cpu_flags
 
-SOURCES = [Path(__file__).with_name(name) for name in ("qdot.cpp", "attention.cpp", "ops.cpp")]
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("qdot.cpp", "attention.cpp", "fused.cpp", "ops.cpp")
+]
+# no contraction of a * b + c into one FMA: fused.cpp's rotation keeps torch's roundings
+FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp", "-w",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c"]  # fmt: skip
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")  # /proc/cpuinfo's names
 TILE_ROWS, BLOCK = 16, 32  # a tile's output rows; a block's inputs
@@ -142,3 +145,10 @@ _LIBRARY.define(
     "causal_attention(Tensor q, Tensor k, Tensor v, Tensor starts, float scale) -> Tensor"
 )
 torch.library.register_fake("minisgl::causal_attention", causal_attention_shape, lib=_LIBRARY)
+# fused.cpp's float32 kernels for eager steps (fused.py never calls them while compiling): x
+# [T, H, D] rotated by table rows [T, 2, D]; [T, 2 I] -> [T, I]; RMSNorm, and with the residual
+# add in place
+_LIBRARY.define("rotate(Tensor x, Tensor table) -> Tensor")
+_LIBRARY.define("silu_and_mul(Tensor x) -> Tensor")
+_LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_LIBRARY.define("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()")

@@ -1,5 +1,5 @@
-// The CPU kernels of torch.ops.minisgl.qdot_mm and torch.ops.minisgl.causal_attention (their
-// schemas are defined in ext/cpu/native.py): qdot.cpp's and attention.cpp's functions on tensors,
+// The CPU kernels of the torch.ops.minisgl ops (their schemas are defined in ext/cpu/native.py):
+// qdot.cpp's, attention.cpp's and fused.cpp's functions on tensors,
 // so that eager layers and the compiled (AOTInductor) steps call them without going through
 // Python (a Python kernel cost 8 us a call more: 1 ms a SmolLM2 step).
 #include <ATen/Parallel.h>
@@ -13,6 +13,12 @@ extern "C" void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* co
 extern "C" void causal_attention(const float* q, int64_t q_row, const float* k, const float* v,
                                  int64_t kv_row, float* out, const int64_t* starts, int batch,
                                  int q_heads, int kv_heads, int dim, float scale, int threads);
+extern "C" void rotate(const float* x, int64_t x_row, const float* table, float* out, int64_t rows,
+                       int heads, int dim, int threads);
+extern "C" void silu_and_mul(const float* x, int64_t x_row, float* out, int64_t rows, int64_t cols,
+                             int threads);
+extern "C" void rms_norm(const float* x, int64_t x_row, float* residual, const float* w, float eps,
+                         float* out, int64_t rows, int64_t cols, int threads);
 
 namespace {
 
@@ -67,9 +73,73 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
+void check_float(const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(-1) == 1, op, ": ", name,
+              " must be float32 with a dense last dim");
+}
+
+// rows of a tensor whose last dim is dense: [rows, last] with one row stride (a copy if needed)
+at::Tensor as_rows(const at::Tensor& x) {
+  const at::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+  return rows.stride(1) == 1 ? rows : rows.contiguous();
+}
+
+at::Tensor rotate_op(const at::Tensor& x, const at::Tensor& table) {
+  check_float(x, "rotate", "x");
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(x.dim() == 3 && x.stride(1) == dim && dim % 32 == 0,
+              "rotate: x must be [T, H, D] with dense heads, D % 32 == 0");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() &&
+                  table.sizes() == at::IntArrayRef({rows, 2, dim}),
+              "rotate: table must be contiguous float32 [T, 2, D]");
+  at::Tensor out = at::empty({rows, heads, dim}, x.options());
+  rotate(x.const_data_ptr<float>(), x.stride(0), table.const_data_ptr<float>(),
+         out.data_ptr<float>(), rows, heads, dim, at::get_num_threads());
+  return out;
+}
+
+at::Tensor silu_and_mul_op(const at::Tensor& x) {
+  check_float(x, "silu_and_mul", "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2 I]");
+  const int64_t rows = x.size(0), cols = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, cols}, x.options());
+  silu_and_mul(x.const_data_ptr<float>(), x.stride(0), out.data_ptr<float>(), rows, cols,
+               at::get_num_threads());
+  return out;
+}
+
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float(x, "rms_norm", "x");
+  check_float(weight, "rms_norm", "weight");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: weight must be [N]");
+  const at::Tensor rows = as_rows(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rms_norm(rows.const_data_ptr<float>(), rows.stride(0), nullptr, weight.const_data_ptr<float>(),
+           static_cast<float>(eps), out.data_ptr<float>(), rows.size(0), rows.size(1),
+           at::get_num_threads());
+  return out;
+}
+
+void add_rms_norm_op(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_float(x, "add_rms_norm_", "x");
+  check_float(weight, "add_rms_norm_", "weight");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.dim() == 2 &&
+                  residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat,
+              "add_rms_norm_: x and residual must be contiguous float32 [T, N]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "add_rms_norm_: weight must be [N]");
+  // residual += x, then x = the normed sum: each row read before it is written
+  rms_norm(x.const_data_ptr<float>(), x.size(1), residual.data_ptr<float>(),
+           weight.const_data_ptr<float>(), static_cast<float>(eps), x.data_ptr<float>(), x.size(0),
+           x.size(1), at::get_num_threads());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(minisgl, CPU, m) {
   m.impl("qdot_mm", &qdot);
   m.impl("causal_attention", &attention);
+  m.impl("rotate", &rotate_op);
+  m.impl("silu_and_mul", &silu_and_mul_op);
+  m.impl("rms_norm", &rms_norm_op);
+  m.impl("add_rms_norm_", &add_rms_norm_op);
 }

@@ -1,12 +1,13 @@
-"""The CPU speed paths of the torch path, each bit for bit the core's plain path it replaces:
-RoPE from a precomputed (cos, cos) / (-sin, sin) table, its rows looked up once a forward for
-every layer and q and k rotated as one view when k follows q in the QKV output; attention in
-float32 for 16-bit models; prompts without a cached prefix attended with SDPA's `is_causal`
-instead of a mask (the flash kernel then skips the blocks above the diagonal: a 1,000-token
-prompt's attention 1.6x faster, the same bits), or, where minisgl's CPU kernels run
-(`native.py`), with its own causal kernel (`attention.cpp`: within float32 rounding of SDPA's,
-not bit for bit; 1.5-1.9x faster again). `cpu_engine` (the `decoder_transform` point) installs
-them into each built cpu engine before --enable-torch-compile compiles its decoder."""
+"""The CPU speed paths of the torch path: RoPE from a precomputed (cos, cos) / (-sin, sin)
+table, its rows looked up once a forward for every layer and q and k rotated as one view when k
+follows q in the QKV output (bit for bit the core's path); attention in float32 for 16-bit models
+(bit for bit); prompts without a cached prefix attended with SDPA's `is_causal` instead of a mask
+(the flash kernel then skips the blocks above the diagonal: a 1,000-token prompt's attention 1.6x
+faster, the same bits) or, where minisgl's CPU kernels run (`native.py`), with its own causal
+kernel (`attention.cpp`: within float32 rounding of SDPA's, 1.5-1.9x faster again); and a float32
+model's RMSNorm and SiLU through fused kernels (`fused.py`). `cpu_engine` (the
+`decoder_transform` point) installs them into each built cpu engine before
+--enable-torch-compile compiles its decoder."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata,
 from minisgl.context import get_global_ctx
 from minisgl.core import Batch
 from minisgl.ext.cpu import native
+from minisgl.ext.cpu.fused import fused_ready, install_fused
 from minisgl.ext.cpu.torch_compile import compiled_decoder
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.rotary import RopeConfig, RotaryEmbedding
@@ -32,6 +34,7 @@ def cpu_engine(engine: Any) -> torch.nn.Module | None:
     (`engine.Engine`), then the compiled decoder under --enable-torch-compile, else None."""
     if engine.device.type == "cpu":
         install_rotary(engine.model, engine.model_config.rope, engine.dtype)
+        install_fused(engine.model, engine.dtype)
         if type(engine.attn_backend) is TorchAttnBackend:  # read by the Context built next
             engine.attn_backend = WideTorchAttnBackend(engine.attn_backend.sliding_window)
     return compiled_decoder(engine)
@@ -98,7 +101,10 @@ def rope_table(cos_sin: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by `rope_table` rows [T, 2, 1, D], bit for bit the two-halves form."""
+    """x [T, H, D] rotated by `rope_table` rows [T, 2, 1, D], bit for bit the two-halves form
+    (float32 heads of a multiple of 32 through fused.cpp's one pass: the same roundings)."""
+    if fused_ready(x) and x.stride()[1:] == (x.shape[2], 1) and x.shape[2] % 32 == 0:
+        return torch.ops.minisgl.rotate(x, rows.squeeze(2))
     # first half x1 cos - x2 sin, second x2 cos + x1 sin; the halves swap in one flip
     swapped = x.view(*x.shape[:-1], 2, -1).flip(-2).view(x.shape)
     return x * rows[:, 0] + swapped * rows[:, 1]

@@ -1,0 +1,59 @@
+"""A float32 model's eager steps through minisgl's fused CPU kernels (fused.cpp, built by
+native.py): RMSNorm with its residual add, and SiLU-and-mul, in one pass over each row where
+torch makes 3-6 (a 1,000-token prompt's gate/up output is 12 MB: each pass goes to memory).
+`install_fused` gives the model's RMSNorm and MLP modules these subclasses (each keeps its
+loaded weights; only the forward changes). They take torch's path while compiling (inductor
+fuses these itself), for other dtypes, and where the kernels do not run. Their outputs are within
+float32 rounding of torch's, not bit for bit (the mean of squares and the exp are summed and
+computed in another order); speed.py's RoPE through the same library keeps torch's bits."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.ext.cpu import native
+from minisgl.layers.norm import RMSNorm
+from minisgl.models.llama import MLP
+
+
+def fused_ready(x: torch.Tensor) -> bool:
+    """x can take a fused kernel now: float32, eager, and the kernels loaded."""
+    return (
+        x.dtype == torch.float32
+        and not torch.compiler.is_compiling()
+        and native.native_kernel() is not None
+    )
+
+
+class FusedRMSNorm(RMSNorm):
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ready(x):
+            return torch.ops.minisgl.rms_norm(x, self.weight, self.eps)
+        return super().norm(x)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None or not (fused_ready(x) and x.is_contiguous()):
+            return super().forward(x, residual)
+        # residual += x, x = the normed sum, as the core's path
+        torch.ops.minisgl.add_rms_norm_(x, residual.contiguous(), self.weight, self.eps)
+        return x, residual
+
+
+class FusedMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ready(x):
+            return self.down_proj(torch.ops.minisgl.silu_and_mul(self.gate_up_proj(x)))
+        return super().forward(x)
+
+
+def install_fused(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A float32 model's RMSNorm and MLP modules become the fused ones, where the kernels run."""
+    if dtype != torch.float32 or native.native_kernel() is None:
+        return
+    for module in model.modules():
+        if type(module) is RMSNorm:
+            module.__class__ = FusedRMSNorm
+        elif type(module) is MLP:
+            module.__class__ = FusedMLP

@@ -1,0 +1,237 @@
+"""minisgl's float32 CPU kernels. The causal attention for fresh prompts (attention.cpp, called
+by ext/cpu/speed.py): within float32 rounding of SDPA (both bounded against float64), grouped
+and plain heads, ragged batches, a strided q, the same bits on any threads and in any batch, its
+checks, and the backend's use of it with SDPA kept where it does not fit. The fused RoPE,
+SiLU-and-mul and RMSNorm (fused.cpp, called by speed.py and fused.py): RoPE bit for bit torch's,
+the others within float32 rounding, and the modules a float32 engine installs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.test_quantized import on_one_thread_and_two
+from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.ext.cpu import native
+from support.attn import make_problem
+
+pytestmark = pytest.mark.skipif(
+    native.native_kernel() is None, reason="needs AVX512-VNNI and a C++ compiler"
+)
+
+
+def sdpa(q, k, v, starts, scale):
+    """Each prompt through torch's causal SDPA, [T, H, D] in and out."""
+    outs = []
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        qs, ks, vs = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+        )
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def problem(lens, q_heads, kv_heads, dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(lens)
+    q = torch.randn(tokens, q_heads, dim, generator=gen) * 2
+    k = torch.randn(tokens, kv_heads, dim, generator=gen) * 2
+    v = torch.randn(tokens, kv_heads, dim, generator=gen)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    return q, k, v, starts
+
+
+@pytest.mark.parametrize(
+    "lens, q_heads, kv_heads, dim",
+    [
+        ([300], 9, 3, 64),  # SmolLM2's heads; several key blocks, a partial last one
+        ([37], 4, 4, 128),  # plain heads, a wider head
+        ([5, 100, 1, 70], 8, 1, 64),  # ragged, a one-token prompt, eight q heads to a kv head
+    ],
+)
+def test_within_float32_rounding_of_sdpa(lens, q_heads, kv_heads, dim):
+    """Both against float64: the kernel's error at most twice SDPA's float32 error (+1e-6)."""
+    q, k, v, starts = problem(lens, q_heads, kv_heads, dim)
+    scale = dim**-0.5
+    got = torch.ops.minisgl.causal_attention(q, k, v, starts, scale)
+    exact = sdpa(q.double(), k.double(), v.double(), starts, scale)
+    sdpa_error = (sdpa(q, k, v, starts, scale).double() - exact).abs().max().item()
+    error = (got.double() - exact).abs().max().item()
+    assert got.shape == q.shape and got.dtype == torch.float32
+    assert error <= 2 * sdpa_error + 1e-6, (error, sdpa_error)
+
+
+def test_same_bits_on_any_threads_in_any_batch_and_from_a_strided_q():
+    """A work item is one thread's, in a fixed order: one thread or two, a prompt alone or in a
+    batch, and q as a view of a wider QKV output give the same bits."""
+    q, k, v, starts = problem([130, 64, 17], 6, 2, 64, seed=1)
+
+    class Op(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.minisgl.causal_attention(x, k, v, starts, 0.125)
+
+    one, two = on_one_thread_and_two(Op(), q)
+    assert torch.equal(one, two)
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        alone = torch.ops.minisgl.causal_attention(
+            q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), 0.125
+        )
+        assert torch.equal(alone, one[a:b])
+    qkv = torch.cat([q, torch.zeros(q.shape[0], 2, 64)], dim=1)  # positions 8 heads apart
+    assert torch.equal(torch.ops.minisgl.causal_attention(qkv[:, :6], k, v, starts, 0.125), one)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, k, v, s: (q.double(), k, v, s), "float32"),
+        (lambda q, k, v, s: (q[..., :32], k[..., :32], v[..., :32], s), "shapes"),
+        (lambda q, k, v, s: (q, k, v, torch.tensor([0, 5])), "from 0 to T"),
+        (lambda q, k, v, s: (q, k, v, s.int()), "int64"),
+    ],
+)
+def test_refuses_what_it_cannot_compute(change, message):
+    q, k, v, starts = problem([8], 4, 2, 64)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.minisgl.causal_attention(*change(q, k, v, starts), 0.125)
+
+
+@pytest.mark.ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_attends_fresh_prompts_with_it(dtype, monkeypatch):
+    """ext/cpu's backend packs a fresh batch (starts, each row's own slot) for the kernel: within
+    float32 rounding of the core's masked path; a 16-dim head keeps SDPA (bit for bit there)."""
+    from minisgl.ext.cpu.speed import CausalMetadata, WideTorchAttnBackend
+
+    calls = []
+    op = torch.ops.minisgl.causal_attention
+    monkeypatch.setattr(speed_ops(), "causal_attention", lambda *a: calls.append(1) or op(*a))
+    for dim in (64, 16):
+        batch, q, _, _ = make_problem(
+            [(0, 70), (0, 3), (0, 33)], 4, dim, dtype, False, torch.device("cpu")
+        )
+        wide = WideTorchAttnBackend()
+        wide.prepare(batch)
+        md = batch.attn_metadata
+        assert isinstance(md, CausalMetadata) and md.starts.tolist() == [0, 70, 73, 106]
+        assert torch.equal(md.slots, batch.out_loc)  # a fresh prompt's keys are its own rows
+        got = wide.forward(q, 0, 0.25, batch)
+        plain = TorchAttnBackend()
+        plain.prepare(batch)
+        want = plain.forward(q.float(), 0, 0.25, batch)
+        if dim == 16:
+            assert torch.equal(got, want.to(dtype))
+        else:
+            torch.testing.assert_close(
+                got.float(), want, rtol=0, atol=2e-5 if dtype == torch.float32 else 0.02
+            )
+    assert len(calls) == 1  # the 64-dim heads only
+
+
+def speed_ops():
+    """The namespace speed.py reaches the op through (torch.ops.minisgl)."""
+    return torch.ops.minisgl
+
+
+def error_against(got, exact):
+    return (got.double() - exact).abs().max().item()
+
+
+def test_rotation_is_torchs_bit_for_bit():
+    """fused.cpp's RoPE on q and k as one strided view of the QKV output: speed.py's torch form."""
+    from minisgl.ext.cpu.speed import rope_table
+
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(40, (6 + 2 + 2) * 64, generator=gen)
+    qk = qkv[:, : 8 * 64].unflatten(1, (8, 64))  # positions 640 floats apart
+    table = rope_table(torch.randn(512, 64, generator=gen))
+    rows = table[torch.randint(0, 512, (40,), generator=gen)]
+    swapped = qk.view(40, 8, 2, 32).flip(-2).view(qk.shape)
+    want = qk * rows[:, 0:1] + swapped * rows[:, 1:2]
+    assert torch.equal(torch.ops.minisgl.rotate(qk, rows), want)
+
+
+def test_silu_and_mul_within_float32_rounding():
+    """Against float64: at most twice torch's error; saturating gates give silu's limits."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(33, 2 * 200, generator=gen) * 6
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])
+    wide = torch.cat([x, torch.zeros(33, 8)], dim=1)[:, :400]  # rows 408 floats apart
+    gate, up = x.double().chunk(2, dim=-1)
+    exact = F.silu(gate) * up
+    ours = torch.ops.minisgl.silu_and_mul(wide)
+    theirs = F.silu(x[:, :200]) * x[:, 200:]
+    assert ours.shape == (33, 200) and torch.isfinite(ours).all()
+    assert error_against(ours, exact) <= 2 * error_against(theirs, exact) + 1e-6
+
+
+def test_rms_norm_within_float32_rounding_and_its_add_in_place():
+    """RMSNorm against float64 within twice torch's error (rows of a [T, H, N] view too); with
+    the residual, the residual is x + residual bit for bit and x receives the normed sum."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, generator=gen)
+    x = torch.randn(17, 3, 2 * 96, generator=gen)[..., :96] * 4  # q-norm-like, not dense
+
+    def exact_of(t):
+        t = t.double()
+        return weight.double() * t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    theirs = weight * F.rms_norm(x, (96,), None, 1e-6)
+    ours = torch.ops.minisgl.rms_norm(x, weight, 1e-6)
+    assert ours.shape == x.shape
+    assert error_against(ours, exact_of(x)) <= 2 * error_against(theirs, exact_of(x)) + 1e-6
+    h, residual = torch.randn(9, 96, generator=gen), torch.randn(9, 96, generator=gen)
+    summed = residual + h
+    x_in, res_in = h.clone(), residual.clone()
+    torch.ops.minisgl.add_rms_norm_(x_in, res_in, weight, 1e-6)
+    assert torch.equal(res_in, summed)
+    theirs = weight * F.rms_norm(summed, (96,), None, 1e-6)
+    assert (
+        error_against(x_in, exact_of(summed)) <= 2 * error_against(theirs, exact_of(summed)) + 1e-6
+    )
+
+
+def test_fused_rows_same_bits_on_any_threads():
+    gen = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(64, 2 * 128, generator=gen), torch.randn(128, generator=gen)
+
+    class Both(torch.nn.Module):
+        def forward(self, t):
+            return torch.ops.minisgl.rms_norm(torch.ops.minisgl.silu_and_mul(t), weight, 1e-5)
+
+    one, two = on_one_thread_and_two(Both(), x)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.ext
+def test_float32_engines_install_the_fused_modules(model_dirs):
+    """A float32 engine's RMSNorm and MLP modules are fused.py's (greedy tokens stay
+    transformers'); a bfloat16 engine keeps the core's; compiling takes torch's path."""
+    from minisgl import LLM, SamplingParams
+    from minisgl.ext.cpu.fused import FusedMLP, FusedRMSNorm, fused_ready
+    from minisgl.layers.norm import RMSNorm
+    from minisgl.models.llama import MLP
+    from support.models import hf_greedy
+
+    path, hf = model_dirs("llama")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for dtype, fused in (("float32", True), ("bfloat16", False)):
+        llm = LLM(path, dtype=dtype, page_size=4, num_pages=64)
+        modules = list(llm.engine.model.modules())
+        norms = [m for m in modules if isinstance(m, RMSNorm)]
+        mlps = [m for m in modules if isinstance(m, MLP)]
+        assert norms and mlps
+        assert all(isinstance(m, FusedRMSNorm) == fused for m in norms)
+        assert all(isinstance(m, FusedMLP) == fused for m in mlps)
+        if fused:
+            out = llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)[0]["token_ids"]
+            assert out == hf_greedy(hf, [3, 1, 4, 1, 5], 8)
+            norm = norms[0]
+            x = torch.randn(5, norm.weight.shape[0])
+            compiled = torch.compile(norm.norm, fullgraph=True)  # the op has no fake: torch's
+            torch.testing.assert_close(compiled(x), RMSNorm.norm(norm, x))
+            probe = torch.compile(lambda t: t + 1 if fused_ready(t) else t - 1, fullgraph=True)
+            assert torch.equal(probe(x), x - 1) and fused_ready(x)
+        llm.shutdown()
