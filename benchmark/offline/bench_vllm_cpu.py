@@ -2,7 +2,7 @@
 one stream's decode tok/s (greedy, `--decode-tokens` after a short prompt), `--streams`
 concurrent streams' decode tok/s (as many short prompts, `--decode-tokens` each) and the seconds
 of one `--prefill-tokens` prompt of random ids (max_tokens=1, a new prompt each time, so no
-prefix cache helps). Decode rates leave out the prompts: (tokens - 1) / (t(N tokens) - t(1)).
+prefix cache helps; the median of `--prefill-samples` such prompts, one after the other). Decode rates leave out the prompts: (tokens - 1) / (t(N tokens) - t(1)).
 
 Engines: `vllm` (float32), `minisgl-f32` (`--quantization none --dtype float32`, whose float32
 copy of the GGUF in minisgl's cache is also vLLM's model directory; eager, the exact path),
@@ -73,7 +73,10 @@ def workloads(gen: Callable[[list[list[int]], int], list[list[int]]],
     out["one_tok_s"] = (n - 1) / (secs(one, n) - min(secs(one, 1) for _ in range(3)))
     many_s = secs(many, n) - min(secs(many, 1) for _ in range(3))
     out["many_tok_s"] = len(many) * (n - 1) / many_s
-    out["prefill_s"] = secs([random_ids(args.prefill_tokens, args.seed, vocab)], 1)
+    prompts = [
+        random_ids(args.prefill_tokens, args.seed + i, vocab) for i in range(args.prefill_samples)
+    ]
+    out["prefill_s"] = statistics.median(secs([ids], 1) for ids in prompts)
     return out
 
 
@@ -134,7 +137,7 @@ def spawn(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     python = args.vllm_python if engine == "vllm" else sys.executable
     cmd = [python, os.path.abspath(__file__), "--child", engine, "--model-dir", args.model_dir]
     cmd += ["--gguf", args.gguf or "", "--seed", str(args.seed)]
-    for name in ("decode_tokens", "streams", "prefill_tokens"):
+    for name in ("decode_tokens", "streams", "prefill_tokens", "prefill_samples"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ)
     if engine == "vllm":
@@ -178,6 +181,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--prefill-tokens", type=int, default=1000)
+    p.add_argument("--prefill-samples", type=int, default=3, help="prompts whose median is taken")
     p.add_argument(
         "--threads",
         type=int,
@@ -190,7 +194,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gguf", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     args = p.parse_args()
-    for name in ("rounds", "decode_tokens", "streams", "prefill_tokens", "threads"):
+    for name in (
+        "rounds",
+        "decode_tokens",
+        "streams",
+        "prefill_tokens",
+        "prefill_samples",
+        "threads",
+    ):
         if getattr(args, name) < (2 if name == "decode_tokens" else 1):
             p.error(f"--{name.replace('_', '-')} is too small")
     return args
