@@ -7,6 +7,8 @@ the others within float32 rounding, and the modules a float32 engine installs.""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,102 +23,119 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def sdpa(q, k, v, starts, scale):
-    """Each prompt through torch's causal SDPA, [T, H, D] in and out."""
+def reference(q, k, v, q_starts, k_starts, scale):
+    """Each prompt through torch's SDPA, its new tokens [T, H, D] against its keys, a token
+    seeing the cached prefix and the new tokens up to itself (the explicit mask)."""
     outs = []
-    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
-        qs, ks, vs = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    for b in range(len(q_starts) - 1):
+        qa, qb, ka, kb = (
+            int(x) for x in (q_starts[b], q_starts[b + 1], k_starts[b], k_starts[b + 1])
+        )
+        allowed = torch.ones(qb - qa, kb - ka, dtype=torch.bool).tril(kb - ka - (qb - qa))
+        qs = q[qa:qb].transpose(0, 1).unsqueeze(0)
+        ks, vs = (x[ka:kb].transpose(0, 1).unsqueeze(0) for x in (k, v))
         out = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=True
         )
         outs.append(out[0].transpose(0, 1))
     return torch.cat(outs)
 
 
 def problem(lens, q_heads, kv_heads, dim, seed=0):
+    """lens: (cached prefix, new tokens) per prompt -> q, k, v, q_starts, k_starts."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = sum(lens)
+    tokens, keys = sum(n for _, n in lens), sum(p + n for p, n in lens)
     q = torch.randn(tokens, q_heads, dim, generator=gen) * 2
-    k = torch.randn(tokens, kv_heads, dim, generator=gen) * 2
-    v = torch.randn(tokens, kv_heads, dim, generator=gen)
-    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    return q, k, v, starts
+    k = torch.randn(keys, kv_heads, dim, generator=gen) * 2
+    v = torch.randn(keys, kv_heads, dim, generator=gen)
+    q_starts = torch.tensor([0, *itertools.accumulate(n for _, n in lens)])
+    k_starts = torch.tensor([0, *itertools.accumulate(p + n for p, n in lens)])
+    return q, k, v, q_starts, k_starts
 
 
 @pytest.mark.parametrize(
     "lens, q_heads, kv_heads, dim",
     [
-        ([300], 9, 3, 64),  # SmolLM2's heads; several key blocks, a partial last one
-        ([37], 4, 4, 128),  # plain heads, a wider head
-        ([5, 100, 1, 70], 8, 1, 64),  # ragged, a one-token prompt, eight q heads to a kv head
+        ([(0, 300)], 9, 3, 64),  # SmolLM2's heads; several key blocks, a partial last one
+        ([(0, 37)], 4, 4, 128),  # plain heads, a wider head
+        ([(0, 5), (0, 100), (0, 1), (0, 70)], 8, 1, 64),  # ragged, eight q heads to a kv head
+        ([(90, 40), (0, 20), (7, 1), (64, 64)], 6, 2, 64),  # cached prefixes
     ],
 )
 def test_within_float32_rounding_of_sdpa(lens, q_heads, kv_heads, dim):
     """Both against float64: the kernel's error at most twice SDPA's float32 error (+1e-6)."""
-    q, k, v, starts = problem(lens, q_heads, kv_heads, dim)
+    q, k, v, q_starts, k_starts = problem(lens, q_heads, kv_heads, dim)
     scale = dim**-0.5
-    got = torch.ops.minisgl.causal_attention(q, k, v, starts, scale)
-    exact = sdpa(q.double(), k.double(), v.double(), starts, scale)
-    sdpa_error = (sdpa(q, k, v, starts, scale).double() - exact).abs().max().item()
+    got = torch.ops.minisgl.causal_attention(q, k, v, q_starts, k_starts, scale)
+    exact = reference(q.double(), k.double(), v.double(), q_starts, k_starts, scale)
+    sdpa_error = (reference(q, k, v, q_starts, k_starts, scale).double() - exact).abs().max()
     error = (got.double() - exact).abs().max().item()
     assert got.shape == q.shape and got.dtype == torch.float32
-    assert error <= 2 * sdpa_error + 1e-6, (error, sdpa_error)
+    assert error <= 2 * sdpa_error.item() + 1e-6, (error, sdpa_error)
 
 
 def test_same_bits_on_any_threads_in_any_batch_and_from_a_strided_q():
     """A work item is one thread's, in a fixed order: one thread or two, a prompt alone or in a
     batch, and q as a view of a wider QKV output give the same bits."""
-    q, k, v, starts = problem([130, 64, 17], 6, 2, 64, seed=1)
+    q, k, v, q_starts, k_starts = problem([(0, 130), (30, 64), (0, 17)], 6, 2, 64, seed=1)
 
     class Op(torch.nn.Module):
         def forward(self, x):
-            return torch.ops.minisgl.causal_attention(x, k, v, starts, 0.125)
+            return torch.ops.minisgl.causal_attention(x, k, v, q_starts, k_starts, 0.125)
 
     one, two = on_one_thread_and_two(Op(), q)
     assert torch.equal(one, two)
-    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
-        alone = torch.ops.minisgl.causal_attention(
-            q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), 0.125
+    for b in range(3):
+        qa, qb, ka, kb = (
+            int(x) for x in (q_starts[b], q_starts[b + 1], k_starts[b], k_starts[b + 1])
         )
-        assert torch.equal(alone, one[a:b])
+        starts = (torch.tensor([0, qb - qa]), torch.tensor([0, kb - ka]))
+        alone = torch.ops.minisgl.causal_attention(q[qa:qb], k[ka:kb], v[ka:kb], *starts, 0.125)
+        assert torch.equal(alone, one[qa:qb])
     qkv = torch.cat([q, torch.zeros(q.shape[0], 2, 64)], dim=1)  # positions 8 heads apart
-    assert torch.equal(torch.ops.minisgl.causal_attention(qkv[:, :6], k, v, starts, 0.125), one)
+    strided = torch.ops.minisgl.causal_attention(qkv[:, :6], k, v, q_starts, k_starts, 0.125)
+    assert torch.equal(strided, one)
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda q, k, v, s: (q.double(), k, v, s), "float32"),
-        (lambda q, k, v, s: (q[..., :32], k[..., :32], v[..., :32], s), "shapes"),
-        (lambda q, k, v, s: (q, k, v, torch.tensor([0, 5])), "from 0 to T"),
-        (lambda q, k, v, s: (q, k, v, s.int()), "int64"),
+        (lambda q, k, v, qs, ks: (q.double(), k, v, qs, ks), "float32"),
+        (lambda q, k, v, qs, ks: (q[..., :32], k[..., :32], v[..., :32], qs, ks), "shapes"),
+        (lambda q, k, v, qs, ks: (q, k, v, torch.tensor([0, 5]), ks), "from 0 to T"),
+        (lambda q, k, v, qs, ks: (q, k, v, qs, qs.int()), "int64"),
+        (lambda q, k, v, qs, ks: (q, k[:4], v[:4], qs, torch.tensor([0, 4])), "fewer keys"),
     ],
 )
 def test_refuses_what_it_cannot_compute(change, message):
-    q, k, v, starts = problem([8], 4, 2, 64)
+    q, k, v, q_starts, k_starts = problem([(0, 8)], 4, 2, 64)
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.minisgl.causal_attention(*change(q, k, v, starts), 0.125)
+        torch.ops.minisgl.causal_attention(*change(q, k, v, q_starts, k_starts), 0.125)
 
 
 @pytest.mark.ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_attends_fresh_prompts_with_it(dtype, monkeypatch):
-    """ext/cpu's backend packs a fresh batch (starts, each row's own slot) for the kernel: within
-    float32 rounding of the core's masked path; a 16-dim head keeps SDPA (bit for bit there)."""
-    from minisgl.ext.cpu.speed import CausalMetadata, WideTorchAttnBackend
+@pytest.mark.parametrize("lens", [[(0, 70), (0, 3), (0, 33)], [(5, 70), (0, 3), (40, 33)]])
+def test_backend_attends_prompts_with_it(dtype, lens, monkeypatch):
+    """ext/cpu's backend packs a prompt batch (new tokens; keys: the cached prefix, then the
+    new tokens') for the kernel: within float32 rounding of the core's masked path; a 16-dim
+    head keeps SDPA's is_causal (fresh) or the mask (a prefix), bit for bit there."""
+    from minisgl.ext.cpu.speed import PromptMetadata, WideTorchAttnBackend
 
     calls = []
     op = torch.ops.minisgl.causal_attention
     monkeypatch.setattr(speed_ops(), "causal_attention", lambda *a: calls.append(1) or op(*a))
+    fresh = all(p == 0 for p, _ in lens)
     for dim in (64, 16):
-        batch, q, _, _ = make_problem(
-            [(0, 70), (0, 3), (0, 33)], 4, dim, dtype, False, torch.device("cpu")
-        )
+        batch, q, _, _ = make_problem(lens, 4, dim, dtype, False, torch.device("cpu"))
         wide = WideTorchAttnBackend()
         wide.prepare(batch)
         md = batch.attn_metadata
-        assert isinstance(md, CausalMetadata) and md.starts.tolist() == [0, 70, 73, 106]
-        assert torch.equal(md.slots, batch.out_loc)  # a fresh prompt's keys are its own rows
+        assert isinstance(md, PromptMetadata) and md.fresh == fresh
+        assert md.q_starts.tolist() == [0, 70, 73, 106]
+        assert md.k_starts.tolist() == [0, *itertools.accumulate(p + n for p, n in lens)]
+        if fresh:
+            assert torch.equal(md.k_slots, batch.out_loc)  # a fresh prompt's keys: its rows
         got = wide.forward(q, 0, 0.25, batch)
         plain = TorchAttnBackend()
         plain.prepare(batch)
@@ -124,9 +143,8 @@ def test_backend_attends_fresh_prompts_with_it(dtype, monkeypatch):
         if dim == 16:
             assert torch.equal(got, want.to(dtype))
         else:
-            torch.testing.assert_close(
-                got.float(), want, rtol=0, atol=2e-5 if dtype == torch.float32 else 0.02
-            )
+            atol = 2e-5 if dtype == torch.float32 else 0.02
+            torch.testing.assert_close(got.float(), want, rtol=0, atol=atol)
     assert len(calls) == 1  # the 64-dim heads only
 
 

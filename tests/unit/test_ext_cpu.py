@@ -230,13 +230,14 @@ def test_wide_attention_equals_the_plain_path_in_float32(decode) -> None:
 def test_fresh_prompts_attend_causally_bit_for_bit(lens, window, dtype) -> None:
     """ext/cpu attends prompts without a cached prefix with SDPA's is_causal instead of the
     core's mask (padded rows dropped): the same bits as the core's masked path."""
-    from minisgl.ext.cpu.speed import CausalMetadata, WideTorchAttnBackend
+    from minisgl.ext.cpu.speed import PromptMetadata, WideTorchAttnBackend
 
     batch, q, _, _ = make_problem(lens, 4, 16, dtype, False, torch.device("cpu"))
     wide = WideTorchAttnBackend(window)
     wide.prepare(batch)
     causal = all(c == 0 for c, _ in lens) and (window is None or window >= max(e for _, e in lens))
-    assert isinstance(batch.attn_metadata, CausalMetadata) == causal
+    md = batch.attn_metadata
+    assert (isinstance(md, PromptMetadata) and md.fresh) == causal
     got = wide.forward(q, 0, 0.25, batch)
     plain = TorchAttnBackend(window)
     plain.prepare(batch)

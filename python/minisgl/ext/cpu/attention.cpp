@@ -1,8 +1,10 @@
 // minisgl's CPU kernel for the attention of fresh prompts (ext/cpu/native.py builds and loads
 // it; ext/cpu/speed.py calls it through torch.ops.minisgl.causal_attention).
 //
-// out = softmax(scale q k^T, causal) v in float32 for a batch of prompts without a cached prefix,
-// packed: sequence b's rows are starts[b] .. starts[b + 1] of q [T, Hq, D], k and v [T, Hk, D].
+// out = softmax(scale q k^T, causal) v in float32 for a batch of prompts, packed: sequence b's
+// new tokens are rows q_starts[b] .. q_starts[b + 1] of q [T, Hq, D], its keys (a cached prefix,
+// then the new tokens') rows k_starts[b] .. k_starts[b + 1] of k and v [S, Hk, D]; a new token
+// sees the prefix and the new tokens up to itself.
 // A flash-attention loop: a work item is (sequence, kv head, 16 positions), its 16 x Hq / Hk
 // query rows (every q head of the kv head: K and V are read once for the group) against keys in
 // blocks of 64, up to its last position only (torch's CPU kernel computes whole 256 x 512 blocks
@@ -119,12 +121,13 @@ void weight_rows(int rows, const float* p, const float* v, int64_t v_row, int ke
 }
 
 struct Shape {
-  const int64_t* starts;
+  const int64_t *q_starts, *k_starts;
   int batch, q_heads, kv_heads, dim;
   int64_t q_row, kv_row;  // floats between positions of q and of k, v
   int group() const { return q_heads / kv_heads; }
-  int64_t length(int b) const { return starts[b + 1] - starts[b]; }
-  int64_t padded(int b) const { return (length(b) + kTileKeys - 1) / kTileKeys * kTileKeys; }
+  int64_t length(int b) const { return q_starts[b + 1] - q_starts[b]; }  // new tokens
+  int64_t keys(int b) const { return k_starts[b + 1] - k_starts[b]; }  // prefix + new tokens
+  int64_t padded(int b) const { return (keys(b) + kTileKeys - 1) / kTileKeys * kTileKeys; }
 };
 
 // K transposed per (sequence, kv head) and per 32 keys, zero past the sequence's end
@@ -138,9 +141,9 @@ std::vector<float> transposed_keys(const float* k, const Shape& s, std::vector<i
   for (int bh = 0; bh < s.batch * s.kv_heads; bh++) {
     const int b = bh / s.kv_heads, h = bh % s.kv_heads;
     for (int64_t j = 0; j < s.padded(b); j++) {
-      const float* src = k + (s.starts[b] + j) * s.kv_row + h * s.dim;
+      const float* src = k + (s.k_starts[b] + j) * s.kv_row + h * s.dim;
       float* dst = kt.data() + at[bh] + (j / kTileKeys) * kTileKeys * s.dim + j % kTileKeys;
-      for (int d = 0; d < s.dim; d++) dst[d * kTileKeys] = j < s.length(b) ? src[d] : 0.0f;
+      for (int d = 0; d < s.dim; d++) dst[d * kTileKeys] = j < s.keys(b) ? src[d] : 0.0f;
     }
   }
   return kt;
@@ -181,7 +184,8 @@ void softmax_step(Rows& w, int i, int valid, int keys, int dim) {
 void attend_item(const float* q, const float* kt, const float* v, float* out, const Shape& s,
                  int b, int h, int r0, float log2_scale, Rows& w) {
   const int group = s.group(), dim = s.dim;
-  const int64_t base = s.starts[b];
+  const int64_t base = s.q_starts[b];
+  const int prefix = static_cast<int>(s.keys(b) - s.length(b));  // keys before the new tokens
   const int r1 = static_cast<int>(std::min<int64_t>(r0 + kPositions, s.length(b)));
   const int rows = (r1 - r0) * group;
   for (int i = 0; i < rows; i++) {
@@ -191,13 +195,14 @@ void attend_item(const float* q, const float* kt, const float* v, float* out, co
   std::fill(w.o.begin(), w.o.begin() + rows * dim, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, -INFINITY);
   std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
-  const float* vh = v + base * s.kv_row + h * dim;
-  for (int k0 = 0; k0 < r1; k0 += kKeys) {  // keys up to the item's last position
-    const int keys = std::min(kKeys, r1 - k0);
+  const float* vh = v + s.k_starts[b] * s.kv_row + h * dim;
+  const int last = prefix + r1;  // keys up to the item's last position
+  for (int k0 = 0; k0 < last; k0 += kKeys) {
+    const int keys = std::min(kKeys, last - k0);
     for (int t = 0; t * kTileKeys < keys; t++)
       score_rows(rows, w.q.data(), dim, kt + (k0 + t * kTileKeys) * dim, &w.s[t * kTileKeys]);
     for (int i = 0; i < rows; i++) {
-      const int valid = std::min(keys, r0 + i / group - k0 + 1);
+      const int valid = std::min(keys, prefix + r0 + i / group - k0 + 1);
       if (valid > 0) {
         softmax_step(w, i, valid, keys, dim);
       } else {  // the block lies after this row's position
@@ -217,19 +222,22 @@ void attend_item(const float* q, const float* kt, const float* v, float* out, co
 
 extern "C" {
 
-// out [T, Hq, D] (contiguous); q's positions q_row floats apart, k's and v's kv_row; D % 64 == 0
+// out [T, Hq, D] (contiguous); q's positions q_row floats apart, k's and v's kv_row; D % 64 == 0;
+// each sequence has at least as many keys as new tokens
 void causal_attention(const float* q, int64_t q_row, const float* k, const float* v,
-                      int64_t kv_row, float* out, const int64_t* starts, int batch, int q_heads,
-                      int kv_heads, int dim, float scale, int threads) {
-  const Shape s = {starts, batch, q_heads, kv_heads, dim, q_row, kv_row};
+                      int64_t kv_row, float* out, const int64_t* q_starts,
+                      const int64_t* k_starts, int batch, int q_heads, int kv_heads, int dim,
+                      float scale, int threads) {
+  const Shape s = {q_starts, k_starts, batch, q_heads, kv_heads, dim, q_row, kv_row};
   std::vector<int64_t> kt_at;
   const std::vector<float> kt = transposed_keys(k, s, kt_at, threads);
-  struct Item { int b, h, r0; };
-  std::vector<Item> items;  // the longest first: dynamic scheduling then ends evenly
+  struct Item { int b, h, r0; int64_t keys; };
+  std::vector<Item> items;  // the most keys first: dynamic scheduling then ends evenly
   for (int b = 0; b < batch; b++)
     for (int r0 = 0; r0 < s.length(b); r0 += kPositions)
-      for (int h = 0; h < kv_heads; h++) items.push_back({b, h, r0});
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.r0 > y.r0; });
+      for (int h = 0; h < kv_heads; h++) items.push_back({b, h, r0, s.keys(b) - s.length(b) + r0});
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.keys > y.keys; });
   const float log2_scale = scale * 1.4426950408889634f;
 #pragma omp parallel num_threads(threads)
   {

@@ -129,7 +129,12 @@ def qdot_mm_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
 
 
 def causal_attention_shape(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_starts: torch.Tensor,
+    k_starts: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 
@@ -140,9 +145,11 @@ def causal_attention_shape(
 _LIBRARY = torch.library.Library("minisgl", "FRAGMENT")
 _LIBRARY.define("qdot_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 torch.library.register_fake(OP, qdot_mm_shape, lib=_LIBRARY)
-# q [T, Hq, D], k and v [T, Hk, D] float32, starts int64 [B + 1]: T rows of B fresh prompts
+# q [T, Hq, D], k and v [S, Hk, D] float32, q_starts and k_starts int64 [B + 1]: B prompts' T
+# new tokens against their S keys (each a cached prefix, then its new tokens')
 _LIBRARY.define(
-    "causal_attention(Tensor q, Tensor k, Tensor v, Tensor starts, float scale) -> Tensor"
+    "causal_attention(Tensor q, Tensor k, Tensor v, Tensor q_starts, Tensor k_starts, "
+    "float scale) -> Tensor"
 )
 torch.library.register_fake("minisgl::causal_attention", causal_attention_shape, lib=_LIBRARY)
 # fused.cpp's float32 kernels for eager steps (fused.py never calls them while compiling): x

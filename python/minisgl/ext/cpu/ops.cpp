@@ -11,8 +11,9 @@ extern "C" void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* co
                         const uint16_t* scales, int bits, int half, uint16_t* y, int out,
                         int threads);
 extern "C" void causal_attention(const float* q, int64_t q_row, const float* k, const float* v,
-                                 int64_t kv_row, float* out, const int64_t* starts, int batch,
-                                 int q_heads, int kv_heads, int dim, float scale, int threads);
+                                 int64_t kv_row, float* out, const int64_t* q_starts,
+                                 const int64_t* k_starts, int batch, int q_heads, int kv_heads,
+                                 int dim, float scale, int threads);
 extern "C" void rotate(const float* x, int64_t x_row, const float* table, float* out, int64_t rows,
                        int heads, int dim, int threads);
 extern "C" void silu_and_mul(const float* x, int64_t x_row, float* out, int64_t rows, int64_t cols,
@@ -47,29 +48,36 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& starts, double scale) {
+                     const at::Tensor& q_starts, const at::Tensor& k_starts, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
-              "causal_attention: q must be [T, Hq, D], k and v [T, Hk, D]");
+              "causal_attention: q must be [T, Hq, D], k and v [S, Hk, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat, "causal_attention: q, k and v must be float32");
   const int64_t tokens = q.size(0), q_heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
-  TORCH_CHECK(k.size(0) == tokens && k.size(2) == dim && dim % 64 == 0 &&
-                  q_heads % kv_heads == 0, "causal_attention: shapes do not fit");
+  TORCH_CHECK(k.size(2) == dim && dim % 64 == 0 && q_heads % kv_heads == 0,
+              "causal_attention: shapes do not fit");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == dim && v.strides() == k.strides(),
               "causal_attention: k's and v's heads must be dense, with the same strides");
-  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.dim() == 1 && starts.is_contiguous() &&
-                  starts.size(0) >= 2, "causal_attention: starts must be int64 [B + 1]");
-  const int64_t* bounds = starts.const_data_ptr<int64_t>();
-  TORCH_CHECK(bounds[0] == 0 && bounds[starts.size(0) - 1] == tokens,
-              "causal_attention: starts must run from 0 to T");
+  for (const at::Tensor* starts : {&q_starts, &k_starts}) {
+    TORCH_CHECK(starts->scalar_type() == at::kLong && starts->dim() == 1 &&
+                    starts->is_contiguous() && starts->size(0) == q_starts.size(0) &&
+                    starts->size(0) >= 2, "causal_attention: starts must be int64 [B + 1]");
+  }
+  const int64_t batch = q_starts.size(0) - 1;
+  const int64_t *qs = q_starts.const_data_ptr<int64_t>(), *ks = k_starts.const_data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[batch] == tokens && ks[0] == 0 && ks[batch] == k.size(0),
+              "causal_attention: starts must run from 0 to T (q) and to S (k)");
+  for (int64_t b = 0; b < batch; b++) {
+    TORCH_CHECK(qs[b + 1] >= qs[b] && ks[b + 1] - ks[b] >= qs[b + 1] - qs[b],
+                "causal_attention: a sequence has fewer keys than new tokens");
+  }
   // q may be a view of the QKV projection's output: its positions need not be adjacent
   const bool dense = q.stride(2) == 1 && q.stride(1) == dim;
   const at::Tensor qd = dense ? q : q.contiguous();
   at::Tensor out = at::empty({tokens, q_heads, dim}, q.options());
   causal_attention(qd.const_data_ptr<float>(), qd.stride(0), k.const_data_ptr<float>(),
-                   v.const_data_ptr<float>(), k.stride(0), out.data_ptr<float>(), bounds,
-                   starts.size(0) - 1, q_heads, kv_heads, dim, static_cast<float>(scale),
-                   at::get_num_threads());
+                   v.const_data_ptr<float>(), k.stride(0), out.data_ptr<float>(), qs, ks, batch,
+                   q_heads, kv_heads, dim, static_cast<float>(scale), at::get_num_threads());
   return out;
 }
 

@@ -4,10 +4,10 @@ follows q in the QKV output (bit for bit the core's path); attention in float32 
 (bit for bit); prompts without a cached prefix attended with SDPA's `is_causal` instead of a mask
 (the flash kernel then skips the blocks above the diagonal: a 1,000-token prompt's attention 1.6x
 faster, the same bits) or, where minisgl's CPU kernels run (`native.py`), with its own causal
-kernel (`attention.cpp`: within float32 rounding of SDPA's, 1.5-1.9x faster again); and a float32
-model's RMSNorm and SiLU through fused kernels (`fused.py`). `cpu_engine` (the
-`decoder_transform` point) installs them into each built cpu engine before
---enable-torch-compile compiles its decoder."""
+kernel (`attention.cpp`: within float32 rounding of SDPA's, 1.5-1.9x faster again), which also
+takes prompts with a cached prefix (else masked); and a float32 model's RMSNorm and SiLU through
+fused kernels (`fused.py`). `cpu_engine` (the `decoder_transform` point) installs them into each
+built cpu engine before --enable-torch-compile compiles its decoder."""
 
 from __future__ import annotations
 
@@ -111,48 +111,71 @@ def rotate(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class CausalMetadata(TorchAttnMetadata):
-    """A batch of prompts none of which has a cached prefix: its queries and keys start at one
-    position, so SDPA's top-left `is_causal` masks exactly what the mask would (padded rows
-    see more, and are dropped). The native kernel reads the batch packed instead."""
+class PromptMetadata(TorchAttnMetadata):
+    """A batch of prompts whose keys all lie in the sliding window, packed for the native kernel
+    (each prompt's new tokens, and its keys: a cached prefix, then the new tokens'). Without a
+    cached prefix (`fresh`) the mask is dropped: queries and keys then start at one position,
+    so SDPA's top-left `is_causal` masks exactly what it would (padded rows see more, and are
+    dropped); with one, the core's masked path is the fallback."""
 
-    starts: torch.Tensor  # int64 [B + 1]: each prompt's first row of the batch, then T
-    slots: torch.Tensor  # [T] each row's own KV slot (a fresh prompt's keys are its rows')
+    fresh: bool
+    q_starts: torch.Tensor  # int64 [B + 1]: each prompt's first new token in the batch, then T
+    k_starts: torch.Tensor  # int64 [B + 1]: the same over the keys, then S
+    k_slots: torch.Tensor  # [S] each key's KV slot
 
 
 class WideTorchAttnBackend(TorchAttnBackend):
     """The torch backend with q, K and V widened to float32 (a no-op for float32 models): on
     CPU torch's 16-bit SDPA is 2-3x slower at decode sizes than widening first (widening is
-    exact; the sums were float32 already). Fresh prompts take `CausalMetadata`."""
+    exact; the sums were float32 already). Prompts take `PromptMetadata`: the native kernel
+    where it runs and the head size is a multiple of 64, else SDPA's `is_causal` when fresh."""
 
     def prepare(self, batch: Batch) -> None:
         super().prepare(batch)
-        md = TorchAttnMetadata.of(batch)
+        md, window = TorchAttnMetadata.of(batch), self.sliding_window
+        kv_lens = [r.cached_len + r.extend_len for r in batch.reqs]
+        if md.max_q_len == 1 or (window is not None and max(kv_lens) > window):
+            return
         fresh = all(r.cached_len == 0 for r in batch.reqs)
-        window = self.sliding_window
-        if md.max_q_len > 1 and fresh and (window is None or md.max_q_len <= window):
-            starts = torch.tensor([0, *itertools.accumulate(r.extend_len for r in batch.reqs)])
-            slots = md.kv_slots.reshape(-1)[md.q_index]  # fresh: max_kv_len == max_q_len
-            batch.attn_metadata = CausalMetadata(
-                md.kv_slots, None, md.q_index, md.max_q_len, starts, slots
-            )
+        q_starts = torch.tensor([0, *itertools.accumulate(r.extend_len for r in batch.reqs)])
+        k_starts = torch.tensor([0, *itertools.accumulate(kv_lens)])
+        held = torch.arange(md.kv_slots.shape[1]) < torch.tensor(kv_lens)[:, None]
+        mask = None if fresh else md.mask
+        batch.attn_metadata = PromptMetadata(
+            md.kv_slots, mask, md.q_index, md.max_q_len, fresh, q_starts, k_starts,
+            md.kv_slots[held],
+        )  # fmt: skip
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
-        if not isinstance(batch.attn_metadata, CausalMetadata):
-            return super().forward(q.float(), layer_id, scale, batch).to(q.dtype)
-        return causal_attention(q.float(), layer_id, scale, batch.attn_metadata).to(q.dtype)
+        md, wide = batch.attn_metadata, q.float()
+        if isinstance(md, PromptMetadata) and native_fits(q):
+            out = native_attention(wide, layer_id, scale, md)
+        elif isinstance(md, PromptMetadata) and md.fresh:
+            out = causal_attention(wide, layer_id, scale, md)
+        else:
+            out = super().forward(wide, layer_id, scale, batch)
+        return out.to(q.dtype)
+
+
+def native_fits(q: torch.Tensor) -> bool:
+    return q.shape[2] % 64 == 0 and native.native_kernel() is not None
+
+
+def native_attention(
+    q: torch.Tensor, layer_id: int, scale: float, md: PromptMetadata
+) -> torch.Tensor:
+    """The prompts through attention.cpp, each new token against its prompt's keys up to it."""
+    pools = get_global_ctx().kv_cache
+    keys = pools.k_flat(layer_id).index_select(0, md.k_slots).to(q.dtype)
+    values = pools.v_flat(layer_id).index_select(0, md.k_slots).to(q.dtype)
+    return torch.ops.minisgl.causal_attention(q, keys, values, md.q_starts, md.k_starts, scale)
 
 
 def causal_attention(
-    q: torch.Tensor, layer_id: int, scale: float, md: CausalMetadata
+    q: torch.Tensor, layer_id: int, scale: float, md: PromptMetadata
 ) -> torch.Tensor:
-    """`TorchAttnBackend.forward` of a fresh prompt batch, causal by `is_causal`, or by the
-    native kernel where it runs and the head size is a multiple of 64."""
+    """`TorchAttnBackend.forward` of a fresh prompt batch, causal by `is_causal`."""
     pools = get_global_ctx().kv_cache
-    if q.shape[2] % 64 == 0 and native.native_kernel() is not None:
-        keys = pools.k_flat(layer_id).index_select(0, md.slots).to(q.dtype)
-        values = pools.v_flat(layer_id).index_select(0, md.slots).to(q.dtype)
-        return torch.ops.minisgl.causal_attention(q, keys, values, md.starts, scale)
     slots, (bsz, length), (_, heads, dim) = md.kv_slots, md.kv_slots.shape, q.shape
     keys = gather_kv(pools.k_flat(layer_id), slots, q.dtype)
     values = gather_kv(pools.v_flat(layer_id), slots, q.dtype)
