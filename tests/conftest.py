@@ -26,6 +26,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
+from support.cache import KERNELS_ENV, link_kernels, shared_kernels
 from support.models import save_model
 from support.server import Server, SharedServers, alive, descendants, kill_tracked
 
@@ -187,9 +188,11 @@ def core_alone(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def minisgl_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Conversions (GGUF, packed layers) go to a cache of this session's, shared by its tests
-    and the servers they start, never to the user's ~/.cache/minisgl."""
-    cache = str(tmp_path_factory.mktemp("minisgl-cache"))
+    and the servers they start, never to the user's ~/.cache/minisgl; the native kernels to
+    one folder of the whole run (support/cache.py: built once, not once a worker)."""
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KERNELS_ENV, shared_kernels(str(tmp_path_factory.getbasetemp())))
+        cache = link_kernels(tmp_path_factory.mktemp("minisgl-cache"))
         mp.setenv("MINISGL_CACHE_DIR", cache)
         yield cache
     shutil.rmtree(cache)  # the embedded model's entry: 162 MB (700 with its float32 copy)

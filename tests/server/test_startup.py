@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from support.cache import link_kernels
 from support.server import REPO, make_tiny_model
 
 # `python -m minisgl ARGS...` run as runpy does it, writing the modules this (the shell's)
@@ -62,7 +63,7 @@ def test_a_gguf_converts_at_the_first_start_of_the_cli(tmp_path) -> None:
     path = str(tmp_path / "tiny.gguf")
     write_gguf("llama", path, with_tokenizer=True)
     cache = tmp_path / "cache"
-    env = dict(os.environ, MINISGL_CACHE_DIR=str(cache))
+    env = dict(os.environ, MINISGL_CACHE_DIR=link_kernels(cache))  # the run's built kernels
     script = "import runpy; runpy.run_module('minisgl', run_name='__main__', alter_sys=True)"
     args = ("--model", path, "--shell", "--page-size", "4", "--max-model-len", "64")
     done = run_cli(script, *args, env=env)
@@ -107,7 +108,8 @@ def test_bench_startup_reports_each_start(model_dir: str, tmp_path) -> None:
     rows = str(tmp_path / "rows.jsonl")
     bench = os.path.join(REPO, "benchmark", "offline", "bench_startup.py")
     cmd = [sys.executable, bench, "--model", model_dir, "--no-cold", "--warm", "1"]
-    cmd += ["--json", rows, "--cache-dir", str(tmp_path / "cache"), "--", "--page-size", "4"]
+    cache = link_kernels(tmp_path / "cache")  # a warm start: the run's kernels are built
+    cmd += ["--json", rows, "--cache-dir", cache, "--", "--page-size", "4"]
     cmd += ["--max-model-len", "64"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
     assert done.returncode == 0, done.stderr

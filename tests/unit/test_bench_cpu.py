@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(SCRIPT))
 
 from bench_cpu import random_prompt, report  # noqa: E402
 
+from support.cache import link_kernels  # noqa: E402
 from support.gguf_files import write_gguf  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def test_smoke_on_a_tiny_gguf(tmp_path):
     path = str(tmp_path / "tiny.gguf")
     write_gguf("llama", path, with_tokenizer=True)
     out_json = str(tmp_path / "out.jsonl")
-    env = {**os.environ, "MINISGL_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "MINISGL_CACHE_DIR": link_kernels(tmp_path / "cache")}  # built kernels
     cmd = [sys.executable, SCRIPT, "--model", path, "--decode-tokens", "16"]
     cmd += ["--prompt-tokens", "16", "--repeats", "1", "--json", out_json]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

@@ -1,0 +1,32 @@
+"""The native CPU kernels (`minisgl/ext/cpu/native.py`) built once for a whole test run: every
+MINISGL_CACHE_DIR the tests make (each worker's session cache, a test's own, an inner pytest's)
+holds `kernels/` as a link to one folder of the run, named by KERNELS_ENV (inherited by the
+servers and subprocesses the tests start), so a process that needs the kernels loads what
+another built (~10 s of one core a build: a fresh cache built them again in every pytest
+worker, every test with a cache of its own and every inner pytest run). Builds write a
+temporary file and rename it, so two processes building at once are safe; the tests of the
+build itself (test_native_kernel's `fresh_kernel`) use a cache without the link."""
+
+from __future__ import annotations
+
+import os
+
+KERNELS_ENV = "MINISGL_TESTS_KERNELS"
+
+
+def shared_kernels(basetemp: str) -> str:
+    """The run's kernels folder: the inherited one (an inner pytest), else one beside the
+    pytest workers' base temporary folders (`basetemp`: this process's)."""
+    if inherited := os.environ.get(KERNELS_ENV):
+        return inherited
+    root = os.path.dirname(basetemp) if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
+    return os.path.join(root, "kernels")
+
+
+def link_kernels(cache: str | os.PathLike[str]) -> str:
+    """`cache` (created if absent) with `kernels/` linked to the run's folder; `cache` as str."""
+    shared = os.environ[KERNELS_ENV]  # set by tests/conftest.py's minisgl_cache
+    os.makedirs(shared, exist_ok=True)  # a link to no folder would fail the build's makedirs
+    os.makedirs(cache, exist_ok=True)
+    os.symlink(shared, os.path.join(cache, "kernels"))
+    return str(cache)
