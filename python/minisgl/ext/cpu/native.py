@@ -108,7 +108,7 @@ def native_kernel() -> ctypes.CDLL | None:
         return None
     cxx = compiler()
     if cxx is None:
-        print("minisgl: no C++ compiler (CXX); torch's int4 kernels instead", file=sys.stderr)
+        print("minisgl: no C++ compiler (CXX); torch's kernels instead", file=sys.stderr)
         return None
     path = library_path(cxx)
     try:
@@ -119,7 +119,7 @@ def native_kernel() -> ctypes.CDLL | None:
         remove_quietly(path)  # a file that does not load is built again at the next start
         detail = getattr(e, "stderr", None) or str(e)
         line = detail.strip().splitlines()[0] if detail.strip() else type(e).__name__
-        print(f"minisgl: the native CPU kernel did not build or load ({line}); torch's int4 "
+        print(f"minisgl: the native CPU kernels did not build or load ({line}); torch's "
               "kernels instead", file=sys.stderr)  # fmt: skip
         return None
 
