@@ -8,9 +8,11 @@
   how these layers take over the model's projections;
 - `policy.py`: `--dtype auto` on cpu (bf16 where the CPU computes it and the weights are
   quantized), the `--quantization` rule, the start line;
-- `speed.py`: the torch path's CPU speed paths (RoPE from a table, looked up once a forward;
-  attention widened to float32; fresh prompts attended by `is_causal`), each bit for bit the
-  core's plain path, in every cpu engine;
+- `speed.py`: the torch path's CPU speed paths in every cpu engine (RoPE from a table, looked
+  up once a forward; attention widened to float32; fresh prompts attended by `is_causal`), each
+  bit for bit the core's plain path; where `native.py`'s C++ kernels run, prompts' attention
+  (`attention.cpp`) and a float32 model's RMSNorm and SiLU (`fused.py`) within float32 rounding
+  of it instead; `native.py` also holds the quantized layers' AVX512-VNNI kernel (`qdot.cpp`);
 - `aot.py`: `--cpu-compile`, the decoder layers of decode steps (one request's, a batch's)
   compiled ahead of time (AOTInductor) once and kept in the cache: the default for a quantized
   model, and for a dense model's batches;

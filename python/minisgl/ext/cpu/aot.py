@@ -145,7 +145,7 @@ def aot_kinds(engine: Any) -> tuple[type[LayerStep], ...]:
     """The kinds of decode step whose layers run compiled: both under --cpu-compile aot, or
     auto on a quantized model; auto on a dense one (`--quantization none`, the exact path in
     float32) only batches, whose rows round otherwise than one request's under F.linear as
-    well: one request's steps keep transformers' bits. None under MINISGL_CPU_AOT=0 (e.g. tests
+    well: one request's steps keep transformers' projections bit for bit. None under MINISGL_CPU_AOT=0 (e.g. tests
     that build many engines), off a cpu engine whose layers one graph can hold
     (--enable-torch-compile's checks) with the speed paths' RoPE table (`speed.TableRotary`),
     and where another extension wrapped the model's transform (LoRA's layers read each step's
