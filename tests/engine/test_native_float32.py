@@ -253,3 +253,24 @@ def test_float32_engines_install_the_fused_modules(model_dirs):
             probe = torch.compile(lambda t: t + 1 if fused_ready(t) else t - 1, fullgraph=True)
             assert torch.equal(probe(x), x - 1) and fused_ready(x)
         llm.shutdown()
+
+
+@pytest.mark.ext
+def test_fused_norm_updates_the_callers_residual_dense_or_not():
+    """FusedRMSNorm's residual add lands in the caller's residual: in place when both are dense,
+    through the core's path when the residual is a strided view (a copy would lose the sum)."""
+    from minisgl.ext.cpu.fused import FusedRMSNorm
+    from minisgl.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(7)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64, generator=gen)
+    norm.__class__ = FusedRMSNorm
+    for wide in (64, 80):  # 80: the residual is a view with rows 80 floats apart
+        x = torch.randn(6, 64, generator=gen)
+        residual = torch.randn(6, wide, generator=gen)[:, :64]
+        summed = residual + x
+        out, new_residual = norm(x.clone(), residual)
+        assert new_residual is residual and torch.equal(residual, summed)
+        want = norm.weight * F.rms_norm(summed, (64,), None, 1e-6)
+        torch.testing.assert_close(out, want)

@@ -34,10 +34,11 @@ class FusedRMSNorm(RMSNorm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None or not (fused_ready(x) and x.is_contiguous()):
+        dense = residual is not None and x.is_contiguous() and residual.is_contiguous()
+        if residual is None or not (dense and fused_ready(x)):
             return super().forward(x, residual)
-        # residual += x, x = the normed sum, as the core's path
-        torch.ops.minisgl.add_rms_norm_(x, residual.contiguous(), self.weight, self.eps)
+        # in place, as the core's path: residual += x, x = the normed sum
+        torch.ops.minisgl.add_rms_norm_(x, residual, self.weight, self.eps)
         return x, residual
 
 

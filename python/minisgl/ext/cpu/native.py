@@ -47,7 +47,7 @@ FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp
 NEEDS = ("avx512f", "avx512bw", "avx512_vnni")  # /proc/cpuinfo's names
 TILE_ROWS, BLOCK = 16, 32  # a tile's output rows; a block's inputs
 FOUR_BIT_BYTES = 256  # a tile's codes of one block at 4 bits (512 at 8)
-OP = "minisgl::qdot_mm"  # registered with "minisgl::causal_attention"
+OP = "minisgl::qdot_mm"  # stands for every op ops.cpp registers (all at once)
 
 
 def compiler() -> str | None:
@@ -83,8 +83,8 @@ def build(cxx: str, path: str) -> None:
 
 
 def load(path: str) -> ctypes.CDLL | None:
-    """The library, its kernels registered for `OP` and the attention (once a process: a second file of the same
-    kernel, another cache directory's, is not registered again); None off a VNNI CPU."""
+    """The library, ops.cpp's kernels registered (once a process: a second file of the same
+    kernels, another cache directory's, is not registered again); None off a VNNI CPU."""
     lib = ctypes.CDLL(path)
     if not lib.qdot_supported():
         return None

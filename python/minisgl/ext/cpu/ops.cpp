@@ -94,9 +94,10 @@ at::Tensor as_rows(const at::Tensor& x) {
 
 at::Tensor rotate_op(const at::Tensor& x, const at::Tensor& table) {
   check_float(x, "rotate", "x");
+  TORCH_CHECK(x.dim() == 3, "rotate: x must be [T, H, D]");
   const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
-  TORCH_CHECK(x.dim() == 3 && x.stride(1) == dim && dim % 32 == 0,
-              "rotate: x must be [T, H, D] with dense heads, D % 32 == 0");
+  TORCH_CHECK(x.stride(1) == dim && dim % 32 == 0,
+              "rotate: x's heads must be dense, D % 32 == 0");
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() &&
                   table.sizes() == at::IntArrayRef({rows, 2, dim}),
               "rotate: table must be contiguous float32 [T, 2, D]");
