@@ -312,6 +312,10 @@ class Extensions:
     # () -> None, in each server process (and `LLM(tp=N)`'s ranks) once it is ready: ext/serving
     # freezes the start-up heap for the garbage collector (None: Python's collector as it is)
     process_ready: Callable[[], None] | None = None
+    # () -> None, in a process about to import transformers (`models.hf.transformers_without_torch`,
+    # first thing in each server process): ext/perf keeps transformers' index of its modules on
+    # disk (None: transformers reads its ~3,000 model files at each import, ~0.6 s of CPU)
+    before_transformers: Callable[[], None] | None = None
     # a message type the scheduler process does not know -> (its `scheduler.io.SchedulerServer`,
     # the message) -> None: ext/serving's /flush_cache (none: each is logged and dropped)
     scheduler_messages: dict[type, Callable[[Any, Any], None]] = field(default_factory=dict)

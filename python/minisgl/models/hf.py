@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterable
 from typing import Any
 
+from minisgl.extension import extensions
 from minisgl.models.config import token_ids
 
 
@@ -17,6 +19,8 @@ def transformers_without_torch() -> None:
     Its models are then unavailable, torch stays importable; a no-op once either is imported."""
     if "transformers" in sys.modules or "torch" in sys.modules:
         return
+    if (before := extensions().before_transformers) is not None:
+        before()
     quiet = "TRANSFORMERS_NO_ADVISORY_WARNINGS"  # its notice that models are unavailable
     was = os.environ.get(quiet)
     sys.modules["torch"] = None  # type: ignore[assignment]  # find_spec and import: no torch
@@ -53,12 +57,10 @@ def load_tokenizer(model_path: str) -> Any | None:
 def eos_token_ids(model_path: str, config_ids: Iterable[int], tokenizer: Any | None) -> set[int]:
     """EOS ids from the model config (`config_ids`), generation_config.json and the tokenizer."""
     ids = set(config_ids)
-    try:
+    with contextlib.suppress(OSError):  # no generation_config.json
         from transformers import GenerationConfig
 
         ids.update(token_ids(GenerationConfig.from_pretrained(model_path).eos_token_id))
-    except OSError:
-        pass  # no generation_config.json
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

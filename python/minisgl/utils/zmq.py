@@ -34,10 +34,7 @@ class _Queue:
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.LINGER, _PUSH_LINGER_MS if self.kind == zmq.PUSH else 0)
-        if create:
-            self.socket.bind(addr)
-        else:
-            self.socket.connect(addr)
+        (self.socket.bind if create else self.socket.connect)(addr)
 
     def close(self) -> None:
         self.socket.close()

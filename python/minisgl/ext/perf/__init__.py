@@ -7,13 +7,17 @@ Hopper (`auto_prefill`); `tables.py` sends a step's page- and token-table writes
 at its head (the `table_writes` point); `chunks.py` writes a stream's chunk of a choice no
 extension shapes as one format (the `stream_chunks` point); `offline.py` gives `LLM` 32k-token
 prompt chunks on a GPU of >= 70 GiB (the `llm_defaults` point) and no automatic garbage
-collection while it steps (the `offline_run` point). Without this package every prefill runs
+collection while it steps (the `offline_run` point); `transformers_index.py` keeps on disk the
+index of its modules that transformers builds at each import (the `before_transformers` point:
+~0.6 s of CPU in each server process's start). Without this package every prefill runs
 eagerly, each table write is a copy of its own, each chunk is a dict encoded, `LLM` keeps the
-server's 8192-token chunks and the collector, --attn auto's prefill stays Triton's, and the
-flag and a backend pair are refused naming it. The engine's parts (torch) are imported when the engine makes them (`Lazy`): the
-processes without an engine load this registry without torch."""
+server's 8192-token chunks and the collector, transformers indexes itself at each import,
+--attn auto's prefill stays Triton's, and the flag and a backend pair are refused naming it.
+The engine's parts (torch) are imported when the engine makes them (`Lazy`): the processes
+without an engine load this registry without torch."""
 
 from minisgl.ext.lazy import Lazy
+from minisgl.ext.perf import transformers_index
 from minisgl.ext.perf.options import PerfOptions
 from minisgl.extension import extensions
 
@@ -26,3 +30,4 @@ _points.auto_prefill = Lazy("minisgl.ext.perf.hybrid", "hopper_prefill")
 _points.stream_chunks = Lazy("minisgl.ext.perf.chunks", "PlainChunks")
 _points.llm_defaults = Lazy("minisgl.ext.perf.offline", "offline_defaults")
 _points.offline_run = Lazy("minisgl.ext.perf.offline", "no_collection")
+_points.before_transformers = transformers_index.install
