@@ -72,18 +72,31 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= tol * max(scale, 1.0), f"max error {err:.3g} > {tol} x scale {scale:.3g}"
 
 
-# interpreter configs: the heuristic (None), a 2-way split of K with a ragged last split, and
-# the tensor-core path with a split; N and K below are multiples of none of the blocks
+# interpreter configs: the heuristic (None), a 2-way split of K with a ragged last split (two
+# tiles a split, both read before the wait; the last split's second one all masked), K in three
+# tiles (two early, a ragged third), and the tensor-core path with a split; N and K below are
+# multiples of none of the blocks
 def cpu_configs(gemv):
     return {
         "heuristic": None,
         "split": gemv.GemvConfig(block_n=8, block_k=32, split_k=2),
+        "three_tiles": gemv.GemvConfig(block_n=4, block_k=32),
         "dot_split": gemv.GemvConfig(block_n=16, block_k=32, split_k=2, dot=True),
     }
 
 
+def test_two_early_tiles_rule(gemv):
+    """Two weight tiles before the wait exactly when a program's K is two or three FMA tiles:
+    the interpreter configs above take it (K 72: splits of 64, or 96 in one)."""
+    cfgs = cpu_configs(gemv)
+    assert gemv.two_early(cfgs["split"], 64) and gemv.two_early(cfgs["three_tiles"], 96)
+    assert not gemv.two_early(cfgs["three_tiles"], 32)  # one tile
+    assert not gemv.two_early(cfgs["three_tiles"], 128)  # four: Qwen3-8B's lost with it
+    assert not gemv.two_early(cfgs["dot_split"], 64)  # the dot path pipelines its own loads
+
+
 @pytest.mark.skipif(CUDA, reason="the interpreter's shapes; CUDA runs the model's")
-@pytest.mark.parametrize("config", ["heuristic", "split", "dot_split"])
+@pytest.mark.parametrize("config", ["heuristic", "split", "three_tiles", "dot_split"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_interpreted(gemv, dtype, config):
     cfg = cpu_configs(gemv)[config]

@@ -6,8 +6,11 @@ first weight tile; one request's decode attention, its first block of KV). In a 
 
 The rule every kernel launched with `launch_pdl` keeps: nothing another kernel writes is read,
 and nothing at all is written, before `wait_for_previous`. The wait also lets the next kernel
-launch, so at most one kernel waits ahead of the running one. Kernels launched without PDL (torch
-ops, cuBLAS) keep the full stream order, so mixing both is safe.
+launch; kernels of one wave (norms, decode attention) let it launch before they wait (EARLY),
+so a GEMV after them reads its first weights while they wait and run. Safe: a kernel launches
+only once every program of the one before has started, so all that it waits for holds its SMs
+already. Kernels launched without PDL (torch ops, cuBLAS) keep the full stream order, so mixing
+both is safe.
 
 Why: one decode stream runs ~280 small kernels per step; each one's launch and ramp-up is time
 the GPU reads no weights. MINISGL_DISABLE_PDL=1 turns it off (the ablation)."""
@@ -24,11 +27,16 @@ from minisgl.kernel import flags
 
 
 @triton.jit
-def wait_for_previous(PDL: tl.constexpr):
-    """With PDL: wait until the previous kernel has finished, then let the next one launch."""
+def wait_for_previous(PDL: tl.constexpr, EARLY: tl.constexpr = False):
+    """With PDL: wait until the previous kernel has finished, then let the next one launch.
+    EARLY (kernels of one wave: norms, attention): let the next one launch first, so that it
+    reads its weights while this one waits and runs."""
     if PDL:
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @functools.cache
