@@ -5,7 +5,10 @@ servers and subprocesses the tests start), so a process that needs the kernels l
 another built (~10 s of one core a build: a fresh cache built them again in every pytest
 worker, every test with a cache of its own and every inner pytest run). Builds write a
 temporary file and rename it, so two processes building at once are safe; the tests of the
-build itself (test_native_kernel's `fresh_kernel`) use a cache without the link."""
+build itself (test_native_kernel's `fresh_kernel`) use a cache without the link. The same for
+transformers' index of its modules (`minisgl/ext/perf/transformers_index.py`, ~0.6 s of CPU in
+each process of a server's first start with a fresh cache): `transformers/`, linked to a folder
+beside the kernels' (test_transformers_index's caches have no link)."""
 
 from __future__ import annotations
 
@@ -24,9 +27,12 @@ def shared_kernels(basetemp: str) -> str:
 
 
 def link_kernels(cache: str | os.PathLike[str]) -> str:
-    """`cache` (created if absent) with `kernels/` linked to the run's folder; `cache` as str."""
+    """`cache` (created if absent) with `kernels/` and `transformers/` linked to the run's
+    folders; `cache` as str."""
     shared = os.environ[KERNELS_ENV]  # set by tests/conftest.py's minisgl_cache
-    os.makedirs(shared, exist_ok=True)  # a link to no folder would fail the build's makedirs
+    index = os.path.join(os.path.dirname(shared), "transformers-index")
     os.makedirs(cache, exist_ok=True)
-    os.symlink(shared, os.path.join(cache, "kernels"))
+    for name, folder in (("kernels", shared), ("transformers", index)):
+        os.makedirs(folder, exist_ok=True)  # a link to no folder would fail a build's makedirs
+        os.symlink(folder, os.path.join(cache, name))
     return str(cache)
