@@ -7,6 +7,8 @@ allow, the same bits whatever the threads and the batch, the compiled op, and th
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import gguf
@@ -15,6 +17,7 @@ import torch
 
 from engine.test_quantized import gguf_blocks, on_one_thread_and_two
 from minisgl.ext.cpu import native
+from minisgl.ext.cpu.native import cpu_flags
 from minisgl.ext.cpu.quantize import from_blocks, prune_packed, vnni_from_blocks
 from minisgl.ext.cpu.quantized import Int4Linear, VnniLinear
 
@@ -124,6 +127,58 @@ def test_compiled_steps_call_the_op():
     assert torch.equal(torch.ops.minisgl.qdot_mm(x, layer.codes, layer.scales), layer(x))
 
 
+AVX2_RUN = """
+import os, sys, torch
+from minisgl.ext.cpu import fused, native
+assert native.wanted() == os.environ["MINISGL_CPU_ISA"] and native.native_kernel() is not None
+assert not native.float32_kernels() and not fused.fused_ready(torch.zeros(2))
+cases = torch.load(sys.argv[1])
+outs = []
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    outs.append([torch.ops.minisgl.qdot_mm(*case) for case in cases])
+torch.save(outs, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("isa", ["avxvnni", "avx2"])
+def test_the_256_bit_builds_give_the_same_bits(isa, tmp_path):
+    """The AVX-VNNI and AVX2 builds (CPUs without AVX512; MINISGL_CPU_ISA chooses one here), each
+    in a process of its own: qdot_mm's outputs equal this AVX512 build's bit for bit, four- and
+    eight-bit, bf16 and fp16, 1 to 13 rows (4 a pass there, 8 here), on one thread and two; no
+    float32 op is registered, so the float32 paths keep torch's."""
+    if not set(native.ISAS[isa].needs) <= cpu_flags():
+        pytest.skip(f"this CPU lacks {isa}")
+    cases = []
+    for qtype in (Q.Q4_1, Q.Q8_0):  # Q4_0 is Q4_1's arithmetic with mn = -8 d
+        layer, _ = layer_of(qtype, rows=64, cols=576, seed=int(qtype))
+        for dtype in (torch.bfloat16, torch.float16):
+            for rows in (1, 3, 5, 8, 13):
+                x = activations(rows, 576, dtype, seed=rows) * 4  # large sums of codes too
+                cases.append((x, layer.codes, layer.scales))
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "MINISGL_CPU_ISA": isa}
+    args = [sys.executable, "-c", AVX2_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")]
+    subprocess.run(args, env=env, check=True, timeout=600)
+    expected = [torch.ops.minisgl.qdot_mm(*case) for case in cases]
+    for outs in torch.load(tmp_path / "out.pt"):
+        assert all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
+
+
+def test_isa_choice(monkeypatch):
+    """The AVX512 build here by default, another when asked, a clear error for a name that is
+    none."""
+    monkeypatch.delenv("MINISGL_CPU_ISA", raising=False)
+    assert native.wanted() == "avx512" and native.float32_kernels()
+    monkeypatch.setenv("MINISGL_CPU_ISA", "AVX2")
+    assert native.wanted() == "avx2"
+    monkeypatch.setenv("MINISGL_CPU_ISA", "sse2")
+    with pytest.raises(
+        ValueError, match="MINISGL_CPU_ISA='sse2': expected one of avx512, avxvnni, avx2"
+    ):
+        native.wanted()
+
+
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path):
     """native_kernel() decided again under this test's environment, and again after it."""
@@ -161,7 +216,7 @@ def test_a_file_that_does_not_load_is_removed(fresh_kernel, capfd):
     """One line, torch's kernels, and the next start builds it again."""
     compiler = native.compiler()
     assert compiler is not None
-    path = native.library_path(compiler)
+    path = native.library_path(compiler, native.wanted())
     os.makedirs(os.path.dirname(path))
     with open(path, "wb") as f:
         f.write(b"not a library")

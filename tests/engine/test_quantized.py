@@ -131,6 +131,43 @@ def test_quantized_linear_equals_the_float_matmul_of_its_weights(qtype, tokens):
         assert torch.equal(layer(few), layer.kernel_matmul(few))
 
 
+def test_prompts_take_float32_gemms_without_bf16_instructions(monkeypatch):
+    """Where the CPU lacks bf16 instructions (a laptop on minisgl's AVX2 kernel) a 16-bit GEMM
+    is slow: a prompt's dense path keeps a float32 weight, multiplies in float32 and rounds
+    once to the activations' dtype; decode rows still take the quantized kernel."""
+    from minisgl.ext.cpu import policy
+
+    monkeypatch.setattr(policy, "cpu_bf16_flag", lambda: None)
+    blocks, _ = gguf_blocks(Q.Q4_1, seed=3)
+    layer = from_blocks([blocks], torch.bfloat16)
+    x = torch.randn(DENSE_MIN_ROWS + 1, blocks.codes.shape[1]).to(torch.bfloat16)
+    y = layer(x)
+    assert layer.dense is not None and layer.dense.dtype == torch.float32
+    assert torch.equal(layer.dense, layer.dequantize().float())
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, torch.nn.functional.linear(x.float(), layer.dense).to(torch.bfloat16))
+    assert torch.equal(layer(x[:1]), layer.kernel_matmul(x[:1]))
+
+
+def test_cpu_dtype_auto_without_bf16_instructions(tmp_path, monkeypatch):
+    """No bf16 instructions: a GGUF's blocks still run quantized in bfloat16 where minisgl's
+    kernel builds (its AVX2 one on laptops), else float32; int8 and plain weights: float32."""
+    from minisgl.ext.cpu import policy
+
+    (tmp_path / "gguf-blocks.json").touch()
+    gguf_dir, plain = str(tmp_path), str(tmp_path / "plain")
+    monkeypatch.setenv("MINISGL_CPU_FLOAT32", "0")
+    monkeypatch.setattr(policy, "cpu_bf16_flag", lambda: None)
+    own = torch.bfloat16 if native_kernel() is not None else torch.float32
+    assert cpu_auto_dtype("auto", gguf_dir, 1) == own
+    assert cpu_auto_dtype("gguf", gguf_dir, 1) == own
+    assert cpu_auto_dtype("auto", gguf_dir, 2) == torch.float32
+    assert cpu_auto_dtype("int8", gguf_dir, 1) == torch.float32
+    assert cpu_auto_dtype("auto", plain, 1) == torch.float32
+    monkeypatch.setattr(policy, "native_kernel", lambda: None)
+    assert cpu_auto_dtype("auto", gguf_dir, 1) == torch.float32
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, "int8"])
 @pytest.mark.parametrize("tokens", [1, 7, DENSE_MIN_ROWS + 8])
 def test_quantized_linear_is_the_same_on_one_thread_and_two(qtype, tokens):

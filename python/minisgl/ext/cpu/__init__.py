@@ -12,7 +12,8 @@
   up once a forward; attention widened to float32; fresh prompts attended by `is_causal`), each
   bit for bit the core's plain path; where `native.py`'s C++ kernels run, prompts' attention
   (`attention.cpp`) and a float32 model's RMSNorm and SiLU (`fused.py`) within float32 rounding
-  of it instead; `native.py` also holds the quantized layers' AVX512-VNNI kernel (`qdot.cpp`);
+  of it instead; `native.py` also holds the quantized layers' kernel (`qdot.cpp`: AVX512-VNNI,
+  AVX-VNNI or AVX2);
 - `aot.py`: `--cpu-compile`, the decoder layers of decode steps (one request's, a batch's)
   compiled ahead of time (AOTInductor) once and kept in the cache: the default for a quantized
   model, and for a dense model's batches;

@@ -49,8 +49,8 @@ from minisgl.ext.cpu.gguf import (
     remove_quietly,
     unused_for,
 )
+from minisgl.ext.cpu.native import cpu_flags
 from minisgl.ext.cpu.options import cpu_options
-from minisgl.ext.cpu.policy import cpu_flags
 from minisgl.ext.cpu.quantize import CpuModelTransform
 from minisgl.kvcache.pool import MHAKVCache
 

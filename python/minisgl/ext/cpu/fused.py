@@ -19,9 +19,7 @@ from minisgl.models.llama import MLP
 def fused_ready(x: torch.Tensor) -> bool:
     """x can take a fused kernel now: float32, eager, and the kernels loaded."""
     return (
-        x.dtype == torch.float32
-        and not torch.compiler.is_compiling()
-        and native.native_kernel() is not None
+        x.dtype == torch.float32 and not torch.compiler.is_compiling() and native.float32_kernels()
     )
 
 
@@ -51,7 +49,7 @@ class FusedMLP(MLP):
 
 def install_fused(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """A float32 model's RMSNorm and MLP modules become the fused ones, where the kernels run."""
-    if dtype != torch.float32 or native.native_kernel() is None:
+    if dtype != torch.float32 or not native.float32_kernels():
         return
     for module in model.modules():
         if type(module) is RMSNorm:

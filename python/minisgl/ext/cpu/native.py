@@ -1,8 +1,10 @@
 """minisgl's own CPU kernels (`qdot.cpp`, `attention.cpp`, `fused.cpp`; `ops.cpp` registers
-them as torch.ops.minisgl ops), on AVX512-VNNI CPUs: GGUF-quantized projections at decode sizes
-for `quantized.VnniLinear` (`qdot_mm`), fresh prompts' attention in float32 for `speed.py`
+them as torch.ops.minisgl ops): GGUF-quantized projections at decode sizes for
+`quantized.VnniLinear` (`qdot_mm`), fresh prompts' attention in float32 for `speed.py`
 (`causal_attention`: ~1.5-1.9x torch's flash kernel on a 1,000-token prompt), and float32 RoPE,
-SiLU-and-mul and RMSNorm in one pass each for `fused.py`.
+SiLU-and-mul and RMSNorm in one pass each for `fused.py`. Built for AVX512-VNNI where the CPU
+has it, else for AVX-VNNI or AVX2 (most laptops): there `qdot_mm` alone, with the same bits
+(`float32_kernels()` is False); MINISGL_CPU_ISA=avxvnni or avx2 chooses such a build.
 
 torch's int4 kernel dequantizes each weight to float32 and multiplies with FMAs: compute-bound
 from a few rows (this VM: 5 G zmm FMAs/s a core; its output equals such a loop bit for bit).
@@ -16,7 +18,7 @@ The sources are compiled once per source, compiler, flags and torch with the sys
 compiler (the one AOTInductor needs; `CXX` chooses another) into the cache (`kernels/`, ~10 s on
 2 cores), then loaded: the ops' CPU kernels are registered, so eager layers and compiled steps
 call them without Python. Their OpenMP loops run on torch's own runtime (the same libgomp.so.1,
-already loaded), at torch's thread count. Where the CPU lacks AVX512-VNNI, no compiler works, or
+already loaded), at torch's thread count. Where the CPU lacks both ISAs, no compiler works, or
 MINISGL_CPU_NATIVE=0, `native_kernel()` is None and every caller keeps torch's path (int4
 kernels, SDPA, torch's ops); a failed build says so in one line."""
 
@@ -31,23 +33,47 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from minisgl import env
 from minisgl.ext.cpu.gguf import cache_root, remove_quietly
-from minisgl.ext.cpu.policy import cpu_flags
 
-SOURCES = [
-    Path(__file__).with_name(name) for name in ("qdot.cpp", "attention.cpp", "fused.cpp", "ops.cpp")
-]
 # no contraction of a * b + c into one FMA: fused.cpp's rotation keeps torch's roundings
-FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp", "-w",
-         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c"]  # fmt: skip
-NEEDS = ("avx512f", "avx512bw", "avx512_vnni")  # /proc/cpuinfo's names
+FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp", "-w"]
+
+
+class Isa(NamedTuple):
+    sources: tuple[str, ...]
+    flags: tuple[str, ...]
+    needs: tuple[str, ...]  # /proc/cpuinfo's names
+
+
+ISAS = {  # the first the CPU has is built
+    "avx512": Isa(("qdot.cpp", "attention.cpp", "fused.cpp", "ops.cpp"),
+                  ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c"),
+                  ("avx512f", "avx512bw", "avx512_vnni")),
+    "avxvnni": Isa(("qdot.cpp", "ops.cpp"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+                   ("avx2", "fma", "f16c", "avx_vnni")),
+    "avx2": Isa(("qdot.cpp", "ops.cpp"), ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+}  # fmt: skip
 TILE_ROWS, BLOCK = 16, 32  # a tile's output rows; a block's inputs
 FOUR_BIT_BYTES = 256  # a tile's codes of one block at 4 bits (512 at 8)
 OP = "minisgl::qdot_mm"  # stands for every op ops.cpp registers (all at once)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's /proc/cpuinfo flags (none off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def compiler() -> str | None:
@@ -62,18 +88,22 @@ def torch_flags() -> list[str]:
             "-ltorch_cpu", "-lc10"]  # fmt: skip
 
 
-def library_path(cxx: str) -> str:
-    text = b"".join(path.read_bytes() for path in SOURCES)
-    key = repr((cxx, FLAGS, torch.__version__)).encode()
+def sources(isa: str) -> list[Path]:
+    return [Path(__file__).with_name(name) for name in ISAS[isa].sources]
+
+
+def library_path(cxx: str, isa: str) -> str:
+    text = b"".join(path.read_bytes() for path in sources(isa))
+    key = repr((cxx, FLAGS, ISAS[isa].flags, torch.__version__)).encode()
     digest = hashlib.sha256(text + key).hexdigest()[:16]
-    return os.path.join(cache_root(), "kernels", f"qdot-{digest}.so")
+    return os.path.join(cache_root(), "kernels", f"qdot-{isa}-{digest}.so")
 
 
-def build(cxx: str, path: str) -> None:
+def build(cxx: str, path: str, isa: str) -> None:
     """Compiles the sources into `path` (written whole or not at all; ~10 s on 2 cores)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    command = [cxx, *FLAGS, *map(str, SOURCES), *torch_flags(), "-o", tmp]
+    command = [cxx, *FLAGS, *ISAS[isa].flags, *map(str, sources(isa)), *torch_flags(), "-o", tmp]
     try:
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(tmp, path)
@@ -84,7 +114,7 @@ def build(cxx: str, path: str) -> None:
 
 def load(path: str) -> ctypes.CDLL | None:
     """The library, ops.cpp's kernels registered (once a process: a second file of the same
-    kernels, another cache directory's, is not registered again); None off a VNNI CPU."""
+    kernels, another cache directory's, is not registered again); None off its ISA's CPUs."""
     lib = ctypes.CDLL(path)
     if not lib.qdot_supported():
         return None
@@ -93,27 +123,40 @@ def load(path: str) -> ctypes.CDLL | None:
     return lib
 
 
-def wanted() -> bool:
-    """The kernel can run here and is not switched off."""
+def wanted() -> str | None:
+    """The ISA to build for: the first of ISAS this CPU has (MINISGL_CPU_ISA: that one, if the
+    CPU has it); None when none or MINISGL_CPU_NATIVE=0."""
     if "MINISGL_CPU_NATIVE" in os.environ and not env.flag("MINISGL_CPU_NATIVE"):
-        return False
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return x86 and all(flag in cpu_flags() for flag in NEEDS)
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    chosen = os.environ.get("MINISGL_CPU_ISA", "").strip().lower()
+    if chosen and chosen not in ISAS:
+        raise ValueError(f"MINISGL_CPU_ISA={chosen!r}: expected one of {', '.join(ISAS)}")
+    names = [chosen] if chosen else list(ISAS)
+    return next((n for n in names if all(f in cpu_flags() for f in ISAS[n].needs)), None)
+
+
+def float32_kernels() -> bool:
+    """attention.cpp's and fused.cpp's ops are registered (the AVX512 build)."""
+    lib = native_kernel()
+    return lib is not None and bool(lib.float32_supported())
 
 
 @functools.cache
 def native_kernel() -> ctypes.CDLL | None:
     """The loaded kernel, built at its first need; None where it cannot run (see above)."""
-    if not wanted():
+    isa = wanted()
+    if isa is None:
         return None
     cxx = compiler()
     if cxx is None:
         print("minisgl: no C++ compiler (CXX); torch's kernels instead", file=sys.stderr)
         return None
-    path = library_path(cxx)
+    path = library_path(cxx, isa)
     try:
         if not os.path.isfile(path):
-            build(cxx, path)
+            build(cxx, path, isa)
         return load(path)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         remove_quietly(path)  # a file that does not load is built again at the next start

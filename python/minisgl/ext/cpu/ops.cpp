@@ -10,6 +10,7 @@
 extern "C" void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes,
                         const uint16_t* scales, int bits, int half, uint16_t* y, int out,
                         int threads);
+#ifdef __AVX512F__  // attention.cpp and fused.cpp: built only with AVX512 (native.py)
 extern "C" void causal_attention(const float* q, int64_t q_row, const float* k, const float* v,
                                  int64_t kv_row, float* out, const int64_t* q_starts,
                                  const int64_t* k_starts, int batch, int q_heads, int kv_heads,
@@ -20,6 +21,7 @@ extern "C" void silu_and_mul(const float* x, int64_t x_row, float* out, int64_t 
                              int threads);
 extern "C" void rms_norm(const float* x, int64_t x_row, float* residual, const float* w, float eps,
                          float* out, int64_t rows, int64_t cols, int threads);
+#endif
 
 namespace {
 
@@ -47,6 +49,7 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   return y;
 }
 
+#ifdef __AVX512F__
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& q_starts, const at::Tensor& k_starts, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
@@ -141,14 +144,26 @@ void add_rms_norm_op(at::Tensor& x, at::Tensor& residual, const at::Tensor& weig
            weight.const_data_ptr<float>(), static_cast<float>(eps), x.data_ptr<float>(), x.size(0),
            x.size(1), at::get_num_threads());
 }
+#endif
 
 }  // namespace
 
+// 1 where the float32 ops below are registered (the AVX512 build), 0 in the AVX2 one
+extern "C" int float32_supported() {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 TORCH_LIBRARY_IMPL(minisgl, CPU, m) {
   m.impl("qdot_mm", &qdot);
+#ifdef __AVX512F__
   m.impl("causal_attention", &attention);
   m.impl("rotate", &rotate_op);
   m.impl("silu_and_mul", &silu_and_mul_op);
   m.impl("rms_norm", &rms_norm_op);
   m.impl("add_rms_norm_", &add_rms_norm_op);
+#endif
 }

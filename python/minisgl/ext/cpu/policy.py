@@ -16,23 +16,11 @@ from minisgl import env
 from minisgl.distributed import get_tp_info
 from minisgl.engine.config import config_model_path
 from minisgl.ext.cpu.gguf import BLOCKS_FILE
+from minisgl.ext.cpu.native import cpu_flags, native_kernel
 from minisgl.ext.cpu.options import cpu_options
 
 # /proc/cpuinfo flags of x86 CPUs that compute bf16 dot products natively
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's /proc/cpuinfo flags (none off Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def cpu_bf16_flag() -> str | None:
@@ -48,13 +36,16 @@ def cpu_auto_dtype(
     quantization: str, model_dir: str | Callable[[], str], tp_size: int
 ) -> torch.dtype:
     """`--dtype auto` on CPU: bfloat16 when the weights will be quantized (the kernels are fast
-    only in 16 bits) and the CPU has bf16 instructions; float32 otherwise (the exact path, and
-    faster than bf16 for dense decode). MINISGL_CPU_FLOAT32=1 keeps float32. `model_dir` may be
-    a function, called only when the model's GGUF blocks decide."""
-    if env.flag("MINISGL_CPU_FLOAT32") or cpu_bf16_flag() is None or quantization == "none":
+    only in 16 bits) and the CPU has bf16 instructions, or without them a GGUF's blocks on
+    minisgl's own kernel (`native.py`; prompts' GEMMs then run in float32: `quantized.py`);
+    float32 otherwise (the exact path, and faster than bf16 for dense decode).
+    MINISGL_CPU_FLOAT32=1 keeps float32. `model_dir` may be a function, called only when the
+    model's GGUF blocks decide."""
+    if env.flag("MINISGL_CPU_FLOAT32") or quantization == "none":
         return torch.float32
-    if quantization == "auto":  # a GGUF's quantized tensors, at TP 1
-        if tp_size != 1:
+    bf16 = cpu_bf16_flag() is not None
+    if quantization == "auto" or not bf16:  # a GGUF's quantized tensors, at TP 1
+        if tp_size != 1 or quantization == "int8" or not (bf16 or native_kernel()):
             return torch.float32
         directory = model_dir if isinstance(model_dir, str) else model_dir()
         return torch.bfloat16 if has_gguf_blocks(directory) else torch.float32

@@ -7,7 +7,9 @@
 // d and mn are the file's fp16 values. Each row's block of 32 activations is quantized to int8
 // as llama.cpp does (dx = max |x| / 127, xq = round(x / dx)), so a block's dot product is an
 // integer one on AVX512-VNNI (vpdpbusd: 64 multiply-adds an instruction, 4x float32 FMA's
-// rate on the CPUs measured), scaled once a block:
+// rate on the CPUs measured) or, built without AVX512's flags (native.py: CPUs without it, such
+// as most laptops'), on AVX-VNNI (vpdpbusd on 8 lanes) or AVX2 (vpmaddubsw, vpmaddwd), scaled
+// once a block:
 //   y += d dx sum(q xq) + mn sum(x)          (eight-bit: d dx (sum(u xq) - 128 sum(xq)))
 // sum(x) is the float sum of the activations themselves, not of their codes.
 //
@@ -17,18 +19,24 @@
 //   eight-bit: 8 chunks of 64 bytes; in chunk c, lane j byte b holds u[k = 32g+4c+b];
 //   scales: fp16 d[16] then fp16 mn[16].
 // One thread computes a tile's outputs for every row in a fixed order: the same bits on any
-// thread count, and a row's bits do not depend on the other rows of its batch.
+// thread count, and a row's bits do not depend on the other rows of its batch. Both builds
+// compute the same integers and the same float operations in the same order: the same bits.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
 
 constexpr int kBlock = 32;
 constexpr int kTile = 16;
+#ifdef __AVX512VNNI__
 constexpr int kMaxRows = 8;  // rows a tile's pass holds in registers
+#else
+constexpr int kMaxRows = 4;  // AVX2 has 16 vector registers: half a tile's codes and 4 sums
+#endif
 
 struct Rows {           // the activations, quantized: per row m and block g
   const int8_t* xq;     // [M][K]
@@ -36,6 +44,16 @@ struct Rows {           // the activations, quantized: per row m and block g
   const float* xsum;    // [M][K / 32]
   const int32_t* qsum;  // [M][K / 32]
 };
+
+// the sum of 8 floats in the order of GCC's _mm512_reduce_add_ps after its first halving,
+// spelled out so that both builds (and other compilers) sum a block's activations alike
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
+
+#ifdef __AVX512VNNI__
 
 inline __m512 load16(const uint16_t* p, bool half) {
   __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -70,7 +88,9 @@ void quantize_rows(const uint16_t* x, int rows, int cols, bool half, int8_t* xq,
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + at), _mm512_cvtepi32_epi8(qa));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + at + 16), _mm512_cvtepi32_epi8(qb));
       dx[m * blocks + g] = amax / 127.0f;
-      xsum[m * blocks + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      const __m512 ab = _mm512_add_ps(a, b);
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ab), 1));
+      xsum[m * blocks + g] = sum8(_mm256_add_ps(hi, _mm512_castps512_ps256(ab)));
       qsum[m * blocks + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     }
   }
@@ -115,6 +135,146 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
   for (int m = 0; m < kRows; m++) store16(y + static_cast<size_t>(m) * out + kTile * t, acc[m], half);
 }
 
+#else  // AVX2, FMA and F16C: 8 lanes, so a tile's 16 outputs are two halves of 8
+
+inline __m256 load8(const uint16_t* p, bool half) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (half) return _mm256_cvtph_ps(v);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline void store8(uint16_t* p, __m256 v, bool half) {
+  __m128i out;
+  if (half) {
+    out = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {  // round to nearest even, as store16
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+    u = _mm256_srli_epi32(u, 16);
+    out = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), out);
+}
+
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+  return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+}
+
+inline int32_t isum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(s) + _mm_extract_epi32(s, 1);
+}
+
+void quantize_rows(const uint16_t* x, int rows, int cols, bool half, int8_t* xq, float* dx,
+                   float* xsum, int32_t* qsum) {
+  const int blocks = cols / kBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lanes
+  for (int m = 0; m < rows; m++) {
+    for (int g = 0; g < blocks; g++) {
+      const size_t at = static_cast<size_t>(m) * cols + g * kBlock;
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; i++) {
+        v[i] = load8(x + at + 8 * i, half);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      }
+      const float top = max8(amax);
+      const __m256 inv = _mm256_set1_ps(top > 0 ? 127.0f / top : 0.0f);
+      __m256i q[4];
+      for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                         _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + at),
+                          _mm256_permutevar8x32_epi32(bytes, order));
+      dx[m * blocks + g] = top / 127.0f;
+      // AVX512's order: lanes i and 16 + i first, then the upper 8 sums and the lower 8
+      xsum[m * blocks + g] =
+          sum8(_mm256_add_ps(_mm256_add_ps(v[1], v[3]), _mm256_add_ps(v[0], v[2])));
+      qsum[m * blocks + g] =
+          isum8(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    }
+  }
+}
+
+// sum(w xq) of one block for 8 outputs. With AVX-VNNI (vpdpbusd on 8 lanes) as on AVX512; on
+// AVX2 alone four-bit codes as they are (pairs of at most 2 x 15 x 127, and 8 chunks of them,
+// fit int16), eight-bit ones as u - 128 with its sign moved onto xq (pairs of at most
+// 2 x 128 x 127), each chunk widened to int32 at once
+template <bool kFour>
+inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
+#ifdef __AVXVNNI__
+  __m256i dot = _mm256_setzero_si256();
+  for (int i = 0; i < 8; i++) dot = _mm256_dpbusd_avx_epi32(dot, w[i], _mm256_set1_epi32(quad[i]));
+  return kFour ? dot : _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * qsum));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (kFour) {
+    __m256i sum = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(quad[0]));
+    for (int i = 1; i < 8; i++)
+      sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(quad[i])));
+    return _mm256_madd_epi16(sum, ones);
+  }
+  __m256i dot = _mm256_setzero_si256();
+  for (int i = 0; i < 8; i++) {
+    const __m256i q = _mm256_xor_si256(w[i], _mm256_set1_epi8(-128));  // u - 128 as int8
+    const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(quad[i]), q);
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), signed_x);
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+  }
+  return dot;
+#endif
+}
+
+// `kRows` rows of x against output tile t, one half (8 outputs) at a time; each half's pass
+// reads its 32 bytes of every 64-byte chunk (the second pass from cache)
+template <int kRows, bool kFour>
+void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
+               uint16_t* y, int out, int t) {
+  const int blocks = cols / kBlock;
+  const int block_bytes = kFour ? 256 : 512;
+  const uint8_t* c = codes + static_cast<size_t>(t) * blocks * block_bytes;
+  const uint16_t* s = scales + static_cast<size_t>(t) * blocks * 2 * kTile;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; h++) {
+    __m256 acc[kRows];
+    for (int m = 0; m < kRows; m++) acc[m] = _mm256_setzero_ps();
+    for (int g = 0; g < blocks; g++) {
+      __m256i w[8];  // as tile_rows' chunks above, this half's 8 outputs
+      for (int i = 0; i < (kFour ? 4 : 8); i++) {
+        __m256i v = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(c + g * block_bytes + i * 64 + h * 32));
+        if (kFour) {
+          w[2 * i] = _mm256_and_si256(v, nibble);
+          w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        } else {
+          w[i] = v;
+        }
+      }
+      const uint16_t* sg = s + g * 32 + 8 * h;
+      __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
+      __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16)));
+      for (int m = 0; m < kRows; m++) {
+        const size_t at = static_cast<size_t>(m) * blocks + g;
+        int32_t quad[8];  // the row's codes of the block, 4 a lane
+        memcpy(quad, x.xq + static_cast<size_t>(m) * cols + g * kBlock, sizeof quad);
+        __m256i dot = block_dot<kFour>(w, quad, x.qsum[at]);
+        __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx[at]));
+        acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[m]);
+        acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.xsum[at]), acc[m]);
+      }
+    }
+    for (int m = 0; m < kRows; m++)
+      store8(y + static_cast<size_t>(m) * out + kTile * t + 8 * h, acc[m], half);
+  }
+}
+
+#endif
+
 template <bool kFour>
 void tile(const Rows& x, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
           bool half, uint16_t* y, int out, int t) {
@@ -143,8 +303,17 @@ extern "C" {
 // 1 where this CPU runs the kernel (the build targets these extensions explicitly)
 int qdot_supported() {
   __builtin_cpu_init();
+#ifdef __AVX512VNNI__
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vnni");
+#else
+  bool vnni = true;
+#ifdef __AVXVNNI__
+  vnni = __builtin_cpu_supports("avxvnni");
+#endif
+  return vnni && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#endif
 }
 
 // y [rows][out] = x [rows][cols] W^T; x and y bf16 (half = 0) or fp16 (half = 1), contiguous;

@@ -2,7 +2,7 @@
 (`quantized.py`), as the cpu extension's `model_transform` (`CpuModelTransform`).
 
 - `gguf`, before the checkpoint loads: from a GGUF's own blocks (`gguf_quant.py`). Where
-  minisgl's kernel runs (`native.py`: AVX512-VNNI), a projection whose parts are all quantized
+  minisgl's kernel runs (`native.py`: AVX512-VNNI, AVX-VNNI or AVX2), a projection whose parts are all quantized
   becomes a `VnniLinear` (the file's codes and float16 scales). Elsewhere a projection
   whose parts are all Q4_0 / Q4_1 becomes an `Int4Linear` with the file's codes (when its rows
   are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
@@ -279,7 +279,7 @@ class CpuModelTransform:
             pack_float_projections(model)  # decode batches: oneDNN on a weight packed once
         entry = conversion_size(self.model_dir)
         kernel = any(isinstance(m, VnniLinear) for m in model.modules())
-        how = f"{self.name}, VNNI kernel" if kernel else self.name
+        how = f"{self.name}, {native.wanted()} kernel" if kernel else self.name
         announce(self.dtype, how, count_quantized(model), self.compiled, entry)
 
 

@@ -1,9 +1,10 @@
 """Weight-only quantized linear layers on CPU.
 
 `QuantizedLinear` holds the quantized weight of one (possibly merged) projection and computes
-y = x W^T in the activation dtype. Where minisgl's own kernel runs (`native.py`: AVX512-VNNI),
-a GGUF's blocks become a `VnniLinear`: the file's codes and fp16 scales in the kernel's tiled
-layout, 2-4x faster than the formats below at decode sizes. Elsewhere, on PyTorch's kernels:
+y = x W^T in the activation dtype. Where minisgl's own kernel runs (`native.py`: AVX512-VNNI,
+AVX-VNNI or AVX2), a GGUF's blocks become a `VnniLinear`: the file's codes and fp16 scales in
+the kernel's tiled layout, 2-4x faster than the formats below at decode sizes (AVX2: 1.7-2.4x).
+Elsewhere, on PyTorch's kernels:
 
 - `Int4Linear`: 4-bit codes in groups along the input dimension, each group with a scale and a
   zero point: w = (q - 8) * scale + zero, torch's int4 "tinygemm" convention
@@ -31,7 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from minisgl.ext.cpu import native
+from minisgl.ext.cpu import native, policy
 from minisgl.layers.base import Module
 
 INT4_OFFSET = 8  # torch's int4 kernels subtract 8 from every code
@@ -92,9 +93,11 @@ class QuantizedLinear(Module):
         # compiling first: a comparison of a dynamic row count would constrain the export
         if torch.compiler.is_compiling() or x.shape[0] < DENSE_MIN_ROWS:
             return self.kernel_matmul(x)
-        if self.dense is None or self.dense.dtype != x.dtype:
-            self.dense = self.dequantize().to(x.dtype)  # not a buffer: never saved
-        return F.linear(x, self.dense)
+        # without bf16 instructions (minisgl's AVX2 kernel) a 16-bit GEMM is ~10x float32's
+        dtype = x.dtype if policy.cpu_bf16_flag() is not None else torch.float32
+        if self.dense is None or self.dense.dtype != dtype:
+            self.dense = self.dequantize().to(dtype)  # not a buffer: never saved
+        return F.linear(x.to(dtype), self.dense).to(x.dtype)
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`matmul` by the quantized kernel."""

@@ -158,7 +158,7 @@ class WideTorchAttnBackend(TorchAttnBackend):
 
 
 def native_fits(q: torch.Tensor) -> bool:
-    return q.shape[2] % 64 == 0 and native.native_kernel() is not None
+    return q.shape[2] % 64 == 0 and native.float32_kernels()
 
 
 def native_attention(
