@@ -140,7 +140,12 @@ def wanted() -> str | None:
 def float32_kernels() -> bool:
     """attention.cpp's and fused.cpp's ops are registered (the AVX512 build)."""
     lib = native_kernel()
-    return lib is not None and bool(lib.float32_supported())
+    return lib is not None and has_float32(lib)
+
+
+@functools.cache  # asked at every norm of a float32 step
+def has_float32(lib: ctypes.CDLL) -> bool:
+    return bool(lib.float32_supported())
 
 
 @functools.cache

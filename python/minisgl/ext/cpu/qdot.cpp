@@ -19,7 +19,7 @@
 //   eight-bit: 8 chunks of 64 bytes; in chunk c, lane j byte b holds u[k = 32g+4c+b];
 //   scales: fp16 d[16] then fp16 mn[16].
 // One thread computes a tile's outputs for every row in a fixed order: the same bits on any
-// thread count, and a row's bits do not depend on the other rows of its batch. Both builds
+// thread count, and a row's bits do not depend on the other rows of its batch. All builds
 // compute the same integers and the same float operations in the same order: the same bits.
 #include <immintrin.h>
 #include <stdint.h>
