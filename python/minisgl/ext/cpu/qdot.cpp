@@ -135,7 +135,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
   for (int m = 0; m < kRows; m++) store16(y + static_cast<size_t>(m) * out + kTile * t, acc[m], half);
 }
 
-#else  // AVX2, FMA and F16C: 8 lanes, so a tile's 16 outputs are two halves of 8
+#else  // AVX2 (AVX-VNNI in its build), FMA, F16C: 8 lanes, a tile's 16 outputs in two halves
 
 inline __m256 load8(const uint16_t* p, bool half) {
   __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
