@@ -59,7 +59,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
-    wait_for_previous(PDL, True)
+    wait_for_previous(PDL, EARLY=True)
     x32 = tl.load(x + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         # the sum is rounded to the residual's dtype first, like the torch path's x + residual

@@ -266,7 +266,7 @@ def _rope_first_block(
     v_rows = v_pool + slot * stride_t + kvh * stride_h
     va, vb = _load_parts(v_rows, offs_a, offs_b, valid, HEAD_DIM, PART)
     cos, sin = _rope_row(cos_sin, position, 0, HALF)
-    wait_for_previous(PDL, True)
+    wait_for_previous(PDL, EARLY=True)
     qa, qb = _rope_q(q_rows, h_valid, cos, sin, q_norm_w, eps, BLOCK_H, HALF, PART, NORM)
     if owns_new:  # the split that reads the new token writes it first
         dst = tl.load(out_loc).to(tl.int64) * stride_t + kvh * stride_h
@@ -329,7 +329,7 @@ def _decode_split_kernel(
     end = tl.minimum(start + chunk, kv_len)
     row = tl.load(rows + b)
     if not ROPE:
-        wait_for_previous(PDL, True)
+        wait_for_previous(PDL, EARLY=True)
     offs_h = kvh * GROUP + tl.arange(0, BLOCK_H)
     h_valid = tl.arange(0, BLOCK_H) < GROUP
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -407,7 +407,7 @@ def _decode_merge_kernel(
     h = tl.program_id(1)
     kv_len = tl.load(kv_lens + b)  # before the wait: no kernel of the step writes it
     used = tl.cdiv(kv_len, _split_chunk(kv_len, NUM_SPLITS, BLOCK_N))  # splits that ran
-    wait_for_previous(PDL, True)
+    wait_for_previous(PDL, EARLY=True)
     base = (b * tl.num_programs(1) + h) * NUM_SPLITS
     m, acc, total = _merge_tile(part_out, part_lse, base, 0, used, LOW, HEAD_DIM)
     if NUM_SPLITS > LOW:

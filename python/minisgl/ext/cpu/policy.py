@@ -44,12 +44,13 @@ def cpu_auto_dtype(
     if env.flag("MINISGL_CPU_FLOAT32") or quantization == "none":
         return torch.float32
     bf16 = cpu_bf16_flag() is not None
-    if quantization == "auto" or not bf16:  # a GGUF's quantized tensors, at TP 1
-        if tp_size != 1 or quantization == "int8" or not (bf16 or native_kernel()):
-            return torch.float32
-        directory = model_dir if isinstance(model_dir, str) else model_dir()
-        return torch.bfloat16 if has_gguf_blocks(directory) else torch.float32
-    return torch.bfloat16
+    if bf16 and quantization != "auto":  # asked for: its kernels are fast in 16 bits here
+        return torch.bfloat16
+    # a GGUF's quantized tensors at TP 1; without bf16 instructions only on minisgl's kernel
+    if tp_size != 1 or quantization == "int8" or not (bf16 or native_kernel()):
+        return torch.float32
+    directory = model_dir if isinstance(model_dir, str) else model_dir()
+    return torch.bfloat16 if has_gguf_blocks(directory) else torch.float32
 
 
 def auto_dtype(config: Any) -> str:
