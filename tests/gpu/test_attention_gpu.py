@@ -107,6 +107,33 @@ def test_hybrid_matches_torch(case):
     compare("triton,fi", case, 16, 128, torch.bfloat16)
 
 
+# the steps the pair's fi prefill sends through the ragged kernel (ext/perf/ragged.py): fresh
+# prompts, and mixed steps as the scheduler lays them out, decode rows first (one token each:
+# Triton's decode kernel; several, as speculative verification has: fi's paged kernel)
+RAGGED = {
+    "fresh": ([(0, 37), (0, 300), (0, 1), (0, 129)], 0),
+    "mixed": ([(1000, 1), (37, 1), (2047, 1), (0, 300), (512, 700), (5, 3), (16, 16), (0, 1)], 3),
+    "verify": ([(500, 3), (37, 2), (0, 300), (100, 700)], 2),
+}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", list(RAGGED))
+def test_fi_ragged_prefill_matches_torch(case, page_size):
+    need("fi")
+    from minisgl.ext.perf.ragged import RaggedMetadata
+
+    lens, decodes = RAGGED[case]
+    batch, q, k, v = make_problem(lens, page_size, 128, torch.bfloat16, False, DEVICE, 16, 8)
+    batch.num_decodes = decodes
+    ref = run_backend("torch", batch, q, k, v)
+    backend = create_attention_backend("fi,triton", DEVICE, dtype=q.dtype, num_qo_heads=16)
+    backend.prepare(batch)
+    assert isinstance(batch.attn_metadata, RaggedMetadata)
+    diff = max_diff(attend(backend, batch, q, k, v), ref)
+    assert diff <= TOL[torch.bfloat16], f"ragged fi prefill vs torch ({case}): {diff:.3g}"
+
+
 def test_triton_single_long_request_uses_splits():
     batch, q, k, v = make_problem([(4000, 1)], 16, 128, torch.bfloat16, True, DEVICE)
     ref = run_backend("torch", batch, q, k, v)

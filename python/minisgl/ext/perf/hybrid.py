@@ -9,12 +9,13 @@ import torch
 from minisgl import attention
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch
+from minisgl.ext.perf.ragged import ragged_prefill
 from minisgl.kernel import DecodeRope
 
 
 class HybridAttnBackend(BaseAttnBackend):
     def __init__(self, prefill: BaseAttnBackend, decode: BaseAttnBackend) -> None:
-        self.prefill = prefill
+        self.prefill = ragged_prefill(prefill, decode)  # fi's: prompts through the ragged kernel
         self.decode = decode
         self.name = f"{prefill.name},{decode.name}"
 
