@@ -11,7 +11,11 @@ the Qwen3-0.6B architecture with dummy weights, and its fraction of the GPU's ro
     python benchmark/offline/bench.py --config benchmark/qwen3-30b-a3b --tp 2 --moe-backend torch
     python benchmark/offline/bench.py --config benchmark/qwen3-8b --lora-adapters 4  # multi-LoRA
 
-Roofline: prefill costs 2 * params FLOPs per prompt token at the GPU's dense bf16 peak; each
+Roofline: prefill costs, at the GPU's dense bf16 peak, 2 * params FLOPs per prompt token without
+the embedding (a lookup) and the LM head (once per prompt: its last token's logits), plus the
+causal attention's 4 * heads * head_dim * layers per (query, key) pair, a prompt of n tokens
+having n (n + 1) / 2 (at 16,000-token prompts as many FLOPs as the weights'; before 2026-12-01
+the roofline counted 2 * params a token and no attention: `--old-roofline`); each
 decode step reads every weight once plus the whole KV (prompt + generated so far, the new token
 included) of every running request at the GPU's memory bandwidth; requests run as one batch
 from the start, each leaving when its output is complete. MoE models: a token uses top_k / E of
@@ -72,9 +76,14 @@ def roofline_tok_s(
     expert_bytes: float = 0.0,  # MoE: the experts' share of the weights, not in weight_bytes
     expert_params: float = 0.0,  # and of the parameters, not in params
     expert_share: float = 1.0,  # top_k / num_experts
+    vocab_params: float = 0.0,  # the embedding and an untied LM head: none a prompt token's
+    head_params: float = 0.0,  # the LM head: once a prompt
+    attn_flops_per_pair: float = 0.0,  # 4 x query heads x head_dim x layers
 ) -> float:
-    active = params + expert_share * expert_params
+    active = params - vocab_params + expert_share * expert_params
     seconds = sum(prompt_lens) * 2 * active / flops
+    seconds += len(prompt_lens) * 2 * head_params / flops
+    seconds += sum(n * (n + 1) / 2 for n in prompt_lens) * attn_flops_per_pair / flops
     pending = sorted(zip(output_lens, prompt_lens))
     running_prompt, running = sum(prompt_lens), len(prompt_lens)
     first = 0
@@ -90,8 +99,14 @@ def roofline_tok_s(
 
 
 def roofline(
-    engine: Any, gpu: str, prompts: list[list[int]], max_tokens: list[int], tok_s: float
-) -> dict[str, float]:
+    engine: Any,
+    gpu: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    tok_s: float,
+    tp_size: int = 1,
+    old: bool = False,  # the roofline before 2026-12-01: 2 * params a prompt token, no attention
+) -> dict[str, float | str]:
     """The roofline of this workload on this GPU (empty when its peaks are unknown): rank 0's
     shard (tied weights count once), the experts apart (a token uses top_k of them)."""
     peaks = next((v for k, v in GPU_PEAKS.items() if k in gpu), None)
@@ -104,6 +119,10 @@ def roofline(
     )
     kv = engine.kv_cache
     kv_per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
+    named = dict(engine.model.named_parameters())  # tied: the LM head is the embedding's
+    head = named.get("lm_head.weight", named.get("model.embed_tokens.weight"))
+    vocab = [p for name, p in named.items() if "embed_tokens" in name or "lm_head" in name]
+    heads = engine.model_config.num_heads // tp_size
     roof = roofline_tok_s(
         [len(p) for p in prompts],
         max_tokens,
@@ -114,8 +133,17 @@ def roofline(
         expert_bytes=expert_bytes,
         expert_params=expert_params,
         expert_share=moe.top_k / moe.num_experts if moe is not None else 1.0,
-    )
-    return {"roofline_tok_s": round(roof, 1), "roofline_fraction": round(tok_s / roof, 4)}
+        **({} if old else dict(
+            vocab_params=param_size(vocab)[0],
+            head_params=0 if head is None else head.numel(),
+            attn_flops_per_pair=4 * heads * kv.head_dim * kv.num_layers,
+        )),
+    )  # fmt: skip
+    return {
+        "roofline_tok_s": round(roof, 1),
+        "roofline_fraction": round(tok_s / roof, 4),
+        "roofline_model": "params" if old else "params+attention",  # "params": before 2026-12-01
+    }
 
 
 def param_size(params: list) -> tuple[int, int]:
@@ -462,6 +490,11 @@ def parse_args() -> argparse.Namespace:
     engine_args(p)
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels")
     p.add_argument(
+        "--old-roofline",
+        action="store_true",
+        help="the roofline before 2026-12-01 (2 * params FLOPs a prompt token, no attention)",
+    )
+    p.add_argument(
         "--host-profile",
         action="store_true",
         help="print the host functions taking the most time (cProfile of the timed runs)",
@@ -763,7 +796,7 @@ def main() -> None:
         # the union: the fraction of the wall time with nothing running on the GPU
         result["gpu_idle"] = round(1 - timed["busy_s"] / sum(runs), 4)
     if engine is not None and not args.single:
-        result.update(roofline(engine, gpu, prompts, max_tokens, tok_s))
+        result.update(roofline(engine, gpu, prompts, max_tokens, tok_s, args.tp, args.old_roofline))
     line = f"{gpu}: {total} tokens in {seconds:.2f} s = {tok_s:,.1f} tok/s" + (
         f" ({result['roofline_fraction']:.1%} of the {result['roofline_tok_s']:,.0f} tok/s"
         " roofline)"

@@ -40,6 +40,64 @@ def test_roofline_of_qwen3_0_6b_on_h100():
     assert abs(roof - 28_575) / 28_575 < 0.005  # the figure the issue quotes
 
 
+def test_roofline_counts_prompt_attention_and_no_embedding_flops():
+    """Since 2026-12-01 a prompt token costs its weights' FLOPs without the embedding (a lookup)
+    and the LM head (once a prompt), plus the causal attention: for the long-prompt workload of
+    issue 49 on an H200, 2,898 tok/s against the 3,550 the weights alone gave."""
+    bw, flops = GPU_PEAKS["H200"]
+    params, vocab, pair = 596_049_920, 151_936 * 1024, 4 * 16 * 128 * 28  # Qwen3-0.6B
+    terms = dict(vocab_params=vocab, head_params=vocab, attn_flops_per_pair=pair)
+    kv_per_token = 2 * 28 * 8 * 128 * 2
+
+    def roof(workload_args: tuple[int, int, int], **kw: float) -> float:
+        prompts, max_tokens = workload(*workload_args)
+        lens = [len(p) for p in prompts]
+        return roofline_tok_s(lens, max_tokens, 2 * params, kv_per_token, params, bw, flops, **kw)
+
+    assert abs(roof((64, 16000, 128)) - 3_550) < 1  # the figure issue 49 quotes
+    assert abs(roof((64, 16000, 128), **terms) - 2_898) < 1
+    assert abs(roof((256, 1024, 1024), **terms) - 40_771) < 1  # default: 40,360 before
+    # one prompt of 3 tokens, one output token: each term by hand
+    one = roofline_tok_s([3], [1], 0.0, 0.0, 10.0, 1.0, 1.0, vocab_params=4, head_params=2,
+                         attn_flops_per_pair=5)  # fmt: skip
+    assert abs(1 / one - (3 * 2 * 6 + 2 * 2 + 6 * 5)) < 1e-9
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_roofline_reads_the_terms_off_the_engine(tied):
+    """`roofline` finds the vocabulary's parameters (a tied LM head once) and the attention's
+    shape on the engine, per rank at --tp 2, and --old-roofline gives the earlier model."""
+    from types import SimpleNamespace
+
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = torch.nn.Embedding(100, 8)
+            self.model.layer = torch.nn.Linear(8, 8, bias=False)
+            self.lm_head = torch.nn.Linear(8, 100, bias=False)
+            if tied:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    kv = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.bfloat16)
+    config = SimpleNamespace(moe=None, num_heads=4)
+    engine = SimpleNamespace(model=Tiny().bfloat16(), kv_cache=kv, model_config=config)
+    prompts, outputs = [[0] * 10, [0] * 3], [2, 1]
+    got = bench.roofline(engine, "NVIDIA H200", prompts, outputs, 1.0, tp_size=2)
+    params = 800 + 64 + (0 if tied else 800)
+    want = roofline_tok_s(
+        [10, 3], outputs, 2 * params, 2 * 2 * 1 * 4 * 2, params, *GPU_PEAKS["H200"],
+        vocab_params=800 * (1 if tied else 2), head_params=800,
+        attn_flops_per_pair=4 * 2 * 4 * 2,
+    )  # fmt: skip
+    assert got["roofline_tok_s"] == round(want, 1) and got["roofline_model"] == "params+attention"
+    old = bench.roofline(engine, "NVIDIA H200", prompts, outputs, 1.0, tp_size=2, old=True)
+    plain = roofline_tok_s([10, 3], outputs, 2 * params, 32, params, *GPU_PEAKS["H200"])
+    assert old["roofline_tok_s"] == round(plain, 1) and old["roofline_model"] == "params"
+
+
 def test_moe_roofline_counts_the_experts_a_step_reads():
     bw, flops = GPU_PEAKS["H200"]
     # one request, 100 prompt tokens, 2 output tokens; a token uses a quarter of the experts
