@@ -1,15 +1,19 @@
 """ext/perf's ragged fi prefill (`ragged.py`), the parts that run without a GPU: the pool slots it
-gathers, against the page table read position by position, and the rule that sends a batch's
-prompts through the gather (the kernels themselves: tests/gpu/test_attention_gpu.py)."""
+gathers, against the page table read position by position, the rule that sends a batch's
+prompts through the gather, and the graph size whose split count a mixed step's decode rows take
+(the kernels themselves: tests/gpu/test_attention_gpu.py)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisgl.core import Req, SamplingParams
-from minisgl.ext.perf.ragged import kv_slots, worth_gathering
+from minisgl.engine.graph import GraphRunner
+from minisgl.ext.perf.ragged import graph_size, kv_slots, worth_gathering
 
 
 @settings(max_examples=60, deadline=None)
@@ -46,3 +50,10 @@ def test_prompts_are_gathered_when_mostly_new():
     assert worth_gathering([req(8192, 8192)])
     assert not worth_gathering([req(8000, 100)])  # a prefix-cache hit: the paged kernel
     assert not worth_gathering([])  # a step of decodes only
+
+
+def test_decode_rows_take_the_size_of_the_graph_they_pad_to():
+    engine = SimpleNamespace(dummy_row=0, device=torch.device("cpu"))
+    sizes = GraphRunner(engine, 256, capture=False).sizes  # type: ignore[arg-type]
+    for rows in range(1, 257):
+        assert graph_size(rows) == min(s for s in sizes if s >= rows), rows

@@ -51,17 +51,24 @@ def worth_gathering(prompts: list[Req]) -> bool:
     return new > 0 and new >= cached
 
 
+def graph_size(rows: int) -> int:
+    """The decode CUDA graph `rows` requests pad to: engine/graph.py's sizes 1, 2, 4, then
+    multiples of 8 (up to --cuda-graph-max-bs)."""
+    return rows if rows <= 2 else 4 if rows <= 4 else -(-rows // 8) * 8
+
+
 def graph_splits(rows: int, splits: int) -> int:
-    """Triton's split count for `rows` decode rows as the CUDA graph they pad to has it
-    (engine/graph.py's sizes: 1, 2, 4, then multiples of 8): a kernel variant compiled at
-    capture. The count for `rows` itself may be one no graph has, compiled mid-run (~1 s
-    stalled a long-prompt run's first round on an H200)."""
+    """Triton's split count for `rows` decode rows as the graph they pad to has it: a kernel
+    variant compiled at capture. The count for `rows` itself may be one no graph has, compiled
+    mid-run (~1 s stalled a long-prompt run's first round on an H200)."""
     from minisgl.kernel import triton_attention
 
-    padded = rows if rows <= 2 else 4 if rows <= 4 else -(-rows // 8) * 8
+    padded = graph_size(rows)
+    if padded == rows:
+        return splits
     heads = get_global_ctx().kv_cache.num_kv_heads
     sms = triton_attention.num_sms(get_global_ctx().page_table.device)
-    return triton_attention.decode_splits(padded, heads, sms) if padded != rows else splits
+    return triton_attention.decode_splits(padded, heads, sms)
 
 
 class RaggedPrefill(BaseAttnBackend):
