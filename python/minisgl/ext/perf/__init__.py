@@ -2,8 +2,9 @@
 prefill or mixed step in the decode CUDA graphs, one row per position, instead of the eager
 step (the `forward_paths` point, with the prompt budget that makes steps fit it), switched off
 by --disable-prefill-graphs (`options.py`, the `scheduler_options` point); `hybrid.py` runs
-`--attn PREFILL,DECODE` (the `hybrid_attention` point) and picks --attn auto's prefill on
-Hopper (`auto_prefill`); `tables.py` sends a step's page- and token-table writes in one copy
+`--attn PREFILL,DECODE` (the `hybrid_attention` point; fi's prefill gathers the prompts' K/V
+for FlashInfer's ragged kernel, `ragged.py`) and picks --attn auto's prefill on Hopper
+(`auto_prefill`); `tables.py` sends a step's page- and token-table writes in one copy
 at its head (the `table_writes` point); `chunks.py` writes a stream's chunk of a choice no
 extension shapes as one format (the `stream_chunks` point); `offline.py` gives `LLM` 32k-token
 prompt chunks on a GPU of >= 70 GiB (the `llm_defaults` point) and no automatic garbage

@@ -1,6 +1,7 @@
 """`--attn PREFILL,DECODE`: one backend for prefill batches, another for decode batches (the
-`hybrid_attention` point; without this package such a pair is refused), and the pair that
---attn auto makes on Hopper (`auto_prefill`)."""
+`hybrid_attention` point; without this package such a pair is refused; a prefill fi runs its
+prompts through the ragged kernel, `ragged.py`), and the pair that --attn auto makes on Hopper
+(`auto_prefill`)."""
 
 from __future__ import annotations
 
