@@ -57,3 +57,18 @@ def test_decode_rows_take_the_size_of_the_graph_they_pad_to():
     sizes = GraphRunner(engine, 256, capture=False).sizes  # type: ignore[arg-type]
     for rows in range(1, 257):
         assert graph_size(rows) == min(s for s in sizes if s >= rows), rows
+
+
+def test_the_prefill_benchmark_counts_the_unmasked_pairs():
+    """benchmark/kernels/fi_prefill_bench.py's rate (CUDA only): 4 x head_dim FLOPs per head and
+    per (query, key) pair a new token sees, its prefix and itself included."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmark", "kernels"))
+    from fi_prefill_bench import causal_flops
+
+    pieces = [(3, 2), (0, 4), (16, 1)]
+    pairs = sum(1 for c, n in pieces for i in range(n) for j in range(c + n) if j <= c + i)
+    assert causal_flops(pieces, heads=2, dim=8) == 4 * 8 * 2 * pairs
