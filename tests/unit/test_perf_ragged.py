@@ -11,9 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minisgl.context import Context
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.graph import GraphRunner
-from minisgl.ext.perf.ragged import graph_size, kv_slots, worth_gathering
+from minisgl.ext.perf.ragged import graph_size, key_positions, worth_gathering
 
 
 @settings(max_examples=60, deadline=None)
@@ -29,7 +30,8 @@ def test_kv_slots_read_each_position_through_its_page(lens, page_size, seed):
     table = table.view(len(lens) + 2, cols).to(torch.int32)
     rows = torch.randperm(len(lens) + 2, generator=gen)[: len(lens)].to(torch.int32)
     indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    got = kv_slots(table, rows, indptr, sum(lens), page_size)
+    ctx = SimpleNamespace(page_table=table, page_size=page_size)
+    got = Context.kv_slots(ctx, *key_positions(rows, indptr, sum(lens)))  # type: ignore[arg-type]
     want = [
         int(table[row, pos // page_size]) * page_size + pos % page_size
         for row, n in zip(rows.tolist(), lens)

@@ -30,18 +30,14 @@ class RaggedMetadata(AttnMetadata):
     slots: torch.Tensor  # [keys] the prompts' pool slots, request after request
 
 
-def kv_slots(
-    page_table: torch.Tensor,
-    rows: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    total: int,
-    page_size: int,
-) -> torch.Tensor:
-    """The pool slots of positions 0 .. kv_indptr[i+1] - kv_indptr[i] - 1 of page-table row
-    rows[i] for every i, back to back, on the table's device without a host sync."""
+def key_positions(
+    rows: torch.Tensor, kv_indptr: torch.Tensor, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page-table row, position) of every key: positions 0 .. kv_indptr[i+1] - kv_indptr[i] - 1
+    of rows[i] for every i, back to back, on their device without a host sync."""
     req = torch.repeat_interleave(kv_indptr.diff(), output_size=total)
     pos = torch.arange(total, device=kv_indptr.device, dtype=kv_indptr.dtype) - kv_indptr[req]
-    return page_table[rows[req], pos // page_size] * page_size + pos % page_size
+    return rows[req], pos
 
 
 def worth_gathering(prompts: list[Req]) -> bool:
@@ -112,7 +108,7 @@ class RaggedPrefill(BaseAttnBackend):
             pin_memory=True,
         )
         dev = host.to(ctx.page_table.device, non_blocking=True)
-        slots = kv_slots(ctx.page_table, dev[2, :-1], dev[1], kv_indptr[-1], ctx.page_size)
+        slots = ctx.kv_slots(*key_positions(dev[2, :-1], dev[1], kv_indptr[-1]))
         if self.plan_done is not None:  # the last plan's copy from its pinned buffer ran
             self.plan_done.synchronize()
         self.wrapper.plan(
