@@ -3,14 +3,15 @@
 F.linear's float32 kernel on x86 is MKL's sgemm (transformers' too); oneDNN's matmul on the
 weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, as
 vLLM's CPU backend does) is the alternative. Which wins depends on the CPU (`rule_for`):
-- Intel (a Xeon VM, 2 AVX512 cores): MKL packs the weight again at every call of 3 rows or
+- Intel (a 2-core AVX512 VM): MKL packs the weight again at every call of 3 rows or
   more (SmolLM2-135M's 121 projections: 52-67 ms a step at 8 rows against 29 at one); the
   packed weight takes 37-39 ms at 4 to 8 rows, 1.1-1.3x faster up to 256, while MKL is the
   faster at 1 to 3 rows and runs prompts near peak. Decode steps of 4..256 rows take oneDNN.
 - any other vendor naming itself in /proc/cpuinfo (measured: AMD EPYC Zen 5 VM, 2 cores):
   MKL runs a slow path at every row count. One row through 30 layers' weights from memory (a
-  step's case): oneDNN 2.2-2.9x faster (1.7-2.1x on one thread), 3.6-5.2x at 2-3 rows; 1,000
-  rows 2.3-2.4x (212 against 505 GFLOP/s); the LM head 2.2-13x at 1-256 rows. Every row takes
+  step's case): oneDNN 2.2-2.9x faster (1.7-2.1x on one thread), 3.5-5.2x at 2-3 rows (with
+  the weights in cache one row ties: 0.96-1.8x, 0.68-1.08x on one thread); 1,000 rows
+  2.3-2.4x (212 against 505 GFLOP/s); the LM head 2.2-13x at 1-256 rows. Every row takes
   oneDNN, prompts too: one stream 27 -> 68 tok/s, a 1,000-token prompt 1.2 -> 0.6 s.
 A CPU naming no vendor (not x86, where MKL is not torch's kernel) keeps Intel's rule.
 
@@ -55,9 +56,10 @@ class PackRule:
         return self.min_rows <= rows <= self.max_rows and (decode or self.prompts)
 
 
-# measured on an Intel Xeon VM, where MKL wins at 1-3 rows and runs prompts near peak
+# measured on an Intel VM, where MKL wins at 1-3 rows and runs prompts near peak
 DECODE_BATCHES = PackRule(4, 256, prompts=False)
-# measured on an AMD EPYC (Zen 5) VM, where MKL is 1.1-13x slower at every row count
+# measured on an AMD EPYC (Zen 5) VM, where MKL is 1.7-13x slower at every row count (weights
+# from memory, as in a step)
 EVERY_ROW = PackRule(1, sys.maxsize, prompts=True)
 
 
