@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import fields, replace
 from types import SimpleNamespace
 
@@ -261,7 +262,7 @@ def test_pack_rule_by_vendor_and_rows() -> None:
 
 
 @pytest.fixture(params=["GenuineIntel", "AuthenticAMD"])
-def vendor(request, monkeypatch) -> str:
+def vendor(request, monkeypatch) -> Iterator[str]:
     """The CPU vendor `packed.pack_rule` reads, whatever this machine's."""
     from minisgl.ext.cpu import packed
 
@@ -281,10 +282,9 @@ def test_float32_projections_take_packed_weights_by_rule(model_dirs, vendor, mon
     from minisgl.ext.cpu.packed import PACKED_ATTR, PackedFloatLinear, packs_available, rule_for
     from minisgl.ext.cpu.routes import projections
 
-    onednn = packed.onednn_linear
-
     if not packs_available():
         pytest.skip("this torch build has no oneDNN")
+    onednn = packed.onednn_linear
     path, hf = model_dirs("llama")
     llm = LLM(path, page_size=4, num_pages=128)
     routed = {name: routes_of(m) for name, m in projections(llm.engine.model)}
