@@ -89,6 +89,34 @@ def counted(run: aot.Run, calls: list[int]) -> aot.Run:
     return call
 
 
+def flagged(run: aot.Run, inside: list[bool]) -> aot.Run:
+    """`run`, with `inside` holding True while it runs."""
+
+    def call(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        inside.append(True)
+        try:
+            return run(inputs)
+        finally:
+            inside.pop()
+
+    return call
+
+
+def spy_packed(monkeypatch: pytest.MonkeyPatch, inside: list[bool]) -> list[bool]:
+    """Whether each product on oneDNN's packed weight from now on ran inside a `flagged` run."""
+    from minisgl.ext.cpu import packed
+
+    calls: list[bool] = []
+    onednn = packed.onednn_linear
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(bool(inside))
+        return onednn(x, w, b)
+
+    monkeypatch.setattr(packed, "onednn_linear", spy)
+    return calls
+
+
 def test_the_thread_governor_governs_the_compiled_layers():
     from minisgl.ext.cpu.threads import GovernedThreads
     from minisgl.ext.cpu.torch_compile import OneRequestCompiled
@@ -148,11 +176,11 @@ def test_off_by_flag_or_environment(tiny_gguf, monkeypatch):
 
 def test_float32_batches_compiled_by_default_every_step_on_request(model_dirs, monkeypatch):
     """The exact path (float32, dense) compiles only batched steps by default: one request's
-    steps stay eager, transformers' bits. --cpu-compile aot compiles both kinds (a checkpoint
-    directory: the artifacts go to the cache's aot/). A batch of 4+ multiplies on oneDNN's
-    packed weights inside the compiled layers (`packed.packed_linear`). Greedy tokens are
-    transformers' throughout."""
-    from minisgl.ext.cpu.packed import PACKED_ATTR, PACKED_MIN_ROWS, packs_available
+    steps stay eager. --cpu-compile aot compiles both kinds (a checkpoint directory: the
+    artifacts go to the cache's aot/). Where the rule takes them (`packed.rule_for`: a batch of
+    4+ on Intel, every row elsewhere), the compiled layers multiply on oneDNN's packed weights
+    (`packed.packed_linear`). Greedy tokens are transformers' throughout."""
+    from minisgl.ext.cpu.packed import PACKED_ATTR, pack_rule, packs_available, rule_for
     from support.models import hf_greedy
 
     monkeypatch.setenv("MINISGL_CPU_AOT", "1")
@@ -167,12 +195,18 @@ def test_float32_batches_compiled_by_default_every_step_on_request(model_dirs, m
         assert (decoder.runs is None) == (mode == "auto")
         step = aot.layer_steps(llm.engine)[0]
         assert os.path.dirname(aot.artifact_path(llm.engine, step)).startswith(aot.cache_root())
+        if decoder.runs is not None:  # one request's compiled layers follow the eager rule
+            inside: list[bool] = []
+            decoder.runs = [flagged(run, inside) for run in decoder.runs]
+            spied = spy_packed(monkeypatch, inside)
         assert llm.generate(prompts[:1], params, use_tqdm=False)[0]["token_ids"] == want[0]
+        if decoder.runs is not None:
+            assert any(spied) == pack_rule().takes(1, decode=True)
         decoder.batched_runs = [counted(run, steps) for run in decoder.batched_runs]
-        for batch in (prompts[:2], prompts):  # the batched layers: F.linear, then packed weights
+        for batch in (prompts[:2], prompts):  # the batched layers (Intel: F.linear, then packed)
             outs = llm.generate(batch, params, use_tqdm=False)
             assert [o["token_ids"] for o in outs] == want[: len(batch)]
-        assert len(steps) >= 2 * 11 and len(prompts) >= PACKED_MIN_ROWS
+        assert len(steps) >= 2 * 11 and len(prompts) >= rule_for("GenuineIntel").min_rows
         qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj.weight
         assert hasattr(qkv, PACKED_ATTR) == packs_available()
         check_no_leak(llm.scheduler)

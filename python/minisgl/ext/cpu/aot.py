@@ -49,7 +49,7 @@ from minisgl.ext.cpu.gguf import (
     remove_quietly,
     unused_for,
 )
-from minisgl.ext.cpu.native import cpu_flags
+from minisgl.ext.cpu.native import cpu_flags, cpu_vendor
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.quantize import CpuModelTransform
 from minisgl.kvcache.pool import MHAKVCache
@@ -144,12 +144,12 @@ def first_line(e: Exception) -> str:
 def aot_kinds(engine: Any) -> tuple[type[LayerStep], ...]:
     """The kinds of decode step whose layers run compiled: both under --cpu-compile aot, or
     auto on a quantized model; auto on a dense one (`--quantization none`, the exact path in
-    float32) only batches, whose rows round otherwise than one request's under F.linear as
-    well: one request's steps keep transformers' projections bit for bit. None under MINISGL_CPU_AOT=0 (e.g. tests
-    that build many engines), off a cpu engine whose layers one graph can hold
-    (--enable-torch-compile's checks) with the speed paths' RoPE table (`speed.TableRotary`),
-    and where another extension wrapped the model's transform (LoRA's layers read each step's
-    adapter slots, which an exported graph would hold fixed)."""
+    float32) only batches, whose rows round otherwise than one request's eager step (itself
+    transformers' F.linear bit for bit on Intel, oneDNN's sums elsewhere: `packed.rule_for`).
+    None under MINISGL_CPU_AOT=0 (e.g. tests that build many engines), off a cpu engine whose
+    layers one graph can hold (--enable-torch-compile's checks) with the speed paths' RoPE
+    table (`speed.TableRotary`), and where another extension wrapped the model's transform
+    (LoRA's layers read each step's adapter slots, which an exported graph would hold fixed)."""
     mode, moe = cpu_options(engine.config).cpu_compile, engine.model_config.moe is not None
     applies = (
         mode != "off"
@@ -303,7 +303,7 @@ def artifact_path(engine: Any, step: LayerStep) -> str:
     (a directory per checkpoint), keyed by everything the compiled layer depends on."""
     key = json.dumps(
         [FORMAT, torch.__version__, sorted(cpu_flags()), source_digest(), engine.quantization,
-         repr(engine.model_config), step.signature()],
+         repr(engine.model_config), step.signature(), cpu_vendor()],  # vendor: packed.rule_for
         default=str,
     )  # fmt: skip
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -64,16 +64,29 @@ OP = "minisgl::qdot_mm"  # stands for every op ops.cpp registers (all at once)
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's /proc/cpuinfo flags (none off Linux)."""
+def cpuinfo_field(name: str) -> str:
+    """The first CPU's `name` line of /proc/cpuinfo, its value ("" off Linux or where absent:
+    an ARM CPU has no vendor_id)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's /proc/cpuinfo flags (none off Linux)."""
+    return frozenset(cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The x86 vendor string (GenuineIntel, AuthenticAMD, ...); "" elsewhere."""
+    return cpuinfo_field("vendor_id")
 
 
 def compiler() -> str | None:

