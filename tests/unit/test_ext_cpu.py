@@ -330,6 +330,46 @@ def test_float32_projections_take_packed_weights_by_rule(model_dirs, vendor, mon
     set_global_ctx(llm.engine.ctx)
 
 
+@pytest.mark.ext
+def test_long_prompts_gate_and_up_on_packed_halves(model_dirs, vendor, monkeypatch) -> None:
+    """A prompt whose gate/up product reaches GATED_MIN_BYTES computes silu(x Wg) * (x Wu) in
+    two oneDNN GEMMs on packed halves where the rule takes prompts (not on Intel): within
+    float32 rounding of F.linear and SiLU-and-mul, greedy tokens still transformers'. One
+    row, a shorter product and a step-less call keep the merged product."""
+    from minisgl.ext.cpu import fused, native, packed
+
+    if not packed.packs_available() or not native.float32_kernels():
+        pytest.skip("needs oneDNN and minisgl's float32 kernels")
+    path, hf = model_dirs("llama")
+    llm = LLM(path, page_size=4, num_pages=128)
+    mlp = llm.engine.model.model.layers[0].mlp
+    assert type(mlp) is fused.FusedMLP
+    gate_up = mlp.gate_up_proj
+    threshold = 12 * gate_up.weight.shape[0] * 4  # a 12-row product takes it
+    monkeypatch.setattr(packed, "GATED_MIN_BYTES", threshold)
+    calls: list[int] = []
+    gated = packed.gated_silu
+    monkeypatch.setattr(fused, "gated_silu", lambda m, x: calls.append(1) or gated(m, x))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(
+        hf, prompt, 6
+    )
+    assert calls and hasattr(gate_up.weight, packed.GATED_ATTR) == (vendor != "GenuineIntel")
+    check_no_leak(llm.scheduler)
+
+    x = torch.randn(16, gate_up.weight.shape[1])
+    want = torch.ops.minisgl.silu_and_mul(torch.nn.functional.linear(x, gate_up.weight))
+    for decode, rows, takes in [(False, 16, True), (False, 11, False), (True, 1, False)]:
+        set_global_ctx(replace(llm.engine.ctx, batch=SimpleNamespace(is_decode=decode)))
+        got = packed.gated_silu(gate_up, x[:rows])
+        assert (got is not None) == (takes and vendor != "GenuineIntel")
+        assert got is None or torch.allclose(got, want[:rows], 1e-4, 1e-5)
+    set_global_ctx(replace(llm.engine.ctx, batch=None))
+    assert packed.gated_silu(gate_up, x) is None
+    set_global_ctx(llm.engine.ctx)
+
+
 def routes_of(module: torch.nn.Module) -> object:
     """The object whose bound method the cpu extension installed as the projection's route
     (the LM head's route is a closure over it)."""

@@ -5,13 +5,15 @@ torch makes 3-6 (a 1,000-token prompt's gate/up output is 12 MB: each pass goes 
 loaded weights; only the forward changes). They take torch's path while compiling (inductor
 fuses these itself), for other dtypes, and where the kernels do not run. Their outputs are within
 float32 rounding of torch's, not bit for bit (the mean of squares and the exp are summed and
-computed in another order); speed.py's RoPE through the same library keeps torch's bits."""
+computed in another order); speed.py's RoPE through the same library keeps torch's bits.
+A long prompt's MLP whose gate/up projection `packed.py` routes takes `packed.gated_silu`."""
 
 from __future__ import annotations
 
 import torch
 
 from minisgl.ext.cpu import native
+from minisgl.ext.cpu.packed import gated_silu
 from minisgl.layers.norm import RMSNorm
 from minisgl.models.llama import MLP
 
@@ -42,9 +44,12 @@ class FusedRMSNorm(RMSNorm):
 
 class FusedMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ready(x):
-            return self.down_proj(torch.ops.minisgl.silu_and_mul(self.gate_up_proj(x)))
-        return super().forward(x)
+        if not fused_ready(x):
+            return super().forward(x)
+        gated = gated_silu(self.gate_up_proj, x)  # a long prompt's, on oneDNN's packed halves
+        if gated is None:
+            gated = torch.ops.minisgl.silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(gated)
 
 
 def install_fused(model: torch.nn.Module, dtype: torch.dtype) -> None:
