@@ -367,6 +367,10 @@ def test_long_prompts_gate_and_up_on_packed_halves(model_dirs, vendor, monkeypat
         assert got is None or torch.allclose(got, want[:rows], 1e-4, 1e-5)
     set_global_ctx(replace(llm.engine.ctx, batch=None))
     assert packed.gated_silu(gate_up, x) is None
+    set_global_ctx(replace(llm.engine.ctx, batch=SimpleNamespace(is_decode=False)))
+    route = gate_up.forward
+    monkeypatch.setattr(gate_up, "forward", lambda x: route(x))  # wrapped by another layer
+    assert packed.gated_silu(gate_up, x) is None
     set_global_ctx(llm.engine.ctx)
 
 

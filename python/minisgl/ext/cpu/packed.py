@@ -172,11 +172,14 @@ def gated_silu(gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """silu(x Wg^T) * (x Wu^T) of a merged gate/up projection routed here, in two GEMMs on its
     packed halves with the SiLU and the product in their epilogues: the [rows, 2 x inter]
     product never makes a pass through memory. For an eager step's [rows, in] float32 input
-    whose rows the rule takes and whose product is at least GATED_MIN_BYTES (a long prompt);
-    None elsewhere (the caller then multiplies and applies SiLU-and-mul)."""
+    whose rows the rule takes and whose product is at least GATED_MIN_BYTES (a long prompt),
+    while the projection's route is still ours; None elsewhere (the caller then multiplies and
+    applies SiLU-and-mul)."""
     route: PackedFloatLinear | None = getattr(gate_up, ROUTE_ATTR, None)
     batch = get_global_ctx().batch
     if route is None or batch is None or gate_up.bias is not None or x.dim() != 2:
+        return None
+    if gate_up.forward != route.forward:  # another layer wrapped the projection since
         return None
     rows, weight = x.shape[0], gate_up.weight
     if rows * weight.shape[0] * 4 < GATED_MIN_BYTES or not route.rule.takes(rows, batch.is_decode):
