@@ -176,13 +176,15 @@ def gated_silu(gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     while the projection's route is still ours; None elsewhere (the caller then multiplies and
     applies SiLU-and-mul)."""
     route: PackedFloatLinear | None = getattr(gate_up, ROUTE_ATTR, None)
+    if route is None or x.dim() != 2:
+        return None
+    rows, weight = x.shape[0], route.module.weight  # the size first: decode steps leave here
+    if rows * weight.shape[0] * 4 < GATED_MIN_BYTES or gate_up.bias is not None:
+        return None
     batch = get_global_ctx().batch
-    if route is None or batch is None or gate_up.bias is not None or x.dim() != 2:
+    if batch is None or not route.rule.takes(rows, batch.is_decode):
         return None
     if gate_up.forward != route.forward:  # another layer wrapped the projection since
-        return None
-    rows, weight = x.shape[0], gate_up.weight
-    if rows * weight.shape[0] * 4 < GATED_MIN_BYTES or not route.rule.takes(rows, batch.is_decode):
         return None
     gate, up = packed_halves(weight)
     activated = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
