@@ -179,7 +179,7 @@ def gated_silu(gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     if route is None or x.dim() != 2:
         return None
     rows, weight = x.shape[0], route.module.weight  # the size first: decode steps leave here
-    if rows * weight.shape[0] * 4 < GATED_MIN_BYTES or gate_up.bias is not None:
+    if rows * weight.shape[0] * weight.element_size() < GATED_MIN_BYTES or gate_up.bias is not None:
         return None
     batch = get_global_ctx().batch
     if batch is None or not route.rule.takes(rows, batch.is_decode):
