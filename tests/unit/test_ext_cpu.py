@@ -7,6 +7,7 @@ the same tokens as with the extension (transformers' greedy tokens, in float32).
 from __future__ import annotations
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -382,3 +383,44 @@ def routes_of(module: torch.nn.Module) -> object:
         return route.__self__
     cells = [c.cell_contents for c in route.__closure__ or ()]
     return next(c.__self__ for c in cells if hasattr(c, "__self__"))
+
+
+HEAP_STEPS = """
+import resource, sys, torch
+torch.set_num_threads(1)
+from minisgl.ext.cpu.heap import keep_freed_memory
+kept = sys.argv[1] == "keep" and keep_freed_memory()
+def faults(rounds):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(rounds):
+        for mib in (1, 3, 6, 12, 24):  # blocks freed layer after layer, as a step's activations
+            blocks = [torch.ones(mib << 18) for _ in range(3)]
+            del blocks
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults(1)
+print(kept, faults(4))
+"""
+
+
+@pytest.mark.ext
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
+def test_a_cpu_engines_process_keeps_the_memory_its_steps_free(model_dirs) -> None:
+    """Blocks freed round after round, as a step's activations: by default glibc gives the
+    heap's top back to the kernel and faults its pages in again each round (a 1,000-token
+    prompt of SmolLM2: 31,000-134,000 faults); once the process keeps freed memory
+    (`heap.keep_freed_memory`, which a cpu engine's start calls) none. Fresh processes: the
+    settings hold for the rest of a process."""
+    from minisgl.ext.cpu import heap
+
+    def run(mode: str) -> tuple[bool, int]:
+        argv = [sys.executable, "-c", HEAP_STEPS, mode]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
+        kept, faults = out.stdout.split()
+        return kept == "True", int(faults)
+
+    kept, faults = run("keep")
+    assert kept and faults < 100
+    assert run("default")[1] > 10_000
+    heap.keep_freed_memory.cache_clear()
+    LLM(model_dirs("llama")[0], page_size=4, num_pages=16, cpu_compile="off")
+    assert heap.keep_freed_memory.cache_info().currsize == 1

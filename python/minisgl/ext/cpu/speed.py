@@ -4,10 +4,11 @@ follows q in the QKV output (bit for bit the core's path); attention in float32 
 (bit for bit); prompts without a cached prefix attended with SDPA's `is_causal` instead of a mask
 (the flash kernel then skips the blocks above the diagonal: a 1,000-token prompt's attention 1.6x
 faster, the same bits) or, where minisgl's CPU kernels run (`native.py`), with its own causal
-kernel (`attention.cpp`: within float32 rounding of SDPA's, 1.5-1.9x faster again), which also
+kernel (`attention.cpp`: within float32 rounding of SDPA's, 1.5-3.6x faster again), which also
 takes prompts with a cached prefix (else masked); and a float32 model's RMSNorm and SiLU through
 fused kernels (`fused.py`). `cpu_engine` (the `decoder_transform` point) installs them into each
-built cpu engine before --enable-torch-compile compiles its decoder."""
+built cpu engine before --enable-torch-compile compiles its decoder, and has the process keep
+the memory its steps free (`heap.py`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from minisgl.context import get_global_ctx
 from minisgl.core import Batch
 from minisgl.ext.cpu import native
 from minisgl.ext.cpu.fused import fused_ready, install_fused
+from minisgl.ext.cpu.heap import keep_freed_memory
 from minisgl.ext.cpu.torch_compile import compiled_decoder
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.rotary import RopeConfig, RotaryEmbedding
@@ -33,6 +35,7 @@ def cpu_engine(engine: Any) -> torch.nn.Module | None:
     """The `decoder_transform` point: on cpu the speed paths into the built engine
     (`engine.Engine`), then the compiled decoder under --enable-torch-compile, else None."""
     if engine.device.type == "cpu":
+        keep_freed_memory()  # after the weights' load, whose temporaries may go back
         install_rotary(engine.model, engine.model_config.rope, engine.dtype)
         install_fused(engine.model, engine.dtype)
         if type(engine.attn_backend) is TorchAttnBackend:  # read by the Context built next
