@@ -174,12 +174,13 @@ def test_off_by_flag_or_environment(tiny_gguf, monkeypatch):
     assert LLM(tiny_gguf, cpu_compile="aot", **options).engine.compiled_decoder is None
 
 
-def test_float32_batches_compiled_by_default_every_step_on_request(model_dirs, monkeypatch):
-    """The exact path (float32, dense) compiles only batched steps by default: one request's
-    steps stay eager. --cpu-compile aot compiles both kinds (a checkpoint directory: the
-    artifacts go to the cache's aot/). Where the rule takes them (`packed.rule_for`: a batch of
-    4+ on Intel, every row elsewhere), the compiled layers multiply on oneDNN's packed weights
-    (`packed.packed_linear`). Greedy tokens are transformers' throughout."""
+def test_float32_compiled_by_default_batches_and_off_intel_one_request(model_dirs, monkeypatch):
+    """The exact path (float32, dense) compiles batched steps by default, and one request's
+    steps where the rule already takes one row off F.linear (`packed.rule_for`: not on Intel,
+    whose one-request steps stay eager, transformers' bits). --cpu-compile aot compiles both
+    kinds (a checkpoint directory: the artifacts go to the cache's aot/). Where the rule takes
+    them (a batch of 4+ on Intel, every row elsewhere), the compiled layers multiply on oneDNN's
+    packed weights (`packed.packed_linear`). Greedy tokens are transformers' throughout."""
     from minisgl.ext.cpu.packed import PACKED_ATTR, pack_rule, packs_available, rule_for
     from support.models import hf_greedy
 
@@ -192,7 +193,7 @@ def test_float32_batches_compiled_by_default_every_step_on_request(model_dirs, m
         llm = LLM(path, page_size=4, num_pages=128, cpu_compile=mode)
         decoder, steps = llm.engine.compiled_decoder, []
         assert isinstance(decoder, aot.AotDecoder) and decoder.batched_runs is not None
-        assert (decoder.runs is None) == (mode == "auto")
+        assert (decoder.runs is None) == (mode == "auto" and not pack_rule().takes(1, True))
         step = aot.layer_steps(llm.engine)[0]
         assert os.path.dirname(aot.artifact_path(llm.engine, step)).startswith(aot.cache_root())
         if decoder.runs is not None:  # one request's compiled layers follow the eager rule
@@ -210,6 +211,11 @@ def test_float32_batches_compiled_by_default_every_step_on_request(model_dirs, m
         qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj.weight
         assert hasattr(qkv, PACKED_ATTR) == packs_available()
         check_no_leak(llm.scheduler)
+    for vendor in ("GenuineIntel", "AuthenticAMD"):  # auto's kinds under each vendor's rule
+        monkeypatch.setattr(aot, "pack_rule", lambda v=vendor: rule_for(v))
+        decoder = LLM(path, page_size=4, num_pages=128).engine.compiled_decoder
+        assert isinstance(decoder, aot.AotDecoder) and decoder.batched_runs is not None
+        assert (decoder.runs is None) == (vendor == "GenuineIntel")
 
 
 def test_flag():

@@ -51,6 +51,7 @@ from minisgl.ext.cpu.gguf import (
 )
 from minisgl.ext.cpu.native import cpu_flags, cpu_vendor
 from minisgl.ext.cpu.options import cpu_options
+from minisgl.ext.cpu.packed import pack_rule
 from minisgl.ext.cpu.quantize import CpuModelTransform
 from minisgl.kvcache.pool import MHAKVCache
 
@@ -144,8 +145,8 @@ def first_line(e: Exception) -> str:
 def aot_kinds(engine: Any) -> tuple[type[LayerStep], ...]:
     """The kinds of decode step whose layers run compiled: both under --cpu-compile aot, or
     auto on a quantized model; auto on a dense one (`--quantization none`, the exact path in
-    float32) only batches, whose rows round otherwise than one request's eager step (itself
-    transformers' F.linear bit for bit on Intel, oneDNN's sums elsewhere: `packed.rule_for`).
+    float32) only batches where one request's eager step is transformers' F.linear bit for bit
+    (Intel: `packed.rule_for`), both where it is not (oneDNN's sums at one row already).
     None under MINISGL_CPU_AOT=0 (e.g. tests that build many engines), off a cpu engine whose
     layers one graph can hold (--enable-torch-compile's checks) with the speed paths' RoPE
     table (`speed.TableRotary`), and where another extension wrapped the model's transform
@@ -163,7 +164,7 @@ def aot_kinds(engine: Any) -> tuple[type[LayerStep], ...]:
     )
     if not applies:
         return ()
-    if mode == "aot" or engine.quantization != "none":
+    if mode == "aot" or engine.quantization != "none" or pack_rule().takes(1, decode=True):
         return (LayerStep, BatchedLayerStep)
     return (BatchedLayerStep,)
 
