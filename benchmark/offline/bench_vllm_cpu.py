@@ -207,6 +207,11 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def cell(key: str, value: float) -> str:
+    """A figure of the table: seconds of a prompt to the millisecond, the rest to 0.01."""
+    return f"{value:11.3f}" if key == "prefill_s" else f"{value:11.2f}"
+
+
 def main() -> None:
     args = parse_args()
     if args.child:
@@ -223,12 +228,12 @@ def main() -> None:
         for e in engines:
             load = "/".join(f"{x:.2f}" for x in os.getloadavg())
             rows[e].append(fig := spawn(e, args))
-            print(f"{r:5} {e:12} {load:>15} " + " ".join(f"{fig[k]:11.2f}" for k in keys))
+            print(f"{r:5} {e:12} {load:>15} " + " ".join(cell(k, fig[k]) for k in keys))
     for e, runs in rows.items():  # the float32 engines should agree (vLLM reads minisgl's copy)
         print(f"{e:12} greedy ids: {runs[0]['greedy']}")
     print("medians:")
     for e, runs in rows.items():
-        print(f"{e:12} " + " ".join(f"{statistics.median(x[k] for x in runs):11.2f}" for k in keys))
+        print(f"{e:12} " + " ".join(cell(k, statistics.median(x[k] for x in runs)) for k in keys))
 
 
 if __name__ == "__main__":
