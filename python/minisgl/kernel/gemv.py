@@ -428,21 +428,35 @@ def _launch(
         num_stages=cfg.num_stages,
     )
     if split > 1:
-        _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK),)](
-            partial,
-            bias_arg,
-            out,
-            m,
-            n,
-            out.stride(0),
-            BLOCK_M=block_m(m),
-            BLOCK_N=_REDUCE_BLOCK,
-            SPLIT_K=split,
-            HAS_BIAS=has_bias,
-            SILU=silu,
-            **launch,
-        )
+        _reduce_splits(partial, bias, out, silu, launch)
     return out.view(*x.shape[:-1], n)
+
+
+def _reduce_splits(
+    partial: torch.Tensor,  # [split, M, rows] float32
+    bias: torch.Tensor | None,
+    out: torch.Tensor,  # [M, N]
+    silu: bool,
+    launch: dict[str, bool],
+) -> None:
+    """The second kernel of a split K: the partial sums added (with the bias, then SiLU-and-mul)
+    into `out`."""
+    split, m = partial.shape[:2]
+    n = out.shape[1]
+    _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK),)](
+        partial,
+        out if bias is None else bias,  # unused pointer without a bias
+        out,
+        m,
+        n,
+        out.stride(0),
+        BLOCK_M=block_m(m),
+        BLOCK_N=_REDUCE_BLOCK,
+        SPLIT_K=split,
+        HAS_BIAS=bias is not None,
+        SILU=silu,
+        **launch,
+    )
 
 
 def gemv(

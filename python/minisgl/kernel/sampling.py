@@ -242,7 +242,21 @@ def gumbel_argmax(
         **launch,
         num_warps=4,
     )
-    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    return _pick_chunk(best_val, best_idx, step, into, triton.cdiv(vocab, block), launch)
+
+
+def _pick_chunk(
+    best_val: torch.Tensor,  # [B, chunks] each chunk's best score
+    best_idx: torch.Tensor,  # [B, chunks] and its id
+    step: torch.Tensor,
+    into: tuple[torch.Tensor, torch.Tensor] | None,
+    most_chunks: int,  # of any batch size (the tile is the same for all)
+    launch: dict[str, bool],
+) -> torch.Tensor:
+    """The second kernel of `gumbel_argmax`: each row's best chunk's id (also into the token
+    table where `into` is given)."""
+    batch, chunks = best_val.shape
+    out = torch.empty(batch, dtype=torch.int64, device=best_val.device)
     table, rows = into if into is not None else (out, step)  # unread without STORE
     assert table.stride(-1) == 1
     _pick_kernel[(batch,)](
@@ -254,7 +268,7 @@ def gumbel_argmax(
         step,
         chunks,
         table.stride(0),
-        BLOCK_C=triton.next_power_of_2(triton.cdiv(vocab, block)),  # every batch's chunks
+        BLOCK_C=triton.next_power_of_2(most_chunks),
         STORE=into is not None,
         **launch,
         num_warps=1,

@@ -15,7 +15,7 @@ chosen, so `import triton` stays off the CPU path."""
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -556,10 +556,7 @@ def decode_attention(
     assert 1 <= num_splits <= 32, "the merge reads at most two 16-split tiles"
     block_n, num_stages, maxnreg = tuning or decode_tuning(k_pool, num_splits, rope is not None)
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)
-    part_out = part_lse = out  # unused when there is a single split
-    if num_splits > 1:
-        part_out = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
+    part_out, part_lse = _split_buffers(out, num_splits)
     launch = pdl.options(q.device)
     _decode_split_kernel[(kv_heads, bsz, num_splits)](
         q,
@@ -586,13 +583,7 @@ def decode_attention(
         PAGE_SIZE=page_size,
         HEAD_DIM=dim,
         BLOCK_N=block_n,
-        COMPUTE=compute_dtype(q, k_pool),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ROPE=rope is not None,
-        NORM=rope is not None and rope.qk_norm is not None,
-        HAS_ORDER=order is not None,
-        PAIRS=e4m3_pairs(q, k_pool, rope is not None),
-        PTX=q.is_cuda and not flags.triton_interpret() and native_fp8(q.device.index),
+        **_decode_variant(q, k_pool, rope, order),
         **launch,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
         num_warps=num_warps,
@@ -601,6 +592,32 @@ def decode_attention(
     if num_splits > 1:
         _merge_splits(part_out, part_lse, kv_lens, out, block_n, launch)
     return out
+
+
+def _split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' float32 outputs [B, H, S, D] and log-sum-exps [B, H, S] (with one split,
+    placeholders never written: the kernel writes `out` itself)."""
+    if num_splits == 1:
+        return out, out
+    bsz, heads, dim = out.shape
+    part_out = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=out.device)
+    return part_out, part_lse
+
+
+def _decode_variant(
+    q: torch.Tensor, k_pool: torch.Tensor, rope: DecodeRope | None, order: torch.Tensor | None
+) -> dict[str, Any]:
+    """The split kernel's compile-time switches that follow from its operands."""
+    return dict(
+        COMPUTE=compute_dtype(q, k_pool),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ROPE=rope is not None,
+        NORM=rope is not None and rope.qk_norm is not None,
+        HAS_ORDER=order is not None,
+        PAIRS=e4m3_pairs(q, k_pool, rope is not None),
+        PTX=q.is_cuda and not flags.triton_interpret() and native_fp8(q.device.index),
+    )
 
 
 def _merge_splits(
