@@ -30,6 +30,39 @@ def test_noise_is_uniform_and_deterministic():
     assert (hist - 2000).abs().max() < 200
 
 
+def _noise_by_the_formula(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The counter hash as the GPU kernel and earlier releases define it: uint32 arithmetic
+    held in int64, every product reduced mod 2**32 (a seeded request's draws depend on it)."""
+
+    def mix(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+        return (x >> 16) ^ x
+
+    row = mix((mix(seed & 0xFFFFFFFF) ^ (step * 0x9E3779B1 & 0xFFFFFFFF)) & 0xFFFFFFFF)
+    token = torch.arange(vocab) * 0x85EBCA6B & 0xFFFFFFFF
+    return ((mix((row[:, None] ^ token[None, :]) & 0xFFFFFFFF) >> 9).float() + 0.5) * 2.0**-23
+
+
+def test_noise_is_the_counter_hash_bit_for_bit():
+    """uniform_noise computes in int32 (wrapping products, masked shifts) for speed: the same
+    bits as the formula for any seed (up to 2**62), step and vocabulary."""
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (1, 7, 50_000):
+        seed = torch.cat(
+            [
+                torch.tensor([0, 2**31, 2**32 - 1, 2**62]),
+                torch.randint(0, 2**62, (4,), generator=gen),
+            ]
+        )
+        step = torch.cat(
+            [torch.tensor([0, 2**31 - 1, 1, 5]), torch.randint(0, 2**31, (4,), generator=gen)]
+        )
+        assert torch.equal(
+            uniform_noise(seed, step, vocab), _noise_by_the_formula(seed, step, vocab)
+        )
+
+
 def test_temperature_sampling_follows_softmax():
     vocab, n = 8, 4000
     logits = torch.randn(vocab).repeat(n, 1)

@@ -26,8 +26,8 @@ _SERIES_TERMS = tl.constexpr(5)  # relative error < 2e-7 below 1/16
 
 @triton.jit
 def _hash32(x):
-    """`engine/sample.py: _hash32` on uint32 values: the same bits (the reference masks every
-    product to 32 bits) without 64-bit multiplies."""
+    """`engine/sample.py: _hash32` on uint32 values: the same bits (the reference's int32
+    products wrap mod 2**32 too; its shifts are masked to be logical)."""
     for _ in tl.static_range(3):
         x = ((x >> 16) ^ x) * 0x45D9F3B
     return (x >> 16) ^ x
