@@ -30,12 +30,20 @@ class DecodeRope(NamedTuple):
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None
 
 
+# CPU modules that extensions register under `fused_ops`' names, with the same functions (ext/cpu:
+# "sampling", its C++ Gumbel-max sampler)
+CPU_OPS: dict[str, ModuleType] = {}
+
+
 def fused_ops(x: torch.Tensor, module: str = "fused") -> ModuleType | None:
     """The Triton module `kernel/<module>.py` (the fused ops; "sampling": the Gumbel-max
     sampler), or an extension's kernel module by its dotted name, when `x` is on CUDA, triton
-    imports and MINISGL_DISABLE_FUSED_OPS is unset; None means: run the torch reference."""
-    if not x.is_cuda or flags.disable_fused_ops():
+    imports and MINISGL_DISABLE_FUSED_OPS is unset; for a CPU `x` the module registered in
+    CPU_OPS, if any. None means: run the torch reference."""
+    if flags.disable_fused_ops():
         return None
+    if not x.is_cuda:
+        return CPU_OPS.get(module) if x.device.type == "cpu" else None
     return _import(module)
 
 

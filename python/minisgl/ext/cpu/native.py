@@ -1,9 +1,10 @@
-"""minisgl's own CPU kernels (`qdot.cpp`, `attention.cpp`, `fused.cpp`; `ops.cpp` registers
-them as torch.ops.minisgl ops): GGUF-quantized projections at decode sizes for
+"""minisgl's own CPU kernels (`qdot.cpp`, `attention.cpp`, `fused.cpp`, `sample.cpp`; `ops.cpp`
+registers them as torch.ops.minisgl ops): GGUF-quantized projections at decode sizes for
 `quantized.VnniLinear` (`qdot_mm`), fresh prompts' attention in float32 for `speed.py`
 (`causal_attention`: 3.6x torch's flash kernel on a 1,000-token SmolLM2 prompt on the AMD EPYC
-Zen 5 VM, 2 threads; its predecessor 3.0x there, 1.5-1.9x on the Intel VM), and float32 RoPE,
-SiLU-and-mul and RMSNorm in one pass each for `fused.py`. Built for AVX512-VNNI where the CPU
+Zen 5 VM, 2 threads; its predecessor 3.0x there, 1.5-1.9x on the Intel VM), float32 RoPE,
+SiLU-and-mul and RMSNorm in one pass each for `fused.py`, and the Gumbel-max sampler for
+`sampling.py`. Built for AVX512-VNNI where the CPU
 has it, else for AVX-VNNI or AVX2 (most laptops): there `qdot_mm` alone, with the same bits
 (`float32_kernels()` is False); MINISGL_CPU_ISA=avxvnni or avx2 chooses such a build.
 
@@ -52,7 +53,7 @@ class Isa(NamedTuple):
 
 
 ISAS = {  # the first the CPU has is built
-    "avx512": Isa(("qdot.cpp", "attention.cpp", "fused.cpp", "ops.cpp"),
+    "avx512": Isa(("qdot.cpp", "attention.cpp", "fused.cpp", "sample.cpp", "ops.cpp"),
                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c"),
                   ("avx512f", "avx512bw", "avx512_vnni")),
     "avxvnni": Isa(("qdot.cpp", "ops.cpp"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
@@ -221,3 +222,8 @@ _LIBRARY.define("rotate(Tensor x, Tensor table) -> Tensor")
 _LIBRARY.define("silu_and_mul(Tensor x) -> Tensor")
 _LIBRARY.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIBRARY.define("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()")
+# sample.cpp's: logits [B, V] (float32, bfloat16 or float16), temperature, seed, step [B] -> ids
+# [B] int64, the Gumbel-max draw of engine/sample.py's `sample` (argmax where temperature <= 0)
+_LIBRARY.define(
+    "gumbel_argmax(Tensor logits, Tensor temperature, Tensor seed, Tensor step) -> Tensor"
+)

@@ -21,6 +21,9 @@ extern "C" void silu_and_mul(const float* x, int64_t x_row, float* out, int64_t 
                              int threads);
 extern "C" void rms_norm(const float* x, int64_t x_row, float* residual, const float* w, float eps,
                          float* out, int64_t rows, int64_t cols, int threads);
+extern "C" void gumbel_argmax(const void* logits, int dtype, int64_t row_stride, int64_t rows,
+                              int64_t vocab, const float* temperature, const int64_t* seed,
+                              const int64_t* step, int64_t* ids, int threads);
 #endif
 
 namespace {
@@ -144,6 +147,28 @@ void add_rms_norm_op(at::Tensor& x, at::Tensor& residual, const at::Tensor& weig
            weight.const_data_ptr<float>(), static_cast<float>(eps), x.data_ptr<float>(), x.size(0),
            x.size(1), at::get_num_threads());
 }
+
+at::Tensor gumbel_argmax_op(const at::Tensor& logits, const at::Tensor& temperature,
+                            const at::Tensor& seed, const at::Tensor& step) {
+  const auto type = logits.scalar_type();
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 &&
+                  (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
+              "gumbel_argmax: logits must be float32, bfloat16 or float16 [B, V], rows dense");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab < (int64_t{1} << 31), "gumbel_argmax: over 2^31 logits a row");
+  const at::Tensor t = temperature.to(at::kFloat).contiguous();
+  const at::Tensor s = seed.to(at::kLong).contiguous(), st = step.to(at::kLong).contiguous();
+  TORCH_CHECK(t.numel() == rows && s.numel() == rows && st.numel() == rows,
+              "gumbel_argmax: temperature, seed and step need one value a row");
+  at::Tensor ids = at::empty({rows}, logits.options().dtype(at::kLong));
+  if (rows > 0 && vocab > 0) {
+    const int dtype = type == at::kFloat ? 0 : type == at::kBFloat16 ? 1 : 2;
+    gumbel_argmax(logits.const_data_ptr(), dtype, logits.stride(0), rows, vocab,
+                  t.const_data_ptr<float>(), s.const_data_ptr<int64_t>(),
+                  st.const_data_ptr<int64_t>(), ids.data_ptr<int64_t>(), at::get_num_threads());
+  }
+  return ids;
+}
 #endif
 
 }  // namespace
@@ -165,5 +190,6 @@ TORCH_LIBRARY_IMPL(minisgl, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul_op);
   m.impl("rms_norm", &rms_norm_op);
   m.impl("add_rms_norm_", &add_rms_norm_op);
+  m.impl("gumbel_argmax", &gumbel_argmax_op);
 #endif
 }

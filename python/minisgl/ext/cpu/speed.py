@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from minisgl.attention.torch_backend import TorchAttnBackend, TorchAttnMetadata, gather_kv
 from minisgl.context import get_global_ctx
 from minisgl.core import Batch
-from minisgl.ext.cpu import native
+from minisgl.ext.cpu import native, sampling
 from minisgl.ext.cpu.fused import fused_ready, install_fused
 from minisgl.ext.cpu.heap import keep_freed_memory
 from minisgl.ext.cpu.torch_compile import compiled_decoder
@@ -36,6 +36,7 @@ def cpu_engine(engine: Any) -> torch.nn.Module | None:
     (`engine.Engine`), then the compiled decoder under --enable-torch-compile, else None."""
     if engine.device.type == "cpu":
         keep_freed_memory()  # after the weights' load, whose temporaries may go back
+        sampling.install()
         install_rotary(engine.model, engine.model_config.rope, engine.dtype)
         install_fused(engine.model, engine.dtype)
         if type(engine.attn_backend) is TorchAttnBackend:  # read by the Context built next
