@@ -1,6 +1,7 @@
 """CPU speed of one GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1) in minisgl and,
 when llama-cpp-python is available, in llama.cpp on the same file with the same cores: decode
-tok/s (batch 1, greedy, `--decode-tokens` after a short prompt) and prefill tok/s (one prompt of
+tok/s (batch 1, greedy or at `--temperature`, `--decode-tokens` after a short prompt) and
+prefill tok/s (one prompt of
 `--prompt-tokens` random token ids, a new one each time so no prefix cache helps), printed side
 by side with the ratio minisgl / llama.cpp. By default llama.cpp runs a thread per core and
 minisgl as it does by default (its decode moves between every core and one, `--cpu-threads`);
@@ -35,9 +36,12 @@ def random_prompt(count: int, seed: int, vocab: int) -> list[int]:
     return [rng.randint(vocab // 4, vocab * 3 // 4) for _ in range(count)]
 
 
-def llama_cpp_run(model: str, threads: int, decode: int, prompt_tokens: int, seed: int) -> dict:
-    """One round in llama.cpp: decode tok/s of greedy tokens after DECODE_PROMPT (EOS ignored,
-    as minisgl's ignore_eos), prefill tok/s of a random prompt."""
+def llama_cpp_run(
+    model: str, threads: int, decode: int, prompt_tokens: int, seed: int, temperature: float
+) -> dict:
+    """One round in llama.cpp: decode tok/s of tokens after DECODE_PROMPT (EOS ignored, as
+    minisgl's ignore_eos), greedy or drawn at `temperature` alone (its top-k, top-p and min-p
+    off, as minisgl's defaults), prefill tok/s of a random prompt."""
     from llama_cpp import Llama
 
     ctx = max(prompt_tokens, decode + 64) + 16
@@ -45,7 +49,9 @@ def llama_cpp_run(model: str, threads: int, decode: int, prompt_tokens: int, see
     tokens = llm.tokenize(DECODE_PROMPT.encode())
     llm.eval(tokens)  # the prompt first: decode time alone is measured
     start = time.perf_counter()
-    for i, _ in enumerate(llm.generate(tokens, temp=0.0, reset=False)):
+    plain = dict(top_k=0, top_p=1.0, min_p=0.0)  # llama-cpp-python's defaults: 40, 0.95, 0.05
+    llm.set_seed(seed)
+    for i, _ in enumerate(llm.generate(tokens, temp=temperature, reset=False, **plain)):
         if i + 1 == decode:
             break
     decode_s = time.perf_counter() - start
@@ -69,12 +75,13 @@ def llama_cpp_child(args: argparse.Namespace, seed: int) -> dict | None:
     cmd = [python, __file__, "--llama-cpp-round", "--model", args.model, "--threads"]
     cmd += [str(threads), "--decode-tokens", str(args.decode_tokens)]
     cmd += ["--prompt-tokens", str(args.prompt_tokens), "--seed", str(seed)]
+    cmd += ["--temperature", str(args.temperature)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def timed(llm: Any, prompt: list[int], params: Any) -> float:
-    """Seconds of one greedy generation of `prompt`."""
+    """Seconds of one generation of `prompt`."""
     start = time.perf_counter()
     llm.generate([prompt], params, False)
     return time.perf_counter() - start
@@ -83,7 +90,8 @@ def timed(llm: Any, prompt: list[int], params: Any) -> float:
 def minisgl_round(llm: Any, args: argparse.Namespace, seed: int) -> dict:
     from minisgl import SamplingParams
 
-    decode = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    temperature, tokens = args.temperature, args.decode_tokens
+    decode = SamplingParams(temperature=temperature, seed=seed, max_tokens=tokens, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompt = llm.tokenizer.encode(DECODE_PROMPT)
     llm.generate([prompt], first, False)  # caches the prompt: both timed runs below hit it alike
@@ -122,6 +130,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-cpp-python", help="a python that imports llama_cpp (another venv)")
     p.add_argument("--no-llama-cpp", action="store_true", help="minisgl alone")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="decode at this temperature in both engines (default 0: greedy; the server's is 1)",
+    )  # fmt: skip
     p.add_argument("--json", help="append one results.jsonl line to this file")
     p.add_argument("--note", default="", help="free text for the JSON line (e.g. the load)")
     p.add_argument("--llama-cpp-round", action="store_true", help=argparse.SUPPRESS)
@@ -129,6 +141,8 @@ def parse_args() -> argparse.Namespace:
     for name in ("threads", "decode_tokens", "prompt_tokens", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.temperature <= 100:
+        p.error("--temperature must be between 0 and 100")
     return args
 
 
@@ -153,8 +167,9 @@ def main() -> None:
     args = parse_args()
     if args.llama_cpp_round:  # the child: llama.cpp only, no torch imported
         r = llama_cpp_run(
-            args.model, args.threads, args.decode_tokens, args.prompt_tokens, args.seed
-        )
+            args.model, args.threads, args.decode_tokens, args.prompt_tokens, args.seed,
+            args.temperature,
+        )  # fmt: skip
         print(json.dumps(r))
         return
     from minisgl import LLM
@@ -196,6 +211,7 @@ def main() -> None:
             "torch_compile": compiled,
             "warmup_s": round(warmup_s, 1),
             "decode_tokens": args.decode_tokens,
+            "temperature": args.temperature,
             "prompt_tokens": args.prompt_tokens,
             "repeats": args.repeats,
             "load_avg_1m": round(os.getloadavg()[0], 2),
