@@ -1,11 +1,19 @@
+import pytest
 import torch
 
-from minisgl import LLM, SamplingParams
+from minisgl import LLM, SamplingParams, kernel
 from minisgl.core import Req
 from minisgl.engine.sample import sample, uniform_noise
 from minisgl.ext.sampling.adjust import AdjustTable, adjust_logits
 from support.invariants import check_no_leak
 from support.sampling import sampling_args
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    """The core's own sampler: a CPU engine built earlier in this process may have registered
+    ext/cpu's in `kernel.CPU_OPS` (tests/engine/test_native_sampling.py tests that one)."""
+    monkeypatch.setattr(kernel, "CPU_OPS", {})
 
 
 def args_for(params: list[SamplingParams], vocab: int, steps: list[int] | None = None):

@@ -81,10 +81,12 @@ def sample(
     """logits [B, V] -> next token ids [B] (int64, on the logits' device), with no host sync:
     greedy where the temperature is 0, else a Gumbel-max draw at it (after `filters`). `step`:
     the position each row samples at; `skip` [B]: rows whose id nobody reads (the fused kernel
-    gives 0 there); `into` (table, rows): each id also written to table[rows, step] (the fused
-    kernel writes it where it picks it: two kernels fewer a graph step)."""
-    if filters is None and (ops := kernel.fused_ops(logits, "sampling")) is not None:
-        return ops.gumbel_argmax(logits, temperature, seed, step, skip, into=into)
+    gives 0 there); `into` (table, rows): each id also written to table[rows, step]."""
+    # (the fused kernel writes an id where it picks it: two kernels fewer a graph step; a
+    # CPU_OPS sampler that TAKES_FILTERS, ext/cpu's, draws filtered rows too)
+    ops = kernel.fused_ops(logits, "sampling")
+    if ops is not None and (filters is None or ops.TAKES_FILTERS):
+        return ops.gumbel_argmax(logits, temperature, seed, step, skip, into=into, filters=filters)
     scores = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
     if filters is not None:
         scores = torch.log(_filter(torch.softmax(scores, dim=-1), filters))

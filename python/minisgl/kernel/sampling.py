@@ -195,6 +195,9 @@ def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
     return -math.log(2) * (log2_e + math.log2(math.log(2)))
 
 
+TAKES_FILTERS = False  # engine/sample.py filters on its torch path, then samples there too
+
+
 def gumbel_argmax(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -202,6 +205,7 @@ def gumbel_argmax(
     step: torch.Tensor,
     skip: torch.Tensor | None = None,
     into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    filters: None = None,  # (none here: TAKES_FILTERS)
 ) -> torch.Tensor:
     """argmax(logits / T + Gumbel noise) per row (argmax(logits) where T == 0) -> [B] int64;
     0 in the rows where `skip` [B] is nonzero, whose logits are not read: a CUDA graph's
