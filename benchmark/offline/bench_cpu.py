@@ -1,7 +1,7 @@
 """CPU speed of one GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1) in minisgl and,
 when llama-cpp-python is available, in llama.cpp on the same file with the same cores: decode
-tok/s (batch 1, greedy or at `--temperature`, `--decode-tokens` after a short prompt) and
-prefill tok/s (one prompt of
+tok/s (batch 1, greedy or at `--temperature` with `--top-p` / `--top-k`; `--streams N`: N at once,
+minisgl alone; `--decode-tokens` after a short prompt) and prefill tok/s (one prompt of
 `--prompt-tokens` random token ids, a new one each time so no prefix cache helps), printed side
 by side with the ratio minisgl / llama.cpp. By default llama.cpp runs a thread per core and
 minisgl as it does by default (its decode moves between every core and one, `--cpu-threads`);
@@ -37,11 +37,11 @@ def random_prompt(count: int, seed: int, vocab: int) -> list[int]:
 
 
 def llama_cpp_run(
-    model: str, threads: int, decode: int, prompt_tokens: int, seed: int, temperature: float
+    model: str, threads: int, decode: int, prompt_tokens: int, seed: int, draw: dict[str, float]
 ) -> dict:
     """One round in llama.cpp: decode tok/s of tokens after DECODE_PROMPT (EOS ignored, as
-    minisgl's ignore_eos), greedy or drawn at `temperature` alone (its top-k, top-p and min-p
-    off, as minisgl's defaults), prefill tok/s of a random prompt."""
+    minisgl's ignore_eos), greedy or drawn as `draw` says (temp, top_k, top_p; its min-p off,
+    as minisgl's default), prefill tok/s of a random prompt."""
     from llama_cpp import Llama
 
     ctx = max(prompt_tokens, decode + 64) + 16
@@ -49,9 +49,8 @@ def llama_cpp_run(
     tokens = llm.tokenize(DECODE_PROMPT.encode())
     llm.eval(tokens)  # the prompt first: decode time alone is measured
     start = time.perf_counter()
-    plain = dict(top_k=0, top_p=1.0, min_p=0.0)  # llama-cpp-python's defaults: 40, 0.95, 0.05
-    llm.set_seed(seed)
-    for i, _ in enumerate(llm.generate(tokens, temp=temperature, reset=False, **plain)):
+    llm.set_seed(seed)  # (llama-cpp-python's defaults would be top-k 40, top-p 0.95, min-p 0.05)
+    for i, _ in enumerate(llm.generate(tokens, reset=False, min_p=0.0, **draw)):
         if i + 1 == decode:
             break
     decode_s = time.perf_counter() - start
@@ -75,26 +74,30 @@ def llama_cpp_child(args: argparse.Namespace, seed: int) -> dict | None:
     cmd = [python, __file__, "--llama-cpp-round", "--model", args.model, "--threads"]
     cmd += [str(threads), "--decode-tokens", str(args.decode_tokens)]
     cmd += ["--prompt-tokens", str(args.prompt_tokens), "--seed", str(seed)]
-    cmd += ["--temperature", str(args.temperature)]
+    cmd += ["--temperature", str(args.temperature), "--top-p", str(args.top_p)]
+    cmd += ["--top-k", str(args.top_k)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def timed(llm: Any, prompt: list[int], params: Any) -> float:
-    """Seconds of one generation of `prompt`."""
+def timed(llm: Any, prompt: list[int], params: list[Any]) -> float:
+    """Seconds of one generation of `prompt` for each of `params` at once."""
     start = time.perf_counter()
-    llm.generate([prompt], params, False)
+    llm.generate([prompt] * len(params), params, False)
     return time.perf_counter() - start
 
 
 def minisgl_round(llm: Any, args: argparse.Namespace, seed: int) -> dict:
     from minisgl import SamplingParams
 
-    temperature, tokens = args.temperature, args.decode_tokens
-    decode = SamplingParams(temperature=temperature, seed=seed, max_tokens=tokens, ignore_eos=True)
-    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    draw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    decode = [
+        SamplingParams(**draw, seed=seed + i, max_tokens=args.decode_tokens, ignore_eos=True)
+        for i in range(args.streams)
+    ]
+    first = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)] * args.streams
     prompt = llm.tokenizer.encode(DECODE_PROMPT)
-    llm.generate([prompt], first, False)  # caches the prompt: both timed runs below hit it alike
+    llm.generate([prompt], first[0], False)  # caches the prompt: both timed runs below hit it alike
     prompt_s = min(timed(llm, prompt, first) for _ in range(3))  # the same short prefill,
     # subtracted below: the fastest of three, so that one slow run (another process took the
     # core) cannot exceed a whole short decode (a tiny model's 16 tokens in a CI run did)
@@ -103,10 +106,10 @@ def minisgl_round(llm: Any, args: argparse.Namespace, seed: int) -> dict:
         raise SystemExit("decode time below the timer's noise: raise --decode-tokens")
     start = time.perf_counter()
     vocab = llm.engine.model_config.vocab_size
-    llm.generate([random_prompt(args.prompt_tokens, seed, vocab)], first, False)
+    llm.generate([random_prompt(args.prompt_tokens, seed, vocab)], first[0], False)
     prefill_s = time.perf_counter() - start
     return {
-        "decode_tok_s": (args.decode_tokens - 1) / decode_s,
+        "decode_tok_s": args.streams * (args.decode_tokens - 1) / decode_s,
         "prefill_tok_s": args.prompt_tokens / prefill_s,
     }
 
@@ -134,15 +137,20 @@ def parse_args() -> argparse.Namespace:
         "--temperature", type=float, default=0.0,
         help="decode at this temperature in both engines (default 0: greedy; the server's is 1)",
     )  # fmt: skip
+    p.add_argument("--top-p", type=float, default=1.0, help="both engines' (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="both engines' (default 0: off)")
+    p.add_argument("--streams", type=int, default=1, help="decode streams at once (minisgl)")
     p.add_argument("--json", help="append one results.jsonl line to this file")
     p.add_argument("--note", default="", help="free text for the JSON line (e.g. the load)")
     p.add_argument("--llama-cpp-round", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    for name in ("threads", "decode_tokens", "prompt_tokens", "repeats"):
+    for name in ("threads", "decode_tokens", "prompt_tokens", "repeats", "streams"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 <= args.temperature <= 100:
         p.error("--temperature must be between 0 and 100")
+    if not 0 < args.top_p <= 1 or args.top_k < 0:
+        p.error("--top-p must be in (0, 1] and --top-k at least 0")
     return args
 
 
@@ -166,10 +174,10 @@ def report(rows: dict[str, list[dict]], args: argparse.Namespace | None = None) 
 def main() -> None:
     args = parse_args()
     if args.llama_cpp_round:  # the child: llama.cpp only, no torch imported
+        draw = dict(temp=args.temperature, top_k=args.top_k, top_p=args.top_p)
         r = llama_cpp_run(
-            args.model, args.threads, args.decode_tokens, args.prompt_tokens, args.seed,
-            args.temperature,
-        )  # fmt: skip
+            args.model, args.threads, args.decode_tokens, args.prompt_tokens, args.seed, draw
+        )
         print(json.dumps(r))
         return
     from minisgl import LLM
@@ -187,6 +195,9 @@ def main() -> None:
     warmup_s = time.perf_counter() - start
     print(f"minisgl warm-up: {warmup_s:.1f} s")
     rows: dict[str, list[dict]] = {"minisgl": [], "llama.cpp": []}
+    if args.streams > 1 and not args.no_llama_cpp:
+        print(f"{args.streams} streams: minisgl alone (llama.cpp's round decodes one)")
+        args.no_llama_cpp = True
     for i in range(args.repeats):
         rows["minisgl"].append(minisgl_round(llm, args, args.seed + i))
         if not args.no_llama_cpp and (r := llama_cpp_child(args, args.seed + i)) is not None:
@@ -212,6 +223,9 @@ def main() -> None:
             "warmup_s": round(warmup_s, 1),
             "decode_tokens": args.decode_tokens,
             "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "streams": args.streams,
             "prompt_tokens": args.prompt_tokens,
             "repeats": args.repeats,
             "load_avg_1m": round(os.getloadavg()[0], 2),

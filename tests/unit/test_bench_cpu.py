@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmark", "offline", "bench_cpu.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
@@ -32,24 +34,40 @@ def test_prompts_are_seeded_and_inside_the_vocabulary():
     assert a == b and all(128 <= t <= 384 for t in a)
 
 
-def test_smoke_on_a_tiny_gguf(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--streams", "2", "--temperature", "1", "--top-p", "0.9", "--top-k", "5"]],
+    ids=["greedy", "sampled-streams"],
+)
+def test_smoke_on_a_tiny_gguf(tmp_path, extra):
     path = str(tmp_path / "tiny.gguf")
     write_gguf("llama", path, with_tokenizer=True)
     out_json = str(tmp_path / "out.jsonl")
     env = {**os.environ, "MINISGL_CACHE_DIR": link_kernels(tmp_path / "cache")}  # built kernels
     cmd = [sys.executable, SCRIPT, "--model", path, "--decode-tokens", "16"]
-    cmd += ["--prompt-tokens", "16", "--repeats", "1", "--json", out_json]
+    cmd += ["--prompt-tokens", "16", "--repeats", "1", "--json", out_json, *extra]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
-    if "llama-cpp-python not found" not in run.stdout:  # installed here: both engines ran
+    if extra:  # several streams: minisgl alone
+        assert "2 streams: minisgl alone" in run.stdout and "ratio" not in run.stdout
+    elif "llama-cpp-python not found" not in run.stdout:  # installed here: both engines ran
         assert "ratio" in run.stdout
     line = json.loads(open(out_json).read())
     assert line["bench"] == "bench_cpu" and line["minisgl_decode_tok_s"] > 0
     assert line["prompt_tokens"] == 16 and line["threads"] >= 1
+    assert line["streams"] == (2 if extra else 1) and line["top_k"] == (5 if extra else 0)
 
 
-def test_bad_counts_name_the_flag():
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--streams", "0"], "--streams must be at least 1"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    ],
+)
+def test_bad_counts_name_the_flag(flags, says):
     run = subprocess.run(
-        [sys.executable, SCRIPT, "--repeats", "0"], capture_output=True, text=True, timeout=60
+        [sys.executable, SCRIPT, *flags], capture_output=True, text=True, timeout=60
     )
-    assert run.returncode == 2 and "--repeats must be at least 1" in run.stderr
+    assert run.returncode == 2 and says in run.stderr
