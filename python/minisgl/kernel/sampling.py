@@ -212,6 +212,7 @@ def gumbel_argmax(
     sampling costs nothing in a step that samples again after adjusting the logits.
     `into` = (table, rows): also write each id to table[rows[b], step[b]] (the token table,
     where a sampled id's position is its step), in the same launch that picks it."""
+    assert filters is None, "the CUDA sampler takes no filters (TAKES_FILTERS is False)"
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     batch, vocab = logits.shape

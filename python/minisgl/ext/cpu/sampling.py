@@ -38,11 +38,12 @@ def gumbel_argmax(
     table[rows, step] with `into`; `skip` (rows nobody reads) is drawn all the same."""
     if filters is None:
         ids = torch.ops.minisgl.gumbel_argmax(logits, temperature, seed, step)
-    else:  # the log-probabilities drawn at temperature 1; greedy rows take the logits' argmax
+    else:  # the log-probabilities drawn at temperature 1
         log_probs = filtered_log_probs(logits, temperature, filters)
         ones = torch.ones_like(temperature, dtype=torch.float32)
-        drawn = torch.ops.minisgl.gumbel_argmax(log_probs, ones, seed, step)
-        ids = torch.where(temperature > 0, drawn, greedy(logits))
+        ids = torch.ops.minisgl.gumbel_argmax(log_probs, ones, seed, step)
+        if bool((temperature <= 0).any()):  # greedy rows: the logits' argmax (CPU: no sync)
+            ids = torch.where(temperature > 0, ids, greedy(logits))
     if into is not None:
         table, rows = into
         table[rows, step] = ids.to(table.dtype)
