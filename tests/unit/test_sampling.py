@@ -100,6 +100,17 @@ def test_filters():
     assert set(out.tolist()) == {6, 7, 8, 9}
 
 
+def test_ties_at_a_cut_keep_the_lower_token_ids():
+    """A third of the tokens share the largest probability; top-k 4 keeps the four lowest ids
+    in every row (an unstable sort, torch's default from 100 values, keeps others)."""
+    vocab, n = 300, 400
+    logits = torch.zeros(n, vocab)
+    logits[:, 1::3] = 5.0
+    steps = list(range(1, n + 1))
+    out = sample(logits, *args_for([SamplingParams(temperature=1.0, top_k=4)] * n, vocab, steps))
+    assert set(out.tolist()) == {1, 4, 7, 10}
+
+
 def test_mixed_batch_rows_are_independent():
     logits = torch.randn(4, 30)
     params = [

@@ -101,7 +101,8 @@ def sample(
 
 def _filter(probs: torch.Tensor, args: Filters) -> torch.Tensor:
     """Zero the probabilities that top-k, top-p or min-p exclude (the top token always stays)."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    # stable: of equal probabilities at a cut the lower token ids stay (as in ext/cpu's sampler)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     drop = rank >= args.top_k[:, None]
     drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > args.top_p[:, None]
