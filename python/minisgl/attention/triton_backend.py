@@ -81,7 +81,8 @@ class TritonAttnBackend(BaseAttnBackend):
     def fuses_rope(self, batch: Batch) -> bool:
         # One request only: rows of one request (verification, prompts as rows) would read the
         # K/V that other programs of the same launch store, and at 256 requests the rotary
-        # kernel is measured faster (H100, session 24: -0.5 % bf16, -2 % fp8 tok/s fused).
+        # kernel is measured faster (H100, session 24: -0.5 % bf16, -2 % fp8 tok/s fused; H200,
+        # 12-01: fp8 -29.6 %)
         return batch.is_decode and batch.size == 1 and not env.disable_decode_rope()
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, batch: Batch) -> torch.Tensor:
