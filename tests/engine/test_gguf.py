@@ -200,6 +200,34 @@ def test_conversion_is_cached_and_atomic(gguf_models, cache_dir, monkeypatch, ca
     assert os.listdir(os.path.dirname(out)) == [os.path.basename(out)]  # nothing half-written
 
 
+def test_a_conversion_parses_the_file_once_and_as_gguf_does(gguf_models, monkeypatch):
+    """transformers' config and tokenizer loaders get the conversion's own reader (one parse,
+    not three), and that reader (a plain array over the memory map) sees what gguf's sees."""
+    path, _ = gguf_models("qwen3")
+    parses: list[str] = []
+    parse = gguf.GGUFReader.__init__
+
+    def counted(self, file, *args, **kwargs):
+        parses.append(os.path.basename(str(file)))
+        parse(self, file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    out = resolve_model_path(path)
+    assert parses == ["tiny-qwen3.gguf"]
+    assert gguf.GGUFReader.__name__ == "GGUFReader"  # the loaders' hook is gone again
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    plain, memmap = mg._open(path), gguf.GGUFReader(path)
+    assert type(plain.data) is np.ndarray and isinstance(memmap.data, np.memmap)
+    assert list(plain.fields) == list(memmap.fields)
+    for name, field in memmap.fields.items():
+        other = plain.fields[name]
+        assert field.types == other.types and field.data == other.data, name
+        assert all(np.array_equal(a, b) for a, b in zip(field.parts, other.parts)), name
+    for a, b in zip(memmap.tensors, plain.tensors, strict=True):
+        assert a.name == b.name and a.tensor_type == b.tensor_type
+        assert np.array_equal(a.data, b.data), a.name
+
+
 def test_conversions_of_changed_or_deleted_files_are_removed(
     gguf_models, cache_dir, tmp_path, monkeypatch
 ):

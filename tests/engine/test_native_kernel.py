@@ -206,10 +206,26 @@ def test_no_compiler_falls_back_in_one_line(fresh_kernel, monkeypatch, capfd, tm
 def test_built_once_into_the_cache(fresh_kernel, tmp_path):
     assert native.native_kernel() is not None
     built = list((tmp_path / "kernels").glob("qdot-*.so"))
-    assert len(built) == 1
+    assert len(built) == 1 and os.listdir(tmp_path / "kernels") == [built[0].name]  # no objects
     stamp = built[0].stat().st_mtime_ns
     native.native_kernel.cache_clear()
     assert native.native_kernel() is not None and built[0].stat().st_mtime_ns == stamp
+
+
+def test_a_source_that_fails_to_compile_is_said_in_one_line(fresh_kernel, monkeypatch, capfd):
+    """The sources compile in parallel: one failing (ops.cpp here) gives its compiler's first
+    error line, torch's kernels, and nothing left in the cache."""
+    real = native.compiler()
+    cxx = os.path.join(os.environ["MINISGL_CACHE_DIR"], "cxx")
+    with open(cxx, "w") as f:
+        f.write(f'#!/bin/sh\ncase "$*" in *ops.cpp*) echo "ops.cpp:1: error: boom" >&2; exit 1;; esac\n'
+                f'exec {real} "$@"\n')  # fmt: skip
+    os.chmod(cxx, 0o755)
+    monkeypatch.setenv("CXX", cxx)
+    assert native.native_kernel() is None
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(ops.cpp:1: error: boom); torch's kernels instead" in err[0], err
+    assert os.listdir(os.path.join(os.environ["MINISGL_CACHE_DIR"], "kernels")) == []
 
 
 def test_a_file_that_does_not_load_is_removed(fresh_kernel, capfd):

@@ -1,6 +1,6 @@
 """The decoder layer compiled ahead of time (AOTInductor), run by decode steps on CPU by
 default on a quantized model (`--cpu-compile auto`): built once per model, dtype, quantization,
-torch version, CPU and minisgl source (`torch.export` + `aoti_compile_and_package`: ~17 s on 2
+torch version, CPU and minisgl source (`torch.export` + `aoti_compile_and_package`: ~7 s on 2
 cores for SmolLM2-135M, 2 MB), kept in the cache (beside a GGUF's conversion), loaded at later
 starts in ~0.01 s. Two kinds: one request's step (`LayerStep`), and a batch's
 (`BatchedLayerStep`: 2 to `MAX_BATCH` requests, an attention mask input; SmolLM2 Q4_1, 8
@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ Run = Callable[[list[torch.Tensor]], list[torch.Tensor]]  # a compiled layer's e
 # 16-bit values rounded where eager rounds them (a fused sum kept in float32 otherwise)
 INDUCTOR = {"emulate_precision_casts": True}
 RETRY_S = 86400  # a failed build is tried again after this long
+TREESPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 MAX_LEN = 1 << 24  # the largest KV length and pool the exported step accepts
 MAX_BATCH = 1024  # the most requests a batched step takes (more: eager)
 
@@ -330,23 +332,27 @@ def build(step: LayerStep, path: str) -> None:
     """Exports and compiles the layer into `path` (written whole or not at all)."""
     from torch._inductor import aoti_compile_and_package
 
-    say(f"compiling the decoder layer for {step.steps} steps once (~20 s on 2 cores) into {path}")
+    say(f"compiling the decoder layer for {step.steps} steps once (~10 s on 2 cores) into {path}")
     start = time.perf_counter()
     dynamic = step.dynamic_shapes()
     saved_ctx = get_or_none()
-    try:
-        with torch.no_grad():
-            example = step.example()
-            program = torch.export.export(step, example, dynamic_shapes=dynamic, strict=False)
-    finally:
-        set_global_ctx(saved_ctx)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}.pt2"  # the packager wants the suffix
-    try:
-        aoti_compile_and_package(program, package_path=tmp, inductor_configs=INDUCTOR)
-        os.replace(tmp, path)
-    finally:
-        remove_quietly(tmp)
+    with warnings.catch_warnings():
+        # torch 2.13's own deprecation inside export (nothing a user can act on; it printed two
+        # lines of its internals in the middle of a first start)
+        warnings.filterwarnings("ignore", TREESPEC_WARNING, FutureWarning)
+        try:
+            with torch.no_grad():
+                example = step.example()
+                program = torch.export.export(step, example, dynamic_shapes=dynamic, strict=False)
+        finally:
+            set_global_ctx(saved_ctx)
+        try:
+            aoti_compile_and_package(program, package_path=tmp, inductor_configs=INDUCTOR)
+            os.replace(tmp, path)
+        finally:
+            remove_quietly(tmp)
     size = os.path.getsize(path) / 1e6
     say(f"compiled the decoder layer in {time.perf_counter() - start:.0f} s ({size:.0f} MB)")
 
