@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,10 +71,19 @@ def cpu_seconds(root: int) -> dict[str, float]:
     return out
 
 
-def one_start(args: argparse.Namespace, cache: str, question: str) -> dict[str, Any]:
-    """One start of the shell: its prompt's and its first answer's seconds, the answer."""
+def start_env(cache: str) -> dict[str, str]:
+    """A start's environment: minisgl's cache and inductor's inside `cache`, so that a cold
+    start compiles as on a machine that never ran torch's compiler (inductor's own cache, in
+    /tmp by default, holds a precompiled torch header worth ~10 s of the first AOT build)."""
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), TERM="dumb")
     env["MINISGL_CACHE_DIR"] = cache
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+    return env
+
+
+def one_start(args: argparse.Namespace, cache: str, question: str) -> dict[str, Any]:
+    """One start of the shell: its prompt's and its first answer's seconds, the answer."""
+    env = start_env(cache)
     cmd = ["-m", "minisgl", "--shell"] + (["--model", args.model] if args.model else [])
     load = os.getloadavg()
     t0 = time.monotonic()
@@ -155,10 +166,15 @@ def main() -> None:
         print(f"warm median: prompt {med['prompt_s']:.2f} s, answer {med['answer_s']:.2f} s")
     if args.json:
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        about = {"bench": "startup", "date": stamp, "commit": head.stdout.strip() or None}
+        about["command"] = shlex.join(["python", os.path.relpath(__file__, REPO), *sys.argv[1:]])
         with open(args.json, "a") as f:
             for r in runs:
                 row = {k: v for k, v in r.items() if k != "trace"}
-                f.write(json.dumps({"bench": "startup", "date": stamp, **row}) + "\n")
+                f.write(json.dumps({**about, **row}) + "\n")
 
 
 if __name__ == "__main__":

@@ -119,3 +119,18 @@ def test_bench_startup_reports_each_start(model_dir: str, tmp_path) -> None:
     assert row["kind"] == "warm" and row["prompt_s"] > 0 and row["answer_s"] > 0
     assert row["answer"] and "[error]" not in row["answer"], row
     assert "scheduler_0" in row["cpu_s"] and len(row["load"]) == 3
+    assert row["command"].startswith("python benchmark/offline/bench_startup.py --model")
+    assert row["commit"] is None or len(row["commit"]) >= 7
+
+
+def test_bench_startup_keeps_inductors_cache_in_its_own(tmp_path) -> None:
+    """A cold start compiles as on a fresh machine: inductor's cache inside the start's cache
+    (which a cold start removes), not /tmp's."""
+    sys.path.insert(0, os.path.join(REPO, "benchmark", "offline"))
+    try:
+        import bench_startup
+    finally:
+        sys.path.pop(0)
+    env = bench_startup.start_env(str(tmp_path / "cache"))
+    assert env["MINISGL_CACHE_DIR"] == str(tmp_path / "cache")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
