@@ -8,6 +8,9 @@ from minisgl.server.args import parse_args
 from minisgl.server.launch import launch_server, serve_http
 from minisgl.shell import run_shell
 
+# the flags of how many requests run at once; the shell's default is one
+BATCH_FLAGS = ("--max-running-requests", "--max-num-seqs")
+
 
 def main() -> int:
     try:
@@ -23,6 +26,8 @@ def main() -> int:
             return 2
         # a short id in /v1/models, not a path inside site-packages (the path is accepted too)
         args.served_model_name = args.served_model_name or extensions().default_model_name
+    if args.shell and not any(arg.startswith(BATCH_FLAGS) for arg in sys.argv[1:]):
+        args.engine.max_running_requests = 1  # one chat: no batch graphs or batch steps to build
     return launch_server(args, run_shell if args.shell else serve_http)
 
 

@@ -150,6 +150,20 @@ def test_corrupt_artifact_falls_back_to_eager(tiny_gguf, capfd, monkeypatch):
     assert not os.path.exists(path)  # the next start builds it again
 
 
+def test_one_request_at_a_time_builds_no_batched_step(tiny_gguf, capfd):
+    """--max-running-requests 1 (the shell's default) never runs a batch: only the one-request
+    step is built, at eager's tokens."""
+    eager, want = generate(tiny_gguf, cpu_compile="off")
+    llm, got = generate(tiny_gguf, max_running_requests=1)
+    decoder = llm.engine.compiled_decoder
+    assert isinstance(decoder, aot.AotDecoder) and decoder.batched_runs is None
+    follows(got, want)
+    err = capfd.readouterr().err
+    assert "for decode steps once" in err and "batched" not in err
+    kinds = {id(step) for step in aot.layer_steps(llm.engine)}
+    assert len(artifacts(llm)) == len(kinds)
+
+
 def test_failed_build_falls_back_to_eager_once(tiny_gguf, capfd, monkeypatch):
     def fail(step, path):
         raise RuntimeError("no C++ compiler")

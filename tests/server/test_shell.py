@@ -5,6 +5,7 @@ with --shell-hide-reasoning."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
@@ -42,6 +43,7 @@ def start_shell(model_dir: str, *args: str) -> tuple[pexpect.spawn, list[tuple[i
         timeout=90,
         dimensions=(50, 400),
     )
+    child.logfile_read = io.StringIO()  # all it printed, for the tests that read its start
     child.expect_exact(HELP)
     child.expect_exact(PROMPT[2:])
     return child, descendants(child.pid)
@@ -95,6 +97,21 @@ def test_chat_reset_and_exit(model_dir: str) -> None:
     finally:
         child.close(force=True)
     assert "Traceback" not in (child.before or "")
+
+
+@pytest.mark.parametrize("flag", [None, "--max-num-seqs=2"])
+def test_one_request_at_a_time_unless_asked(model_dir: str, flag: str | None) -> None:
+    """The shell runs one chat: its engine sizes the KV pool (and its CUDA graphs, its CPU
+    compiled steps) for one request, unless --max-running-requests (or an alias) says."""
+    child, procs = start_shell(model_dir, "--max-model-len", "64", *([flag] if flag else []))
+    try:
+        pages = 16 * (2 if flag else 1)  # 64 tokens in pages of 4, a request
+        printed = child.logfile_read.getvalue()
+        assert f"KV cache: {pages} pages of 4 tokens" in printed, printed
+        child.sendline("/exit")
+        assert wait_closed(child, procs) == 0
+    finally:
+        child.close(force=True)
 
 
 def test_ctrl_c_stops_the_answer_and_ctrl_d_exits(model_dir: str) -> None:

@@ -6,8 +6,7 @@ import torch
 
 
 class MHAKVCache:
-    """buffer[0 = K | 1 = V, layer, page, offset in page, kv_head, head_dim].
-    A token's flat slot is page * page_size + offset."""
+    """buffer[0 = K | 1 = V, layer, page, offset in page, kv_head, head_dim]."""
 
     def __init__(
         self,
@@ -25,8 +24,9 @@ class MHAKVCache:
         shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
         # Zeroed, not empty: stale NaNs in never-written slots could leak through masked kernels.
         self.buffer = torch.zeros(shape, dtype=dtype, device=self.device)
-        # each layer's [slots, kv_heads, head_dim] views, made once: every layer reads and
-        # writes its pool each step (indexing + view per call cost ~5 us on a CPU decode)
+        # each layer's [slots, kv_heads, head_dim] views (a token's flat slot: page * page_size
+        # + offset), made once: every layer reads and writes its pool each step (indexing +
+        # view per call cost ~5 us on a CPU decode)
         flat = self.buffer.view(2, num_layers, -1, num_kv_heads, head_dim)
         self._k_flat, self._v_flat = list(flat[0].unbind(0)), list(flat[1].unbind(0))
 

@@ -136,8 +136,8 @@ class BatchPlanner:
         return reqs
 
     def admit(self, req: Req) -> None:
-        """A page-table row and the longest cached prefix, locked (never the last prompt token,
-        whose logits are needed)."""
+        """A page-table row and the longest cached prefix, locked."""
+        # the prefix never takes the last prompt token: its logits are needed
         req.table_idx = self.free_rows.pop()
         limits = [f.prefix_limit(req) for f in self.features if f.name in req.ext]
         matched = min([len(req.tokens) - 1, *limits])

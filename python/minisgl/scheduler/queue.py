@@ -33,8 +33,8 @@ class WaitingQueue(deque[Req]):
         return None
 
     def decode_victim(self, running: list[Req], prefilling: Req | None) -> Req:
-        """Who gives up its pages when a decode finds none: the half-prefilled request, else
-        the newest running one (the least work to redo)."""
+        """Who gives up its pages when a decode finds none: the half-prefilled, else the newest."""
+        # (of the running requests, the newest has the least work to redo)
         return prefilling or running[-1]
 
 

@@ -91,7 +91,8 @@ def aot_decoder(engine: Any) -> nn.Module | None:
     runs = compiled_layers(steps, paths) if steps else None
     if steps and runs is None:
         return None
-    batched_runs = compiled_layers(batched, paths)  # None: batches eager, one line said why
+    # None: batches eager (one line said why, or a batch never runs: its artifact stays cached)
+    batched_runs = compiled_layers(batched, paths) if BatchedLayerStep in kinds else None
     prune(list(paths.values()))
     if runs is None and batched_runs is None:
         return None
@@ -166,9 +167,11 @@ def aot_kinds(engine: Any) -> tuple[type[LayerStep], ...]:
     )
     if not applies:
         return ()
+    # one request at a time (the shell's default) never runs a batch: none built
+    batched = (BatchedLayerStep,) if engine.config.max_running_requests > 1 else ()
     if mode == "aot" or engine.quantization != "none" or pack_rule().takes(1, decode=True):
-        return (LayerStep, BatchedLayerStep)
-    return (BatchedLayerStep,)
+        return (LayerStep, *batched)
+    return batched
 
 
 class TracedPools(MHAKVCache):
