@@ -8,7 +8,8 @@ from minisgl.server.args import parse_args
 from minisgl.server.launch import launch_server, serve_http
 from minisgl.shell import run_shell
 
-# the flags of how many requests run at once; the shell's default is one
+# every name of --max-running-requests (a test checks them against its aliases); the shell's
+# default is one request
 BATCH_FLAGS = ("--max-running-requests", "--max-num-seqs")
 
 

@@ -114,6 +114,18 @@ def test_one_request_at_a_time_unless_asked(model_dir: str, flag: str | None) ->
         child.close(force=True)
 
 
+def test_batch_flags_are_every_name_of_the_option() -> None:
+    """`__main__` keeps the shell's one request unless one of these is given: every flag
+    and alias of --max-running-requests (an alias added later must join them)."""
+    from dataclasses import fields
+
+    from minisgl.__main__ import BATCH_FLAGS
+    from minisgl.engine.config import EngineConfig
+
+    (field,) = [f for f in fields(EngineConfig) if f.name == "max_running_requests"]
+    assert set(BATCH_FLAGS) == {"--max-running-requests", *field.metadata.get("aliases", [])}
+
+
 def test_ctrl_c_stops_the_answer_and_ctrl_d_exits(model_dir: str) -> None:
     child, procs = start_shell(model_dir)  # the model's 512-token context: long answers
     try:
