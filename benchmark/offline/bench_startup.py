@@ -73,8 +73,9 @@ def cpu_seconds(root: int) -> dict[str, float]:
 
 def start_env(cache: str) -> dict[str, str]:
     """A start's environment: minisgl's cache and inductor's inside `cache`, so that a cold
-    start compiles as on a machine that never ran torch's compiler (inductor's own cache, in
-    /tmp by default, holds a precompiled torch header worth ~10 s of the first AOT build)."""
+    start compiles as on a machine that never ran torch's compiler. (Inductor keeps precompiled
+    headers in /tmp/torchinductor_$USER whatever its cache: minisgl's builds make none now, but
+    an older tree's cold start is fresh only with that folder's precompiled_headers moved.)"""
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), TERM="dumb")
     env["MINISGL_CACHE_DIR"] = cache
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")

@@ -21,6 +21,7 @@ import torch
 import minisgl.ext.cpu.gguf as mg
 from minisgl import LLM, SamplingParams
 from minisgl.models.weight import resolve_model_path
+from support.cache import link_kernels
 from support.gguf_files import QTYPES, llama_cpp_permute, llama_cpp_rope_freqs, write_gguf
 from support.invariants import check_no_leak
 from support.models import hf_greedy
@@ -33,7 +34,7 @@ PROMPTS = [[5, 77, 300, 12], [400, 3, 3, 3, 9, 81, 2, 150, 64, 7, 250], [17]]
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch) -> str:
-    path = str(tmp_path / "cache")
+    path = link_kernels(tmp_path / "cache")  # the run's kernels: a conversion builds none
     monkeypatch.setenv("MINISGL_CACHE_DIR", path)
     return path
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import gguf
@@ -20,6 +21,7 @@ from minisgl.ext.cpu import native
 from minisgl.ext.cpu.native import cpu_flags
 from minisgl.ext.cpu.quantize import from_blocks, prune_packed, vnni_from_blocks
 from minisgl.ext.cpu.quantized import Int4Linear, VnniLinear
+from minisgl.extension import extensions
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(
@@ -210,6 +212,67 @@ def test_built_once_into_the_cache(fresh_kernel, tmp_path):
     stamp = built[0].stat().st_mtime_ns
     native.native_kernel.cache_clear()
     assert native.native_kernel() is not None and built[0].stat().st_mtime_ns == stamp
+
+
+def fake_builds(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[str]:
+    """native.build replaced: it takes `seconds`, writes an empty file and records the name of
+    the thread that ran it."""
+    threads: list[str] = []
+
+    def build(cxx: str, path: str, isa: str) -> None:
+        threads.append(threading.current_thread().name)
+        time.sleep(seconds)
+        open(path, "w").close()
+
+    monkeypatch.setattr(native, "build", build)
+    return threads
+
+
+def library() -> str:
+    cxx, isa = native.compiler(), native.wanted()
+    assert cxx is not None and isa is not None
+    return native.library_path(cxx, isa)
+
+
+def test_builds_wait_for_the_one_under_way(fresh_kernel, monkeypatch):
+    """Two processes that find no kernels (the launcher's early build and a scheduler, two test
+    workers) build them once: the second waits under the folder's lock, then finds them."""
+    builds, path = fake_builds(monkeypatch, 0.5), library()
+    args = (native.compiler(), path, native.wanted())
+    threads = [threading.Thread(target=native.ensure_built, args=args) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(builds) == 1 and os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+
+
+def test_a_first_conversion_builds_the_kernels_meanwhile(fresh_kernel, monkeypatch, tmp_path):
+    """The launcher converting a GGUF (a first start) starts the kernels' build in a thread, so
+    the engine's process finds them built (or waits for them); not with CUDA, not once
+    converted."""
+    from support.gguf_files import write_gguf
+
+    model = str(tmp_path / "tiny.gguf")
+    write_gguf("llama", model)
+    builds, path = fake_builds(monkeypatch, 0.5), library()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    convert = extensions().gguf_model
+    assert convert is not None
+    convert(model)
+    assert builds == [] and not os.path.exists(path)  # CUDA: the engine's own kernels
+    os.utime(model)  # converted again, without CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    convert(model)
+    for thread in threading.enumerate():
+        if thread.name == "kernels":
+            thread.join(10)
+    assert builds == ["kernels"] and os.path.isfile(path)
+    native.ensure_built(native.compiler(), path, native.wanted())  # the scheduler: found
+    assert builds == ["kernels"]
+    os.remove(path)
+    convert(model)  # converted: a warm start starts nothing
+    assert builds == ["kernels"]
 
 
 def test_a_source_that_fails_to_compile_is_said_in_one_line(fresh_kernel, monkeypatch, capfd):

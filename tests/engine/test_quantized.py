@@ -28,6 +28,7 @@ from minisgl.ext.cpu.quantized import (
     Int8SplitLinear,
     QuantizedLinear,
 )
+from support.cache import link_kernels
 from support.gguf_files import write_gguf
 from support.models import hf_greedy
 
@@ -250,7 +251,7 @@ def test_tiny_gguf_runs_quantized(tmp_path, monkeypatch):
     the projections whose parts are all 4-bit, split int8 those all quantized otherwise, leaves those
     with a float part dense; the packed layers are cached and a second start reads them; every
     mode scores a prompt as the dequantized model in bf16 does, within quantization noise."""
-    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MINISGL_CACHE_DIR", link_kernels(tmp_path / "cache"))
     path = str(tmp_path / "tiny.gguf")
     write_gguf("llama", path)
     prompt = [5, 77, 300, 12, 400, 3, 9, 81]
@@ -285,7 +286,7 @@ def test_quantized_path_writes_no_float32_copy(tmp_path, monkeypatch, capsys):
     and the quantized path's first start leave no float32 copy of a quantized tensor, and the
     entry then holds at most twice the GGUF (packed layers and the dense embedding); the exact
     path asked afterwards writes that copy then and equals the weights the file holds."""
-    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MINISGL_CACHE_DIR", link_kernels(tmp_path / "cache"))
     path = str(tmp_path / "tiny.gguf")
     hf = write_gguf("qwen3", path, qtypes=[Q.Q8_0, *[Q.Q4_1] * 16])
     llm = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=32)

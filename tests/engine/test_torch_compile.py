@@ -11,6 +11,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.ext.cpu.torch_compile import check_torch_compile
 from minisgl.ext.serving.warmup import needs_warm_up, warm_up_when_needed
 from minisgl.utils.options import OptionError
+from support.cache import link_kernels
 from support.invariants import check_no_leak
 from support.models import follows, hf_greedy
 
@@ -51,7 +52,7 @@ def test_compiled_quantized_decode_equals_eager(tmp_path, monkeypatch):
     bfloat16 otherwise)."""
     from support.gguf_files import write_gguf
 
-    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MINISGL_CACHE_DIR", link_kernels(tmp_path / "cache"))
     path = str(tmp_path / "tiny.gguf")
     write_gguf("llama", path)
     prompt = [5, 77, 300, 12, 400, 3, 9, 81]

@@ -3,9 +3,10 @@ MINISGL_CACHE_DIR the tests make (each worker's session cache, a test's own, an 
 holds `kernels/` as a link to one folder of the run, named by KERNELS_ENV (inherited by the
 servers and subprocesses the tests start), so a process that needs the kernels loads what
 another built (~10 s of one core a build: a fresh cache built them again in every pytest
-worker, every test with a cache of its own and every inner pytest run). Builds write a
-temporary file and rename it, so two processes building at once are safe; the tests of the
-build itself (test_native_kernel's `fresh_kernel`) use a cache without the link. The same for
+worker, every test with a cache of its own and every inner pytest run; and a first GGUF
+conversion in a cache without them starts a build). A build holds the folder's lock, so a
+second process waits for it; the tests of the build itself (test_native_kernel's
+`fresh_kernel`) use a cache without the link. The same for
 transformers' index of its modules (`minisgl/ext/perf/transformers_index.py`, ~0.6 s of CPU in
 each process of a server's first start with a fresh cache): `transformers/`, linked to a folder
 beside the kernels' (test_transformers_index's caches have no link)."""

@@ -29,12 +29,28 @@ refuses a `.gguf` model, the default model, `--quantization gguf|int8`,
 
 from __future__ import annotations
 
+import os
+
 from minisgl.ext.cpu import gguf, options
 from minisgl.ext.lazy import Lazy
 from minisgl.extension import extensions
 
+
+def resolve_gguf(path: str) -> str:
+    """`gguf.resolve_gguf`. A conversion means a first start: without CUDA, the native kernels
+    build meanwhile (`native.prebuild`) rather than after it, in the engine's process."""
+    if os.path.isfile(path) and not gguf.is_converted(path):
+        import torch
+
+        if not torch.cuda.is_available():
+            from minisgl.ext.cpu import native
+
+            native.prebuild()
+    return gguf.resolve_gguf(path)
+
+
 _points = extensions()
-_points.gguf_model = gguf.resolve_gguf
+_points.gguf_model = resolve_gguf
 _points.default_model = gguf.announce_default_model
 _points.default_model_name = gguf.DEFAULT_NAME
 # the engine's parts (torch), imported when an engine is built: other processes go without

@@ -50,7 +50,7 @@ from minisgl.ext.cpu.gguf import (
     remove_quietly,
     unused_for,
 )
-from minisgl.ext.cpu.native import cpu_flags, cpu_vendor
+from minisgl.ext.cpu.native import cpu_flags, cpu_vendor, native_kernel
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.packed import pack_rule
 from minisgl.ext.cpu.quantize import CpuModelTransform
@@ -335,7 +335,7 @@ def build(step: LayerStep, path: str) -> None:
     """Exports and compiles the layer into `path` (written whole or not at all)."""
     from torch._inductor import aoti_compile_and_package
 
-    say(f"compiling the decoder layer for {step.steps} steps once (~10 s on 2 cores) into {path}")
+    say(f"compiling the decoder layer for {step.steps} steps once (~7 s on 2 cores) into {path}")
     start = time.perf_counter()
     dynamic = step.dynamic_shapes()
     saved_ctx = get_or_none()
@@ -352,12 +352,27 @@ def build(step: LayerStep, path: str) -> None:
         finally:
             set_global_ctx(saved_ctx)
         try:
-            aoti_compile_and_package(program, package_path=tmp, inductor_configs=INDUCTOR)
+            aoti_compile_and_package(program, package_path=tmp, inductor_configs=inductor_configs())
             os.replace(tmp, path)
         finally:
             remove_quietly(tmp)
     size = os.path.getsize(path) / 1e6
     say(f"compiled the decoder layer in {time.perf_counter() - start:.0f} s ({size:.0f} MB)")
+
+
+def inductor_configs() -> dict[str, Any]:
+    """INDUCTOR, and two costs of a first build left out (AMD VM, 2 cores, the shell's first
+    start: 30.8 s with both, 19-20 s without):
+    - no precompiled header: inductor makes one of torch's headers at a first build (~8 s,
+      283 MB in /tmp, which a reboot often empties), worth ~2 s a later build; minisgl builds
+      once per model and version;
+    - once the native kernels have loaded (the same compiler built them for this CPU), no dry
+      compile of inductor's vector headers for each ISA the CPU lists (3.8 s; torch still
+      checks what an ISA adds: avx512_bf16, VNNI, AMX)."""
+    configs = {**INDUCTOR, "aot_inductor.precompile_headers": False}
+    if native_kernel() is not None:
+        configs["cpp.vec_isa_ok"] = True
+    return configs
 
 
 def prune(paths: list[str]) -> None:

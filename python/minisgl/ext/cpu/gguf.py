@@ -116,6 +116,11 @@ def converted_dir(path: str) -> str:
     return os.path.join(cache_root(), "gguf", f"{name}-{digest}")
 
 
+def is_converted(path: str) -> bool:
+    """Whether the GGUF file at `path` (which exists) has its conversion in the cache."""
+    return os.path.isfile(os.path.join(converted_dir(path), "config.json"))
+
+
 def resolve_gguf(path: str) -> str:
     """The converted directory of a GGUF file, converting it first if it is not cached."""
     if not os.path.isfile(path):

@@ -26,7 +26,9 @@ kernels, SDPA, torch's ops); a failed build says so in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -35,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -143,6 +146,44 @@ def build(cxx: str, path: str, isa: str) -> None:
         os.replace(tmp, path)
 
 
+def ensure_built(cxx: str, path: str, isa: str) -> None:
+    """Builds `path` unless it is there, one build at a time across processes: a scheduler (or
+    a test worker) waits for the build under way, the launcher's `prebuild` included, rather
+    than start a second one on the same cores."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    lock = os.open(folder, os.O_RDONLY)  # the folder's lock: no lock file left beside the kernels
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(path):
+            build(cxx, path, isa)
+    finally:
+        os.close(lock)  # releases it
+
+
+def prebuild() -> threading.Thread | None:
+    """Starts building this CPU's kernels in a thread (the compilers in their own processes):
+    the launcher's, while a first start converts its GGUF (the build took 5 of that start's 23
+    s after the conversion, AMD VM). None when they are built or cannot be; a failure is left
+    for the engine's own attempt to say."""
+    if native_kernel.cache_info().currsize:  # this process's kernels are loaded: none to build
+        return None
+    try:
+        isa, cxx = wanted(), compiler()
+    except ValueError:  # MINISGL_CPU_ISA: the engine's process says it
+        return None
+    if isa is None or cxx is None or os.path.isfile(path := library_path(cxx, isa)):
+        return None
+    thread = threading.Thread(target=_build_quietly, args=(cxx, path, isa), name="kernels")
+    thread.start()  # not a daemon: an exit waits for its compilers (seconds), not orphans them
+    return thread
+
+
+def _build_quietly(cxx: str, path: str, isa: str) -> None:
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        ensure_built(cxx, path, isa)
+
+
 def load(path: str) -> ctypes.CDLL | None:
     """The library, ops.cpp's kernels registered (once a process: a second file of the same
     kernels, another cache directory's, is not registered again); None off its ISA's CPUs."""
@@ -192,7 +233,7 @@ def native_kernel() -> ctypes.CDLL | None:
     path = library_path(cxx, isa)
     try:
         if not os.path.isfile(path):
-            build(cxx, path, isa)
+            ensure_built(cxx, path, isa)
         return load(path)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         remove_quietly(path)  # a file that does not load is built again at the next start

@@ -33,7 +33,7 @@ class CpuOptions:
         "auto",
         "cpu: aot: decode steps (one request's, a batch's) run decoder layers compiled ahead "
         "of time (AOTInductor; decode ~1.5x eager), each kind built once at a model's first "
-        "start (~10 s on 2 cores) and kept in the cache, eager if it cannot be built or "
+        "start (~7 s on 2 cores) and kept in the cache, eager if it cannot be built or "
         "loaded; auto: aot for a quantized model, batches only for a dense one (one request's "
         "steps on the exact float32 path stay eager); off (or MINISGL_CPU_AOT=0): eager",
         choices=COMPILES,
