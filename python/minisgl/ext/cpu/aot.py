@@ -25,6 +25,7 @@ bfloat16. Their kernels read the thread count at each call: the thread governor
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -320,9 +321,10 @@ def artifact_path(engine: Any, step: LayerStep) -> str:
     return os.path.join(model_dir, f"{PREFIX}{digest}.pt2")
 
 
+@functools.cache  # asked for each layer's artifact of each kind: 60 reads of ~190 files, 0.27 s
 def source_digest() -> str:
     """minisgl's Python source (the traced code runs through the core's layers): a change
-    compiles again."""
+    compiles again (at the next start: read once a process)."""
     root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
