@@ -1,6 +1,7 @@
 """Tiny random models written as llama.cpp GGUF files (gguf's own tensor names, Llama's q/k row
-permutation, a mix of F32 / F16 / Q8_0 / Q4_0 / Q4_1 tensors, optionally a tokenizer with chat
-template), for the GGUF and quantization tests."""
+permutation, a mix of F32 / F16 / Q8_0 / Q4_0 / Q4_1 / Q4_K tensors, optionally a tokenizer with
+chat template), for the GGUF and quantization tests. The gguf package quantizes all but Q4_K,
+which `quantize_q4_k` writes (it dequantizes every kind)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,41 @@ def llama_cpp_rope_freqs(cfg, head_dim: int) -> np.ndarray:
     return np.where(wavelen < old / high, 1.0, factors).astype(np.float32)
 
 
+def six_bit_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Eight (sc, m) pairs [..., 8] of 6-bit values as Q4_K's 12 bytes [..., 12]."""
+    low = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    high = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    extra = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    return np.concatenate([low, high, extra], axis=-1).astype(np.uint8)
+
+
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) as Q4_K blocks, uint8 [rows, cols / 256 *
+    144]: each 32-weight sub-block's step and minimum (w = step q - min) in 6 bits against the
+    block's float16 d and dmin, the codes rounded to the nearest (llama.cpp also searches for
+    a better step; the file format is the same)."""
+    rows = data.shape[0]
+    x = data.astype(np.float32).reshape(rows, -1, 8, 32)
+    low = np.minimum(x.min(-1), 0)
+    step, lowest = (x.max(-1) - low) / 15, -low
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (lowest.max(-1, keepdims=True) / 63).astype(np.float16)
+    safe = lambda v: np.where(v > 0, v, 1)  # noqa: E731 (an all-zero block: codes of 0)
+    sc = np.clip(np.rint(step / safe(d.astype(np.float32))), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(lowest / safe(dmin.astype(np.float32))), 0, 63).astype(np.uint8)
+    scale, offset = d.astype(np.float32) * sc, dmin.astype(np.float32) * m
+    q = np.clip(np.rint((x + offset[..., None]) / safe(scale)[..., None]), 0, 15).astype(np.uint8)
+    pairs = q.reshape(rows, -1, 4, 2, 32)
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, -1, 128)
+    head = np.concatenate([d.view(np.uint8), dmin.view(np.uint8)], axis=-1)
+    blocks = np.concatenate([head.reshape(rows, -1, 4), six_bit_bytes(sc, m), qs], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize(data: np.ndarray, qtype: Q) -> np.ndarray:
+    return quantize_q4_k(data) if qtype == Q.Q4_K else gguf.quants.quantize(data, qtype)
+
+
 def write_gguf(
     model: str, path: str, with_tokenizer: bool = False, qtypes: list[Q] | None = None
 ) -> torch.nn.Module:
@@ -109,14 +145,12 @@ def write_gguf(
         if data.ndim == 2:
             qtype, count = qtypes[count % len(qtypes)], count + 1
         # quantization works on blocks within a row, so the row permutation commutes with it
-        state[name] = torch.from_numpy(
-            gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype).copy()
-        )
+        state[name] = torch.from_numpy(gguf.quants.dequantize(quantize(data, qtype), qtype).copy())
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
             data = llama_cpp_permute(data, heads)
-        w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        w.add_tensor(gname, quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,13 +1,20 @@
-"""GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1 and Q8_0,
-split out of llama.cpp's block layout, read from the GGUF file itself (the conversion lists
-these tensors in `gguf-blocks.json` and writes no copy of them), so that `--quantization gguf`
-builds its int4 / int8 layers from the file's own codes: once, as it then caches them packed.
+"""GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1, Q8_0 and
+Q4_K, split out of llama.cpp's block layout, read from the GGUF file itself (the conversion
+lists these tensors in `gguf-blocks.json` and writes no copy of them), so that `--quantization
+gguf` builds its int4 / int8 layers from the file's own codes: once, as it then caches them
+packed.
 
-Block layouts (32 weights each, little endian):
-- Q4_0: float16 d, 16 bytes of nibbles; w = d (q - 8)
-- Q4_1: float16 d, float16 m, 16 bytes of nibbles; w = d q + m
-- Q8_0: float16 d, 32 int8; w = d q
-Nibbles: byte j holds weight j in its low half and weight j + 16 in its high half."""
+Block layouts (little endian):
+- Q4_0 (32 weights): float16 d, 16 bytes of nibbles; w = d (q - 8)
+- Q4_1 (32): float16 d, float16 m, 16 bytes of nibbles; w = d q + m
+- Q8_0 (32): float16 d, 32 int8; w = d q
+- Q4_K (256, the "K-quant" of most GGUF files, Q4_K_M's bulk): float16 d and dmin, 12 bytes
+  of eight 6-bit (sc, m) pairs, 128 bytes of nibbles; sub-block k (32 weights) has
+  w = (d sc_k) q - (dmin m_k). As 32-weight blocks its scale d sc_k and minimum -dmin m_k
+  are rounded to float16, the layers' type for both (a relative 2^-11 at most, against a 4-bit
+  step of 1/15 of the block's range).
+Nibbles: in Q4_0 / Q4_1 byte j holds weight j in its low half and weight j + 16 in its high
+half; in Q4_K byte j of each 32 holds sub-block 2i's weight j low and sub-block 2i+1's high."""
 
 from __future__ import annotations
 
@@ -20,13 +27,16 @@ import torch
 from minisgl.ext.cpu.gguf import quantized_names, source_tensors, unpermute
 
 BLOCK = 32
-KINDS = ("Q4_0", "Q4_1", "Q8_0")
+SUPER = 256  # a K-quant block's weights
+KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+WITH_MINS = ("Q4_1", "Q4_K")  # w = d q + m; the others w = d q (Q4_0 after its offset)
 
 
 @dataclass
 class Blocks:
     """One tensor's blocks: codes [rows, cols] (uint8 0..15 or int8), scales and mins
-    [rows, cols / 32] float16 (mins only for Q4_1)."""
+    [rows, cols / 32] float16 (mins only for WITH_MINS)."""
 
     kind: str
     codes: torch.Tensor
@@ -38,12 +48,13 @@ class Blocks:
         return Blocks(self.kind, fn(self.codes), fn(self.scales), mins)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 weights, computed as the gguf package does (bit for bit)."""
+        """float32 weights, computed as the gguf package does (bit for bit; Q4_K from the
+        float16 scales and minimums)."""
         d = self.scales.float().unsqueeze(-1)
         q = self.codes.float().unflatten(1, (-1, BLOCK))
         if self.kind == "Q4_0":
             w = d * (q - 8)
-        elif self.kind == "Q4_1":
+        elif self.kind in WITH_MINS:
             assert self.mins is not None
             w = d * q + self.mins.float().unsqueeze(-1)
         else:
@@ -58,6 +69,8 @@ def split_blocks(tensor: Any) -> Blocks | None:
         return None
     raw = np.asarray(tensor.data, dtype=np.uint8)
     rows = raw.shape[0]
+    if kind == "Q4_K":
+        return split_q4_k(raw.reshape(rows, -1, 144))
     head = 4 if kind == "Q4_1" else 2
     blocks = raw.reshape(rows, -1, head + (BLOCK if kind == "Q8_0" else BLOCK // 2))
     scales = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
@@ -69,6 +82,31 @@ def split_blocks(tensor: Any) -> Blocks | None:
         nibbles = np.concatenate([body & 0x0F, body >> 4], axis=-1)
         codes = torch.from_numpy(np.ascontiguousarray(nibbles).reshape(rows, -1))
     return Blocks(kind, codes, scales, mins)
+
+
+def six_bit_pairs(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K block's eight (sc, m) from its 12 bytes [..., 12]: bytes 0-3 hold sc 0-3 in their
+    low six bits, 4-7 m 0-3; bytes 8-11 hold the low four bits of sc 4-7 (low nibble) and m 4-7
+    (high), whose top two bits are bytes 0-3's (sc) and 4-7's (m) top two."""
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 63, (extra & 15) | ((low >> 6) << 4)], axis=-1)
+    m = np.concatenate([high & 63, (extra >> 4) | ((high >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def split_q4_k(blocks: np.ndarray) -> Blocks:
+    """Q4_K blocks [rows, n, 144] as 32-weight blocks: codes in weight order, each sub-block's
+    d sc and -dmin m rounded once to float16."""
+    rows, n = blocks.shape[:2]
+    d, dmin = (blocks[..., i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+    sc, m = six_bit_pairs(blocks[..., 4:16])
+    scales = (d * sc).astype(np.float16).reshape(rows, n * 8)
+    mins = (-(dmin * m)).astype(np.float16).reshape(rows, n * 8)
+    qs = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, n * SUPER)
+    return Blocks(
+        "Q4_K", *(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales, mins))
+    )
 
 
 def load_blocks(model_dir: str) -> dict[str, Blocks]:

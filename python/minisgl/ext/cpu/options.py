@@ -19,8 +19,8 @@ COMPILES = ("auto", "aot", "off")
 class CpuOptions:
     quantization: str = option(
         "auto",
-        "weight-only quantized linear layers (CPU, 16-bit dtype, TP 1): gguf (a GGUF's Q4 codes "
-        "as int4, Q8_0 as int8), int8 (every projection per row), none (dequantized: the exact "
+        "weight-only quantized linear layers (CPU, 16-bit dtype, TP 1): gguf (a GGUF's Q4_0/1, "
+        "Q4_K codes as int4, Q8_0 as int8), int8 (every projection per row), none (dequantized: the exact "
         "path); auto: gguf for a quantized GGUF in bfloat16, else none",
         choices=QUANTIZATIONS,
     )

@@ -4,7 +4,7 @@
 - `gguf`, before the checkpoint loads: from a GGUF's own blocks (`gguf_quant.py`). Where
   minisgl's kernel runs (`native.py`: AVX512-VNNI, AVX-VNNI or AVX2), a projection whose parts are all quantized
   becomes a `VnniLinear` (the file's codes and float16 scales). Elsewhere a projection
-  whose parts are all Q4_0 / Q4_1 becomes an `Int4Linear` with the file's codes (when its rows
+  whose parts are all Q4_0 / Q4_1 / Q4_K becomes an `Int4Linear` with the file's codes (when its rows
   are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
   (Q8_0, or Q8_0 with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
   `Int8Linear` quantized per row from the exact float32 values where the rows do not fit the
@@ -32,7 +32,7 @@ from torch import nn
 from minisgl.distributed import get_tp_info
 from minisgl.ext.cpu import native
 from minisgl.ext.cpu.gguf import conversion_size, dense_names, ensure_float_copy, prune_unused
-from minisgl.ext.cpu.gguf_quant import BLOCK, Blocks, load_blocks
+from minisgl.ext.cpu.gguf_quant import BLOCK, FOUR_BIT, Blocks, load_blocks
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.packed import pack_float_projections
 from minisgl.ext.cpu.policy import announce, resolve_quantization
@@ -51,7 +51,7 @@ from minisgl.layers.linear import LinearBase
 from minisgl.models.weight import load_weights, map_checkpoint_name
 
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_CACHE_FORMAT = 4  # bump when the cached layers change
+_CACHE_FORMAT = 5  # bump when the cached layers change
 _DENSE = "dense/"  # the cache's keys of the checkpoint tensors kept dense (in the dtype)
 _KINDS: tuple[type[QuantizedLinear], ...] = (Int4Linear, Int8Linear, Int8SplitLinear, VnniLinear)
 
@@ -61,12 +61,13 @@ def checkpoint_parts(name: str, tied: bool) -> list[str]:
     if name == "lm_head" and tied:
         return ["model.embed_tokens.weight"]
     prefix, _, leaf = name.rpartition(".")
-    return [f"{prefix}.{part}.weight" for part in _MERGED.get(leaf, (leaf,))]
+    prefix = f"{prefix}." if prefix else ""  # an untied `lm_head`: at the top level
+    return [f"{prefix}{part}.weight" for part in _MERGED.get(leaf, (leaf,))]
 
 
 def int4_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int4Linear:
-    """Q4_0 / Q4_1 blocks (rows concatenated) as torch's int4 layout, codes unchanged:
-    Q4_0 w = d (q - 8): scale d, zero 0; Q4_1 w = d q + m = d (q - 8) + (m + 8 d)."""
+    """Q4_0 / Q4_1 / Q4_K blocks (rows concatenated) as torch's int4 layout, codes unchanged:
+    Q4_0 w = d (q - 8): scale d, zero 0; Q4_1, Q4_K w = d q + m = d (q - 8) + (m + 8 d)."""
     codes = torch.cat([b.codes for b in parts])
     scales = torch.cat([b.scales.float() for b in parts])
     zeros = torch.cat(
@@ -82,7 +83,7 @@ def int4_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int4Linear:
 
 def split_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int8SplitLinear:
     """Blocks of any kind (rows concatenated) as signed 8-bit codes, w = d c + m, codes
-    unchanged: Q8_0 c = q; Q4_0 c = q - 8; Q4_1 c = q, m its minimum."""
+    unchanged: Q8_0 c = q; Q4_0 c = q - 8; Q4_1, Q4_K c = q, m its minimum."""
     codes = torch.cat([b.codes.to(torch.int32) - (b.kind == "Q4_0") * INT4_OFFSET for b in parts])
     scales = torch.cat([b.scales.float() for b in parts])
     mins = torch.cat(
@@ -93,8 +94,8 @@ def split_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int8SplitLinea
 
 def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear:
     """Blocks (rows concatenated) in `VnniLinear`'s forms, the file's codes and float16 scales:
-    four-bit parts w = d q + mn (Q4_0: mn = -8 d; Q4_1: its min); otherwise eight-bit codes
-    u = c + 128 with c as in `split_from_blocks`, w = d (u - 128) + mn (mn: a Q4_1 part's min)."""
+    four-bit parts w = d q + mn (Q4_0: mn = -8 d; Q4_1, Q4_K: its min); otherwise eight-bit
+    codes u = c + 128 with c as in `split_from_blocks`, w = d (u - 128) + mn (a part's min)."""
     zeros = [torch.zeros_like(b.scales) for b in parts]
     if four_bit:
         codes = torch.cat([b.codes for b in parts])
@@ -115,7 +116,7 @@ def from_blocks(parts: list[Blocks | None], dtype: torch.dtype) -> QuantizedLine
     if not blocks or len(blocks) != len(parts):
         return None
     rows, cols = sum(b.codes.shape[0] for b in blocks), blocks[0].codes.shape[1]
-    four_bit = all(b.kind in ("Q4_0", "Q4_1") for b in blocks)
+    four_bit = all(b.kind in FOUR_BIT for b in blocks)
     if VnniLinear.fits(rows, cols):
         return vnni_from_blocks(blocks, four_bit)
     if four_bit and int4_fits(rows, cols, BLOCK):
