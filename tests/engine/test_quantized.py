@@ -17,7 +17,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.ext.cpu.gguf import DefaultModelMissing, default_model, quantized_names
-from minisgl.ext.cpu.gguf_quant import Blocks, split_blocks, split_q4_k
+from minisgl.ext.cpu.gguf_quant import Blocks, split_blocks
 from minisgl.ext.cpu.native import native_kernel
 from minisgl.ext.cpu.policy import cpu_auto_dtype, resolve_quantization
 from minisgl.ext.cpu.quantize import from_blocks, int4_from_blocks, split_from_blocks
@@ -29,7 +29,7 @@ from minisgl.ext.cpu.quantized import (
     QuantizedLinear,
 )
 from support.cache import link_kernels
-from support.gguf_files import quantize_q4_k, six_bit_bytes, write_gguf
+from support.gguf_files import quantize_k, six_bit_bytes, write_gguf
 from support.models import hf_greedy
 
 Q = gguf.GGMLQuantizationType
@@ -275,50 +275,57 @@ def test_tiny_gguf_runs_quantized(tmp_path, monkeypatch):
     assert (got["int8"] - got["none"]).abs().max() < 0.05
 
 
-def q4_k_blocks(rows: int, n: int, d: np.ndarray, dmin: np.ndarray, seed: int = 0) -> np.ndarray:
-    """Random Q4_K blocks [rows, n, 144] with these float16 d and dmin [rows, n]: every 6-bit
-    scale and minimum (0-63 both) and every code."""
+def k_blocks(
+    kind: str, rows: int, n: int, d: np.ndarray, dmin: np.ndarray, seed: int = 0
+) -> np.ndarray:
+    """Random Q4_K / Q5_K blocks [rows, n, 144 / 176] with these float16 d and dmin [rows, n]:
+    every 6-bit scale and minimum (0-63 both), every code (Q5_K: every fifth bit)."""
     rng = np.random.default_rng(seed)
     sc, m = (rng.integers(0, 64, (rows, n, 8), dtype=np.uint8) for _ in range(2))
-    qs = rng.integers(0, 256, (rows, n, 128), dtype=np.uint8)
+    codes = rng.integers(0, 256, (rows, n, 128 + 32 * (kind == "Q5_K")), dtype=np.uint8)
     head = np.stack([d, dmin], -1).astype(np.float16).view(np.uint8)
-    return np.concatenate([head, six_bit_bytes(sc, m), qs], axis=-1)
+    return np.concatenate([head, six_bit_bytes(sc, m), codes], axis=-1)
 
 
-def test_q4_k_blocks_are_the_files():
-    """Q4_K as 32-weight blocks: with d sc and dmin m exact in float16 the weights are the gguf
-    package's bit for bit (the codes' order, the 6-bit pairs); otherwise within float16 rounding
-    of each sub-block's scale and minimum."""
-    rows, n = 16, 3
-    exact = q4_k_blocks(rows, n, np.full((rows, n), 2.0**-8), np.full((rows, n), 2.0**-9))
-    want = gguf.quants.dequantize(exact.reshape(rows, -1), Q.Q4_K)
-    blocks = split_q4_k(exact)
-    assert blocks.kind == "Q4_K" and blocks.codes.shape == (rows, n * 256)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_k_quant_blocks_are_the_files(kind):
+    """A K-quant as 32-weight blocks: with d sc and dmin m exact in float16 the weights are the
+    gguf package's bit for bit (the codes' order, the 6-bit pairs, Q5_K's fifth bits);
+    otherwise within float16 rounding of each sub-block's scale and minimum."""
+    rows, n, qtype, top = 16, 3, getattr(Q, kind), 15 if kind == "Q4_K" else 31
+    exact = k_blocks(kind, rows, n, np.full((rows, n), 2.0**-8), np.full((rows, n), 2.0**-9))
+    want = gguf.quants.dequantize(exact.reshape(rows, -1), qtype)
+    blocks = split_blocks(SimpleNamespace(tensor_type=qtype, data=exact.reshape(rows, -1)))
+    assert blocks is not None and blocks.kind == kind and blocks.codes.shape == (rows, n * 256)
+    assert int(blocks.codes.max()) == top
     assert torch.equal(blocks.dequantize(), torch.from_numpy(want))
     rng = np.random.default_rng(1)
     d, dmin = (rng.uniform(1e-4, 1e-2, (rows, n)) for _ in range(2))
-    raw = q4_k_blocks(rows, n, d, dmin, seed=2)
-    want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), Q.Q4_K))
-    got = split_q4_k(raw).dequantize()
-    bound = torch.from_numpy(np.repeat(d * 63 * 15 + dmin * 63, 256, axis=1)).float() * 2.0**-11
+    raw = k_blocks(kind, rows, n, d, dmin, seed=2)
+    want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype))
+    got = split_blocks(SimpleNamespace(tensor_type=qtype, data=raw.reshape(rows, -1))).dequantize()
+    bound = torch.from_numpy(np.repeat(d * 63 * top + dmin * 63, 256, axis=1)).float() * 2.0**-11
     assert ((got - want).abs() <= bound).all() and not torch.equal(got, want)
 
 
-def test_q4_k_gguf_runs_quantized(tmp_path, monkeypatch):
-    """A GGUF of Q4_K tensors (as most GGUF files' bulk, Q4_K_M's): gguf mode keeps every
-    projection on the file's codes (minisgl's kernel, else torch's int4), the untied LM head
-    included, no float32 copy of them written, and scores a prompt as the dequantized model
-    does within the kernels' noise: 0.20 here (Q4_1 on this model: 0.11; int8 activations on
-    a random model's 4-bit codes), where a swapped nibble order or 6-bit unpacking gives
-    1.6-3.0."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_k_quant_gguf_runs_quantized(kind, tmp_path, monkeypatch):
+    """A GGUF of Q4_K or Q5_K tensors (as most GGUF files' bulk: Q4_K_M's, Q5_K_M's): gguf mode
+    keeps every projection on the file's codes (minisgl's kernel: 4-bit, Q5_K 8-bit; else
+    torch's int4 kernel), the untied LM head included, no float32 copy of them written, and
+    scores a prompt as the dequantized model does within the kernels' noise: Q4_K 0.20 here
+    (Q4_1 on this model: 0.11; int8 activations on a random model's 4-bit codes), where a
+    swapped nibble order or 6-bit unpacking gives 1.6-3.0."""
     monkeypatch.setenv("MINISGL_CACHE_DIR", link_kernels(tmp_path / "cache"))
     path = str(tmp_path / "tiny.gguf")
-    write_gguf("llama_wide", path, qtypes=[Q.Q4_K])
+    write_gguf("llama_wide", path, qtypes=[getattr(Q, kind)])
     prompt = [5, 77, 300, 12, 400, 3, 9, 81]
     quantized = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=32)
-    model = quantized.engine.model
-    kinds = {type(m.quantized).__name__ for m in model.modules() if hasattr(m, "quantized")}
-    assert kinds == ({"VnniLinear"} if native_kernel() else {"Int4Linear"})
+    layers = [m.quantized for m in quantized.engine.model.modules() if hasattr(m, "quantized")]
+    fallback = "Int4Linear" if kind == "Q4_K" else "Int8SplitLinear"
+    assert {type(q).__name__ for q in layers} == {"VnniLinear" if native_kernel() else fallback}
+    if native_kernel():
+        assert {q.bits for q in layers} == {4 if kind == "Q4_K" else 8}
     assert len(quantized_names(quantized.engine.model_path)) == 2 * 7 + 2  # every 2-D tensor
     assert not glob.glob(os.path.join(quantized.engine.model_path, "float32-*"))
     got = prompt_logprobs(quantized, prompt)
@@ -327,14 +334,15 @@ def test_q4_k_gguf_runs_quantized(tmp_path, monkeypatch):
     assert (got - prompt_logprobs(exact, prompt)).abs().max() < 0.3
 
 
-def test_the_tests_q4_k_writer_is_llama_cpp_s_format():
-    """support.gguf_files' Q4_K: the gguf package reads back what it meant (within a 4-bit
-    step of each sub-block's range), so the tests above run on real Q4_K files."""
+@pytest.mark.parametrize("bits", [4, 5])
+def test_the_tests_k_quant_writer_is_llama_cpp_s_format(bits):
+    """support.gguf_files' Q4_K / Q5_K: the gguf package reads back what it meant (within a
+    step of each sub-block's range), so the tests above run on real K-quant files."""
     x = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
-    back = gguf.quants.dequantize(quantize_q4_k(x), Q.Q4_K)
+    back = gguf.quants.dequantize(quantize_k(x, bits), Q.Q4_K if bits == 4 else Q.Q5_K)
     blocks = x.reshape(16, -1, 32)
-    step = np.repeat((blocks.max(-1) - np.minimum(blocks.min(-1), 0)) / 15, 32, axis=-1)
-    assert np.all(np.abs(back - x) <= step.reshape(16, -1))
+    step = (blocks.max(-1) - np.minimum(blocks.min(-1), 0)) / (2**bits - 1)
+    assert np.all(np.abs(back - x) <= np.repeat(step, 32, axis=-1).reshape(16, -1))
 
 
 def entry_bytes(model_dir: str, but: str = "float32-") -> int:

@@ -1,7 +1,7 @@
 """Tiny random models written as llama.cpp GGUF files (gguf's own tensor names, Llama's q/k row
-permutation, a mix of F32 / F16 / Q8_0 / Q4_0 / Q4_1 / Q4_K tensors, optionally a tokenizer with
-chat template), for the GGUF and quantization tests. The gguf package quantizes all but Q4_K,
-which `quantize_q4_k` writes (it dequantizes every kind)."""
+permutation, a mix of F32 / F16 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K tensors, optionally a
+tokenizer with chat template), for the GGUF and quantization tests. The gguf package quantizes
+all but the K-quants, which `quantize_k` writes (it dequantizes every kind)."""
 
 from __future__ import annotations
 
@@ -78,31 +78,38 @@ def six_bit_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return np.concatenate([low, high, extra], axis=-1).astype(np.uint8)
 
 
-def quantize_q4_k(data: np.ndarray) -> np.ndarray:
-    """float32 [rows, cols] (cols a multiple of 256) as Q4_K blocks, uint8 [rows, cols / 256 *
-    144]: each 32-weight sub-block's step and minimum (w = step q - min) in 6 bits against the
-    block's float16 d and dmin, the codes rounded to the nearest (llama.cpp also searches for
-    a better step; the file format is the same)."""
-    rows = data.shape[0]
+def quantize_k(data: np.ndarray, bits: int = 4) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) as Q4_K (`bits` 4) or Q5_K (5) blocks,
+    uint8 [rows, cols / 256 * (144 or 176)]: each 32-weight sub-block's step and minimum
+    (w = step q - min) in 6 bits against the block's float16 d and dmin, the codes rounded to
+    the nearest (llama.cpp also searches for a better step; the file format is the same)."""
+    rows, top = data.shape[0], 2**bits - 1
     x = data.astype(np.float32).reshape(rows, -1, 8, 32)
     low = np.minimum(x.min(-1), 0)
-    step, lowest = (x.max(-1) - low) / 15, -low
+    step, lowest = (x.max(-1) - low) / top, -low
     d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
     dmin = (lowest.max(-1, keepdims=True) / 63).astype(np.float16)
     safe = lambda v: np.where(v > 0, v, 1)  # noqa: E731 (an all-zero block: codes of 0)
     sc = np.clip(np.rint(step / safe(d.astype(np.float32))), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(lowest / safe(dmin.astype(np.float32))), 0, 63).astype(np.uint8)
     scale, offset = d.astype(np.float32) * sc, dmin.astype(np.float32) * m
-    q = np.clip(np.rint((x + offset[..., None]) / safe(scale)[..., None]), 0, 15).astype(np.uint8)
-    pairs = q.reshape(rows, -1, 4, 2, 32)
+    q = np.rint((x + offset[..., None]) / safe(scale)[..., None])
+    q = np.clip(q, 0, top).astype(np.uint8)
+    pairs = q.reshape(rows, -1, 4, 2, 32) & 15
     qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, -1, 128)
-    head = np.concatenate([d.view(np.uint8), dmin.view(np.uint8)], axis=-1)
-    blocks = np.concatenate([head.reshape(rows, -1, 4), six_bit_bytes(sc, m), qs], axis=-1)
-    return blocks.reshape(rows, -1)
+    head = np.concatenate([d.view(np.uint8), dmin.view(np.uint8)], axis=-1).reshape(rows, -1, 4)
+    parts = [head, six_bit_bytes(sc, m)]
+    if bits == 5:  # bit k of byte j: sub-block k's weight j's fifth bit
+        fifth = (q >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8)[:, None]
+        parts.append(np.bitwise_or.reduce(fifth, axis=2))
+    return np.concatenate([*parts, qs], axis=-1).reshape(rows, -1)
 
 
 def quantize(data: np.ndarray, qtype: Q) -> np.ndarray:
-    return quantize_q4_k(data) if qtype == Q.Q4_K else gguf.quants.quantize(data, qtype)
+    kquants = {Q.Q4_K: 4, Q.Q5_K: 5}
+    if qtype in kquants:
+        return quantize_k(data, kquants[qtype])
+    return gguf.quants.quantize(data, qtype)
 
 
 def write_gguf(

@@ -1,5 +1,5 @@
-"""GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1, Q8_0 and
-Q4_K, split out of llama.cpp's block layout, read from the GGUF file itself (the conversion
+"""GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1, Q8_0, Q4_K
+and Q5_K, split out of llama.cpp's block layout, read from the GGUF file itself (the conversion
 lists these tensors in `gguf-blocks.json` and writes no copy of them), so that `--quantization
 gguf` builds its int4 / int8 layers from the file's own codes: once, as it then caches them
 packed.
@@ -13,6 +13,8 @@ Block layouts (little endian):
   w = (d sc_k) q - (dmin m_k). As 32-weight blocks its scale d sc_k and minimum -dmin m_k
   are rounded to float16, the layers' type for both (a relative 2^-11 at most, against a 4-bit
   step of 1/15 of the block's range).
+- Q5_K (256, Q5_K_M's bulk): Q4_K's fields and 32 bytes of fifth bits between the 6-bit pairs
+  and the nibbles: bit k of byte j is sub-block k's weight j's; codes 0..31 (8-bit layers).
 Nibbles: in Q4_0 / Q4_1 byte j holds weight j in its low half and weight j + 16 in its high
 half; in Q4_K byte j of each 32 holds sub-block 2i's weight j low and sub-block 2i+1's high."""
 
@@ -28,14 +30,18 @@ from minisgl.ext.cpu.gguf import quantized_names, source_tensors, unpermute
 
 BLOCK = 32
 SUPER = 256  # a K-quant block's weights
-KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K")
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-WITH_MINS = ("Q4_1", "Q4_K")  # w = d q + m; the others w = d q (Q4_0 after its offset)
+WITH_MINS = ("Q4_1", "Q4_K", "Q5_K")
+K_BYTES = {
+    "Q4_K": 144,
+    "Q5_K": 176,
+}  # a 256-weight block's  # w = d q + m; the others w = d q (Q4_0 after its offset)
 
 
 @dataclass
 class Blocks:
-    """One tensor's blocks: codes [rows, cols] (uint8 0..15 or int8), scales and mins
+    """One tensor's blocks: codes [rows, cols] (uint8 0..15, 0..31 or int8), scales and mins
     [rows, cols / 32] float16 (mins only for WITH_MINS)."""
 
     kind: str
@@ -69,8 +75,8 @@ def split_blocks(tensor: Any) -> Blocks | None:
         return None
     raw = np.asarray(tensor.data, dtype=np.uint8)
     rows = raw.shape[0]
-    if kind == "Q4_K":
-        return split_q4_k(raw.reshape(rows, -1, 144))
+    if kind in K_BYTES:
+        return split_k_quant(raw.reshape(rows, -1, K_BYTES[kind]), kind)
     head = 4 if kind == "Q4_1" else 2
     blocks = raw.reshape(rows, -1, head + (BLOCK if kind == "Q8_0" else BLOCK // 2))
     scales = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
@@ -94,19 +100,21 @@ def six_bit_pairs(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
-def split_q4_k(blocks: np.ndarray) -> Blocks:
-    """Q4_K blocks [rows, n, 144] as 32-weight blocks: codes in weight order, each sub-block's
-    d sc and -dmin m rounded once to float16."""
+def split_k_quant(blocks: np.ndarray, kind: str) -> Blocks:
+    """Q4_K / Q5_K blocks [rows, n, K_BYTES] as 32-weight blocks: codes in weight order, each
+    sub-block's d sc and -dmin m rounded once to float16."""
     rows, n = blocks.shape[:2]
     d, dmin = (blocks[..., i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
     sc, m = six_bit_pairs(blocks[..., 4:16])
     scales = (d * sc).astype(np.float16).reshape(rows, n * 8)
     mins = (-(dmin * m)).astype(np.float16).reshape(rows, n * 8)
-    qs = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
-    codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, n * SUPER)
-    return Blocks(
-        "Q4_K", *(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales, mins))
-    )
+    qs = blocks[..., -128:].reshape(rows, n, 4, 1, 32)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, n, 8, 32)
+    if kind == "Q5_K":
+        fifth = blocks[..., 16:48].reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+        codes = codes | ((fifth & 1) << 4)
+    arrays = (codes.reshape(rows, n * SUPER), scales, mins)
+    return Blocks(kind, *(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
 
 
 def load_blocks(model_dir: str) -> dict[str, Blocks]:

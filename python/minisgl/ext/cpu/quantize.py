@@ -6,7 +6,7 @@
   becomes a `VnniLinear` (the file's codes and float16 scales). Elsewhere a projection
   whose parts are all Q4_0 / Q4_1 / Q4_K becomes an `Int4Linear` with the file's codes (when its rows
   are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
-  (Q8_0, or Q8_0 with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
+  (Q8_0, Q5_K, or those with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
   `Int8Linear` quantized per row from the exact float32 values where the rows do not fit the
   packing); one with a float part stays dense. The quantized layers, with the dense weights
   that the GGUF holds quantized (the embedding beside a tied LM head), are cached next to the
@@ -83,7 +83,7 @@ def int4_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int4Linear:
 
 def split_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int8SplitLinear:
     """Blocks of any kind (rows concatenated) as signed 8-bit codes, w = d c + m, codes
-    unchanged: Q8_0 c = q; Q4_0 c = q - 8; Q4_1, Q4_K c = q, m its minimum."""
+    unchanged: Q8_0 c = q; Q4_0 c = q - 8; Q4_1, Q4_K, Q5_K c = q, m its minimum."""
     codes = torch.cat([b.codes.to(torch.int32) - (b.kind == "Q4_0") * INT4_OFFSET for b in parts])
     scales = torch.cat([b.scales.float() for b in parts])
     mins = torch.cat(
