@@ -20,6 +20,7 @@ import torch
 
 import minisgl.ext.cpu.gguf as mg
 from minisgl import LLM, SamplingParams
+from minisgl.ext.cpu.gguf_quant import KINDS
 from minisgl.models.weight import resolve_model_path
 from support.cache import link_kernels
 from support.gguf_files import QTYPES, llama_cpp_permute, llama_cpp_rope_freqs, write_gguf
@@ -140,7 +141,7 @@ def test_converted_weights_equal_the_dequantized_tensors(gguf_models, model):
         if not (name == "lm_head.weight" and hf.config.tie_word_embeddings)
     }
     quantized = mg.quantized_names(out)
-    kinds = {q.name for q in QTYPES[model]} & {"Q4_0", "Q4_1", "Q8_0"}
+    kinds = {q.name for q in QTYPES[model]} & set(KINDS)
     assert set(quantized.values()) == kinds and set(quantized) < set(expected)
     assert sorted(checkpoint(out)) == sorted(set(expected) - set(quantized))
     mg.ensure_float_copy(out)

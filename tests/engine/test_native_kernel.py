@@ -27,7 +27,7 @@ Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(
     native.native_kernel() is None, reason="needs AVX512-VNNI and a C++ compiler"
 )
-KINDS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+KINDS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
 
 
 def layer_of(
@@ -35,7 +35,7 @@ def layer_of(
 ) -> tuple[VnniLinear, torch.Tensor]:
     blocks, ref = gguf_blocks(qtype, rows=rows, cols=cols, seed=seed)
     layer = from_blocks([blocks], torch.bfloat16)
-    assert isinstance(layer, VnniLinear) and layer.bits == (8 if qtype == Q.Q8_0 else 4)
+    assert isinstance(layer, VnniLinear) and layer.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1) else 8)
     return layer, torch.from_numpy(ref)
 
 

@@ -1,5 +1,5 @@
-"""GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1, Q8_0, Q4_K
-and Q5_K, split out of llama.cpp's block layout, read from the GGUF file itself (the conversion
+"""GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K and Q5_K, split out of llama.cpp's block layout, read from the GGUF file itself (the conversion
 lists these tensors in `gguf-blocks.json` and writes no copy of them), so that `--quantization
 gguf` builds its int4 / int8 layers from the file's own codes: once, as it then caches them
 packed.
@@ -7,6 +7,8 @@ packed.
 Block layouts (little endian):
 - Q4_0 (32 weights): float16 d, 16 bytes of nibbles; w = d (q - 8)
 - Q4_1 (32): float16 d, float16 m, 16 bytes of nibbles; w = d q + m
+- Q5_0, Q5_1 (32): Q4_0's, Q4_1's with 4 bytes of fifth bits before the nibbles (bit j: weight
+  j's), q 0..31; w = d (q - 16), w = d q + m (the K-quants' fallback where rows are not 256s)
 - Q8_0 (32): float16 d, 32 int8; w = d q
 - Q4_K (256, the "K-quant" of most GGUF files, Q4_K_M's bulk): float16 d and dmin, 12 bytes
   of eight 6-bit (sc, m) pairs, 128 bytes of nibbles; sub-block k (32 weights) has
@@ -30,9 +32,10 @@ from minisgl.ext.cpu.gguf import quantized_names, source_tensors, unpermute
 
 BLOCK = 32
 SUPER = 256  # a K-quant block's weights
-KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K")
+KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-WITH_MINS = ("Q4_1", "Q4_K", "Q5_K")
+WITH_MINS = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+OFFSETS = {"Q4_0": 8, "Q5_0": 16}  # w = d (q - offset): codes kept unsigned
 K_BYTES = {
     "Q4_K": 144,
     "Q5_K": 176,
@@ -58,8 +61,8 @@ class Blocks:
         float16 scales and minimums)."""
         d = self.scales.float().unsqueeze(-1)
         q = self.codes.float().unflatten(1, (-1, BLOCK))
-        if self.kind == "Q4_0":
-            w = d * (q - 8)
+        if self.kind in OFFSETS:
+            w = d * (q - OFFSETS[self.kind])
         elif self.kind in WITH_MINS:
             assert self.mins is not None
             w = d * q + self.mins.float().unsqueeze(-1)
@@ -77,17 +80,22 @@ def split_blocks(tensor: Any) -> Blocks | None:
     rows = raw.shape[0]
     if kind in K_BYTES:
         return split_k_quant(raw.reshape(rows, -1, K_BYTES[kind]), kind)
-    head = 4 if kind == "Q4_1" else 2
+    head = (4 if kind in WITH_MINS else 2) + (4 if kind.startswith("Q5") else 0)
     blocks = raw.reshape(rows, -1, head + (BLOCK if kind == "Q8_0" else BLOCK // 2))
     scales = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
-    mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]) if head == 4 else None
+    with_mins = kind in WITH_MINS
+    mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]) if with_mins else None
     body = blocks[..., head:]
     if kind == "Q8_0":
         codes = torch.from_numpy(body.copy().view(np.int8).reshape(rows, -1))
-    else:
-        nibbles = np.concatenate([body & 0x0F, body >> 4], axis=-1)
-        codes = torch.from_numpy(np.ascontiguousarray(nibbles).reshape(rows, -1))
-    return Blocks(kind, codes, scales, mins)
+        return Blocks(kind, codes, scales, mins)
+    nibbles = np.concatenate([body & 0x0F, body >> 4], axis=-1)
+    if kind.startswith("Q5"):  # bit j of the little-endian word before the nibbles: weight j's
+        word = blocks[..., head - 4 : head].copy().view(np.uint32)
+        nibbles = nibbles | (((word >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    return Blocks(
+        kind, torch.from_numpy(np.ascontiguousarray(nibbles).reshape(rows, -1)), scales, mins
+    )
 
 
 def six_bit_pairs(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

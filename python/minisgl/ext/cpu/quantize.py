@@ -6,7 +6,7 @@
   becomes a `VnniLinear` (the file's codes and float16 scales). Elsewhere a projection
   whose parts are all Q4_0 / Q4_1 / Q4_K becomes an `Int4Linear` with the file's codes (when its rows
   are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
-  (Q8_0, Q5_K, or those with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
+  (Q8_0, Q5s, or those with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
   `Int8Linear` quantized per row from the exact float32 values where the rows do not fit the
   packing); one with a float part stays dense. The quantized layers, with the dense weights
   that the GGUF holds quantized (the embedding beside a tied LM head), are cached next to the
@@ -32,7 +32,7 @@ from torch import nn
 from minisgl.distributed import get_tp_info
 from minisgl.ext.cpu import native
 from minisgl.ext.cpu.gguf import conversion_size, dense_names, ensure_float_copy, prune_unused
-from minisgl.ext.cpu.gguf_quant import BLOCK, FOUR_BIT, Blocks, load_blocks
+from minisgl.ext.cpu.gguf_quant import BLOCK, FOUR_BIT, OFFSETS, Blocks, load_blocks
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.packed import pack_float_projections
 from minisgl.ext.cpu.policy import announce, resolve_quantization
@@ -83,8 +83,8 @@ def int4_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int4Linear:
 
 def split_from_blocks(parts: list[Blocks], dtype: torch.dtype) -> Int8SplitLinear:
     """Blocks of any kind (rows concatenated) as signed 8-bit codes, w = d c + m, codes
-    unchanged: Q8_0 c = q; Q4_0 c = q - 8; Q4_1, Q4_K, Q5_K c = q, m its minimum."""
-    codes = torch.cat([b.codes.to(torch.int32) - (b.kind == "Q4_0") * INT4_OFFSET for b in parts])
+    unchanged: Q8_0 c = q; Q4_0 c = q - 8, Q5_0 c = q - 16; the others c = q, m its minimum."""
+    codes = torch.cat([b.codes.to(torch.int32) - OFFSETS.get(b.kind, 0) for b in parts])
     scales = torch.cat([b.scales.float() for b in parts])
     mins = torch.cat(
         [torch.zeros_like(b.scales.float()) if b.mins is None else b.mins.float() for b in parts]
@@ -101,9 +101,7 @@ def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear:
         codes = torch.cat([b.codes for b in parts])
         mins = [-INT4_OFFSET * b.scales if b.kind == "Q4_0" else b.mins for b in parts]
     else:
-        codes = torch.cat(
-            [b.codes.to(torch.int32) + 128 - (b.kind == "Q4_0") * INT4_OFFSET for b in parts]
-        )
+        codes = torch.cat([b.codes.to(torch.int32) + 128 - OFFSETS.get(b.kind, 0) for b in parts])
         mins = [b.mins for b in parts]
     minimum = torch.cat([z if m is None else m for m, z in zip(mins, zeros)])
     scales = torch.cat([b.scales for b in parts])
