@@ -9,7 +9,7 @@ other checkpoint: `resolve_gguf` fills the `gguf_model` point, which the core's
 The entry holds what the chosen path needs, no more. The conversion writes the tensors that are
 not of a kind `--quantization gguf` keeps quantized (norms, F16 / F32, Q6_K and others),
 dequantized to float32 by the `gguf` package (exact), as `dense-*.safetensors`, and lists the
-others (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K) in `gguf-blocks.json`: the quantized path reads their blocks from
+others (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K) in `gguf-blocks.json`: the quantized path reads their blocks from
 the GGUF file itself (`gguf_quant.py`) once, to pack its layers. Their float32 copy (4 bytes a
 parameter: 538 MB of the embedded model's 700) is written by `ensure_float_copy` when a path
 first needs it (`--quantization none` / `int8`, another device, TP > 1). The index
