@@ -1,8 +1,8 @@
 """GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K and Q5_K, split out of llama.cpp's block layout, read from the GGUF file itself (the conversion
-lists these tensors in `gguf-blocks.json` and writes no copy of them), so that `--quantization
-gguf` builds its int4 / int8 layers from the file's own codes: once, as it then caches them
-packed.
+Q5_1, Q8_0, Q4_K and Q5_K, split out of llama.cpp's block layout, read from the GGUF file
+itself (the conversion lists these tensors in `gguf-blocks.json` and writes no copy of them),
+so that `--quantization gguf` builds its int4 / int8 layers from the file's own codes: once, as
+it then caches them packed.
 
 Block layouts (little endian):
 - Q4_0 (32 weights): float16 d, 16 bytes of nibbles; w = d (q - 8)
@@ -34,12 +34,9 @@ BLOCK = 32
 SUPER = 256  # a K-quant block's weights
 KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-WITH_MINS = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+WITH_MINS = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = d q + m; the others w = d q, or:
 OFFSETS = {"Q4_0": 8, "Q5_0": 16}  # w = d (q - offset): codes kept unsigned
-K_BYTES = {
-    "Q4_K": 144,
-    "Q5_K": 176,
-}  # a 256-weight block's  # w = d q + m; the others w = d q (Q4_0 after its offset)
+K_BYTES = {"Q4_K": 144, "Q5_K": 176}  # a 256-weight block's bytes
 
 
 @dataclass
