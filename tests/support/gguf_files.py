@@ -1,7 +1,7 @@
 """Tiny random models written as llama.cpp GGUF files (gguf's own tensor names, Llama's q/k row
-permutation, a mix of F32 / F16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K tensors, optionally a
-tokenizer with chat template), for the GGUF and quantization tests. The gguf package quantizes
-all but the K-quants, which `quantize_k` writes (it dequantizes every kind)."""
+permutation, a mix of F32 / F16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K tensors,
+optionally a tokenizer with chat template), for the GGUF and quantization tests. The gguf
+package quantizes all but the K-quants, which `quantize_k` writes (it dequantizes every kind)."""
 
 from __future__ import annotations
 
