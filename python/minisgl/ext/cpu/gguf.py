@@ -9,8 +9,8 @@ other checkpoint: `resolve_gguf` fills the `gguf_model` point, which the core's
 The entry holds what the chosen path needs, no more. The conversion writes the tensors that are
 not of a kind `--quantization gguf` keeps quantized (norms, F16 / F32, Q6_K and others),
 dequantized to float32 by the `gguf` package (exact), as `dense-*.safetensors`, and lists the
-others (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K) in `gguf-blocks.json`: the quantized path reads their blocks from
-the GGUF file itself (`gguf_quant.py`) once, to pack its layers. Their float32 copy (4 bytes a
+others (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K) in `gguf-blocks.json`: the quantized path reads
+their blocks from the GGUF file itself (`gguf_quant.py`) once, to pack its layers. Their float32 copy (4 bytes a
 parameter: 538 MB of the embedded model's 700) is written by `ensure_float_copy` when a path
 first needs it (`--quantization none` / `int8`, another device, TP > 1). The index
 (`model.safetensors.index.json`) lists the files written so far."""
@@ -118,7 +118,12 @@ def converted_dir(path: str) -> str:
 
 def is_converted(path: str) -> bool:
     """Whether the GGUF file at `path` (which exists) has its conversion in the cache."""
-    return os.path.isfile(os.path.join(converted_dir(path), "config.json"))
+    return _complete(converted_dir(path))
+
+
+def _complete(out: str) -> bool:
+    """A conversion's directory is complete once its config is in (it is renamed into place)."""
+    return os.path.isfile(os.path.join(out, "config.json"))
 
 
 def resolve_gguf(path: str) -> str:
@@ -126,8 +131,7 @@ def resolve_gguf(path: str) -> str:
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path!r} not found")
     out = converted_dir(path)
-    done = lambda: os.path.isfile(os.path.join(out, "config.json"))  # noqa: E731
-    if done():
+    if _complete(out):
         return out
     # Written in a temporary directory renamed at the end, so that an interrupted conversion
     # never leaves a directory that looks complete.
@@ -143,7 +147,7 @@ def resolve_gguf(path: str) -> str:
         os.rename(tmp, out)
         _remove_stale_conversions(os.path.dirname(out))
     except OSError as e:
-        if not done():  # else a concurrent conversion finished first: ours is dropped
+        if not _complete(out):  # else a concurrent conversion finished first: ours is dropped
             raise _unwritable(f"the converted model to {out}", e) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -2,10 +2,10 @@
 (`quantized.py`), as the cpu extension's `model_transform` (`CpuModelTransform`).
 
 - `gguf`, before the checkpoint loads: from a GGUF's own blocks (`gguf_quant.py`). Where
-  minisgl's kernel runs (`native.py`: AVX512-VNNI, AVX-VNNI or AVX2), a projection whose parts are all quantized
-  becomes a `VnniLinear` (the file's codes and float16 scales). Elsewhere a projection
-  whose parts are all Q4_0 / Q4_1 / Q4_K becomes an `Int4Linear` with the file's codes (when its rows
-  are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
+  minisgl's kernel runs (`native.py`: AVX512-VNNI, AVX-VNNI or AVX2), a projection whose
+  parts are all quantized becomes a `VnniLinear` (the file's codes and float16 scales).
+  Elsewhere a projection whose parts are all Q4_0 / Q4_1 / Q4_K becomes an `Int4Linear` with
+  the file's codes (when its rows are a multiple of 16, as the packing needs); one whose parts are all quantized otherwise
   (Q8_0, Q5s, or those with 4-bit parts) an `Int8SplitLinear`, again with the file's codes (an
   `Int8Linear` quantized per row from the exact float32 values where the rows do not fit the
   packing); one with a float part stays dense. The quantized layers, with the dense weights
@@ -99,7 +99,7 @@ def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear:
     zeros = [torch.zeros_like(b.scales) for b in parts]
     if four_bit:
         codes = torch.cat([b.codes for b in parts])
-        mins = [-INT4_OFFSET * b.scales if b.kind == "Q4_0" else b.mins for b in parts]
+        mins = [-OFFSETS[b.kind] * b.scales if b.kind in OFFSETS else b.mins for b in parts]
     else:
         codes = torch.cat([b.codes.to(torch.int32) + 128 - OFFSETS.get(b.kind, 0) for b in parts])
         mins = [b.mins for b in parts]
