@@ -36,7 +36,20 @@ def layer_of(
     blocks, ref = gguf_blocks(qtype, rows=rows, cols=cols, seed=seed)
     layer = from_blocks([blocks], torch.bfloat16)
     assert isinstance(layer, VnniLinear) and layer.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1) else 8)
+    assert layer.halves == (qtype == Q.Q6_K)
     return layer, torch.from_numpy(ref)
+
+
+def q4_k_m_layer(rows: int = 64, cols: int = 512, seed: int = 0) -> tuple[VnniLinear, torch.Tensor]:
+    """A q/k/v as Q4_K_M files have it in some layers: Q4_K q and k, a Q6_K v (eight-bit codes,
+    a d per 16 weights for all three)."""
+    parts = [
+        gguf_blocks(q, rows=rows // 4 * n, cols=cols, seed=seed + n)
+        for n, q in ((2, Q.Q4_K), (1, Q.Q4_K), (1, Q.Q6_K))
+    ]
+    layer = from_blocks([p[0] for p in parts], torch.bfloat16)
+    assert isinstance(layer, VnniLinear) and layer.bits == 8 and layer.halves
+    return layer, torch.cat([torch.from_numpy(p[1]) for p in parts])
 
 
 def activations(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -55,14 +68,19 @@ def int8_model(x: torch.Tensor, layer: VnniLinear) -> torch.Tensor:
     inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     xq = torch.round(xf * inv)
     dx = (amax / 127).squeeze(-1).double()
-    rows, blocks = layer.out_features, layer.in_features // 32
-    codes = layer.unpacked_codes().unflatten(1, (blocks, 32)).double()
+    rows, blocks, groups = layer.out_features, layer.in_features // 32, 1 + layer.halves
+    codes = layer.unpacked_codes().unflatten(1, (blocks, groups, 32 // groups)).double()
     if layer.bits == 8:
         codes = codes - 128
-    d, mn = (layer.scales[:, :, i].permute(0, 2, 1).reshape(rows, blocks).double() for i in (0, 1))
-    dots = torch.einsum("mgk,ngk->mng", xq.double(), codes)
+    *ds, mn = (
+        layer.scales[:, :, i].permute(0, 2, 1).reshape(rows, blocks).double()
+        for i in range(groups + 1)
+    )
+    d = torch.stack(ds, -1)  # [out, blocks, groups]: a d for each half with halves
+    dots = torch.einsum("mghk,nghk->mngh", xq.unflatten(-1, (groups, -1)).double(), codes)
     sums = xf.double().sum(-1)
-    return (d[None] * dx[:, None] * dots + mn[None] * sums[:, None]).sum(-1)
+    scaled = (d[None] * dx[:, None, :, None] * dots).sum(-1)
+    return (scaled + mn[None] * sums[:, None]).sum(-1)
 
 
 @pytest.mark.parametrize("qtype", KINDS)
@@ -85,16 +103,31 @@ def test_merges_parts_of_every_kind():
     assert torch.equal(four.dequantize(), torch.cat([torch.from_numpy(p[1]) for p in parts[1:]]))
 
 
-@pytest.mark.parametrize("qtype", KINDS)
+def test_q6_k_keeps_the_codes_and_rounds_d_sc_once():
+    """A Q6_K layer: the file's codes (q - 32 + 128), each 16 weights' d sc rounded once to
+    float16 (as Q4_K's): within 2^-11 of each weight's magnitude bound."""
+    blocks, ref = gguf_blocks(Q.Q6_K, rows=32, cols=512)
+    layer, w = layer_of(Q.Q6_K, rows=32, cols=512)
+    assert torch.equal(layer.unpacked_codes() - 96, blocks.codes.to(torch.int32))
+    bound = (blocks.scales.abs() * 32 * 2.0**-11).repeat_interleave(16, 1)
+    assert ((layer.dequantize() - w).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", [*KINDS, Q.Q6_K, "Q4_K_M"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_kernel_is_its_int8_arithmetic(qtype, dtype, rows):
     """Against the torch model of its arithmetic: within the output's rounding; and against the
     float matmul of the weights: within half an activation code per element."""
-    layer, w = layer_of(qtype, rows=64, cols=128, seed=rows)
-    x = activations(rows, 128, dtype, seed=rows)
+    cols = 128 if qtype in KINDS else 512
+    if qtype == "Q4_K_M":
+        layer, _ = q4_k_m_layer(seed=rows)
+    else:
+        layer, _ = layer_of(qtype, rows=64, cols=cols, seed=rows)
+    w = layer.dequantize()  # the weights it holds (Q6_K's d sc in float16)
+    x = activations(rows, cols, dtype, seed=rows)
     y = layer(x)
-    assert y.dtype == dtype and y.shape == (rows, 64)
+    assert y.dtype == dtype and y.shape == (rows, layer.out_features)
     model = int8_model(x, layer)
     eps = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
     assert ((y.double() - model).abs() <= eps * model.abs() + 1e-6).all()
@@ -147,16 +180,19 @@ torch.save(outs, sys.argv[2])
 def test_the_256_bit_builds_give_the_same_bits(isa, tmp_path):
     """The AVX-VNNI and AVX2 builds (CPUs without AVX512; MINISGL_CPU_ISA chooses one here), each
     in a process of its own: qdot_mm's outputs equal this AVX512 build's bit for bit, four- and
-    eight-bit, bf16 and fp16, 1 to 13 rows (4 a pass there, 8 here), on one thread and two; no
-    float32 op is registered, so the float32 paths keep torch's."""
+    eight-bit (a Q4_K_M q/k/v too: a d per 16 weights), bf16 and fp16, 1 to 13 rows (4 a pass
+    there, 8 here), on one thread and two; no float32 op is registered, so the float32 paths
+    keep torch's."""
     if not set(native.ISAS[isa].needs) <= cpu_flags():
         pytest.skip(f"this CPU lacks {isa}")
     cases = []
-    for qtype in (Q.Q4_1, Q.Q8_0):  # Q4_0 is Q4_1's arithmetic with mn = -8 d
-        layer, _ = layer_of(qtype, rows=64, cols=576, seed=int(qtype))
+    layers = [layer_of(q, rows=64, cols=576, seed=int(q))[0] for q in (Q.Q4_1, Q.Q8_0)]
+    layers.append(q4_k_m_layer()[0])  # Q4_0 is Q4_1's arithmetic with mn = -8 d
+    for layer in layers:
         for dtype in (torch.bfloat16, torch.float16):
             for rows in (1, 3, 5, 8, 13):
-                x = activations(rows, 576, dtype, seed=rows) * 4  # large sums of codes too
+                # large sums of codes too
+                x = activations(rows, layer.in_features, dtype, seed=rows) * 4
                 cases.append((x, layer.codes, layer.scales))
     torch.save(cases, tmp_path / "cases.pt")
     env = {**os.environ, "MINISGL_CPU_ISA": isa}

@@ -27,10 +27,9 @@ from minisgl.ext.cpu.quantized import (
     Int8Linear,
     Int8SplitLinear,
     QuantizedLinear,
-    VnniLinear,
 )
 from support.cache import link_kernels
-from support.gguf_files import quantize_k, six_bit_bytes, write_gguf
+from support.gguf_files import quantize, quantize_k, quantize_q6_k, six_bit_bytes, write_gguf
 from support.models import hf_greedy
 
 Q = gguf.GGMLQuantizationType
@@ -40,7 +39,7 @@ CPU = torch.device("cpu")
 
 def gguf_blocks(qtype: Q, rows: int = 48, cols: int = 96, seed: int = 0) -> tuple[Blocks, Any]:
     data = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
-    tensor = SimpleNamespace(tensor_type=qtype, data=gguf.quants.quantize(data, qtype))
+    tensor = SimpleNamespace(tensor_type=qtype, data=quantize(data, qtype))
     blocks = split_blocks(tensor)
     assert blocks is not None
     return blocks, gguf.quants.dequantize(tensor.data, qtype)
@@ -309,30 +308,71 @@ def test_k_quant_blocks_are_the_files(kind):
     assert ((got - want).abs() <= bound).all() and not torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q5_0", "Q5_1"])
+# the 2-D tensors' kinds in turn (embedding, then each layer's q, k, v, o, gate, up, down, then
+# the LM head); the kernel's layers (bits, a d per 16 weights); without it torch's layers
+MIXES = {
+    "Q4_K": ([Q.Q4_K], {(4, False)}, {"Int4Linear"}),
+    "Q5_K": ([Q.Q5_K], {(8, False)}, {"Int8SplitLinear"}),
+    "Q5_0": ([Q.Q5_0], {(8, False)}, {"Int8SplitLinear"}),
+    "Q5_1": ([Q.Q5_1], {(8, False)}, {"Int8SplitLinear"}),
+    "Q6_K": ([Q.Q6_K], {(8, True)}, {"NoneType"}),  # torch's int4 kernel: groups of 32 and up
+    # as Q4_K_M's: Q6_K v in a q/k/v of Q4_K, Q6_K down and LM head beside 4-bit layers
+    "Q4_K+Q6_K": ([Q.Q4_K, Q.Q4_K, Q.Q6_K], {(4, False), (8, True)}, {"Int4Linear", "NoneType"}),
+}
+
+
+@pytest.mark.parametrize("kind", list(MIXES))
 def test_gguf_of_one_kind_runs_quantized(kind, tmp_path, monkeypatch):
-    """A GGUF of Q4_K or Q5_K tensors (most GGUF files' bulk: Q4_K_M's, Q5_K_M's; Q5_0 / Q5_1
-    their fallback where rows are not 256s): gguf mode keeps every projection on the file's
-    codes (minisgl's kernel: Q4_K 4-bit, the others 8-bit; else torch's int4 kernel), the
-    untied LM head included, no float32 copy of them written, and scores a prompt as the
-    dequantized model does within the kernels' noise: Q4_K 0.20 here (Q4_1 on this model:
-    0.11; int8 activations on a random model's 4-bit codes), where a swapped nibble order or
-    6-bit unpacking gives 1.6-3.0."""
+    """A GGUF of Q4_K, Q5_K or Q6_K tensors (most GGUF files' bulk: Q4_K_M's, Q5_K_M's, with
+    Q6_K's v, down and LM head; Q5_0 / Q5_1 their fallback where rows are not 256s): gguf mode
+    keeps every projection on the file's codes (minisgl's kernel: Q4_K 4-bit, the others 8-bit,
+    with a d per 16 weights where a part is Q6_K; else torch's int4 kernel, where Q6_K stays
+    dense), the untied LM head included, no float32 copy of them written, and scores a prompt
+    as the dequantized model does within the kernels' noise: Q4_K 0.20 here (Q4_1 on this
+    model: 0.11; int8 activations on a random model's 4-bit codes), where a swapped nibble
+    order or 6-bit unpacking gives 1.6-3.0."""
     monkeypatch.setenv("MINISGL_CACHE_DIR", link_kernels(tmp_path / "cache"))
     path = str(tmp_path / "tiny.gguf")
-    write_gguf("llama_wide", path, qtypes=[getattr(Q, kind)])
+    qtypes, kernel_layers, torch_layers = MIXES[kind]
+    write_gguf("llama_wide", path, qtypes=qtypes)
     prompt = [5, 77, 300, 12, 400, 3, 9, 81]
     quantized = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=32)
     layers = [m.quantized for m in quantized.engine.model.modules() if hasattr(m, "quantized")]
-    fallback = "Int4Linear" if kind == "Q4_K" else "Int8SplitLinear"
-    assert {type(q).__name__ for q in layers} == {"VnniLinear" if native_kernel() else fallback}
-    assert {q.bits for q in layers if isinstance(q, VnniLinear)} <= {4 if kind == "Q4_K" else 8}
+    names = {type(q).__name__ for q in layers}
+    assert names == ({"VnniLinear"} if native_kernel() else torch_layers)
+    if native_kernel():
+        assert {(q.bits, q.halves) for q in layers} == kernel_layers
     assert len(quantized_names(quantized.engine.model_path)) == 2 * 7 + 2  # every 2-D tensor
     assert not glob.glob(os.path.join(quantized.engine.model_path, "float32-*"))
     got = prompt_logprobs(quantized, prompt)
     del quantized
     exact = LLM(path, quantization="none", dtype="bfloat16", page_size=4, num_pages=32)
     assert (got - prompt_logprobs(exact, prompt)).abs().max() < 0.3
+
+
+def test_q6_k_blocks_are_the_files():
+    """Q6_K as codes 0..63 in weight order and a float32 d sc per 16 weights: the weights are
+    the gguf package's bit for bit, over every code, every int8 scale and random d."""
+    rows, n = 16, 3
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (rows, n, 210), dtype=np.uint8)
+    raw[..., 208:] = rng.uniform(1e-4, 1e-2, (rows, n, 1)).astype(np.float16).view(np.uint8)
+    raw[0, 0, 192:208] = np.array([-128, 127] * 8, dtype=np.int8).view(np.uint8)
+    want = gguf.quants.dequantize(raw.reshape(rows, -1), Q.Q6_K)
+    blocks = split_blocks(SimpleNamespace(tensor_type=Q.Q6_K, data=raw.reshape(rows, -1)))
+    assert blocks is not None and blocks.kind == "Q6_K" and blocks.codes.shape == (rows, n * 256)
+    assert blocks.scales.shape == (rows, n * 16) and blocks.scales.dtype == torch.float32
+    assert int(blocks.codes.min()) == 0 and int(blocks.codes.max()) == 63
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(want))
+
+
+def test_the_tests_q6_k_writer_is_llama_cpp_s_format():
+    """support.gguf_files' Q6_K: the gguf package reads back what it meant, within half a step
+    of each 16 weights' (and the int8 scale's own rounding)."""
+    x = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
+    back = gguf.quants.dequantize(quantize_q6_k(x), Q.Q6_K)
+    biggest = np.abs(x.reshape(16, -1, 16)).max(-1)
+    assert np.all(np.abs(back - x) <= np.repeat(biggest / 32, 16, axis=-1).reshape(16, -1))
 
 
 @pytest.mark.parametrize("bits", [4, 5])

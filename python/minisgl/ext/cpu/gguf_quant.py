@@ -1,5 +1,5 @@
 """GGUF's quantized blocks as tensors: the codes, scales and minimums of Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K and Q5_K, split out of llama.cpp's block layout, read from the GGUF file
+Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, split out of llama.cpp's block layout, read from the GGUF file
 itself (the conversion lists these tensors in `gguf-blocks.json` and writes no copy of them),
 so that `--quantization gguf` builds its int4 / int8 layers from the file's own codes: once, as
 it then caches them packed.
@@ -17,6 +17,10 @@ Block layouts (little endian):
   step of 1/15 of the block's range).
 - Q5_K (256, Q5_K_M's bulk): Q4_K's fields and 32 bytes of fifth bits between the 6-bit pairs
   and the nibbles: bit k of byte j is sub-block k's weight j's; codes 0..31 (8-bit layers).
+- Q6_K (256; Q4_K_M's and Q5_K_M's LM head, attn_v and half the ffn_down): 128 bytes of low
+  nibbles, 64 of high bit pairs, 16 int8 scales sc, float16 d; each 16 weights have
+  w = (d sc) (q - 32), q 0..63. Its scales stay per 16 weights, d sc in float32 (exact, as the
+  gguf package computes it); the 8-bit layers take them per 16 (`VnniLinear`'s halves).
 Nibbles: in Q4_0 / Q4_1 byte j holds weight j in its low half and weight j + 16 in its high
 half; in Q4_K byte j of each 32 holds sub-block 2i's weight j low and sub-block 2i+1's high."""
 
@@ -32,17 +36,18 @@ from minisgl.ext.cpu.gguf import quantized_names, source_tensors, unpermute
 
 BLOCK = 32
 SUPER = 256  # a K-quant block's weights
-KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
+KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 WITH_MINS = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = d q + m; the others w = d q, or:
-OFFSETS = {"Q4_0": 8, "Q5_0": 16}  # w = d (q - offset): codes kept unsigned
-K_BYTES = {"Q4_K": 144, "Q5_K": 176}  # a 256-weight block's bytes
+OFFSETS = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # w = d (q - offset): codes kept unsigned
+K_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # a 256-weight block's bytes
 
 
 @dataclass
 class Blocks:
-    """One tensor's blocks: codes [rows, cols] (uint8 0..15, 0..31 or int8), scales and mins
-    [rows, cols / 32] float16 (mins only for WITH_MINS)."""
+    """One tensor's blocks: codes [rows, cols] (uint8 0..15, 0..31, 0..63 or int8), scales
+    and mins [rows, cols / 32] float16 (mins only for WITH_MINS); Q6_K's scales [rows, cols /
+    16] float32."""
 
     kind: str
     codes: torch.Tensor
@@ -57,7 +62,7 @@ class Blocks:
         """float32 weights, computed as the gguf package does (bit for bit; Q4_K from the
         float16 scales and minimums)."""
         d = self.scales.float().unsqueeze(-1)
-        q = self.codes.float().unflatten(1, (-1, BLOCK))
+        q = self.codes.float().unflatten(1, (self.scales.shape[1], -1))
         if self.kind in OFFSETS:
             w = d * (q - OFFSETS[self.kind])
         elif self.kind in WITH_MINS:
@@ -75,6 +80,8 @@ def split_blocks(tensor: Any) -> Blocks | None:
         return None
     raw = np.asarray(tensor.data, dtype=np.uint8)
     rows = raw.shape[0]
+    if kind == "Q6_K":
+        return split_q6_k(raw.reshape(rows, -1, K_BYTES[kind]))
     if kind in K_BYTES:
         return split_k_quant(raw.reshape(rows, -1, K_BYTES[kind]), kind)
     head = (4 if kind in WITH_MINS else 2) + (4 if kind.startswith("Q5") else 0)
@@ -120,6 +127,25 @@ def split_k_quant(blocks: np.ndarray, kind: str) -> Blocks:
         codes = codes | ((fifth & 1) << 4)
     arrays = (codes.reshape(rows, n * SUPER), scales, mins)
     return Blocks(kind, *(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+
+
+def split_q6_k(blocks: np.ndarray) -> Blocks:
+    """Q6_K blocks [rows, n, 210] as codes 0..63 in weight order and scales d sc per 16 weights
+    (float32: exact). Each half of 128 weights has 64 bytes of nibbles and 32 of bit pairs:
+    weight 32 j + l (j 0..3, l 0..31) is nibble (j // 2: high) of byte l + 32 (j % 2) with bits
+    2 j, 2 j + 1 of its pair byte l."""
+    rows, n = blocks.shape[:2]
+    low = blocks[..., :128].reshape(rows, n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
+    low = (low & 15).reshape(rows, n, 2, 4, 32)
+    pairs = blocks[..., 128:192].reshape(rows, n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[
+        :, None
+    ]
+    codes = (low | ((pairs & 3) << 4)).reshape(rows, n * SUPER)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    scales = (d * sc).reshape(rows, n * SUPER // 16)
+    arrays = (np.ascontiguousarray(codes), np.ascontiguousarray(scales))
+    return Blocks("Q6_K", *(torch.from_numpy(a) for a in arrays))
 
 
 def load_blocks(model_dir: str) -> dict[str, Blocks]:

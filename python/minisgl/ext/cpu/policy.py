@@ -81,7 +81,7 @@ def resolve_quantization(
     elif tp_size != 1:
         why = "it does not support --tp above 1"
     elif mode == "gguf" and not has_blocks:
-        why = "the model is not a GGUF file with Q4_0/1, Q5_0/1, Q8_0, Q4_K or Q5_K tensors"
+        why = "the model is not a GGUF file with Q4_0/1, Q5_0/1, Q8_0 or Q4/5/6_K tensors"
     if why is not None:
         raise ValueError(f"--quantization {mode}: {why}")
     return mode

@@ -4,6 +4,8 @@
 // y = x W^T for a few rows x (bf16 or fp16) and a weight in blocks of 32 along the input:
 //   four-bit codes q in 0..15:    w = d q + mn           (GGUF Q4_0: mn = -8 d; Q4_1: mn = its min)
 //   eight-bit codes u in 0..255:  w = d (u - 128) + mn   (GGUF Q8_0: u = q + 128, mn = 0)
+//   the same with a d for each 16 (layout 16): w = d_h (u - 128) + mn, h the block's half
+//                                 (GGUF Q6_K: u = q + 96, d_h = d sc_h, mn = 0)
 // d and mn are the file's fp16 values. Each row's block of 32 activations is quantized to int8
 // as llama.cpp does (dx = max |x| / 127, xq = round(x / dx)), so a block's dot product is an
 // integer one on AVX512-VNNI (vpdpbusd: 64 multiply-adds an instruction, 4x float32 FMA's
@@ -11,13 +13,15 @@
 // as most laptops'), on AVX-VNNI (vpdpbusd on 8 lanes) or AVX2 (vpmaddubsw, vpmaddwd), scaled
 // once a block:
 //   y += d dx sum(q xq) + mn sum(x)          (eight-bit: d dx (sum(u xq) - 128 sum(xq)))
+//   (layout 16: d_0 dx (...)_0 + d_1 dx (...)_1 + mn sum(x), the two halves' integer dots)
 // sum(x) is the float sum of the activations themselves, not of their codes.
 //
 // Layout, per tile of 16 output rows t and block g (ext/cpu/quantized.py builds it):
 //   four-bit: 4 chunks of 64 bytes; in chunk c, lane j (output 16t+j) byte b holds
 //     q[k = 32g+8c+b] in its low nibble and q[k = 32g+8c+4+b] in its high nibble;
 //   eight-bit: 8 chunks of 64 bytes; in chunk c, lane j byte b holds u[k = 32g+4c+b];
-//   scales: fp16 d[16] then fp16 mn[16].
+//   scales: fp16 d[16] then fp16 mn[16]; layout 16: d_0[16], d_1[16] (weights 0-15, 16-31 of
+//     the block: its chunks 0-3, 4-7), mn[16].
 // One thread computes a tile's outputs for every row in a fixed order: the same bits on any
 // thread count, and a row's bits do not depend on the other rows of its batch. All builds
 // compute the same integers and the same float operations in the same order: the same bits.
@@ -42,8 +46,13 @@ struct Rows {           // the activations, quantized: per row m and block g
   const int8_t* xq;     // [M][K]
   const float* dx;      // [M][K / 32]
   const float* xsum;    // [M][K / 32]
-  const int32_t* qsum;  // [M][K / 32]
+  const int32_t* qsum;  // [M][K / 16]: the codes' sums of each half block
 };
+
+// the kernel's layouts of codes and scales (`bits` of qdot_mm)
+constexpr int kFourBit = 4, kEightBit = 8, kEightBitHalves = 16;
+constexpr int code_bytes(int bits) { return bits == kFourBit ? 256 : 512; }
+constexpr int scale_halves(int bits) { return bits == kEightBitHalves ? 48 : 32; }
 
 // the sum of 8 floats in the order of GCC's _mm512_reduce_add_ps after its first halving,
 // spelled out so that both builds (and other compilers) sum a block's activations alike
@@ -91,26 +100,28 @@ void quantize_rows(const uint16_t* x, int rows, int cols, bool half, int8_t* xq,
       const __m512 ab = _mm512_add_ps(a, b);
       const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ab), 1));
       xsum[m * blocks + g] = sum8(_mm256_add_ps(hi, _mm512_castps512_ps256(ab)));
-      qsum[m * blocks + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      qsum[2 * (m * blocks + g)] = _mm512_reduce_add_epi32(qa);
+      qsum[2 * (m * blocks + g) + 1] = _mm512_reduce_add_epi32(qb);
     }
   }
 }
 
 // `kRows` rows of x against output tile t: the codes of each block are unpacked once for all rows
-template <int kRows, bool kFour>
+template <int kRows, int kBits>
 void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
                uint16_t* y, int out, int t) {
+  constexpr bool kFour = kBits == kFourBit;
+  constexpr int kScales = scale_halves(kBits);
   const int blocks = cols / kBlock;
-  const int block_bytes = kFour ? 256 : 512;
-  const uint8_t* c = codes + static_cast<size_t>(t) * blocks * block_bytes;
-  const uint16_t* s = scales + static_cast<size_t>(t) * blocks * 2 * kTile;
+  const uint8_t* c = codes + static_cast<size_t>(t) * blocks * code_bytes(kBits);
+  const uint16_t* s = scales + static_cast<size_t>(t) * blocks * kScales;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[kRows];
   for (int m = 0; m < kRows; m++) acc[m] = _mm512_setzero_ps();
   for (int g = 0; g < blocks; g++) {
     __m512i w[8];  // chunk i holds k = 32g + 4i .. 32g + 4i + 3 of the 16 outputs
     for (int i = 0; i < (kFour ? 4 : 8); i++) {
-      __m512i v = _mm512_loadu_si512(c + g * block_bytes + i * 64);
+      __m512i v = _mm512_loadu_si512(c + g * code_bytes(kBits) + i * 64);
       if (kFour) {
         w[2 * i] = _mm512_and_si512(v, nibble);
         w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
@@ -118,17 +129,29 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
         w[i] = v;
       }
     }
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + g * 32)));
-    __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + g * 32 + 16)));
+    const uint16_t* sg = s + g * kScales;
+    const __m512 d = load16(sg, true);
+    const __m512 d_hi = kBits == kEightBitHalves ? load16(sg + 16, true) : d;
+    const __m512 mn = load16(sg + kScales - 16, true);
     for (int m = 0; m < kRows; m++) {
       const size_t at = static_cast<size_t>(m) * blocks + g;
       int32_t quad[8];  // the row's codes of the block, 4 a lane
       memcpy(quad, x.xq + static_cast<size_t>(m) * cols + g * kBlock, sizeof quad);
-      __m512i dot = _mm512_setzero_si512();
-      for (int i = 0; i < 8; i++) dot = _mm512_dpbusd_epi32(dot, w[i], _mm512_set1_epi32(quad[i]));
-      if (!kFour) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x.qsum[at]));
-      __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x.dx[at]));
-      acc[m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[m]);
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();  // the halves' dots
+      for (int i = 0; i < 4; i++) lo = _mm512_dpbusd_epi32(lo, w[i], _mm512_set1_epi32(quad[i]));
+      for (int i = 4; i < 8; i++) hi = _mm512_dpbusd_epi32(hi, w[i], _mm512_set1_epi32(quad[i]));
+      const __m512 dx = _mm512_set1_ps(x.dx[at]);
+      if (kBits == kEightBitHalves) {
+        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * x.qsum[2 * at]));
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * x.qsum[2 * at + 1]));
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(lo), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, dx), _mm512_cvtepi32_ps(hi), acc[m]);
+      } else {
+        __m512i dot = _mm512_add_epi32(lo, hi);
+        const int32_t qsum = x.qsum[2 * at] + x.qsum[2 * at + 1];
+        if (!kFour) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qsum));
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(dot), acc[m]);
+      }
       acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.xsum[at]), acc[m]);
     }
   }
@@ -195,32 +218,34 @@ void quantize_rows(const uint16_t* x, int rows, int cols, bool half, int8_t* xq,
       // AVX512's order: lanes i and 16 + i first, then the upper 8 sums and the lower 8
       xsum[m * blocks + g] =
           sum8(_mm256_add_ps(_mm256_add_ps(v[1], v[3]), _mm256_add_ps(v[0], v[2])));
-      qsum[m * blocks + g] =
-          isum8(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      qsum[2 * (m * blocks + g)] = isum8(_mm256_add_epi32(q[0], q[1]));
+      qsum[2 * (m * blocks + g) + 1] = isum8(_mm256_add_epi32(q[2], q[3]));
     }
   }
 }
 
-// sum(w xq) of one block for 8 outputs. With AVX-VNNI (vpdpbusd on 8 lanes) as on AVX512; on
-// AVX2 alone four-bit codes as they are (pairs of at most 2 x 15 x 127, and 8 chunks of them,
-// fit int16), eight-bit ones as u - 128 with its sign moved onto xq (pairs of at most
-// 2 x 128 x 127), each chunk widened to int32 at once
-template <bool kFour>
+// sum(w xq) of `kChunks` chunks of a block (all 8, or a half's 4) for 8 outputs. With AVX-VNNI
+// (vpdpbusd on 8 lanes) as on AVX512; on AVX2 alone four-bit codes as they are (pairs of at most
+// 2 x 15 x 127, and 8 chunks of them, fit int16), eight-bit ones as u - 128 with its sign moved
+// onto xq (pairs of at most 2 x 128 x 127), each chunk widened to int32 at once. `qsum`: the
+// sum of the chunks' xq (eight-bit)
+template <bool kFour, int kChunks>
 inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
 #ifdef __AVXVNNI__
   __m256i dot = _mm256_setzero_si256();
-  for (int i = 0; i < 8; i++) dot = _mm256_dpbusd_avx_epi32(dot, w[i], _mm256_set1_epi32(quad[i]));
+  for (int i = 0; i < kChunks; i++)
+    dot = _mm256_dpbusd_avx_epi32(dot, w[i], _mm256_set1_epi32(quad[i]));
   return kFour ? dot : _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * qsum));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   if (kFour) {
     __m256i sum = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(quad[0]));
-    for (int i = 1; i < 8; i++)
+    for (int i = 1; i < kChunks; i++)
       sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(quad[i])));
     return _mm256_madd_epi16(sum, ones);
   }
   __m256i dot = _mm256_setzero_si256();
-  for (int i = 0; i < 8; i++) {
+  for (int i = 0; i < kChunks; i++) {
     const __m256i q = _mm256_xor_si256(w[i], _mm256_set1_epi8(-128));  // u - 128 as int8
     const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(quad[i]), q);
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), signed_x);
@@ -232,13 +257,14 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
 
 // `kRows` rows of x against output tile t, one half (8 outputs) at a time; each half's pass
 // reads its 32 bytes of every 64-byte chunk (the second pass from cache)
-template <int kRows, bool kFour>
+template <int kRows, int kBits>
 void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
                uint16_t* y, int out, int t) {
+  constexpr bool kFour = kBits == kFourBit;
+  constexpr int kScales = scale_halves(kBits);
   const int blocks = cols / kBlock;
-  const int block_bytes = kFour ? 256 : 512;
-  const uint8_t* c = codes + static_cast<size_t>(t) * blocks * block_bytes;
-  const uint16_t* s = scales + static_cast<size_t>(t) * blocks * 2 * kTile;
+  const uint8_t* c = codes + static_cast<size_t>(t) * blocks * code_bytes(kBits);
+  const uint16_t* s = scales + static_cast<size_t>(t) * blocks * kScales;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int h = 0; h < 2; h++) {
     __m256 acc[kRows];
@@ -247,7 +273,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
       __m256i w[8];  // as tile_rows' chunks above, this half's 8 outputs
       for (int i = 0; i < (kFour ? 4 : 8); i++) {
         __m256i v = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(c + g * block_bytes + i * 64 + h * 32));
+            reinterpret_cast<const __m256i*>(c + g * code_bytes(kBits) + i * 64 + h * 32));
         if (kFour) {
           w[2 * i] = _mm256_and_si256(v, nibble);
           w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
@@ -255,16 +281,28 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
           w[i] = v;
         }
       }
-      const uint16_t* sg = s + g * 32 + 8 * h;
-      __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
-      __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16)));
+      const uint16_t* sg = s + g * kScales + 8 * h;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
+      const __m256 d_hi = kBits == kEightBitHalves
+          ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16)))
+          : d;
+      const __m256 mn = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + kScales - 16)));
       for (int m = 0; m < kRows; m++) {
         const size_t at = static_cast<size_t>(m) * blocks + g;
         int32_t quad[8];  // the row's codes of the block, 4 a lane
         memcpy(quad, x.xq + static_cast<size_t>(m) * cols + g * kBlock, sizeof quad);
-        __m256i dot = block_dot<kFour>(w, quad, x.qsum[at]);
-        __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx[at]));
-        acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[m]);
+        const __m256 dx = _mm256_set1_ps(x.dx[at]);
+        if (kBits == kEightBitHalves) {
+          const __m256i lo = block_dot<false, 4>(w, quad, x.qsum[2 * at]);
+          const __m256i hi = block_dot<false, 4>(w + 4, quad + 4, x.qsum[2 * at + 1]);
+          acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(lo), acc[m]);
+          acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, dx), _mm256_cvtepi32_ps(hi), acc[m]);
+        } else {
+          const int32_t qsum = x.qsum[2 * at] + x.qsum[2 * at + 1];
+          const __m256i dot = block_dot<kFour, 8>(w, quad, qsum);
+          acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(dot), acc[m]);
+        }
         acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.xsum[at]), acc[m]);
       }
     }
@@ -275,23 +313,23 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
 
 #endif
 
-template <bool kFour>
+template <int kBits>
 void tile(const Rows& x, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
           bool half, uint16_t* y, int out, int t) {
   const int blocks = cols / kBlock;
   for (int m = 0; m < rows; m += kMaxRows) {
     const Rows part = {x.xq + static_cast<size_t>(m) * cols, x.dx + m * blocks,
-                       x.xsum + m * blocks, x.qsum + m * blocks};
+                       x.xsum + m * blocks, x.qsum + 2 * m * blocks};
     uint16_t* dst = y + static_cast<size_t>(m) * out;
     switch (rows - m < kMaxRows ? rows - m : kMaxRows) {
-      case 1: tile_rows<1, kFour>(part, cols, codes, scales, half, dst, out, t); break;
-      case 2: tile_rows<2, kFour>(part, cols, codes, scales, half, dst, out, t); break;
-      case 3: tile_rows<3, kFour>(part, cols, codes, scales, half, dst, out, t); break;
-      case 4: tile_rows<4, kFour>(part, cols, codes, scales, half, dst, out, t); break;
-      case 5: tile_rows<5, kFour>(part, cols, codes, scales, half, dst, out, t); break;
-      case 6: tile_rows<6, kFour>(part, cols, codes, scales, half, dst, out, t); break;
-      case 7: tile_rows<7, kFour>(part, cols, codes, scales, half, dst, out, t); break;
-      default: tile_rows<8, kFour>(part, cols, codes, scales, half, dst, out, t); break;
+      case 1: tile_rows<1, kBits>(part, cols, codes, scales, half, dst, out, t); break;
+      case 2: tile_rows<2, kBits>(part, cols, codes, scales, half, dst, out, t); break;
+      case 3: tile_rows<3, kBits>(part, cols, codes, scales, half, dst, out, t); break;
+      case 4: tile_rows<4, kBits>(part, cols, codes, scales, half, dst, out, t); break;
+      case 5: tile_rows<5, kBits>(part, cols, codes, scales, half, dst, out, t); break;
+      case 6: tile_rows<6, kBits>(part, cols, codes, scales, half, dst, out, t); break;
+      case 7: tile_rows<7, kBits>(part, cols, codes, scales, half, dst, out, t); break;
+      default: tile_rows<8, kBits>(part, cols, codes, scales, half, dst, out, t); break;
     }
   }
 }
@@ -317,12 +355,12 @@ int qdot_supported() {
 }
 
 // y [rows][out] = x [rows][cols] W^T; x and y bf16 (half = 0) or fp16 (half = 1), contiguous;
-// cols a multiple of 32, out of 16; bits 4 or 8 (the layout above); threads: OpenMP's count
+// cols a multiple of 32, out of 16; bits 4, 8 or 16 (the layouts above); threads: OpenMP's count
 void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
              int bits, int half, uint16_t* y, int out, int threads) {
   const int blocks = cols / kBlock;
   thread_local std::vector<char> work;
-  work.resize(static_cast<size_t>(rows) * (cols + 12 * blocks));
+  work.resize(static_cast<size_t>(rows) * (cols + 16 * blocks));
   int8_t* xq = reinterpret_cast<int8_t*>(work.data());
   float* dx = reinterpret_cast<float*>(xq + static_cast<size_t>(rows) * cols);
   float* xsum = dx + rows * blocks;
@@ -331,10 +369,12 @@ void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const 
   const Rows quantized = {xq, dx, xsum, qsum};
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int t = 0; t < out / kTile; t++) {
-    if (bits == 4) {
-      tile<true>(quantized, rows, cols, codes, scales, half, y, out, t);
+    if (bits == kFourBit) {
+      tile<kFourBit>(quantized, rows, cols, codes, scales, half, y, out, t);
+    } else if (bits == kEightBit) {
+      tile<kEightBit>(quantized, rows, cols, codes, scales, half, y, out, t);
     } else {
-      tile<false>(quantized, rows, cols, codes, scales, half, y, out, t);
+      tile<kEightBitHalves>(quantized, rows, cols, codes, scales, half, y, out, t);
     }
   }
 }

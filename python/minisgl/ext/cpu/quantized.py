@@ -217,9 +217,10 @@ class Int8Linear(QuantizedLinear):
 class VnniLinear(QuantizedLinear):
     """GGUF blocks of 32 on minisgl's kernel (`native.py`: minisgl::qdot_mm): four-bit codes
     q, w = d q + mn (Q4_0: mn = -8 d; Q4_1: mn = its min), or eight-bit u, w = d (u - 128) + mn
-    (Q8_0, or parts of mixed kinds), d and mn the file's float16 values. codes uint8 [out / 16,
-    in / 32, 256 or 512] and scales float16 [out / 16, in / 32, 2, 16] in qdot.cpp's layout;
-    `tile` builds them."""
+    (Q8_0, or parts of mixed kinds), d and mn the file's float16 values; eight-bit codes may
+    have a d for each 16 weights (`halves`: Q6_K's scales, and the parts merged with it). codes
+    uint8 [out / 16, in / 32, 256 or 512] and scales float16 [out / 16, in / 32, 2 (d, mn) or
+    3 (halves: d of weights 0-15, of 16-31, mn), 16] in qdot.cpp's layout; `tile` builds them."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -229,6 +230,7 @@ class VnniLinear(QuantizedLinear):
         self.out_features = codes.shape[0] * native.TILE_ROWS
         self.in_features = codes.shape[1] * native.BLOCK
         self.bits = 4 if codes.shape[2] == native.FOUR_BIT_BYTES else 8
+        self.halves = scales.shape[2] == 3
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
 
@@ -242,8 +244,8 @@ class VnniLinear(QuantizedLinear):
     def tile(
         cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
     ) -> VnniLinear:
-        """codes [out, in] (0..15 at 4 bits, 0..255 at 8), scales d and mins mn [out, in / 32]
-        (float16 values) -> the layer."""
+        """codes [out, in] (0..15 at 4 bits, 0..255 at 8), scales d [out, in / 32] or, at 8
+        bits, [out, in / 16] (halves), mins mn [out, in / 32] (float16 values) -> the layer."""
         tiles, blocks = codes.shape[0] // native.TILE_ROWS, codes.shape[1] // native.BLOCK
         q = codes.to(torch.uint8)
         if bits == 4:  # [t, j, g, c, half, b] -> bytes [t, g, c, j, b]: k = 32g + 8c + 4 half + b
@@ -252,9 +254,12 @@ class VnniLinear(QuantizedLinear):
         else:  # [t, j, g, c, b] -> [t, g, c, j, b]: k = 32g + 4c + b
             q = q.view(tiles, native.TILE_ROWS, blocks, 8, 4)
         tiled = q.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1).contiguous()
-        both = torch.stack([scales, mins]).to(torch.float16)  # [2, out, in / 32]
-        both = both.view(2, tiles, native.TILE_ROWS, blocks).permute(1, 3, 0, 2).contiguous()
-        return cls(tiled, both)
+        halves = scales.shape[1] == 2 * blocks
+        assert not (halves and bits == 4), "four-bit codes take one d a block"
+        ds = list(scales.view(scales.shape[0], blocks, 2).unbind(-1)) if halves else [scales]
+        rows = torch.stack([*ds, mins]).to(torch.float16)  # [2 or 3, out, in / 32]
+        rows = rows.view(-1, tiles, native.TILE_ROWS, blocks).permute(1, 3, 0, 2).contiguous()
+        return cls(tiled, rows)
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor]) -> QuantizedLinear:
@@ -273,11 +278,13 @@ class VnniLinear(QuantizedLinear):
         return q.reshape(self.out_features, self.in_features).to(torch.int32)
 
     def dequantize(self) -> torch.Tensor:
-        d, mn = (
+        *ds, mn = (
             self.scales[:, :, i].permute(0, 2, 1).reshape(self.out_features, -1).float()
-            for i in (0, 1)
+            for i in range(self.scales.shape[2])
         )
-        q = self.unpacked_codes().float().unflatten(1, (-1, native.BLOCK))
+        d = torch.stack(ds, -1).flatten(1)  # [out, in / 32 or in / 16]
+        q = self.unpacked_codes().float().unflatten(1, (d.shape[1], -1))
         if self.bits == 8:
             q = q - 128
+        mn = mn.repeat_interleave(len(ds), 1)  # its block's mn, for each of d's groups
         return (q * d.unsqueeze(-1) + mn.unsqueeze(-1)).flatten(1)
