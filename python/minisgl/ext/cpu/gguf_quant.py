@@ -135,12 +135,11 @@ def split_q6_k(blocks: np.ndarray) -> Blocks:
     weight 32 j + l (j 0..3, l 0..31) is nibble (j // 2: high) of byte l + 32 (j % 2) with bits
     2 j, 2 j + 1 of its pair byte l."""
     rows, n = blocks.shape[:2]
-    low = blocks[..., :128].reshape(rows, n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]
-    low = (low & 15).reshape(rows, n, 2, 4, 32)
-    pairs = blocks[..., 128:192].reshape(rows, n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[
-        :, None
-    ]
-    codes = (low | ((pairs & 3) << 4)).reshape(rows, n * SUPER)
+    nibble_shifts, pair_shifts = (np.arange(0, 8, k, dtype=np.uint8)[:, None] for k in (4, 2))
+    nibbles = blocks[..., :128].reshape(rows, n, 2, 1, 64) >> nibble_shifts
+    low = (nibbles & np.uint8(15)).reshape(rows, n, 2, 4, 32)
+    pairs = blocks[..., 128:192].reshape(rows, n, 2, 1, 32) >> pair_shifts
+    codes = (low | ((pairs & np.uint8(3)) << np.uint8(4))).reshape(rows, n * SUPER)
     sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
     d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
     scales = (d * sc).reshape(rows, n * SUPER // 16)
