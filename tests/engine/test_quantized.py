@@ -309,7 +309,7 @@ def test_k_quant_blocks_are_the_files(kind):
 
 
 # the 2-D tensors' kinds in turn (embedding, then each layer's q, k, v, o, gate, up, down, then
-# the LM head); the kernel's layers (bits, a d per 16 weights); without it torch's layers
+# an untied LM head); the kernel's layers (bits, a d per 16 weights); without it torch's layers
 MIXES = {
     "Q4_K": ([Q.Q4_K], {(4, False)}, {"Int4Linear"}),
     "Q5_K": ([Q.Q5_K], {(8, False)}, {"Int8SplitLinear"}),
@@ -318,6 +318,8 @@ MIXES = {
     "Q6_K": ([Q.Q6_K], {(8, True)}, {"NoneType"}),  # torch's int4 kernel: groups of 32 and up
     # as Q4_K_M's: Q6_K v in a q/k/v of Q4_K, Q6_K down and LM head beside 4-bit layers
     "Q4_K+Q6_K": ([Q.Q4_K, Q.Q4_K, Q.Q6_K], {(4, False), (8, True)}, {"Int4Linear", "NoneType"}),
+    # a Q6_K embedding, tied: the LM head on its codes, the lookups on its exact floats
+    "tied Q6_K": ([Q.Q6_K, Q.Q4_K], {(4, False), (8, True)}, {"Int4Linear", "NoneType"}),
 }
 
 
@@ -334,7 +336,8 @@ def test_gguf_of_one_kind_runs_quantized(kind, tmp_path, monkeypatch):
     monkeypatch.setenv("MINISGL_CACHE_DIR", link_kernels(tmp_path / "cache"))
     path = str(tmp_path / "tiny.gguf")
     qtypes, kernel_layers, torch_layers = MIXES[kind]
-    write_gguf("llama_wide", path, qtypes=qtypes)
+    tied = kind.startswith("tied")
+    write_gguf("llama_wide_tied" if tied else "llama_wide", path, qtypes=qtypes)
     prompt = [5, 77, 300, 12, 400, 3, 9, 81]
     quantized = LLM(path, quantization="gguf", dtype="bfloat16", page_size=4, num_pages=32)
     layers = [m.quantized for m in quantized.engine.model.modules() if hasattr(m, "quantized")]
@@ -342,7 +345,7 @@ def test_gguf_of_one_kind_runs_quantized(kind, tmp_path, monkeypatch):
     assert names == ({"VnniLinear"} if native_kernel() else torch_layers)
     if native_kernel():
         assert {(q.bits, q.halves) for q in layers} == kernel_layers
-    assert len(quantized_names(quantized.engine.model_path)) == 2 * 7 + 2  # every 2-D tensor
+    assert len(quantized_names(quantized.engine.model_path)) == 2 * 7 + 2 - tied  # all 2-D
     assert not glob.glob(os.path.join(quantized.engine.model_path, "float32-*"))
     got = prompt_logprobs(quantized, prompt)
     del quantized

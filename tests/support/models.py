@@ -45,10 +45,9 @@ def build_hf_model(arch: str):
             **COMMON, tie_word_embeddings=True, rope_scaling=scaling, rope_theta=500000.0
         )
         cls = tf.LlamaForCausalLM
-    elif arch == "llama_wide":  # rows of 256: GGUF's K-quants (blocks of 256 weights) fit
-        cfg = tf.LlamaConfig(
-            **{**COMMON, "hidden_size": 256, "intermediate_size": 512}, tie_word_embeddings=False
-        )
+    elif arch in ("llama_wide", "llama_wide_tied"):  # rows of 256: GGUF's K-quants fit
+        wide = {**COMMON, "hidden_size": 256, "intermediate_size": 512}
+        cfg = tf.LlamaConfig(**wide, tie_word_embeddings=arch.endswith("tied"))
         cls = tf.LlamaForCausalLM
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**COMMON, tie_word_embeddings=False)
