@@ -35,20 +35,20 @@ def layer_of(
 ) -> tuple[VnniLinear, torch.Tensor]:
     blocks, ref = gguf_blocks(qtype, rows=rows, cols=cols, seed=seed)
     layer = from_blocks([blocks], torch.bfloat16)
-    assert isinstance(layer, VnniLinear) and layer.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1) else 8)
-    assert layer.halves == (qtype == Q.Q6_K)
+    bits = 4 if qtype in (Q.Q4_0, Q.Q4_1) else 6 if qtype == Q.Q6_K else 8
+    assert isinstance(layer, VnniLinear) and layer.bits == bits and layer.halves == (bits == 6)
     return layer, torch.from_numpy(ref)
 
 
 def q4_k_m_layer(rows: int = 64, cols: int = 512, seed: int = 0) -> tuple[VnniLinear, torch.Tensor]:
-    """A q/k/v as Q4_K_M files have it in some layers: Q4_K q and k, a Q6_K v (eight-bit codes,
-    a d per 16 weights for all three)."""
+    """A q/k/v as Q4_K_M files have it in some layers: Q4_K q and k, a Q6_K v (six-bit codes, a
+    d per 16 weights for all three)."""
     parts = [
         gguf_blocks(q, rows=rows // 4 * n, cols=cols, seed=seed + n)
         for n, q in ((2, Q.Q4_K), (1, Q.Q4_K), (1, Q.Q6_K))
     ]
     layer = from_blocks([p[0] for p in parts], torch.bfloat16)
-    assert isinstance(layer, VnniLinear) and layer.bits == 8 and layer.halves
+    assert isinstance(layer, VnniLinear) and layer.bits == 6 and layer.halves
     return layer, torch.cat([torch.from_numpy(p[1]) for p in parts])
 
 
@@ -70,8 +70,8 @@ def int8_model(x: torch.Tensor, layer: VnniLinear) -> torch.Tensor:
     dx = (amax / 127).squeeze(-1).double()
     rows, blocks, groups = layer.out_features, layer.in_features // 32, 1 + layer.halves
     codes = layer.unpacked_codes().unflatten(1, (blocks, groups, 32 // groups)).double()
-    if layer.bits == 8:
-        codes = codes - 128
+    if layer.bits != 4:
+        codes = codes - (128 if layer.bits == 8 else 32)
     *ds, mn = (
         layer.scales[:, :, i].permute(0, 2, 1).reshape(rows, blocks).double()
         for i in range(groups + 1)
@@ -92,11 +92,17 @@ def test_keeps_the_gguf_codes_and_scales(qtype):
 
 def test_merges_parts_of_every_kind():
     """q/k/v of different kinds in one layer: eight-bit codes, rows concatenated in order; only
-    4-bit parts: four-bit codes."""
+    4-bit parts: four-bit codes; beside Q6_K: six-bit codes, the others' weights exact."""
     kinds = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
     parts = [gguf_blocks(q, rows=16, seed=i) for i, q in enumerate(kinds)]
     layer = vnni_from_blocks([p[0] for p in parts], four_bit=False)
-    assert layer.bits == 8 and layer.out_features == 48
+    assert layer is not None and layer.bits == 8 and layer.out_features == 48
+    kinds = [Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    six = [gguf_blocks(q, rows=16, cols=256, seed=i) for i, q in enumerate(kinds)]
+    merged = from_blocks([p[0] for p in six], torch.bfloat16)
+    assert isinstance(merged, VnniLinear) and merged.bits == 6
+    exact = torch.cat([p[0].dequantize() for p in six[:-1]])  # (Q4_K's, Q5_K's d sc float16)
+    assert torch.equal(merged.dequantize()[:-16], exact)
     assert torch.equal(layer.dequantize(), torch.cat([torch.from_numpy(p[1]) for p in parts]))
     four = from_blocks([p[0] for p in parts[1:]], torch.bfloat16)
     assert isinstance(four, VnniLinear) and four.bits == 4
@@ -104,13 +110,15 @@ def test_merges_parts_of_every_kind():
 
 
 def test_q6_k_keeps_the_codes_and_rounds_d_sc_once():
-    """A Q6_K layer: the file's codes (q - 32 + 128), each 16 weights' d sc rounded once to
-    float16 (as Q4_K's): within 2^-11 of each weight's magnitude bound."""
+    """A Q6_K layer: the file's codes (six bits, w = d_h (q - 32)), each 16 weights' d sc rounded
+    once to float16 (as Q4_K's): within 2^-11 of each weight's magnitude bound. Beside a Q8_0
+    part (codes of eight bits) a projection stays dense."""
     blocks, ref = gguf_blocks(Q.Q6_K, rows=32, cols=512)
     layer, w = layer_of(Q.Q6_K, rows=32, cols=512)
-    assert torch.equal(layer.unpacked_codes() - 96, blocks.codes.to(torch.int32))
+    assert torch.equal(layer.unpacked_codes(), blocks.codes.to(torch.int32))
     bound = (blocks.scales.abs() * 32 * 2.0**-11).repeat_interleave(16, 1)
     assert ((layer.dequantize() - w).abs() <= bound).all()
+    assert from_blocks([gguf_blocks(Q.Q8_0, rows=16, cols=512)[0], blocks], torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("qtype", [*KINDS, Q.Q6_K, "Q4_K_M"])

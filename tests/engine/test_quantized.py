@@ -315,11 +315,11 @@ MIXES = {
     "Q5_K": ([Q.Q5_K], {(8, False)}, {"Int8SplitLinear"}),
     "Q5_0": ([Q.Q5_0], {(8, False)}, {"Int8SplitLinear"}),
     "Q5_1": ([Q.Q5_1], {(8, False)}, {"Int8SplitLinear"}),
-    "Q6_K": ([Q.Q6_K], {(8, True)}, {"NoneType"}),  # torch's int4 kernel: groups of 32 and up
+    "Q6_K": ([Q.Q6_K], {(6, True)}, {"NoneType"}),  # torch's int4 kernel: groups of 32 and up
     # as Q4_K_M's: Q6_K v in a q/k/v of Q4_K, Q6_K down and LM head beside 4-bit layers
-    "Q4_K+Q6_K": ([Q.Q4_K, Q.Q4_K, Q.Q6_K], {(4, False), (8, True)}, {"Int4Linear", "NoneType"}),
+    "Q4_K+Q6_K": ([Q.Q4_K, Q.Q4_K, Q.Q6_K], {(4, False), (6, True)}, {"Int4Linear", "NoneType"}),
     # a Q6_K embedding, tied: the LM head on its codes, the lookups on its exact floats
-    "tied Q6_K": ([Q.Q6_K, Q.Q4_K], {(4, False), (8, True)}, {"Int4Linear", "NoneType"}),
+    "tied Q6_K": ([Q.Q6_K, Q.Q4_K], {(4, False), (6, True)}, {"Int4Linear", "NoneType"}),
 }
 
 
@@ -327,9 +327,9 @@ MIXES = {
 def test_gguf_of_one_kind_runs_quantized(kind, tmp_path, monkeypatch):
     """A GGUF of Q4_K, Q5_K or Q6_K tensors (most GGUF files' bulk: Q4_K_M's, Q5_K_M's, with
     Q6_K's v, down and LM head; Q5_0 / Q5_1 their fallback where rows are not 256s): gguf mode
-    keeps every projection on the file's codes (minisgl's kernel: Q4_K 4-bit, the others 8-bit,
-    with a d per 16 weights where a part is Q6_K; else torch's int4 kernel, where Q6_K stays
-    dense), the untied LM head included, no float32 copy of them written, and scores a prompt
+    keeps every projection on the file's codes (minisgl's kernel: Q4_K 4-bit, 6-bit with a d
+    per 16 weights where a part is Q6_K, the others 8-bit; else torch's int4 kernel, where Q6_K
+    stays dense), the untied LM head included, no float32 copy of them written, and scores a prompt
     as the dequantized model does within the kernels' noise: Q4_K 0.20 here (Q4_1 on this
     model: 0.11; int8 activations on a random model's 4-bit codes), where a swapped nibble
     order or 6-bit unpacking gives 1.6-3.0."""

@@ -29,7 +29,7 @@ extern "C" void gumbel_argmax(const void* logits, int dtype, int64_t row_stride,
 namespace {
 
 constexpr int64_t kTile = 16;
-constexpr int64_t kFourBitBytes = 256;  // a tile's codes of one block at 4 bits (512 at 8)
+constexpr int64_t kBytesPerBit = 64;  // a tile's codes of one block (256 bytes at 4 bits)
 
 at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2, "qdot_mm: x must be [rows, in]");
@@ -37,16 +37,15 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
               "qdot_mm: x must be bfloat16 or float16");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(),
               "qdot_mm: codes must be contiguous uint8 [out / 16, in / 32, bytes]");
-  const bool four = codes.size(2) == kFourBitBytes;
-  TORCH_CHECK(four || codes.size(2) == 2 * kFourBitBytes,
-              "qdot_mm: codes must hold 256 or 512 bytes a block");
-  // d and mn (two rows of 16 halves a tile's block); eight-bit codes may have a d per 16 weights
+  const int64_t bits = codes.size(2) / kBytesPerBit;
+  TORCH_CHECK(codes.size(2) % kBytesPerBit == 0 && (bits == 4 || bits == 6 || bits == 8),
+              "qdot_mm: codes must hold 256, 384 or 512 bytes a block (4, 6 or 8 bits)");
+  // d and mn (two rows of 16 halves a tile's block); six-bit codes have a d per 16 weights
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
                   scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
-                  (scales.size(2) == 2 || (!four && scales.size(2) == 3)) &&
-                  scales.size(3) == kTile,
-              "qdot_mm: scales must be contiguous float16 [out / 16, in / 32, 2 (or 3: eight-bit "
-              "codes with d per 16 weights), 16]");
+                  scales.size(2) == (bits == 6 ? 3 : 2) && scales.size(3) == kTile,
+              "qdot_mm: scales must be contiguous float16 [out / 16, in / 32, 2 (3 at six bits: "
+              "a d per 16 weights), 16]");
   TORCH_CHECK(x.size(1) == codes.size(1) * 32, "qdot_mm: x's columns do not fit the codes");
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), out = codes.size(0) * kTile;
@@ -54,7 +53,7 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   if (rows > 0) {
     qdot_mm(static_cast<const uint16_t*>(xc.const_data_ptr()), rows, xc.size(1),
             codes.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()),
-            four ? 4 : (scales.size(2) == 3 ? 16 : 8), xc.scalar_type() == at::kHalf,
+            static_cast<int>(bits), xc.scalar_type() == at::kHalf,
             static_cast<uint16_t*>(y.data_ptr()), out, at::get_num_threads());
   }
   return y;

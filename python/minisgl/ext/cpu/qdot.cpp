@@ -4,8 +4,8 @@
 // y = x W^T for a few rows x (bf16 or fp16) and a weight in blocks of 32 along the input:
 //   four-bit codes q in 0..15:    w = d q + mn           (GGUF Q4_0: mn = -8 d; Q4_1: mn = its min)
 //   eight-bit codes u in 0..255:  w = d (u - 128) + mn   (GGUF Q8_0: u = q + 128, mn = 0)
-//   the same with a d for each 16 (layout 16): w = d_h (u - 128) + mn, h the block's half
-//                                 (GGUF Q6_K: u = q + 96, d_h = d sc_h, mn = 0)
+//   six-bit codes u in 0..63, a d for each 16:  w = d_h (u - 32) + mn, h the block's half
+//                                 (GGUF Q6_K: u = q, d_h = d sc_h, mn = 0; Q4_K: u = q + 32)
 // d and mn are the file's fp16 values. Each row's block of 32 activations is quantized to int8
 // as llama.cpp does (dx = max |x| / 127, xq = round(x / dx)), so a block's dot product is an
 // integer one on AVX512-VNNI (vpdpbusd: 64 multiply-adds an instruction, 4x float32 FMA's
@@ -13,15 +13,17 @@
 // as most laptops'), on AVX-VNNI (vpdpbusd on 8 lanes) or AVX2 (vpmaddubsw, vpmaddwd), scaled
 // once a block:
 //   y += d dx sum(q xq) + mn sum(x)          (eight-bit: d dx (sum(u xq) - 128 sum(xq)))
-//   (layout 16: d_0 dx (...)_0 + d_1 dx (...)_1 + mn sum(x), the two halves' integer dots)
+//   (six-bit: d_0 dx (sum(u xq) - 32 sum(xq))_0 + d_1 dx (...)_1 + mn sum(x), by halves)
 // sum(x) is the float sum of the activations themselves, not of their codes.
 //
 // Layout, per tile of 16 output rows t and block g (ext/cpu/quantized.py builds it):
 //   four-bit: 4 chunks of 64 bytes; in chunk c, lane j (output 16t+j) byte b holds
 //     q[k = 32g+8c+b] in its low nibble and q[k = 32g+8c+4+b] in its high nibble;
 //   eight-bit: 8 chunks of 64 bytes; in chunk c, lane j byte b holds u[k = 32g+4c+b];
-//   scales: fp16 d[16] then fp16 mn[16]; layout 16: d_0[16], d_1[16] (weights 0-15, 16-31 of
-//     the block: its chunks 0-3, 4-7), mn[16].
+//   six-bit: the four-bit layout of u's low 4 bits, then 2 chunks of 64 bytes of their top 2:
+//     in chunk h, lane j byte b bits 2s, 2s+1 hold those of u[k = 32g+4(4h+s)+b] (s 0..3);
+//   scales: fp16 d[16] then fp16 mn[16]; six-bit: d_0[16], d_1[16] (weights 0-15, 16-31 of
+//     the block: chunks 0-3, 4-7 of the eight-bit layout), mn[16].
 // One thread computes a tile's outputs for every row in a fixed order: the same bits on any
 // thread count, and a row's bits do not depend on the other rows of its batch. All builds
 // compute the same integers and the same float operations in the same order: the same bits.
@@ -50,9 +52,10 @@ struct Rows {           // the activations, quantized: per row m and block g
 };
 
 // the kernel's layouts of codes and scales (`bits` of qdot_mm)
-constexpr int kFourBit = 4, kEightBit = 8, kEightBitHalves = 16;
-constexpr int code_bytes(int bits) { return bits == kFourBit ? 256 : 512; }
-constexpr int scale_halves(int bits) { return bits == kEightBitHalves ? 48 : 32; }
+constexpr int kFourBit = 4, kSixBit = 6, kEightBit = 8;
+constexpr int code_bytes(int bits) { return bits * 64; }
+constexpr int scale_halves(int bits) { return bits == kSixBit ? 48 : 32; }
+constexpr int code_offset(int bits) { return bits == kSixBit ? 32 : 128; }  // (not four-bit)
 
 // the sum of 8 floats in the order of GCC's _mm512_reduce_add_ps after its first halving,
 // spelled out so that both builds (and other compilers) sum a block's activations alike
@@ -120,18 +123,29 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
   for (int m = 0; m < kRows; m++) acc[m] = _mm512_setzero_ps();
   for (int g = 0; g < blocks; g++) {
     __m512i w[8];  // chunk i holds k = 32g + 4i .. 32g + 4i + 3 of the 16 outputs
-    for (int i = 0; i < (kFour ? 4 : 8); i++) {
-      __m512i v = _mm512_loadu_si512(c + g * code_bytes(kBits) + i * 64);
-      if (kFour) {
+    const uint8_t* cg = c + g * code_bytes(kBits);
+    for (int i = 0; i < (kBits == kEightBit ? 8 : 4); i++) {
+      __m512i v = _mm512_loadu_si512(cg + i * 64);
+      if (kBits == kEightBit) {
+        w[i] = v;
+      } else {
         w[2 * i] = _mm512_and_si512(v, nibble);
         w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      } else {
-        w[i] = v;
+      }
+    }
+    if (kBits == kSixBit) {  // the top two bits: (top >> 2s) & 3, moved up to bits 4-5
+      const __m512i three = _mm512_set1_epi8(3);
+      for (int h = 0; h < 2; h++) {
+        const __m512i top = _mm512_loadu_si512(cg + 256 + h * 64);
+        for (int k = 0; k < 4; k++) {
+          const __m512i bits = _mm512_and_si512(_mm512_srli_epi16(top, 2 * k), three);
+          w[4 * h + k] = _mm512_or_si512(w[4 * h + k], _mm512_slli_epi16(bits, 4));
+        }
       }
     }
     const uint16_t* sg = s + g * kScales;
     const __m512 d = load16(sg, true);
-    const __m512 d_hi = kBits == kEightBitHalves ? load16(sg + 16, true) : d;
+    const __m512 d_hi = kBits == kSixBit ? load16(sg + 16, true) : d;
     const __m512 mn = load16(sg + kScales - 16, true);
     for (int m = 0; m < kRows; m++) {
       const size_t at = static_cast<size_t>(m) * blocks + g;
@@ -141,9 +155,9 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
       for (int i = 0; i < 4; i++) lo = _mm512_dpbusd_epi32(lo, w[i], _mm512_set1_epi32(quad[i]));
       for (int i = 4; i < 8; i++) hi = _mm512_dpbusd_epi32(hi, w[i], _mm512_set1_epi32(quad[i]));
       const __m512 dx = _mm512_set1_ps(x.dx[at]);
-      if (kBits == kEightBitHalves) {
-        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(128 * x.qsum[2 * at]));
-        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * x.qsum[2 * at + 1]));
+      if (kBits == kSixBit) {
+        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(32 * x.qsum[2 * at]));
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(32 * x.qsum[2 * at + 1]));
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(lo), acc[m]);
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, dx), _mm512_cvtepi32_ps(hi), acc[m]);
       } else {
@@ -224,21 +238,23 @@ void quantize_rows(const uint16_t* x, int rows, int cols, bool half, int8_t* xq,
   }
 }
 
-// sum(w xq) of `kChunks` chunks of a block (all 8, or a half's 4) for 8 outputs. With AVX-VNNI
-// (vpdpbusd on 8 lanes) as on AVX512; on AVX2 alone four-bit codes as they are (pairs of at most
-// 2 x 15 x 127, and 8 chunks of them, fit int16), eight-bit ones as u - 128 with its sign moved
-// onto xq (pairs of at most 2 x 128 x 127), each chunk widened to int32 at once. `qsum`: the
-// sum of the chunks' xq (eight-bit)
-template <bool kFour, int kChunks>
+// sum(w xq) of `kChunks` chunks of a block (all 8, or a half's 4) for 8 outputs, less the
+// codes' offset times `qsum` (the sum of the chunks' xq). With AVX-VNNI (vpdpbusd on 8 lanes) as
+// on AVX512; on AVX2 alone four-bit codes as they are (pairs of at most 2 x 15 x 127, and 8
+// chunks of them, fit int16), six-bit ones so a chunk at a time (pairs of at most 2 x 63 x 127),
+// eight-bit ones as u - 128 with its sign moved onto xq (pairs of at most 2 x 128 x 127); each
+// chunk but four-bit ones widened to int32 at once
+template <int kBits, int kChunks>
 inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
 #ifdef __AVXVNNI__
   __m256i dot = _mm256_setzero_si256();
   for (int i = 0; i < kChunks; i++)
     dot = _mm256_dpbusd_avx_epi32(dot, w[i], _mm256_set1_epi32(quad[i]));
-  return kFour ? dot : _mm256_sub_epi32(dot, _mm256_set1_epi32(128 * qsum));
+  if (kBits == kFourBit) return dot;
+  return _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits) * qsum));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
-  if (kFour) {
+  if (kBits == kFourBit) {
     __m256i sum = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(quad[0]));
     for (int i = 1; i < kChunks; i++)
       sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(quad[i])));
@@ -246,11 +262,17 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
   }
   __m256i dot = _mm256_setzero_si256();
   for (int i = 0; i < kChunks; i++) {
-    const __m256i q = _mm256_xor_si256(w[i], _mm256_set1_epi8(-128));  // u - 128 as int8
-    const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(quad[i]), q);
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), signed_x);
+    __m256i pairs;
+    if (kBits == kSixBit) {
+      pairs = _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(quad[i]));
+    } else {
+      const __m256i q = _mm256_xor_si256(w[i], _mm256_set1_epi8(-128));  // u - 128 as int8
+      const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(quad[i]), q);
+      pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), signed_x);
+    }
     dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
   }
+  if (kBits == kSixBit) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(32 * qsum));
   return dot;
 #endif
 }
@@ -260,7 +282,6 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
 template <int kRows, int kBits>
 void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
                uint16_t* y, int out, int t) {
-  constexpr bool kFour = kBits == kFourBit;
   constexpr int kScales = scale_halves(kBits);
   const int blocks = cols / kBlock;
   const uint8_t* c = codes + static_cast<size_t>(t) * blocks * code_bytes(kBits);
@@ -271,19 +292,30 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
     for (int m = 0; m < kRows; m++) acc[m] = _mm256_setzero_ps();
     for (int g = 0; g < blocks; g++) {
       __m256i w[8];  // as tile_rows' chunks above, this half's 8 outputs
-      for (int i = 0; i < (kFour ? 4 : 8); i++) {
-        __m256i v = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(c + g * code_bytes(kBits) + i * 64 + h * 32));
-        if (kFour) {
+      const uint8_t* cg = c + g * code_bytes(kBits) + h * 32;
+      for (int i = 0; i < (kBits == kEightBit ? 8 : 4); i++) {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + i * 64));
+        if (kBits == kEightBit) {
+          w[i] = v;
+        } else {
           w[2 * i] = _mm256_and_si256(v, nibble);
           w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        } else {
-          w[i] = v;
+        }
+      }
+      if (kBits == kSixBit) {  // the top two bits, as on AVX512
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int e = 0; e < 2; e++) {
+          const __m256i top =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 256 + e * 64));
+          for (int k = 0; k < 4; k++) {
+            const __m256i bits = _mm256_and_si256(_mm256_srli_epi16(top, 2 * k), three);
+            w[4 * e + k] = _mm256_or_si256(w[4 * e + k], _mm256_slli_epi16(bits, 4));
+          }
         }
       }
       const uint16_t* sg = s + g * kScales + 8 * h;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
-      const __m256 d_hi = kBits == kEightBitHalves
+      const __m256 d_hi = kBits == kSixBit
           ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16)))
           : d;
       const __m256 mn = _mm256_cvtph_ps(
@@ -293,14 +325,14 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
         int32_t quad[8];  // the row's codes of the block, 4 a lane
         memcpy(quad, x.xq + static_cast<size_t>(m) * cols + g * kBlock, sizeof quad);
         const __m256 dx = _mm256_set1_ps(x.dx[at]);
-        if (kBits == kEightBitHalves) {
-          const __m256i lo = block_dot<false, 4>(w, quad, x.qsum[2 * at]);
-          const __m256i hi = block_dot<false, 4>(w + 4, quad + 4, x.qsum[2 * at + 1]);
+        if (kBits == kSixBit) {
+          const __m256i lo = block_dot<kSixBit, 4>(w, quad, x.qsum[2 * at]);
+          const __m256i hi = block_dot<kSixBit, 4>(w + 4, quad + 4, x.qsum[2 * at + 1]);
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(lo), acc[m]);
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, dx), _mm256_cvtepi32_ps(hi), acc[m]);
         } else {
           const int32_t qsum = x.qsum[2 * at] + x.qsum[2 * at + 1];
-          const __m256i dot = block_dot<kFour, 8>(w, quad, qsum);
+          const __m256i dot = block_dot<kBits, 8>(w, quad, qsum);
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(dot), acc[m]);
         }
         acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.xsum[at]), acc[m]);
@@ -355,7 +387,7 @@ int qdot_supported() {
 }
 
 // y [rows][out] = x [rows][cols] W^T; x and y bf16 (half = 0) or fp16 (half = 1), contiguous;
-// cols a multiple of 32, out of 16; bits 4, 8 or 16 (the layouts above); threads: OpenMP's count
+// cols a multiple of 32, out of 16; bits 4, 6 or 8 (the layouts above); threads: OpenMP's count
 void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
              int bits, int half, uint16_t* y, int out, int threads) {
   const int blocks = cols / kBlock;
@@ -371,10 +403,10 @@ void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const 
   for (int t = 0; t < out / kTile; t++) {
     if (bits == kFourBit) {
       tile<kFourBit>(quantized, rows, cols, codes, scales, half, y, out, t);
-    } else if (bits == kEightBit) {
-      tile<kEightBit>(quantized, rows, cols, codes, scales, half, y, out, t);
+    } else if (bits == kSixBit) {
+      tile<kSixBit>(quantized, rows, cols, codes, scales, half, y, out, t);
     } else {
-      tile<kEightBitHalves>(quantized, rows, cols, codes, scales, half, y, out, t);
+      tile<kEightBit>(quantized, rows, cols, codes, scales, half, y, out, t);
     }
   }
 }

@@ -51,7 +51,7 @@ from minisgl.layers.linear import LinearBase
 from minisgl.models.weight import load_weights, map_checkpoint_name
 
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_CACHE_FORMAT = 6  # bump when the cached layers change
+_CACHE_FORMAT = 7  # bump when the cached layers change
 _DENSE = "dense/"  # the cache's keys of the checkpoint tensors kept dense (in the dtype)
 _KINDS: tuple[type[QuantizedLinear], ...] = (Int4Linear, Int8Linear, Int8SplitLinear, VnniLinear)
 
@@ -97,29 +97,33 @@ def per_16(blocks: Blocks) -> bool:
     return blocks.scales.shape[1] * 16 == blocks.codes.shape[1]
 
 
-def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear:
+def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear | None:
     """Blocks (rows concatenated) in `VnniLinear`'s forms, the file's codes and float16 scales:
-    four-bit parts w = d q + mn (Q4_0: mn = -8 d; Q4_1, Q4_K: its min); otherwise eight-bit
-    codes u = c + 128 with c as in `split_from_blocks`, w = d (u - 128) + mn (a part's min),
-    with a d per 16 weights for every part when one has its scales so (Q6_K: d sc rounded once
-    to float16, as Q4_K's)."""
+    four-bit parts w = d q + mn (Q4_0: mn = -8 d; Q4_1, Q4_K: its min); where a part has a
+    scale per 16 weights (Q6_K), six-bit codes u = c + 32 with c as in `split_from_blocks` and
+    every part's d per 16, w = d (u - 32) + mn (d sc rounded once to float16, as Q4_K's; None
+    with a Q8_0 part, whose codes do not fit); otherwise eight-bit codes u = c + 128, w = d (u -
+    128) + mn (a part's min)."""
+    halves = any(per_16(b) for b in parts)
+    if halves and any(b.kind == "Q8_0" for b in parts):
+        return None
     zeros = [torch.zeros(b.codes.shape[0], b.codes.shape[1] // BLOCK) for b in parts]
     if four_bit:
         codes = torch.cat([b.codes for b in parts])
         mins = [-OFFSETS[b.kind] * b.scales if b.kind in OFFSETS else b.mins for b in parts]
     else:
-        codes = torch.cat([b.codes.to(torch.int32) + 128 - OFFSETS.get(b.kind, 0) for b in parts])
+        bias = 32 if halves else 128
+        codes = torch.cat([b.codes.to(torch.int32) + bias - OFFSETS.get(b.kind, 0) for b in parts])
         mins = [b.mins for b in parts]
     minimum = torch.cat([z if m is None else m.float() for m, z in zip(mins, zeros)])
-    halves = any(per_16(b) for b in parts)
     widen = [1 if per_16(b) or not halves else 2 for b in parts]
     scales = torch.cat([b.scales.float().repeat_interleave(n, 1) for b, n in zip(parts, widen)])
-    return VnniLinear.tile(codes, scales, minimum, 4 if four_bit else 8)
+    return VnniLinear.tile(codes, scales, minimum, 4 if four_bit else 6 if halves else 8)
 
 
 def from_blocks(parts: list[Blocks | None], dtype: torch.dtype) -> QuantizedLinear | None:
     """A projection's layer from its parts' GGUF blocks; None when a part is not quantized, or
-    has scales per 16 weights (Q6_K) where minisgl's kernel does not run."""
+    has scales per 16 weights (Q6_K) where minisgl's kernel does not run (or beside Q8_0)."""
     blocks = [b for b in parts if b is not None]
     if not blocks or len(blocks) != len(parts):
         return None

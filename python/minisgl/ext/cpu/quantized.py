@@ -216,11 +216,11 @@ class Int8Linear(QuantizedLinear):
 
 class VnniLinear(QuantizedLinear):
     """GGUF blocks of 32 on minisgl's kernel (`native.py`: minisgl::qdot_mm): four-bit codes
-    q, w = d q + mn (Q4_0: mn = -8 d; Q4_1: mn = its min), or eight-bit u, w = d (u - 128) + mn
-    (Q8_0, or parts of mixed kinds), d and mn the file's float16 values; eight-bit codes may
-    have a d for each 16 weights (`halves`: Q6_K's scales, and the parts merged with it). codes
-    uint8 [out / 16, in / 32, 256 or 512] and scales float16 [out / 16, in / 32, 2 (d, mn) or
-    3 (halves: d of weights 0-15, of 16-31, mn), 16] in qdot.cpp's layout; `tile` builds them."""
+    q, w = d q + mn (Q4_0: mn = -8 d; Q4_1: mn = its min), eight-bit u, w = d (u - 128) + mn
+    (Q8_0, or parts of mixed kinds), or six-bit u with a d for each 16 weights, w = d_h (u - 32)
+    + mn (Q6_K, and the parts merged with it), d and mn the file's float16 values. codes uint8
+    [out / 16, in / 32, 64 bytes a bit] and scales float16 [out / 16, in / 32, 2 (d, mn) or 3
+    (six-bit: d of weights 0-15, of 16-31, mn), 16] in qdot.cpp's layout; `tile` builds them."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -229,8 +229,8 @@ class VnniLinear(QuantizedLinear):
         super().__init__()
         self.out_features = codes.shape[0] * native.TILE_ROWS
         self.in_features = codes.shape[1] * native.BLOCK
-        self.bits = 4 if codes.shape[2] == native.FOUR_BIT_BYTES else 8
-        self.halves = scales.shape[2] == 3
+        self.bits = codes.shape[2] // 64
+        self.halves = self.bits == 6  # a d per 16 weights
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
 
@@ -244,22 +244,26 @@ class VnniLinear(QuantizedLinear):
     def tile(
         cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
     ) -> VnniLinear:
-        """codes [out, in] (0..15 at 4 bits, 0..255 at 8), scales d [out, in / 32] or, at 8
-        bits, [out, in / 16] (halves), mins mn [out, in / 32] (float16 values) -> the layer."""
+        """codes [out, in] (0..15 at 4 bits, 0..63 at 6, 0..255 at 8), scales d [out, in / 32]
+        or at 6 bits [out, in / 16], mins mn [out, in / 32] (float16 values) -> the layer."""
         tiles, blocks = codes.shape[0] // native.TILE_ROWS, codes.shape[1] // native.BLOCK
-        q = codes.to(torch.uint8)
-        if bits == 4:  # [t, j, g, c, half, b] -> bytes [t, g, c, j, b]: k = 32g + 8c + 4 half + b
-            q = q.view(tiles, native.TILE_ROWS, blocks, 4, 2, 4)
-            q = q[..., 0, :] | (q[..., 1, :] << 4)
-        else:  # [t, j, g, c, b] -> [t, g, c, j, b]: k = 32g + 4c + b
-            q = q.view(tiles, native.TILE_ROWS, blocks, 8, 4)
-        tiled = q.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1).contiguous()
-        halves = scales.shape[1] == 2 * blocks
-        assert not (halves and bits == 4), "four-bit codes take one d a block"
-        ds = list(scales.view(scales.shape[0], blocks, 2).unbind(-1)) if halves else [scales]
+        q = codes.to(torch.uint8).view(tiles, native.TILE_ROWS, blocks, 8, 4)  # [t, j, g, c, b]
+        if bits == 8:  # -> [t, g, c, j, b]: k = 32g + 4c + b
+            tiled = q.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
+        else:  # nibbles [t, g, c, j, b]: k = 32g + 8c + 4 (high) + b; at 6 bits the top pairs
+            low = q[..., 0::2, :] & 15 | (q[..., 1::2, :] & 15) << 4
+            parts = [low.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)]
+            if bits == 6:  # bits 2s of [t, g, e, j, b]: those of chunk 4e + s
+                top = (q >> 4).view(tiles, native.TILE_ROWS, blocks, 2, 4, 4)
+                shifted = top << torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)
+                pairs = shifted.sum(-2, dtype=torch.uint8)  # the bits do not overlap: an or
+                parts.append(pairs.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1))
+            tiled = torch.cat(parts, -1)
+        assert (scales.shape[1] == 2 * blocks) == (bits == 6), "a d per 16 weights at 6 bits"
+        ds = list(scales.view(scales.shape[0], blocks, 2).unbind(-1)) if bits == 6 else [scales]
         rows = torch.stack([*ds, mins]).to(torch.float16)  # [2 or 3, out, in / 32]
         rows = rows.view(-1, tiles, native.TILE_ROWS, blocks).permute(1, 3, 0, 2).contiguous()
-        return cls(tiled, rows)
+        return cls(tiled.contiguous(), rows)
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor]) -> QuantizedLinear:
@@ -269,12 +273,21 @@ class VnniLinear(QuantizedLinear):
         return torch.ops.minisgl.qdot_mm(x, self.codes, self.scales)
 
     def unpacked_codes(self) -> torch.Tensor:
-        """The codes [out, in] back out of the layout (int32: 0..15 or 0..255)."""
+        """The codes [out, in] back out of the layout (int32: 0..15, 0..63 or 0..255)."""
         tiles, blocks = self.codes.shape[:2]
-        chunks = 4 if self.bits == 4 else 8
-        q = self.codes.view(tiles, blocks, chunks, native.TILE_ROWS, 4).permute(0, 3, 1, 2, 4)
-        if self.bits == 4:
-            q = torch.stack([q & 15, q >> 4], -2)  # [t, j, g, c, half, b]
+
+        def chunks(part: torch.Tensor) -> torch.Tensor:  # [t, g, c, j, b] -> [t, j, g, c, b]
+            return part.reshape(tiles, blocks, -1, native.TILE_ROWS, 4).permute(0, 3, 1, 2, 4)
+
+        if self.bits == 8:
+            q = chunks(self.codes)
+        else:  # [t, j, g, c, half, b] -> chunks 2c + half
+            nibbles = chunks(self.codes[..., :256])
+            q = torch.stack([nibbles & 15, nibbles >> 4], -2).flatten(3, 4)
+        if self.bits == 6:  # chunk 4e + s: bits 2s of top pair chunk e
+            top = chunks(self.codes[..., 256:]).unsqueeze(-2)
+            shifts = torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)
+            q = q | (((top >> shifts) & 3) << 4).flatten(3, 4)
         return q.reshape(self.out_features, self.in_features).to(torch.int32)
 
     def dequantize(self) -> torch.Tensor:
@@ -284,7 +297,7 @@ class VnniLinear(QuantizedLinear):
         )
         d = torch.stack(ds, -1).flatten(1)  # [out, in / 32 or in / 16]
         q = self.unpacked_codes().float().unflatten(1, (d.shape[1], -1))
-        if self.bits == 8:
-            q = q - 128
+        if self.bits != 4:
+            q = q - (128 if self.bits == 8 else 32)
         mn = mn.repeat_interleave(len(ds), 1)  # its block's mn, for each of d's groups
         return (q * d.unsqueeze(-1) + mn.unsqueeze(-1)).flatten(1)
