@@ -133,9 +133,16 @@ def test_unknown_type_name_is_value_error():
 
 
 def test_unknown_type_name_in_handcrafted_payload():
-    inner = msgpack.packb(["NoSuchMsg", 1, 2])
     with pytest.raises(ValueError, match="NoSuchMsg"):
-        decode(msgpack.packb(msgpack.ExtType(1, inner)))
+        decode(msgpack.packb([msgpack.ExtType(1, b"NoSuchMsg"), 1, 2]))
+
+
+def test_messages_are_arrays_tagged_with_their_class():
+    """A message is [tag, *values] packed in place (no blob packed apart for each), so that a
+    step's 200 replies encode at once; a plain list stays a list, first item a class or not."""
+    raw = msgpack.unpackb(encode(AbortMsg(uid=5)))
+    assert raw == [msgpack.ExtType(1, b"AbortMsg"), 5]
+    assert decode(encode([[1, 2], [], ["AbortMsg", 5]])) == [[1, 2], [], ["AbortMsg", 5]]
 
 
 def test_unregistered_dataclass_cannot_be_encoded():
@@ -170,7 +177,7 @@ def test_tokenize_msg_needs_exactly_one_input():
 
 
 def test_invalid_params_are_rejected_on_decode():
-    bad = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["SamplingParams", -1.0])))
+    bad = msgpack.packb([msgpack.ExtType(1, b"SamplingParams"), -1.0])
     with pytest.raises(ValueError, match="temperature"):
         decode(bad)
 
