@@ -18,6 +18,7 @@ import torch
 
 from engine.test_quantized import gguf_blocks, on_one_thread_and_two
 from minisgl.ext.cpu import native
+from minisgl.ext.cpu.gguf_quant import Blocks
 from minisgl.ext.cpu.native import cpu_flags
 from minisgl.ext.cpu.quantize import from_blocks, prune_packed, vnni_from_blocks
 from minisgl.ext.cpu.quantized import Int4Linear, VnniLinear
@@ -119,6 +120,8 @@ def test_q6_k_keeps_the_codes_and_rounds_d_sc_once():
     bound = (blocks.scales.abs() * 32 * 2.0**-11).repeat_interleave(16, 1)
     assert ((layer.dequantize() - w).abs() <= bound).all()
     assert from_blocks([gguf_blocks(Q.Q8_0, rows=16, cols=512)[0], blocks], torch.bfloat16) is None
+    huge = Blocks("Q6_K", blocks.codes, blocks.scales * 2e7)  # d sc past float16's 65504
+    assert from_blocks([huge], torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("qtype", [*KINDS, Q.Q6_K, "Q4_K_M"])

@@ -103,7 +103,7 @@ def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear | None:
     scale per 16 weights (Q6_K), six-bit codes u = c + 32 with c as in `split_from_blocks` and
     every part's d per 16, w = d (u - 32) + mn (d sc rounded once to float16, as Q4_K's; None
     with a Q8_0 part, whose codes do not fit); otherwise eight-bit codes u = c + 128, w = d (u -
-    128) + mn (a part's min)."""
+    128) + mn (a part's min). None too where a scale is past float16's range."""
     halves = any(per_16(b) for b in parts)
     if halves and any(b.kind == "Q8_0" for b in parts):
         return None
@@ -118,6 +118,8 @@ def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear | None:
     minimum = torch.cat([z if m is None else m.float() for m, z in zip(mins, zeros)])
     widen = [1 if per_16(b) or not halves else 2 for b in parts]
     scales = torch.cat([b.scales.float().repeat_interleave(n, 1) for b, n in zip(parts, widen)])
+    if not torch.isfinite(scales.half()).all():  # a d sc past float16's range: dense, not inf
+        return None
     return VnniLinear.tile(codes, scales, minimum, 4 if four_bit else 6 if halves else 8)
 
 
