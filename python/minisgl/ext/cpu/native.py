@@ -65,7 +65,7 @@ ISAS = {  # the first the CPU has is built
     "avx2": Isa(("qdot.cpp", "ops.cpp"), ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 }  # fmt: skip
 TILE_ROWS, BLOCK = 16, 32  # a tile's output rows; a block's inputs
-FOUR_BIT_BYTES = 256  # a tile's codes of one block at 4 bits (512 at 8)
+BYTES_PER_BIT = 64  # a tile's codes of one block, per bit of a code (256 bytes at 4 bits)
 OP = "minisgl::qdot_mm"  # stands for every op ops.cpp registers (all at once)
 
 

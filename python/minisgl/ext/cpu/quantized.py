@@ -229,7 +229,7 @@ class VnniLinear(QuantizedLinear):
         super().__init__()
         self.out_features = codes.shape[0] * native.TILE_ROWS
         self.in_features = codes.shape[1] * native.BLOCK
-        self.bits = codes.shape[2] // 64
+        self.bits = codes.shape[2] // native.BYTES_PER_BIT
         self.halves = self.bits == 6  # a d per 16 weights
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
