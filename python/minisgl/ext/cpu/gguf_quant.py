@@ -20,7 +20,7 @@ Block layouts (little endian):
 - Q6_K (256; Q4_K_M's and Q5_K_M's LM head, attn_v and half the ffn_down): 128 bytes of low
   nibbles, 64 of high bit pairs, 16 int8 scales sc, float16 d; each 16 weights have
   w = (d sc) (q - 32), q 0..63. Its scales stay per 16 weights, d sc in float32 (exact, as the
-  gguf package computes it); the 8-bit layers take them per 16 (`VnniLinear`'s halves).
+  gguf package computes it); minisgl's kernel takes them in its six-bit layout.
 Nibbles: in Q4_0 / Q4_1 byte j holds weight j in its low half and weight j + 16 in its high
 half; in Q4_K byte j of each 32 holds sub-block 2i's weight j low and sub-block 2i+1's high."""
 

@@ -156,14 +156,14 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
       for (int i = 4; i < 8; i++) hi = _mm512_dpbusd_epi32(hi, w[i], _mm512_set1_epi32(quad[i]));
       const __m512 dx = _mm512_set1_ps(x.dx[at]);
       if (kBits == kSixBit) {
-        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(32 * x.qsum[2 * at]));
-        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(32 * x.qsum[2 * at + 1]));
+        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(code_offset(kBits) * x.qsum[2 * at]));
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(code_offset(kBits) * x.qsum[2 * at + 1]));
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(lo), acc[m]);
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, dx), _mm512_cvtepi32_ps(hi), acc[m]);
       } else {
         __m512i dot = _mm512_add_epi32(lo, hi);
         const int32_t qsum = x.qsum[2 * at] + x.qsum[2 * at + 1];
-        if (!kFour) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qsum));
+        if (!kFour) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(code_offset(kBits) * qsum));
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(dot), acc[m]);
       }
       acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.xsum[at]), acc[m]);
@@ -272,7 +272,7 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
     }
     dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
   }
-  if (kBits == kSixBit) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(32 * qsum));
+  if (kBits == kSixBit) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits) * qsum));
   return dot;
 #endif
 }

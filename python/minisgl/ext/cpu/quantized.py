@@ -230,9 +230,13 @@ class VnniLinear(QuantizedLinear):
         self.out_features = codes.shape[0] * native.TILE_ROWS
         self.in_features = codes.shape[1] * native.BLOCK
         self.bits = codes.shape[2] // native.BYTES_PER_BIT
-        self.halves = self.bits == 6  # a d per 16 weights
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
+
+    @property
+    def halves(self) -> bool:
+        """A d for each 16 weights (the six-bit layout)."""
+        return self.bits == 6
 
     @staticmethod
     def fits(out_features: int, in_features: int) -> bool:
