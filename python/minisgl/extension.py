@@ -288,6 +288,9 @@ class Extensions:
     # (engine config, scheduler config) -> the EngineConfig a scheduler builds its engine with
     # (e.g. with an extension's options in `EngineConfig.extras`)
     engine_config: list[Callable[[Any, Any], Any]] = field(default_factory=list)
+    # (engine, scheduler config) -> the SchedulerConfig a scheduler plans with: its defaults
+    # for the engine (ext/perf: larger step budgets where a small model's steps are host-bound)
+    scheduler_config: list[Callable[[Any, Any], Any]] = field(default_factory=list)
     # (scheduler) -> a speed path of its engine's forward and planner, or None (off)
     forward_paths: list[Callable[[Any], ForwardPath | None]] = field(default_factory=list)
     # (LLM, lora_request: one or one per prompt, params per prompt) -> the params naming each

@@ -251,27 +251,63 @@ def test_grammar_end_wins_over_min_tokens(chat_model):
 
 @pytest.mark.ext  # ext/perf's (the llm_defaults point)
 def test_offline_chunks_are_longer_on_a_big_gpu(monkeypatch):
-    """LLM on a GPU of >= 70 GiB computes prompt chunks of 32k tokens (the server keeps 8192);
-    a budget given keeps both as given, and a CPU is no big GPU."""
+    """LLM on a GPU of >= 70 GiB computes prompt chunks of 32k tokens; a budget given keeps
+    both as given (the other one to the scheduler's default), and a CPU is no big GPU."""
     import minisgl.ext.perf.offline as offline
 
     assert not offline.big_gpu("cpu") and (torch.cuda.is_available() or not offline.big_gpu("cuda"))
     _, sched = LLM.configs("m", {})
-    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (8192, 8192)
+    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (None, None)
     monkeypatch.setattr(offline, "big_gpu", lambda device: True)
     _, sched = LLM.configs("m", {})
     assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (32768, 32768)
     _, sched = LLM.configs("m", {"max_num_batched_tokens": 4096})
-    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (8192, 4096)
+    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (None, 4096)
 
 
-def test_offline_chunks_are_the_servers_without_the_extension(core_alone):
-    """The core alone has no big-GPU rule: LLM's budgets are the server's 8192 on any device."""
+@pytest.mark.ext  # ext/perf's (the scheduler_config point)
+@pytest.mark.parametrize("big", [True, False])
+def test_small_models_get_longer_steps_on_a_big_gpu(model_dirs, monkeypatch, big):
+    """A model under a billion parameters on a GPU of >= 70 GiB plans 16k-token steps where
+    the budgets are not given (the server's path: build_scheduler); a budget given stays, a
+    larger model or a smaller GPU keeps 8192."""
+    import minisgl.ext.perf.budgets as budgets
+    import minisgl.ext.perf.offline as offline
+    from minisgl.engine.config import EngineConfig
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.io import build_scheduler
+
+    monkeypatch.setattr(offline, "big_gpu", lambda device: big)
+    path, _ = model_dirs("qwen3")
+    engine = EngineConfig(model=path, device="cpu", num_pages=64, page_size=4)
+
+    def planned(params: int = budgets.SMALL_MODEL_PARAMS - 1, **options) -> tuple[int, int]:
+        monkeypatch.setattr(budgets, "SMALL_MODEL_PARAMS", params)
+        s = build_scheduler(engine, SchedulerConfig(**options), rank=0, tp=1)
+        s.engine.shutdown()
+        return s.planner.max_prefill_tokens, s.planner.max_batched_tokens
+
+    long, default = (16384, 16384) if big else (8192, 8192), (8192, 8192)
+    assert planned() == long
+    assert planned(max_prefill_tokens=24) == (24, long[1])
+    assert planned(max_prefill_tokens=8192, max_num_batched_tokens=8192) == default
+    assert planned(params=1) == default  # the tiny model "of a billion parameters or more"
+
+
+def test_steps_keep_8192_tokens_without_the_extension(core_alone, model_dirs):
+    """The core alone has no big-GPU rule: LLM's budgets are 8192 on any device, as given
+    otherwise."""
     from minisgl.extension import extensions
 
-    assert extensions().llm_defaults is None
+    assert extensions().llm_defaults is None and not extensions().scheduler_config
     _, sched = LLM.configs("m", {"device": "cuda"})
-    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (8192, 8192)
+    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (None, None)
+    llm = LLM(model_dirs("qwen3")[0], device="cpu", num_pages=64, page_size=4)
+    assert (llm.scheduler.planner.max_prefill_tokens, llm.scheduler.planner.max_batched_tokens) == (
+        8192,
+        8192,
+    )
+    llm.shutdown()
 
 
 @pytest.mark.ext  # ext/perf's (the offline_run point)

@@ -14,11 +14,9 @@ def test_defaults():
     assert engine.model is None
     assert (engine.device, engine.dtype, args.tp) == ("auto", "auto", 1)
     assert (args.host, args.port) == ("127.0.0.1", 1919)
-    assert (engine.page_size, sched.max_prefill_tokens, engine.max_running_requests) == (
-        16,
-        8192,
-        256,
-    )
+    assert (engine.page_size, engine.max_running_requests) == (16, 256)
+    # budgets: None until the scheduler has its engine (8192, or an extension's for it)
+    assert (sched.max_prefill_tokens, sched.max_num_batched_tokens) == (None, None)
     assert (sched.cache, engine.attn, engine.attn_backends) == ("radix", "auto", ("auto", "auto"))
     assert (engine.cuda_graph_max_bs, engine.memory_ratio) == (256, 0.9)
     assert (engine.num_pages, engine.max_model_len, args.num_tokenizer) == (None, None, 1)

@@ -12,15 +12,17 @@ from minisgl.utils.options import OptionError, check_options, int_range, option,
 
 @dataclass
 class SchedulerConfig:
-    max_prefill_tokens: int = option(
-        8192,
-        "max prompt tokens computed in one prefill step (longer prompts are chunked)",
+    # None: an extension's budget for the model and GPU (`Extensions.scheduler_config`), else
+    # the planner's STEP_TOKENS
+    max_prefill_tokens: int | None = option(
+        None,
+        "max prompt tokens in one step (longer prompts are chunked); unset: 8192 or ext/perf's",
         type=int_range(1),
         aliases=["--max-prefill-length", "--chunked-prefill-size"],  # older name, SGLang's
     )
-    max_num_batched_tokens: int = option(
-        8192,
-        "token budget of a step: every running decode (one token each), then prompt chunks",
+    max_num_batched_tokens: int | None = option(
+        None,
+        "a step's tokens: every running decode (one each), then prompt chunks; unset: as above",
         type=int_range(1),
     )
     disable_mixed_steps: bool = option(

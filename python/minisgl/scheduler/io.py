@@ -132,6 +132,8 @@ def build_scheduler(
     for adjust in extensions().engine_config:  # e.g. the KV memory a draft model leaves
         engine_config = adjust(engine_config, sched_config)
     engine = Engine(engine_config)
+    for adjust in extensions().scheduler_config:  # e.g. ext/perf's budgets on a big GPU
+        sched_config = adjust(engine, sched_config)
     tokenizer = load_tokenizer(engine.model_path)
     eos = eos_token_ids(engine.model_path, engine.model_config.eos_token_ids, tokenizer)
     return Scheduler(engine, sched_config, eos, tokenizer)

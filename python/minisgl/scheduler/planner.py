@@ -12,6 +12,8 @@ from minisgl.kvcache.manager import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.queue import make_queue
 
+STEP_TOKENS = 8192  # a step's token budgets unless given or an extension's (SGLang's on an H100)
+
 
 def reaches_length(req: Req, num_tokens: int) -> bool:
     """Whether `num_tokens` tokens end the request by max_tokens or by its context."""
@@ -32,8 +34,8 @@ class BatchPlanner:
     def __init__(self, engine: Engine, cache: KVCacheManager, config: SchedulerConfig) -> None:
         self.engine, self.cache, self.page_size = engine, cache, engine.page_size
         self.features: list[StepFeature] = []  # the scheduler's (admission hooks)
-        self.max_prefill_tokens = config.max_prefill_tokens
-        self.max_batched_tokens = config.max_num_batched_tokens
+        self.max_prefill_tokens = config.max_prefill_tokens or STEP_TOKENS
+        self.max_batched_tokens = config.max_num_batched_tokens or STEP_TOKENS
         self.mixed = not config.disable_mixed_steps
         self.waiting = make_queue(config, cache)  # its order and who gives way to whom
         self.spec: Speculator | None = None  # the scheduler's speculative decoding

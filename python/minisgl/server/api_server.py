@@ -53,12 +53,10 @@ async def api_error(_: Request, e: APIError) -> JSONResponse:
 
 async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
     err = e.errors()[0] if e.errors() else {}
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
     if err.get("type") == "json_invalid":
         return error_response(400, "request body is not valid JSON")
-    return error_response(
-        400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}", ".".join(loc) or None
-    )
+    return error_response(400, f"{loc or 'body'}: {err.get('msg', 'invalid')}", loc or None)
 
 
 async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -252,11 +250,8 @@ class ApiServer:
         params = sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, taken)
         given = req.max_tokens is not None
         # choice k * n + j: prompt k's j-th sample (OpenAI's order)
-        msgs = [
-            m
-            for source in completion_sources(req)
-            for m in self.make_msgs(req, params, given, taken, **source)
-        ]
+        sources = completion_sources(req)
+        msgs = [m for s in sources for m in self.make_msgs(req, params, given, taken, **s)]
         shape = Shape(False, req.n, shapers=await shapers(taken, False, msgs, self))
         return await self.respond(req, msgs, shape)
 
