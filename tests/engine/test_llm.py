@@ -292,6 +292,8 @@ def test_small_models_get_longer_steps_on_a_big_gpu(model_dirs, monkeypatch, big
     assert planned(max_prefill_tokens=24) == (24, long[1])
     assert planned(max_prefill_tokens=8192, max_num_batched_tokens=8192) == default
     assert planned(params=1) == default  # the tiny model "of a billion parameters or more"
+    monkeypatch.setattr(budgets, "all_reduce_min", lambda value: 0)  # a TP rank's GPU is small
+    assert planned() == default
 
 
 def test_steps_keep_8192_tokens_without_the_extension(core_alone, model_dirs):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from minisgl.distributed import all_reduce_min
 from minisgl.ext.perf import offline
 
 SMALL_MODEL_PARAMS = 10**9
@@ -21,10 +22,15 @@ SMALL_MODEL_STEP_TOKENS = 16384
 
 def small_model_budgets(engine: Any, config: Any) -> Any:
     """`config` with 16,384-token budgets where not given, for a model of fewer than a billion
-    parameters (this rank's) on a big GPU; else `config` as it is."""
+    parameters (this rank's: its share of each step's work) when every TP rank's GPU is big;
+    else `config` as it is."""
     unset = [name for name in offline.CHUNK_OPTIONS if getattr(config, name) is None]
-    if not unset or not offline.big_gpu(str(engine.device)):
+    if not unset:
         return config
-    if sum(p.numel() for p in engine.model.parameters()) >= SMALL_MODEL_PARAMS:
+    # each rank plans its own steps (ranks > 0 replay rank 0's requests): the budgets must agree
+    # where the ranks' GPUs differ (nodes of --nnodes)
+    big = all_reduce_min(int(offline.big_gpu(str(engine.device))))
+    small = sum(p.numel() for p in engine.model.parameters()) < SMALL_MODEL_PARAMS
+    if not (big and small):
         return config
     return replace(config, **dict.fromkeys(unset, SMALL_MODEL_STEP_TOKENS))
