@@ -75,8 +75,10 @@ def int8_model(x: torch.Tensor, layer: VnniLinear) -> torch.Tensor:
         codes = codes - (128 if layer.bits == 8 else 32)
     *ds, mn = (
         layer.scales[:, :, i].permute(0, 2, 1).reshape(rows, blocks).double()
-        for i in range(groups + 1)
+        for i in range(layer.scales.shape[2])
     )
+    if not layer.has_min:  # the last row is a d: every mn is 0
+        ds, mn = [*ds, mn], torch.zeros_like(mn)
     d = torch.stack(ds, -1)  # [out, blocks, groups]: a d for each half with halves
     dots = torch.einsum("mghk,nghk->mngh", xq.unflatten(-1, (groups, -1)).double(), codes)
     sums = xf.double().sum(-1)
@@ -108,6 +110,31 @@ def test_merges_parts_of_every_kind():
     four = from_blocks([p[0] for p in parts[1:]], torch.bfloat16)
     assert isinstance(four, VnniLinear) and four.bits == 4
     assert torch.equal(four.dequantize(), torch.cat([torch.from_numpy(p[1]) for p in parts[1:]]))
+
+
+@pytest.mark.parametrize(
+    "qtype, rows",
+    [(Q.Q6_K, 2), (Q.Q8_0, 1), (Q.Q5_0, 1), (Q.Q5_1, 2), (Q.Q4_0, 2), ("Q4_K_M", 3)],
+)
+def test_codes_without_minimums_go_without_the_mn_row(qtype, rows):
+    """Six- and eight-bit codes whose mn are all 0 (Q6_K, Q8_0, Q5_0) keep no mn row, and the
+    kernel gives the bits it gives with a row of zeros; four-bit ones and those with minimums
+    keep it. A four-bit layer without it is refused."""
+    layer, w = q4_k_m_layer() if qtype == "Q4_K_M" else layer_of(qtype, rows=64, cols=512)
+    assert layer.scales.shape[2] == rows and layer.has_min == (rows > 1 + layer.halves)
+    assert torch.equal(layer.dequantize(), w) or qtype in (Q.Q6_K, "Q4_K_M")  # (d sc float16)
+    if not layer.has_min:
+        zeros = torch.zeros_like(layer.scales[:, :, :1])
+        with_row = VnniLinear(layer.codes, torch.cat([layer.scales, zeros], 2).contiguous())
+        assert with_row.has_min and torch.equal(with_row.dequantize(), layer.dequantize())
+        for dtype in (torch.bfloat16, torch.float16):
+            for n in (1, 5, 13):
+                x = activations(n, 512, dtype, seed=n)
+                assert torch.equal(layer(x), with_row(x))
+    if qtype == Q.Q4_0:
+        x = activations(1, 512, torch.bfloat16)
+        with pytest.raises(RuntimeError, match="scales must be"):
+            torch.ops.minisgl.qdot_mm(x, layer.codes, layer.scales[:, :, :1].contiguous())
 
 
 def test_q6_k_keeps_the_codes_and_rounds_d_sc_once():
@@ -192,13 +219,15 @@ def test_the_256_bit_builds_give_the_same_bits(isa, tmp_path):
     """The AVX-VNNI and AVX2 builds (CPUs without AVX512; MINISGL_CPU_ISA chooses one here), each
     in a process of its own: qdot_mm's outputs equal this AVX512 build's bit for bit, four- and
     eight-bit (a Q4_K_M q/k/v too: a d per 16 weights), bf16 and fp16, 1 to 13 rows (4 a pass
-    there, 8 here), on one thread and two; no float32 op is registered, so the float32 paths
-    keep torch's."""
+    there, 8 here), with and without an mn row, on one thread and two; no float32 op is
+    registered, so the float32 paths keep torch's."""
     if not set(native.ISAS[isa].needs) <= cpu_flags():
         pytest.skip(f"this CPU lacks {isa}")
     cases = []
-    layers = [layer_of(q, rows=64, cols=576, seed=int(q))[0] for q in (Q.Q4_1, Q.Q8_0)]
+    kinds = (Q.Q4_1, Q.Q8_0, Q.Q5_1)  # eight-bit with and without mn
+    layers = [layer_of(q, rows=64, cols=576, seed=int(q))[0] for q in kinds]
     layers.append(q4_k_m_layer()[0])  # Q4_0 is Q4_1's arithmetic with mn = -8 d
+    layers.append(layer_of(Q.Q6_K, rows=64, cols=512)[0])  # six-bit without mn
     for layer in layers:
         for dtype in (torch.bfloat16, torch.float16):
             for rows in (1, 3, 5, 8, 13):

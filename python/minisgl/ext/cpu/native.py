@@ -260,8 +260,8 @@ def causal_attention_shape(
 
 
 # the ops' schemas; their CPU kernels are ops.cpp's, registered when the library loads: x [rows,
-# in] (bf16 or fp16) W^T for W in qdot.cpp's layout (codes uint8 [out / 16, in / 32, 256 or
-# 512], scales fp16 [out / 16, in / 32, 2 or 3, 16]) -> [rows, out] in x's dtype
+# in] (bf16 or fp16) W^T for W in qdot.cpp's layout (codes uint8 [out / 16, in / 32, 256, 384 or
+# 512], scales fp16 [out / 16, in / 32, 1 to 3, 16]) -> [rows, out] in x's dtype
 _LIBRARY = torch.library.Library("minisgl", "FRAGMENT")
 _LIBRARY.define("qdot_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 torch.library.register_fake(OP, qdot_mm_shape, lib=_LIBRARY)

@@ -8,8 +8,8 @@
 #include <torch/library.h>
 
 extern "C" void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes,
-                        const uint16_t* scales, int bits, int half, uint16_t* y, int out,
-                        int threads);
+                        const uint16_t* scales, int bits, int min, int half, uint16_t* y,
+                        int out, int threads);
 #ifdef __AVX512F__  // attention.cpp and fused.cpp: built only with AVX512 (native.py)
 extern "C" void causal_attention(const float* q, int64_t q_row, const float* k, const float* v,
                                  int64_t kv_row, float* out, const int64_t* q_starts,
@@ -40,12 +40,16 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   const int64_t bits = codes.size(2) / kBytesPerBit;
   TORCH_CHECK(codes.size(2) % kBytesPerBit == 0 && (bits == 4 || bits == 6 || bits == 8),
               "qdot_mm: codes must hold 256, 384 or 512 bytes a block (4, 6 or 8 bits)");
-  // d and mn (two rows of 16 halves a tile's block); six-bit codes have a d per 16 weights
+  // d (two rows at six bits: a d per 16 weights), then mn (rows of 16 halves a tile's block);
+  // six- and eight-bit codes may go without mn (all 0)
+  const int64_t d_rows = bits == 6 ? 2 : 1, scale_rows = scales.dim() == 4 ? scales.size(2) : 0;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
                   scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
-                  scales.size(2) == (bits == 6 ? 3 : 2) && scales.size(3) == kTile,
-              "qdot_mm: scales must be contiguous float16 [out / 16, in / 32, 2 (3 at six bits: "
-              "a d per 16 weights), 16]");
+                  (scale_rows == d_rows + 1 || (bits != 4 && scale_rows == d_rows)) &&
+                  scales.size(3) == kTile,
+              "qdot_mm: scales must be contiguous float16 [out / 16, in / 32, rows, 16]: d (two "
+              "rows at six bits, a d per 16 weights), then mn (which six- and eight-bit codes "
+              "may leave out)");
   TORCH_CHECK(x.size(1) == codes.size(1) * 32, "qdot_mm: x's columns do not fit the codes");
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), out = codes.size(0) * kTile;
@@ -53,7 +57,7 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   if (rows > 0) {
     qdot_mm(static_cast<const uint16_t*>(xc.const_data_ptr()), rows, xc.size(1),
             codes.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()),
-            static_cast<int>(bits), xc.scalar_type() == at::kHalf,
+            static_cast<int>(bits), scale_rows > d_rows, xc.scalar_type() == at::kHalf,
             static_cast<uint16_t*>(y.data_ptr()), out, at::get_num_threads());
   }
   return y;

@@ -23,7 +23,9 @@
 //   six-bit: the four-bit layout of u's low 4 bits, then 2 chunks of 64 bytes of their top 2:
 //     in chunk h, lane j byte b bits 2s, 2s+1 hold those of u[k = 32g+4(4h+s)+b] (s 0..3);
 //   scales: fp16 d[16] then fp16 mn[16]; six-bit: d_0[16], d_1[16] (weights 0-15, 16-31 of
-//     the block: chunks 0-3, 4-7 of the eight-bit layout), mn[16].
+//     the block: chunks 0-3, 4-7 of the eight-bit layout), mn[16]. Six- and eight-bit codes
+//     whose mn are all 0 (Q6_K, Q8_0) may go without the mn row (`min` 0: half a bit a weight
+//     fewer to read); four-bit ones always have it.
 // One thread computes a tile's outputs for every row in a fixed order: the same bits on any
 // thread count, and a row's bits do not depend on the other rows of its batch. All builds
 // compute the same integers and the same float operations in the same order: the same bits.
@@ -54,7 +56,9 @@ struct Rows {           // the activations, quantized: per row m and block g
 // the kernel's layouts of codes and scales (`bits` of qdot_mm)
 constexpr int kFourBit = 4, kSixBit = 6, kEightBit = 8;
 constexpr int code_bytes(int bits) { return bits * 64; }
-constexpr int scale_halves(int bits) { return bits == kSixBit ? 48 : 32; }
+constexpr int scale_halves(int bits, bool min) {  // a tile's scales of one block
+  return (bits == kSixBit ? 32 : 16) + (min ? 16 : 0);
+}
 constexpr int code_offset(int bits) { return bits == kSixBit ? 32 : 128; }  // (not four-bit)
 
 // the sum of 8 floats in the order of GCC's _mm512_reduce_add_ps after its first halving,
@@ -110,11 +114,11 @@ void quantize_rows(const uint16_t* x, int rows, int cols, bool half, int8_t* xq,
 }
 
 // `kRows` rows of x against output tile t: the codes of each block are unpacked once for all rows
-template <int kRows, int kBits>
+template <int kRows, int kBits, bool kMin>
 void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
                uint16_t* y, int out, int t) {
   constexpr bool kFour = kBits == kFourBit;
-  constexpr int kScales = scale_halves(kBits);
+  constexpr int kScales = scale_halves(kBits, kMin);
   const int blocks = cols / kBlock;
   const uint8_t* c = codes + static_cast<size_t>(t) * blocks * code_bytes(kBits);
   const uint16_t* s = scales + static_cast<size_t>(t) * blocks * kScales;
@@ -146,7 +150,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
     const uint16_t* sg = s + g * kScales;
     const __m512 d = load16(sg, true);
     const __m512 d_hi = kBits == kSixBit ? load16(sg + 16, true) : d;
-    const __m512 mn = load16(sg + kScales - 16, true);
+    const __m512 mn = kMin ? load16(sg + kScales - 16, true) : _mm512_setzero_ps();
     for (int m = 0; m < kRows; m++) {
       const size_t at = static_cast<size_t>(m) * blocks + g;
       int32_t quad[8];  // the row's codes of the block, 4 a lane
@@ -166,7 +170,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
         if (!kFour) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(code_offset(kBits) * qsum));
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(dot), acc[m]);
       }
-      acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.xsum[at]), acc[m]);
+      if (kMin) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.xsum[at]), acc[m]);
     }
   }
   for (int m = 0; m < kRows; m++) store16(y + static_cast<size_t>(m) * out + kTile * t, acc[m], half);
@@ -279,10 +283,10 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
 
 // `kRows` rows of x against output tile t, one half (8 outputs) at a time; each half's pass
 // reads its 32 bytes of every 64-byte chunk (the second pass from cache)
-template <int kRows, int kBits>
+template <int kRows, int kBits, bool kMin>
 void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
                uint16_t* y, int out, int t) {
-  constexpr int kScales = scale_halves(kBits);
+  constexpr int kScales = scale_halves(kBits, kMin);
   const int blocks = cols / kBlock;
   const uint8_t* c = codes + static_cast<size_t>(t) * blocks * code_bytes(kBits);
   const uint16_t* s = scales + static_cast<size_t>(t) * blocks * kScales;
@@ -318,8 +322,9 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
       const __m256 d_hi = kBits == kSixBit
           ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16)))
           : d;
-      const __m256 mn = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + kScales - 16)));
+      const __m256 mn = kMin ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                   reinterpret_cast<const __m128i*>(sg + kScales - 16)))
+                             : _mm256_setzero_ps();
       for (int m = 0; m < kRows; m++) {
         const size_t at = static_cast<size_t>(m) * blocks + g;
         int32_t quad[8];  // the row's codes of the block, 4 a lane
@@ -335,7 +340,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
           const __m256i dot = block_dot<kBits, 8>(w, quad, qsum);
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(dot), acc[m]);
         }
-        acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.xsum[at]), acc[m]);
+        if (kMin) acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.xsum[at]), acc[m]);
       }
     }
     for (int m = 0; m < kRows; m++)
@@ -345,7 +350,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
 
 #endif
 
-template <int kBits>
+template <int kBits, bool kMin>
 void tile(const Rows& x, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
           bool half, uint16_t* y, int out, int t) {
   const int blocks = cols / kBlock;
@@ -354,14 +359,14 @@ void tile(const Rows& x, int rows, int cols, const uint8_t* codes, const uint16_
                        x.xsum + m * blocks, x.qsum + 2 * m * blocks};
     uint16_t* dst = y + static_cast<size_t>(m) * out;
     switch (rows - m < kMaxRows ? rows - m : kMaxRows) {
-      case 1: tile_rows<1, kBits>(part, cols, codes, scales, half, dst, out, t); break;
-      case 2: tile_rows<2, kBits>(part, cols, codes, scales, half, dst, out, t); break;
-      case 3: tile_rows<3, kBits>(part, cols, codes, scales, half, dst, out, t); break;
-      case 4: tile_rows<4, kBits>(part, cols, codes, scales, half, dst, out, t); break;
-      case 5: tile_rows<5, kBits>(part, cols, codes, scales, half, dst, out, t); break;
-      case 6: tile_rows<6, kBits>(part, cols, codes, scales, half, dst, out, t); break;
-      case 7: tile_rows<7, kBits>(part, cols, codes, scales, half, dst, out, t); break;
-      default: tile_rows<8, kBits>(part, cols, codes, scales, half, dst, out, t); break;
+      case 1: tile_rows<1, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
+      case 2: tile_rows<2, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
+      case 3: tile_rows<3, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
+      case 4: tile_rows<4, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
+      case 5: tile_rows<5, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
+      case 6: tile_rows<6, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
+      case 7: tile_rows<7, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
+      default: tile_rows<8, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
     }
   }
 }
@@ -387,9 +392,10 @@ int qdot_supported() {
 }
 
 // y [rows][out] = x [rows][cols] W^T; x and y bf16 (half = 0) or fp16 (half = 1), contiguous;
-// cols a multiple of 32, out of 16; bits 4, 6 or 8 (the layouts above); threads: OpenMP's count
+// cols a multiple of 32, out of 16; bits 4, 6 or 8 (the layouts above), min 1 where the scales
+// have the mn row (always at 4 bits); threads: OpenMP's count
 void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
-             int bits, int half, uint16_t* y, int out, int threads) {
+             int bits, int min, int half, uint16_t* y, int out, int threads) {
   const int blocks = cols / kBlock;
   thread_local std::vector<char> work;
   work.resize(static_cast<size_t>(rows) * (cols + 16 * blocks));
@@ -402,11 +408,15 @@ void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const 
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int t = 0; t < out / kTile; t++) {
     if (bits == kFourBit) {
-      tile<kFourBit>(quantized, rows, cols, codes, scales, half, y, out, t);
+      tile<kFourBit, true>(quantized, rows, cols, codes, scales, half, y, out, t);
+    } else if (bits == kSixBit && min) {
+      tile<kSixBit, true>(quantized, rows, cols, codes, scales, half, y, out, t);
     } else if (bits == kSixBit) {
-      tile<kSixBit>(quantized, rows, cols, codes, scales, half, y, out, t);
+      tile<kSixBit, false>(quantized, rows, cols, codes, scales, half, y, out, t);
+    } else if (min) {
+      tile<kEightBit, true>(quantized, rows, cols, codes, scales, half, y, out, t);
     } else {
-      tile<kEightBit>(quantized, rows, cols, codes, scales, half, y, out, t);
+      tile<kEightBit, false>(quantized, rows, cols, codes, scales, half, y, out, t);
     }
   }
 }

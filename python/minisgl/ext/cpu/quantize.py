@@ -51,7 +51,7 @@ from minisgl.layers.linear import LinearBase
 from minisgl.models.weight import load_weights, map_checkpoint_name
 
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_CACHE_FORMAT = 7  # bump when the cached layers change
+_CACHE_FORMAT = 8  # bump when the cached layers change
 _DENSE = "dense/"  # the cache's keys of the checkpoint tensors kept dense (in the dtype)
 _KINDS: tuple[type[QuantizedLinear], ...] = (Int4Linear, Int8Linear, Int8SplitLinear, VnniLinear)
 

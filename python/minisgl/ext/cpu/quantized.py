@@ -219,8 +219,10 @@ class VnniLinear(QuantizedLinear):
     q, w = d q + mn (Q4_0: mn = -8 d; Q4_1: mn = its min), eight-bit u, w = d (u - 128) + mn
     (Q8_0, or parts of mixed kinds), or six-bit u with a d for each 16 weights, w = d_h (u - 32)
     + mn (Q6_K, and the parts merged with it), d and mn the file's float16 values. codes uint8
-    [out / 16, in / 32, 64 bytes a bit] and scales float16 [out / 16, in / 32, 2 (d, mn) or 3
-    (six-bit: d of weights 0-15, of 16-31, mn), 16] in qdot.cpp's layout; `tile` builds them."""
+    [out / 16, in / 32, 64 bytes a bit] and scales float16 [out / 16, in / 32, rows, 16] in
+    qdot.cpp's layout: d (six-bit: of weights 0-15, of 16-31), then mn, a row six- and eight-bit
+    codes go without where every mn is 0 (Q6_K, Q8_0: half a bit a weight less to read); `tile`
+    builds them."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -237,6 +239,11 @@ class VnniLinear(QuantizedLinear):
     def halves(self) -> bool:
         """A d for each 16 weights (the six-bit layout)."""
         return self.bits == 6
+
+    @property
+    def has_min(self) -> bool:
+        """The scales' mn row (else every mn is 0)."""
+        return self.scales.shape[2] > 1 + self.halves
 
     @staticmethod
     def fits(out_features: int, in_features: int) -> bool:
@@ -265,7 +272,8 @@ class VnniLinear(QuantizedLinear):
             tiled = torch.cat(parts, -1)
         assert (scales.shape[1] == 2 * blocks) == (bits == 6), "a d per 16 weights at 6 bits"
         ds = list(scales.view(scales.shape[0], blocks, 2).unbind(-1)) if bits == 6 else [scales]
-        rows = torch.stack([*ds, mins]).to(torch.float16)  # [2 or 3, out, in / 32]
+        with_min = bits == 4 or bool(mins.any())  # four-bit codes always have it
+        rows = torch.stack([*ds, mins] if with_min else ds).to(torch.float16)  # [rows, out, blocks]
         rows = rows.view(-1, tiles, native.TILE_ROWS, blocks).permute(1, 3, 0, 2).contiguous()
         return cls(tiled.contiguous(), rows)
 
@@ -295,10 +303,11 @@ class VnniLinear(QuantizedLinear):
         return q.reshape(self.out_features, self.in_features).to(torch.int32)
 
     def dequantize(self) -> torch.Tensor:
-        *ds, mn = (
+        rows = [
             self.scales[:, :, i].permute(0, 2, 1).reshape(self.out_features, -1).float()
             for i in range(self.scales.shape[2])
-        )
+        ]
+        ds, mn = rows[: 1 + self.halves], rows[-1] if self.has_min else torch.zeros_like(rows[0])
         d = torch.stack(ds, -1).flatten(1)  # [out, in / 32 or in / 16]
         q = self.unpacked_codes().float().unflatten(1, (d.shape[1], -1))
         if self.bits != 4:
