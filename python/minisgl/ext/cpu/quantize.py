@@ -103,7 +103,8 @@ def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear | None:
     scale per 16 weights (Q6_K), six-bit codes u = c + 32 with c as in `split_from_blocks` and
     every part's d per 16, w = d (u - 32) + mn (d sc rounded once to float16, as Q4_K's; None
     with a Q8_0 part, whose codes do not fit); otherwise eight-bit codes u = c + 128, w = d (u -
-    128) + mn (a part's min). None too where a scale is past float16's range."""
+    128) + mn (a part's min); six- and eight-bit scales without the mn row where every mn is 0.
+    None too where a scale is past float16's range."""
     halves = any(per_16(b) for b in parts)
     if halves and any(b.kind == "Q8_0" for b in parts):
         return None
