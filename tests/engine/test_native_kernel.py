@@ -71,8 +71,7 @@ def int8_model(x: torch.Tensor, layer: VnniLinear) -> torch.Tensor:
     dx = (amax / 127).squeeze(-1).double()
     rows, blocks, groups = layer.out_features, layer.in_features // 32, 1 + layer.halves
     codes = layer.unpacked_codes().unflatten(1, (blocks, groups, 32 // groups)).double()
-    if layer.bits != 4:
-        codes = codes - (128 if layer.bits == 8 else 32)
+    codes = codes - layer.offset
     *ds, mn = (
         layer.scales[:, :, i].permute(0, 2, 1).reshape(rows, blocks).double()
         for i in range(layer.scales.shape[2])
@@ -114,16 +113,16 @@ def test_merges_parts_of_every_kind():
 
 @pytest.mark.parametrize(
     "qtype, rows",
-    [(Q.Q6_K, 2), (Q.Q8_0, 1), (Q.Q5_0, 1), (Q.Q5_1, 2), (Q.Q4_0, 2), ("Q4_K_M", 3)],
+    [(Q.Q6_K, 2), (Q.Q8_0, 1), (Q.Q5_0, 1), (Q.Q5_1, 2), (Q.Q4_0, 1), (Q.Q4_1, 2), ("Q4_K_M", 3)],
 )
 def test_codes_without_minimums_go_without_the_mn_row(qtype, rows):
-    """Six- and eight-bit codes whose mn are all 0 (Q6_K, Q8_0, Q5_0) keep no mn row, and the
-    kernel gives the bits it gives with a row of zeros; four-bit ones and those with minimums
-    keep it. A four-bit layer without it is refused."""
+    """Codes whose mn are all 0 (Q6_K, Q8_0, Q5_0) or -8 d at four bits (Q4_0: w = d (q - 8))
+    keep no mn row; six- and eight-bit ones give the bits they give with a row of zeros; those
+    with minimums keep it. Scales of another row count are refused."""
     layer, w = q4_k_m_layer() if qtype == "Q4_K_M" else layer_of(qtype, rows=64, cols=512)
     assert layer.scales.shape[2] == rows and layer.has_min == (rows > 1 + layer.halves)
     assert torch.equal(layer.dequantize(), w) or qtype in (Q.Q6_K, "Q4_K_M")  # (d sc float16)
-    if not layer.has_min:
+    if not layer.has_min and layer.bits != 4:
         zeros = torch.zeros_like(layer.scales[:, :, :1])
         with_row = VnniLinear(layer.codes, torch.cat([layer.scales, zeros], 2).contiguous())
         assert with_row.has_min and torch.equal(with_row.dequantize(), layer.dequantize())
@@ -133,8 +132,9 @@ def test_codes_without_minimums_go_without_the_mn_row(qtype, rows):
                 assert torch.equal(layer(x), with_row(x))
     if qtype == Q.Q4_0:
         x = activations(1, 512, torch.bfloat16)
+        three = layer.scales.repeat(1, 1, 3, 1)
         with pytest.raises(RuntimeError, match="scales must be"):
-            torch.ops.minisgl.qdot_mm(x, layer.codes, layer.scales[:, :, :1].contiguous())
+            torch.ops.minisgl.qdot_mm(x, layer.codes, three)
 
 
 def test_q6_k_keeps_the_codes_and_rounds_d_sc_once():
@@ -224,9 +224,9 @@ def test_the_256_bit_builds_give_the_same_bits(isa, tmp_path):
     if not set(native.ISAS[isa].needs) <= cpu_flags():
         pytest.skip(f"this CPU lacks {isa}")
     cases = []
-    kinds = (Q.Q4_1, Q.Q8_0, Q.Q5_1)  # eight-bit with and without mn
+    kinds = (Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_1)  # four- and eight-bit with and without mn
     layers = [layer_of(q, rows=64, cols=576, seed=int(q))[0] for q in kinds]
-    layers.append(q4_k_m_layer()[0])  # Q4_0 is Q4_1's arithmetic with mn = -8 d
+    layers.append(q4_k_m_layer()[0])
     layers.append(layer_of(Q.Q6_K, rows=64, cols=512)[0])  # six-bit without mn
     for layer in layers:
         for dtype in (torch.bfloat16, torch.float16):

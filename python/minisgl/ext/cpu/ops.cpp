@@ -40,16 +40,15 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   const int64_t bits = codes.size(2) / kBytesPerBit;
   TORCH_CHECK(codes.size(2) % kBytesPerBit == 0 && (bits == 4 || bits == 6 || bits == 8),
               "qdot_mm: codes must hold 256, 384 or 512 bytes a block (4, 6 or 8 bits)");
-  // d (two rows at six bits: a d per 16 weights), then mn (rows of 16 halves a tile's block);
-  // six- and eight-bit codes may go without mn (all 0)
+  // d (two rows at six bits: a d per 16 weights), then mn (rows of 16 halves a tile's block),
+  // which codes may go without (then mn = 0, at four bits -8 d)
   const int64_t d_rows = bits == 6 ? 2 : 1, scale_rows = scales.dim() == 4 ? scales.size(2) : 0;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
                   scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
-                  (scale_rows == d_rows + 1 || (bits != 4 && scale_rows == d_rows)) &&
+                  (scale_rows == d_rows + 1 || scale_rows == d_rows) &&
                   scales.size(3) == kTile,
               "qdot_mm: scales must be contiguous float16 [out / 16, in / 32, rows, 16]: d (two "
-              "rows at six bits, a d per 16 weights), then mn (which six- and eight-bit codes "
-              "may leave out)");
+              "rows at six bits, a d per 16 weights), then mn (which codes may leave out)");
   TORCH_CHECK(x.size(1) == codes.size(1) * 32, "qdot_mm: x's columns do not fit the codes");
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), out = codes.size(0) * kTile;

@@ -2,7 +2,7 @@
 // and loads it; ext/cpu/quantized.py's VnniLinear holds the weights).
 //
 // y = x W^T for a few rows x (bf16 or fp16) and a weight in blocks of 32 along the input:
-//   four-bit codes q in 0..15:    w = d q + mn           (GGUF Q4_0: mn = -8 d; Q4_1: mn = its min)
+//   four-bit codes q in 0..15:    w = d q + mn, or d (q - 8) without mn  (GGUF Q4_1; Q4_0)
 //   eight-bit codes u in 0..255:  w = d (u - 128) + mn   (GGUF Q8_0: u = q + 128, mn = 0)
 //   six-bit codes u in 0..63, a d for each 16:  w = d_h (u - 32) + mn, h the block's half
 //                                 (GGUF Q6_K: u = q, d_h = d sc_h, mn = 0; Q4_K: u = q + 32)
@@ -12,7 +12,8 @@
 // rate on the CPUs measured) or, built without AVX512's flags (native.py: CPUs without it, such
 // as most laptops'), on AVX-VNNI (vpdpbusd on 8 lanes) or AVX2 (vpmaddubsw, vpmaddwd), scaled
 // once a block:
-//   y += d dx sum(q xq) + mn sum(x)          (eight-bit: d dx (sum(u xq) - 128 sum(xq)))
+//   y += d dx sum(q xq) + mn sum(x)          (eight-bit: d dx (sum(u xq) - 128 sum(xq)); four-bit
+//                                             without mn: d dx (sum(q xq) - 8 sum(xq)))
 //   (six-bit: d_0 dx (sum(u xq) - 32 sum(xq))_0 + d_1 dx (...)_1 + mn sum(x), by halves)
 // sum(x) is the float sum of the activations themselves, not of their codes.
 //
@@ -23,9 +24,9 @@
 //   six-bit: the four-bit layout of u's low 4 bits, then 2 chunks of 64 bytes of their top 2:
 //     in chunk h, lane j byte b bits 2s, 2s+1 hold those of u[k = 32g+4(4h+s)+b] (s 0..3);
 //   scales: fp16 d[16] then fp16 mn[16]; six-bit: d_0[16], d_1[16] (weights 0-15, 16-31 of
-//     the block: chunks 0-3, 4-7 of the eight-bit layout), mn[16]. Six- and eight-bit codes
-//     whose mn are all 0 (Q6_K, Q8_0) may go without the mn row (`min` 0: half a bit a weight
-//     fewer to read); four-bit ones always have it.
+//     the block: chunks 0-3, 4-7 of the eight-bit layout), mn[16]. Codes whose mn are all 0,
+//     or -8 d at four bits (Q6_K, Q8_0, Q4_0), may go without the mn row (`min` 0: half a bit
+//     a weight fewer to read).
 // One thread computes a tile's outputs for every row in a fixed order: the same bits on any
 // thread count, and a row's bits do not depend on the other rows of its batch. All builds
 // compute the same integers and the same float operations in the same order: the same bits.
@@ -59,7 +60,10 @@ constexpr int code_bytes(int bits) { return bits * 64; }
 constexpr int scale_halves(int bits, bool min) {  // a tile's scales of one block
   return (bits == kSixBit ? 32 : 16) + (min ? 16 : 0);
 }
-constexpr int code_offset(int bits) { return bits == kSixBit ? 32 : 128; }  // (not four-bit)
+// the codes' offset, taken off through the activation codes' sums (four-bit: only without mn)
+constexpr int code_offset(int bits, bool min) {
+  return bits == kSixBit ? 32 : bits == kEightBit ? 128 : min ? 0 : 8;
+}
 
 // the sum of 8 floats in the order of GCC's _mm512_reduce_add_ps after its first halving,
 // spelled out so that both builds (and other compilers) sum a block's activations alike
@@ -117,7 +121,7 @@ void quantize_rows(const uint16_t* x, int rows, int cols, bool half, int8_t* xq,
 template <int kRows, int kBits, bool kMin>
 void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
                uint16_t* y, int out, int t) {
-  constexpr bool kFour = kBits == kFourBit;
+  constexpr int kOffset = code_offset(kBits, kMin);
   constexpr int kScales = scale_halves(kBits, kMin);
   const int blocks = cols / kBlock;
   const uint8_t* c = codes + static_cast<size_t>(t) * blocks * code_bytes(kBits);
@@ -160,14 +164,14 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
       for (int i = 4; i < 8; i++) hi = _mm512_dpbusd_epi32(hi, w[i], _mm512_set1_epi32(quad[i]));
       const __m512 dx = _mm512_set1_ps(x.dx[at]);
       if (kBits == kSixBit) {
-        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(code_offset(kBits) * x.qsum[2 * at]));
-        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(code_offset(kBits) * x.qsum[2 * at + 1]));
+        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(kOffset * x.qsum[2 * at]));
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(kOffset * x.qsum[2 * at + 1]));
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(lo), acc[m]);
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, dx), _mm512_cvtepi32_ps(hi), acc[m]);
       } else {
         __m512i dot = _mm512_add_epi32(lo, hi);
         const int32_t qsum = x.qsum[2 * at] + x.qsum[2 * at + 1];
-        if (!kFour) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(code_offset(kBits) * qsum));
+        if (kOffset) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(kOffset * qsum));
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(dot), acc[m]);
       }
       if (kMin) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.xsum[at]), acc[m]);
@@ -255,7 +259,7 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
   for (int i = 0; i < kChunks; i++)
     dot = _mm256_dpbusd_avx_epi32(dot, w[i], _mm256_set1_epi32(quad[i]));
   if (kBits == kFourBit) return dot;
-  return _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits) * qsum));
+  return _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits, true) * qsum));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   if (kBits == kFourBit) {
@@ -276,7 +280,8 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
     }
     dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
   }
-  if (kBits == kSixBit) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits) * qsum));
+  if (kBits == kSixBit)
+    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits, true) * qsum));
   return dot;
 #endif
 }
@@ -337,7 +342,9 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, dx), _mm256_cvtepi32_ps(hi), acc[m]);
         } else {
           const int32_t qsum = x.qsum[2 * at] + x.qsum[2 * at + 1];
-          const __m256i dot = block_dot<kBits, 8>(w, quad, qsum);
+          __m256i dot = block_dot<kBits, 8>(w, quad, qsum);  // (four-bit: no offset taken off)
+          if (kBits == kFourBit && !kMin)
+            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits, false) * qsum));
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(dot), acc[m]);
         }
         if (kMin) acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.xsum[at]), acc[m]);
@@ -393,7 +400,7 @@ int qdot_supported() {
 
 // y [rows][out] = x [rows][cols] W^T; x and y bf16 (half = 0) or fp16 (half = 1), contiguous;
 // cols a multiple of 32, out of 16; bits 4, 6 or 8 (the layouts above), min 1 where the scales
-// have the mn row (always at 4 bits); threads: OpenMP's count
+// have the mn row; threads: OpenMP's count
 void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
              int bits, int min, int half, uint16_t* y, int out, int threads) {
   const int blocks = cols / kBlock;
@@ -407,8 +414,10 @@ void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const 
   const Rows quantized = {xq, dx, xsum, qsum};
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int t = 0; t < out / kTile; t++) {
-    if (bits == kFourBit) {
+    if (bits == kFourBit && min) {
       tile<kFourBit, true>(quantized, rows, cols, codes, scales, half, y, out, t);
+    } else if (bits == kFourBit) {
+      tile<kFourBit, false>(quantized, rows, cols, codes, scales, half, y, out, t);
     } else if (bits == kSixBit && min) {
       tile<kSixBit, true>(quantized, rows, cols, codes, scales, half, y, out, t);
     } else if (bits == kSixBit) {

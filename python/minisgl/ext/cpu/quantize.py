@@ -99,12 +99,12 @@ def per_16(blocks: Blocks) -> bool:
 
 def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear | None:
     """Blocks (rows concatenated) in `VnniLinear`'s forms, the file's codes and float16 scales:
-    four-bit parts w = d q + mn (Q4_0: mn = -8 d; Q4_1, Q4_K: its min); where a part has a
-    scale per 16 weights (Q6_K), six-bit codes u = c + 32 with c as in `split_from_blocks` and
-    every part's d per 16, w = d (u - 32) + mn (d sc rounded once to float16, as Q4_K's; None
-    with a Q8_0 part, whose codes do not fit); otherwise eight-bit codes u = c + 128, w = d (u -
-    128) + mn (a part's min); six- and eight-bit scales without the mn row where every mn is 0.
-    None too where a scale is past float16's range."""
+    four-bit parts w = d q + mn (Q4_1, Q4_K: its min; Q4_0: -8 d), or w = d (q - 8) with no mn
+    row when all are Q4_0; where a part has a scale per 16 weights (Q6_K), six-bit codes u = c +
+    32 with c as in `split_from_blocks` and every part's d per 16, w = d (u - 32) + mn (d sc
+    rounded once to float16, as Q4_K's; None with a Q8_0 part, whose codes do not fit);
+    otherwise eight-bit codes u = c + 128, w = d (u - 128) + mn (a part's min; no mn row where
+    every mn is 0). None too where a scale is past float16's range."""
     halves = any(per_16(b) for b in parts)
     if halves and any(b.kind == "Q8_0" for b in parts):
         return None
@@ -121,7 +121,9 @@ def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear | None:
     scales = torch.cat([b.scales.float().repeat_interleave(n, 1) for b, n in zip(parts, widen)])
     if not torch.isfinite(scales.half()).all():  # a d sc past float16's range: dense, not inf
         return None
-    return VnniLinear.tile(codes, scales, minimum, 4 if four_bit else 6 if halves else 8)
+    symmetric = all(b.kind == "Q4_0" for b in parts) if four_bit else not minimum.any()
+    bits = 4 if four_bit else 6 if halves else 8
+    return VnniLinear.tile(codes, scales, None if symmetric else minimum, bits)
 
 
 def from_blocks(parts: list[Blocks | None], dtype: torch.dtype) -> QuantizedLinear | None:

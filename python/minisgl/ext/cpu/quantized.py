@@ -216,13 +216,14 @@ class Int8Linear(QuantizedLinear):
 
 class VnniLinear(QuantizedLinear):
     """GGUF blocks of 32 on minisgl's kernel (`native.py`: minisgl::qdot_mm): four-bit codes
-    q, w = d q + mn (Q4_0: mn = -8 d; Q4_1: mn = its min), eight-bit u, w = d (u - 128) + mn
+    q, w = d q + mn (Q4_1: mn = its min) or without mn d (q - 8) (Q4_0), eight-bit u, w = d (u -
+    128) + mn
     (Q8_0, or parts of mixed kinds), or six-bit u with a d for each 16 weights, w = d_h (u - 32)
     + mn (Q6_K, and the parts merged with it), d and mn the file's float16 values. codes uint8
     [out / 16, in / 32, 64 bytes a bit] and scales float16 [out / 16, in / 32, rows, 16] in
-    qdot.cpp's layout: d (six-bit: of weights 0-15, of 16-31), then mn, a row six- and eight-bit
-    codes go without where every mn is 0 (Q6_K, Q8_0: half a bit a weight less to read); `tile`
-    builds them."""
+    qdot.cpp's layout: d (six-bit: of weights 0-15, of 16-31), then mn, a row the codes go
+    without where every mn is 0, or -8 d at four bits (Q6_K, Q8_0, Q4_0: half a bit a weight
+    less to read); `tile` builds them."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -242,8 +243,13 @@ class VnniLinear(QuantizedLinear):
 
     @property
     def has_min(self) -> bool:
-        """The scales' mn row (else every mn is 0)."""
+        """The scales' mn row (else every mn is 0: the codes' offset, 8 at four bits, is not)."""
         return self.scales.shape[2] > 1 + self.halves
+
+    @property
+    def offset(self) -> int:
+        """What the weights take off the codes: w = d (code - offset) (+ mn)."""
+        return {4: 0 if self.has_min else 8, 6: 32, 8: 128}[self.bits]
 
     @staticmethod
     def fits(out_features: int, in_features: int) -> bool:
@@ -253,10 +259,11 @@ class VnniLinear(QuantizedLinear):
 
     @classmethod
     def tile(
-        cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
+        cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
     ) -> VnniLinear:
         """codes [out, in] (0..15 at 4 bits, 0..63 at 6, 0..255 at 8), scales d [out, in / 32]
-        or at 6 bits [out, in / 16], mins mn [out, in / 32] (float16 values) -> the layer."""
+        or at 6 bits [out, in / 16], mins mn [out, in / 32] or None (float16 values) -> the
+        layer."""
         tiles, blocks = codes.shape[0] // native.TILE_ROWS, codes.shape[1] // native.BLOCK
         q = codes.to(torch.uint8).view(tiles, native.TILE_ROWS, blocks, 8, 4)  # [t, j, g, c, b]
         if bits == 8:  # -> [t, g, c, j, b]: k = 32g + 4c + b
@@ -272,8 +279,7 @@ class VnniLinear(QuantizedLinear):
             tiled = torch.cat(parts, -1)
         assert (scales.shape[1] == 2 * blocks) == (bits == 6), "a d per 16 weights at 6 bits"
         ds = list(scales.view(scales.shape[0], blocks, 2).unbind(-1)) if bits == 6 else [scales]
-        with_min = bits == 4 or bool(mins.any())  # four-bit codes always have it
-        rows = torch.stack([*ds, mins] if with_min else ds).to(torch.float16)  # [rows, out, blocks]
+        rows = torch.stack(ds if mins is None else [*ds, mins]).to(torch.float16)  # [r, out, g]
         rows = rows.view(-1, tiles, native.TILE_ROWS, blocks).permute(1, 3, 0, 2).contiguous()
         return cls(tiled.contiguous(), rows)
 
@@ -309,8 +315,6 @@ class VnniLinear(QuantizedLinear):
         ]
         ds, mn = rows[: 1 + self.halves], rows[-1] if self.has_min else torch.zeros_like(rows[0])
         d = torch.stack(ds, -1).flatten(1)  # [out, in / 32 or in / 16]
-        q = self.unpacked_codes().float().unflatten(1, (d.shape[1], -1))
-        if self.bits != 4:
-            q = q - (128 if self.bits == 8 else 32)
+        q = self.unpacked_codes().float().unflatten(1, (d.shape[1], -1)) - self.offset
         mn = mn.repeat_interleave(len(ds), 1)  # its block's mn, for each of d's groups
         return (q * d.unsqueeze(-1) + mn.unsqueeze(-1)).flatten(1)
