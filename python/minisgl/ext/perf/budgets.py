@@ -4,7 +4,7 @@ budgets are not given. Such a model's 8192-token step is bound by the host, not 
 H200, Qwen3-0.6B's mixed steps of 8192 prompt tokens took the scheduler 21-25 ms to launch
 (~420 kernels, eagerly) while the GPU was busy 17.7 ms of each. A burst of 200 requests
 (512 -> 256, all at once) then gave 27,311-30,835 out tok/s with ITL p99 23-43 ms; with 16,384
-31,395-32,628 tok/s with ITL p99 9.5-21 ms (half as many mixed steps, each a decode stall;
+30,813-32,628 tok/s with ITL p99 9.5-21 ms (half as many mixed steps, each a decode stall;
 docs/benchmarks.md). A larger model's 8192-token step already keeps the GPU busy longer than
 the host takes, and doubling it would double the stall of the running streams."""
 
