@@ -12,7 +12,7 @@ from minisgl.kvcache.manager import KVCacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.queue import make_queue
 
-STEP_TOKENS = 8192  # a step's token budgets unless given or an extension's (SGLang's on an H100 or H200)
+STEP_TOKENS = 8192  # a step's budgets unless given or an extension's (SGLang's on an H100, H200)
 
 
 def reaches_length(req: Req, num_tokens: int) -> bool:
