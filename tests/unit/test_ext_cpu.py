@@ -419,7 +419,9 @@ def test_a_cpu_engines_process_keeps_the_memory_its_steps_free(model_dirs) -> No
         return kept == "True", int(faults)
 
     kept, faults = run("keep")
-    assert kept and faults < 100
+    # (one 2 MiB region, 512 faults, was seen under a neighbour's memory pressure: not the
+    # tens of thousands a round this guards against)
+    assert kept and faults < 1_000
     assert run("default")[1] > 10_000
     heap.keep_freed_memory.cache_clear()
     LLM(model_dirs("llama")[0], page_size=4, num_pages=16, cpu_compile="off")
