@@ -137,6 +137,16 @@ def test_codes_without_minimums_go_without_the_mn_row(qtype, rows):
             torch.ops.minisgl.qdot_mm(x, layer.codes, three)
 
 
+def test_qdot_bench_runs():
+    """benchmark/kernels/qdot_bench.py times both variants of a small layer (and checks that a
+    row of zeros gives the same bits)."""
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmark", "kernels")
+    args = [sys.executable, os.path.join(bench, "qdot_bench.py"), "--kind", "Q6_K", "--out",
+            "64", "--cols", "512", "--layers", "1", "--rounds", "2"]  # fmt: skip
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "without mn: 0.03 MB a layer" in out and "with mn: 0.03 MB" in out
+
+
 def test_q6_k_keeps_the_codes_and_rounds_d_sc_once():
     """A Q6_K layer: the file's codes (six bits, w = d_h (q - 32)), each 16 weights' d sc rounded
     once to float16 (as Q4_K's): within 2^-11 of each weight's magnitude bound. Beside a Q8_0
