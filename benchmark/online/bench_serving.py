@@ -28,7 +28,9 @@ TTFT) / (output tokens - 1); output tokens come from the usage the server report
 Throughput divides by the wall time from the first request sent to the last one finished.
 
 Each rate gets fresh prompts (seed + rate index): prompts repeated across rates would hit the
-prefix cache of a server that cached them during the previous rate."""
+prefix cache of a server that cached them during the previous rate. Runs against one server
+need seeds of their own: a warm-up run with the same --seed sends the measured run's prompts
+(session 58 saw bursts 5-25 % "faster" that way)."""
 
 from __future__ import annotations
 
@@ -992,7 +994,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         help="prompt ids are drawn below it; default: the vocab_size of the server's model card"
         f" (minisgl gives it), else {FALLBACK_VOCAB}",
     )
-    add("--seed", type=int, default=0, help="of prompts and arrivals")
+    add("--seed", type=int, default=0, help="of prompts and arrivals (one per run: see above)")
     add("--temperature", type=float, default=0.0, help="sampling temperature")
     add(
         "--priority-mix",
