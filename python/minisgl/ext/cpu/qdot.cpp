@@ -247,29 +247,26 @@ void quantize_rows(const uint16_t* x, int rows, int cols, bool half, int8_t* xq,
 }
 
 // sum(w xq) of `kChunks` chunks of a block (all 8, or a half's 4) for 8 outputs, less the
-// codes' offset times `qsum` (the sum of the chunks' xq). With AVX-VNNI (vpdpbusd on 8 lanes) as
-// on AVX512; on AVX2 alone four-bit codes as they are (pairs of at most 2 x 15 x 127, and 8
-// chunks of them, fit int16), six-bit ones so a chunk at a time (pairs of at most 2 x 63 x 127),
-// eight-bit ones as u - 128 with its sign moved onto xq (pairs of at most 2 x 128 x 127); each
-// chunk but four-bit ones widened to int32 at once
-template <int kBits, int kChunks>
+// codes' offset `kOffset` (code_offset) times `qsum` (the sum of the chunks' xq). With AVX-VNNI
+// (vpdpbusd on 8 lanes) as on AVX512; on AVX2 alone four-bit codes as they are (pairs of at
+// most 2 x 15 x 127, and 8 chunks of them, fit int16), six-bit ones so a chunk at a time (pairs
+// of at most 2 x 63 x 127), eight-bit ones as u - 128 with its sign moved onto xq (pairs of at
+// most 2 x 128 x 127); each chunk but four-bit ones widened to int32 at once
+template <int kBits, int kChunks, int kOffset>
 inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
-#ifdef __AVXVNNI__
   __m256i dot = _mm256_setzero_si256();
+#ifdef __AVXVNNI__
   for (int i = 0; i < kChunks; i++)
     dot = _mm256_dpbusd_avx_epi32(dot, w[i], _mm256_set1_epi32(quad[i]));
-  if (kBits == kFourBit) return dot;
-  return _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits, true) * qsum));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   if (kBits == kFourBit) {
     __m256i sum = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(quad[0]));
     for (int i = 1; i < kChunks; i++)
       sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(quad[i])));
-    return _mm256_madd_epi16(sum, ones);
+    dot = _mm256_madd_epi16(sum, ones);
   }
-  __m256i dot = _mm256_setzero_si256();
-  for (int i = 0; i < kChunks; i++) {
+  for (int i = 0; kBits != kFourBit && i < kChunks; i++) {
     __m256i pairs;
     if (kBits == kSixBit) {
       pairs = _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(quad[i]));
@@ -280,10 +277,10 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
     }
     dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
   }
-  if (kBits == kSixBit)
-    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits, true) * qsum));
-  return dot;
+  if (kBits == kEightBit) return dot;  // its pairs are of u - 128 already
 #endif
+  if (kOffset) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kOffset * qsum));
+  return dot;
 }
 
 // `kRows` rows of x against output tile t, one half (8 outputs) at a time; each half's pass
@@ -291,6 +288,7 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
 template <int kRows, int kBits, bool kMin>
 void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
                uint16_t* y, int out, int t) {
+  constexpr int kOffset = code_offset(kBits, kMin);
   constexpr int kScales = scale_halves(kBits, kMin);
   const int blocks = cols / kBlock;
   const uint8_t* c = codes + static_cast<size_t>(t) * blocks * code_bytes(kBits);
@@ -336,15 +334,13 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
         memcpy(quad, x.xq + static_cast<size_t>(m) * cols + g * kBlock, sizeof quad);
         const __m256 dx = _mm256_set1_ps(x.dx[at]);
         if (kBits == kSixBit) {
-          const __m256i lo = block_dot<kSixBit, 4>(w, quad, x.qsum[2 * at]);
-          const __m256i hi = block_dot<kSixBit, 4>(w + 4, quad + 4, x.qsum[2 * at + 1]);
+          const __m256i lo = block_dot<kBits, 4, kOffset>(w, quad, x.qsum[2 * at]);
+          const __m256i hi = block_dot<kBits, 4, kOffset>(w + 4, quad + 4, x.qsum[2 * at + 1]);
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(lo), acc[m]);
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, dx), _mm256_cvtepi32_ps(hi), acc[m]);
         } else {
           const int32_t qsum = x.qsum[2 * at] + x.qsum[2 * at + 1];
-          __m256i dot = block_dot<kBits, 8>(w, quad, qsum);  // (four-bit: no offset taken off)
-          if (kBits == kFourBit && !kMin)
-            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(code_offset(kBits, false) * qsum));
+          const __m256i dot = block_dot<kBits, 8, kOffset>(w, quad, qsum);
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(dot), acc[m]);
         }
         if (kMin) acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.xsum[at]), acc[m]);

@@ -216,14 +216,13 @@ class Int8Linear(QuantizedLinear):
 
 class VnniLinear(QuantizedLinear):
     """GGUF blocks of 32 on minisgl's kernel (`native.py`: minisgl::qdot_mm): four-bit codes
-    q, w = d q + mn (Q4_1: mn = its min) or without mn d (q - 8) (Q4_0), eight-bit u, w = d (u -
-    128) + mn
-    (Q8_0, or parts of mixed kinds), or six-bit u with a d for each 16 weights, w = d_h (u - 32)
-    + mn (Q6_K, and the parts merged with it), d and mn the file's float16 values. codes uint8
-    [out / 16, in / 32, 64 bytes a bit] and scales float16 [out / 16, in / 32, rows, 16] in
-    qdot.cpp's layout: d (six-bit: of weights 0-15, of 16-31), then mn, a row the codes go
-    without where every mn is 0, or -8 d at four bits (Q6_K, Q8_0, Q4_0: half a bit a weight
-    less to read); `tile` builds them."""
+    q, w = d q + mn (Q4_1: mn = its min) or, without mn, d (q - 8) (Q4_0); eight-bit u, w = d (u
+    - 128) + mn (Q8_0, or parts of mixed kinds); or six-bit u with a d for each 16 weights, w =
+    d_h (u - 32) + mn (Q6_K, and the parts merged with it); d and mn the file's float16 values.
+    codes uint8 [out / 16, in / 32, 64 bytes a bit] and scales float16 [out / 16, in / 32, rows,
+    16] in qdot.cpp's layout: d (six-bit: of weights 0-15, of 16-31), then mn, a row left out
+    where every mn is 0, or -8 d at four bits (Q6_K, Q8_0, Q4_0: half a bit a weight less to
+    read); `tile` builds them."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -243,7 +242,7 @@ class VnniLinear(QuantizedLinear):
 
     @property
     def has_min(self) -> bool:
-        """The scales' mn row (else every mn is 0: the codes' offset, 8 at four bits, is not)."""
+        """The scales' mn row (without it mn is 0, and four-bit codes are offset by 8)."""
         return self.scales.shape[2] > 1 + self.halves
 
     @property
