@@ -36,7 +36,7 @@ def layer_of(
 ) -> tuple[VnniLinear, torch.Tensor]:
     blocks, ref = gguf_blocks(qtype, rows=rows, cols=cols, seed=seed)
     layer = from_blocks([blocks], torch.bfloat16)
-    bits = 4 if qtype in (Q.Q4_0, Q.Q4_1) else 6 if qtype == Q.Q6_K else 8
+    bits = 4 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 6 if qtype == Q.Q6_K else 8
     assert isinstance(layer, VnniLinear) and layer.bits == bits and layer.halves == (bits == 6)
     return layer, torch.from_numpy(ref)
 
@@ -72,13 +72,8 @@ def int8_model(x: torch.Tensor, layer: VnniLinear) -> torch.Tensor:
     rows, blocks, groups = layer.out_features, layer.in_features // 32, 1 + layer.halves
     codes = layer.unpacked_codes().unflatten(1, (blocks, groups, 32 // groups)).double()
     codes = codes - layer.offset
-    *ds, mn = (
-        layer.scales[:, :, i].permute(0, 2, 1).reshape(rows, blocks).double()
-        for i in range(layer.scales.shape[2])
-    )
-    if not layer.has_min:  # the last row is a d: every mn is 0
-        ds, mn = [*ds, mn], torch.zeros_like(mn)
-    d = torch.stack(ds, -1)  # [out, blocks, groups]: a d for each half with halves
+    d, mn = (t.double() for t in layer.block_scales())
+    d = d.view(rows, blocks, groups)  # a d for each half with halves
     dots = torch.einsum("mghk,nghk->mngh", xq.unflatten(-1, (groups, -1)).double(), codes)
     sums = xf.double().sum(-1)
     scaled = (d[None] * dx[:, None, :, None] * dots).sum(-1)
@@ -102,9 +97,17 @@ def test_merges_parts_of_every_kind():
     kinds = [Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
     six = [gguf_blocks(q, rows=16, cols=256, seed=i) for i, q in enumerate(kinds)]
     merged = from_blocks([p[0] for p in six], torch.bfloat16)
-    assert isinstance(merged, VnniLinear) and merged.bits == 6
-    exact = torch.cat([p[0].dequantize() for p in six[:-1]])  # (Q4_K's, Q5_K's d sc float16)
-    assert torch.equal(merged.dequantize()[:-16], exact)
+    assert isinstance(merged, VnniLinear) and merged.bits == 6 and not merged.k_layout
+    rounded = [  # beside other kinds, the K-quants' d sc and mn rounded once to float16
+        Blocks(b.kind, b.codes, b.scales.half().float(), b.mins.half().float())
+        if b.k is not None and b.mins is not None
+        else b
+        for b, _ in six[:-1]
+    ]
+    assert torch.equal(merged.dequantize()[:-16], torch.cat([b.dequantize() for b in rounded]))
+    k_only = from_blocks([p[0] for p in six[3:]], torch.bfloat16)  # Q4_K, Q5_K, Q6_K: exact
+    assert isinstance(k_only, VnniLinear) and k_only.bits == 6 and k_only.k_layout
+    assert torch.equal(k_only.dequantize(), torch.cat([torch.from_numpy(p[1]) for p in six[3:]]))
     assert torch.equal(layer.dequantize(), torch.cat([torch.from_numpy(p[1]) for p in parts]))
     four = from_blocks([p[0] for p in parts[1:]], torch.bfloat16)
     assert isinstance(four, VnniLinear) and four.bits == 4
@@ -113,15 +116,21 @@ def test_merges_parts_of_every_kind():
 
 @pytest.mark.parametrize(
     "qtype, rows",
-    [(Q.Q6_K, 2), (Q.Q8_0, 1), (Q.Q5_0, 1), (Q.Q5_1, 2), (Q.Q4_0, 1), (Q.Q4_1, 2), ("Q4_K_M", 3)],
+    [("Q6_K+Q8_0", 2), (Q.Q8_0, 1), (Q.Q5_0, 1), (Q.Q5_1, 2), (Q.Q4_0, 1), (Q.Q4_1, 2)],
 )
 def test_codes_without_minimums_go_without_the_mn_row(qtype, rows):
-    """Codes whose mn are all 0 (Q6_K, Q8_0, Q5_0) or -8 d at four bits (Q4_0: w = d (q - 8))
-    keep no mn row; six- and eight-bit ones give the bits they give with a row of zeros; those
-    with minimums keep it. Scales of another row count are refused."""
-    layer, w = q4_k_m_layer() if qtype == "Q4_K_M" else layer_of(qtype, rows=64, cols=512)
+    """Codes whose mn are all 0 (Q6_K beside Q5_0, Q8_0, Q5_0) or -8 d at four bits (Q4_0: w =
+    d (q - 8)) keep no mn row; six- and eight-bit ones give the bits they give with a row of
+    zeros; those with minimums keep it. Scales of another row count are refused."""
+    if qtype == "Q6_K+Q8_0":  # float16 rows: six bits beside a kind that is no K-quant
+        parts = [gguf_blocks(q, rows=32, cols=512, seed=i) for i, q in enumerate([Q.Q5_0, Q.Q6_K])]
+        layer = from_blocks([p[0] for p in parts], torch.bfloat16)
+        assert isinstance(layer, VnniLinear) and layer.halves and not layer.k_layout
+        w = torch.cat([torch.from_numpy(p[1]) for p in parts])
+    else:
+        layer, w = layer_of(qtype, rows=64, cols=512)
     assert layer.scales.shape[2] == rows and layer.has_min == (rows > 1 + layer.halves)
-    assert torch.equal(layer.dequantize(), w) or qtype in (Q.Q6_K, "Q4_K_M")  # (d sc float16)
+    assert torch.equal(layer.dequantize(), w) or qtype == "Q6_K+Q8_0"  # (d sc float16)
     if not layer.has_min and layer.bits != 4:
         zeros = torch.zeros_like(layer.scales[:, :, :1])
         with_row = VnniLinear(layer.codes, torch.cat([layer.scales, zeros], 2).contiguous())
@@ -147,32 +156,46 @@ def test_qdot_bench_runs():
     assert "without mn: 0.03 MB a layer" in out and "with mn: 0.03 MB" in out
 
 
-def test_q6_k_keeps_the_codes_and_rounds_d_sc_once():
-    """A Q6_K layer: the file's codes (six bits, w = d_h (q - 32)), each 16 weights' d sc rounded
-    once to float16 (as Q4_K's): within 2^-11 of each weight's magnitude bound. Beside a Q8_0
-    part (codes of eight bits) a projection stays dense."""
-    blocks, ref = gguf_blocks(Q.Q6_K, rows=32, cols=512)
-    layer, w = layer_of(Q.Q6_K, rows=32, cols=512)
-    assert torch.equal(layer.unpacked_codes(), blocks.codes.to(torch.int32))
-    bound = (blocks.scales.abs() * 32 * 2.0**-11).repeat_interleave(16, 1)
-    assert ((layer.dequantize() - w).abs() <= bound).all()
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K, "Q4_K_M"]
+
+
+def k_layer(qtype: Q | str, rows: int = 64, seed: int = 0) -> tuple[VnniLinear, torch.Tensor]:
+    if qtype == "Q4_K_M":
+        return q4_k_m_layer(rows=rows, seed=seed)
+    return layer_of(qtype, rows=rows, cols=512, seed=seed)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_k_quants_keep_their_factors(qtype):
+    """K-quants (alone or merged) keep the file's float16 d and int8 sc (and -dmin, m) per 256
+    and 32 weights: the gguf package's weights bit for bit (d sc exact in float32), in 5/8 of a
+    bit a weight with minimums (Q4_K 4.625 bits, Q5_K in eight), 9/16 without (Q6_K 6.5625); a
+    q/k/v with a Q6_K v takes six bits and both. Scales of another size are refused."""
+    layer, w = k_layer(qtype)
+    bits, has_min = {Q.Q4_K: (4, True), Q.Q5_K: (8, True), Q.Q6_K: (6, False)}.get(qtype, (6, True))
+    assert layer.k_layout and layer.bits == bits and layer.has_min == has_min
+    assert torch.equal(layer.dequantize(), w)
+    scale_bits = layer.scales.numel() * 8 / (layer.out_features * layer.in_features)
+    assert scale_bits == {Q.Q6_K: 9 / 16, "Q4_K_M": 7 / 8}.get(qtype, 5 / 8)
+    x = activations(1, 512, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K-quants' scales must be"):
+        torch.ops.minisgl.qdot_mm(x, layer.codes, layer.scales[..., :-16].contiguous())
+    blocks, _ = gguf_blocks(Q.Q6_K, rows=32, cols=512)
     assert from_blocks([gguf_blocks(Q.Q8_0, rows=16, cols=512)[0], blocks], torch.bfloat16) is None
-    huge = Blocks("Q6_K", blocks.codes, blocks.scales * 2e7)  # d sc past float16's 65504
-    assert from_blocks([huge], torch.bfloat16) is None
 
 
-@pytest.mark.parametrize("qtype", [*KINDS, Q.Q6_K, "Q4_K_M"])
+@pytest.mark.parametrize("qtype", [*KINDS, *K_QUANTS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_kernel_is_its_int8_arithmetic(qtype, dtype, rows):
     """Against the torch model of its arithmetic: within the output's rounding; and against the
     float matmul of the weights: within half an activation code per element."""
     cols = 128 if qtype in KINDS else 512
-    if qtype == "Q4_K_M":
-        layer, _ = q4_k_m_layer(seed=rows)
-    else:
+    if qtype in KINDS:
         layer, _ = layer_of(qtype, rows=64, cols=cols, seed=rows)
-    w = layer.dequantize()  # the weights it holds (Q6_K's d sc in float16)
+    else:
+        layer, _ = k_layer(qtype, seed=rows)
+    w = layer.dequantize()  # the weights it holds
     x = activations(rows, cols, dtype, seed=rows)
     y = layer(x)
     assert y.dtype == dtype and y.shape == (rows, layer.out_features)
@@ -228,16 +251,17 @@ torch.save(outs, sys.argv[2])
 def test_the_256_bit_builds_give_the_same_bits(isa, tmp_path):
     """The AVX-VNNI and AVX2 builds (CPUs without AVX512; MINISGL_CPU_ISA chooses one here), each
     in a process of its own: qdot_mm's outputs equal this AVX512 build's bit for bit, four- and
-    eight-bit (a Q4_K_M q/k/v too: a d per 16 weights), bf16 and fp16, 1 to 13 rows (4 a pass
-    there, 8 here), with and without an mn row, on one thread and two; no float32 op is
-    registered, so the float32 paths keep torch's."""
+    eight-bit (a Q4_K_M q/k/v too: a d per 16 weights; the K-quants' scales), bf16 and fp16, 1
+    to 13 rows (4 a pass there, 8 here), with and without an mn row, on one thread and two; no
+    float32 op is registered, so the float32 paths keep torch's."""
     if not set(native.ISAS[isa].needs) <= cpu_flags():
         pytest.skip(f"this CPU lacks {isa}")
     cases = []
     kinds = (Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_1)  # four- and eight-bit with and without mn
     layers = [layer_of(q, rows=64, cols=576, seed=int(q))[0] for q in kinds]
-    layers.append(q4_k_m_layer()[0])
-    layers.append(layer_of(Q.Q6_K, rows=64, cols=512)[0])  # six-bit without mn
+    layers += [k_layer(q)[0] for q in K_QUANTS]  # the K-quants' scales, four to eight bits
+    six = [gguf_blocks(q, rows=32, cols=512, seed=i)[0] for i, q in enumerate([Q.Q5_1, Q.Q6_K])]
+    layers.append(from_blocks(six, torch.bfloat16))  # float16 rows at six bits
     for layer in layers:
         for dtype in (torch.bfloat16, torch.float16):
             for rows in (1, 3, 5, 8, 13):

@@ -289,9 +289,9 @@ def k_blocks(
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
 def test_k_quant_blocks_are_the_files(kind):
-    """A K-quant as 32-weight blocks: with d sc and dmin m exact in float16 the weights are the
-    gguf package's bit for bit (the codes' order, the 6-bit pairs, Q5_K's fifth bits);
-    otherwise within float16 rounding of each sub-block's scale and minimum."""
+    """A K-quant as 32-weight blocks: d sc and -dmin m as exact float32 products, so the weights
+    are the gguf package's bit for bit (the codes' order, the 6-bit pairs, Q5_K's fifth bits),
+    whatever d and dmin; the factors kept beside them (float16 d and -dmin, int8 sc and m)."""
     rows, n, qtype, top = 16, 3, getattr(Q, kind), 15 if kind == "Q4_K" else 31
     exact = k_blocks(kind, rows, n, np.full((rows, n), 2.0**-8), np.full((rows, n), 2.0**-9))
     want = gguf.quants.dequantize(exact.reshape(rows, -1), qtype)
@@ -303,9 +303,16 @@ def test_k_quant_blocks_are_the_files(kind):
     d, dmin = (rng.uniform(1e-4, 1e-2, (rows, n)) for _ in range(2))
     raw = k_blocks(kind, rows, n, d, dmin, seed=2)
     want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), qtype))
-    got = split_blocks(SimpleNamespace(tensor_type=qtype, data=raw.reshape(rows, -1))).dequantize()
-    bound = torch.from_numpy(np.repeat(d * 63 * top + dmin * 63, 256, axis=1)).float() * 2.0**-11
-    assert ((got - want).abs() <= bound).all() and not torch.equal(got, want)
+    blocks = split_blocks(SimpleNamespace(tensor_type=qtype, data=raw.reshape(rows, -1)))
+    assert blocks is not None and torch.equal(blocks.dequantize(), want)
+    k = blocks.k
+    assert k is not None and k.m is not None and k.m_scale is not None
+    assert k.d.dtype == k.m_scale.dtype == torch.float16 and k.sc.dtype == k.m.dtype == torch.int8
+    assert torch.equal(k.d.float(), torch.from_numpy(d).half().float())
+    assert torch.equal(k.m_scale.float(), -torch.from_numpy(dmin).half().float())
+    scales = k.d.float().repeat_interleave(8, 1) * k.sc.float()
+    assert torch.equal(scales, blocks.scales)
+    assert torch.equal(k.m_scale.float().repeat_interleave(8, 1) * k.m.float(), blocks.mins)
 
 
 # the 2-D tensors' kinds in turn (embedding, then each layer's q, k, v, o, gate, up, down, then

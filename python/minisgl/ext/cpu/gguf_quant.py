@@ -12,9 +12,9 @@ Block layouts (little endian):
 - Q8_0 (32): float16 d, 32 int8; w = d q
 - Q4_K (256, the "K-quant" of most GGUF files, Q4_K_M's bulk): float16 d and dmin, 12 bytes
   of eight 6-bit (sc, m) pairs, 128 bytes of nibbles; sub-block k (32 weights) has
-  w = (d sc_k) q - (dmin m_k). As 32-weight blocks its scale d sc_k and minimum -dmin m_k
-  are rounded to float16, the layers' type for both (a relative 2^-11 at most, against a 4-bit
-  step of 1/15 of the block's range).
+  w = (d sc_k) q - (dmin m_k). As 32-weight blocks its scale d sc_k and minimum -dmin m_k are
+  float32 (exact products); `KScales` keeps the factors, which minisgl's kernel reads as they
+  are (4 + 5/8 bits a weight; float16 rows of d sc and mn would take 5).
 - Q5_K (256, Q5_K_M's bulk): Q4_K's fields and 32 bytes of fifth bits between the 6-bit pairs
   and the nibbles: bit k of byte j is sub-block k's weight j's; codes 0..31 (8-bit layers).
 - Q6_K (256; Q4_K_M's and Q5_K_M's LM head, attn_v and half the ffn_down): 128 bytes of low
@@ -44,23 +44,40 @@ K_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # a 256-weight block's bytes
 
 
 @dataclass
+class KScales:
+    """A K-quant's scales as the file has them: per 256 weights float16 d (and, Q4_K / Q5_K,
+    m_scale = -dmin), per 32 weights (Q6_K: 16) int8 sc (and m): w = d sc (q - offset) +
+    m_scale m."""
+
+    d: torch.Tensor  # [rows, cols / 256] float16
+    sc: torch.Tensor  # [rows, cols / 32 or cols / 16] int8
+    m_scale: torch.Tensor | None = None  # [rows, cols / 256] float16
+    m: torch.Tensor | None = None  # [rows, cols / 32] int8
+
+    def permute_rows(self, fn: Any) -> KScales:
+        mins = (None, None) if self.m is None else (fn(self.m_scale), fn(self.m))
+        return KScales(fn(self.d), fn(self.sc), *mins)
+
+
+@dataclass
 class Blocks:
     """One tensor's blocks: codes [rows, cols] (uint8 0..15, 0..31, 0..63 or int8), scales
-    and mins [rows, cols / 32] float16 (mins only for WITH_MINS); Q6_K's scales [rows, cols /
-    16] float32."""
+    and mins [rows, cols / 32] (float16, the K-quants' float32; mins only for WITH_MINS);
+    Q6_K's scales [rows, cols / 16] float32. `k`: a K-quant's factors of those scales."""
 
     kind: str
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    k: KScales | None = None
 
     def permute_rows(self, fn: Any) -> Blocks:
         mins = None if self.mins is None else fn(self.mins)
-        return Blocks(self.kind, fn(self.codes), fn(self.scales), mins)
+        k = None if self.k is None else self.k.permute_rows(fn)
+        return Blocks(self.kind, fn(self.codes), fn(self.scales), mins, k)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 weights, computed as the gguf package does (bit for bit; Q4_K from the
-        float16 scales and minimums)."""
+        """float32 weights, computed as the gguf package does (bit for bit)."""
         d = self.scales.float().unsqueeze(-1)
         q = self.codes.float().unflatten(1, (self.scales.shape[1], -1))
         if self.kind in OFFSETS:
@@ -114,19 +131,25 @@ def six_bit_pairs(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def split_k_quant(blocks: np.ndarray, kind: str) -> Blocks:
     """Q4_K / Q5_K blocks [rows, n, K_BYTES] as 32-weight blocks: codes in weight order, each
-    sub-block's d sc and -dmin m rounded once to float16."""
+    sub-block's d sc and -dmin m (float32, exact), and their factors."""
     rows, n = blocks.shape[:2]
-    d, dmin = (blocks[..., i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+    d, dmin = (blocks[..., i : i + 2].copy().view(np.float16) for i in (0, 2))
     sc, m = six_bit_pairs(blocks[..., 4:16])
-    scales = (d * sc).astype(np.float16).reshape(rows, n * 8)
-    mins = (-(dmin * m)).astype(np.float16).reshape(rows, n * 8)
+    scales = (d.astype(np.float32) * sc).reshape(rows, n * 8)
+    mins = (-dmin.astype(np.float32) * m).reshape(rows, n * 8)
+    k = KScales(
+        torch.from_numpy(d[..., 0].copy()),
+        torch.from_numpy(sc.reshape(rows, n * 8).astype(np.int8)),  # 0..63
+        torch.from_numpy(-dmin[..., 0]),
+        torch.from_numpy(m.reshape(rows, n * 8).astype(np.int8)),
+    )
     qs = blocks[..., -128:].reshape(rows, n, 4, 1, 32)
     codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, n, 8, 32)
     if kind == "Q5_K":
         fifth = blocks[..., 16:48].reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
         codes = codes | ((fifth & 1) << 4)
-    arrays = (codes.reshape(rows, n * SUPER), scales, mins)
-    return Blocks(kind, *(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales, mins)]
+    return Blocks(kind, tensors[0].reshape(rows, n * SUPER), tensors[1], tensors[2], k)
 
 
 def split_q6_k(blocks: np.ndarray) -> Blocks:
@@ -140,11 +163,12 @@ def split_q6_k(blocks: np.ndarray) -> Blocks:
     low = (nibbles & np.uint8(15)).reshape(rows, n, 2, 4, 32)
     pairs = blocks[..., 128:192].reshape(rows, n, 2, 1, 32) >> pair_shifts
     codes = (low | ((pairs & np.uint8(3)) << np.uint8(4))).reshape(rows, n * SUPER)
-    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
-    scales = (d * sc).reshape(rows, n * SUPER // 16)
-    arrays = (np.ascontiguousarray(codes), np.ascontiguousarray(scales))
-    return Blocks("Q6_K", *(torch.from_numpy(a) for a in arrays))
+    sc = blocks[..., 192:208].copy().view(np.int8)
+    d = blocks[..., 208:210].copy().view(np.float16)
+    scales = (d.astype(np.float32) * sc).reshape(rows, n * SUPER // 16)
+    k = KScales(torch.from_numpy(d[..., 0].copy()), torch.from_numpy(sc.reshape(rows, -1).copy()))
+    codes_t, scales_t = (torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales))
+    return Blocks("Q6_K", codes_t, scales_t, None, k)
 
 
 def load_blocks(model_dir: str) -> dict[str, Blocks]:

@@ -8,7 +8,7 @@
 #include <torch/library.h>
 
 extern "C" void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes,
-                        const uint16_t* scales, int bits, int min, int half, uint16_t* y,
+                        const uint8_t* scales, int bits, int min, int super, int half, uint16_t* y,
                         int out, int threads);
 #ifdef __AVX512F__  // attention.cpp and fused.cpp: built only with AVX512 (native.py)
 extern "C" void causal_attention(const float* q, int64_t q_row, const float* k, const float* v,
@@ -31,6 +31,32 @@ namespace {
 constexpr int64_t kTile = 16;
 constexpr int64_t kBytesPerBit = 64;  // a tile's codes of one block (256 bytes at 4 bits)
 
+// The fp16 scales: d (two rows at six bits: a d per 16 weights), then mn (rows of 16 halves a
+// tile's block), which codes may go without (then mn = 0, at four bits -8 d). Whether mn is there.
+bool fp16_min(const at::Tensor& codes, const at::Tensor& scales, int64_t bits) {
+  const int64_t d_rows = bits == 6 ? 2 : 1, rows = scales.dim() == 4 ? scales.size(2) : 0;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                  (rows == d_rows + 1 || rows == d_rows) && scales.size(3) == kTile,
+              "qdot_mm: scales must be contiguous float16 [out / 16, in / 32, rows, 16]: d (two "
+              "rows at six bits, a d per 16 weights), then mn (which codes may leave out), or "
+              "uint8 [out / 16, in / 256, bytes] (the K-quants')");
+  return rows > d_rows;
+}
+
+// The K-quants' scales, uint8 [out / 16, in / 256, bytes]: per 8 blocks fp16 D (and M) rows of
+// 16, then each block's int8 rows (sc, sc_1 at six bits; m with M). Whether M and m are there.
+bool super_min(const at::Tensor& codes, const at::Tensor& scales, int64_t bits) {
+  const int64_t d_rows = bits == 6 ? 2 : 1, bytes = scales.dim() == 3 ? scales.size(2) : 0;
+  const int64_t without = 32 + 8 * 16 * d_rows, with = 64 + 8 * 16 * (d_rows + 1);
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == codes.size(0) &&
+                  codes.size(1) % 8 == 0 && scales.size(1) * 8 == codes.size(1) &&
+                  (bytes == without || bytes == with),
+              "qdot_mm: the K-quants' scales must be contiguous uint8 [out / 16, in / 256, ",
+              without, " or ", with, "] at ", bits, " bits");
+  return bytes == with;
+}
+
 at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2, "qdot_mm: x must be [rows, in]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
@@ -40,23 +66,16 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   const int64_t bits = codes.size(2) / kBytesPerBit;
   TORCH_CHECK(codes.size(2) % kBytesPerBit == 0 && (bits == 4 || bits == 6 || bits == 8),
               "qdot_mm: codes must hold 256, 384 or 512 bytes a block (4, 6 or 8 bits)");
-  // d (two rows at six bits: a d per 16 weights), then mn (rows of 16 halves a tile's block),
-  // which codes may go without (then mn = 0, at four bits -8 d)
-  const int64_t d_rows = bits == 6 ? 2 : 1, scale_rows = scales.dim() == 4 ? scales.size(2) : 0;
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
-                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
-                  (scale_rows == d_rows + 1 || scale_rows == d_rows) &&
-                  scales.size(3) == kTile,
-              "qdot_mm: scales must be contiguous float16 [out / 16, in / 32, rows, 16]: d (two "
-              "rows at six bits, a d per 16 weights), then mn (which codes may leave out)");
+  const bool super = scales.scalar_type() == at::kByte;
+  const bool min = super ? super_min(codes, scales, bits) : fp16_min(codes, scales, bits);
   TORCH_CHECK(x.size(1) == codes.size(1) * 32, "qdot_mm: x's columns do not fit the codes");
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), out = codes.size(0) * kTile;
   at::Tensor y = at::empty({rows, out}, xc.options());
   if (rows > 0) {
     qdot_mm(static_cast<const uint16_t*>(xc.const_data_ptr()), rows, xc.size(1),
-            codes.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(scales.const_data_ptr()),
-            static_cast<int>(bits), scale_rows > d_rows, xc.scalar_type() == at::kHalf,
+            codes.const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.const_data_ptr()),
+            static_cast<int>(bits), min, super, xc.scalar_type() == at::kHalf,
             static_cast<uint16_t*>(y.data_ptr()), out, at::get_num_threads());
   }
   return y;

@@ -27,6 +27,10 @@
 //     the block: chunks 0-3, 4-7 of the eight-bit layout), mn[16]. Codes whose mn are all 0,
 //     or -8 d at four bits (Q6_K, Q8_0, Q4_0), may go without the mn row (`min` 0: half a bit
 //     a weight fewer to read).
+//   or the K-quants' scales (`super` 1; Q4_K, Q5_K, Q6_K): per 8 blocks (256 weights) a head of
+//     fp16 rows D[16] (and M[16] with mn), then each block's int8 rows sc[16] (six-bit: sc_0,
+//     sc_1) (and m[16] with mn); d = D sc, mn = M m, exact in float32 (the file's own products;
+//     Q4_K: 4 + 5/8 bits a weight against the fp16 rows' 5).
 // One thread computes a tile's outputs for every row in a fixed order: the same bits on any
 // thread count, and a row's bits do not depend on the other rows of its batch. All builds
 // compute the same integers and the same float operations in the same order: the same bits.
@@ -63,6 +67,39 @@ constexpr int scale_halves(int bits, bool min) {  // a tile's scales of one bloc
 // the codes' offset, taken off through the activation codes' sums (four-bit: only without mn)
 constexpr int code_offset(int bits, bool min) {
   return bits == kSixBit ? 32 : bits == kEightBit ? 128 : min ? 0 : 8;
+}
+// the K-quants' scales (`super`): a head of fp16 rows per 8 blocks, int8 rows per block
+constexpr int kSuperBlocks = 8;
+constexpr int super_head_bytes(bool min) { return min ? 64 : 32; }
+constexpr int super_block_bytes(int bits, bool min) {
+  return 16 * ((bits == kSixBit ? 2 : 1) + (min ? 1 : 0));
+}
+constexpr int super_bytes(int bits, bool min) {
+  return super_head_bytes(min) + kSuperBlocks * super_block_bytes(bits, min);
+}
+// a tile's scale bytes over `blocks` blocks
+template <int kBits, bool kMin, bool kSuper>
+constexpr size_t tile_scale_bytes(int blocks) {
+  return kSuper ? static_cast<size_t>(blocks / kSuperBlocks) * super_bytes(kBits, kMin)
+                : static_cast<size_t>(blocks) * scale_halves(kBits, kMin) * 2;
+}
+// block g's scale rows: (its fp16 d row, or the head's D; its int8 sc row or null)
+struct ScaleRows {
+  const uint16_t* d;  // fp16 [16]: d (then d_1 16 halves on, at six bits), or D
+  const uint16_t* mn;  // fp16 [16]: mn, or M (read with kMin)
+  const int8_t* sc;    // int8 [16]: sc (then sc_1), then m; null without kSuper
+};
+template <int kBits, bool kMin, bool kSuper>
+inline ScaleRows scale_rows(const uint8_t* s, int g) {
+  if (!kSuper) {
+    const uint16_t* sg = reinterpret_cast<const uint16_t*>(s) + g * scale_halves(kBits, kMin);
+    return {sg, sg + scale_halves(kBits, kMin) - 16, nullptr};
+  }
+  const uint8_t* head = s + static_cast<size_t>(g / kSuperBlocks) * super_bytes(kBits, kMin);
+  const uint8_t* sub = head + super_head_bytes(kMin) +
+                       (g % kSuperBlocks) * super_block_bytes(kBits, kMin);
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(head);
+  return {d, d + 16, reinterpret_cast<const int8_t*>(sub)};
 }
 
 // the sum of 8 floats in the order of GCC's _mm512_reduce_add_ps after its first halving,
@@ -118,14 +155,36 @@ void quantize_rows(const uint16_t* x, int rows, int cols, bool half, int8_t* xq,
 }
 
 // `kRows` rows of x against output tile t: the codes of each block are unpacked once for all rows
-template <int kRows, int kBits, bool kMin>
-void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
+inline __m512 int8x16(const int8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
+// block g's d (d_hi: of weights 16-31 at six bits, else d) and mn for the tile's 16 outputs
+template <int kBits, bool kMin, bool kSuper>
+inline void block_scales(const uint8_t* s, int g, __m512& d, __m512& d_hi, __m512& mn) {
+  const ScaleRows r = scale_rows<kBits, kMin, kSuper>(s, g);
+  constexpr int kDRows = kBits == kSixBit ? 2 : 1;
+  if (kSuper) {
+    const __m512 big_d = load16(r.d, true);
+    d = _mm512_mul_ps(big_d, int8x16(r.sc));
+    d_hi = kBits == kSixBit ? _mm512_mul_ps(big_d, int8x16(r.sc + 16)) : d;
+    mn = kMin ? _mm512_mul_ps(load16(r.mn, true), int8x16(r.sc + 16 * kDRows))
+              : _mm512_setzero_ps();
+  } else {
+    d = load16(r.d, true);
+    d_hi = kBits == kSixBit ? load16(r.d + 16, true) : d;
+    mn = kMin ? load16(r.mn, true) : _mm512_setzero_ps();
+  }
+}
+
+template <int kRows, int kBits, bool kMin, bool kSuper>
+void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint8_t* scales, bool half,
                uint16_t* y, int out, int t) {
   constexpr int kOffset = code_offset(kBits, kMin);
-  constexpr int kScales = scale_halves(kBits, kMin);
   const int blocks = cols / kBlock;
   const uint8_t* c = codes + static_cast<size_t>(t) * blocks * code_bytes(kBits);
-  const uint16_t* s = scales + static_cast<size_t>(t) * blocks * kScales;
+  const uint8_t* s = scales + t * tile_scale_bytes<kBits, kMin, kSuper>(blocks);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[kRows];
   for (int m = 0; m < kRows; m++) acc[m] = _mm512_setzero_ps();
@@ -151,10 +210,8 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
         }
       }
     }
-    const uint16_t* sg = s + g * kScales;
-    const __m512 d = load16(sg, true);
-    const __m512 d_hi = kBits == kSixBit ? load16(sg + 16, true) : d;
-    const __m512 mn = kMin ? load16(sg + kScales - 16, true) : _mm512_setzero_ps();
+    __m512 d, d_hi, mn;
+    block_scales<kBits, kMin, kSuper>(s, g, d, d_hi, mn);
     for (int m = 0; m < kRows; m++) {
       const size_t at = static_cast<size_t>(m) * blocks + g;
       int32_t quad[8];  // the row's codes of the block, 4 a lane
@@ -285,14 +342,40 @@ inline __m256i block_dot(const __m256i* w, const int32_t* quad, int32_t qsum) {
 
 // `kRows` rows of x against output tile t, one half (8 outputs) at a time; each half's pass
 // reads its 32 bytes of every 64-byte chunk (the second pass from cache)
-template <int kRows, int kBits, bool kMin>
-void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* scales, bool half,
+inline __m256 half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 int8x8(const int8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+}
+
+// half h of block g's d, d_hi and mn (as block_scales on AVX512, 8 outputs)
+template <int kBits, bool kMin, bool kSuper>
+inline void block_scales(const uint8_t* s, int g, int h, __m256& d, __m256& d_hi, __m256& mn) {
+  const ScaleRows r = scale_rows<kBits, kMin, kSuper>(s, g);
+  constexpr int kDRows = kBits == kSixBit ? 2 : 1;
+  if (kSuper) {
+    const __m256 big_d = half8(r.d + 8 * h);
+    d = _mm256_mul_ps(big_d, int8x8(r.sc + 8 * h));
+    d_hi = kBits == kSixBit ? _mm256_mul_ps(big_d, int8x8(r.sc + 16 + 8 * h)) : d;
+    mn = kMin ? _mm256_mul_ps(half8(r.mn + 8 * h), int8x8(r.sc + 16 * kDRows + 8 * h))
+              : _mm256_setzero_ps();
+  } else {
+    d = half8(r.d + 8 * h);
+    d_hi = kBits == kSixBit ? half8(r.d + 16 + 8 * h) : d;
+    mn = kMin ? half8(r.mn + 8 * h) : _mm256_setzero_ps();
+  }
+}
+
+template <int kRows, int kBits, bool kMin, bool kSuper>
+void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint8_t* scales, bool half,
                uint16_t* y, int out, int t) {
   constexpr int kOffset = code_offset(kBits, kMin);
-  constexpr int kScales = scale_halves(kBits, kMin);
   const int blocks = cols / kBlock;
   const uint8_t* c = codes + static_cast<size_t>(t) * blocks * code_bytes(kBits);
-  const uint16_t* s = scales + static_cast<size_t>(t) * blocks * kScales;
+  const uint8_t* s = scales + t * tile_scale_bytes<kBits, kMin, kSuper>(blocks);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int h = 0; h < 2; h++) {
     __m256 acc[kRows];
@@ -320,14 +403,8 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
           }
         }
       }
-      const uint16_t* sg = s + g * kScales + 8 * h;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
-      const __m256 d_hi = kBits == kSixBit
-          ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16)))
-          : d;
-      const __m256 mn = kMin ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                   reinterpret_cast<const __m128i*>(sg + kScales - 16)))
-                             : _mm256_setzero_ps();
+      __m256 d, d_hi, mn;
+      block_scales<kBits, kMin, kSuper>(s, g, h, d, d_hi, mn);
       for (int m = 0; m < kRows; m++) {
         const size_t at = static_cast<size_t>(m) * blocks + g;
         int32_t quad[8];  // the row's codes of the block, 4 a lane
@@ -353,24 +430,41 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint16_t* sc
 
 #endif
 
-template <int kBits, bool kMin>
-void tile(const Rows& x, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
+template <int kBits, bool kMin, bool kSuper>
+void tile(const Rows& x, int rows, int cols, const uint8_t* codes, const uint8_t* scales,
           bool half, uint16_t* y, int out, int t) {
   const int blocks = cols / kBlock;
   for (int m = 0; m < rows; m += kMaxRows) {
     const Rows part = {x.xq + static_cast<size_t>(m) * cols, x.dx + m * blocks,
                        x.xsum + m * blocks, x.qsum + 2 * m * blocks};
     uint16_t* dst = y + static_cast<size_t>(m) * out;
-    switch (rows - m < kMaxRows ? rows - m : kMaxRows) {
-      case 1: tile_rows<1, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
-      case 2: tile_rows<2, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
-      case 3: tile_rows<3, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
-      case 4: tile_rows<4, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
-      case 5: tile_rows<5, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
-      case 6: tile_rows<6, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
-      case 7: tile_rows<7, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
-      default: tile_rows<8, kBits, kMin>(part, cols, codes, scales, half, dst, out, t); break;
-    }
+    using Pass = void (*)(const Rows&, int, const uint8_t*, const uint8_t*, bool, uint16_t*, int,
+                          int);
+    static constexpr Pass kPasses[] = {
+        tile_rows<1, kBits, kMin, kSuper>, tile_rows<2, kBits, kMin, kSuper>,
+        tile_rows<3, kBits, kMin, kSuper>, tile_rows<4, kBits, kMin, kSuper>,
+        tile_rows<5, kBits, kMin, kSuper>, tile_rows<6, kBits, kMin, kSuper>,
+        tile_rows<7, kBits, kMin, kSuper>, tile_rows<8, kBits, kMin, kSuper>};
+    kPasses[std::min(rows - m, kMaxRows) - 1](part, cols, codes, scales, half, dst, out, t);
+  }
+}
+
+// one tile in the layout that bits, min and kSuper name
+template <bool kSuper>
+void tile_of(int bits, bool min, const Rows& x, int rows, int cols, const uint8_t* codes,
+             const uint8_t* scales, bool half, uint16_t* y, int out, int t) {
+  if (bits == kFourBit && min) {
+    tile<kFourBit, true, kSuper>(x, rows, cols, codes, scales, half, y, out, t);
+  } else if (bits == kFourBit) {
+    tile<kFourBit, false, kSuper>(x, rows, cols, codes, scales, half, y, out, t);
+  } else if (bits == kSixBit && min) {
+    tile<kSixBit, true, kSuper>(x, rows, cols, codes, scales, half, y, out, t);
+  } else if (bits == kSixBit) {
+    tile<kSixBit, false, kSuper>(x, rows, cols, codes, scales, half, y, out, t);
+  } else if (min) {
+    tile<kEightBit, true, kSuper>(x, rows, cols, codes, scales, half, y, out, t);
+  } else {
+    tile<kEightBit, false, kSuper>(x, rows, cols, codes, scales, half, y, out, t);
   }
 }
 
@@ -395,10 +489,10 @@ int qdot_supported() {
 }
 
 // y [rows][out] = x [rows][cols] W^T; x and y bf16 (half = 0) or fp16 (half = 1), contiguous;
-// cols a multiple of 32, out of 16; bits 4, 6 or 8 (the layouts above), min 1 where the scales
-// have the mn row; threads: OpenMP's count
-void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
-             int bits, int min, int half, uint16_t* y, int out, int threads) {
+// cols a multiple of 32 (of 256 with super), out of 16; bits 4, 6 or 8 (the layouts above), min
+// 1 where the scales have the mn rows, super 1 for the K-quants' scales; threads: OpenMP's count
+void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const uint8_t* scales,
+             int bits, int min, int super, int half, uint16_t* y, int out, int threads) {
   const int blocks = cols / kBlock;
   thread_local std::vector<char> work;
   work.resize(static_cast<size_t>(rows) * (cols + 16 * blocks));
@@ -410,18 +504,10 @@ void qdot_mm(const uint16_t* x, int rows, int cols, const uint8_t* codes, const 
   const Rows quantized = {xq, dx, xsum, qsum};
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int t = 0; t < out / kTile; t++) {
-    if (bits == kFourBit && min) {
-      tile<kFourBit, true>(quantized, rows, cols, codes, scales, half, y, out, t);
-    } else if (bits == kFourBit) {
-      tile<kFourBit, false>(quantized, rows, cols, codes, scales, half, y, out, t);
-    } else if (bits == kSixBit && min) {
-      tile<kSixBit, true>(quantized, rows, cols, codes, scales, half, y, out, t);
-    } else if (bits == kSixBit) {
-      tile<kSixBit, false>(quantized, rows, cols, codes, scales, half, y, out, t);
-    } else if (min) {
-      tile<kEightBit, true>(quantized, rows, cols, codes, scales, half, y, out, t);
+    if (super) {
+      tile_of<true>(bits, min, quantized, rows, cols, codes, scales, half, y, out, t);
     } else {
-      tile<kEightBit, false>(quantized, rows, cols, codes, scales, half, y, out, t);
+      tile_of<false>(bits, min, quantized, rows, cols, codes, scales, half, y, out, t);
     }
   }
 }

@@ -3,7 +3,8 @@
 
 - `gguf`, before the checkpoint loads: from a GGUF's own blocks (`gguf_quant.py`). Where
   minisgl's kernel runs (`native.py`: AVX512-VNNI, AVX-VNNI or AVX2), a projection whose
-  parts are all quantized becomes a `VnniLinear` (the file's codes and float16 scales).
+  parts are all quantized becomes a `VnniLinear` (the file's codes and float16 scales; the
+  K-quants' factors of theirs, where every part is a K-quant).
   Elsewhere a projection whose parts are all Q4_0 / Q4_1 / Q4_K becomes an `Int4Linear` with
   the file's codes (when its rows are a multiple of 16, as the packing needs); one whose parts
   are all quantized otherwise (Q8_0, Q5s, or those with 4-bit parts) an `Int8SplitLinear`,
@@ -32,7 +33,7 @@ from torch import nn
 from minisgl.distributed import get_tp_info
 from minisgl.ext.cpu import native
 from minisgl.ext.cpu.gguf import conversion_size, dense_names, ensure_float_copy, prune_unused
-from minisgl.ext.cpu.gguf_quant import BLOCK, FOUR_BIT, OFFSETS, Blocks, load_blocks
+from minisgl.ext.cpu.gguf_quant import BLOCK, FOUR_BIT, OFFSETS, Blocks, KScales, load_blocks
 from minisgl.ext.cpu.options import cpu_options
 from minisgl.ext.cpu.packed import pack_float_projections
 from minisgl.ext.cpu.policy import announce, resolve_quantization
@@ -51,7 +52,7 @@ from minisgl.layers.linear import LinearBase
 from minisgl.models.weight import load_weights, map_checkpoint_name
 
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_CACHE_FORMAT = 8  # bump when the cached layers change
+_CACHE_FORMAT = 9  # bump when the cached layers change
 _DENSE = "dense/"  # the cache's keys of the checkpoint tensors kept dense (in the dtype)
 _KINDS: tuple[type[QuantizedLinear], ...] = (Int4Linear, Int8Linear, Int8SplitLinear, VnniLinear)
 
@@ -102,19 +103,26 @@ def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear | None:
     four-bit parts w = d q + mn (Q4_1, Q4_K: its min; Q4_0: -8 d), or w = d (q - 8) with no mn
     row when all are Q4_0; where a part has a scale per 16 weights (Q6_K), six-bit codes u = c +
     32 with c as in `split_from_blocks` and every part's d per 16, w = d (u - 32) + mn (d sc
-    rounded once to float16, as Q4_K's; None with a Q8_0 part, whose codes do not fit);
-    otherwise eight-bit codes u = c + 128, w = d (u - 128) + mn (a part's min; no mn row where
-    every mn is 0). None too where a scale is past float16's range."""
+    rounded once to float16; None with a Q8_0 part, whose codes do not fit); otherwise
+    eight-bit codes u = c + 128, w = d (u - 128) + mn (a part's min; no mn row where every mn
+    is 0). None too where a scale is past float16's range. Parts all K-quants (Q4_K, Q5_K,
+    Q6_K) keep their factors instead, exact (`VnniLinear.tile_k`)."""
     halves = any(per_16(b) for b in parts)
     if halves and any(b.kind == "Q8_0" for b in parts):
         return None
-    zeros = [torch.zeros(b.codes.shape[0], b.codes.shape[1] // BLOCK) for b in parts]
+    bits = 4 if four_bit else 6 if halves else 8
     if four_bit:
         codes = torch.cat([b.codes for b in parts])
-        mins = [-OFFSETS[b.kind] * b.scales if b.kind in OFFSETS else b.mins for b in parts]
     else:
         bias = 32 if halves else 128
         codes = torch.cat([b.codes.to(torch.int32) + bias - OFFSETS.get(b.kind, 0) for b in parts])
+    factors = [b.k for b in parts if b.k is not None]
+    if len(factors) == len(parts):
+        return VnniLinear.tile_k(codes, merged_factors(parts, factors, halves), bits)
+    zeros = [torch.zeros(b.codes.shape[0], b.codes.shape[1] // BLOCK) for b in parts]
+    if four_bit:
+        mins = [-OFFSETS[b.kind] * b.scales if b.kind in OFFSETS else b.mins for b in parts]
+    else:
         mins = [b.mins for b in parts]
     minimum = torch.cat([z if m is None else m.float() for m, z in zip(mins, zeros)])
     widen = [1 if per_16(b) or not halves else 2 for b in parts]
@@ -122,8 +130,26 @@ def vnni_from_blocks(parts: list[Blocks], four_bit: bool) -> VnniLinear | None:
     if not torch.isfinite(scales.half()).all():  # a d sc past float16's range: dense, not inf
         return None
     symmetric = all(b.kind == "Q4_0" for b in parts) if four_bit else not minimum.any()
-    bits = 4 if four_bit else 6 if halves else 8
     return VnniLinear.tile(codes, scales, None if symmetric else minimum, bits)
+
+
+def merged_factors(parts: list[Blocks], factors: list[KScales], halves: bool) -> KScales:
+    """The K-quant parts' factors, rows concatenated: sc per 32 weights repeated for each 16
+    where `halves`; m_scale and m zeros for the parts without (Q6_K), none if no part has them."""
+    sc = [
+        f.sc.repeat_interleave(1 if per_16(b) or not halves else 2, 1)
+        for b, f in zip(parts, factors)
+    ]
+    d = torch.cat([f.d for f in factors])
+    if all(f.m is None for f in factors):
+        return KScales(d, torch.cat(sc))
+    m_scale = [torch.zeros_like(f.d) if f.m_scale is None else f.m_scale for f in factors]
+    blocks = [b.codes.shape[1] // BLOCK for b in parts]
+    m = [
+        torch.zeros(f.d.shape[0], n, dtype=torch.int8) if f.m is None else f.m
+        for f, n in zip(factors, blocks)
+    ]
+    return KScales(d, torch.cat(sc), torch.cat(m_scale), torch.cat(m))
 
 
 def from_blocks(parts: list[Blocks | None], dtype: torch.dtype) -> QuantizedLinear | None:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.ext.cpu import native, policy
+from minisgl.ext.cpu.gguf_quant import KScales
 from minisgl.layers.base import Module
 
 INT4_OFFSET = 8  # torch's int4 kernels subtract 8 from every code
@@ -214,6 +215,14 @@ class Int8Linear(QuantizedLinear):
         return self.codes.float() * self.scales.float()[:, None]
 
 
+SUPER_BLOCKS = 8  # blocks of 32 a K-quant scale head covers (256 weights)
+
+
+def k_scale_bytes(bits: int, has_min: bool) -> int:
+    """A tile's scale bytes per 256 weights in qdot.cpp's K-quant layout (its super_bytes)."""
+    return 32 * (1 + has_min) + SUPER_BLOCKS * 16 * ((2 if bits == 6 else 1) + has_min)
+
+
 class VnniLinear(QuantizedLinear):
     """GGUF blocks of 32 on minisgl's kernel (`native.py`: minisgl::qdot_mm): four-bit codes
     q, w = d q + mn (Q4_1: mn = its min) or, without mn, d (q - 8) (Q4_0); eight-bit u, w = d (u
@@ -222,7 +231,9 @@ class VnniLinear(QuantizedLinear):
     codes uint8 [out / 16, in / 32, 64 bytes a bit] and scales float16 [out / 16, in / 32, rows,
     16] in qdot.cpp's layout: d (six-bit: of weights 0-15, of 16-31), then mn, a row left out
     where every mn is 0, or -8 d at four bits (Q6_K, Q8_0, Q4_0: half a bit a weight less to
-    read); `tile` builds them."""
+    read); `tile` builds them. K-quants (Q4_K, Q5_K, Q6_K) keep the file's factors instead
+    (`tile_k`): scales uint8 [out / 16, in / 256, bytes], per 256 weights float16 rows D (and
+    M), then each block's int8 rows sc (two at six bits; and m): d = D sc, mn = M m."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -241,8 +252,15 @@ class VnniLinear(QuantizedLinear):
         return self.bits == 6
 
     @property
+    def k_layout(self) -> bool:
+        """The K-quants' scales (`tile_k`)."""
+        return self.scales.dtype == torch.uint8
+
+    @property
     def has_min(self) -> bool:
         """The scales' mn row (without it mn is 0, and four-bit codes are offset by 8)."""
+        if self.k_layout:
+            return self.scales.shape[2] == k_scale_bytes(self.bits, True)
         return self.scales.shape[2] > 1 + self.halves
 
     @property
@@ -264,6 +282,37 @@ class VnniLinear(QuantizedLinear):
         or at 6 bits [out, in / 16], mins mn [out, in / 32] or None (float16 values) -> the
         layer."""
         tiles, blocks = codes.shape[0] // native.TILE_ROWS, codes.shape[1] // native.BLOCK
+        assert (scales.shape[1] == 2 * blocks) == (bits == 6), "a d per 16 weights at 6 bits"
+        ds = list(scales.view(scales.shape[0], blocks, 2).unbind(-1)) if bits == 6 else [scales]
+        rows = torch.stack(ds if mins is None else [*ds, mins]).to(torch.float16)  # [r, out, g]
+        rows = rows.view(-1, tiles, native.TILE_ROWS, blocks).permute(1, 3, 0, 2).contiguous()
+        return cls(cls.tile_codes(codes, bits), rows)
+
+    @classmethod
+    def tile_k(cls, codes: torch.Tensor, k: KScales, bits: int) -> VnniLinear:
+        """codes as `tile`'s, a K-quant's factors (sc per 16 weights at 6 bits, else per 32;
+        m_scale and m, or neither) -> the layer with qdot.cpp's K-quant scales."""
+        tiles, rows16 = codes.shape[0] // native.TILE_ROWS, native.TILE_ROWS
+        supers = codes.shape[1] // (SUPER_BLOCKS * native.BLOCK)
+
+        def head(values: torch.Tensor) -> torch.Tensor:  # [out, supers] -> [t, s, 32] bytes
+            rows = values.to(torch.float16).view(tiles, rows16, supers).permute(0, 2, 1)
+            return rows.contiguous().view(torch.uint8)
+
+        def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, n] -> [t, s, 8, rows, 16]
+            rows = values.to(torch.int8).view(tiles, rows16, supers, SUPER_BLOCKS, -1)
+            return rows.permute(0, 2, 3, 4, 1)
+
+        heads, subs = [head(k.d)], [per_block(k.sc)]
+        if k.m is not None and k.m_scale is not None:
+            heads, subs = [*heads, head(k.m_scale)], [*subs, per_block(k.m)]
+        sub = torch.cat(subs, 3).reshape(tiles, supers, -1).view(torch.uint8)
+        return cls(cls.tile_codes(codes, bits), torch.cat([*heads, sub], 2).contiguous())
+
+    @staticmethod
+    def tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+        """codes [out, in] in qdot.cpp's layout of `bits` [out / 16, in / 32, 64 bytes a bit]."""
+        tiles, blocks = codes.shape[0] // native.TILE_ROWS, codes.shape[1] // native.BLOCK
         q = codes.to(torch.uint8).view(tiles, native.TILE_ROWS, blocks, 8, 4)  # [t, j, g, c, b]
         if bits == 8:  # -> [t, g, c, j, b]: k = 32g + 4c + b
             tiled = q.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
@@ -276,11 +325,7 @@ class VnniLinear(QuantizedLinear):
                 pairs = shifted.sum(-2, dtype=torch.uint8)  # the bits do not overlap: an or
                 parts.append(pairs.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1))
             tiled = torch.cat(parts, -1)
-        assert (scales.shape[1] == 2 * blocks) == (bits == 6), "a d per 16 weights at 6 bits"
-        ds = list(scales.view(scales.shape[0], blocks, 2).unbind(-1)) if bits == 6 else [scales]
-        rows = torch.stack(ds if mins is None else [*ds, mins]).to(torch.float16)  # [r, out, g]
-        rows = rows.view(-1, tiles, native.TILE_ROWS, blocks).permute(1, 3, 0, 2).contiguous()
-        return cls(tiled.contiguous(), rows)
+        return tiled.contiguous()
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor]) -> QuantizedLinear:
@@ -307,13 +352,31 @@ class VnniLinear(QuantizedLinear):
             q = q | (((top >> shifts) & 3) << 4).flatten(3, 4)
         return q.reshape(self.out_features, self.in_features).to(torch.int32)
 
+    def block_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d [out, in / 32, or in / 16 at six bits], mn [out, in / 32]) float32: the scales the
+        kernel computes with (the K-quants': d = D sc and mn = M m, exact)."""
+        groups, out = 1 + self.halves, self.out_features
+        if not self.k_layout:
+            rows = [
+                self.scales[:, :, i].permute(0, 2, 1).reshape(out, -1).float()
+                for i in range(self.scales.shape[2])
+            ]
+            mn = rows[-1] if self.has_min else torch.zeros_like(rows[0])
+            return torch.stack(rows[:groups], -1).flatten(1), mn
+        tiles, supers = self.scales.shape[:2]
+        split = 32 * (1 + self.has_min)
+        head = self.scales[..., :split].contiguous().view(torch.float16).float()  # [t, s, 16 r]
+        sub = self.scales[..., split:].contiguous().view(torch.int8).float()
+        sub = sub.view(tiles, supers, SUPER_BLOCKS, groups + self.has_min, native.TILE_ROWS)
+        d = head[:, :, None, None, :16] * sub[:, :, :, :groups]  # [t, s, 8, groups, 16]
+        d = d.permute(0, 4, 1, 2, 3).reshape(out, -1)
+        if not self.has_min:
+            return d, torch.zeros(out, d.shape[1] // groups)
+        mn = head[:, :, None, 16:] * sub[:, :, :, groups]  # [t, s, 8, 16]
+        return d, mn.permute(0, 3, 1, 2).reshape(out, -1)
+
     def dequantize(self) -> torch.Tensor:
-        rows = [
-            self.scales[:, :, i].permute(0, 2, 1).reshape(self.out_features, -1).float()
-            for i in range(self.scales.shape[2])
-        ]
-        ds, mn = rows[: 1 + self.halves], rows[-1] if self.has_min else torch.zeros_like(rows[0])
-        d = torch.stack(ds, -1).flatten(1)  # [out, in / 32 or in / 16]
+        d, mn = self.block_scales()  # [out, in / 32 or in / 16], [out, in / 32]
         q = self.unpacked_codes().float().unflatten(1, (d.shape[1], -1)) - self.offset
-        mn = mn.repeat_interleave(len(ds), 1)  # its block's mn, for each of d's groups
+        mn = mn.repeat_interleave(d.shape[1] // mn.shape[1], 1)  # for each of d's groups
         return (q * d.unsqueeze(-1) + mn.unsqueeze(-1)).flatten(1)
