@@ -146,14 +146,21 @@ def test_codes_without_minimums_go_without_the_mn_row(qtype, rows):
             torch.ops.minisgl.qdot_mm(x, layer.codes, three)
 
 
-def test_qdot_bench_runs():
+@pytest.mark.parametrize(
+    "args, variants",
+    [
+        (["--kind", "Q6_K", "--fp16-rows"], ("without mn: 0.03 MB a layer", "with mn: 0.03 MB")),
+        (["--kind", "Q4_K"], ("K-quant factors: 0.02 MB a layer", "float16 rows: 0.02 MB")),
+    ],
+)
+def test_qdot_bench_runs(args, variants):
     """benchmark/kernels/qdot_bench.py times both variants of a small layer (and checks that a
     row of zeros gives the same bits)."""
     bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmark", "kernels")
-    args = [sys.executable, os.path.join(bench, "qdot_bench.py"), "--kind", "Q6_K", "--out",
-            "64", "--cols", "512", "--layers", "1", "--rounds", "2"]  # fmt: skip
-    out = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True).stdout
-    assert "without mn: 0.03 MB a layer" in out and "with mn: 0.03 MB" in out
+    command = [sys.executable, os.path.join(bench, "qdot_bench.py"), *args, "--out", "64",
+               "--cols", "512", "--layers", "1", "--rounds", "2"]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert all(v in out for v in variants), out
 
 
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K, "Q4_K_M"]
