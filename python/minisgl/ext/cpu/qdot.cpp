@@ -160,17 +160,21 @@ inline __m512 int8x16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
 
-// block g's d (d_hi: of weights 16-31 at six bits, else d) and mn for the tile's 16 outputs
+// block g's d (d_hi: of weights 16-31 at six bits, else d) and mn for the tile's 16 outputs;
+// with kSuper the head's D and M, loaded at each 8 blocks' first
 template <int kBits, bool kMin, bool kSuper>
-inline void block_scales(const uint8_t* s, int g, __m512& d, __m512& d_hi, __m512& mn) {
+inline void block_scales(const uint8_t* s, int g, __m512& big_d, __m512& big_m, __m512& d,
+                         __m512& d_hi, __m512& mn) {
   const ScaleRows r = scale_rows<kBits, kMin, kSuper>(s, g);
   constexpr int kDRows = kBits == kSixBit ? 2 : 1;
   if (kSuper) {
-    const __m512 big_d = load16(r.d, true);
+    if (g % kSuperBlocks == 0) {
+      big_d = load16(r.d, true);
+      big_m = kMin ? load16(r.mn, true) : big_d;
+    }
     d = _mm512_mul_ps(big_d, int8x16(r.sc));
     d_hi = kBits == kSixBit ? _mm512_mul_ps(big_d, int8x16(r.sc + 16)) : d;
-    mn = kMin ? _mm512_mul_ps(load16(r.mn, true), int8x16(r.sc + 16 * kDRows))
-              : _mm512_setzero_ps();
+    mn = kMin ? _mm512_mul_ps(big_m, int8x16(r.sc + 16 * kDRows)) : _mm512_setzero_ps();
   } else {
     d = load16(r.d, true);
     d_hi = kBits == kSixBit ? load16(r.d + 16, true) : d;
@@ -188,6 +192,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint8_t* sca
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[kRows];
   for (int m = 0; m < kRows; m++) acc[m] = _mm512_setzero_ps();
+  __m512 big_d = _mm512_setzero_ps(), big_m = big_d;  // kSuper's head
   for (int g = 0; g < blocks; g++) {
     __m512i w[8];  // chunk i holds k = 32g + 4i .. 32g + 4i + 3 of the 16 outputs
     const uint8_t* cg = c + g * code_bytes(kBits);
@@ -211,7 +216,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint8_t* sca
       }
     }
     __m512 d, d_hi, mn;
-    block_scales<kBits, kMin, kSuper>(s, g, d, d_hi, mn);
+    block_scales<kBits, kMin, kSuper>(s, g, big_d, big_m, d, d_hi, mn);
     for (int m = 0; m < kRows; m++) {
       const size_t at = static_cast<size_t>(m) * blocks + g;
       int32_t quad[8];  // the row's codes of the block, 4 a lane
@@ -353,15 +358,18 @@ inline __m256 int8x8(const int8_t* p) {
 
 // half h of block g's d, d_hi and mn (as block_scales on AVX512, 8 outputs)
 template <int kBits, bool kMin, bool kSuper>
-inline void block_scales(const uint8_t* s, int g, int h, __m256& d, __m256& d_hi, __m256& mn) {
+inline void block_scales(const uint8_t* s, int g, int h, __m256& big_d, __m256& big_m, __m256& d,
+                         __m256& d_hi, __m256& mn) {
   const ScaleRows r = scale_rows<kBits, kMin, kSuper>(s, g);
   constexpr int kDRows = kBits == kSixBit ? 2 : 1;
   if (kSuper) {
-    const __m256 big_d = half8(r.d + 8 * h);
+    if (g % kSuperBlocks == 0) {
+      big_d = half8(r.d + 8 * h);
+      big_m = kMin ? half8(r.mn + 8 * h) : big_d;
+    }
     d = _mm256_mul_ps(big_d, int8x8(r.sc + 8 * h));
     d_hi = kBits == kSixBit ? _mm256_mul_ps(big_d, int8x8(r.sc + 16 + 8 * h)) : d;
-    mn = kMin ? _mm256_mul_ps(half8(r.mn + 8 * h), int8x8(r.sc + 16 * kDRows + 8 * h))
-              : _mm256_setzero_ps();
+    mn = kMin ? _mm256_mul_ps(big_m, int8x8(r.sc + 16 * kDRows + 8 * h)) : _mm256_setzero_ps();
   } else {
     d = half8(r.d + 8 * h);
     d_hi = kBits == kSixBit ? half8(r.d + 16 + 8 * h) : d;
@@ -380,6 +388,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint8_t* sca
   for (int h = 0; h < 2; h++) {
     __m256 acc[kRows];
     for (int m = 0; m < kRows; m++) acc[m] = _mm256_setzero_ps();
+    __m256 big_d = _mm256_setzero_ps(), big_m = big_d;  // kSuper's head
     for (int g = 0; g < blocks; g++) {
       __m256i w[8];  // as tile_rows' chunks above, this half's 8 outputs
       const uint8_t* cg = c + g * code_bytes(kBits) + h * 32;
@@ -404,7 +413,7 @@ void tile_rows(const Rows& x, int cols, const uint8_t* codes, const uint8_t* sca
         }
       }
       __m256 d, d_hi, mn;
-      block_scales<kBits, kMin, kSuper>(s, g, h, d, d_hi, mn);
+      block_scales<kBits, kMin, kSuper>(s, g, h, big_d, big_m, d, d_hi, mn);
       for (int m = 0; m < kRows; m++) {
         const size_t at = static_cast<size_t>(m) * blocks + g;
         int32_t quad[8];  // the row's codes of the block, 4 a lane
