@@ -274,3 +274,84 @@ def test_fused_norm_updates_the_callers_residual_dense_or_not():
         assert new_residual is residual and torch.equal(residual, summed)
         want = norm.weight * F.rms_norm(summed, (64,), None, 1e-6)
         torch.testing.assert_close(out, want)
+
+
+def decode_reference(q, k, v, slots, lens, scale):
+    """Each decode row [Hq, D] against its first lens[b] slots of the pools, in float64."""
+    outs = []
+    for b in range(q.shape[0]):
+        rows = slots[b, : int(lens[b])]
+        ks, vs = (x[rows].double().transpose(0, 1) for x in (k, v))  # [Hk, n, D]
+        group = q.shape[1] // k.shape[1]
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        weights = (torch.einsum("hd,hnd->hn", q[b].double(), ks) * scale).softmax(-1)
+        outs.append(torch.einsum("hn,hnd->hd", weights, vs))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "rows, q_heads, kv_heads, dim, length",
+    [(1, 16, 4, 64, 1900), (3, 8, 8, 128, 300), (2, 12, 4, 64, 1), (2, 4, 2, 256, 70)],
+)
+def test_decode_attention_reads_the_pools_in_place(dtype, rows, q_heads, kv_heads, dim, length):
+    """Decode rows against their slots of 16-bit or float32 pools (scattered, never gathered):
+    within float32 rounding of float64, the rows' own lengths (a prefix of their slots), the
+    same bits on one thread and two and for a row alone."""
+    gen = torch.Generator().manual_seed(dim + length)
+    k, v = (torch.randn(4096, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(rows, q_heads, dim, generator=gen) * 2
+    slots = torch.stack([torch.randperm(4096, generator=gen)[:length] for _ in range(rows)])
+    lens = torch.tensor([max(1, length - 7 * b) for b in range(rows)])
+    got = torch.ops.minisgl.decode_attention(q, k, v, slots, lens, 0.125)
+    exact = decode_reference(q, k, v, slots, lens, 0.125)
+    assert (got.double() - exact).abs().max().item() < 2e-6
+    op = torch.ops.minisgl.decode_attention
+    outs = on_one_thread_and_two(lambda x: op(x, k, v, slots, lens, 0.125), q)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], got)
+    alone = op(q[-1:].contiguous(), k, v, slots[-1:], lens[-1:], 0.125)
+    assert torch.equal(alone, got[-1:])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, k, v, s, n: (q.bfloat16(), k, v, s, n), "float32"),
+        (lambda q, k, v, s, n: (q, k.float(), v, s, n), "share"),
+        (lambda q, k, v, s, n: (q[..., :32].contiguous(), k[..., :32], v[..., :32], s, n), "64"),
+        (lambda q, k, v, s, n: (q, k, v, s.int(), n), "int64"),
+        (lambda q, k, v, s, n: (q, k, v, s, n + 10), "lens"),
+        (lambda q, k, v, s, n: (q, k, v, s + 4096, n), "outside"),
+    ],
+)
+def test_decode_attention_refuses_what_it_cannot_compute(change, message):
+    k, v = (torch.randn(4096, 2, 64).bfloat16() for _ in range(2))
+    q, slots, lens = torch.randn(2, 4, 64), torch.arange(10).view(2, 5), torch.tensor([5, 3])
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.minisgl.decode_attention(*change(q, k, v, slots, lens), 0.125)
+
+
+@pytest.mark.ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_backend_decodes_16_bit_pools_with_it(dtype, monkeypatch):
+    """ext/cpu's backend sends decode rows of a 16-bit pool to the kernel, each against its own
+    length (a batch's mask: a prefix of its slots): within float32 rounding of the core's path,
+    rounded to the dtype; a float32 pool keeps SDPA (the float32 paths' sums, bit for bit)."""
+    from minisgl.ext.cpu.speed import WideTorchAttnBackend
+
+    calls = []
+    op = torch.ops.minisgl.decode_attention
+    monkeypatch.setattr(speed_ops(), "decode_attention", lambda *a: calls.append(1) or op(*a))
+    for lens in ([(300, 1)], [(40, 1), (299, 1), (3, 1)]):
+        batch, q, _, _ = make_problem(lens, 4, 64, dtype, True, torch.device("cpu"))
+        wide = WideTorchAttnBackend()
+        wide.prepare(batch)
+        got = wide.forward(q, 0, 0.25, batch)
+        plain = TorchAttnBackend()
+        plain.prepare(batch)
+        want = plain.forward(q.float(), 0, 0.25, batch)
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=0.02, atol=0.02)
+    assert len(calls) == (0 if dtype == torch.float32 else 2)

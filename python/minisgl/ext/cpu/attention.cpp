@@ -1,5 +1,6 @@
-// minisgl's CPU kernel for the attention of fresh prompts (ext/cpu/native.py builds and loads
-// it; ext/cpu/speed.py calls it through torch.ops.minisgl.causal_attention).
+// minisgl's CPU kernels for the attention of fresh prompts and of decode rows (ext/cpu/native.py
+// builds and loads them; ext/cpu/speed.py calls them through torch.ops.minisgl.causal_attention
+// and decode_attention; the latter is at the end of this file).
 //
 // out = softmax(scale q k^T, causal) v in float32 for a batch of prompts, packed: sequence b's
 // new tokens are rows q_starts[b] .. q_starts[b + 1] of q [T, Hq, D], its keys (a cached prefix,
@@ -317,9 +318,162 @@ void attend_item(const float* q, const float* kt, const float* v, float* out, co
   }
 }
 
+// A decode row's attention: one query a q head, its keys and values read where the pool holds
+// them (16-bit or float32 rows, never gathered or widened into a copy). A work item is (row, kv
+// head): the group's scores s = q k log2 e scale, one pass over the keys; 2^(s - max) and their
+// sum; then one pass over the values, 64 dims and 4 heads at a time in registers.
+struct Pool {
+  const void* k;
+  const void* v;
+  int kind;     // 0 float32, 1 bfloat16, 2 float16
+  int64_t row;  // elements from one slot to the next
+};
+
+template <int kKind>
+INLINE __m512 load_row(const void* base, int64_t at) {  // 16 elements as float32
+  if (kKind == 0) return _mm512_loadu_ps(static_cast<const float*>(base) + at);
+  const __m256i h = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at));
+  if (kKind == 2) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The sums of 16 vectors' lanes, key t's at lane t: a transposing tree of adds (15 adds and 30
+// shuffles, not 16 reductions of 8 ops each)
+INLINE __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; i++)  // 256-bit halves: v[2i]'s in lanes 0..7, v[2i + 1]'s in 8..15
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)  // 128-bit lanes: v[4i + j]'s in lane j
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++)  // pairs: in 128-bit lane j, v[8i + j]'s at 0-1, v[8i + 4 + j]'s at 2-3
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  // in 128-bit lane j: v[j], v[4 + j], v[8 + j], v[12 + j]
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
+                                 _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, d);
+}
+
+// group x 16 scores (base 2, scaled) of keys t0 .. t0 + 15 (rows `at[i]`, those past `n` not read)
+template <int kKind, int kDim>
+INLINE void score_keys(const float* q, const void* k, const int64_t* at, int n, int group,
+                       float log2_scale, float* s, int padded) {
+  for (int g = 0; g < group; g++) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) {
+      acc[i] = _mm512_setzero_ps();
+      if (i >= n) continue;
+      for (int d = 0; d < kDim; d += 16)
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * kDim + d), load_row<kKind>(k, at[i] + d),
+                                 acc[i]);
+    }
+    _mm512_storeu_ps(s + g * padded, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(log2_scale)));
+  }
+}
+
+template <int kKind, int kDim>
+void decode_item(const float* q, const Pool& pool, const int64_t* slots, int len, int h,
+                 int group, float log2_scale, float* out, std::vector<float>& s) {
+  const int padded = (len + 15) / 16 * 16;
+  s.resize(static_cast<size_t>(group) * padded);
+  for (int t0 = 0; t0 < len; t0 += 16) {
+    int64_t at[16];
+    for (int i = 0; i < 16 && t0 + i < len; i++) {
+      at[i] = slots[t0 + i] * pool.row + static_cast<int64_t>(h) * kDim;
+      if (t0 + i + 32 < len)  // the key rows two tiles on, on their way from memory
+        _mm_prefetch(reinterpret_cast<const char*>(pool.k) +
+                         (slots[t0 + i + 32] * pool.row + h * kDim) * (kKind ? 2 : 4),
+                     _MM_HINT_T0);
+    }
+    score_keys<kKind, kDim>(q, pool.k, at, len - t0, group, log2_scale, s.data() + t0, padded);
+  }
+  std::vector<float> sums(group);
+  for (int g = 0; g < group; g++) {  // 2^(s - max), the tail's lanes 0
+    float* sg = s.data() + static_cast<size_t>(g) * padded;
+    for (int t = len; t < padded; t++) sg[t] = -INFINITY;
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < padded; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + t));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 l = _mm512_setzero_ps();
+    for (int t = 0; t < padded; t += 16) {
+      const __m512 u = _mm512_sub_ps(_mm512_loadu_ps(sg + t), top);
+      const __mmask16 live = t + 16 <= len ? 0xFFFF : (1u << (len - t)) - 1;
+      const __m512 p = _mm512_maskz_mov_ps(live, exp2_finite(_mm512_maskz_mov_ps(live, u)));
+      _mm512_storeu_ps(sg + t, p);
+      l = _mm512_add_ps(l, p);
+    }
+    sums[g] = _mm512_reduce_add_ps(l);
+  }
+  for (int g0 = 0; g0 < group; g0 += 4) {
+    const int n = std::min(4, group - g0);
+    for (int c = 0; c < kDim; c += 64) {
+      __m512 acc[4][4];
+      for (int g = 0; g < 4; g++)
+        for (int x = 0; x < 4; x++) acc[g][x] = _mm512_setzero_ps();
+      for (int t = 0; t < len; t++) {
+        const int64_t at = slots[t] * pool.row + static_cast<int64_t>(h) * kDim + c;
+        if (t + 16 < len)
+          _mm_prefetch(reinterpret_cast<const char*>(pool.v) +
+                           (slots[t + 16] * pool.row + h * kDim + c) * (kKind ? 2 : 4),
+                       _MM_HINT_T0);
+        __m512 vt[4];
+        for (int x = 0; x < 4; x++) vt[x] = load_row<kKind>(pool.v, at + 16 * x);
+        for (int g = 0; g < n; g++) {
+          const __m512 p = _mm512_set1_ps(s[(g0 + g) * padded + t]);
+          for (int x = 0; x < 4; x++) acc[g][x] = _mm512_fmadd_ps(p, vt[x], acc[g][x]);
+        }
+      }
+      for (int g = 0; g < n; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / sums[g0 + g]);
+        for (int x = 0; x < 4; x++)
+          _mm512_storeu_ps(out + (g0 + g) * kDim + c + 16 * x, _mm512_mul_ps(acc[g][x], inv));
+      }
+    }
+  }
+}
+
+using DecodeItem = void (*)(const float*, const Pool&, const int64_t*, int, int, int, float,
+                            float*, std::vector<float>&);
+
+template <int kKind>
+DecodeItem decode_item_for(int dim) {
+  return dim == 64 ? decode_item<kKind, 64> : dim == 128 ? decode_item<kKind, 128>
+                                                         : decode_item<kKind, 256>;
+}
+
 }  // namespace
 
 extern "C" {
+
+// out [B, Hq, D] (contiguous) = softmax(scale q k^T) v for each decode row b over its first
+// lens[b] slots (slots: row b at b * slot_stride, int64); q [B, Hq, D] contiguous float32; the
+// pools' rows (kind 0 float32, 1 bfloat16, 2 float16) `row` elements apart, head h at h * D;
+// D 64, 128 or 256. A row's bits depend on its own query, keys and values only.
+void decode_attention(const float* q, const void* k, const void* v, int kind, int64_t row,
+                      const int64_t* slots, int64_t slot_stride, const int64_t* lens, float* out,
+                      int batch, int q_heads, int kv_heads, int dim, float scale, int threads) {
+  const Pool pool = {k, v, kind, row};
+  const int group = q_heads / kv_heads;
+  const float log2_scale = scale * 1.4426950408889634f;
+  const DecodeItem item = kind == 0   ? decode_item_for<0>(dim)
+                          : kind == 1 ? decode_item_for<1>(dim)
+                                      : decode_item_for<2>(dim);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> s;
+#pragma omp for schedule(dynamic, 1)
+    for (int n = 0; n < batch * kv_heads; n++) {
+      const int b = n / kv_heads, h = n % kv_heads;
+      const int64_t at = (static_cast<int64_t>(b) * q_heads + h * group) * dim;
+      item(q + at, pool, slots + b * slot_stride, static_cast<int>(lens[b]), h, group, log2_scale,
+           out + at, s);
+    }
+  }
+}
 
 // out [T, Hq, D] (contiguous); q's positions q_row floats apart, k's and v's kv_row; D % 64 == 0;
 // each sequence has at least as many keys as new tokens

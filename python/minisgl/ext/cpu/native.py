@@ -248,6 +248,17 @@ def qdot_mm_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     return x.new_empty((x.shape[0], codes.shape[0] * TILE_ROWS))
 
 
+def decode_attention_shape(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
 def causal_attention_shape(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -261,7 +272,8 @@ def causal_attention_shape(
 
 # the ops' schemas; their CPU kernels are ops.cpp's, registered when the library loads: x [rows,
 # in] (bf16 or fp16) W^T for W in qdot.cpp's layout (codes uint8 [out / 16, in / 32, 256, 384 or
-# 512], scales fp16 [out / 16, in / 32, 1 to 3, 16]) -> [rows, out] in x's dtype
+# 512], scales fp16 [out / 16, in / 32, 1 to 3, 16] or, K-quants', uint8 [out / 16, in / 256,
+# bytes]) -> [rows, out] in x's dtype
 _LIBRARY = torch.library.Library("minisgl", "FRAGMENT")
 _LIBRARY.define("qdot_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor")
 torch.library.register_fake(OP, qdot_mm_shape, lib=_LIBRARY)
@@ -272,6 +284,13 @@ _LIBRARY.define(
     "float scale) -> Tensor"
 )
 torch.library.register_fake("minisgl::causal_attention", causal_attention_shape, lib=_LIBRARY)
+# q [B, Hq, D] float32 (one query a decode row), the pools k and v [S, Hk, D] (float32, bf16 or
+# fp16), slots int64 [B, L] and lens int64 [B]: each row against its first lens[b] slots
+_LIBRARY.define(
+    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lens, float scale) "
+    "-> Tensor"
+)
+torch.library.register_fake("minisgl::decode_attention", decode_attention_shape, lib=_LIBRARY)
 # fused.cpp's float32 kernels for eager steps (fused.py never calls them while compiling): x
 # [T, H, D] rotated by table rows [T, 2, D]; [T, 2 I] -> [T, I]; RMSNorm, and with the residual
 # add in place

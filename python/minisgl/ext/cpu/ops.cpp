@@ -15,6 +15,10 @@ extern "C" void causal_attention(const float* q, int64_t q_row, const float* k, 
                                  int64_t kv_row, float* out, const int64_t* q_starts,
                                  const int64_t* k_starts, int batch, int q_heads, int kv_heads,
                                  int dim, float scale, int threads);
+extern "C" void decode_attention(const float* q, const void* k, const void* v, int kind,
+                                 int64_t row, const int64_t* slots, int64_t slot_stride,
+                                 const int64_t* lens, float* out, int batch, int q_heads,
+                                 int kv_heads, int dim, float scale, int threads);
 extern "C" void rotate(const float* x, int64_t x_row, const float* table, float* out, int64_t rows,
                        int heads, int dim, int threads);
 extern "C" void silu_and_mul(const float* x, int64_t x_row, float* out, int64_t rows, int64_t cols,
@@ -113,6 +117,43 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   causal_attention(qd.const_data_ptr<float>(), qd.stride(0), k.const_data_ptr<float>(),
                    v.const_data_ptr<float>(), k.stride(0), out.data_ptr<float>(), qs, ks, batch,
                    q_heads, kv_heads, dim, static_cast<float>(scale), at::get_num_threads());
+  return out;
+}
+
+at::Tensor decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.is_contiguous() &&
+                  q.scalar_type() == at::kFloat,
+              "decode_attention: q must be contiguous float32 [B, Hq, D], k and v [S, Hk, D]");
+  const at::ScalarType kind = k.scalar_type();
+  TORCH_CHECK(v.scalar_type() == kind &&
+                  (kind == at::kFloat || kind == at::kBFloat16 || kind == at::kHalf),
+              "decode_attention: k and v must share float32, bfloat16 or float16");
+  const int64_t batch = q.size(0), q_heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
+  TORCH_CHECK(k.size(2) == dim && (dim == 64 || dim == 128 || dim == 256) &&
+                  q_heads % kv_heads == 0,
+              "decode_attention: shapes do not fit (head size 64, 128 or 256)");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == dim && v.strides() == k.strides(),
+              "decode_attention: k's and v's heads must be dense, with the same strides");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == batch &&
+                  slots.stride(1) == 1 && lens.scalar_type() == at::kLong &&
+                  lens.dim() == 1 && lens.size(0) == batch && lens.is_contiguous(),
+              "decode_attention: slots must be int64 [B, L] (unit stride), lens int64 [B]");
+  const int64_t* n = lens.const_data_ptr<int64_t>();
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; b++) {
+    TORCH_CHECK(n[b] >= 1 && n[b] <= slots.size(1), "decode_attention: lens must be 1..L");
+    for (int64_t t = 0; t < n[b]; t++)
+      TORCH_CHECK(slot[b * slots.stride(0) + t] >= 0 && slot[b * slots.stride(0) + t] < k.size(0),
+                  "decode_attention: a slot is outside the pools");
+  }
+  at::Tensor out = at::empty({batch, q_heads, dim}, q.options());
+  const int code = kind == at::kFloat ? 0 : kind == at::kBFloat16 ? 1 : 2;
+  if (batch > 0) {
+    decode_attention(q.const_data_ptr<float>(), k.const_data_ptr(), v.const_data_ptr(), code,
+                     k.stride(0), slot, slots.stride(0), n, out.data_ptr<float>(), batch, q_heads,
+                     kv_heads, dim, static_cast<float>(scale), at::get_num_threads());
+  }
   return out;
 }
 
@@ -215,6 +256,7 @@ TORCH_LIBRARY_IMPL(minisgl, CPU, m) {
   m.impl("qdot_mm", &qdot);
 #ifdef __AVX512F__
   m.impl("causal_attention", &attention);
+  m.impl("decode_attention", &decode);
   m.impl("rotate", &rotate_op);
   m.impl("silu_and_mul", &silu_and_mul_op);
   m.impl("rms_norm", &rms_norm_op);

@@ -156,13 +156,38 @@ class WideTorchAttnBackend(TorchAttnBackend):
             out = native_attention(wide, layer_id, scale, md)
         elif isinstance(md, PromptMetadata) and md.fresh:
             out = causal_attention(wide, layer_id, scale, md)
+        elif isinstance(md, TorchAttnMetadata) and self.native_decode_fits(q, md):
+            out = native_decode(wide, layer_id, scale, md)
         else:
             out = super().forward(wide, layer_id, scale, batch)
         return out.to(q.dtype)
 
+    def native_decode_fits(self, q: torch.Tensor, md: TorchAttnMetadata) -> bool:
+        """Decode rows of a 16-bit pool on attention.cpp (float32 pools keep SDPA's sums, which
+        the float32 paths match transformers with; a window's mask is no prefix)."""
+        pool = get_global_ctx().kv_cache.k_flat(0)
+        sixteen_bit = pool.dtype in (torch.bfloat16, torch.float16)
+        head = q.shape[2] in (64, 128, 256) and native.float32_kernels()
+        return md.max_q_len == 1 and sixteen_bit and self.sliding_window is None and head
+
 
 def native_fits(q: torch.Tensor) -> bool:
     return q.shape[2] % 64 == 0 and native.float32_kernels()
+
+
+def native_decode(
+    q: torch.Tensor, layer_id: int, scale: float, md: TorchAttnMetadata
+) -> torch.Tensor:
+    """Decode rows through attention.cpp, each against its slots where the pools hold them (no
+    gathered or widened copy): every slot, or the mask's prefix of them."""
+    pools = get_global_ctx().kv_cache
+    rows, length = md.kv_slots.shape
+    if md.mask is None:
+        lens = md.kv_slots.new_full((rows,), length)
+    else:
+        lens = md.mask.reshape(rows, length).sum(-1)
+    k, v = pools.k_flat(layer_id), pools.v_flat(layer_id)
+    return torch.ops.minisgl.decode_attention(q, k, v, md.kv_slots, lens, scale)
 
 
 def native_attention(
