@@ -1,7 +1,8 @@
 """CPU speed of one GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1) in minisgl and,
 when llama-cpp-python is available, in llama.cpp on the same file with the same cores: decode
 tok/s (batch 1, greedy or at `--temperature` with `--top-p` / `--top-k`; `--streams N`: N at once,
-minisgl alone; `--decode-tokens` after a short prompt) and prefill tok/s (one prompt of
+minisgl alone; `--decode-tokens` after a short prompt, or after `--context` random token ids: the
+keys a long chat's decode attends) and prefill tok/s (one prompt of
 `--prompt-tokens` random token ids, a new one each time so no prefix cache helps), printed side
 by side with the ratio minisgl / llama.cpp. By default llama.cpp runs a thread per core and
 minisgl as it does by default (its decode moves between every core and one, `--cpu-threads`);
@@ -37,16 +38,19 @@ def random_prompt(count: int, seed: int, vocab: int) -> list[int]:
 
 
 def llama_cpp_run(
-    model: str, threads: int, decode: int, prompt_tokens: int, seed: int, draw: dict[str, float]
-) -> dict:
-    """One round in llama.cpp: decode tok/s of tokens after DECODE_PROMPT (EOS ignored, as
-    minisgl's ignore_eos), greedy or drawn as `draw` says (temp, top_k, top_p; its min-p off,
-    as minisgl's default), prefill tok/s of a random prompt."""
+    model: str, threads: int, decode: int, prompt_tokens: int, seed: int, draw: dict[str, float],
+    context: int = 0,
+) -> dict:  # fmt: skip
+    """One round in llama.cpp: decode tok/s of tokens after DECODE_PROMPT (or `context` random
+    ids; EOS ignored, as minisgl's ignore_eos), greedy or drawn as `draw` says (temp, top_k,
+    top_p; its min-p off, as minisgl's default), prefill tok/s of a random prompt."""
     from llama_cpp import Llama
 
-    ctx = max(prompt_tokens, decode + 64) + 16
+    ctx = max(prompt_tokens, context + decode + 64) + 16
     llm = Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, verbose=False)
     tokens = llm.tokenize(DECODE_PROMPT.encode())
+    if context:
+        tokens = random_prompt(context, seed, llm.n_vocab())
     llm.eval(tokens)  # the prompt first: decode time alone is measured
     start = time.perf_counter()
     llm.set_seed(seed)  # (llama-cpp-python's defaults would be top-k 40, top-p 0.95, min-p 0.05)
@@ -75,7 +79,7 @@ def llama_cpp_child(args: argparse.Namespace, seed: int) -> dict | None:
     cmd += [str(threads), "--decode-tokens", str(args.decode_tokens)]
     cmd += ["--prompt-tokens", str(args.prompt_tokens), "--seed", str(seed)]
     cmd += ["--temperature", str(args.temperature), "--top-p", str(args.top_p)]
-    cmd += ["--top-k", str(args.top_k)]
+    cmd += ["--top-k", str(args.top_k), "--context", str(args.context)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -96,7 +100,10 @@ def minisgl_round(llm: Any, args: argparse.Namespace, seed: int) -> dict:
         for i in range(args.streams)
     ]
     first = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)] * args.streams
+    vocab = llm.engine.model_config.vocab_size
     prompt = llm.tokenizer.encode(DECODE_PROMPT)
+    if args.context:
+        prompt = random_prompt(args.context, seed, vocab)
     llm.generate([prompt], first[0], False)  # caches the prompt: both timed runs below hit it alike
     prompt_s = min(timed(llm, prompt, first) for _ in range(3))  # the same short prefill,
     # subtracted below: the fastest of three, so that one slow run (another process took the
@@ -105,7 +112,6 @@ def minisgl_round(llm: Any, args: argparse.Namespace, seed: int) -> dict:
     if decode_s <= 0:
         raise SystemExit("decode time below the timer's noise: raise --decode-tokens")
     start = time.perf_counter()
-    vocab = llm.engine.model_config.vocab_size
     llm.generate([random_prompt(args.prompt_tokens, seed, vocab)], first[0], False)
     prefill_s = time.perf_counter() - start
     return {
@@ -124,6 +130,7 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--context", type=int, default=0, help="decode after N random ids (0: short)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantization", default="auto", help="minisgl's --quantization")
     p.add_argument("--dtype", default="auto", help="minisgl's --dtype")
@@ -147,6 +154,8 @@ def parse_args() -> argparse.Namespace:
     for name in ("threads", "decode_tokens", "prompt_tokens", "repeats", "streams"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.context < 0:
+        p.error("--context must be at least 0")
     if not 0 <= args.temperature <= 100:
         p.error("--temperature must be between 0 and 100")
     if not 0 < args.top_p <= 1 or args.top_k < 0:
@@ -176,15 +185,16 @@ def main() -> None:
     if args.llama_cpp_round:  # the child: llama.cpp only, no torch imported
         draw = dict(temp=args.temperature, top_k=args.top_k, top_p=args.top_p)
         r = llama_cpp_run(
-            args.model, args.threads, args.decode_tokens, args.prompt_tokens, args.seed, draw
-        )
+            args.model, args.threads, args.decode_tokens, args.prompt_tokens, args.seed, draw,
+            args.context,
+        )  # fmt: skip
         print(json.dumps(r))
         return
     from minisgl import LLM
     from minisgl.ext.cpu.gguf import default_model
 
     args.model = args.model or default_model()
-    limit = args.prompt_tokens + args.decode_tokens + 64
+    limit = max(args.prompt_tokens, args.context) + args.decode_tokens + 64
     compiled = args.enable_torch_compile
     llm = LLM(
         args.model, quantization=args.quantization, dtype=args.dtype, max_model_len=limit,
@@ -227,6 +237,7 @@ def main() -> None:
             "top_k": args.top_k,
             "streams": args.streams,
             "prompt_tokens": args.prompt_tokens,
+            "context": args.context,
             "repeats": args.repeats,
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "note": args.note,

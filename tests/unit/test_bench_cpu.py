@@ -36,7 +36,21 @@ def test_prompts_are_seeded_and_inside_the_vocabulary():
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--streams", "2", "--temperature", "1", "--top-p", "0.9", "--top-k", "5"]],
+    [
+        [],
+        [
+            "--streams",
+            "2",
+            "--temperature",
+            "1",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "5",
+            "--context",
+            "24",
+        ],
+    ],
     ids=["greedy", "sampled-streams"],
 )
 def test_smoke_on_a_tiny_gguf(tmp_path, extra):
@@ -56,6 +70,7 @@ def test_smoke_on_a_tiny_gguf(tmp_path, extra):
     assert line["bench"] == "bench_cpu" and line["minisgl_decode_tok_s"] > 0
     assert line["prompt_tokens"] == 16 and line["threads"] >= 1
     assert line["streams"] == (2 if extra else 1) and line["top_k"] == (5 if extra else 0)
+    assert line["context"] == (24 if extra else 0)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +79,7 @@ def test_smoke_on_a_tiny_gguf(tmp_path, extra):
         (["--repeats", "0"], "--repeats must be at least 1"),
         (["--streams", "0"], "--streams must be at least 1"),
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--context", "-1"], "--context must be at least 0"),
     ],
 )
 def test_bad_counts_name_the_flag(flags, says):
