@@ -379,7 +379,8 @@ template <int kKind, int kDim>
 void decode_item(const float* q, const Pool& pool, const int64_t* slots, int len, int h,
                  int group, float log2_scale, float* out, std::vector<float>& s) {
   const int padded = (len + 15) / 16 * 16;
-  s.resize(static_cast<size_t>(group) * padded);
+  s.resize(static_cast<size_t>(group) * padded + group);  // the scores, then their sums
+  float* sums = s.data() + static_cast<size_t>(group) * padded;
   for (int t0 = 0; t0 < len; t0 += 16) {
     int64_t at[16];
     for (int i = 0; i < 16 && t0 + i < len; i++) {
@@ -391,7 +392,6 @@ void decode_item(const float* q, const Pool& pool, const int64_t* slots, int len
     }
     score_keys<kKind, kDim>(q, pool.k, at, len - t0, group, log2_scale, s.data() + t0, padded);
   }
-  std::vector<float> sums(group);
   for (int g = 0; g < group; g++) {  // 2^(s - max), the tail's lanes 0
     float* sg = s.data() + static_cast<size_t>(g) * padded;
     for (int t = len; t < padded; t++) sg[t] = -INFINITY;
@@ -464,7 +464,7 @@ void decode_attention(const float* q, const void* k, const void* v, int kind, in
                                       : decode_item_for<2>(dim);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> s;
+    thread_local std::vector<float> s;  // OpenMP's threads persist: no allocation a call
 #pragma omp for schedule(dynamic, 1)
     for (int n = 0; n < batch * kv_heads; n++) {
       const int b = n / kv_heads, h = n % kv_heads;

@@ -168,8 +168,7 @@ class WideTorchAttnBackend(TorchAttnBackend):
     def native_decode_fits(self, q: torch.Tensor, md: TorchAttnMetadata) -> bool:
         """Decode rows of a 16-bit pool on attention.cpp (float32 pools keep SDPA's sums, which
         the float32 paths match transformers with; a window's mask is no prefix)."""
-        pool = get_global_ctx().kv_cache.k_flat(0)
-        sixteen_bit = pool.dtype in (torch.bfloat16, torch.float16)
+        sixteen_bit = get_global_ctx().kv_cache.dtype in (torch.bfloat16, torch.float16)
         head = q.shape[2] in (64, 128, 256) and native.float32_kernels()
         return md.max_q_len == 1 and sixteen_bit and self.sliding_window is None and head
 
