@@ -247,6 +247,7 @@ def test_triton_metadata_rows_start_16_byte_aligned():
     "script, argv, num_rows",
     [
         ("decode_attention_bench.py", ["--block-n", "16"], 2),  # bf16 and fp8 pools
+        ("decode_replay_bench.py", [], 1),  # the default run's decode steps, bf16
         (
             "extend_attention_bench.py",
             ["--block-m", "16,32", "--block-n", "16", "--decode-rows", "2"],
@@ -255,8 +256,9 @@ def test_triton_metadata_rows_start_16_byte_aligned():
     ],
 )
 def test_attention_benchmark_smoke(script, argv, num_rows):
-    """benchmark/kernels/*_attention_bench.py --smoke runs the kernel interpreted, checks each
-    configuration against its float32 reference and prints a row for each."""
+    """benchmark/kernels/*_attention_bench.py and decode_replay_bench.py --smoke run the kernel
+    interpreted, check each configuration against its float32 reference and print a row for
+    each."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "benchmark", "kernels", script)
