@@ -26,13 +26,15 @@ PARAMS = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
 
 @pytest.fixture
 def tiny_gguf(tmp_path, monkeypatch):
-    """A tiny GGUF (Q4_0 / Q4_1 / Q8_0 / F16 parts) in a fresh cache, the step turned on."""
-    from support.gguf_files import write_gguf
+    """A tiny GGUF in a fresh cache, the step turned on: Q4_0 / Q4_1 / Q8_0 / F16 parts, each
+    layer's alike (one kind of layer: each kind of step is built once, ~13 s on 2 cores)."""
+    from support.gguf_files import Q, write_gguf
 
     monkeypatch.setenv("MINISGL_CACHE_DIR", link_kernels(tmp_path / "cache"))
     monkeypatch.setenv("MINISGL_CPU_AOT", "1")
     path = str(tmp_path / "tiny.gguf")
-    write_gguf("llama", path)
+    # the 2-D tensors in turn: the embedding, then each layer's q, k, v, o, gate, up, down
+    write_gguf("llama", path, qtypes=[Q.Q4_0, Q.Q8_0, Q.Q8_0, Q.Q8_0, Q.Q4_1, Q.Q4_0, Q.F16])
     return path
 
 
@@ -180,6 +182,21 @@ def test_the_thread_governor_governs_the_compiled_layers():
             engine = SimpleNamespace(model=model, decoder=lambda batch, d=decoder: d)
             GovernedThreads(governor).forward(engine, batch, [False], False)
     assert keys == [1, 1, None, 3, 3, 3]  # None: every core; torch.compile's batches: eager
+
+
+def test_layers_of_two_kinds_get_two_steps_and_two_artifacts(tmp_path, monkeypatch):
+    """Layers whose quantized parts differ (the default mix, cycling through the layers) are
+    two kinds of layer: a step and an artifact path each; layers alike share them."""
+    from support.gguf_files import write_gguf
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "mixed.gguf")
+    write_gguf("llama", path)
+    llm = LLM(path, quantization="gguf", dtype="bfloat16", num_pages=16, cpu_compile="off")
+    first, second = aot.layer_steps(llm.engine)
+    assert first is not second and first.signature() != second.signature()
+    paths = {aot.artifact_path(llm.engine, step) for step in (first, second)}
+    assert len(paths) == 2
 
 
 def test_corrupt_artifact_falls_back_to_eager(tiny_gguf, capfd, monkeypatch):
