@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-n", type=ints, default=None, help="default: decode_tuning's")
     p.add_argument("--num-warps", type=ints, default=[4])
     p.add_argument("--num-stages", type=ints, default=None, help="default: decode_tuning's")
+    p.add_argument("--per-step", action="store_true", help="a line for every timed step too")
     args = p.parse_args(argv)
     if args.smoke:
         args.num_seqs, args.max_input_len, args.max_output_len, args.stride = 3, 120, 110, 50
@@ -122,9 +123,12 @@ def replay(args, run, pools, config, gen, device) -> tuple[float, int, float]:
             ref = reference(ops[0], k_pool, v_pool, ops[1], lens, args.page_size, scale)
             err = max(err, (step().float() - ref).abs().max().item())
         weight = min(args.stride, len(run) - i)
-        total_us += time_us(step, args.reps, device.type == "cuda") * weight
-        per_token = args.kv_heads * args.head_dim * 2 * k_pool.element_size()
-        total_bytes += sum(run[i]) * per_token * weight
+        us = time_us(step, args.reps, device.type == "cuda")
+        nbytes = sum(run[i]) * args.kv_heads * args.head_dim * 2 * k_pool.element_size()
+        total_us, total_bytes = total_us + us * weight, total_bytes + nbytes * weight
+        if args.per_step:
+            print(f"  step {i + 1}: {len(run[i])} requests, {n} splits, {us:.1f} us, "
+                  f"{nbytes / us / 1e6:.2f} TB/s")  # fmt: skip
     return total_us, total_bytes, err
 
 
