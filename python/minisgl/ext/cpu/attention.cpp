@@ -358,6 +358,13 @@ INLINE __m512 sum16(const __m512* v) {
   return _mm512_permutexvar_ps(order, d);
 }
 
+// Every 64-byte line of `kBytes` from p on its way to L1 (one prefetch fetches one line: a
+// 16-bit row of 64 dims is two, of 128 four)
+template <int kBytes>
+INLINE void prefetch_row(const char* p) {
+  for (int b = 0; b < kBytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 // group x 16 scores (base 2, scaled) of keys t0 .. t0 + 15 (rows `at[i]`, those past `n` not read)
 template <int kKind, int kDim>
 INLINE void score_keys(const float* q, const void* k, const int64_t* at, int n, int group,
@@ -386,9 +393,9 @@ void decode_item(const float* q, const Pool& pool, const int64_t* slots, int len
     for (int i = 0; i < 16 && t0 + i < len; i++) {
       at[i] = slots[t0 + i] * pool.row + static_cast<int64_t>(h) * kDim;
       if (t0 + i + 32 < len)  // the key rows two tiles on, on their way from memory
-        _mm_prefetch(reinterpret_cast<const char*>(pool.k) +
-                         (slots[t0 + i + 32] * pool.row + h * kDim) * (kKind ? 2 : 4),
-                     _MM_HINT_T0);
+        prefetch_row<kKind ? 2 * kDim : 4 * kDim>(
+            reinterpret_cast<const char*>(pool.k) +
+            (slots[t0 + i + 32] * pool.row + h * kDim) * (kKind ? 2 : 4));
     }
     score_keys<kKind, kDim>(q, pool.k, at, len - t0, group, log2_scale, s.data() + t0, padded);
   }
@@ -416,10 +423,10 @@ void decode_item(const float* q, const Pool& pool, const int64_t* slots, int len
         for (int x = 0; x < 4; x++) acc[g][x] = _mm512_setzero_ps();
       for (int t = 0; t < len; t++) {
         const int64_t at = slots[t] * pool.row + static_cast<int64_t>(h) * kDim + c;
-        if (t + 16 < len)
-          _mm_prefetch(reinterpret_cast<const char*>(pool.v) +
-                           (slots[t + 16] * pool.row + h * kDim + c) * (kKind ? 2 : 4),
-                       _MM_HINT_T0);
+        if (t + 16 < len)  // this chunk of the value row 16 keys on
+          prefetch_row<kKind ? 128 : 256>(reinterpret_cast<const char*>(pool.v) +
+                                          (slots[t + 16] * pool.row + h * kDim + c) *
+                                              (kKind ? 2 : 4));
         __m512 vt[4];
         for (int x = 0; x < 4; x++) vt[x] = load_row<kKind>(pool.v, at + 16 * x);
         for (int g = 0; g < n; g++) {
