@@ -2,9 +2,9 @@
 `bench.py`'s workload (its prompt and output lengths, the requests leaving as their outputs
 end), each step's batch on its own CUDA graph, the kernel at the engine's split count and tuning
 or at the variants asked for. It prints the run's total decode-attention time (a layer's times
-`--layers`), the KV bytes read and their rate: what `--profile` reports of a real run, without the model around it, so that
-variants of the kernel compare on the run's mix of batch sizes (alone, `decode_attention_bench.py`
-times one batch). A small step's KV fits the L2 cache across the graph's replays, which a run
+`--layers`), the KV bytes read and their rate: what `--profile` reports of a real run, without
+the model around it, so that variants of the kernel compare on the run's mix of batch sizes
+(alone, `decode_attention_bench.py` times one batch). A small step's KV fits the L2 cache across the graph's replays, which a run
 (each layer its own KV) does not give it: the tail's rate is an upper bound.
 
     python benchmark/kernels/decode_replay_bench.py                        # bf16, every 8th step
@@ -18,7 +18,6 @@ import argparse
 import itertools
 import os
 import sys
-from random import randint, seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.join(ROOT, "python"))
@@ -54,26 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def workload(args: argparse.Namespace) -> tuple[list[int], list[int]]:
-    """bench.py's prompt lengths and output token counts (its random draws, in its order)."""
-    seed(0)
-    prompts = [
-        len([randint(0, 10000) for _ in range(randint(100, args.max_input_len))])
-        for _ in range(args.num_seqs)
-    ]
-    return prompts, [randint(100, args.max_output_len) for _ in range(args.num_seqs)]
-
-
 def steps(prompts: list[int], outputs: list[int]) -> list[list[int]]:
     """Each decode step's KV lengths (the new token included): the prefill samples the first
     output token, step s computes token s + 1 of every request still short of its output."""
     longest = max(outputs)
     return [[p + s for p, o in zip(prompts, outputs) if s < o] for s in range(1, longest)]
-
-
-def splits(batch: int, kv_heads: int, sms: int, per_sm: int) -> int:
-    """decode_splits' rule with `per_sm` programs per SM as its target (the engine's: 4)."""
-    return max(1, min(32, -(-per_sm * sms // (batch * kv_heads))))
 
 
 def step_operands(lens: list[int], args: argparse.Namespace, slots_pages: int, gen, device):
@@ -107,7 +91,7 @@ def replay(args, run, pools, config, gen, device) -> tuple[float, int, float]:
     timed = list(range(0, len(run), args.stride))
     total_us, total_bytes, err = 0.0, 0, 0.0
     for i in timed:
-        n = splits(len(run[i]), args.kv_heads, sms, per_sm)
+        n = ta.decode_splits(len(run[i]), args.kv_heads, sms, per_sm)
         tuning = ta.DecodeTuning(block_n, stages or ta.decode_tuning(k_pool, n).num_stages)
         ops = step_operands(run[i], args, k_pool.shape[0] // args.page_size, gen, device)
 
@@ -139,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from minisgl.kernel import triton_attention as ta
 
-    prompts, outputs = workload(args)
+    sys.path.insert(0, os.path.join(ROOT, "benchmark", "offline"))
+    from bench import workload  # its prompts and output token counts, drawn alike
+
+    prompt_ids, outputs = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    prompts = [len(p) for p in prompt_ids]
     run = steps(prompts, outputs)
     gen = torch.Generator().manual_seed(0)
     most = max(len(r) for r in run) * -(-(max(prompts) + max(outputs)) // args.page_size)

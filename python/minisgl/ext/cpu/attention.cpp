@@ -385,6 +385,7 @@ INLINE void score_keys(const float* q, const void* k, const int64_t* at, int n, 
 template <int kKind, int kDim>
 void decode_item(const float* q, const Pool& pool, const int64_t* slots, int len, int h,
                  int group, float log2_scale, float* out, std::vector<float>& s) {
+  constexpr int kItem = kKind ? 2 : 4;  // bytes of a pool element
   const int padded = (len + 15) / 16 * 16;
   s.resize(static_cast<size_t>(group) * padded + group);  // the scores, then their sums
   float* sums = s.data() + static_cast<size_t>(group) * padded;
@@ -393,9 +394,8 @@ void decode_item(const float* q, const Pool& pool, const int64_t* slots, int len
     for (int i = 0; i < 16 && t0 + i < len; i++) {
       at[i] = slots[t0 + i] * pool.row + static_cast<int64_t>(h) * kDim;
       if (t0 + i + 32 < len)  // the key rows two tiles on, on their way from memory
-        prefetch_row<kKind ? 2 * kDim : 4 * kDim>(
-            reinterpret_cast<const char*>(pool.k) +
-            (slots[t0 + i + 32] * pool.row + h * kDim) * (kKind ? 2 : 4));
+        prefetch_row<kItem * kDim>(reinterpret_cast<const char*>(pool.k) +
+                                   (slots[t0 + i + 32] * pool.row + h * kDim) * kItem);
     }
     score_keys<kKind, kDim>(q, pool.k, at, len - t0, group, log2_scale, s.data() + t0, padded);
   }
@@ -424,9 +424,8 @@ void decode_item(const float* q, const Pool& pool, const int64_t* slots, int len
       for (int t = 0; t < len; t++) {
         const int64_t at = slots[t] * pool.row + static_cast<int64_t>(h) * kDim + c;
         if (t + 16 < len)  // this chunk of the value row 16 keys on
-          prefetch_row<kKind ? 128 : 256>(reinterpret_cast<const char*>(pool.v) +
-                                          (slots[t + 16] * pool.row + h * kDim + c) *
-                                              (kKind ? 2 : 4));
+          prefetch_row<kItem * 64>(reinterpret_cast<const char*>(pool.v) +
+                                   (slots[t + 16] * pool.row + h * kDim + c) * kItem);
         __m512 vt[4];
         for (int x = 0; x < 4; x++) vt[x] = load_row<kKind>(pool.v, at + 16 * x);
         for (int g = 0; g < n; g++) {
