@@ -428,6 +428,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="KV pool type (the roofline then counts its bytes)",
     )
+    p.add_argument("--page-size", type=int, help="tokens per KV page (default: LLM's, 16)")
     p.add_argument("--no-overlap", action="store_true", help="MINISGL_DISABLE_OVERLAP_SCHEDULING")
     p.add_argument("--no-fused", action="store_true", help="MINISGL_DISABLE_FUSED_OPS")
     p.add_argument("--no-gemv", action="store_true", help="MINISGL_DISABLE_GEMV")
@@ -595,6 +596,7 @@ def make_llm(args: argparse.Namespace, model: str, lora_paths: list[str]) -> Any
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         kv_cache_dtype=args.kv_cache_dtype,
         **{k: v for k, v in chunks.items() if v is not None},
+        **({} if args.page_size is None else {"page_size": args.page_size}),
         disable_mixed_steps=args.disable_mixed_steps,
         disable_prefill_graphs=args.disable_prefill_graphs,
         **spec_options(args, model),
@@ -730,6 +732,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         and (args.speculative_algorithm is None or args.speculative_max_backoff > 1),
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "page_size": args.page_size,
         "mixed_steps": not args.disable_mixed_steps,
         "prefill_graphs": not args.disable_prefill_graphs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
