@@ -2,7 +2,8 @@
 kernel before it in the stream still runs, and waits in `wait_for_previous` until that one has
 finished and its writes are visible. Whatever a kernel does before that wait overlaps the
 previous kernel: its launch, and reads of memory that no kernel of the step writes (the GEMV's
-first weight tile; one request's decode attention, its first block of KV). In a CUDA graph the launches become programmatic edges.
+first weight tile; one request's decode attention, its first block of KV). In a CUDA graph the
+launches become programmatic edges.
 
 The rule every kernel launched with `launch_pdl` keeps: nothing another kernel writes is read,
 and nothing at all is written, before `wait_for_previous`. The wait also lets the next kernel

@@ -514,9 +514,10 @@ def num_sms(device: torch.device) -> int:
 
 def decode_splits(batch_size: int, num_kv_heads: int, sm_count: int, per_sm: int = 4) -> int:
     """KV splits per request of a decode batch: about `per_sm` (request, kv head, split)
-    programs per SM (4; other targets for benchmarks), at most 32. It never depends on KV lengths, so one CUDA graph per batch size
-    serves any lengths: each request cuts its own KV into this many block-aligned chunks, and
-    the chunks past a short request's end exit at once."""
+    programs per SM (4; other targets for benchmarks), at most 32. It never depends on KV
+    lengths, so one CUDA graph per batch size serves any lengths: each request cuts its own KV
+    into this many block-aligned chunks, and the chunks past a short request's end exit at
+    once."""
     return max(1, min(32, triton.cdiv(per_sm * sm_count, batch_size * num_kv_heads)))
 
 

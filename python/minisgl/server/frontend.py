@@ -77,7 +77,7 @@ class Frontend:
         return next(self.uids)
 
     def admit(self) -> None:
-        """An APIError refuses a request: 503 once the pipeline is dead (ext/serving bounds them)."""
+        """An APIError refuses a request: 503 once the pipeline is dead (ext/serving: limits)."""
         if self.dead is not None:
             from minisgl.server.protocol import APIError  # the HTTP front end's (pydantic)
 
