@@ -254,6 +254,25 @@ def test_cpu_smoke_run_moe_config_tp2(tmp_path: Path, monkeypatch: pytest.Monkey
     assert (result["model"], result["tp"], result["moe_backend"]) == ("tiny-moe", 2, "torch")
 
 
+def test_page_size_reaches_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--page-size is the engine's page size and goes into the JSON line (absent: LLM's)."""
+    import minisgl
+
+    sizes = []
+
+    class Spy(minisgl.LLM):
+        def __init__(self, *args, **options):
+            super().__init__(*args, **options)
+            sizes.append(self.engine.page_size)
+
+    monkeypatch.setattr(minisgl, "LLM", Spy)
+    args = ["--tiny", "--num-seqs", "2", "--max-input-len", "104", "--max-output-len", "102"]
+    result = bench_main([*args, "--page-size", "4"], tmp_path / "a.jsonl", monkeypatch)
+    assert result["page_size"] == 4 and result["output_tokens"] == sum(workload(2, 104, 102)[1])
+    assert bench_main(args, tmp_path / "b.jsonl", monkeypatch)["page_size"] is None
+    assert sizes == [4, 16]
+
+
 def test_benchmark_configs_are_the_published_ones():
     from transformers import AutoConfig
 
