@@ -7,7 +7,8 @@ without it). A new feature is a new package here plus one import line below."""
 # points' lists and dicts (routes, request fields, step features, flag groups): serving and
 # structured first, then agent, whose APIs build on both --
 # isort: off
-import minisgl.ext.serving  # noqa: F401  (sglang routes, /metrics, --dp, HTTP limits, API processes, nodes, watchdog)
+# serving: sglang routes, /metrics, --dp, HTTP limits, API processes, nodes, watchdog
+import minisgl.ext.serving  # noqa: F401
 import minisgl.ext.structured  # noqa: F401  (tool calls, reasoning, grammars)
 import minisgl.ext.agent  # noqa: F401  (/v1/responses, Anthropic /v1/messages)
 import minisgl.ext.perf  # noqa: F401  (prompts as CUDA-graph rows)

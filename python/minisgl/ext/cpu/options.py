@@ -20,8 +20,9 @@ class CpuOptions:
     quantization: str = option(
         "auto",
         "weight-only quantized linear layers (CPU, 16-bit dtype, TP 1): gguf (a GGUF's Q4_0/1, "
-        "Q4_K codes as int4, Q5_0/1, Q5_K, Q8_0 as int8), int8 (every projection per row), none (dequantized: the exact "
-        "path); auto: gguf for a quantized GGUF in bfloat16, else none",
+        "Q4_K codes as int4, Q5_0/1, Q5_K, Q8_0 as int8), int8 (every projection per row), "
+        "none (dequantized: the exact path); auto: gguf for a quantized GGUF in bfloat16, else "
+        "none",
         choices=QUANTIZATIONS,
     )
     enable_torch_compile: bool = option(

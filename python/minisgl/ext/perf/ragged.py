@@ -8,7 +8,8 @@ against 3,594, 8,192 new after 8,192 cached 1,277 against 1,583, 32 of 1,024 tok
 place: one-token rows on the pair's decode backend (Triton's split-KV kernel), rows of several
 tokens (speculative verification) on the paged one, which also takes a batch whose prompts mostly
 extend a cached prefix (a prefix-cache hit): gathering that prefix for a few new tokens costs
-more than it saves. The plain equivalent is the core's paged fi prefill (`attention/fi_backend.py`)."""
+more than it saves. The plain equivalent is the core's paged fi prefill
+(`attention/fi_backend.py`)."""
 
 from __future__ import annotations
 

@@ -19,14 +19,15 @@
   warning about the others; the `unknown_fields` point), its `priority` and SGLang's
   `data_parallel_rank` (`request_fields`) and the bounds on its stop strings and messages
   (`request_checks`);
-- `status.py`: /health with SGLang's `generate` (and /health_generate), /stats of every API process (ahead of the
-  core's); `openapi.py`: the error statuses in the OpenAPI document;
+- `status.py`: /health with SGLang's `generate` (and /health_generate), /stats of every API
+  process (ahead of the core's); `openapi.py`: the error statuses in the OpenAPI document;
 - `disconnect.py`: a plain (not streamed) response cancelled when its client leaves;
 - `options.py`: its flags (the `options` point), e.g. --max-connections; `template.py`:
   --chat-template (vLLM's), applied by its tokenizer workers;
 - `http.py`, `connections.py`: the limits on requests in progress and on connections, the body
   read timeout and size (--max-request-bytes), every response counted, and a drain that ends
-  its requests with an error (the `gate` and `http_server` points); `auth.py`: --api-key; `frontend.py`: --max-queued-requests and
+  its requests with an error (the `gate` and `http_server` points); `auth.py`: --api-key;
+  `frontend.py`: --max-queued-requests and
   --request-timeout (the `launcher` point's Frontend);
 - `warmup.py`: the start-up warm-up where kernels compile (the `warm_up` point);
 - `scale.py`: --dp's replicas, --api-server-count's API processes and --nnodes' nodes (the

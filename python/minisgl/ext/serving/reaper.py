@@ -24,7 +24,8 @@ class Reaper:
             [sys.executable, "-I", os.path.abspath(__file__), directory],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
-            start_new_session=True,  # signals to the server's group (Ctrl-C, hang-up) are not for it
+            # signals to the server's group (Ctrl-C, hang-up) are not for it
+            start_new_session=True,
         )
         assert self.proc.stdin is not None
         self.pipe = self.proc.stdin
