@@ -244,3 +244,21 @@ def test_rope_inside_decode_equals_rotary_kernel_then_decode(kv_dtype, num_split
     )
     assert same_pool, "the pools differ"
     assert diff <= 1e-2, diff  # the same values; only the rounding of fused multiply-adds may move
+
+
+def test_fi_decode_bench_agrees_with_the_triton_kernel(capsys):
+    """benchmark/kernels/fi_decode_bench.py: both kernels on the same pages (bf16 and fp8)
+    agree and are timed as graph replays."""
+    if not flashinfer_available():
+        pytest.skip("flashinfer does not import")
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmark", "kernels"))
+    from fi_decode_bench import main
+
+    assert main(["--batch", "3,20", "--min-len", "1", "--max-len", "300"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " requests: " in line]
+    assert len(lines) == 4 and all("max |diff|" in line for line in lines)
+    assert not any("DIFFER" in line for line in lines), lines
