@@ -4,7 +4,7 @@ over the pool, bf16 or fp8 KV. FlashInfer's kernel for a group of fewer than 4 q
 head (Qwen3-0.6B: 2) runs on CUDA cores, with no tensor-core tile padded to 16 query rows, which
 is where the Triton kernel spends its work per byte on an fp8 pool (docs/benchmarks.md). Both
 are checked against each other first, then timed as CUDA-graph replays; the rate counts the K and
-V bytes the batch must read.
+V bytes the batch must read (`decode_attention_bench.py`'s options and timing).
 
     python benchmark/kernels/fi_decode_bench.py                       # bf16 and fp8
     python benchmark/kernels/fi_decode_bench.py --kv-dtype fp8_e4m3 --batch 64,256"""
@@ -17,10 +17,8 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(os.path.join(ROOT, "python"))
-
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_attention_bench import KV_DTYPES, add_common_args, setup, time_us  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,31 +26,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", default="16,64,256", help="requests, comma-separated")
     p.add_argument("--min-len", type=int, default=300)
     p.add_argument("--max-len", type=int, default=1800)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-dtype", default="bf16,fp8_e4m3", help=f"of {', '.join(KV_DTYPES)}")
-    p.add_argument("--peak", type=float, default=4.8e12, help="memory bytes/s (H200)")
-    return p.parse_args(argv)
+    add_common_args(p, "bf16,fp8_e4m3")
+    args = p.parse_args(argv)
+    if args.smoke:
+        p.error("--smoke: flashinfer runs on CUDA only")
+    return args
 
 
-def graphed(fn):
-    """fn captured in a CUDA graph (as the engine runs a decode step): its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiled, allocations made, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def run_case(batch: int, kv_dtype: torch.dtype, args: argparse.Namespace) -> None:
+def run_case(
+    batch: int, kv_dtype: torch.dtype, args: argparse.Namespace, peak: float | None
+) -> None:
     import flashinfer
-    from triton.testing import do_bench
 
     from minisgl.kernel import triton_attention as ta
 
@@ -98,9 +82,10 @@ def run_case(batch: int, kv_dtype: torch.dtype, args: argparse.Namespace) -> Non
     nbytes = int(lens.sum()) * args.kv_heads * args.head_dim * 2 * k_pool.element_size()
     cells = []
     for name, fn in (("flashinfer", run_fi), ("triton", run_triton)):
-        ms = do_bench(graphed(fn), warmup=10, rep=100)
-        rate = nbytes / ms / 1e9
-        cells.append(f"{name} {ms * 1e3:,.1f} us ({rate:.2f} TB/s, {rate * 1e12 / args.peak:.0%})")
+        us = time_us(fn, args.reps, cuda=True)  # CUDA-graph replays
+        rate = nbytes / us / 1e6
+        share = "" if peak is None else f", {rate / peak:.0%}"
+        cells.append(f"{name} {us:,.1f} us ({rate:.2f} TB/s{share})")
     verdict = "" if err < 5e-2 else "  DIFFER"
     kind = str(kv_dtype).removeprefix("torch.")
     print(f"{kind} {batch} requests: " + "; ".join(cells) + f"; max |diff| {err:.1e}{verdict}")
@@ -108,9 +93,16 @@ def run_case(batch: int, kv_dtype: torch.dtype, args: argparse.Namespace) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: flashinfer's decode runs on CUDA only")
+        return 2
+    _, peak = setup(False, 0)
     for name in args.kv_dtype.split(","):
+        if name not in KV_DTYPES:
+            print(f"error: --kv-dtype {name!r}: expected one of {', '.join(KV_DTYPES)}")
+            return 2
         for batch in (int(b) for b in args.batch.split(",")):
-            run_case(batch, KV_DTYPES[name], args)
+            run_case(batch, getattr(torch, KV_DTYPES[name]), args, peak)
             sys.stdout.flush()
     return 0
 

@@ -272,6 +272,21 @@ def test_attention_benchmark_smoke(script, argv, num_rows):
     assert len(rows) == num_rows and "WRONG" not in res.stdout, res.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a machine without CUDA")
+def test_fi_decode_bench_needs_cuda(capsys):
+    """benchmark/kernels/fi_decode_bench.py (flashinfer against the Triton kernel) says it runs
+    on CUDA only: no --smoke, exit 2 without a GPU (tests/gpu runs it)."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(root, "benchmark", "kernels"))
+    from fi_decode_bench import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--smoke"])
+    assert refused.value.code == 2 and "CUDA only" in capsys.readouterr().err
+    assert main([]) == 2 and "CUDA only" in capsys.readouterr().out
+
+
 def test_decode_kernel_compiles_for_hopper_within_its_register_budget():
     """The decode kernel compiles for sm_90 at small head dims and with RoPE inside (the
     interpreter does not check tl.dot's shapes), and with RoPE inside it does not spill. The
