@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import cProfile
 import json
 import os
@@ -43,6 +44,8 @@ import time
 from datetime import datetime, timezone
 from random import randint, seed
 from typing import Any
+
+import step_times  # this directory
 
 # (memory bandwidth bytes/s, dense bf16 FLOP/s) from the vendors' data sheets
 GPU_PEAKS = {
@@ -501,6 +504,11 @@ def parse_args() -> argparse.Namespace:
         help="print the host functions taking the most time (cProfile of the timed runs)",
     )
     p.add_argument(
+        "--step-times",
+        action="store_true",
+        help="print each kind of step's host and GPU time and the GPU's idle between steps",
+    )
+    p.add_argument(
         "--log-compiles",
         action="store_true",
         help="print each Triton kernel variant compiled (or loaded from its disk cache) during"
@@ -684,13 +692,17 @@ def timed_runs(llm: Any, args: argparse.Namespace, prompts: list, params: list) 
     run_prompts_each = [shifted(prompts, r) for r in range(max(1, args.repeat))]
     spec_fields = speculate(llm, args, run_prompts_each, params)
     compiled = log_compiles() if args.log_compiles else None
-    runs, cached_before = [], llm.num_cached_tokens
+    runs, cached_before, steps = [], llm.num_cached_tokens, []
     for run_prompts in run_prompts_each:
+        steps.append([])
         sync()
         start = time.perf_counter()
-        outputs = llm.generate(run_prompts, params, use_tqdm=False)
+        with step_times.recorded(steps[-1]) if args.step_times else contextlib.nullcontext():
+            outputs = llm.generate(run_prompts, params, use_tqdm=False)
         sync()
         runs.append(time.perf_counter() - start)
+    if args.step_times:
+        print("\n".join(step_times.summary(steps)))
     if compiled is not None:
         print(f"{len(compiled)} Triton kernel variants compiled or loaded during the timed runs")
         print("\n".join(compiled))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -67,7 +69,6 @@ def test_roofline_counts_prompt_attention_and_no_embedding_flops():
 def test_roofline_reads_the_terms_off_the_engine(tied):
     """`roofline` finds the vocabulary's parameters (a tied LM head once) and the attention's
     shape on the engine, per rank at --tp 2, and --old-roofline gives the earlier model."""
-    from types import SimpleNamespace
 
     import torch
 
@@ -271,6 +272,58 @@ def test_page_size_reaches_the_engine(tmp_path: Path, monkeypatch: pytest.Monkey
     assert result["page_size"] == 4 and result["output_tokens"] == sum(workload(2, 104, 102)[1])
     assert bench_main(args, tmp_path / "b.jsonl", monkeypatch)["page_size"] is None
     assert sizes == [4, 16]
+
+
+def test_step_times_group_the_steps_and_sum_the_gpu_idle(monkeypatch):
+    """step_times.py's summary: per kind of step its count, host and GPU ms a step and the idle
+    before it (CUDA events faked as times in seconds); none before a run's first step."""
+    import step_times
+
+    class Mark:
+        def __init__(self, t: float) -> None:
+            self.t = t
+
+        def elapsed_time(self, later: "Mark") -> float:  # ms, as CUDA events give it
+            return (later.t - self.t) * 1e3
+
+        def synchronize(self) -> None:
+            pass
+
+    def batch(size: int, decode: bool, decodes: int = 0) -> Any:
+        return SimpleNamespace(is_decode=decode, size=size, num_decodes=decodes)
+
+    kinds = [step_times.kind(batch(n, True)) for n in (1, 2, 3, 4, 255, 256)]
+    assert kinds[:4] == ["decode 1 row", "decode 2-3 rows", "decode 2-3 rows", "decode 4-7 rows"]
+    assert kinds[4:] == ["decode 128-255 rows", "decode 256-511 rows"]
+    assert step_times.kind(batch(9, False)) == "prefill"
+    assert step_times.kind(batch(9, False, 4)) == "mixed"
+    run = [("prefill", 0.020, Mark(0.0), Mark(0.060)), ("decode 4-7 rows", 0.001, Mark(0.061),
+           Mark(0.065)), ("decode 4-7 rows", 0.003, Mark(0.067), Mark(0.070))]  # fmt: skip
+    lines = step_times.summary([run, run[:1]])
+    assert lines[1:] == [
+        "  prefill: 2, 20.00, 60.00, 0.000",
+        "  decode 4-7 rows: 2, 2.00, 3.50, 0.003",
+        "GPU idle between steps: 0.003 s in all",
+    ]
+    cpu = step_times.summary([[(name, host, None, None) for name, host, _, _ in run]])
+    assert "no GPU times" in cpu[0] and cpu[1:] == [
+        "  prefill: 1, 20.00",
+        "  decode 4-7 rows: 2, 2.00",
+    ]
+
+
+def test_bench_step_times_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--step-times prints every step of the timed runs by kind (host times only on a CPU)."""
+    args = ["--tiny", "--num-seqs", "2", "--max-input-len", "104", "--max-output-len", "102"]
+    argv = [*args, "--step-times", "--device", "cpu", "--warmup", "0"]
+    printed = in_process(bench.main, [*argv, "--json", str(tmp_path / "r.jsonl")], monkeypatch)
+    lines = printed.splitlines()
+    first = lines.index("steps of 1 run(s): count, host ms a step (no CUDA: no GPU times)")
+    kinds = dict(line.strip().split(": ") for line in lines[first + 1 :] if line.startswith("  "))
+    assert "prefill" in kinds and any(name.startswith("decode") for name in kinds)
+    # one prefill step samples each request's first token, a decode step each next one
+    outputs = sum(workload(2, 104, 102)[1])
+    assert sum(int(cells.split(",")[0]) for cells in kinds.values()) < outputs
 
 
 def test_benchmark_configs_are_the_published_ones():
