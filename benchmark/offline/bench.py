@@ -566,6 +566,8 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--warmup {args.warmup}: must be >= 0")
     if args.lora_adapters < 0 or args.lora_rank < 1:
         p.error("--lora-adapters must be >= 0 and --lora-rank >= 1")
+    if args.step_times and args.dp > 1:  # each replica steps in its own process
+        p.error("--step-times times this process's scheduler: one replica (--dp 1)")
     return args
 
 

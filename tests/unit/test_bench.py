@@ -324,6 +324,9 @@ def test_bench_step_times_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     # one prefill step samples each request's first token, a decode step each next one
     outputs = sum(workload(2, 104, 102)[1])
     assert sum(int(cells.split(",")[0]) for cells in kinds.values()) < outputs
+    with pytest.raises(SystemExit) as refused:  # the replicas step in their own processes
+        in_process(bench.main, [*argv, "--dp", "2"], monkeypatch)
+    assert refused.value.code == 2
 
 
 def test_benchmark_configs_are_the_published_ones():
