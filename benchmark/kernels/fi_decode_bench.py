@@ -3,7 +3,7 @@ batch at the offline benchmark's decode shapes: requests of random KV lengths on
 over the pool, bf16 or fp8 KV. FlashInfer's kernel for a group of fewer than 4 query heads per kv
 head (Qwen3-0.6B: 2) runs on CUDA cores, with no tensor-core tile padded to 16 query rows, which
 is where the Triton kernel spends its work per byte on an fp8 pool (docs/benchmarks.md). Both
-are checked against each other first, then timed as CUDA-graph replays; the rate counts the K and
+are checked against the float32 reference first, then timed as CUDA-graph replays; the rate counts the K and
 V bytes the batch must read (`decode_attention_bench.py`'s options and timing).
 
     python benchmark/kernels/fi_decode_bench.py                       # bf16 and fp8
@@ -18,12 +18,19 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_attention_bench import KV_DTYPES, add_common_args, setup, time_us  # noqa: E402
+from decode_attention_bench import (  # noqa: E402
+    KV_DTYPES,
+    add_common_args,
+    build,
+    reference,
+    setup,
+    time_us,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--batch", default="16,64,256", help="requests, comma-separated")
+    p.add_argument("--batch", dest="batches", default="16,64,256", help="requests, comma-separated")
     p.add_argument("--min-len", type=int, default=300)
     p.add_argument("--max-len", type=int, default=1800)
     add_common_args(p, "bf16,fp8_e4m3")
@@ -33,62 +40,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_case(
-    batch: int, kv_dtype: torch.dtype, args: argparse.Namespace, peak: float | None
-) -> None:
+def run_case(args: argparse.Namespace, kv_dtype: str, peak: float | None) -> None:
+    """One batch (args.batch requests) on `build`'s pool and page table, both kernels."""
     import flashinfer
 
     from minisgl.kernel import triton_attention as ta
 
-    dev, ps, gen = torch.device("cuda"), args.page_size, torch.Generator().manual_seed(batch)
-    lens = torch.randint(args.min_len, args.max_len + 1, (batch,), generator=gen)
-    num_pages = (lens + ps - 1) // ps
-    pool_pages = int(num_pages.sum()) + 64
-    shape = (pool_pages, ps, args.kv_heads, args.head_dim)
-    k_pool, v_pool = (torch.randn(shape, device=dev).to(kv_dtype) for _ in "kv")
-    pages = torch.randperm(pool_pages, device=dev, dtype=torch.int32)[: int(num_pages.sum())]
+    dev, ps, scale = torch.device("cuda"), args.page_size, args.head_dim**-0.5
+    q, k_flat, v_flat, table, rows, kv_lens, lengths = build(args, kv_dtype, dev)
+    # flashinfer reads the same pages: each request's page-table row up to its page count
+    num_pages = (lengths + ps - 1) // ps
     i32 = dict(dtype=torch.int32, device=dev)
     page_indptr = torch.tensor([0, *num_pages.cumsum(0).tolist()], **i32)
-    last = torch.tensor((lens - (num_pages - 1) * ps).tolist(), **i32)
-    q = torch.randn(batch, args.heads, args.head_dim, device=dev, dtype=torch.bfloat16)
-    scale = args.head_dim**-0.5
-
+    pages = torch.cat([table[i, :n] for i, n in enumerate(num_pages.tolist())])
+    last = (lengths - (num_pages - 1) * ps).to(**i32)
+    shape = (-1, ps, args.kv_heads, args.head_dim)
+    paged = (k_flat.view(shape), v_flat.view(shape))
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     fi = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=False)
     fi.plan(
         page_indptr, pages, last, args.heads, args.kv_heads, args.head_dim, ps,
-        sm_scale=scale, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
+        sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_flat.dtype,
     )  # fmt: skip
-
-    # the Triton kernel reads the same pages through a page table, a row per request
-    table = torch.zeros(batch, int(num_pages.max()), **i32)
-    for i in range(batch):
-        table[i, : num_pages[i]] = pages[page_indptr[i] : page_indptr[i + 1]]
-    rows, kv_lens = torch.arange(batch, **i32), lens.to(**i32)
     order = torch.argsort(kv_lens, descending=True, stable=True).to(torch.int32)
-    splits = ta.decode_splits(batch, args.kv_heads, ta.num_sms(dev))
-    k_flat = k_pool.view(-1, args.kv_heads, args.head_dim)
-    v_flat = v_pool.view(-1, args.kv_heads, args.head_dim)
+    splits = ta.decode_splits(args.batch, args.kv_heads, ta.num_sms(dev))
 
     def run_fi() -> torch.Tensor:
-        return fi.run(q, (k_pool, v_pool))
+        return fi.run(q, paged)
 
     def run_triton() -> torch.Tensor:
         return ta.decode_attention(
             q, k_flat, v_flat, table, rows, kv_lens, splits, ps, scale, order=order
         )
 
-    err = (run_fi().float() - run_triton().float()).abs().max().item()
-    nbytes = int(lens.sum()) * args.kv_heads * args.head_dim * 2 * k_pool.element_size()
+    ref = reference(q, k_flat, v_flat, table, lengths, ps, scale)
+    nbytes = int(lengths.sum()) * args.kv_heads * args.head_dim * 2 * k_flat.element_size()
     cells = []
     for name, fn in (("flashinfer", run_fi), ("triton", run_triton)):
+        err = (fn().float() - ref).abs().max().item()
         us = time_us(fn, args.reps, cuda=True)  # CUDA-graph replays
         rate = nbytes / us / 1e6
         share = "" if peak is None else f", {rate / peak:.0%}"
-        cells.append(f"{name} {us:,.1f} us ({rate:.2f} TB/s{share})")
-    verdict = "" if err < 5e-2 else "  DIFFER"
-    kind = str(kv_dtype).removeprefix("torch.")
-    print(f"{kind} {batch} requests: " + "; ".join(cells) + f"; max |diff| {err:.1e}{verdict}")
+        wrong = "" if err < 5e-2 else " WRONG"
+        cells.append(f"{name} {us:,.1f} us ({rate:.2f} TB/s{share}), max error {err:.1e}{wrong}")
+    print(f"{kv_dtype} {args.batch} requests: " + "; ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in KV_DTYPES:
             print(f"error: --kv-dtype {name!r}: expected one of {', '.join(KV_DTYPES)}")
             return 2
-        for batch in (int(b) for b in args.batch.split(",")):
-            run_case(batch, getattr(torch, KV_DTYPES[name]), args, peak)
+        for batch in args.batches.split(","):
+            run_case(argparse.Namespace(**{**vars(args), "batch": int(batch)}), name, peak)
             sys.stdout.flush()
     return 0
 
