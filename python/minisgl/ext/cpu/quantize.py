@@ -10,10 +10,10 @@
   are all quantized otherwise (Q8_0, Q5s, or those with 4-bit parts) an `Int8SplitLinear`,
   again with the file's codes (an `Int8Linear` quantized per row from the exact float32 values
   where the rows do not fit the packing); one with a float part stays dense. The quantized
-  layers, with the dense weights
-  that the GGUF holds quantized (the embedding beside a tied LM head), are cached next to the
-  converted checkpoint (`packed-...st`, per torch version and dtype), so later starts read them
-  without packing and without the GGUF, and no float32 copy of a quantized tensor is written.
+  layers, with the dense weights that the GGUF holds quantized (the embedding beside a tied LM
+  head), are cached next to the converted checkpoint (`packed-...st`, per torch version and
+  dtype), so later starts read them without packing and without the GGUF, and no float32 copy
+  of a quantized tensor is written.
 - `int8`, after loading: every projection an `Int8Linear`, quantized per row from the loaded
   weights; it, like every path but `gguf`, loads the float32 copy of the GGUF's quantized
   tensors, written at its first need (`gguf.ensure_float_copy`).

@@ -27,8 +27,7 @@
 - `http.py`, `connections.py`: the limits on requests in progress and on connections, the body
   read timeout and size (--max-request-bytes), every response counted, and a drain that ends
   its requests with an error (the `gate` and `http_server` points); `auth.py`: --api-key;
-  `frontend.py`: --max-queued-requests and
-  --request-timeout (the `launcher` point's Frontend);
+  `frontend.py`: --max-queued-requests and --request-timeout (the `launcher` point's Frontend);
 - `warmup.py`: the start-up warm-up where kernels compile (the `warm_up` point);
 - `scale.py`: --dp's replicas, --api-server-count's API processes and --nnodes' nodes (the
   `launcher` point), whose pipeline routes each reply to its API process (`apis.py`);
