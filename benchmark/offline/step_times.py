@@ -60,13 +60,14 @@ def summary(runs: list[list[Step]]) -> list[str]:
     seconds before those steps (each run's first step has none counted); then the totals."""
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for steps in runs:
+        if steps and steps[-1][3] is not None:
+            steps[-1][3].synchronize()  # the run's last event: every one before it has its time
         previous = None
         for name, host, before, after in steps:
             group = groups[name]
             group[0] += 1
             group[1] += host
             if before is not None:
-                after.synchronize()
                 group[2] += before.elapsed_time(after) / 1e3
                 if previous is not None:
                     group[3] += previous.elapsed_time(before) / 1e3
